@@ -1,0 +1,119 @@
+"""Turn a batch of logits into next tokens, each row with its own parameters.
+
+Everything is vectorised over the batch; per-row work is limited to building
+small index tensors. Each sample draws from its own random stream (one
+uniform number per token, inverse-CDF), so a seeded request gives the same
+tokens alone or in any batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.engine.request import Logprob
+from pagedkv.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[Logprob | None]
+
+
+def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Repetition (prompt + output), presence and frequency (output) penalties, in place."""
+    rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
+            or s.params.presence_penalty or s.params.frequency_penalty]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    for i in rows:
+        p = seqs[i].params
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seqs[i].token_ids)), dtype=torch.long)
+            seen = seen[seen < vocab]
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        out = seqs[i].output_token_ids
+        if out and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _block_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> None:
+    """Until min_tokens are out, EOS and stop token ids cannot be drawn."""
+    for i, s in enumerate(seqs):
+        p = s.params
+        if s.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
+            if banned:
+                logits[i, sorted(t for t in banned if t < logits.shape[1])] = float("-inf")
+
+
+def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens outside top-k / top-p / min-p with -inf (rows with the filters off are unchanged)."""
+    vocab = logits.shape[1]
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(-1)
+        thresh = probs.max(-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    need_k = bool(((top_k > 0) & (top_k < vocab)).any())
+    need_p = bool((top_p < 1.0).any())
+    if not (need_k or need_p):
+        return logits
+    sorted_logits, order = logits.sort(-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if need_k:
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        drop |= torch.arange(vocab)[None, :] >= k[:, None]
+    if need_p:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        before = probs.cumsum(-1) - probs          # mass strictly before each token: keep the first over top_p
+        drop |= before >= top_p[:, None]
+    mask = torch.zeros_like(drop).scatter_(1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: set[int]) -> None:
+        self.eos_token_ids = eos_token_ids
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        """logits: [B, vocab] float32, row i for seqs[i]."""
+        logits = logits.float()
+        _penalize(logits, seqs)
+        _block_stop_tokens(logits, seqs, self.eos_token_ids)
+        params = [s.params for s in seqs]
+        greedy = torch.tensor([p.temperature == 0.0 for p in params])
+        tokens = logits.argmax(-1)
+        if not bool(greedy.all()):
+            temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+            top_k = torch.tensor([p.top_k for p in params])
+            top_p = torch.tensor([p.top_p for p in params])
+            min_p = torch.tensor([p.min_p for p in params])
+            probs = _truncate(logits / temp[:, None], top_k, top_p, min_p).softmax(-1)
+            u = torch.tensor([s.rng.random() for s in seqs], dtype=torch.float64)
+            cdf = probs.double().cumsum(-1)
+            drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp(max=logits.shape[1] - 1)
+            tokens = torch.where(greedy, tokens, drawn)
+        token_list = tokens.tolist()
+        return SampleResult(token_list, self._logprobs(logits, seqs, token_list))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[Logprob | None]:
+        want = [s.params.logprobs for s in seqs]
+        if all(w is None for w in want):
+            return [None] * len(seqs)
+        logp = logits.log_softmax(-1)
+        k = max(w or 0 for w in want)
+        top_vals, top_ids = logp.topk(k, -1) if k else (None, None)
+        result: list[Logprob | None] = []
+        for i, w in enumerate(want):
+            if w is None:
+                result.append(None)
+                continue
+            top = dict(zip(top_ids[i, :w].tolist(), top_vals[i, :w].tolist())) if w else {}
+            result.append(Logprob(tokens[i], float(logp[i, tokens[i]]), top))
+        return result

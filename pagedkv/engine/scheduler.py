@@ -1,0 +1,163 @@
+"""Continuous batching: which sequences run this step, and with how many tokens.
+
+Every step forms one batch: the running sequences first, in admission order
+(decodes take one token, prompts still being prefilled take a chunk), then
+swapped-out sequences coming back, then new requests first come, first served.
+When a running sequence needs a block and the pool is dry, the most recently
+admitted sequence is preempted (recompute: free and requeue at the head;
+swap: move its blocks to host memory). The scheduler decides; it never
+touches tensors: block copies go to the runner as plans.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedkv.engine.sequence import Sequence, Status
+from pagedkv.kv.manager import BlockCopy, KVCacheManager
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last known token, so its logits are sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    swap_out: list[BlockCopy] = field(default_factory=list)   # device -> host, done first
+    copies: list[BlockCopy] = field(default_factory=list)     # device -> device (copy-on-write)
+    swap_in: list[BlockCopy] = field(default_factory=list)    # host -> device
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 preemption_mode: str = "recompute") -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []      # admission order: the last one is preempted first
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            budget = self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n)
+            while copies is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is seq:
+                    return budget
+                copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n)
+            out.copies.extend(copies)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            plan = self.kv.swap_in(seq.seq_id)
+            if plan is None:
+                break
+            self.swapped.popleft()
+            out.swap_in.extend(plan)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n)
+            if copies is not None:   # else it waits in running for the next step
+                out.copies.extend(copies)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bs = self.kv.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.kv.lookup_prefix(seq.token_ids)
+            computed = len(prefix) * bs
+            n = min(len(seq.token_ids) - computed, budget)
+            remaining = seq.group.max_tokens - seq.num_output_tokens
+            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n, prefix_blocks=prefix,
+                                            max_tokens=remaining)
+            if copies is None:
+                break     # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            out.copies.extend(copies)
+            seq.num_computed_tokens = computed
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            group = seq.group
+            if group.metrics.first_scheduled_time is None:
+                group.num_cached_tokens = computed
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        if self.preemption_mode == "swap" and self.kv.can_swap_out(seq.seq_id):
+            plan = self.kv.swap_out(seq.seq_id)
+            if plan is not None:
+                out.swap_out.extend(plan)
+                seq.status = Status.SWAPPED
+                self.swapped.appendleft(seq)   # victims leave latest-first, so this keeps admission order
+                return
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out wherever it is and return its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is Status.SWAPPED:
+            self.swapped.remove(seq)
+        if self.kv.has_request(seq.seq_id):
+            self.kv.free(seq.seq_id)
+        seq.status = Status.FINISHED
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start sample `child` from `parent` after its prefill: it shares every block, copy-on-write."""
+        self.kv.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = Status.RUNNING
+        self.running.append(child)

@@ -1,0 +1,101 @@
+"""One request in flight, and the sequences (samples) it forks into.
+
+The scheduler schedules sequences, not requests: with n > 1 the request is
+prefilled once as sample 0, then forked so all samples share the prompt's
+blocks (copy-on-write), and each sample can be preempted on its own.
+"""
+from __future__ import annotations
+
+import enum
+import random
+import time
+from dataclasses import dataclass, field
+
+from pagedkv.engine.request import (CompletionOutput, Logprob, RequestMetrics,
+                                    RequestOutput, SamplingParams)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    index: int                       # sample index within its request
+    group: "SequenceGroup"
+    token_ids: list[int]             # prompt + output so far
+    num_prompt_tokens: int
+    rng: random.Random               # per sample, so a seed gives the same output alone or in a batch
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0     # tokens whose K/V are in the cache
+    text: str = ""                   # detokenized output
+    prefix_offset: int = 0           # incremental detokenizer state (see detokenizer.py)
+    read_offset: int = 0
+    logprobs: list[Logprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.group.params
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """1 while decoding; more while the prompt (or, after a recompute, prompt + outputs) is prefilled."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """A request: its prompt, parameters, samples and timings."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int                  # params.max_tokens resolved against max_model_len
+    seqs: list[Sequence] = field(default_factory=list)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+    num_cached_tokens: int = 0
+    aborted: bool = False
+
+    @classmethod
+    def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+               params: SamplingParams, max_tokens: int) -> "SequenceGroup":
+        group = cls(request_id, prompt, list(prompt_token_ids), params, max_tokens)
+        group.seqs.append(group.new_seq(0, list(prompt_token_ids)))
+        return group
+
+    def new_seq(self, index: int, token_ids: list[int]) -> Sequence:
+        seed = self.params.seed
+        rng = random.Random(None if seed is None else f"{seed}:{index}")
+        return Sequence(f"{self.request_id}#{index}", index, self, token_ids, len(self.prompt_token_ids), rng,
+                        logprobs=[] if self.params.logprobs is not None else None)
+
+    @property
+    def finished(self) -> bool:
+        forked = len(self.seqs) == self.params.n or self.aborted   # an abort before the fork ends it too
+        return forked and all(s.finished for s in self.seqs)
+
+    def to_output(self, text_of) -> RequestOutput:
+        """`text_of(seq)` gives the text to show (stop-string prefixes held back while running)."""
+        outs = [CompletionOutput(s.index, text_of(s), list(s.output_token_ids), s.finish_reason,
+                                 list(s.logprobs) if s.logprobs is not None else None, s.stop_reason)
+                for s in self.seqs]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
+                             self.num_cached_tokens, self.metrics)
