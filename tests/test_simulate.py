@@ -1,0 +1,143 @@
+"""The seeds' static arithmetic, checked against numbers worked out by hand."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pagedkv.config import ConfigError
+from pagedkv.sim.simulate import Policy, fit_ratio, parse_policies, simulate
+from pagedkv.sim.trace import TraceRequest, generate_trace
+
+# final lengths 150, 15, 300
+TRACE = [TraceRequest(100, 50), TraceRequest(10, 5), TraceRequest(300, 0)]
+
+
+def run(trace, pool, policy, max_model_len=400, max_output=100):
+    (r,) = simulate(trace, pool_tokens=pool, max_model_len=max_model_len,
+                    max_output=max_output, policies=[policy]).policies
+    return r.requests_fit, r.real_tokens, r.reserved_tokens, r.token_utilization
+
+
+def test_reserve_max_reserves_max_model_len():
+    # 400 + 400 = 800 fits in 1000, a third 400 does not
+    assert run(TRACE, 1000, "reserve-max") == (2, 165, 800, 165 / 800)
+
+
+def test_reserve_output_reserves_prompt_plus_max_output_and_cycles():
+    # reservations 200, 110, 400 -> 710; cycling: +200 = 910; +110 = 1020 > 1000
+    assert run(TRACE, 1000, "reserve-output") == (4, 615, 910, 615 / 910)
+
+
+def test_paged_rounds_each_request_up_to_whole_blocks():
+    # blocks of 16: 160, 16, 304 = 480 a pass; two passes 960, then 160 > 40 left
+    assert run(TRACE, 1000, "paged:16") == (6, 930, 960, 930 / 960)
+    # blocks of 256: 256, 256, 512; the third ends at 1024 > 1000
+    assert run(TRACE, 1000, "paged:256") == (2, 165, 512, 165 / 512)
+    # blocks of 1 waste nothing: 465 a pass, two passes 930, then 150 > 70 left
+    assert run(TRACE, 1000, "paged:1") == (6, 930, 930, 1.0)
+
+
+def test_admission_stops_at_the_first_request_that_does_not_fit():
+    trace = [TraceRequest(100, 0), TraceRequest(500, 0), TraceRequest(10, 0)]
+    # 100 fits, 500 would end at 600 > 550: stop, although the 10-token request would fit
+    assert run(trace, 550, "paged:1", max_model_len=1000) == (1, 100, 100, 1.0)
+
+
+def test_a_reservation_that_exactly_fills_the_pool_is_admitted():
+    assert run(TRACE, 800, "reserve-max")[:3] == (2, 165, 800)
+
+
+def test_nothing_fits_gives_zero_utilization_not_a_division_error():
+    assert run(TRACE, 399, "reserve-max") == (0, 0, 0, 0.0)
+    assert run(TRACE, 0, "paged:16") == (0, 0, 0, 0.0)
+
+
+def test_pool_comes_from_memory_divided_by_bytes_per_token_rounded_down():
+    result = simulate(TRACE, kv_memory="1MiB", bytes_per_token=1000, max_model_len=400,
+                      max_output=100, policies="reserve-max")
+    assert result.pool_tokens == 1048  # 1048576 // 1000
+    assert result.policies[0].requests_fit == 2  # 3 * 400 = 1200 > 1048
+
+
+def test_many_passes_match_one_request_at_a_time():
+    # 2**20 slots, paged:16 reserves 480 a pass: 2184 passes (1048320), 256 left: 160 + 16 fit, 304 not
+    r = simulate(TRACE, pool_tokens=2**20, max_model_len=400, max_output=100, policies="paged:16").policies[0]
+    assert (r.requests_fit, r.real_tokens, r.reserved_tokens) == (2184 * 3 + 2, 2184 * 465 + 165, 2184 * 480 + 176)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 100)), min_size=1, max_size=8),
+       st.integers(0, 5000), st.sampled_from(["reserve-max", "reserve-output", "paged:1", "paged:7", "paged:64"]))
+def test_agrees_with_admitting_one_request_at_a_time(lengths, pool, policy):
+    trace = [TraceRequest(p, o) for p, o in lengths]
+    block = int(policy.split(":")[1]) if policy.startswith("paged") else 0
+
+    def reservation(req):
+        if policy == "reserve-max":
+            return 400
+        if policy == "reserve-output":
+            return req.prompt_tokens + 100
+        return -(-req.total_tokens // block) * block
+
+    fit = real = reserved = 0
+    while reserved + reservation(trace[fit % len(trace)]) <= pool:
+        req = trace[fit % len(trace)]
+        reserved += reservation(req)
+        real += req.total_tokens
+        fit += 1
+    assert run(trace, pool, policy)[:3] == (fit, real, reserved)
+
+
+def test_policies_parse_and_name_themselves():
+    names = [p.name for p in parse_policies("reserve-max, reserve-output,paged:16,paged:1")]
+    assert names == ["reserve-max", "reserve-output", "paged:16", "paged:1"]
+    assert parse_policies([Policy("paged", 32)])[0].name == "paged:32"
+
+
+@pytest.mark.parametrize("bad", ["paged", "paged:0", "paged:-4", "paged:x", "reserve", "", "reserve-max,,paged:16"])
+def test_bad_policies_are_config_errors(bad):
+    with pytest.raises(ConfigError):
+        parse_policies(bad)
+
+
+@pytest.mark.parametrize("trace, message", [
+    ([], "no requests"),
+    ([TraceRequest(100, 101)], "--max-output"),
+    ([TraceRequest(350, 60)], "--max-model-len"),
+    ([TraceRequest(0, 5)], "prompt_tokens"),
+])
+def test_requests_outside_the_limits_are_rejected(trace, message):
+    with pytest.raises(ConfigError, match=message):
+        simulate(trace, pool_tokens=1000, max_model_len=400, max_output=100)
+
+
+@pytest.mark.parametrize("memory, bpt", [("0", 1), ("abc", 1), ("1GiB", 0), ("1GiB", -5)])
+def test_bad_memory_or_bytes_per_token_are_config_errors(memory, bpt):
+    with pytest.raises(ConfigError):
+        simulate(TRACE, kv_memory=memory, bytes_per_token=bpt, max_model_len=400, max_output=100)
+
+
+def test_generated_trace_is_deterministic_and_within_bounds():
+    trace = generate_trace(200, 0)
+    assert trace == generate_trace(200, 0)
+    assert trace != generate_trace(200, 1)
+    assert all(200 <= r.prompt_tokens <= 1500 and 1 <= r.output_tokens <= 2048 for r in trace)
+    assert sum(r.output_tokens <= 300 for r in trace) > 120  # mostly short answers
+    assert max(generate_trace(500, 3, output_cap=700), key=lambda r: r.output_tokens).output_tokens == 700
+
+
+def test_default_run_lands_on_the_seeds_table():
+    result = simulate(generate_trace(200, 0))
+    rmax, rout, p16, p256 = (result.get(p) for p in ("reserve-max", "reserve-output", "paged:16", "paged:256"))
+    assert result.pool_tokens == 2**19  # 64 GiB / 128 KiB
+    assert rmax.requests_fit == 64 and 0.84 <= 1 - rmax.token_utilization <= 0.855  # seeds: 84.5% empty
+    assert 0.42 <= rout.token_utilization <= 0.44  # seeds: 42.8%
+    assert 0.99 <= p16.token_utilization <= 0.997 and 400 <= p16.requests_fit <= 420  # seeds: 99.4%, 411
+    assert 0.905 <= p256.token_utilization <= 0.915 and 370 <= p256.requests_fit <= 390  # seeds: 91.0%, 376
+    assert round(fit_ratio(result), 1) == 2.3  # seeds: 2.3x
+
+
+def test_json_shape_is_the_one_design_md_fixes():
+    d = simulate(TRACE, pool_tokens=1000, max_model_len=400, max_output=100, policies="paged:16").to_dict()
+    assert d == {"pool_tokens": 1000, "policies": [{"policy": "paged:16", "requests_fit": 6, "real_tokens": 930,
+                                                   "reserved_tokens": 960, "token_utilization": 930 / 960}]}
