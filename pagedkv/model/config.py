@@ -1,0 +1,102 @@
+"""The shape of a Llama-family model, whatever file it came from."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from pagedkv.config import ConfigError
+
+if TYPE_CHECKING:
+    from pagedkv.model.tokenizer import Tokenizer
+
+# model_type values of config.json whose forward is exactly ours
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None          # {"rope_type": "linear"|"llama3"|"freq_factors", ...}; None = plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: int | list[int] | None
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", "default")
+            if kind not in ROPE_TYPES:
+                raise ConfigError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+            if kind == "default":
+                self.rope_scaling = None
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+        """From a Hugging Face config.json (old `rope_scaling` and new `rope_parameters` styles)."""
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            archs = ", ".join(d.get("architectures") or []) or model_type
+            raise ConfigError(f"unsupported architecture {archs!r}: pagedkv runs Llama-family models "
+                              f"(model_type {' or '.join(SUPPORTED_MODEL_TYPES)})")
+        for flag in ("attention_bias", "mlp_bias"):
+            if d.get(flag):
+                raise ConfigError(f"unsupported model option {flag}=true")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"unsupported activation {d['hidden_act']!r} (Llama uses silu)")
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        theta = rope.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
+        try:
+            heads = d["num_attention_heads"]
+            return cls(
+                vocab_size=d["vocab_size"],
+                hidden_size=d["hidden_size"],
+                intermediate_size=d["intermediate_size"],
+                num_hidden_layers=d["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=d.get("num_key_value_heads") or heads,
+                head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                rope_theta=float(theta),
+                rope_scaling=rope or None,
+                max_position_embeddings=d.get("max_position_embeddings", 2048),
+                tie_word_embeddings=d.get("tie_word_embeddings", False),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_id=d.get("eos_token_id"),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        eos = self.eos_token_id
+        if eos is None:
+            return set()
+        return {eos} if isinstance(eos, int) else set(eos)
+
+
+@dataclass
+class Checkpoint:
+    """What a loader found in a model file or folder, before any tensor is built."""
+    config: LlamaConfig
+    tokenizer: "Tokenizer"
+    weights: Iterator[tuple[str, Tensor]]   # (HF name, tensor), produced lazily
+    files: list[Path]                       # what the weights' identity is hashed from
+    max_model_len: int

@@ -1,0 +1,151 @@
+"""Llama-family models from GGUF files (llama.cpp's format).
+
+Tensors are dequantized to float32 with `gguf.quants` (vectorised numpy,
+a whole tensor at a time) and renamed to Hugging Face names. llama.cpp's
+converter interleaves the two RoPE halves of every q/k head
+(rows h*D + 2i + j  <-  HF rows h*D + j*D/2 + i); we undo that so the
+weights match the HF layout the forward expects.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from torch import Tensor
+
+from pagedkv.config import ConfigError
+from pagedkv.model.config import Checkpoint, LlamaConfig
+from pagedkv.model.tokenizer import Tokenizer
+
+# general.architecture values whose tensors and forward are Llama's (llama.cpp files Mistral under "llama")
+ARCHITECTURES = ("llama", "mistral")
+
+_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """The reader, or a ConfigError saying in one line why the file is not a usable GGUF."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ConfigError(f"{path}: not a GGUF file (bad magic)")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader fails with ValueError/IndexError/struct errors on damaged headers
+        raise ConfigError(f"{path}: corrupt or truncated GGUF header ({type(e).__name__}: {e})") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ConfigError(f"{path}: truncated GGUF file (tensor {t.name} ends at byte "
+                              f"{t.data_offset + t.n_bytes}, the file has {size})")
+    return reader
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """All key/value fields as plain Python values."""
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> LlamaConfig:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"unsupported architecture {arch!r}: pagedkv runs Llama-family GGUF models "
+                          f"({', '.join(ARCHITECTURES)})")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ConfigError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    tensor_names = {t.name for t in reader.tensors}
+    rope_scaling = None
+    if "rope_freqs.weight" in tensor_names:
+        rope_scaling = {"rope_type": "freq_factors", "factors": dequantize(_tensor(reader, "rope_freqs.weight")).tolist()}
+    elif meta.get(f"{arch}.rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    elif meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise ConfigError(f"unsupported GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r}")
+    return LlamaConfig(
+        vocab_size=meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []),
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv", heads),
+        head_dim=get("attention.key_length", hidden // heads),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=get("context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+
+
+def _tensor(reader: gguf.GGUFReader, name: str) -> gguf.ReaderTensor:
+    return next(t for t in reader.tensors if t.name == name)
+
+
+def dequantize(t: gguf.ReaderTensor) -> np.ndarray:
+    """float32 array in numpy (row-major, HF) shape: GGUF lists dims fastest-first."""
+    try:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise ConfigError(f"tensor {t.name}: GGUF type {t.tensor_type.name} is not supported") from None
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+    if not values.flags.writeable:   # a view of the read-only file map (F32): torch wants its own copy
+        values = values.copy()
+    return values.reshape(shape)
+
+
+def unpermute_rope(w: Tensor, num_heads: int) -> Tensor:
+    """Undo llama.cpp's interleaving of the RoPE halves in q/k weight rows."""
+    out_dim = w.shape[0]
+    return w.reshape(num_heads, out_dim // num_heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def iter_weights(reader: gguf.GGUFReader, config: LlamaConfig) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, float32 tensor) one at a time, so a big model never sits dequantized all at once."""
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue  # folded into config.rope_scaling
+        m = _LAYER_TENSOR.fullmatch(t.name)
+        if m and m.group(2) in _LAYER_NAMES:
+            name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+        elif t.name in _NAMES:
+            name = _NAMES[t.name]
+        else:
+            raise ConfigError(f"unexpected tensor {t.name!r} in a Llama GGUF file")
+        w = torch.from_numpy(dequantize(t))
+        if m and m.group(2) == "attn_q":
+            w = unpermute_rope(w, config.num_attention_heads)
+        elif m and m.group(2) == "attn_k":
+            w = unpermute_rope(w, config.num_key_value_heads)
+        yield name, w
+
+
+def load_gguf(path: Path) -> Checkpoint:
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    config = config_from_metadata(meta, reader)
+    return Checkpoint(config=config, tokenizer=Tokenizer.from_gguf_metadata(meta),
+                      weights=iter_weights(reader, config), files=[path],
+                      max_model_len=config.max_position_embeddings)

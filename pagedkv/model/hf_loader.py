@@ -1,0 +1,75 @@
+"""Llama-family models from Hugging Face folders: config.json, *.safetensors
+(one file or shards listed by model.safetensors.index.json), tokenizer.json."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from safetensors import safe_open
+from torch import Tensor
+
+from pagedkv.config import ConfigError
+from pagedkv.model.config import Checkpoint, LlamaConfig
+from pagedkv.model.tokenizer import Tokenizer
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{folder}: no config.json (expected a Hugging Face model folder)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable JSON ({e})") from None
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files: the shards the index names, else every *.safetensors."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"{index}: unreadable index ({e})") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ConfigError(f"{folder}: shard(s) missing: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{folder}: no *.safetensors weights (other formats are not supported)")
+    return files
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # SafetensorError for truncated or corrupt headers
+        raise ConfigError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+
+
+def iter_weights(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
+    for path in files:
+        f = _open(path)
+        for name in f.keys():
+            try:
+                yield name, f.get_tensor(name)
+            except Exception as e:  # data past the end of a truncated file
+                raise ConfigError(f"{path}: cannot read tensor {name} ({e})") from None
+
+
+def load_hf(folder: Path) -> Checkpoint:
+    raw = _read_config(folder)
+    config = LlamaConfig.from_hf_dict(raw)
+    files = safetensors_files(folder)
+    for path in files:
+        _open(path)  # fail on a damaged file now, before building anything
+    max_len = config.max_position_embeddings
+    if raw.get("sliding_window"):   # Mistral-style window: we attend to everything, so stay within it
+        max_len = min(max_len, raw["sliding_window"])
+    return Checkpoint(config=config, tokenizer=Tokenizer.from_hf_folder(folder, config.eos_token_id),
+                      weights=iter_weights(files), files=files, max_model_len=max_len)

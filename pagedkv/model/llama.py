@@ -1,0 +1,194 @@
+"""Llama-family forward over a flat, varlen batch with a paged KV cache.
+
+Inference only. A step's new tokens of all sequences are concatenated into
+T rows; `positions` says where each sits in its sequence, the attention
+metadata says where its K/V goes and what it reads. To keep the number of
+torch ops per layer small, q/k/v are one fused weight and gate/up another
+(built at load time from the Hugging Face tensors), and RoPE rotates q and k
+in one call.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pagedkv.attention.paged import AttentionMetadata, paged_attention, write_kv
+from pagedkv.config import ConfigError
+from pagedkv.model.config import LlamaConfig
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def rope_inv_freq(config: LlamaConfig) -> Tensor:
+    """Per-pair rotation frequencies [head_dim / 2], with the model's scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "freq_factors":           # GGUF's rope_freqs tensor (how llama.cpp stores llama3 scaling)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are slowed by `factor`, short ones kept, the band between blended
+        blend = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        return (1 - blend) * inv_freq / factor + blend * inv_freq
+    return inv_freq
+
+
+class Rotary(nn.Module):
+    """Precomputed cos/sin by position; rotates the two halves of each head (HF layout)."""
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, rope_inv_freq(config))
+        angles = torch.cat([freqs, freqs], dim=-1)                 # [P, D]
+        half = config.head_dim // 2
+        sign = torch.cat([-torch.ones(half), torch.ones(half)])
+        self.register_buffer("cos", angles.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", (angles.sin() * sign).to(dtype), persistent=False)
+        self.half = half
+
+    def lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, signed sin for these positions, shaped [T, 1, D] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x * cos + rotate_half(x) * sin, with rotate_half's sign folded into `sin`."""
+        return torch.addcmul(x * cos, x.roll(self.half, dims=-1), sin)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(size, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 like HF, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_size = c.num_attention_heads * c.head_dim
+        self.kv_size = c.num_key_value_heads * c.head_dim
+        self.scale = c.head_dim ** -0.5
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, c.hidden_size, dtype=dtype)
+        self.o_proj = _param(c.hidden_size, self.q_size, dtype=dtype)
+        self.gate_up_proj = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype)
+        self.down_proj = _param(c.hidden_size, c.intermediate_size, dtype=dtype)
+
+    def forward(self, x: Tensor, rotary: Rotary, cos: Tensor, sin: Tensor,
+                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata) -> Tensor:
+        tokens = x.shape[0]
+        qkv = F.linear(self.input_layernorm(x), self.qkv_proj)
+        qk = rotary.apply(qkv[:, :self.q_size + self.kv_size].view(tokens, -1, self.head_dim), cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        x = x + F.linear(attn.reshape(tokens, self.q_size), self.o_proj)
+        gate, up = F.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
+# HF sub-names of one layer -> (our fused parameter, its part index)
+_FUSED = {
+    "self_attn.q_proj": ("qkv_proj", 0), "self_attn.k_proj": ("qkv_proj", 1), "self_attn.v_proj": ("qkv_proj", 2),
+    "mlp.gate_proj": ("gate_up_proj", 0), "mlp.up_proj": ("gate_up_proj", 1),
+    "self_attn.o_proj": ("o_proj", 0), "mlp.down_proj": ("down_proj", 0),
+    "input_layernorm": ("input_layernorm.weight", 0), "post_attention_layernorm": ("post_attention_layernorm.weight", 0),
+}
+_TOP = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head"}
+_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = (self.embed_tokens if config.tie_word_embeddings
+                        else _param(config.vocab_size, config.hidden_size, dtype=dtype))
+        self.rotary = Rotary(config, dtype)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                meta: AttentionMetadata) -> Tensor:
+        """Hidden states [T, hidden] (after the final norm) of the step's new tokens."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.lookup(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, self.rotary, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[N, vocab] float32 logits of the rows the sampler needs."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def load_weights(self, weights: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up.
+
+        Takes a dict or a stream of (name, tensor) pairs; a fused weight is
+        written as soon as all its parts have arrived, so a stream never needs
+        more than about one layer in memory.
+        """
+        pending: dict[tuple[int, str], list[Tensor | None]] = {}
+        done: set[str] = set()
+        for name, tensor in (weights.items() if isinstance(weights, Mapping) else weights):
+            m = _LAYER_WEIGHT.fullmatch(name)
+            if m and m.group(2) in _FUSED:
+                layer, (target, index) = int(m.group(1)), _FUSED[m.group(2)]
+                if layer >= len(self.layers):
+                    raise ConfigError(f"unexpected weight {name!r}: the model has {len(self.layers)} layers")
+                parts = pending.setdefault((layer, target), [None] * _PARTS.get(target, 1))
+                parts[index] = tensor
+                if all(p is not None for p in parts):
+                    full = f"model.layers.{layer}.{target}"
+                    self._copy(self.layers[layer].get_parameter(target), torch.cat(parts), full)
+                    done.add(full)
+                    del pending[(layer, target)]
+            elif name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+                if name != "lm_head.weight" or not self.config.tie_word_embeddings:
+                    self._copy(self.get_parameter(_TOP[name]), tensor, name)
+                done.add(name)
+            elif not name.endswith("rotary_emb.inv_freq"):
+                raise ConfigError(f"unexpected weight {name!r} for a Llama model")
+        required = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not self.config.tie_word_embeddings:
+            required.add("lm_head.weight")
+        required.update(f"model.layers.{i}.{t}" for i in range(len(self.layers)) for t, _ in _FUSED.values())
+        missing = sorted(required - done)
+        if missing:
+            raise ConfigError(f"missing weights: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+
+    @staticmethod
+    def _copy(param: nn.Parameter, tensor: Tensor, name: str) -> None:
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ConfigError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor)

