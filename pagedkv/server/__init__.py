@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server, Prometheus metrics and the live KV-cache dashboard."""

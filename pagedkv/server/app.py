@@ -1,0 +1,173 @@
+"""The FastAPI app: OpenAI routes, /metrics, /v1/kv, /v1/simulate and the dashboard page.
+
+`build_app(engine)` wires routes to one AsyncLLM (tests pass their own);
+`serve(config, host, port)` loads the model and runs it under uvicorn with a
+graceful shutdown: on SIGTERM new connections are refused, running requests
+get `shutdown_timeout` seconds to finish, and whatever is still running is
+then aborted, its client told with a 503 error (an error event if streaming).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ValidationError
+
+from pagedkv.config import EngineConfig
+from pagedkv.server import protocol as api
+from pagedkv.server.errors import APIError, install_error_handlers
+from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.middleware import MAX_BODY_BYTES, BearerAuth, BodySizeLimit
+from pagedkv.server.serving import OpenAIServing
+
+log = logging.getLogger("pagedkv.server")
+STATIC = Path(__file__).parent / "static"
+MAX_SIM_REQUESTS = 100_000
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_json(request: Request, model: type[M]) -> M:
+    """The body as `model`, whatever its Content-Type (curl -d sends form-encoded); 400 if it is not."""
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
+def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app over a constructed (not yet started) AsyncLLM; the lifespan starts and stops it.
+
+    `api_key` defaults to `engine.config.api_key`.
+    """
+    api_key = api_key if api_key is not None else engine.config.api_key
+    metrics = ServerMetrics(engine, engine.model_name)
+    serving = OpenAIServing(engine, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        app.state.ready = True
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            await engine.shutdown()
+
+    app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ready = False
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)   # added last = runs first
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def dashboard() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        if not request.app.state.ready:
+            raise APIError(503, "the engine is not running")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = api.ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)
+        return Response(api.ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(await read_json(request, api.CompletionRequest), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat(await read_json(request, api.ChatCompletionRequest), request)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/kv")
+    async def kv() -> JSONResponse:
+        snapshot = await asyncio.to_thread(engine.kv_snapshot)   # waits for the step in flight
+        snapshot["model"] = engine.model_name
+        return JSONResponse(snapshot)
+
+    @app.get("/v1/simulate")
+    async def simulate(kv_memory: str = "64GiB", bytes_per_token: int = Query(131072, ge=1),
+                       max_model_len: int = Query(8192, ge=1), max_output: int = Query(2048, ge=1),
+                       requests: int = Query(200, ge=1, le=MAX_SIM_REQUESTS), seed: int = 0,
+                       policies: str = "reserve-max,reserve-output,paged:16,paged:256") -> JSONResponse:
+        """The seeds' experiment, computed exactly as `pagedkv simulate --json` does."""
+        from pagedkv.sim.cli import load_requests
+        from pagedkv.sim.simulate import simulate as run_simulation
+        args = argparse.Namespace(trace=None, requests=requests, seed=seed, max_output=max_output)
+        trace = load_requests(args)
+        result = run_simulation(trace, kv_memory=kv_memory, bytes_per_token=bytes_per_token,
+                                max_model_len=max_model_len, max_output=max_output, policies=policies)
+        return JSONResponse(result.to_dict())
+
+    return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, plus: `grace` seconds after the exit signal, abort what still runs so it can end."""
+
+    def __init__(self, config: uvicorn.Config, engine, grace: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if self._loop is not None and self._drain is None:
+            self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._abort_after_grace())
+
+    async def _abort_after_grace(self) -> None:
+        await asyncio.sleep(self.grace)
+        log.warning("requests still running after %.0fs: aborting them", self.grace)
+        await self.engine.shutdown()
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        if self._drain is not None:
+            self._drain.cancel()
+
+
+def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0) -> None:
+    """Load the model, then serve until SIGINT/SIGTERM."""
+    from pagedkv.engine.async_engine import AsyncLLM
+    engine = AsyncLLM(config)
+    app = build_app(engine)
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level="info",
+                               timeout_graceful_shutdown=shutdown_timeout + 10)
+    server = GracefulServer(uv_config, engine, shutdown_timeout)
+    log.info("serving %s on http://%s:%d (dashboard at /)", engine.model_name, host, port)
+    server.run()

@@ -1,0 +1,31 @@
+"""`pagedkv serve`: the OpenAI-compatible server with the live KV-cache dashboard."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pagedkv.cli import add_engine_args, engine_config_from_args
+from pagedkv.config import ConfigError
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with a live KV-cache dashboard")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM before they are aborted")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    if args.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    config = engine_config_from_args(args)
+    from pagedkv.server.app import serve   # late: keeps `pagedkv --help` free of torch
+    print(f"pagedkv: loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
+    serve(config, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
+    return 0

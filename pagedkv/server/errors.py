@@ -1,0 +1,104 @@
+"""OpenAI-shaped errors: every failure becomes `{"error": {message, type, param, code}}`.
+
+Clients written for OpenAI read `error.message` and branch on the status, so a
+client's mistake must always be a 4xx with that body, never a bare 500 or a
+FastAPI `{"detail": ...}`.
+"""
+from __future__ import annotations
+
+import logging
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedkv.config import ConfigError
+
+log = logging.getLogger("pagedkv.server")
+
+# status -> (OpenAI error type, default code)
+_TYPES = {
+    400: ("invalid_request_error", None),
+    401: ("authentication_error", "invalid_api_key"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    429: ("rate_limit_error", "queue_full"),
+    500: ("server_error", None),
+    503: ("server_error", "service_unavailable"),
+}
+
+
+class APIError(Exception):
+    """An error with an HTTP status, raised anywhere in a handler."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.code = code if code is not None else _TYPES.get(status, ("", None))[1]
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind, default_code = _TYPES.get(status, ("invalid_request_error" if status < 500 else "server_error", None))
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": code if code is not None else default_code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code),
+                        status_code=err.status, headers=err.headers)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map an exception raised while serving a request to its HTTP error."""
+    from pagedkv.engine.async_engine import QueueFullError  # late: keeps torch out of import time
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ConfigError):
+        return APIError(400, str(exc))
+    if isinstance(exc, jinja2.TemplateError):
+        return APIError(400, f"chat template error: {exc}")
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc) or "the waiting queue is full; retry later", headers={"Retry-After": "1"})
+    log.exception("internal error", exc_info=exc)
+    return APIError(500, f"internal server error: {type(exc).__name__}")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """First pydantic error as one readable line, plus the parameter it concerns."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "value_error":   # our own validators name the field already
+        return first.get("msg", "invalid value").removeprefix("Value error, "), param
+    msg = first.get("msg", "invalid value")
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    from pagedkv.engine.async_engine import QueueFullError
+
+    async def _known(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_api_error(exc))
+
+    for kind in (APIError, ConfigError, jinja2.TemplateError, QueueFullError):
+        app.add_exception_handler(kind, _known)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = _validation_message(exc)
+        return error_response(APIError(400, msg, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _other(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_api_error(exc))

@@ -1,0 +1,97 @@
+"""Prometheus metrics for `GET /metrics`, named like vLLM's with the `pagedkv:` prefix.
+
+Engine gauges and counters are read from `engine.stats()` at scrape time by a
+custom collector, so they can never drift from what the engine did; only the
+latency histograms are kept here, fed from each finished request's timestamps.
+A private registry keeps several apps in one process (tests) apart.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pagedkv.engine.request import RequestOutput
+
+P = "pagedkv:"
+
+# buckets follow vLLM's, so existing dashboards read them the same way
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# (metric name, EngineStats field, help)
+_GAUGES = (
+    ("kv_cache_usage_perc", "kv_usage", "Fraction of KV-cache blocks in use (0..1)."),
+    ("kv_token_utilization", "token_utilization", "Fraction of the token slots of used blocks that hold real tokens."),
+    ("num_requests_running", "num_running", "Requests in the running batch."),
+    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    ("num_requests_swapped", "num_swapped", "Requests whose blocks are swapped to host memory."),
+    ("kv_cache_num_blocks", "num_blocks", "Blocks in the KV pool."),
+    ("kv_cache_free_blocks", "num_free_blocks", "Free blocks in the KV pool (cached or not)."),
+    ("kv_cache_cached_blocks", "num_cached_blocks", "Blocks holding a reusable prefix."),
+    ("kv_cache_capacity_tokens", "token_capacity", "Tokens the KV pool can hold."),
+)
+_COUNTERS = (
+    ("prefix_cache_queries", "prefix_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_hits", "Prompt tokens found in the prefix cache."),
+    ("num_preemptions", "num_preemptions", "Requests preempted (recompute or swap)."),
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens processed (prefilled)."),
+    ("generation_tokens", "generation_tokens", "Tokens generated."),
+)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats()
+        for name, field, doc in _GAUGES:
+            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], float(getattr(stats, field)))
+            yield g
+        for name, field, doc in _COUNTERS:
+            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(getattr(stats, field)))
+            yield c
+
+
+class ServerMetrics:
+    """The registry behind /metrics, plus latency histograms fed by `observe`."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        labels = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(P + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish of a request.", E2E_BUCKETS)
+        self._success = Counter(P + "request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.model_name = model_name
+
+    def observe(self, out: RequestOutput) -> None:
+        """Record a finished request's latencies (call once per request)."""
+        for o in out.outputs:
+            self._success.labels(self.model_name, o.finish_reason or "unknown").inc()
+        m = out.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        for a, b in zip(m.token_times, m.token_times[1:]):
+            self.itl.observe(b - a)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,70 @@
+"""ASGI middleware: the request-body cap and the API key.
+
+Both are plain ASGI so they run before FastAPI parses anything: an oversized
+body is refused without being held in memory, a request without the key never
+reaches the engine.
+"""
+from __future__ import annotations
+
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedkv.server.errors import APIError, error_response
+
+MAX_BODY_BYTES = 8 * 2**20
+
+
+class BodySizeLimit:
+    """413 for a body over `max_bytes`: at once from Content-Length, else while it streams in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body exceeds the limit of {self.max_bytes} bytes")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await error_response(self._too_large())(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self._too_large()   # FastAPI's handler for APIError answers 413
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class BearerAuth:
+    """With an API key set, every /v1 route needs `Authorization: Bearer <key>` (constant-time check).
+
+    /health, /metrics and the dashboard page stay open, as in vLLM; the page
+    asks for the key and sends it on its own /v1 calls.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str, prefix: str = "/v1") -> None:
+        self.app, self.key, self.prefix = app, api_key.encode(), prefix
+
+    def _authorized(self, scope: Scope) -> bool:
+        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.prefix) and not self._authorized(scope):
+            err = APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           headers={"WWW-Authenticate": "Bearer"})
+            await error_response(err)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,261 @@
+"""The OpenAI wire format: request and response models, and the mapping to SamplingParams.
+
+Requests are validated strictly (a string where a number belongs is a 400, not
+a silent coercion); unknown fields are ignored as OpenAI's own server does.
+Range checks live in one place, `SamplingParams.validate`, so the server, the
+offline API and the CLI reject exactly the same values.
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
+
+from pagedkv.config import ConfigError
+from pagedkv.engine.request import SamplingParams
+
+Prompt = str | list[int]
+
+
+def _is_token_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(type(t) is int for t in v)
+
+
+def _check_prompt(v: Any) -> list[Prompt]:
+    """A string, a list of token ids, or a batch of either -> a non-empty list of non-empty prompts."""
+    if isinstance(v, str) or _is_token_ids(v):
+        prompts = [v]
+    elif isinstance(v, list) and v and all(isinstance(p, str) or _is_token_ids(p) for p in v):
+        prompts = v
+    else:
+        raise ValueError("prompt must be a string, a list of token ids, or a list of those")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("prompt must not be empty")
+    return prompts
+
+
+def _check_stop(v: Any) -> list[str] | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return v
+    raise ValueError("stop must be a string or a list of strings")
+
+
+def _check_content(v: Any) -> str | None:
+    """OpenAI content: a string or a list of parts; only text parts are supported."""
+    if v is None or isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        texts = []
+        for part in v:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError("content must be a string or a list of text parts")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: Annotated[list[str] | None, BeforeValidator(_check_stop)] = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise ConfigError("logit_bias is not supported")
+
+        def pick(value, default):
+            return default if value is None else value
+        return SamplingParams(
+            n=self.n, temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
+            top_k=pick(self.top_k, -1), min_p=pick(self.min_p, 0.0), seed=self.seed,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            presence_penalty=pick(self.presence_penalty, 0.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Annotated[list[Prompt], BeforeValidator(_check_prompt)]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise ConfigError("echo is not supported")
+        if self.suffix:
+            raise ConfigError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ConfigError("best_of other than n is not supported")
+        return self._params(self.max_tokens, self.logprobs)
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str | None, BeforeValidator(_check_content)] = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content or ""}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ConfigError("top_logprobs requires logprobs to be true")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = []
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler) -> dict:
+        """OpenAI leaves out what a delta does not carry (the last one is `{}`)."""
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedkv"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,319 @@
+"""Completions and chat completions: run a request on the engine, answer in JSON or SSE.
+
+Both endpoints share one path: prompts -> token ids -> engine.validate (400
+before any work) -> one engine stream per prompt, merged -> a JSON body or an
+event stream. The first engine output is awaited before the response starts,
+so a full queue is still a 429 and not an error inside a 200 stream. A client
+that goes away cancels the work, and closing the engine's iterator aborts the
+request, which frees its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from pagedkv.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from pagedkv.server import protocol as api
+from pagedkv.server.errors import APIError, error_body, to_api_error
+from pagedkv.server.metrics import ServerMetrics
+
+T = TypeVar("T")
+MIN_LOGPROB = -9999.0   # JSON has no -inf
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the client disconnects."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as (index, item); closing the merge closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async with aclosing(stream) as s:
+                async for item in s:
+                    queue.put_nowait((i, item, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            queue.put_nowait((i, None, e))
+        queue.put_nowait((i, done, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, err = await queue.get()
+            if err is not None:
+                raise err
+            if item is done:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class EventStream(StreamingResponse):
+    """SSE response that always closes its iterator, however the stream ends (disconnect included)."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def sse(payload: BaseModel | dict) -> str:
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+def usage_of(finals: list[RequestOutput]) -> api.Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in finals)
+    return api.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=api.PromptTokensDetails(cached_tokens=cached))
+
+
+@dataclass
+class _Sent:
+    """What one choice has already streamed."""
+    chars: int = 0
+    logprobs: int = 0
+    finished: bool = False
+
+
+@dataclass
+class _Format:
+    """Turns engine outputs into one endpoint's response objects."""
+    id: str
+    model: str
+    decode: Callable[[list[int]], str]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def token(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def start(self, num_choices: int) -> list[BaseModel]:
+        return []
+
+
+class _CompletionFormat(_Format):
+    def logprobs(self, items: list[Logprob] | None, offset: int) -> api.CompletionLogprobs | None:
+        if items is None:
+            return None
+        out = api.CompletionLogprobs()
+        for lp in items:
+            text = self.token(lp.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
+            out.top_logprobs.append({self.token(t): max(v, MIN_LOGPROB) for t, v in lp.top.items()})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def chunk(self, index: int, text: str, logprobs: list[Logprob] | None, offset: int,
+              o: CompletionOutput, finished: bool) -> BaseModel:
+        return api.CompletionResponse(
+            id=self.id, model=self.model, created=self.created, choices=[api.CompletionChoice(
+                index=index, text=text, logprobs=self.logprobs(logprobs, offset),
+                finish_reason=o.finish_reason if finished else None,
+                stop_reason=o.stop_reason if finished else None)])
+
+    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage) -> BaseModel:
+        return api.CompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage, choices=[
+            api.CompletionChoice(index=i, text=o.text, logprobs=self.logprobs(o.logprobs, 0),
+                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+            for i, o in choices])
+
+    def usage_chunk(self, usage: api.Usage) -> BaseModel:
+        return api.CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
+
+
+class _ChatFormat(_Format):
+    def logprobs(self, items: list[Logprob] | None) -> api.ChatLogprobs | None:
+        if items is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token(token_id)
+            return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode())}
+        return api.ChatLogprobs(content=[
+            api.ChatTokenLogprob(**entry(lp.token_id, lp.logprob),
+                                 top_logprobs=[api.TopLogprob(**entry(t, v)) for t, v in lp.top.items()])
+            for lp in items])
+
+    def _chunk(self, choices: list[api.ChatChunkChoice], usage: api.Usage | None = None) -> BaseModel:
+        return api.ChatCompletionChunk(id=self.id, model=self.model, created=self.created, choices=choices,
+                                       usage=usage)
+
+    def start(self, num_choices: int) -> list[BaseModel]:
+        return [self._chunk([api.ChatChunkChoice(index=i, delta=api.ChatDelta(role="assistant", content=""))])
+                for i in range(num_choices)]
+
+    def chunk(self, index: int, text: str, logprobs: list[Logprob] | None, offset: int,
+              o: CompletionOutput, finished: bool) -> BaseModel:
+        return self._chunk([api.ChatChunkChoice(
+            index=index, delta=api.ChatDelta(content=text or None), logprobs=self.logprobs(logprobs),
+            finish_reason=o.finish_reason if finished else None)])
+
+    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage) -> BaseModel:
+        return api.ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage, choices=[
+            api.ChatChoice(index=i, message=api.ChatResponseMessage(content=o.text),
+                           logprobs=self.logprobs(o.logprobs), finish_reason=o.finish_reason,
+                           stop_reason=o.stop_reason)
+            for i, o in choices])
+
+    def usage_chunk(self, usage: api.Usage) -> BaseModel:
+        return self._chunk([], usage)
+
+
+SHUTDOWN = APIError(503, "the server is shutting down; the request was aborted")
+
+
+class OpenAIServing:
+    """The two generation endpoints over one AsyncLLM."""
+
+    def __init__(self, engine, metrics: ServerMetrics) -> None:
+        self.engine, self.metrics = engine, metrics
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.engine.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.engine.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def completions(self, req: api.CompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        params = req.sampling_params()
+        tok = self.engine.tokenizer
+        prompts = [p if isinstance(p, list) else tok.encode(p, add_special_tokens=True) for p in req.prompt]
+        fmt = _CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.engine.model_name, tok.decode)
+        return await self._run(request, fmt, prompts, params, req.stream, req.include_usage)
+
+    async def chat(self, req: api.ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        params = req.sampling_params()
+        tok = self.engine.tokenizer
+        text = tok.apply_chat_template([m.as_template_input() for m in req.messages], add_generation_prompt=True)
+        prompt = tok.encode(text, add_special_tokens=False)   # the template already has BOS and the like
+        fmt = _ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.engine.model_name, tok.decode)
+        return await self._run(request, fmt, [prompt], params, req.stream, req.include_usage)
+
+    async def _run(self, request: Request, fmt: _Format, prompts: list[list[int]], params: SamplingParams,
+                   stream: bool, include_usage: bool) -> Response:
+        for ids in prompts:
+            self.engine.validate(ids, params)
+        events = merge([self.engine.generate(ids, params, request_id=f"{fmt.id}-{i}")
+                        for i, ids in enumerate(prompts)])
+        try:
+            if not stream:
+                finals = await until_disconnect(request, self._collect(events, len(prompts)))
+                choices = self._choices(finals, params.n)
+                body = fmt.response(choices, usage_of(finals)).model_dump_json()
+                return Response(body, media_type="application/json")
+            first = await until_disconnect(request, anext(events))
+        except BaseException as e:
+            await events.aclose()
+            if isinstance(e, ClientGone):
+                return Response(status_code=499)
+            raise
+        return EventStream(self._stream(fmt, first, events, len(prompts), params.n, include_usage))
+
+    async def _collect(self, events: AsyncIterator[tuple[int, RequestOutput]], num: int) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * num
+        async with aclosing(events):
+            async for i, out in events:
+                if out.finished:
+                    finals[i] = out
+                    self.metrics.observe(out)
+        return finals
+
+    @staticmethod
+    def _choices(finals: list[RequestOutput], n: int) -> list[tuple[int, CompletionOutput]]:
+        if any(c.finish_reason == "abort" for o in finals for c in o.outputs):
+            raise SHUTDOWN
+        return [(i * n + c.index, c) for i, o in enumerate(finals) for c in o.outputs]
+
+    async def _stream(self, fmt: _Format, first: tuple[int, RequestOutput],
+                      events: AsyncIterator[tuple[int, RequestOutput]], num: int, n: int,
+                      include_usage: bool) -> AsyncIterator[str]:
+        finals: list[RequestOutput | None] = [None] * num
+        sent: dict[int, _Sent] = {}
+        try:
+            async with aclosing(events):
+                for chunk in fmt.start(num * n):
+                    yield sse(chunk)
+                item: tuple[int, RequestOutput] | None = first
+                while item is not None:
+                    i, out = item
+                    for o in out.outputs:
+                        chunk = self._delta(fmt, i * n + o.index, o, sent)
+                        if chunk is not None:
+                            yield sse(chunk)
+                    if out.finished:
+                        finals[i] = out
+                        self.metrics.observe(out)
+                    item = await anext(events, None)
+            self._choices(finals, n)   # raises SHUTDOWN if the engine aborted us
+            if include_usage:
+                yield sse(fmt.usage_chunk(usage_of(finals)))
+        except Exception as e:  # noqa: BLE001 - the status is already sent: report in the stream
+            err = to_api_error(e)
+            yield sse(error_body(err.status, err.message, err.param, err.code))
+        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _delta(fmt: _Format, index: int, o: CompletionOutput, sent: dict[int, _Sent]) -> BaseModel | None:
+        """The chunk for what choice `index` has produced since the last one, if anything."""
+        s = sent.setdefault(index, _Sent())
+        if s.finished:
+            return None
+        text = o.text[s.chars:]
+        logprobs = o.logprobs[s.logprobs:] if o.logprobs is not None else None
+        finished = o.finish_reason is not None
+        if not (text or logprobs or finished):
+            return None
+        chunk = fmt.chunk(index, text, logprobs, s.chars, o, finished)
+        s.chars, s.finished = len(o.text), finished
+        s.logprobs += len(logprobs or ())
+        return chunk
