@@ -179,6 +179,7 @@ class LLMEngine:
         return bool(self.groups)
 
     # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         logits = self.runner.execute(out)

@@ -81,7 +81,6 @@ class ModelRunner:
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         return input_ids, pos_t, meta, sample_rows
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Run one step; returns float32 logits [num sampling seqs, vocab] (None if nothing samples)."""
         self.apply_copies(out)

@@ -10,6 +10,7 @@ touches tensors: block copies go to the runner as plans.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -124,6 +125,7 @@ class Scheduler:
             self.running.append(seq)
             group = seq.group
             if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = time.monotonic()
                 group.num_cached_tokens = computed
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
