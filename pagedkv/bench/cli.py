@@ -1,0 +1,180 @@
+"""`pagedkv bench`: W1/W2/W3 (and traces) through the offline engine or the server, one table out.
+
+    pagedkv bench                              # W1, W2, W3 offline with the flags given
+    pagedkv bench --suite --out r.json --plot plots/   # prefix on/off + allocation policies at equal memory
+    pagedkv bench --online --concurrency 16 --workloads W1
+    pagedkv bench --trace my.jsonl --shared-prefix 256
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+
+from pagedkv.config import ConfigError, EngineConfig
+
+
+def add_parser(subparsers) -> None:
+    from pagedkv.cli import add_engine_args
+
+    p = subparsers.add_parser("bench", help="benchmark the engine or the server on the shared workloads")
+    add_engine_args(p)
+    g = p.add_argument_group("workloads")
+    g.add_argument("--workloads", default=None,
+                   help="comma-separated subset of W1,W2,W3 (default: all three, or none when --trace is given)")
+    g.add_argument("--workloads-file", default=None,
+                   help="the shared workloads.py (default: ../shared/bench/workloads.py beside the repository)")
+    g.add_argument("--trace", default=None, help="JSON lines {\"prompt_tokens\": P, \"output_tokens\": O}")
+    g.add_argument("--shared-prefix", type=int, default=0, help="tokens every trace prompt starts with")
+    g.add_argument("--trace-seed", type=int, default=20261129, help="seed for the trace's random prompts")
+    g = p.add_argument_group("comparison suite")
+    g.add_argument("--suite", action="store_true",
+                   help="prefix caching on/off on every workload, and paged vs reserve-output vs reserve-max on W1 "
+                        "(or the trace) at one small KV budget")
+    g.add_argument("--suite-pool-tokens", type=int, default=24576, help="the equal KV budget, in tokens")
+    g.add_argument("--suite-max-model-len", type=int, default=2048, help="max_model_len of the equal-memory runs")
+    g = p.add_argument_group("online (through pagedkv serve)")
+    g.add_argument("--online", action="store_true", help="start `pagedkv serve` and load it over HTTP")
+    g.add_argument("--concurrency", type=int, default=None, help="at most N requests in flight (default: no limit)")
+    g.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
+    g.add_argument("--server-startup-timeout", type=float, default=600.0)
+    g = p.add_argument_group("output")
+    g.add_argument("--label", default=None, help="name of the configuration in the table (not with --suite)")
+    g.add_argument("--out", default=None, help="write every figure, series and latency as JSON here")
+    g.add_argument("--markdown", default=None, help="write the markdown report here too")
+    g.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR")
+    g.add_argument("--peers-dir", default=None, help="peer result JSONs (default: $PEERS_RESULTS or /tmp/peers/results)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ConfigError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if not args.request_rate > 0:
+        raise ConfigError(f"--request-rate must be > 0, got {args.request_rate}")
+    if (args.concurrency is not None or math.isfinite(args.request_rate)) and not args.online:
+        raise ConfigError("--concurrency and --request-rate shape the online load: add --online")
+    if args.suite and args.label:
+        raise ConfigError("--label names a single configuration; --suite names its own")
+    if args.suite_pool_tokens < args.block_size:
+        raise ConfigError(f"--suite-pool-tokens must hold at least one block, got {args.suite_pool_tokens}")
+
+
+def _base_options(args: argparse.Namespace) -> dict:
+    """The engine options the command line set (defaults left out, so labels and flags stay short)."""
+    defaults = {f: EngineConfig.__dataclass_fields__[f].default for f in EngineConfig.field_names()}
+    opts = {k: v for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+    EngineConfig.from_options(**opts)   # a bad flag fails here, before anything loads
+    return opts
+
+
+def _specs(args: argparse.Namespace, keys: list[str], base: dict, trace_key: str | None):
+    from pagedkv.bench.suite import RunSpec, suite_specs
+
+    if args.suite:
+        equal = trace_key or ("W1" if "W1" in keys else None)
+        return suite_specs(keys, equal_memory_workload=equal, pool_tokens=args.suite_pool_tokens, max_model_len=args.suite_max_model_len,
+                           block_size=args.block_size)
+    prefix = "on" if base.get("enable_prefix_caching", True) else "off"
+    label = args.label or f"{base.get('allocation_policy', 'paged')}, prefix {prefix}"
+    return [RunSpec(label, {}, tuple(keys))]
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedkv.bench.workloads import load_workloads, read_trace
+
+    _check(args)
+    base = _base_options(args)
+    keys = [k.strip() for k in args.workloads.split(",") if k.strip()] if args.workloads else []
+    if args.workloads is None and args.trace is None:
+        keys = ["W1", "W2", "W3"]
+    workloads = {w.key: w for w in load_workloads(keys, args.workloads_file)}
+    trace_key = None
+    if args.trace:
+        from pagedkv.bench.online import model_vocab_size
+
+        trace = read_trace(args.trace, args.shared_prefix, args.trace_seed)   # checked before the model loads
+        wl = trace.workload(model_vocab_size(base.get("model")))
+        if wl.key in workloads:
+            raise ConfigError(f"the trace's name {wl.key!r} clashes with a built-in workload; rename the file")
+        workloads[wl.key], trace_key = wl, wl.key
+    if not workloads:
+        raise ConfigError("no workload to run: give --workloads or --trace")
+    specs = _specs(args, list(workloads), base, trace_key)
+    runner = _run_online if args.online else _run_offline
+    results = runner(args, base, specs, workloads)
+    _report(args, base, results, list(workloads.values()))
+    return 0
+
+
+def _run_offline(args, base: dict, specs, workloads: dict):
+    from tqdm import tqdm
+
+    from pagedkv.bench.offline import EngineFactory, run_offline
+
+    factory = EngineFactory(base)
+    results = []
+    for spec in specs:
+        for key in spec.workloads:
+            engine = factory.build(**spec.overrides)
+            result = run_offline(engine, workloads[key], spec.label, spec.overrides, progress=not args.no_progress)
+            result.extra["model_load_s"] = factory.load_s
+            results.append(result)
+            tqdm.write(_one_line(result), file=sys.stderr)
+            del engine
+            gc.collect()
+    return results
+
+
+def _run_online(args, base: dict, specs, workloads: dict):
+    from tqdm import tqdm
+
+    from pagedkv.bench.online import LoadSpec, ServerProcess, model_vocab_size, run_online
+
+    vocab = model_vocab_size(base.get("model"))
+    load = LoadSpec(args.concurrency, args.request_rate, args.trace_seed)
+    results = []
+    for spec in specs:
+        with ServerProcess({**base, **spec.overrides}, args.server_startup_timeout) as server:
+            for key in spec.workloads:
+                result = run_online(server, workloads[key], spec.label, spec.overrides, load, vocab,
+                                    progress=not args.no_progress)
+                results.append(result)
+                tqdm.write(_one_line(result), file=sys.stderr)
+    return results
+
+
+def _one_line(r) -> str:
+    return (f"{r.workload} {r.label} ({r.mode}): {r.output_tok_s:.1f} out tok/s, {r.wall_s:.1f}s, "
+            f"peak running {r.peak_running}, preemptions {r.preemptions}" + (f", {r.errors} errors" if r.errors else ""))
+
+
+def _report(args, base: dict, results, workloads) -> None:
+    from pagedkv.bench import report
+    from pagedkv.bench.metrics import git_commit, machine_info
+    from pagedkv.bench.peers import load_peers
+    from pagedkv.bench.suite import suite_ratios
+
+    peers = load_peers(args.peers_dir)
+    ratios = suite_ratios(results, peers, args.suite_pool_tokens) if args.suite else []
+    summaries = [w.summary() for w in workloads]
+    text = report.markdown(results, peers, ratios, summaries)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    if args.out:
+        settings = {"engine_options": base, "online": args.online, "concurrency": args.concurrency,
+                    "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
+                    "suite": args.suite, "suite_pool_tokens": args.suite_pool_tokens,
+                    "suite_max_model_len": args.suite_max_model_len}
+        doc = report.build_document(command=list(sys.argv), machine=machine_info(),
+                                    commit=git_commit(), workloads=summaries, results=results, peers=peers,
+                                    ratios=ratios, settings=settings)
+        report.write_json(doc, args.out)
+    if args.plot:
+        from pagedkv.bench.plot import plot_all
+        for path in plot_all(results, args.plot):
+            print(f"wrote {path}", file=sys.stderr)

@@ -1,0 +1,51 @@
+"""What one benchmark run reports, the same shape offline and online (online leaves engine-internal fields None)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RunResult:
+    label: str                      # the configuration, e.g. "paged, prefix on"
+    mode: str                       # "offline" | "online"
+    workload: str                   # "W1", "W2", "W3" or a trace's stem
+    options: dict                   # engine options that differ from the defaults
+    requests: int
+    prompt_tokens: int              # sent
+    output_tokens: int              # received
+    wall_s: float
+    output_tok_s: float
+    total_tok_s: float
+    requests_per_s: float
+    ttft: dict                      # metrics.summarize() of seconds
+    itl: dict
+    e2e: dict
+    peak_running: int | None = None
+    kv_util_mean: float | None = None     # mean over steps of tokens held / slots allocated
+    kv_usage_peak: float | None = None    # peak share of the pool's blocks in use
+    prefix_hit_rate: float | None = None  # prompt tokens served from the cache / looked up
+    cached_tokens: int | None = None
+    prompt_tokens_computed: int | None = None   # sent - cached
+    preemptions: int | None = None
+    peak_rss_mb: float | None = None
+    errors: int = 0
+    extra: dict = field(default_factory=dict)
+    # series for the plots: {"t": [...], "running": [...], "kv_usage": [...], "kv_util": [...]}
+    timeline: dict = field(default_factory=dict)
+    # raw latencies in seconds for the plots: {"ttft": [...], "itl": [...], "e2e": [...]}
+    latencies: dict = field(default_factory=dict)
+
+    def to_json(self, with_series: bool = True) -> dict:
+        d = asdict(self)
+        if not with_series:
+            d.pop("timeline")
+            d.pop("latencies")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RunResult":
+        return cls(**d)
+
+
+def rate(count: float, seconds: float) -> float:
+    return round(count / seconds, 2) if seconds > 0 else 0.0
