@@ -95,3 +95,41 @@ def test_bad_flags_are_one_line_and_exit_2(args):
     assert out.returncode == 2, out.stdout
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stderr.startswith("pagedkv ") and "error:" in out.stderr
+
+
+def test_dynamic_json_and_plot(tmp_path):
+    png = tmp_path / "replay.png"
+    out = run_cli("simulate", "--dynamic", "--requests", "40", "--kv-memory", "2GiB",
+                  "--max-model-len", "4096", "--shared-prefix", "64",
+                  "--arrival-rate", "0.5", "--policies", "reserve-max,paged:16", "--json", "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["pool_tokens"] == 16384 and [p["policy"] for p in d["policies"]] == ["reserve-max", "paged:16"]
+    assert set(d["policies"][1]) == {"policy", "block_size", "steps", "completed", "peak_running", "mean_running",
+                                     "preemptions", "token_utilization_mean", "token_utilization_min",
+                                     "prefix_queries", "prefix_hits"}
+    rmax, paged = d["policies"]
+    assert rmax["completed"] == paged["completed"] == 40
+    # 1024 blocks, 256 per reservation, 10 kept free; the shared 4-block prefix is held once:
+    # 256 + 3 * 252 = 1012 <= 1024 - 10 lets a 4th in
+    assert rmax["peak_running"] == 4 < paged["peak_running"]
+    assert paged["prefix_hits"] > 0 and paged["token_utilization_mean"] > 0.9
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_dynamic_table():
+    out = run_cli("simulate", "--dynamic", "--requests", "30", "--kv-memory", "2GiB")
+    assert out.returncode == 0, out.stderr
+    assert "replay through the block manager: 30 requests" in out.stdout
+    assert sum(line.startswith(("reserve-max", "reserve-output", "paged:16", "paged:256"))
+               for line in out.stdout.splitlines()) == 4
+
+
+@pytest.mark.parametrize("args", [
+    ["--arrival-rate", "-1"], ["--arrival-rate", "nan"], ["--shared-prefix", "-3"],
+    ["--kv-memory", "64MiB"],                           # 512 token slots: a generated request needs more
+])
+def test_dynamic_bad_flags_are_one_line_and_exit_2(args):
+    out = run_cli("simulate", "--dynamic", "--requests", "5", *args)
+    assert out.returncode == 2, out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1 and "error:" in out.stderr

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pagedkv.config import ConfigError
+from pagedkv.sim.dynamic import Replay, arrival_steps, replay
 from pagedkv.sim.simulate import Policy, fit_ratio, parse_policies, simulate
 from pagedkv.sim.trace import TraceRequest, generate_trace
 
@@ -141,3 +142,84 @@ def test_json_shape_is_the_one_design_md_fixes():
     d = simulate(TRACE, pool_tokens=1000, max_model_len=400, max_output=100, policies="paged:16").to_dict()
     assert d == {"pool_tokens": 1000, "policies": [{"policy": "paged:16", "requests_fit": 6, "real_tokens": 930,
                                                    "reserved_tokens": 960, "token_utilization": 930 / 960}]}
+
+
+# ---- replay through the block manager (--dynamic) ------------------------------------------------
+
+def replay_one(trace, policy, pool, *, max_model_len=64, max_output=16, **kw):
+    (r,) = replay(trace, parse_policies(policy), pool_tokens=pool, max_model_len=max_model_len,
+                  max_output=max_output, **kw)
+    return r
+
+
+def test_replay_one_token_per_step_and_completion_frees():
+    # paged:4, 4 blocks. step 0: A prefills 3 (1 block), B 2 (1 block): 5 of 8 slots.
+    # step 1: A 4, B 3 = 7/8, B done. step 2: A 5 takes a 2nd block: 5/8, done.
+    r = replay_one([TraceRequest(3, 2), TraceRequest(2, 1)], "paged:4", 16)
+    assert (r.steps, r.completed, r.peak_running, r.preemptions) == (3, 2, 2, 0)
+    assert r.running == [2, 2, 1] and r.utilization == [5 / 8, 7 / 8, 5 / 8]
+    assert r.token_utilization_mean == pytest.approx(17 / 24) and r.token_utilization_min == 5 / 8
+    assert r.mean_running == pytest.approx(5 / 3)
+
+
+def test_replay_preempts_the_youngest_and_recomputes_it():
+    # paged:2, 2 blocks. step 0: A holds 2 (1 block), B 1 (1 block). step 1: A needs a 2nd block:
+    # B is preempted (its block freed), A grows to 3 and finishes. step 2: B re-prefills 1 token;
+    # step 3: 2 tokens; step 4: 3 tokens in 2 blocks, done.
+    r = replay_one([TraceRequest(2, 1), TraceRequest(1, 2)], "paged:2", 4)
+    assert (r.steps, r.completed, r.preemptions, r.peak_running) == (5, 2, 1, 2)
+    assert r.running == [2, 1, 1, 1, 1]
+    assert r.utilization == [3 / 4, 3 / 4, 1 / 2, 1.0, 3 / 4]
+
+
+def test_replay_reserve_max_holds_whole_reservations():
+    # reserve-max with max_model_len 32 takes 2 blocks of 16 each; the pool has 4 blocks, so
+    # the third request waits until the first two finish at step 2.
+    r = replay_one([TraceRequest(10, 2)] * 3, "reserve-max", 64, max_model_len=32)
+    assert r.running == [2, 2, 2, 1, 1, 1]
+    assert r.utilization == [20 / 64, 22 / 64, 24 / 64, 10 / 32, 11 / 32, 12 / 32]
+
+
+def test_replay_counts_prefix_hits_and_shared_blocks_once():
+    # two prompts of 10 tokens sharing 8: the second reuses 2 full blocks of 4 (8 hit tokens);
+    # 20 tokens held in 4 physical blocks, 8 of them shared: 12 distinct tokens in 16 slots
+    r = replay_one([TraceRequest(10, 1)] * 2, "paged:4", 64, shared_prefix=8)
+    assert (r.prefix_queries, r.prefix_hits) == (20, 8)
+    assert r.utilization == [12 / 16, 14 / 16]
+    off = replay_one([TraceRequest(10, 1)] * 2, "paged:4", 64, shared_prefix=8, enable_prefix_caching=False)
+    assert (off.prefix_hits, off.utilization) == (0, [20 / 24, 22 / 24])
+
+
+def test_replay_poisson_arrivals_are_deterministic_and_ordered():
+    steps = arrival_steps(50, 0.5, seed=1)
+    assert steps == sorted(steps) == arrival_steps(50, 0.5, seed=1) and steps[-1] > 50
+    assert arrival_steps(3, 0, seed=1) == [0, 0, 0]
+    for bad in (-1.0, 1e-300, float("inf"), float("nan")):
+        with pytest.raises(ConfigError):
+            arrival_steps(3, bad, seed=1)
+    r = replay_one([TraceRequest(5, 3)] * 50, "paged:16", 4096, arrival_rate=0.5, seed=1)
+    assert r.steps >= steps[-1] + 4 and r.completed == 50
+    slow = replay_one([TraceRequest(5, 3)] * 5, "paged:16", 4096, arrival_rate=0.001, seed=1)
+    assert slow.steps > 1000 and len(slow.times) == 5 * 4  # idle steps between arrivals are skipped
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 16)), min_size=1, max_size=12),
+       st.sampled_from(["paged:1", "paged:4", "paged:16", "reserve-output", "reserve-max"]),
+       st.integers(64, 160), st.integers(0, 24), st.one_of(st.just(0.0), st.floats(0.001, 2)))
+def test_replay_utilization_matches_the_manager_stats_every_step(lengths, policy, pool, shared, rate):
+    trace = [TraceRequest(p, o) for p, o in lengths]
+    rp = Replay(trace, parse_policies(policy)[0], pool_tokens=pool, max_model_len=64, max_output=16,
+                arrivals=arrival_steps(len(trace), rate, 0), shared_prefix=shared)
+    while not rp.done():
+        rp.step()
+        stats = rp.kv.stats()
+        assert (rp.tokens_held(), rp.token_slots()) == (stats.tokens_held, stats.token_slots)
+        assert rp.running_series[-1] <= len(trace)
+        rp.kv.check_integrity()
+    assert rp.completed == len(trace) and rp.kv.num_free_blocks() == rp.kv.num_blocks
+
+
+def test_replay_rejects_a_request_the_pool_can_never_hold():
+    with pytest.raises(ConfigError, match="kv-memory"):
+        replay_one([TraceRequest(40, 10)], "paged:16", 32)

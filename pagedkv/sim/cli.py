@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
-from pagedkv.config import ConfigError, format_size, parse_size
-from pagedkv.sim.simulate import DEFAULT_POLICIES, SimResult, fit_ratio, parse_policies, simulate
+from pagedkv.config import format_size, parse_size
+from pagedkv.sim.simulate import (DEFAULT_POLICIES, SimResult, fit_ratio, parse_policies, pool_tokens_for, simulate,
+                                  validate_trace)
 from pagedkv.sim.trace import OUTPUT_CAP, TraceRequest, generate_trace, load_trace
+
+if TYPE_CHECKING:
+    from pagedkv.sim.dynamic import DynamicResult
 
 
 def add_parser(subparsers) -> None:
@@ -68,10 +73,38 @@ def run_static(args: argparse.Namespace, trace: list[TraceRequest]) -> int:
     return 0
 
 
+def format_dynamic(results: list[DynamicResult], args: argparse.Namespace, pool_tokens: int, num_requests: int) -> str:
+    arrivals = f"Poisson, {args.arrival_rate:g} per step" if args.arrival_rate else "all at step 0"
+    lines = [f"replay through the block manager: {num_requests} requests ({arrivals}), pool {pool_tokens:,} token slots",
+             f"{'policy':<16}{'peak running':>13}{'mean running':>13}{'steps':>8}{'preemptions':>12}"
+             f"{'utilization mean / min':>24}{'prefix hits / queries':>26}"]
+    for r in results:
+        util = f"{100 * r.token_utilization_mean:.1f}% / {100 * r.token_utilization_min:.1f}%"
+        hits = f"{r.prefix_hits:,} / {r.prefix_queries:,}"
+        lines.append(f"{r.policy:<16}{r.peak_running:>13,}{r.mean_running:>13.1f}{r.steps:>8,}{r.preemptions:>12,}"
+                     f"{util:>24}{hits:>26}")
+    return "\n".join(lines)
+
+
+def run_dynamic(args: argparse.Namespace, trace: list[TraceRequest]) -> int:
+    from pagedkv.sim.dynamic import replay
+
+    pool = pool_tokens_for(args.kv_memory, args.bytes_per_token)
+    validate_trace(trace, args.max_model_len, args.max_output)
+    results = replay(trace, parse_policies(args.policies), pool_tokens=pool, max_model_len=args.max_model_len,
+                     max_output=args.max_output, arrival_rate=args.arrival_rate, seed=args.seed,
+                     shared_prefix=args.shared_prefix, enable_prefix_caching=not args.no_prefix_caching)
+    if args.json:
+        print(json.dumps({"pool_tokens": pool, "policies": [r.summary() for r in results]}))
+    else:
+        print(format_dynamic(results, args, pool, len(trace)))
+    if args.plot:
+        from pagedkv.sim.plot import plot_dynamic
+        plot_dynamic(results, args.plot)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     parse_policies(args.policies)  # fail on a bad policy before any work
     trace = load_requests(args)
-    if args.dynamic:
-        from pagedkv.sim.dynamic_cli import run_dynamic
-        return run_dynamic(args, trace)
-    return run_static(args, trace)
+    return run_dynamic(args, trace) if args.dynamic else run_static(args, trace)

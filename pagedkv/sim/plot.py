@@ -60,9 +60,8 @@ def plot_dynamic(results: Sequence[DynamicResult], path: str) -> None:
     plt = _pyplot()
     fig, (ax_util, ax_run) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     for r in results:
-        steps = range(len(r.utilization))
-        ax_util.plot(steps, [100 * u for u in r.utilization], label=r.policy, linewidth=1.2)
-        ax_run.plot(steps, r.running, label=r.policy, linewidth=1.2)
+        ax_util.plot(r.times, [100 * u for u in r.utilization], label=r.policy, linewidth=1.2)
+        ax_run.plot(r.times, r.running, label=r.policy, linewidth=1.2)
     ax_util.set_ylabel("token utilization (%)")
     ax_util.set_ylim(0, 105)
     ax_util.legend(fontsize=8)
