@@ -191,7 +191,8 @@ class BlockPool:
             seen.add(block.block_id)
             prev = block
         assert self.free_queue.tail.prev is prev, "broken tail link"
-        assert len(seen) == self.free_queue.num_free, f"queue holds {len(seen)}, counter says {self.free_queue.num_free}"
+        assert len(seen) == self.free_queue.num_free, \
+            f"queue holds {len(seen)}, counter says {self.free_queue.num_free}"
         used = 0
         for block in self.blocks:
             if block.block_id in seen:

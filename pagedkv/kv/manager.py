@@ -20,6 +20,7 @@ import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pagedkv.config import ALLOCATION_POLICIES, ConfigError
 from pagedkv.kv.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
@@ -63,6 +64,14 @@ class _Request:
     hashes: list[BlockHash]           # chained hashes of the full blocks (prefix caching only)
     # while swapped: per logical block (host block id or None if it held no token, token ids if it was cached)
     swapped: list[tuple[int | None, tuple[int, ...] | None]] | None = None
+
+
+class _Admission(NamedTuple):
+    prefix: list[Block]               # the still-valid leading run of the offered prefix blocks
+    hashes: list[BlockHash]           # their chained hashes
+    num_tokens: int                   # tokens held once admitted
+    num_new_blocks: int               # blocks to take from the free queue
+    fits: bool                        # room for them, the revived prefix blocks and the watermark
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -154,8 +163,7 @@ class KVCacheManager:
         return 0
 
     def _admission_plan(self, token_ids: Sequence[int], num_new_tokens: int, prefix_blocks: Sequence[int],
-                        max_tokens: int | None) -> tuple[list[Block], list[BlockHash], int, int, bool]:
-        """(prefix blocks still valid, their hashes, tokens held after, new blocks needed, fits)."""
+                        max_tokens: int | None) -> _Admission:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         blocks, hashes = self._match_prefix(token_ids, len(prefix_blocks))
@@ -170,12 +178,12 @@ class KVCacheManager:
         num_new = total - k
         revived = sum(1 for block in blocks if block.ref_count == 0)
         fits = num_new + revived + self.watermark_blocks <= self.pool.num_free
-        return blocks, hashes, held, num_new, fits
+        return _Admission(blocks, hashes, held, num_new, fits)
 
     def can_allocate(self, token_ids: Sequence[int], num_new_tokens: int, *,
                      prefix_blocks: Sequence[int] = (), max_tokens: int | None = None) -> bool:
         """Would admitting this request succeed now (watermark included)? Changes nothing."""
-        return self._admission_plan(token_ids, num_new_tokens, prefix_blocks, max_tokens)[4]
+        return self._admission_plan(token_ids, num_new_tokens, prefix_blocks, max_tokens).fits
 
     def allocate_slots(self, req_id: str, token_ids: Sequence[int], num_new_tokens: int, *,
                        prefix_blocks: Sequence[int] = (), max_tokens: int | None = None) -> list[BlockCopy] | None:
@@ -198,13 +206,13 @@ class KVCacheManager:
 
     def _admit(self, req_id: str, token_ids: Sequence[int], num_new_tokens: int, prefix_blocks: Sequence[int],
                max_tokens: int | None) -> list[BlockCopy] | None:
-        blocks, hashes, held, num_new, fits = self._admission_plan(token_ids, num_new_tokens, prefix_blocks, max_tokens)
-        if not fits:
+        plan = self._admission_plan(token_ids, num_new_tokens, prefix_blocks, max_tokens)
+        if not plan.fits:
             return None
-        self.pool.touch(blocks)                       # before get_new_blocks, which could evict them
-        num_cached = len(blocks) * self.block_size
-        blocks += self.pool.get_new_blocks(num_new)
-        req = _Request(blocks, held, num_cached, hashes)
+        self.pool.touch(plan.prefix)                  # before get_new_blocks, which could evict them
+        num_cached = len(plan.prefix) * self.block_size
+        req = _Request(plan.prefix + self.pool.get_new_blocks(plan.num_new_blocks), plan.num_tokens, num_cached,
+                       plan.hashes)
         self._requests[req_id] = req
         if self.enable_prefix_caching:
             self.prefix_queries += len(token_ids)
@@ -271,11 +279,10 @@ class KVCacheManager:
     def swap_out(self, req_id: str) -> list[BlockCopy] | None:
         """Plan device->host copies of the blocks holding tokens and free the device blocks (cached ones
         stay findable). None, and no change, if the host pool is too small."""
-        if not self.can_swap_out(req_id):
-            self._running(req_id)                     # raises for unknown or swapped ids
-            return None
-        req = self._requests[req_id]
+        req = self._running(req_id)
         filled = _cdiv(req.num_tokens, self.block_size)
+        if filled > len(self._host_free):
+            return None
         copies: list[BlockCopy] = []
         swapped: list[tuple[int | None, tuple[int, ...] | None]] = []
         for i, block in enumerate(req.blocks):
