@@ -7,15 +7,27 @@ import sys
 
 import pytest
 
-# The real `pagedkv.cli.main`, limited to the sim subcommands so a test here
-# does not pay for importing the server and the model.
-RUNNER = ("import sys; from pagedkv import cli; "
-          "cli.COMMANDS = {k: v for k, v in cli.COMMANDS.items() if k in ('simulate', 'plan')}; "
-          "sys.exit(cli.main())")
+from pagedkv import cli
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`pagedkv ARGS` as a user runs it: its own process, exit code and stderr as they are."""
+    return subprocess.run([sys.executable, "-m", "pagedkv.cli", *args], capture_output=True, text=True, timeout=120)
 
 
-def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", RUNNER, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """The same `pagedkv.cli.main`, in this process (fast): exit code, stdout, stderr."""
+    try:
+        rc = cli.main(list(args))
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc: int, out: str, err: str) -> None:
+    assert rc == 2, out
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("pagedkv ") and "error:" in err
 
 
 def write_trace(tmp_path, lines: list[str], name="trace.jsonl"):
@@ -48,10 +60,10 @@ def test_json_from_a_trace_file_is_exact(tmp_path):
          "token_utilization": 930 / 960}]}
 
 
-def test_plot_is_a_png(tmp_path):
+def test_plot_is_a_png(tmp_path, capsys):
     png = tmp_path / "fit.png"
-    out = run_cli("simulate", "--requests", "20", "--plot", str(png))
-    assert out.returncode == 0, out.stderr
+    rc, _, err = run_main(capsys, "simulate", "--requests", "20", "--plot", str(png))
+    assert rc == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
@@ -68,11 +80,14 @@ BAD_TRACES = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_TRACES))
-def test_bad_trace_is_one_line_and_exit_2(tmp_path, case):
-    out = run_cli("simulate", "--trace", write_trace(tmp_path, BAD_TRACES[case]))
-    assert out.returncode == 2
-    assert out.stdout == "" and len(out.stderr.strip().splitlines()) == 1
-    assert out.stderr.startswith("pagedkv simulate: error:")
+def test_bad_trace_is_one_line_and_exit_2(tmp_path, capsys, case):
+    assert_one_line_error(*run_main(capsys, "simulate", "--trace", write_trace(tmp_path, BAD_TRACES[case])))
+
+
+def test_malformed_trace_in_a_real_process(tmp_path):
+    out = run_cli("simulate", "--trace", write_trace(tmp_path, ['{"prompt_tokens": 5, "output_tokens": 1}', "oops"]))
+    assert_one_line_error(out.returncode, out.stdout, out.stderr)
+    assert "line 2" in out.stderr
 
 
 @pytest.mark.parametrize("args", [
@@ -90,11 +105,13 @@ def test_bad_trace_is_one_line_and_exit_2(tmp_path, case):
     ["--unknown-flag"],
     ["--plot", "/nonexistent/dir/fit.png"],
 ])
-def test_bad_flags_are_one_line_and_exit_2(args):
-    out = run_cli("simulate", *args)
-    assert out.returncode == 2, out.stdout
-    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert out.stderr.startswith("pagedkv ") and "error:" in out.stderr
+def test_bad_flags_are_one_line_and_exit_2(capsys, args):
+    assert_one_line_error(*run_main(capsys, "simulate", *args))
+
+
+def test_bad_flag_in_a_real_process():
+    out = run_cli("simulate", "--policies", "paged:0")
+    assert_one_line_error(out.returncode, out.stdout, out.stderr)
 
 
 def test_dynamic_json_and_plot(tmp_path):
@@ -117,19 +134,18 @@ def test_dynamic_json_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_dynamic_table():
-    out = run_cli("simulate", "--dynamic", "--requests", "30", "--kv-memory", "2GiB")
-    assert out.returncode == 0, out.stderr
-    assert "replay through the block manager: 30 requests" in out.stdout
+def test_dynamic_table(capsys):
+    rc, out, err = run_main(capsys, "simulate", "--dynamic", "--requests", "30", "--kv-memory", "2GiB")
+    assert rc == 0, err
+    assert "replay through the block manager: 30 requests" in out
     assert sum(line.startswith(("reserve-max", "reserve-output", "paged:16", "paged:256"))
-               for line in out.stdout.splitlines()) == 4
+               for line in out.splitlines()) == 4
 
 
 @pytest.mark.parametrize("args", [
     ["--arrival-rate", "-1"], ["--arrival-rate", "nan"], ["--shared-prefix", "-3"],
     ["--kv-memory", "64MiB"],                           # 512 token slots: a generated request needs more
+    ["--plot", "/nonexistent/dir/replay.png"],
 ])
-def test_dynamic_bad_flags_are_one_line_and_exit_2(args):
-    out = run_cli("simulate", "--dynamic", "--requests", "5", *args)
-    assert out.returncode == 2, out.stdout
-    assert len(out.stderr.strip().splitlines()) == 1 and "error:" in out.stderr
+def test_dynamic_bad_flags_are_one_line_and_exit_2(capsys, args):
+    assert_one_line_error(*run_main(capsys, "simulate", "--dynamic", "--requests", "5", *args))

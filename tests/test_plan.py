@@ -8,7 +8,7 @@ import pytest
 from pagedkv.config import ConfigError
 from pagedkv.sim.plan import kv_bytes_per_block, plan_capacity
 from pagedkv.sim.shapes import KNOWN_SHAPES, default_model_path, resolve_shape, shape_from_gguf
-from tests.test_cli_sim import run_cli
+from tests.test_cli_sim import assert_one_line_error, run_cli, run_main
 
 
 def per_token(shape, dtype):
@@ -80,10 +80,10 @@ def test_bad_config_json_is_a_config_error(tmp_path, content):
         resolve_shape(str(tmp_path))
 
 
-def test_plan_cli_table_and_json():
-    out = run_cli("plan", "--shape", "llama3-8b")
-    assert out.returncode == 0, out.stderr
-    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()}
+def test_plan_cli_table_and_json(capsys):
+    rc, out, err = run_main(capsys, "plan", "--shape", "llama3-8b")
+    assert rc == 0, err
+    rows = {line.split()[0]: line.split() for line in out.splitlines()}
     assert rows["auto"][1:] == ["131,072", "426,784", "3"] and rows["fp8"][1] == "65,536"
     out = run_cli("plan", "--shape", "smollm2-135m", "--kv-cache-dtype", "fp8", "--memory", "1GiB",
                   "--memory-utilization", "0.5", "--context", "4096", "--json")
@@ -99,14 +99,13 @@ def test_plan_cli_table_and_json():
     ["--memory-utilization", "1.5"], ["--context", "0"], ["--block-size", "0"], ["--kv-cache-dtype", "int4"],
     ["--shape", "llama3-8b", "--model", "x.gguf"],
 ])
-def test_plan_bad_flags_are_one_line_and_exit_2(args):
-    out = run_cli("plan", *args)
-    assert out.returncode == 2 and out.stdout == ""
-    assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("pagedkv plan: error:")
+def test_plan_bad_flags_are_one_line_and_exit_2(capsys, args):
+    assert_one_line_error(*run_main(capsys, "plan", *args))
 
 
 def test_truncated_gguf_is_one_line_and_exit_2(tmp_path):
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(default_model_path().read_bytes()[:100_000])
     out = run_cli("plan", "--model", str(bad))
-    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert_one_line_error(out.returncode, out.stdout, out.stderr)
+    assert "cut.gguf" in out.stderr

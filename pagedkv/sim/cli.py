@@ -66,16 +66,17 @@ def format_table(result: SimResult, args: argparse.Namespace, num_requests: int)
 def run_static(args: argparse.Namespace, trace: list[TraceRequest]) -> int:
     result = simulate(trace, kv_memory=args.kv_memory, bytes_per_token=args.bytes_per_token,
                       max_model_len=args.max_model_len, max_output=args.max_output, policies=args.policies)
-    print(json.dumps(result.to_dict()) if args.json else format_table(result, args, len(trace)))
-    if args.plot:
+    if args.plot:  # before printing, so a bad path gives just the error
         from pagedkv.sim.plot import plot_static
         plot_static(result, args.plot)
+    print(json.dumps(result.to_dict()) if args.json else format_table(result, args, len(trace)))
     return 0
 
 
 def format_dynamic(results: list[DynamicResult], args: argparse.Namespace, pool_tokens: int, num_requests: int) -> str:
     arrivals = f"Poisson, {args.arrival_rate:g} per step" if args.arrival_rate else "all at step 0"
     lines = [f"replay through the block manager: {num_requests} requests ({arrivals}), pool {pool_tokens:,} token slots",
+             "(admission keeps the block manager's 1% watermark free, as the engine does)",
              f"{'policy':<16}{'peak running':>13}{'mean running':>13}{'steps':>8}{'preemptions':>12}"
              f"{'utilization mean / min':>24}{'prefix hits / queries':>26}"]
     for r in results:
@@ -94,13 +95,13 @@ def run_dynamic(args: argparse.Namespace, trace: list[TraceRequest]) -> int:
     results = replay(trace, parse_policies(args.policies), pool_tokens=pool, max_model_len=args.max_model_len,
                      max_output=args.max_output, arrival_rate=args.arrival_rate, seed=args.seed,
                      shared_prefix=args.shared_prefix, enable_prefix_caching=not args.no_prefix_caching)
+    if args.plot:
+        from pagedkv.sim.plot import plot_dynamic
+        plot_dynamic(results, args.plot)
     if args.json:
         print(json.dumps({"pool_tokens": pool, "policies": [r.summary() for r in results]}))
     else:
         print(format_dynamic(results, args, pool, len(trace)))
-    if args.plot:
-        from pagedkv.sim.plot import plot_dynamic
-        plot_dynamic(results, args.plot)
     return 0
 
 
