@@ -226,6 +226,6 @@ class KVMachine(RuleBasedStateMachine):
         assert st_.free == st_.num_blocks and st_.used == 0 and st_.host_free == st_.host_blocks
 
 
-KVMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=100, deadline=None,
+KVMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=80, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])
 TestKVStateful = KVMachine.TestCase
