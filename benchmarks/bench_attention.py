@@ -1,0 +1,149 @@
+"""Decode attention over block tables, one layer, against the memory bound.
+
+The W1-like case of shared/bench/README.md: 64 requests with contexts 100..900, 9 query heads,
+3 KV heads, head dim 64, 16-token blocks scattered through the pool. Each way runs over several
+layers' caches in turn so that the K/V come from memory, not from the last-level cache.
+
+    python benchmarks/bench_attention.py [--requests 64] [--dtypes float32,bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.attention import kernel
+
+
+@dataclass(slots=True)
+class Layer:
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass(slots=True)
+class Batch:
+    q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    layers: list[Layer]
+    scale: float
+
+
+def make_batch(args: argparse.Namespace, dtype: torch.dtype, gen: torch.Generator) -> Batch:
+    """Requests with their blocks drawn at random from a pool with 25% to spare."""
+    seq_lens = torch.randint(args.min_ctx, args.max_ctx + 1, (args.requests,), generator=gen, dtype=torch.int32)
+    blocks_each = (seq_lens + args.block_size - 1) // args.block_size
+    max_blocks = int(blocks_each.max())
+    num_blocks = int(int(blocks_each.sum()) * 1.25) + 1
+    pool = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    block_tables = torch.zeros(args.requests, max_blocks, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_each.tolist()):
+        block_tables[b, :n] = pool[used : used + n]
+        used += n
+    shape = (num_blocks, args.kv_heads, args.block_size, args.head_dim)
+    layers = [Layer(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+              for _ in range(args.layers)]
+    q = torch.randn(args.requests, args.q_heads, args.head_dim, generator=gen).to(dtype)
+    return Batch(q, seq_lens, block_tables, layers, args.head_dim**-0.5)
+
+
+def gather_sdpa(batch: Batch, layer: Layer) -> torch.Tensor:
+    """Gather every request's blocks into a padded batch, then one masked SDPA call (GQA)."""
+    _, kv_heads, block_size, head_dim = layer.k.shape
+    tables = batch.block_tables.long()
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        return cache[tables].permute(0, 2, 1, 3, 4).reshape(tables.shape[0], kv_heads, -1, head_dim)
+
+    k, v = gather(layer.k), gather(layer.v)
+    mask = (torch.arange(k.shape[2]) < batch.seq_lens.unsqueeze(1))[:, None, None, :]
+    out = F.scaled_dot_product_attention(batch.q.unsqueeze(2), k, v, attn_mask=mask, scale=batch.scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def loop_sdpa(batch: Batch, layer: Layer) -> torch.Tensor:
+    """The kernel module's torch path: per request, gather its blocks, then SDPA."""
+    out = torch.empty_like(batch.q)
+    return kernel._torch_attention(batch.q, layer.k, layer.v, None, batch.seq_lens, batch.block_tables,
+                                   batch.scale, out)
+
+
+def paged_kernel(batch: Batch, layer: Layer) -> torch.Tensor:
+    return kernel.paged_attention_decode(batch.q, layer.k, layer.v, batch.seq_lens, batch.block_tables, batch.scale)
+
+
+def time_per_layer(fn: Callable[[Batch, Layer], torch.Tensor], batch: Batch, rounds: int) -> float:
+    """Median milliseconds per layer over `rounds` passes through all layers."""
+    fn(batch, batch.layers[0])
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for layer in batch.layers:
+            fn(batch, layer)
+        samples.append((time.perf_counter() - start) * 1e3 / len(batch.layers))
+    return statistics.median(samples)
+
+
+def read_bandwidth(gib: float = 1.0) -> float:
+    """Bytes per second that torch reads (a sum over a buffer much larger than the caches)."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--min-ctx", type=int, default=100)
+    p.add_argument("--max-ctx", type=int, default=900)
+    p.add_argument("--q-heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=6, help="distinct layer caches cycled through")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--torch-rounds", type=int, default=3, help="rounds for the slow torch ways")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    start = time.perf_counter()
+    assert kernel.available(), "the C++ kernel did not build; see the warning above"
+    print(f"kernel ready in {time.perf_counter() - start:.1f} s "
+          f"(compiled now: {kernel.build_seconds is not None}), threads={torch.get_num_threads()}")
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print("| dtype | K/V read (MiB) | memory bound (ms) | kernel (ms) | per-request SDPA loop (ms) "
+          "| gather + SDPA (ms) | loop / kernel | gather / kernel | kernel / bound |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        batch = make_batch(args, dtype, torch.Generator().manual_seed(args.seed))
+        layer = batch.layers[0]
+        torch.testing.assert_close(paged_kernel(batch, layer).float(), loop_sdpa(batch, layer).float(),
+                                   atol=2e-2, rtol=2e-2)
+        elem = layer.k.element_size()
+        kv_bytes = int(batch.seq_lens.sum()) * args.kv_heads * args.head_dim * 2 * elem
+        bound = kv_bytes / bandwidth * 1e3
+        fast = time_per_layer(paged_kernel, batch, args.rounds)
+        loop = time_per_layer(loop_sdpa, batch, args.torch_rounds)
+        gather = time_per_layer(gather_sdpa, batch, args.torch_rounds)
+        print(f"| {name} | {kv_bytes / 2**20:.1f} | {bound:.2f} | {fast:.2f} | {loop:.1f} | {gather:.1f} "
+              f"| {loop / fast:.0f}x | {gather / fast:.0f}x | {fast / bound:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,577 @@
+// Paged attention on the CPU: every query row attends to its sequence's keys, read in place
+// through the block table (no gather), with an online softmax over tiles of keys.
+//
+// Work is cut into items of (sequence, KV head, run of query tokens, run of keys). An item
+// reads each of its K/V rows once and serves every query head of the KV head's group with
+// it (GQA), so K/V traffic is one pass per layer: the memory bound. Sequences too few to
+// keep every thread busy have their keys split across items (split-K); the partial results
+// are merged by log-sum-exp afterwards. Items run longest first on the caller's OpenMP
+// threads (torch's own libgomp), claimed from an atomic counter.
+//
+// Deliberately free of torch headers: the library compiles in a couple of seconds and is
+// called through ctypes, which releases the GIL for the call.
+//
+// Layouts (element strides):
+//   q   [T, Hq, D]  rows of one token q_stride apart, heads D apart
+//   out [T, Hq, D]  rows out_stride apart, heads D apart
+//   k, v [num_blocks, Hkv, block_size, D] contiguous
+//   query_start_loc [B+1] (null: every sequence has one query), seq_lens [B],
+//   block_tables [B, max_blocks]; query i of sequence b sits at position
+//   seq_lens[b] - qlen_b + i and sees keys at positions <= its own.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(PAGEDKV_PORTABLE)
+#define PAGEDKV_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+struct bf16 { uint16_t bits; };
+struct fp16 { uint16_t bits; };
+
+// ---------------------------------------------------------------------------------------
+// A few float32 vector operations; everything else is written in terms of these.
+#ifdef PAGEDKV_AVX512
+
+constexpr int W = 16;
+using Vec = __m512;
+using Mask = __mmask16;
+constexpr Mask kFull = 0xFFFF;
+
+inline Mask first_lanes(int n) { return static_cast<Mask>((1u << n) - 1u); }
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec set1(float x) { return _mm512_set1_ps(x); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline float hsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline float hmax(Vec v) { return _mm512_reduce_max_ps(v); }
+inline Vec masked(Vec v, Mask m, Vec fill) { return _mm512_mask_blend_ps(m, fill, v); }
+
+// Horizontal sums of many vectors at once, in two steps. reduce4 folds a0..a3 so that lane
+// 4q+j holds quarter q (four lanes) of a_j's sum; finish4 adds the quarters of four such
+// results so that lane 4g+j holds the whole sum of vector j of group g. About 3 operations
+// per sum instead of 10 for one sum at a time.
+inline Vec reduce4(Vec a0, Vec a1, Vec a2, Vec a3) {
+  const Vec b01 = add(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const Vec b23 = add(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  return add(_mm512_shuffle_ps(b01, b23, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(b01, b23, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+inline Vec finish4(const Vec* c) {
+  const Vec d01 = add(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const Vec d23 = add(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return add(_mm512_shuffle_f32x4(d01, d23, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(d01, d23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline Vec load(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+inline Vec load(const bf16* p, Mask m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline Vec load(const fp16* p, Mask m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+
+inline void store(float* p, Vec v, Mask m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store(bf16* p, Vec v, Mask m) {
+#ifdef __AVX512BF16__
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);  // a bit cast between vector types
+#else
+  // Round to nearest even: add 0x7FFF plus the lowest kept bit, then keep the top half.
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+  _mm256_mask_storeu_epi16(p, m, h);
+}
+inline void store(fp16* p, Vec v, Mask m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// exp(x) for x <= 0 (scores minus their running max), relative error ~1e-7: 2^n * e^r with
+// |r| <= ln2/2 and a degree-6 polynomial for e^r. Very negative x gives 0.
+inline Vec vexp(Vec x) {
+  x = _mm512_max_ps(x, set1(-104.0f));
+  const Vec n = _mm512_roundscale_ps(mul(x, set1(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = fma(n, set1(-0.693359375f), x);
+  r = fma(n, set1(2.12194440e-4f), r);
+  Vec p = set1(1.9875691500e-4f);
+  p = fma(p, r, set1(1.3981999507e-3f));
+  p = fma(p, r, set1(8.3334519073e-3f));
+  p = fma(p, r, set1(4.1665795894e-2f));
+  p = fma(p, r, set1(1.6666665459e-1f));
+  p = fma(p, r, set1(5.0000001201e-1f));
+  p = fma(p, mul(r, r), add(r, set1(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }  // into L2: L1 is too small for a tile ahead
+
+#else  // portable: plain loops the compiler may vectorise
+
+constexpr int W = 16;
+struct Vec { float x[W]; };
+using Mask = uint32_t;
+constexpr Mask kFull = (1u << W) - 1u;
+
+inline Mask first_lanes(int n) { return (1u << n) - 1u; }
+inline bool on(Mask m, int i) { return (m >> i) & 1u; }
+inline Vec zero() { return Vec{}; }
+inline Vec set1(float a) { Vec v; for (int i = 0; i < W; ++i) v.x[i] = a; return v; }
+inline Vec fma(Vec a, Vec b, Vec c) { for (int i = 0; i < W; ++i) c.x[i] += a.x[i] * b.x[i]; return c; }
+inline Vec add(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.x[i] += b.x[i]; return a; }
+inline Vec mul(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.x[i] *= b.x[i]; return a; }
+inline Vec sub(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.x[i] -= b.x[i]; return a; }
+inline Vec vmax(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.x[i] = std::max(a.x[i], b.x[i]); return a; }
+inline float hsum(Vec v) { float s = 0.f; for (int i = 0; i < W; ++i) s += v.x[i]; return s; }
+inline float hmax(Vec v) { float s = v.x[0]; for (int i = 1; i < W; ++i) s = std::max(s, v.x[i]); return s; }
+inline Vec masked(Vec v, Mask m, Vec fill) { for (int i = 0; i < W; ++i) if (!on(m, i)) v.x[i] = fill.x[i]; return v; }
+inline Vec reduce4(Vec a0, Vec a1, Vec a2, Vec a3) {
+  Vec r = zero(); r.x[0] = hsum(a0); r.x[1] = hsum(a1); r.x[2] = hsum(a2); r.x[3] = hsum(a3); return r;
+}
+inline Vec finish4(const Vec* c) {
+  Vec r = zero();
+  for (int g = 0; g < 4; ++g) for (int q = 0; q < 4; ++q) for (int j = 0; j < 4; ++j) r.x[4 * g + j] += c[g].x[4 * q + j];
+  return r;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { uint32_t b = uint32_t(x.bits) << 16; float f; std::memcpy(&f, &b, 4); return f; }
+inline float to_float(fp16 x) {
+  const uint32_t s = (x.bits >> 15) & 1u, e = (x.bits >> 10) & 31u, m = x.bits & 1023u;
+  float f = e == 0 ? std::ldexp(float(m), -24) : e == 31 ? (m ? NAN : INFINITY) : std::ldexp(float(m | 1024u), int(e) - 25);
+  return s ? -f : f;
+}
+inline void from_float(float a, float* p) { *p = a; }
+inline void from_float(float a, bf16* p) {
+  uint32_t b; std::memcpy(&b, &a, 4);
+  p->bits = static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+inline void from_float(float a, fp16* p) {
+  // Round to nearest through the float16 grid: frexp splits off the exponent exactly.
+  const uint16_t sign = std::signbit(a) ? 0x8000 : 0;
+  a = std::fabs(a);
+  if (std::isnan(a)) { p->bits = 0x7E00; return; }
+  if (a >= 65520.f) { p->bits = sign | 0x7C00; return; }
+  int e; std::frexp(a, &e);                       // a = f * 2^e, f in [0.5, 1)
+  const int q = std::max(e - 11, -24);            // spacing of the float16 grid near a
+  const uint32_t k = static_cast<uint32_t>(std::nearbyint(std::ldexp(a, -q)));
+  const uint32_t bits = (q == -24 && k < 1024u) ? k : ((uint32_t(q + 25) << 10) + (k - 1024u));
+  p->bits = sign | static_cast<uint16_t>(bits);
+}
+template <typename T> inline Vec load(const T* p, Mask m) {
+  Vec v; for (int i = 0; i < W; ++i) v.x[i] = on(m, i) ? to_float(p[i]) : 0.f; return v;
+}
+template <typename T> inline void store(T* p, Vec v, Mask m) {
+  for (int i = 0; i < W; ++i) if (on(m, i)) from_float(v.x[i], p + i);
+}
+inline Vec vexp(Vec v) { for (int i = 0; i < W; ++i) v.x[i] = std::exp(v.x[i]); return v; }
+inline void prefetch(const void* p) { __builtin_prefetch(p); }
+
+#endif
+
+// ---------------------------------------------------------------------------------------
+
+constexpr int kTile = 32;       // keys per online-softmax step (a multiple of W)
+constexpr int kRowBlock = 4;    // query rows whose accumulators stay in registers
+constexpr int kMaxRows = 32;    // query rows (tokens x group heads) per item, when G allows
+constexpr int kSplitMin = 256;  // fewest keys worth a split-K part of their own
+
+struct Problem {
+  const void* q; const void* k; const void* v; void* out;
+  const int32_t* qsl; const int32_t* seq_lens; const int32_t* block_tables;
+  int64_t T, B, max_blocks, num_blocks, Hq, Hkv, bs, D, q_stride, out_stride;
+  float scale;
+  int G() const { return static_cast<int>(Hq / Hkv); }
+  int64_t qstart(int64_t b) const { return qsl ? qsl[b] : b; }
+  int64_t qlen(int64_t b) const { return qsl ? qsl[b + 1] - qsl[b] : 1; }
+};
+
+// One unit of work: query tokens [q0, q1) of sequence b on KV head h, keys [k0, k1).
+// part >= 0 marks a split-K piece whose unnormalised result goes to the partials buffer.
+struct Item {
+  int32_t b, h, q0, q1, k0, k1, part;
+  int64_t cost;
+};
+
+// Per-thread scratch, sized once per call.
+struct Scratch {
+  int dp;                       // D rounded up to whole vectors
+  std::vector<float> qf, acc, s, m, l;
+  std::vector<const void*> rows_k, rows_v;  // K/V row addresses of two tiles: this one, the next
+  int cur = 0;                              // which half of rows_k / rows_v is this tile
+  Scratch(int rows, int dp_) : dp(dp_), qf(size_t(rows) * dp_), acc(size_t(rows) * dp_),
+      s(size_t(rows) * kTile), m(rows), l(rows), rows_k(2 * kTile), rows_v(2 * kTile) {}
+  const void* const* kp() const { return rows_k.data() + cur * kTile; }
+  const void* const* vp() const { return rows_v.data() + cur * kTile; }
+};
+
+// Scores for rows [0, NR) of a row block against the tile's keys: s[i][t] = q_i . k_t, for
+// whole groups of W keys (kp is padded to a multiple of W with valid addresses).
+template <int NR, int NC, typename T>
+inline void tile_scores(const float* qf, int dp, const void* const* kp, int nt, int nc, Mask tail, float* s) {
+  static_assert(W == 16, "four groups of four keys make one vector of scores");
+  const int ncv = NC ? NC : nc;
+  for (int t0 = 0; t0 < nt; t0 += W) {
+    Vec part[NR][4];
+    for (int g = 0; g < 4; ++g) {
+      Vec a[NR][4];
+      for (int i = 0; i < NR; ++i)
+        for (int j = 0; j < 4; ++j) a[i][j] = zero();
+      for (int c = 0; c < ncv; ++c) {
+        const Mask mk = c + 1 < ncv ? kFull : tail;
+        for (int j = 0; j < 4; ++j) {
+          const Vec kv = load(static_cast<const T*>(kp[t0 + 4 * g + j]) + c * W, mk);
+          for (int i = 0; i < NR; ++i) a[i][j] = fma(load(qf + i * dp + c * W, kFull), kv, a[i][j]);
+        }
+      }
+      for (int i = 0; i < NR; ++i) part[i][g] = reduce4(a[i][0], a[i][1], a[i][2], a[i][3]);
+    }
+    for (int i = 0; i < NR; ++i) store(s + i * kTile + t0, finish4(part[i]), kFull);
+  }
+}
+
+// acc[i][c0 .. c0+CB) += sum_t p[i][t] * v_t[c0 .. c0+CB) for rows [0, NR) of a row block.
+// NR * CB independent accumulators keep the FMA pipes busy.
+template <int NR, int CB, typename T>
+inline void tile_values_cols(const float* p, const void* const* vp, int nt, int c0, Mask last, float* acc, int dp) {
+  Vec a[NR][CB];
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < CB; ++c) a[i][c] = load(acc + i * dp + (c0 + c) * W, kFull);
+  for (int t = 0; t < nt; ++t) {
+    const T* v = static_cast<const T*>(vp[t]) + c0 * W;
+    for (int c = 0; c < CB; ++c) {
+      const Vec vv = load(v + c * W, c + 1 < CB ? kFull : last);
+      for (int i = 0; i < NR; ++i) a[i][c] = fma(set1(p[i * kTile + t]), vv, a[i][c]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < CB; ++c) store(acc + i * dp + (c0 + c) * W, a[i][c], kFull);
+}
+
+// acc[i] += sum_t p[i][t] * v_t, four vectors of the head dimension at a time.
+template <int NR, int NC, typename T>
+inline void tile_values(const float* p, const void* const* vp, int nt, int nc, Mask tail, float* acc, int dp) {
+  const int ncv = NC ? NC : nc;
+  int c0 = 0;
+  for (; c0 + 4 <= ncv; c0 += 4) tile_values_cols<NR, 4, T>(p, vp, nt, c0, c0 + 4 == ncv ? tail : kFull, acc, dp);
+  switch (ncv - c0) {
+    case 3: tile_values_cols<NR, 3, T>(p, vp, nt, c0, tail, acc, dp); break;
+    case 2: tile_values_cols<NR, 2, T>(p, vp, nt, c0, tail, acc, dp); break;
+    case 1: tile_values_cols<NR, 1, T>(p, vp, nt, c0, tail, acc, dp); break;
+    default: break;
+  }
+}
+
+// Calls F<NR> on each block of up to kRowBlock rows in [r0, r1).
+template <template <int> class F, typename... A>
+inline void for_row_blocks(int r0, int r1, A&&... args) {
+  for (int r = r0; r < r1; r += kRowBlock) {
+    switch (std::min(kRowBlock, r1 - r)) {
+      case 4: F<4>::run(r, args...); break;
+      case 3: F<3>::run(r, args...); break;
+      case 2: F<2>::run(r, args...); break;
+      default: F<1>::run(r, args...); break;
+    }
+  }
+}
+
+template <int NC, typename T>
+struct Attend {
+  const Problem& P;
+  const int D, nc, G;
+  const Mask tail;
+
+  explicit Attend(const Problem& p)
+      : P(p), D(int(p.D)), nc(int((p.D + W - 1) / W)), G(p.G()),
+        tail(first_lanes(int(p.D - (nc - 1) * W))) {}
+
+  template <int NR> struct Scores {
+    static void run(int r, const Attend& a, Scratch& ws, int nt) {
+      tile_scores<NR, NC, T>(ws.qf.data() + size_t(r) * ws.dp, ws.dp, ws.kp(), nt, a.nc, a.tail,
+                             ws.s.data() + size_t(r) * kTile);
+    }
+  };
+  template <int NR> struct Values {
+    static void run(int r, const Attend& a, Scratch& ws, int nt) {
+      tile_values<NR, NC, T>(ws.s.data() + size_t(r) * kTile, ws.vp(), nt, a.nc, a.tail,
+                             ws.acc.data() + size_t(r) * ws.dp, ws.dp);
+    }
+  };
+
+  // Finds the K/V rows of keys [t0, t0 + nt) of sequence b, head h, walking the block table
+  // (one division per tile), and asks the memory system for them ahead of use.
+  void locate(int64_t b, int64_t h, int64_t t0, int nt, const void** kp, const void** vp) const {
+    const int32_t* table = P.block_tables + b * P.max_blocks + t0 / P.bs;
+    int64_t off = t0 % P.bs;
+    const int64_t row_bytes = P.D * int64_t(sizeof(T));
+    const T* k = static_cast<const T*>(P.k);
+    const T* v = static_cast<const T*>(P.v);
+    int64_t base = ((int64_t(*table) * P.Hkv + h) * P.bs) * P.D;
+    for (int t = 0; t < nt; ++t) {
+      kp[t] = k + base + off * P.D;
+      vp[t] = v + base + off * P.D;
+      for (int64_t o = 0; o < row_bytes; o += 64) {
+        prefetch(static_cast<const char*>(kp[t]) + o);
+        prefetch(static_cast<const char*>(vp[t]) + o);
+      }
+      if (++off == P.bs && t + 1 < nt) {
+        off = 0;
+        base = ((int64_t(*++table) * P.Hkv + h) * P.bs) * P.D;
+      }
+    }
+    for (int t = nt; t % W; ++t) kp[t] = kp[nt - 1];  // scores past nt are computed, never used
+  }
+
+  // Row r = token index within the item * G + group head; rows are ordered by position.
+  void run(const Item& it, Scratch& ws, float* partial) const {
+    const int64_t b = it.b, h = it.h;
+    const int rows = (it.q1 - it.q0) * G;
+    const int64_t first_pos = P.seq_lens[b] - P.qlen(b) + it.q0;  // position of row 0
+    const T* q = static_cast<const T*>(P.q);
+    const Vec scale = set1(P.scale);
+    for (int r = 0; r < rows; ++r) {
+      const T* src = q + (P.qstart(b) + it.q0 + r / G) * P.q_stride + (h * G + r % G) * P.D;
+      float* dst = ws.qf.data() + size_t(r) * ws.dp;
+      for (int c = 0; c < nc; ++c) store(dst + c * W, mul(load(src + c * W, c + 1 < nc ? kFull : tail), scale), kFull);
+    }
+    std::fill(ws.acc.begin(), ws.acc.begin() + size_t(rows) * ws.dp, 0.f);
+    std::fill(ws.m.begin(), ws.m.begin() + rows, -std::numeric_limits<float>::infinity());
+    std::fill(ws.l.begin(), ws.l.begin() + rows, 0.f);
+
+    ws.cur = 0;
+    locate(b, h, it.k0, int(std::min<int64_t>(kTile, it.k1 - it.k0)), ws.rows_k.data(), ws.rows_v.data());
+    for (int64_t t0 = it.k0; t0 < it.k1; t0 += kTile, ws.cur ^= 1) {
+      const int nt = int(std::min<int64_t>(kTile, it.k1 - t0));
+      if (t0 + kTile < it.k1) {
+        const int next = (ws.cur ^ 1) * kTile;
+        locate(b, h, t0 + kTile, int(std::min<int64_t>(kTile, it.k1 - t0 - kTile)), ws.rows_k.data() + next,
+               ws.rows_v.data() + next);
+      }
+      // Rows whose position is before t0 see nothing in this tile.
+      const int r0 = int(std::clamp<int64_t>((t0 - first_pos) * G, 0, rows));
+      for_row_blocks<Scores>(r0, rows, *this, ws, nt);
+      for (int r = r0; r < rows; ++r) softmax_step(ws, r, int(std::min<int64_t>(nt, first_pos + r / G - t0 + 1)));
+      for_row_blocks<Values>(r0, rows, *this, ws, nt);
+    }
+    finish(it, ws, rows, partial);
+  }
+
+  // Turns the first n scores of row r into probabilities under the row's running max and
+  // rescales what the row has accumulated so far; scores from n on become 0.
+  static void softmax_step(Scratch& ws, int r, int n) {
+    float* s = ws.s.data() + size_t(r) * kTile;
+    const Vec ninf = set1(-std::numeric_limits<float>::infinity());
+    Vec mx = ninf;
+    for (int t = 0; t < n; t += W) mx = vmax(mx, masked(load(s + t, kFull), first_lanes(std::min(W, n - t)), ninf));
+    const float m_old = ws.m[r];
+    const float m_new = std::max(m_old, hmax(mx));
+    const Vec mv = set1(m_new);
+    Vec sum = zero();
+    for (int t = 0; t < kTile; t += W) {
+      const Mask live = first_lanes(std::clamp(n - t, 0, W));
+      const Vec p = masked(vexp(sub(load(s + t, kFull), mv)), live, zero());
+      store(s + t, p, kFull);
+      sum = add(sum, p);
+    }
+    const float alpha = std::exp(m_old - m_new);  // 0 on the first tile (m_old = -inf)
+    ws.l[r] = ws.l[r] * alpha + hsum(sum);
+    ws.m[r] = m_new;
+    if (alpha != 1.f) {
+      float* acc = ws.acc.data() + size_t(r) * ws.dp;
+      for (int c = 0; c < ws.dp; c += W) store(acc + c, mul(load(acc + c, kFull), set1(alpha)), kFull);
+    }
+  }
+
+  // Writes normalised rows to the output, or, for a split-K piece, the unnormalised
+  // accumulator followed by (max, sum) to its partials slot.
+  void finish(const Item& it, const Scratch& ws, int rows, float* partial) const {
+    for (int r = 0; r < rows; ++r) {
+      const float* acc = ws.acc.data() + size_t(r) * ws.dp;
+      if (it.part >= 0) {
+        float* dst = partial + size_t(r) * (ws.dp + 2);
+        std::memcpy(dst, acc, sizeof(float) * ws.dp);
+        dst[ws.dp] = ws.m[r];
+        dst[ws.dp + 1] = ws.l[r];
+        continue;
+      }
+      const Vec inv = set1(ws.l[r] > 0.f ? 1.f / ws.l[r] : 0.f);
+      T* dst = static_cast<T*>(P.out) + (P.qstart(it.b) + it.q0 + r / G) * P.out_stride + (it.h * G + r % G) * P.D;
+      for (int c = 0; c < nc; ++c) store(dst + c * W, mul(load(acc + c * W, kFull), inv), c + 1 < nc ? kFull : tail);
+    }
+  }
+
+  // Merges the split-K pieces [first, first + n) of one (sequence, head, query run).
+  void merge(const Item& it, const float* partials, int n, int dp) const {
+    const int rows = (it.q1 - it.q0) * G;
+    const size_t slot = size_t(rows) * (dp + 2);
+    std::vector<float> acc(dp);
+    for (int r = 0; r < rows; ++r) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int j = 0; j < n; ++j) m = std::max(m, partials[j * slot + size_t(r) * (dp + 2) + dp]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float l = 0.f;
+      for (int j = 0; j < n; ++j) {
+        const float* src = partials + j * slot + size_t(r) * (dp + 2);
+        if (src[dp + 1] == 0.f) continue;
+        const float w = std::exp(src[dp] - m);
+        l += w * src[dp + 1];
+        for (int c = 0; c < dp; c += W) store(acc.data() + c, fma(load(src + c, kFull), set1(w), load(acc.data() + c, kFull)), kFull);
+      }
+      const Vec inv = set1(l > 0.f ? 1.f / l : 0.f);
+      T* dst = static_cast<T*>(P.out) + (P.qstart(it.b) + it.q0 + r / G) * P.out_stride + (it.h * G + r % G) * P.D;
+      for (int c = 0; c < nc; ++c) store(dst + c * W, mul(load(acc.data() + c * W, kFull), inv), c + 1 < nc ? kFull : tail);
+    }
+  }
+};
+
+int fail(char* err, int errlen, const char* msg, long long a, long long b) {
+  std::snprintf(err, size_t(errlen), msg, a, b);
+  return 1;
+}
+
+// Checks everything that would otherwise read or write out of bounds.
+int validate(const Problem& P, char* err, int errlen) {
+  if (P.Hkv <= 0 || P.Hq % P.Hkv) return fail(err, errlen, "num_q_heads %lld is not a multiple of num_kv_heads %lld", P.Hq, P.Hkv);
+  if (P.D <= 0 || P.bs <= 0) return fail(err, errlen, "head_dim %lld and block_size %lld must be positive", P.D, P.bs);
+  if (P.qsl && (P.qsl[0] != 0 || P.qsl[P.B] != P.T))
+    return fail(err, errlen, "query_start_loc must run from 0 to the number of query tokens %lld, ends at %lld", P.T, P.qsl[P.B]);
+  if (!P.qsl && P.B != P.T) return fail(err, errlen, "decode wants one query per sequence: %lld queries, %lld sequences", P.T, P.B);
+  for (int64_t b = 0; b < P.B; ++b) {
+    const int64_t ctx = P.seq_lens[b], ql = P.qlen(b);
+    if (ql < 0 || ql > ctx) return fail(err, errlen, "sequence %lld has %lld queries but fewer keys", b, ql);
+    if (ctx > P.max_blocks * P.bs) return fail(err, errlen, "sequence %lld is longer (%lld) than its block table", b, ctx);
+    for (int64_t j = 0; j < (ctx + P.bs - 1) / P.bs; ++j) {
+      const int64_t blk = P.block_tables[b * P.max_blocks + j];
+      if (blk < 0 || blk >= P.num_blocks) return fail(err, errlen, "sequence %lld refers to block %lld outside the cache", b, blk);
+    }
+  }
+  return 0;
+}
+
+// Cuts the batch into items; long keys ranges are split when there are too few items to
+// keep `threads` busy.
+std::vector<Item> plan(const Problem& P, int threads, int rows_per_item) {
+  const int G = P.G();
+  const int qchunk = std::max(1, rows_per_item / G);
+  std::vector<Item> items;
+  for (int64_t b = 0; b < P.B; ++b) {
+    const int64_t ql = P.qlen(b), ctx = P.seq_lens[b];
+    for (int64_t q0 = 0; q0 < ql; q0 += qchunk) {
+      const int64_t q1 = std::min(ql, q0 + qchunk);
+      const int64_t kend = ctx - ql + q1;
+      for (int64_t h = 0; h < P.Hkv; ++h)
+        items.push_back({int32_t(b), int32_t(h), int32_t(q0), int32_t(q1), 0, int32_t(kend), -1, kend * (q1 - q0) * G});
+    }
+  }
+  // Split-K only helps when items are few; each piece keeps at least kSplitMin keys.
+  const int64_t want = int64_t(threads) * 4;
+  if (threads > 1 && int64_t(items.size()) < want) {
+    std::vector<Item> split;
+    const int64_t per = std::max<int64_t>(1, want / int64_t(items.size()));
+    for (const Item& it : items) {
+      const int64_t first_pos = P.seq_lens[it.b] - P.qlen(it.b) + it.q0;
+      // Keys before the item's first query position are seen by every row: only they split.
+      const int64_t n = std::min<int64_t>(per, first_pos / kSplitMin);
+      if (n < 2) { split.push_back(it); continue; }
+      const int64_t step = (first_pos / n + kTile - 1) / kTile * kTile;
+      int32_t part = 0;
+      for (int64_t k0 = 0; k0 < it.k1; k0 += step) {
+        Item piece = it;
+        piece.k0 = int32_t(k0);
+        piece.k1 = int32_t(k0 + step >= first_pos ? it.k1 : k0 + step);
+        piece.part = part++;
+        piece.cost = (piece.k1 - piece.k0) * (it.q1 - it.q0) * G;
+        split.push_back(piece);
+        if (piece.k1 == it.k1) break;
+      }
+    }
+    items.swap(split);
+  }
+  return items;
+}
+
+template <int NC, typename T>
+void run_problem(const Problem& P, int threads) {
+  const Attend<NC, T> attend(P);
+  const int G = P.G();
+  const int rows_max = std::max(G, kMaxRows / G * G);
+  const int dp = attend.nc * W;
+  std::vector<Item> items = plan(P, threads, rows_max);
+
+  // Split-K pieces get a slot each in `partials`, in item order.
+  std::vector<size_t> slot(items.size(), 0);
+  size_t total = 0;
+  for (size_t i = 0; i < items.size(); ++i)
+    if (items[i].part >= 0) { slot[i] = total; total += size_t((items[i].q1 - items[i].q0) * G) * (dp + 2); }
+  std::vector<float> partials(total);
+
+  std::vector<size_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return items[a].cost > items[b].cost; });
+
+  std::atomic<size_t> next{0};
+  const int nthreads = int(std::min<size_t>(size_t(threads), items.size()));
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+  {
+    Scratch ws(rows_max, dp);
+    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < order.size();) {
+      const size_t j = order[i];
+      attend.run(items[j], ws, partials.data() + slot[j]);
+    }
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (items[i].part != 0) continue;
+    int n = 1;
+    while (i + n < items.size() && items[i + n].part == n) ++n;
+    attend.merge(items[i], partials.data() + slot[i], n, dp);
+  }
+}
+
+template <typename T>
+void dispatch_dim(const Problem& P, int threads) {
+  if (P.D == 4 * W) run_problem<4, T>(P, threads);
+  else if (P.D == 8 * W) run_problem<8, T>(P, threads);
+  else run_problem<0, T>(P, threads);
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0, or 1 with a message in err.
+int pagedkv_paged_attention(int dtype, const void* q, const void* k, const void* v, void* out,
+                            const int32_t* query_start_loc, const int32_t* seq_lens,
+                            const int32_t* block_tables, int64_t T, int64_t B, int64_t max_blocks,
+                            int64_t num_blocks, int64_t Hq, int64_t Hkv, int64_t block_size,
+                            int64_t head_dim, int64_t q_stride, int64_t out_stride, float scale,
+                            int threads, char* err, int errlen) {
+  const Problem P{q, k, v, out, query_start_loc, seq_lens, block_tables, T, B, max_blocks,
+                  num_blocks, Hq, Hkv, block_size, head_dim, q_stride, out_stride, scale};
+  if (validate(P, err, errlen)) return 1;
+  threads = std::max(1, threads);
+  switch (dtype) {
+    case 0: dispatch_dim<float>(P, threads); return 0;
+    case 1: dispatch_dim<bf16>(P, threads); return 0;
+    case 2: dispatch_dim<fp16>(P, threads); return 0;
+    default: return fail(err, errlen, "unsupported dtype code %lld (%lld are known)", dtype, 3);
+  }
+}
+
+// Lanes per vector: 16 with the AVX-512 path, 8 for the portable loops.
+int pagedkv_vector_width() { return W; }
+
+}  // extern "C"

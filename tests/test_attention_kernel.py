@@ -1,0 +1,303 @@
+"""The C++ paged attention kernel against plain softmax attention over gathered K/V."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedkv.attention import kernel
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    scale: float
+
+
+def make_case(
+    gen: torch.Generator,
+    *,
+    seq_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> Case:
+    """Blocks for every sequence drawn at random from a pool with spare blocks; the block tables
+    are padded with block 0 past each sequence's last block."""
+    needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(needed) + 3
+    pool = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seq_lens), max(needed), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(needed):
+        tables[b, :n] = pool[used : used + n]
+        used += n
+    shape = (num_blocks, kv_heads, block_size, head_dim)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return Case(
+        q=torch.randn(starts[-1], kv_heads * group, head_dim, generator=gen).to(dtype),
+        k_cache=torch.randn(shape, generator=gen).to(dtype),
+        v_cache=torch.randn(shape, generator=gen).to(dtype),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        scale=head_dim**-0.5,
+    )
+
+
+def reference(c: Case) -> torch.Tensor:
+    """Float64 softmax attention: gather each sequence's K/V through its block table, query i of a
+    sequence with n queries and L keys sees keys 0 .. L - n + i."""
+    num_kv_heads, block_size = c.k_cache.shape[1], c.k_cache.shape[2]
+    group = c.q.shape[1] // num_kv_heads
+    out = torch.zeros(c.q.shape, dtype=torch.float64)
+    for b, length in enumerate(c.seq_lens.tolist()):
+        first, last = c.query_start_loc[b].item(), c.query_start_loc[b + 1].item()
+        if first == last:
+            continue
+        positions = torch.arange(length)
+        blocks = c.block_tables[b, positions // block_size].long()
+        offsets = positions % block_size
+        k = c.k_cache[blocks, :, offsets].double()  # [L, Hkv, D]
+        v = c.v_cache[blocks, :, offsets].double()
+        for i in range(last - first):
+            visible = length - (last - first) + i + 1
+            for head in range(c.q.shape[1]):
+                kv = head // group
+                scores = k[:visible, kv] @ c.q[first + i, head].double() * c.scale
+                out[first + i, head] = torch.softmax(scores, 0) @ v[:visible, kv]
+    return out
+
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def assert_matches(got: torch.Tensor, c: Case) -> None:
+    assert got.dtype == c.q.dtype and got.shape == c.q.shape
+    tol = TOLERANCE[c.q.dtype]
+    torch.testing.assert_close(got.double(), reference(c), atol=tol, rtol=tol)
+
+
+def test_kernel_is_built_here() -> None:
+    assert kernel.available(), "the compiler is installed here, so the kernel must build"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (4, 128), (3, 80)])
+def test_decode_matches_reference(dtype: torch.dtype, block_size: int, group: int, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(block_size * 1000 + group * 10 + head_dim)
+    # Lengths 1 .. 1000, including exactly full blocks and one-past-full ones.
+    lens = [1, 2, 17, block_size, block_size + 1, 1000] + torch.randint(1, 1001, (4,), generator=gen).tolist()
+    c = make_case(gen, seq_lens=lens, query_lens=[1] * len(lens), block_size=block_size, kv_heads=2,
+                  group=group, head_dim=head_dim, dtype=dtype)
+    got = kernel.paged_attention_decode(c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
+    assert_matches(got, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (4, 128), (3, 80)])
+def test_varlen_matches_reference(dtype: torch.dtype, block_size: int, group: int, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(7 + block_size + group + head_dim)
+    lens = [5, 40, 300, 999, 64]
+    # A whole prompt as one chunk, chunks of a longer prompt, a decode, a speculative burst, and
+    # a sequence with no queries in this step.
+    queries = [5, 33, 12, 1, 0]
+    c = make_case(gen, seq_lens=lens, query_lens=queries, block_size=block_size, kv_heads=3, group=group,
+                  head_dim=head_dim, dtype=dtype)
+    got = kernel.paged_attention_varlen(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens,
+                                        c.block_tables, c.scale)
+    assert_matches(got, c)
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 96, 100, 256])
+def test_unusual_head_dims(head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim)
+    c = make_case(gen, seq_lens=[1, 50, 333], query_lens=[1, 3, 2], block_size=16, kv_heads=2, group=3,
+                  head_dim=head_dim, dtype=torch.float32)
+    got = kernel.paged_attention_varlen(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens,
+                                        c.block_tables, c.scale)
+    assert_matches(got, c)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_long_single_sequence_split_across_threads(threads: int) -> None:
+    """One long sequence is cut into key ranges merged afterwards; the thread count must not
+    change the result."""
+    gen = torch.Generator().manual_seed(threads)
+    c = make_case(gen, seq_lens=[4000], query_lens=[1], block_size=16, kv_heads=1, group=4, head_dim=64,
+                  dtype=torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel.paged_attention_decode(c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
+        c2 = make_case(gen, seq_lens=[3000, 20], query_lens=[7, 2], block_size=32, kv_heads=2, group=3,
+                       head_dim=64, dtype=torch.float32)
+        got2 = kernel.paged_attention_varlen(c2.q, c2.k_cache, c2.v_cache, c2.query_start_loc, c2.seq_lens,
+                                             c2.block_tables, c2.scale)
+    finally:
+        torch.set_num_threads(before)
+    assert_matches(got, c)
+    assert_matches(got2, c2)
+
+
+def test_out_buffer_and_strided_queries() -> None:
+    """q may be a view into a fused QKV projection (rows further apart than Hq * D), and the
+    result can go into a slice of a preallocated buffer."""
+    gen = torch.Generator().manual_seed(3)
+    c = make_case(gen, seq_lens=[70, 9], query_lens=[1, 1], block_size=16, kv_heads=2, group=3, head_dim=64,
+                  dtype=torch.float32)
+    fused = torch.randn(2, 10, 64, generator=gen)
+    fused[:, :6] = c.q
+    q_view = fused[:, :6]
+    assert not q_view.is_contiguous()
+    buffer = torch.full((2, 10, 64), 7.0)
+    out = buffer[:, 2:8]
+    got = kernel.paged_attention_decode(q_view, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert_matches(got, c)
+    assert torch.all(buffer[:, :2] == 7.0) and torch.all(buffer[:, 8:] == 7.0)
+
+
+def test_metadata_in_int64_is_accepted() -> None:
+    gen = torch.Generator().manual_seed(4)
+    c = make_case(gen, seq_lens=[30], query_lens=[1], block_size=16, kv_heads=1, group=1, head_dim=64,
+                  dtype=torch.float32)
+    got = kernel.paged_attention_decode(c.q, c.k_cache, c.v_cache, c.seq_lens.long(), c.block_tables.long(), c.scale)
+    assert_matches(got, c)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: c.block_tables.__setitem__((0, 0), 10_000), "outside the cache"),
+        (lambda c: c.block_tables.__setitem__((0, 0), -1), "outside the cache"),
+        (lambda c: c.seq_lens.__setitem__(0, 10_000), "longer"),
+        (lambda c: c.query_start_loc.__setitem__(2, 40), "from 0 to"),
+        (lambda c: c.seq_lens.__setitem__(1, 1), "fewer keys"),
+    ],
+)
+def test_bad_metadata_is_refused_not_read(change, message: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    c = make_case(gen, seq_lens=[20, 30], query_lens=[1, 3], block_size=16, kv_heads=1, group=2, head_dim=64,
+                  dtype=torch.float32)
+    change(c)
+    with pytest.raises(ValueError, match=message):
+        kernel.paged_attention_varlen(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.block_tables,
+                                      c.scale)
+
+
+def test_mismatched_shapes_are_refused() -> None:
+    gen = torch.Generator().manual_seed(6)
+    c = make_case(gen, seq_lens=[20], query_lens=[1], block_size=16, kv_heads=2, group=1, head_dim=64,
+                  dtype=torch.float32)
+    with pytest.raises(ValueError, match="multiple"):
+        kernel.paged_attention_decode(c.q[:, :1].expand(1, 3, 64), c.k_cache, c.v_cache, c.seq_lens,
+                                      c.block_tables, c.scale)
+    with pytest.raises(ValueError, match="dtype"):
+        kernel.paged_attention_decode(c.q.double(), c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
+    with pytest.raises(ValueError, match="out must be"):
+        kernel.paged_attention_decode(c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale,
+                                      out=torch.empty(1, 2, 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_matches_reference(dtype: torch.dtype) -> None:
+    """The path used when the kernel cannot be built gives the same answers."""
+    gen = torch.Generator().manual_seed(8)
+    c = make_case(gen, seq_lens=[1, 100, 257], query_lens=[1, 4, 9], block_size=16, kv_heads=3, group=3,
+                  head_dim=64, dtype=dtype)
+    got = kernel._torch_attention(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.block_tables,
+                                  c.scale, torch.empty_like(c.q))
+    assert_matches(got, c)
+
+
+def test_build_failure_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    def broken() -> Path:
+        raise RuntimeError("Error building extension: no compiler")
+
+    monkeypatch.setattr(kernel, "_build", broken)
+    monkeypatch.setattr(kernel, "_loaded", False)
+    monkeypatch.setattr(kernel, "_lib", None)
+    gen = torch.Generator().manual_seed(9)
+    c = make_case(gen, seq_lens=[40, 3], query_lens=[1, 1], block_size=16, kv_heads=1, group=3, head_dim=64,
+                  dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger=kernel.__name__):
+        assert not kernel.available()
+        got = kernel.paged_attention_decode(c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
+        kernel.paged_attention_decode(c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "torch path" in warnings[0].getMessage()
+    assert_matches(got, c)
+
+
+def test_gil_is_released_during_the_call() -> None:
+    """Another Python thread keeps running while the kernel works."""
+    gen = torch.Generator().manual_seed(10)
+    c = make_case(gen, seq_lens=[1000] * 64, query_lens=[1] * 64, block_size=16, kv_heads=3, group=3,
+                  head_dim=64, dtype=torch.float32)
+    args = (c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
+    kernel.paged_attention_decode(*args)
+    start = time.perf_counter()
+    kernel.paged_attention_decode(*args)
+    one_call = time.perf_counter() - start
+    repeats = max(1, int(0.3 / one_call))
+
+    def work() -> None:
+        for _ in range(repeats):
+            kernel.paged_attention_decode(*args)
+
+    worker = threading.Thread(target=work)
+    ticks = 0
+    worker.start()
+    begun = time.perf_counter()
+    while worker.is_alive():
+        ticks += 1
+    busy = time.perf_counter() - begun
+    worker.join()
+    # With the GIL held for each call, this loop could only run between calls: a few ticks each.
+    assert ticks > 50 * repeats, (ticks, repeats, busy)
+
+
+@pytest.mark.slow
+def test_concurrent_first_builds_share_one_compile(tmp_path: Path) -> None:
+    """Two processes that start at once with an empty cache both end up with a working kernel."""
+    script = (
+        "import torch; from pagedkv.attention import kernel as k;"
+        "ok = k.available();"
+        "q = torch.randn(1, 2, 64); c = torch.randn(2, 1, 16, 64);"
+        "o = k.paged_attention_decode(q, c, c, torch.tensor([5], dtype=torch.int32),"
+        " torch.tensor([[1]], dtype=torch.int32), 0.125);"
+        "print(ok, k.build_seconds is not None, bool(torch.isfinite(o).all()))"
+    )
+    env = {**os.environ, "PAGEDKV_EXT_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    lines = [out.strip() for out, _ in results]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in results]
+    assert sorted(lines) == ["True False True", "True True True"], lines
+    built = list(tmp_path.glob("*/built"))
+    assert len(built) == 1
