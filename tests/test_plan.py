@@ -7,7 +7,7 @@ import pytest
 
 from pagedkv.config import ConfigError
 from pagedkv.sim.plan import kv_bytes_per_block, plan_capacity
-from pagedkv.sim.shapes import KNOWN_SHAPES, default_model_path, resolve_shape, shape_from_gguf
+from pagedkv.sim.shapes import KNOWN_SHAPES, default_model_path, resolve_shape
 from tests.test_cli_sim import assert_one_line_error, run_cli, run_main
 
 
@@ -52,11 +52,11 @@ def test_weights_larger_than_the_budget_leave_no_kv_cache():
 
 
 def test_gguf_metadata_of_the_default_model():
-    s = shape_from_gguf(default_model_path())
+    s = resolve_shape()  # no --model, no --shape: the default GGUF
+    assert s.source == "gguf" and s.name == "SmolLM2-135M-Instruct.Q4_1"
     assert (s.num_layers, s.num_kv_heads, s.head_dim, s.max_context) == (30, 3, 64, 8192)
     assert s.num_params == 134_515_008
     assert 80 * 2**20 < s.weight_bytes < default_model_path().stat().st_size  # Q4_1 tensors, not bf16
-    assert resolve_shape() == s
     assert per_token(s, "auto") == 23040
 
 

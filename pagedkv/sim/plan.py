@@ -57,9 +57,8 @@ class Plan:
         return asdict(self)
 
 
-def plan_capacity(shape: ModelShape, *, memory: int, memory_utilization: float = 0.9, context: int = 128000,
-                  block_size: int = 16, kv_dtypes: tuple[str, ...] = KV_CACHE_DTYPES) -> Plan:
-    """Tokens that fit in memory x utilization after the weights, and requests of `context` tokens."""
+def check_budget(memory: int, memory_utilization: float, context: int, block_size: int) -> None:
+    """The planner's numeric inputs, checked before any model file is read."""
     if memory < 1:
         raise ConfigError(f"--memory must be a positive size, got {memory}")
     if not 0.0 < memory_utilization <= 1.0:
@@ -68,6 +67,12 @@ def plan_capacity(shape: ModelShape, *, memory: int, memory_utilization: float =
         raise ConfigError(f"--context must be >= 1, got {context}")
     if block_size < 1:
         raise ConfigError(f"--block-size must be >= 1, got {block_size}")
+
+
+def plan_capacity(shape: ModelShape, *, memory: int, memory_utilization: float = 0.9, context: int = 128000,
+                  block_size: int = 16, kv_dtypes: tuple[str, ...] = KV_CACHE_DTYPES) -> Plan:
+    """Tokens that fit in memory x utilization after the weights, and requests of `context` tokens."""
+    check_budget(memory, memory_utilization, context, block_size)
     kv_memory = max(0, int(memory * memory_utilization) - shape.weight_bytes)
     blocks_per_request = -(-context // block_size)
     rows = []
@@ -77,5 +82,6 @@ def plan_capacity(shape: ModelShape, *, memory: int, memory_utilization: float =
         per_token = per_block / block_size
         rows.append(DtypeCapacity(dtype, int(per_token) if per_token.is_integer() else per_token, per_block,
                                   blocks, blocks * block_size, blocks // blocks_per_request))
-    return Plan(shape.name, shape.source, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.max_context, shape.num_params,
+    return Plan(shape.name, shape.source, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.max_context,
+                shape.num_params,
                 shape.weight_bytes, memory, memory_utilization, kv_memory, block_size, context, rows)

@@ -5,7 +5,7 @@ import argparse
 import json
 
 from pagedkv.config import KV_CACHE_DTYPES, format_size, parse_size
-from pagedkv.sim.plan import Plan, plan_capacity
+from pagedkv.sim.plan import Plan, check_budget, plan_capacity
 from pagedkv.sim.shapes import KNOWN_SHAPES, resolve_shape
 
 
@@ -45,9 +45,11 @@ def format_plan(plan: Plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    memory = parse_size(args.memory)
+    check_budget(memory, args.memory_utilization, args.context, args.block_size)  # before reading a model
     shape = resolve_shape(args.model, args.shape)
     dtypes = (args.kv_cache_dtype,) if args.kv_cache_dtype else KV_CACHE_DTYPES
-    plan = plan_capacity(shape, memory=parse_size(args.memory), memory_utilization=args.memory_utilization,
+    plan = plan_capacity(shape, memory=memory, memory_utilization=args.memory_utilization,
                          context=args.context, block_size=args.block_size, kv_dtypes=dtypes)
     print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
     return 0
