@@ -26,7 +26,7 @@ class Parser(argparse.ArgumentParser):
     """argparse, but errors are one line and exit 2 (argparse prints usage first)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"pagedkv {self.prog.split()[-1]}: error: {message}", file=sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:   # `pagedkv simulate | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
