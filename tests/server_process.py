@@ -18,14 +18,14 @@ import httpx
 import openai
 
 REPO = Path(__file__).resolve().parent.parent
-SERVE = [sys.executable, "/tmp/serve.py", "serve"]  # DEV ONLY: back to -m pagedkv.cli once bench lands
+SERVE = [sys.executable, "-m", "pagedkv.cli", "serve"]
 
 
 class ServerProcess:
-    def __init__(self, model: str, *args: str, api_key: str | None = None, start_timeout: float = 120.0) -> None:
+    def __init__(self, model: str | None, *args: str, api_key: str | None = None, start_timeout: float = 120.0) -> None:
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedkv-serve-", suffix=".log", delete=False)
-        cmd = [*SERVE, "--model", model, "--port", "0", *args]
+        cmd = [*SERVE, *(["--model", model] if model else []), "--port", "0", *args]   # None: the default model
         if api_key:
             cmd += ["--api-key", api_key]
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

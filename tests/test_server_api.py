@@ -322,3 +322,21 @@ def test_api_key_is_required_on_v1_routes(tiny_model_dir):
         good = srv.openai()
         assert good.completions.create(model=good.models.list().data[0].id, prompt="hi",
                                        max_tokens=2).usage.completion_tokens == 2
+
+
+@pytest.mark.slow
+def test_default_model_answers_a_chat():
+    """`pagedkv serve` with no --model serves SmolLM2-135M-Instruct, chat template and all."""
+    with ServerProcess(None, "--kv-cache-memory", "128MiB", "--max-model-len", "2048") as srv:
+        client = srv.openai()
+        model = client.models.list().data[0].id
+        out = client.chat.completions.create(
+            model=model, temperature=0, max_tokens=24,
+            messages=[{"role": "user", "content": "What is the capital of France? Answer in one word."}])
+        assert "Paris" in out.choices[0].message.content
+        assert out.choices[0].finish_reason in ("stop", "length")
+        chunks = list(client.chat.completions.create(
+            model=model, temperature=0, max_tokens=24, stream=True,
+            messages=[{"role": "user", "content": "What is the capital of France? Answer in one word."}]))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
+        srv.wait_idle()

@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 import uuid
+from abc import ABC, abstractmethod
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
@@ -107,6 +108,16 @@ def sse(payload: BaseModel | dict) -> str:
     return f"data: {body}\n\n"
 
 
+async def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Tokenize off the event loop: a megabyte of prompt takes most of a second."""
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+
+def token_decoder(tokenizer) -> Callable[[int], str]:
+    """One token's text for logprobs; special tokens (an end-of-turn, say) are shown, not dropped."""
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
 def usage_of(finals: list[RequestOutput]) -> api.Usage:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
@@ -124,18 +135,29 @@ class _Sent:
 
 
 @dataclass
-class _Format:
-    """Turns engine outputs into one endpoint's response objects."""
+class _Format(ABC):
+    """Turns engine outputs into one endpoint's response objects (completions or chat)."""
     id: str
     model: str
-    decode: Callable[[list[int]], str]
+    token: Callable[[int], str]
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def token(self, token_id: int) -> str:
-        return self.decode([token_id])
-
     def start(self, num_choices: int) -> list[BaseModel]:
+        """Chunks sent before any token (chat announces the assistant role)."""
         return []
+
+    @abstractmethod
+    def chunk(self, index: int, text: str, logprobs: list[Logprob] | None, offset: int,
+              o: CompletionOutput, finished: bool) -> BaseModel:
+        """One stream chunk: choice `index` grew by `text` (which starts at character `offset`)."""
+
+    @abstractmethod
+    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage) -> BaseModel:
+        """The whole non-streamed answer."""
+
+    @abstractmethod
+    def usage_chunk(self, usage: api.Usage) -> BaseModel:
+        """The last stream chunk when stream_options.include_usage is set."""
 
 
 class _CompletionFormat(_Format):
@@ -226,8 +248,8 @@ class OpenAIServing:
         self.check_model(req.model)
         params = req.sampling_params()
         tok = self.engine.tokenizer
-        prompts = [p if isinstance(p, list) else tok.encode(p, add_special_tokens=True) for p in req.prompt]
-        fmt = _CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.engine.model_name, tok.decode)
+        prompts = [p if isinstance(p, list) else await encode(tok, p, add_special_tokens=True) for p in req.prompt]
+        fmt = _CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.engine.model_name, token_decoder(tok))
         return await self._run(request, fmt, prompts, params, req.stream, req.include_usage)
 
     async def chat(self, req: api.ChatCompletionRequest, request: Request) -> Response:
@@ -235,8 +257,8 @@ class OpenAIServing:
         params = req.sampling_params()
         tok = self.engine.tokenizer
         text = tok.apply_chat_template([m.as_template_input() for m in req.messages], add_generation_prompt=True)
-        prompt = tok.encode(text, add_special_tokens=False)   # the template already has BOS and the like
-        fmt = _ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.engine.model_name, tok.decode)
+        prompt = await encode(tok, text, add_special_tokens=False)   # the template already has BOS and the like
+        fmt = _ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.engine.model_name, token_decoder(tok))
         return await self._run(request, fmt, [prompt], params, req.stream, req.include_usage)
 
     async def _run(self, request: Request, fmt: _Format, prompts: list[list[int]], params: SamplingParams,

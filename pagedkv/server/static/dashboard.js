@@ -64,7 +64,7 @@
   // ---------------------------------------------------------------- the block grid
   function layoutFor(count, width) {
     let cell = 22;
-    while (cell > 4 && Math.ceil(count / Math.max(1, Math.floor(width / cell))) * cell > MAX_GRID_HEIGHT) cell--;
+    while (cell > 3 && Math.ceil(count / Math.max(1, Math.floor(width / cell))) * cell > MAX_GRID_HEIGHT) cell--;
     const cols = Math.max(1, Math.floor(width / cell));
     return { cell, cols, rows: Math.ceil(count / cols), gap: cell >= 10 ? 2 : 1 };
   }
@@ -265,6 +265,7 @@
   }
 
   async function tick() {
+    if (document.hidden) { setTimeout(tick, REFRESH_MS); return; }   // no polling from a background tab
     try {
       const [snap, text] = await Promise.all([
         fetchOk("/v1/kv").then((r) => r.json()), fetchOk("/metrics").then((r) => r.text())]);
