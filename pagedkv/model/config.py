@@ -59,8 +59,10 @@ class LlamaConfig:
                 raise ConfigError(f"unsupported model option {flag}=true")
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"unsupported activation {d['hidden_act']!r} (Llama uses silu)")
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        if "type" in rope and "rope_type" not in rope:
+        # transformers 5 keeps RoPE in `rope_parameters`; older files have rope_theta + rope_scaling,
+        # and a legacy rope_scaling wins where both appear (as in transformers)
+        rope = {**(d.get("rope_parameters") or {}), **(d.get("rope_scaling") or {})}
+        if "type" in rope:
             rope["rope_type"] = rope.pop("type")
         theta = rope.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
         try:

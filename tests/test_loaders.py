@@ -1,0 +1,366 @@
+"""Loading: bad inputs give one-line ConfigErrors; GGUF dequantization and layout are exact."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from pagedkv.config import ConfigError
+from pagedkv.model.gguf_loader import dequantize, open_gguf
+from pagedkv.model.loader import fingerprint, load_model, resolve_dtype
+from pagedkv.model.tokenizer import Tokenizer
+
+
+def write_gguf(path: Path, arch: str = "llama", tensors: dict | None = None, meta=None) -> Path:
+    """A GGUF file: tensors maps name -> float32 array or (raw uint8 blocks, quant type)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    if meta:
+        meta(w)
+    for name, value in (tensors or {}).items():
+        if isinstance(value, tuple):
+            w.add_tensor(name, value[0], raw_dtype=value[1])
+        else:
+            w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def read_back(path: Path) -> np.ndarray:
+    return dequantize(open_gguf(path).tensors[0])
+
+
+# ---- one-line errors ------------------------------------------------------------------------------
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ConfigError, match="model not found"):
+        load_model(tmp_path / "nope.gguf", torch.float32)
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_text("definitely not a model\n")
+    with pytest.raises(ConfigError, match="not a GGUF file"):
+        load_model(path, torch.float32)
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"\0" * 16)
+    with pytest.raises(ConfigError, match="expected a .gguf file or a Hugging Face model folder"):
+        load_model(other, torch.float32)
+
+
+def test_truncated_gguf(tmp_path):
+    path = write_gguf(tmp_path / "t.gguf", tensors={"token_embd.weight": np.ones((64, 32), np.float32)})
+    data = path.read_bytes()
+    for cut in (len(data) - 1000, 40):    # the tensor data, then the header itself cut short
+        path.write_bytes(data[:cut])
+        with pytest.raises(ConfigError, match="corrupt or truncated GGUF file"):
+            load_model(path, torch.float32)
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    path = write_gguf(tmp_path / "q.gguf", arch="qwen2")
+    with pytest.raises(ConfigError, match="unsupported architecture 'qwen2'"):
+        load_model(path, torch.float32)
+
+
+def test_unsupported_hf_architecture_and_broken_folders(tiny_model_dir, tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(folder, torch.float32)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match="model.safetensors"):
+        load_model(folder, torch.float32)
+    weights.unlink()
+    with pytest.raises(ConfigError, match="no \\*.safetensors"):
+        load_model(folder, torch.float32)
+    (folder / "config.json").unlink()
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_model(folder, torch.float32)
+
+
+def test_sharded_hf_folder_loads_like_a_single_file(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path / "sharded"
+    shutil.copytree(tiny_model_dir, folder)
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: state[n] for n in part}, folder / file)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: f for f, part in halves.items() for n in part}}))
+    single, sharded = load_model(tiny_model_dir, torch.float32), load_model(folder, torch.float32)
+    for a, b in zip(single.model.state_dict().values(), sharded.model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert single.fingerprint != sharded.fingerprint
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ConfigError, match="shard\\(s\\) missing"):
+        load_model(folder, torch.float32)
+
+
+def test_missing_weight_is_named(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, folder)
+    state = load_file(folder / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, folder / "model.safetensors")
+    with pytest.raises(ConfigError, match="missing weights: model.layers.1.gate_up_proj"):
+        load_model(folder, torch.float32)
+
+
+def test_resolve_dtype_and_fingerprint(tmp_path):
+    assert resolve_dtype("float32") == torch.float32 and resolve_dtype("bfloat16") == torch.bfloat16
+    with open("/proc/cpuinfo") as f:
+        cpuinfo = f.read()
+    fast_bf16 = "avx512_bf16" in cpuinfo or "amx_bf16" in cpuinfo
+    assert resolve_dtype("auto") == (torch.bfloat16 if fast_bf16 else torch.float32)
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        resolve_dtype("int4")
+    a = tmp_path / "a.bin"
+    a.write_bytes(b"x" * 3_000_000)
+    first = fingerprint([a])
+    assert fingerprint([a]) == first
+    a.write_bytes(b"x" * 2_999_999 + b"y")    # the tail changed
+    assert fingerprint([a]) != first
+
+
+# ---- dequantization against the formats' definitions ----------------------------------------------
+
+def f16_bytes(x: float) -> np.ndarray:
+    return np.frombuffer(np.float16(x).tobytes(), np.uint8)
+
+
+def nibbles(qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return (qs & 0xF).astype(np.int32), (qs >> 4).astype(np.int32)
+
+
+def block_q8_0(rng):
+    d, q = rng.uniform(0.01, 1), rng.integers(-128, 128, 32).astype(np.int8)
+    raw = np.concatenate([f16_bytes(d), q.view(np.uint8)])
+    return raw, np.float16(d).astype(np.float32) * q
+
+
+def block_q4_0(rng):
+    d, qs = rng.uniform(0.01, 1), rng.integers(0, 256, 16).astype(np.uint8)
+    lo, hi = nibbles(qs)   # element i < 16 in the low nibble of byte i, element 16 + i in its high nibble
+    return np.concatenate([f16_bytes(d), qs]), np.float16(d).astype(np.float32) * (np.concatenate([lo, hi]) - 8)
+
+
+def block_q4_1(rng):
+    d, m, qs = rng.uniform(0.01, 1), rng.uniform(-1, 1), rng.integers(0, 256, 16).astype(np.uint8)
+    lo, hi = nibbles(qs)
+    want = np.float16(d).astype(np.float32) * np.concatenate([lo, hi]) + np.float16(m).astype(np.float32)
+    return np.concatenate([f16_bytes(d), f16_bytes(m), qs]), want
+
+
+def block_q4_k(rng):
+    d, dmin = rng.uniform(0.001, 0.1), rng.uniform(0.001, 0.1)
+    scales, qs = rng.integers(0, 256, 12).astype(np.uint8), rng.integers(0, 256, 128).astype(np.uint8)
+    want = np.empty(256, np.float32)
+    for j in range(8):   # 6-bit scale and min of sub-block j, packed into 12 bytes
+        if j < 4:
+            sc, mn = scales[j] & 63, scales[j + 4] & 63
+        else:
+            sc = (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4)
+            mn = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4)
+        chunk = qs[32 * (j // 2):32 * (j // 2) + 32]
+        q = nibbles(chunk)[j % 2]
+        want[32 * j:32 * j + 32] = np.float16(d).astype(np.float32) * sc * q - np.float16(dmin).astype(np.float32) * mn
+    return np.concatenate([f16_bytes(d), f16_bytes(dmin), scales, qs]), want
+
+
+def block_q6_k(rng):
+    d = rng.uniform(0.001, 0.1)
+    ql, qh = rng.integers(0, 256, 128).astype(np.uint8), rng.integers(0, 256, 64).astype(np.uint8)
+    sc = rng.integers(-128, 128, 16).astype(np.int8)
+    want = np.empty(256, np.float32)
+    df = np.float16(d).astype(np.float32)
+    for half in range(2):
+        l_, h_, s_, y = ql[64 * half:], qh[32 * half:], sc[8 * half:], 128 * half
+        for i in range(32):
+            q = [(l_[i] & 0xF) | (((h_[i] >> 0) & 3) << 4), (l_[i + 32] & 0xF) | (((h_[i] >> 2) & 3) << 4),
+                 (l_[i] >> 4) | (((h_[i] >> 4) & 3) << 4), (l_[i + 32] >> 4) | (((h_[i] >> 6) & 3) << 4)]
+            for k in range(4):
+                want[y + i + 32 * k] = df * s_[i // 16 + 2 * k] * (int(q[k]) - 32)
+    return np.concatenate([ql, qh, sc.view(np.uint8), f16_bytes(d)]), want
+
+
+@pytest.mark.parametrize("qtype,make", [(QT.Q8_0, block_q8_0), (QT.Q4_0, block_q4_0), (QT.Q4_1, block_q4_1),
+                                        (QT.Q4_K, block_q4_k), (QT.Q6_K, block_q6_k)],
+                         ids=["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_dequantize_hand_built_blocks(tmp_path, qtype, make):
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 3, 512
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = [make(rng) for _ in range(rows * cols // block_elems)]
+    assert all(len(raw) == block_bytes for raw, _ in blocks)
+    raw = np.concatenate([b for b, _ in blocks]).reshape(rows, -1)
+    want = np.concatenate([v for _, v in blocks]).reshape(rows, cols)
+    got = read_back(write_gguf(tmp_path / "q.gguf", tensors={"w.weight": (raw, qtype)}))
+    assert got.shape == (rows, cols) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_float_tensors_keep_their_values_and_shape(tmp_path, dtype):
+    x = np.random.default_rng(0).standard_normal((5, 7)).astype(dtype)
+    got = read_back(write_gguf(tmp_path / "f.gguf", tensors={"w.weight": x}))
+    assert got.shape == (5, 7) and np.array_equal(got, x.astype(np.float32))
+
+
+def test_bf16_tensor(tmp_path):
+    x = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
+    bf16 = (x.view(np.uint32) >> 16).astype(np.uint16)          # truncate to bfloat16
+    got = read_back(write_gguf(tmp_path / "b.gguf", tensors={"w.weight": (bf16.view(np.uint8), QT.BF16)}))
+    assert np.array_equal(got, (bf16.astype(np.uint32) << 16).view(np.float32))
+
+
+def test_reference_quantizer_round_trip(tmp_path):
+    # gguf's own quantizer output must come back within each format's error bound
+    x = np.random.default_rng(2).standard_normal((4, 256)).astype(np.float32)
+    for qtype, tol in [(QT.Q8_0, 0.02), (QT.Q4_0, 0.3), (QT.Q4_1, 0.3)]:
+        packed = gguf.quants.quantize(x, qtype)
+        got = read_back(write_gguf(tmp_path / f"{qtype.name}.gguf", tensors={"w.weight": (packed, qtype)}))
+        assert np.abs(got - x).max() < tol, qtype.name
+
+
+# ---- a whole model through GGUF -------------------------------------------------------------------
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows (interleave the two RoPE halves of each head)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_to_gguf(folder: Path, out: Path) -> Path:
+    """The tiny HF model as llama.cpp would convert it (float32, permuted q/k, GPT-2 BPE vocab)."""
+    from safetensors.numpy import load_file
+    cfg = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.get)
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])]   # as llama.cpp pads the vocab
+    specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def meta(w: gguf.GGUFWriter) -> None:
+        w.add_block_count(cfg["num_hidden_layers"])
+        w.add_context_length(cfg["max_position_embeddings"])
+        w.add_embedding_length(cfg["hidden_size"])
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(heads)
+        w.add_head_count_kv(kv_heads)
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_merges(merges)
+        w.add_token_types([3 if t in specials else 5 if t.startswith("[PAD") else 1 for t in tokens])
+        w.add_bos_token_id(cfg["bos_token_id"])
+        w.add_eos_token_id(cfg["eos_token_id"])
+        w.add_add_bos_token(False)
+        w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    tensors = {}
+    for name, w in load_file(folder / "model.safetensors").items():
+        if name in names:
+            tensors[names[name]] = w
+            continue
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        part = parts[rest.removesuffix(".weight")]
+        if part == "attn_q":
+            w = llama_cpp_permute(w, heads)
+        elif part == "attn_k":
+            w = llama_cpp_permute(w, kv_heads)
+        tensors[f"blk.{layer}.{part}.weight"] = w
+    return write_gguf(out, tensors=tensors, meta=meta)
+
+
+def test_gguf_model_equals_hf_model(tiny_model_dir, tmp_path):
+    folder = Path(tiny_model_dir)
+    from_gguf = load_model(hf_to_gguf(folder, tmp_path / "tiny.gguf"), torch.float32)
+    from_hf = load_model(folder, torch.float32)
+    assert from_gguf.config.num_key_value_heads == 2 and not from_gguf.config.tie_word_embeddings
+    for (name, a), b in zip(from_hf.model.state_dict().items(), from_gguf.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    text = "Hello world! Émigré café 😀 <|im_start|>blocks<|im_end|>"
+    assert from_gguf.tokenizer.encode(text) == from_hf.tokenizer.encode(text)
+    ids = from_gguf.tokenizer.encode(text)
+    assert from_gguf.tokenizer.decode(ids) == from_hf.tokenizer.decode(ids)
+    assert from_gguf.tokenizer.eos_token_ids == {2} and from_gguf.name == "tiny"
+    assert from_gguf.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "<|im_start|>x<|im_end|>"
+
+
+# ---- tokenizers -----------------------------------------------------------------------------------
+
+def test_sentencepiece_gguf_vocabulary():
+    # A SentencePiece ("llama") vocabulary: pieces ranked by score, byte fallback for the rest.
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    words = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello", "▁hello", "▁w", "or", "▁wor",
+             "ld", "▁world"]
+    tokens = pieces + words
+    scores = [0.0] * len(pieces) + [-float(i) for i in range(len(words))][::-1]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(words)
+    tok = Tokenizer.from_gguf_metadata({
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_bos_token": True})
+    ids = tok.encode("hello world!")
+    assert ids == [1, tokens.index("▁hello"), tokens.index("▁world"), 3 + ord("!")]
+    assert tok.decode(ids) == "hello world!"
+    assert tok.encode("hello", add_special_tokens=False) == [tokens.index("▁hello")]
+    assert tok.decode(tok.encode("wé")) == "wé"      # é only exists as bytes
+
+
+def _with_tokenizer_config(src, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    (dst / "tokenizer_config.json").write_text(json.dumps({**cfg, **changes}))
+    return dst
+
+
+def test_chat_template_helpers_and_errors(tiny_model_dir, tmp_path):
+    tok = Tokenizer.from_hf_folder(tiny_model_dir)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False).endswith("<|im_end|>\n")
+    template = ("{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+                "{{ strftime_now('%Y') | length }} {{ messages | tojson }} {{ bos_token }}")
+    strict = Tokenizer.from_hf_folder(_with_tokenizer_config(tiny_model_dir, tmp_path / "a", chat_template=template))
+    assert strict.apply_chat_template([{"role": "user", "content": "é"}]) == \
+        '4 [{"role": "user", "content": "é"}] <|endoftext|>'
+    with pytest.raises(ConfigError, match="one message only"):
+        strict.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    bare = Tokenizer.from_hf_folder(_with_tokenizer_config(tiny_model_dir, tmp_path / "b", chat_template=None))
+    with pytest.raises(ConfigError, match="no chat template"):
+        bare.apply_chat_template([{"role": "user", "content": "a"}])
+
+
+def test_add_bos_from_tokenizer_config(tiny_model_dir, tmp_path):
+    tok = Tokenizer.from_hf_folder(_with_tokenizer_config(tiny_model_dir, tmp_path / "m", add_bos_token=True))
+    assert tok.encode("Hello")[0] == tok.bos_token_id == 0
+    assert tok.encode("Hello", add_special_tokens=False)[0] != 0
+    assert tok.decode(tok.encode("Hello")) == "Hello"
+    assert Tokenizer.from_hf_folder(tiny_model_dir).encode("Hello")[0] != 0
