@@ -122,3 +122,16 @@ def test_play_panel_reacts_to_the_policy(server, browser):
     page.fill("#play-mem", "not a size")
     page.wait_for_selector("#play-error:not([hidden])")
     assert "size" in page.locator("#play-error").inner_text()
+
+
+def test_dashboard_asks_for_the_api_key(tiny_model_dir, browser):
+    with ServerProcess(tiny_model_dir, "--num-gpu-blocks-override", "64", api_key="k3y") as srv:
+        page = browser.new_page()
+        page.goto(srv.url + "/")
+        page.wait_for_selector("#key-form:not([hidden])")
+        assert page.locator("#status").inner_text() == "API key required"
+        page.fill("#key", "k3y")
+        page.click("#key-form button")
+        page.wait_for_function("() => +document.getElementById('grid').dataset.frame > 0", timeout=15_000)
+        assert page.locator("#count-free").inner_text() == "64"
+        page.wait_for_function("() => document.querySelectorAll('#play-table tbody tr').length === 3")

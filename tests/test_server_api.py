@@ -261,6 +261,11 @@ def test_bad_input_gets_an_openai_error(server, path, body, status):
     assert server.http.get("/health").status_code == 200
 
 
+def test_wrong_method_is_405_in_the_openai_shape(server):
+    r = server.http.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
 def test_the_openai_client_sees_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         complete(client, "hi", max_tokens=0)

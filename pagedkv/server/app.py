@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -140,6 +141,12 @@ class GracefulServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        for server in self.servers:
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                log.info(
+                    "pagedkv serves %s: OpenAI API at http://%s:%d/v1, dashboard at http://%s:%d/",
+                    self.engine.model_name, host, port, host, port)
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
@@ -166,8 +173,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, shutd
     from pagedkv.engine.async_engine import AsyncLLM
     engine = AsyncLLM(config)
     app = build_app(engine)
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level="info",
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)   # pagedkv's messages look like uvicorn's
+    log_config["loggers"]["pagedkv"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level="info", log_config=log_config,
                                timeout_graceful_shutdown=shutdown_timeout + 10)
-    server = GracefulServer(uv_config, engine, shutdown_timeout)
-    log.info("serving %s on http://%s:%d (dashboard at /)", engine.model_name, host, port)
-    server.run()
+    GracefulServer(uv_config, engine, shutdown_timeout).run()

@@ -118,6 +118,17 @@ def token_decoder(tokenizer) -> Callable[[int], str]:
     return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def check_not_aborted(finals: list[RequestOutput]) -> None:
+    """Only a shutdown aborts a request whose client is still there: tell the client so."""
+    if any(c.finish_reason == "abort" for o in finals for c in o.outputs):
+        raise APIError(503, "the server is shutting down; the request was aborted")
+
+
+def numbered_choices(finals: list[RequestOutput], n: int) -> list[tuple[int, CompletionOutput]]:
+    """OpenAI numbers choices across a batch: prompt i, sample j -> index i * n + j."""
+    return [(i * n + c.index, c) for i, o in enumerate(finals) for c in o.outputs]
+
+
 def usage_of(finals: list[RequestOutput]) -> api.Usage:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
@@ -230,9 +241,6 @@ class _ChatFormat(_Format):
         return self._chunk([], usage)
 
 
-SHUTDOWN = APIError(503, "the server is shutting down; the request was aborted")
-
-
 class OpenAIServing:
     """The two generation endpoints over one AsyncLLM."""
 
@@ -270,8 +278,8 @@ class OpenAIServing:
         try:
             if not stream:
                 finals = await until_disconnect(request, self._collect(events, len(prompts)))
-                choices = self._choices(finals, params.n)
-                body = fmt.response(choices, usage_of(finals)).model_dump_json()
+                check_not_aborted(finals)
+                body = fmt.response(numbered_choices(finals, params.n), usage_of(finals)).model_dump_json()
                 return Response(body, media_type="application/json")
             first = await until_disconnect(request, anext(events))
         except BaseException as e:
@@ -289,12 +297,6 @@ class OpenAIServing:
                     finals[i] = out
                     self.metrics.observe(out)
         return finals
-
-    @staticmethod
-    def _choices(finals: list[RequestOutput], n: int) -> list[tuple[int, CompletionOutput]]:
-        if any(c.finish_reason == "abort" for o in finals for c in o.outputs):
-            raise SHUTDOWN
-        return [(i * n + c.index, c) for i, o in enumerate(finals) for c in o.outputs]
 
     async def _stream(self, fmt: _Format, first: tuple[int, RequestOutput],
                       events: AsyncIterator[tuple[int, RequestOutput]], num: int, n: int,
@@ -316,7 +318,7 @@ class OpenAIServing:
                         finals[i] = out
                         self.metrics.observe(out)
                     item = await anext(events, None)
-            self._choices(finals, n)   # raises SHUTDOWN if the engine aborted us
+            check_not_aborted(finals)
             if include_usage:
                 yield sse(fmt.usage_chunk(usage_of(finals)))
         except Exception as e:  # noqa: BLE001 - the status is already sent: report in the stream
