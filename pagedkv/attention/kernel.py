@@ -130,17 +130,19 @@ def _check_shapes(
         raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    if any(t.device.type != "cpu" for t in (q, k_cache, v_cache, seq_lens, block_tables)):
+    if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and seq_lens.is_cpu and block_tables.is_cpu):
         raise ValueError("paged attention here runs on CPU tensors only")
     batch = seq_lens.shape[0]
     if seq_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"seq_lens must be [B] and block_tables [B, max_blocks], got "
                          f"{tuple(seq_lens.shape)} and {tuple(block_tables.shape)}")
-    if query_start_loc is not None and tuple(query_start_loc.shape) != (batch + 1,):
+    if query_start_loc is not None and (query_start_loc.dim() != 1 or query_start_loc.shape[0] != batch + 1):
         raise ValueError(f"query_start_loc must be [B + 1] = [{batch + 1}], got {tuple(query_start_loc.shape)}")
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.int32 and t.is_contiguous():
+        return t
     return t.to(torch.int32).contiguous()
 
 

@@ -183,12 +183,50 @@ inline void prefetch(const void* p) { __builtin_prefetch(p); }
 
 #endif
 
+// How a query row meets key rows. FloatDot: keys converted to float, q stored as scaled
+// float. Bf16Dot (bf16 keys on CPUs with AVX512_BF16): pairs of bf16 multiplied straight from
+// memory, q stored as raw bf16 and the scale applied to the scores.
+template <typename T>
+struct FloatDot {
+  using Q = float;
+  using K = Vec;
+  using M = Mask;
+  static constexpr int kElems = W;  // elements of a row per step
+  static constexpr bool kPrescaled = true;
+  static M tail(int n) { return first_lanes(n); }
+  static M full() { return kFull; }
+  using QV = Vec;
+  static K load_k(const T* k, M m) { return load(k, m); }
+  static QV load_q(const Q* q) { return load(q, kFull); }
+  static Vec step(Vec a, QV q, K k) { return fma(q, k, a); }
+};
+
+#if defined(PAGEDKV_AVX512) && defined(__AVX512BF16__)
+struct Bf16Dot {
+  using Q = bf16;
+  using K = __m512bh;
+  using M = __mmask32;
+  static constexpr int kElems = 32;
+  static constexpr bool kPrescaled = false;
+  static M tail(int n) { return static_cast<M>((uint64_t(1) << n) - 1u); }
+  static M full() { return ~M(0); }
+  using QV = __m512bh;
+  static K load_k(const bf16* k, M m) { return (K)_mm512_maskz_loadu_epi16(m, k); }  // a bit cast
+  static QV load_q(const Q* q) { return (QV)_mm512_loadu_si512(q); }
+  static Vec step(Vec a, QV q, K k) { return _mm512_dpbf16_ps(a, q, k); }
+};
+template <typename T> struct DotFor { using type = FloatDot<T>; };
+template <> struct DotFor<bf16> { using type = Bf16Dot; };
+#else
+template <typename T> struct DotFor { using type = FloatDot<T>; };
+#endif
+
 // ---------------------------------------------------------------------------------------
 
 constexpr int kTile = 32;       // keys per online-softmax step (a multiple of W)
 constexpr int kRowBlock = 4;    // query rows whose accumulators stay in registers
 constexpr int kMaxRows = 32;    // query rows (tokens x group heads) per item, when G allows
-constexpr int kSplitMin = 256;  // fewest keys worth a split-K part of their own
+constexpr int kSplitMin = 128;  // fewest keys worth a split-K part of their own
 
 struct Problem {
   const void* q; const void* k; const void* v; void* out;
@@ -220,27 +258,42 @@ struct Scratch {
 };
 
 // Scores for rows [0, NR) of a row block against the tile's keys: s[i][t] = q_i . k_t, for
-// whole groups of W keys (kp is padded to a multiple of W with valid addresses).
-template <int NR, int NC, typename T>
-inline void tile_scores(const float* qf, int dp, const void* const* kp, int nt, int nc, Mask tail, float* s) {
+// whole groups of W keys (kp is padded to a multiple of W with valid addresses). q holds the
+// rows qstride Dot::Q apart; NS steps of Dot::kElems cover the head dimension.
+template <int NR, int NS, typename Dot, typename T>
+inline void tile_scores(const typename Dot::Q* q, int qstride, const void* const* kp, int nt, int ns,
+                        typename Dot::M tail, float scale, float* s) {
   static_assert(W == 16, "four groups of four keys make one vector of scores");
-  const int ncv = NC ? NC : nc;
+  const int nsv = NS ? NS : ns;
+  // Small known shapes keep the query rows in registers; others read them from L1 each time.
+  constexpr bool kHold = NS > 0 && NR * NS <= 12;
+  typename Dot::QV held[kHold ? NR : 1][kHold ? NS : 1];
+  if constexpr (kHold)
+    for (int i = 0; i < NR; ++i)
+      for (int c = 0; c < NS; ++c) held[i][c] = Dot::load_q(q + i * qstride + c * Dot::kElems);
+  const auto query = [&](int i, int c) {
+    if constexpr (kHold) return held[i][c];
+    else return Dot::load_q(q + i * qstride + c * Dot::kElems);
+  };
   for (int t0 = 0; t0 < nt; t0 += W) {
     Vec part[NR][4];
     for (int g = 0; g < 4; ++g) {
       Vec a[NR][4];
       for (int i = 0; i < NR; ++i)
         for (int j = 0; j < 4; ++j) a[i][j] = zero();
-      for (int c = 0; c < ncv; ++c) {
-        const Mask mk = c + 1 < ncv ? kFull : tail;
+      for (int c = 0; c < nsv; ++c) {
+        const typename Dot::M mk = c + 1 < nsv ? Dot::full() : tail;
         for (int j = 0; j < 4; ++j) {
-          const Vec kv = load(static_cast<const T*>(kp[t0 + 4 * g + j]) + c * W, mk);
-          for (int i = 0; i < NR; ++i) a[i][j] = fma(load(qf + i * dp + c * W, kFull), kv, a[i][j]);
+          const typename Dot::K kv = Dot::load_k(static_cast<const T*>(kp[t0 + 4 * g + j]) + c * Dot::kElems, mk);
+          for (int i = 0; i < NR; ++i) a[i][j] = Dot::step(a[i][j], query(i, c), kv);
         }
       }
       for (int i = 0; i < NR; ++i) part[i][g] = reduce4(a[i][0], a[i][1], a[i][2], a[i][3]);
     }
-    for (int i = 0; i < NR; ++i) store(s + i * kTile + t0, finish4(part[i]), kFull);
+    for (int i = 0; i < NR; ++i) {
+      const Vec sc = finish4(part[i]);
+      store(s + i * kTile + t0, Dot::kPrescaled ? sc : mul(sc, set1(scale)), kFull);
+    }
   }
 }
 
@@ -291,18 +344,25 @@ inline void for_row_blocks(int r0, int r1, A&&... args) {
 
 template <int NC, typename T>
 struct Attend {
+  using Dot = typename DotFor<T>::type;
+  using Q = typename Dot::Q;
+  static constexpr int kQPerFloat = int(sizeof(float) / sizeof(Q));  // q row stride unit
+  static constexpr int NS = NC * W % Dot::kElems ? 0 : NC * W / Dot::kElems;
+
   const Problem& P;
-  const int D, nc, G;
+  const int D, nc, G, ns;
   const Mask tail;
+  const typename Dot::M dot_tail;
 
   explicit Attend(const Problem& p)
-      : P(p), D(int(p.D)), nc(int((p.D + W - 1) / W)), G(p.G()),
-        tail(first_lanes(int(p.D - (nc - 1) * W))) {}
+      : P(p), D(int(p.D)), nc(int((p.D + W - 1) / W)), G(p.G()), ns(int((p.D + Dot::kElems - 1) / Dot::kElems)),
+        tail(first_lanes(int(p.D - (nc - 1) * W))), dot_tail(Dot::tail(int(p.D - (ns - 1) * Dot::kElems))) {}
 
   template <int NR> struct Scores {
     static void run(int r, const Attend& a, Scratch& ws, int nt) {
-      tile_scores<NR, NC, T>(ws.qf.data() + size_t(r) * ws.dp, ws.dp, ws.kp(), nt, a.nc, a.tail,
-                             ws.s.data() + size_t(r) * kTile);
+      const int qstride = ws.dp * kQPerFloat;
+      tile_scores<NR, NS, Dot, T>(reinterpret_cast<const Q*>(ws.qf.data()) + size_t(r) * qstride, qstride, ws.kp(),
+                                  nt, a.ns, a.dot_tail, a.P.scale, ws.s.data() + size_t(r) * kTile);
     }
   };
   template <int NR> struct Values {
@@ -312,28 +372,44 @@ struct Attend {
     }
   };
 
-  // Finds the K/V rows of keys [t0, t0 + nt) of sequence b, head h, walking the block table
-  // (one division per tile), and asks the memory system for them ahead of use.
+  // Finds the K/V rows of keys [t0, t0 + nt) of sequence b, head h, walking the block table,
+  // and asks the memory system for them ahead of use (one contiguous run per block).
   void locate(int64_t b, int64_t h, int64_t t0, int nt, const void** kp, const void** vp) const {
     const int32_t* table = P.block_tables + b * P.max_blocks + t0 / P.bs;
     int64_t off = t0 % P.bs;
-    const int64_t row_bytes = P.D * int64_t(sizeof(T));
     const T* k = static_cast<const T*>(P.k);
     const T* v = static_cast<const T*>(P.v);
-    int64_t base = ((int64_t(*table) * P.Hkv + h) * P.bs) * P.D;
-    for (int t = 0; t < nt; ++t) {
-      kp[t] = k + base + off * P.D;
-      vp[t] = v + base + off * P.D;
-      for (int64_t o = 0; o < row_bytes; o += 64) {
-        prefetch(static_cast<const char*>(kp[t]) + o);
-        prefetch(static_cast<const char*>(vp[t]) + o);
+    for (int t = 0; t < nt; off = 0) {
+      const int64_t base = ((int64_t(*table++) * P.Hkv + h) * P.bs + off) * P.D;
+      const int n = int(std::min<int64_t>(nt - t, P.bs - off));
+      const char* kb = reinterpret_cast<const char*>(k + base);
+      const char* vb = reinterpret_cast<const char*>(v + base);
+      for (int64_t o = 0; o < n * P.D * int64_t(sizeof(T)); o += 64) {
+        prefetch(kb + o);
+        prefetch(vb + o);
       }
-      if (++off == P.bs && t + 1 < nt) {
-        off = 0;
-        base = ((int64_t(*++table) * P.Hkv + h) * P.bs) * P.D;
+      for (int i = 0; i < n; ++i, ++t) {
+        kp[t] = k + base + i * P.D;
+        vp[t] = v + base + i * P.D;
       }
     }
     for (int t = nt; t % W; ++t) kp[t] = kp[nt - 1];  // scores past nt are computed, never used
+  }
+
+  // Copies the item's query rows into scratch in the form Dot wants, zero-padded.
+  void load_queries(const Item& it, Scratch& ws, int rows) const {
+    const T* q = static_cast<const T*>(P.q);
+    const Vec scale = set1(P.scale);
+    for (int r = 0; r < rows; ++r) {
+      const T* src = q + (P.qstart(it.b) + it.q0 + r / G) * P.q_stride + (it.h * G + r % G) * P.D;
+      float* dst = ws.qf.data() + size_t(r) * ws.dp;
+      if constexpr (Dot::kPrescaled) {
+        for (int c = 0; c < nc; ++c) store(dst + c * W, mul(load(src + c * W, c + 1 < nc ? kFull : tail), scale), kFull);
+      } else {
+        std::fill(dst, dst + ws.dp, 0.f);
+        std::memcpy(dst, src, size_t(D) * sizeof(T));
+      }
+    }
   }
 
   // Row r = token index within the item * G + group head; rows are ordered by position.
@@ -341,13 +417,7 @@ struct Attend {
     const int64_t b = it.b, h = it.h;
     const int rows = (it.q1 - it.q0) * G;
     const int64_t first_pos = P.seq_lens[b] - P.qlen(b) + it.q0;  // position of row 0
-    const T* q = static_cast<const T*>(P.q);
-    const Vec scale = set1(P.scale);
-    for (int r = 0; r < rows; ++r) {
-      const T* src = q + (P.qstart(b) + it.q0 + r / G) * P.q_stride + (h * G + r % G) * P.D;
-      float* dst = ws.qf.data() + size_t(r) * ws.dp;
-      for (int c = 0; c < nc; ++c) store(dst + c * W, mul(load(src + c * W, c + 1 < nc ? kFull : tail), scale), kFull);
-    }
+    load_queries(it, ws, rows);
     std::fill(ws.acc.begin(), ws.acc.begin() + size_t(rows) * ws.dp, 0.f);
     std::fill(ws.m.begin(), ws.m.begin() + rows, -std::numeric_limits<float>::infinity());
     std::fill(ws.l.begin(), ws.l.begin() + rows, 0.f);
