@@ -37,11 +37,11 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
-        self.code = code if code is not None else _TYPES.get(status, ("", None))[1]
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The OpenAI error object; `code` defaults to one that names the status."""
     kind, default_code = _TYPES.get(status, ("invalid_request_error" if status < 500 else "server_error", None))
     return {"error": {"message": message, "type": kind, "param": param,
                       "code": code if code is not None else default_code}}
