@@ -20,7 +20,11 @@ log = logging.getLogger("pagedkv")
 
 
 class QueueFullError(Exception):
-    """The waiting queue is at --max-waiting: the client should retry later (HTTP 503)."""
+    """The waiting queue is at --max-waiting: the client should retry later (HTTP 429)."""
+
+
+class ShuttingDownError(Exception):
+    """The engine is stopping and takes no new request (HTTP 503)."""
 
 
 class AsyncLLM:
@@ -62,7 +66,7 @@ class AsyncLLM:
                        add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs as tokens arrive; the last has finished=True. Closing the iterator aborts."""
         if self._stopping:
-            raise QueueFullError("the server is shutting down")
+            raise ShuttingDownError("the server is shutting down")
         ids = self.engine.tokenize(prompt, add_special_tokens)
         self.engine.validate(ids, params)
         queue: asyncio.Queue = asyncio.Queue()
