@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from pagedkv.attention import paged
 from pagedkv.attention.paged import AttentionMetadata, contiguous_attention, paged_attention, write_kv
 from pagedkv.kv.storage import KVStorage
 
@@ -106,6 +107,13 @@ def test_gqa_and_partly_filled_blocks(num_q_heads, num_kv_heads):
         ctx = [1, 15, 16, 17, 33, 48]
         batch = PagedBatch(ctx, qlens_of(ctx), 16, num_q_heads, num_kv_heads, 64, torch.float32, seed=3)
         torch.testing.assert_close(batch.run(0.125), batch.reference(0.125), atol=2e-5, rtol=2e-5)
+
+
+def test_prefill_in_query_chunks(monkeypatch):
+    # A small score budget splits each prompt into chunks of a few queries, each seeing only its keys.
+    monkeypatch.setattr(paged, "_SCORE_BYTES", 4 * 8 * 300 * 7)
+    batch = PagedBatch([300, 130, 57], [300, 45, 57], 16, 8, 2, 32, torch.float32, seed=9)
+    torch.testing.assert_close(batch.run(0.2), batch.reference(0.2), atol=2e-5, rtol=2e-5)
 
 
 def test_write_kv_puts_each_token_in_its_slot():

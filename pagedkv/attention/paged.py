@@ -79,11 +79,13 @@ class _Workspace:
 
 
 _workspace = _Workspace()
+_SCORE_BYTES = 16 << 20   # float32 scores of one prefill chunk
 
 
-def _decode_indices(meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> tuple[Tensor, Tensor, int]:
+def _decode_indices(meta: AttentionMetadata, num_kv_heads: int, like: Tensor) -> tuple[Tensor, Tensor, int]:
     """Flat (block, head) rows to gather for a decode batch, and the additive padding mask."""
-    key = ("decode", num_kv_heads, device)
+    device = like.device
+    key = ("decode", num_kv_heads, device, like.dtype)
     if key not in meta._cache:
         max_blocks = -(-max(meta.seq_lens_list) // meta.block_size)
         tables = meta.block_tables[:, :max_blocks].to(device=device, dtype=torch.int64)
@@ -92,7 +94,7 @@ def _decode_indices(meta: AttentionMetadata, num_kv_heads: int, device: torch.de
         length = max_blocks * meta.block_size
         pos = torch.arange(length, device=device)
         pad = pos[None, :] >= meta.seq_lens.to(device)[:, None]           # [B, L]
-        bias = torch.zeros(pad.shape, dtype=torch.float32, device=device).masked_fill_(pad, float("-inf"))
+        bias = torch.zeros(pad.shape, dtype=like.dtype, device=device).masked_fill_(pad, float("-inf"))
         meta._cache[key] = (rows, bias[:, None, None, :], length)
     return meta._cache[key]
 
@@ -106,7 +108,7 @@ def _decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata
     """
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
-    rows, bias, length = _decode_indices(meta, num_kv_heads, q.device)
+    rows, bias, length = _decode_indices(meta, num_kv_heads, k_cache)
     flat = (num_blocks * num_kv_heads, block_size, head_dim)
     shape = (rows.numel(), block_size, head_dim)
     k = torch.index_select(k_cache.view(flat), 0, rows, out=_workspace.get("k", shape, k_cache))
@@ -116,14 +118,50 @@ def _decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata
     # The query heads of one KV head become its "query rows": no K/V expansion for GQA.
     group = num_q_heads // num_kv_heads
     qg = (q * scale).to(k.dtype).view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float().add_(bias)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).view(num_seqs, num_q_heads, head_dim).to(q.dtype)
+    out = _masked_attention(qg, k, v, bias, (num_seqs, num_kv_heads, group, length))
+    return out.view(num_seqs, num_q_heads, head_dim).to(q.dtype)
+
+
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, grouped: tuple[int, ...]) -> Tensor:
+    """softmax(q k^T + bias) v, with q already scaled.
+
+    Everything runs in the cache dtype: bf16 GEMMs are 2-3x faster than
+    float32 ones on AVX-512 BF16 CPUs, and torch's bf16 softmax computes in
+    float32 inside (same result as upcasting, half the time). The scores are
+    viewed as `grouped` to add `bias` (0 or -inf). Measured on CPU: faster
+    than scaled_dot_product_attention for both decode (a padding mask) and
+    prefill (a causal mask).
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    scores.view(grouped).add_(bias)
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 def _prefill_one(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """q [Lq, Hq, D] against one sequence's whole context k, v [Hkv, L, D]; causal, bottom-aligned."""
-    return contiguous_attention(q, k.transpose(0, 1), v.transpose(0, 1), scale, k.shape[1] - q.shape[0])
+    """q [Lq, Hq, D] against one sequence's whole context k, v [Hkv, L, D]; causal, bottom-aligned.
+
+    Queries go in chunks that keep the float32 scores under _SCORE_BYTES, and
+    each chunk reads only the keys its last query can see.
+    """
+    qlen, num_q_heads, head_dim = q.shape
+    num_kv_heads, klen, _ = k.shape
+    group = num_q_heads // num_kv_heads
+    offset = klen - qlen
+    # [Hkv, G, Lq, D]: each KV head's query heads and tokens become its rows (no K/V expansion for GQA)
+    qg = (q * scale).to(k.dtype).view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    out = torch.empty(qlen, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    chunk = max(1, _SCORE_BYTES // (4 * num_q_heads * klen))
+    keys = torch.arange(klen, device=q.device)
+    for a in range(0, qlen, chunk):
+        b = min(qlen, a + chunk)
+        seen = offset + b
+        qpos = torch.arange(offset + a, seen, device=q.device)
+        future = keys[None, :seen] > qpos[:, None]
+        bias = torch.zeros(b - a, seen, dtype=k.dtype, device=q.device).masked_fill_(future, float("-inf"))
+        rows = qg[:, :, a:b].reshape(num_kv_heads, group * (b - a), head_dim)
+        o = _masked_attention(rows, k[:, :seen], v[:, :seen], bias, (num_kv_heads, group, b - a, seen))
+        out[a:b] = o.view(num_kv_heads, group, b - a, head_dim).permute(2, 0, 1, 3).reshape(b - a, num_q_heads, head_dim)
+    return out
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
