@@ -286,7 +286,7 @@ def test_concurrent_first_builds_share_one_compile(tmp_path: Path) -> None:
     """Two processes that start at once with an empty cache both end up with a working kernel."""
     script = (
         "import torch; from pagedkv.attention import kernel as k;"
-        "ok = k.available();"
+        "key = k._build_key(); ok = k.available() and k._build_key() == key;"
         "q = torch.randn(1, 2, 64); c = torch.randn(2, 1, 16, 64);"
         "o = k.paged_attention_decode(q, c, c, torch.tensor([5], dtype=torch.int32),"
         " torch.tensor([[1]], dtype=torch.int32), 0.125);"

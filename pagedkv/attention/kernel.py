@@ -28,8 +28,8 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ERR_LEN = 512
 
@@ -254,8 +254,10 @@ def _build() -> Path:
         from torch.utils import cpp_extension
 
         start = time.perf_counter()
-        cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-                           build_directory=str(build_dir), is_python_module=False, verbose=False)
+        # (load() appends to the flag lists it is given: hand it copies.)
+        cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
+                           extra_ldflags=list(_LDFLAGS), build_directory=str(build_dir), is_python_module=False,
+                           verbose=False)
         build_seconds = time.perf_counter() - start
         done.touch()
         logger.info("compiled the paged attention kernel in %.1f s into %s", build_seconds, build_dir)
