@@ -152,6 +152,23 @@ def test_two_chunk_prefill_gives_the_same_tokens(tiny):
     assert chunked == whole
 
 
+def test_decodes_and_prefills_in_one_step_give_the_same_tokens(tiny):
+    # Continuous batching: sequence 0 decodes while the others prefill in the same forward.
+    lm, _ = tiny
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+    want = PagedDriver(lm, 4, 128).greedy([Seq(list(p)) for p in prompts], 7)
+    driver = PagedDriver(lm, 4, 128, seed=2)
+    seqs = [Seq(list(p)) for p in prompts]
+    outs: list[list[int]] = [[] for _ in seqs]
+    work = [(seqs[0], len(prompts[0]))]
+    for step in range(7):
+        for i, token in zip(range(len(work)), driver.step(work).argmax(-1).tolist()):
+            outs[i].append(token)
+            seqs[i].tokens.append(token)
+        work = [(seqs[0], 1)] + [(s, len(s.tokens)) for s in seqs[1:]] if step == 0 else [(s, 1) for s in seqs]
+    assert outs[0] == want[0] and outs[1:] == [w[:6] for w in want[1:]]
+
+
 def test_shared_prefix_blocks_give_the_same_tokens(tiny):
     # B reuses A's first two blocks (as a prefix cache hit would) and computes only its own suffix.
     lm, _ = tiny

@@ -79,7 +79,7 @@ class _Workspace:
 
 
 _workspace = _Workspace()
-_SCORE_BYTES = 16 << 20   # float32 scores of one prefill chunk
+_SCORE_BYTES = 16 << 20   # scores of one prefill chunk, counted at 4 bytes each
 
 
 def _decode_indices(meta: AttentionMetadata, num_kv_heads: int, like: Tensor) -> tuple[Tensor, Tensor, int]:
@@ -100,12 +100,7 @@ def _decode_indices(meta: AttentionMetadata, num_kv_heads: int, like: Tensor) ->
 
 
 def _decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-    """All sequences at once: gather their blocks padded to the longest, mask the padding.
-
-    Scores come out of a batched matmul in the cache dtype and get the
-    softmax in float32 (like HF's eager attention); measured faster on CPU
-    than SDPA with a mask, in both float32 and bfloat16.
-    """
+    """All sequences at once: gather their blocks padded to the longest, mask the padding."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     rows, bias, length = _decode_indices(meta, num_kv_heads, k_cache)
@@ -140,8 +135,8 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, grouped: tu
 def _prefill_one(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """q [Lq, Hq, D] against one sequence's whole context k, v [Hkv, L, D]; causal, bottom-aligned.
 
-    Queries go in chunks that keep the float32 scores under _SCORE_BYTES, and
-    each chunk reads only the keys its last query can see.
+    Queries go in chunks that keep the scores under _SCORE_BYTES, and each
+    chunk reads only the keys its last query can see.
     """
     qlen, num_q_heads, head_dim = q.shape
     num_kv_heads, klen, _ = k.shape
@@ -164,19 +159,46 @@ def _prefill_one(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return out
 
 
+def _decode_part(meta: AttentionMetadata) -> tuple[AttentionMetadata, Tensor, frozenset[int]]:
+    """The one-token queries of a mixed step as a decode batch of their own: its metadata,
+    their rows in q, and their sequence indices (built once per step)."""
+    if "decode_part" not in meta._cache:
+        seqs = [b for b, n in enumerate(meta.query_lens) if n == 1]
+        starts = [0]
+        for n in meta.query_lens:
+            starts.append(starts[-1] + n)
+        device = meta.seq_lens.device
+        index = torch.tensor(seqs, dtype=torch.int64, device=device)
+        rows = torch.tensor([starts[b] for b in seqs], dtype=torch.int64, device=device)
+        sub = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[rows],
+            query_start_loc=torch.arange(len(seqs) + 1, dtype=torch.int32, device=device),
+            seq_lens=meta.seq_lens[index], block_tables=meta.block_tables[index],
+            query_lens=[1] * len(seqs), seq_lens_list=[meta.seq_lens_list[b] for b in seqs],
+            block_size=meta.block_size, is_decode=True)
+        meta._cache["decode_part"] = (sub, rows, frozenset(seqs))
+    return meta._cache["decode_part"]
+
+
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-    """Attention of the step's new tokens over their sequences' cached context: [T, Hq, D]."""
+    """Attention of the step's new tokens over their sequences' cached context: [T, Hq, D].
+
+    One-token queries (decodes) attend together in one batched pass; longer
+    ones (prompts, prompt chunks after cached blocks) one sequence at a time.
+    """
     if meta.is_decode:
         return _decode(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
-    tables = meta.block_tables
+    sub, rows, decodes = _decode_part(meta)
+    if decodes:
+        out[rows] = _decode(q[rows], k_cache, v_cache, sub, scale)
     start = 0
     for b, (qlen, slen) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
-        nblocks = -(-slen // meta.block_size)
-        blocks = tables[b, :nblocks].to(device=q.device, dtype=torch.int64)
-        k = _gather(k_cache, blocks, slen)
-        v = _gather(v_cache, blocks, slen)
-        out[start:start + qlen] = _prefill_one(q[start:start + qlen], k, v, scale)
+        if b not in decodes:
+            blocks = meta.block_tables[b, :-(-slen // meta.block_size)].to(device=q.device, dtype=torch.int64)
+            k = _gather(k_cache, blocks, slen)
+            v = _gather(v_cache, blocks, slen)
+            out[start:start + qlen] = _prefill_one(q[start:start + qlen], k, v, scale)
         start += qlen
     return out
 

@@ -86,13 +86,6 @@ class LlamaConfig:
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
 
-    @property
-    def eos_token_ids(self) -> set[int]:
-        eos = self.eos_token_id
-        if eos is None:
-            return set()
-        return {eos} if isinstance(eos, int) else set(eos)
-
 
 @dataclass
 class Checkpoint:

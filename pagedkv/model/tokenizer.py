@@ -85,10 +85,6 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def token_text(self, token_id: int) -> str | None:
-        """The vocabulary entry of one id (byte-level form, not decoded text)."""
-        return self._tok.id_to_token(token_id)
-
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render messages with the model's template (its raise_exception becomes a ConfigError)."""
         if self._template is None:
