@@ -181,6 +181,18 @@ def test_out_buffer_and_strided_queries() -> None:
     assert torch.all(buffer[:, :2] == 7.0) and torch.all(buffer[:, 8:] == 7.0)
 
 
+def test_empty_batches() -> None:
+    """No sequences, or sequences without queries this step, leave nothing to do."""
+    cache = torch.randn(4, 1, 16, 64)
+    none = kernel.paged_attention_decode(torch.empty(0, 2, 64), cache, cache, torch.empty(0, dtype=torch.int32),
+                                         torch.empty(0, 1, dtype=torch.int32), 0.125)
+    assert none.shape == (0, 2, 64)
+    idle = kernel.paged_attention_varlen(torch.empty(0, 2, 64), cache, cache, torch.zeros(3, dtype=torch.int32),
+                                         torch.tensor([5, 9], dtype=torch.int32),
+                                         torch.tensor([[0], [1]], dtype=torch.int32), 0.125)
+    assert idle.shape == (0, 2, 64)
+
+
 def test_metadata_in_int64_is_accepted() -> None:
     gen = torch.Generator().manual_seed(4)
     c = make_case(gen, seq_lens=[30], query_lens=[1], block_size=16, kv_heads=1, group=1, head_dim=64,

@@ -8,8 +8,9 @@
 // are merged by log-sum-exp afterwards. Items run longest first on the caller's OpenMP
 // threads (torch's own libgomp), claimed from an atomic counter.
 //
-// Deliberately free of torch headers: the library compiles in a couple of seconds and is
-// called through ctypes, which releases the GIL for the call.
+// Deliberately free of torch headers: the library compiles in about 5 s (an extension that
+// includes torch's headers takes about 25 s here) and is called through ctypes, which
+// releases the GIL for the call.
 //
 // Layouts (element strides):
 //   q   [T, Hq, D]  rows of one token q_stride apart, heads D apart
@@ -549,7 +550,7 @@ std::vector<Item> plan(const Problem& P, int threads, int rows_per_item) {
   }
   // Split-K only helps when items are few; each piece keeps at least kSplitMin keys.
   const int64_t want = int64_t(threads) * 4;
-  if (threads > 1 && int64_t(items.size()) < want) {
+  if (threads > 1 && !items.empty() && int64_t(items.size()) < want) {
     std::vector<Item> split;
     const int64_t per = std::max<int64_t>(1, want / int64_t(items.size()));
     for (const Item& it : items) {
@@ -581,6 +582,7 @@ void run_problem(const Problem& P, int threads) {
   const int rows_max = std::max(G, kMaxRows / G * G);
   const int dp = attend.nc * W;
   std::vector<Item> items = plan(P, threads, rows_max);
+  if (items.empty()) return;
 
   // Split-K pieces get a slot each in `partials`, in item order.
   std::vector<size_t> slot(items.size(), 0);
