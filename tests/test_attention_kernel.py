@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.attention import kernel
 
@@ -129,6 +131,30 @@ def test_varlen_matches_reference(dtype: torch.dtype, block_size: int, group: in
                   head_dim=head_dim, dtype=dtype)
     got = kernel.paged_attention_varlen(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens,
                                         c.block_tables, c.scale)
+    assert_matches(got, c)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    block_size=st.sampled_from([1, 2, 16, 48, 256]),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 5),
+    head_dim=st.sampled_from([16, 24, 64, 80, 128]),
+    threads=st.integers(1, 3),
+)
+def test_random_batches(data, block_size: int, kv_heads: int, group: int, head_dim: int, threads: int) -> None:
+    lens = data.draw(st.lists(st.integers(1, 700), min_size=1, max_size=5))
+    queries = [data.draw(st.integers(0, min(n, 40))) for n in lens]
+    c = make_case(torch.Generator().manual_seed(len(lens)), seq_lens=lens, query_lens=queries, block_size=block_size,
+                  kv_heads=kv_heads, group=group, head_dim=head_dim, dtype=torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel.paged_attention_varlen(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens,
+                                            c.block_tables, c.scale)
+    finally:
+        torch.set_num_threads(before)
     assert_matches(got, c)
 
 
