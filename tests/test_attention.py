@@ -6,11 +6,21 @@ import random
 import pytest
 import torch
 
-from pagedkv.attention import paged
+from pagedkv.attention import kernel, paged
 from pagedkv.attention.paged import AttentionMetadata, contiguous_attention, paged_attention, write_kv
 from pagedkv.kv.storage import KVStorage
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(params=["torch", "kernel"])
+def decode_backend(request, monkeypatch):
+    """Decodes through the torch path, or through the C++ kernel where it builds."""
+    if request.param == "torch":
+        monkeypatch.setattr(paged, "_use_kernel", lambda q, k_cache: False)
+    elif not kernel.available():
+        pytest.skip("the C++ attention kernel is not available here")
+    return request.param
 
 
 def naive_attention(q, k, v, scale, offset):
@@ -83,7 +93,7 @@ def test_contiguous_attention_matches_naive_softmax():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16, 256])
 @pytest.mark.parametrize("kind", ["prefill", "decode", "mixed"])
-def test_paged_equals_contiguous(dtype, block_size, kind):
+def test_paged_equals_contiguous(dtype, block_size, kind, decode_backend):
     rng = random.Random(block_size * 7 + len(kind))
     n = 5
     ctx = [rng.randint(1, 600) for _ in range(n)]
@@ -101,7 +111,7 @@ def test_paged_equals_contiguous(dtype, block_size, kind):
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
-def test_gqa_and_partly_filled_blocks(num_q_heads, num_kv_heads):
+def test_gqa_and_partly_filled_blocks(num_q_heads, num_kv_heads, decode_backend):
     # lengths that end mid-block and exactly on block boundaries, decode and prefill
     for qlens_of in (lambda c: [1] * len(c), lambda c: c):
         ctx = [1, 15, 16, 17, 33, 48]
@@ -128,7 +138,7 @@ def test_write_kv_puts_each_token_in_its_slot():
     assert k_cache.count_nonzero() == k.numel() and v_cache.count_nonzero() == k.numel()  # nothing else touched
 
 
-def test_decode_ignores_padding_and_stale_blocks():
+def test_decode_ignores_padding_and_stale_blocks(decode_backend):
     # Garbage in unused blocks and past each sequence's length must not leak into the result.
     batch = PagedBatch([5, 40], [1, 1], 16, 4, 2, 16, torch.float32, seed=5)
     want = batch.reference(0.3)

@@ -353,6 +353,10 @@ def test_chat_template_helpers_and_errors(tiny_model_dir, tmp_path):
         '4 [{"role": "user", "content": "é"}] <|endoftext|>'
     with pytest.raises(ConfigError, match="one message only"):
         strict.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    broken = Tokenizer.from_hf_folder(_with_tokenizer_config(tiny_model_dir, tmp_path / "c", chat_template="{% for %}"))
+    assert broken.encode("hi") == tok.encode("hi")           # still loads for plain prompts
+    with pytest.raises(ConfigError, match="chat template"):
+        broken.apply_chat_template([{"role": "user", "content": "a"}])
     bare = Tokenizer.from_hf_folder(_with_tokenizer_config(tiny_model_dir, tmp_path / "b", chat_template=None))
     with pytest.raises(ConfigError, match="no chat template"):
         bare.apply_chat_template([{"role": "user", "content": "a"}])

