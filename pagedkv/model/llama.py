@@ -65,7 +65,7 @@ class Rotary(nn.Module):
         """cos, signed sin for these positions, shaped [T, 1, D] to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x * cos + rotate_half(x) * sin, with rotate_half's sign folded into `sin`."""
         return torch.addcmul(x * cos, x.roll(self.half, dims=-1), sin)
 
@@ -102,7 +102,7 @@ class DecoderLayer(nn.Module):
                 kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata) -> Tensor:
         tokens = x.shape[0]
         qkv = F.linear(self.input_layernorm(x), self.qkv_proj)
-        qk = rotary.apply(qkv[:, :self.q_size + self.kv_size].view(tokens, -1, self.head_dim), cos, sin)
+        qk = rotary.rotate(qkv[:, :self.q_size + self.kv_size].view(tokens, -1, self.head_dim), cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
@@ -172,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
                     self._copy(self.layers[layer].get_parameter(target), torch.cat(parts), full)
                     done.add(full)
                     del pending[(layer, target)]
-            elif name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            elif name in _TOP:
                 if name != "lm_head.weight" or not self.config.tie_word_embeddings:
                     self._copy(self.get_parameter(_TOP[name]), tensor, name)
                 done.add(name)
