@@ -22,8 +22,9 @@ from pagedkv.config import ConfigError
 from pagedkv.model.config import Checkpoint, LlamaConfig
 from pagedkv.model.tokenizer import Tokenizer
 
-# general.architecture values whose tensors and forward are Llama's (llama.cpp files Mistral under "llama")
-ARCHITECTURES = ("llama", "mistral")
+# general.architecture values whose tensors and forward are Llama's (llama.cpp files Mistral-style
+# models and SmolLM under "llama" too)
+ARCHITECTURES = ("llama",)
 
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -76,7 +77,7 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"unsupported architecture {arch!r}: pagedkv runs Llama-family GGUF models "
-                          f"({', '.join(ARCHITECTURES)})")
+                          f"(general.architecture {' or '.join(ARCHITECTURES)})")
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)

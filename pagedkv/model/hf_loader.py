@@ -57,9 +57,10 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
         f = _open(path)
         for name in f.keys():
             try:
-                yield name, f.get_tensor(name)
+                tensor = f.get_tensor(name)
             except Exception as e:  # data past the end of a truncated file
                 raise ConfigError(f"{path}: cannot read tensor {name} ({e})") from None
+            yield name, tensor
 
 
 def load_hf(folder: Path) -> Checkpoint:
