@@ -24,6 +24,12 @@ class ConfigError(ValueError):
     """A user-facing configuration mistake: shown as one line, exit code 2 / HTTP 400."""
 
 
+def require(ok: bool, message: str) -> None:
+    """Raise ConfigError(message) unless ok: one line per rule keeps validation readable."""
+    if not ok:
+        raise ConfigError(message)
+
+
 def parse_size(value: str | int | float | None) -> int | None:
     """'1GiB' -> 1073741824, '80GB' -> 80e9, 1024 -> 1024. None stays None."""
     if value is None:
@@ -81,9 +87,7 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ConfigError(msg)
+        need = require
         need(isinstance(self.block_size, int) and self.block_size >= 1, f"--block-size must be a positive integer, got {self.block_size}")
         need(0.0 < self.memory_utilization <= 1.0, f"--memory-utilization must be in (0, 1], got {self.memory_utilization}")
         need(self.preemption_mode in PREEMPTION_MODES, f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}")

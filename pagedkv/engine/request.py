@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedkv.config import ConfigError
+from pagedkv.config import require
 
 
 @dataclass
@@ -37,9 +37,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ConfigError (HTTP 400) with the name of the bad parameter."""
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ConfigError(msg)
+        need = require
         need(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n}")
         need(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
