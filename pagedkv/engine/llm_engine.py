@@ -20,6 +20,7 @@ from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import Sequence, SequenceGroup
 from pagedkv.kv.manager import KVCacheManager
+from pagedkv.kv.offload import KVOffload
 from pagedkv.kv.storage import KVStorage
 
 log = logging.getLogger("pagedkv")
@@ -95,19 +96,24 @@ class LLMEngine:
                      block_size=config.block_size, head_dim=mc.head_dim, dtype=kv_dtype)
         bytes_per_block = KVStorage.bytes_per_block(**shape)
         num_blocks = num_kv_blocks(config, bytes_per_block, self.device)
-        num_host = 0
-        if config.preemption_mode == "swap":
-            num_host = max(config.swap_space // bytes_per_block, 1)
         self.storage = KVStorage(num_blocks=num_blocks, device=self.device, **shape)
+        hash_extra = f"{self.loaded.fingerprint}:{kv_dtype}".encode()
+        self.offload = KVOffload.from_config(config, self.storage, hash_extra)
+        host_tier = self.offload.host if self.offload is not None else None
+        num_host = 0
+        if config.preemption_mode == "swap" and host_tier is None:   # else swap borrows the host tier's slots
+            num_host = max(config.swap_space // bytes_per_block, 1)
         host = KVStorage(num_blocks=num_host, device=torch.device("cpu"), **shape) if num_host else None
+        if host_tier is not None:
+            host = host_tier.storage
         self.kv = KVCacheManager(
             num_blocks, config.block_size, num_host_blocks=num_host,
             enable_prefix_caching=config.enable_prefix_caching, allocation_policy=config.allocation_policy,
-            max_model_len=self.max_model_len, hash_extra=f"{self.loaded.fingerprint}:{kv_dtype}".encode())
+            max_model_len=self.max_model_len, hash_extra=hash_extra, offload=self.offload)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS,
                                    preemption_mode=config.preemption_mode)
-        self.runner = ModelRunner(self.loaded.model, self.storage, host, self.kv, self.device)
+        self.runner = ModelRunner(self.loaded.model, self.storage, host, self.kv, self.device, self.offload)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.groups: dict[str, SequenceGroup] = {}

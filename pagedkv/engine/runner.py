@@ -4,7 +4,9 @@ The batch is flat (varlen): every sequence's new tokens are concatenated, and
 the attention metadata says where each sequence's rows start, how long its
 context is, where its new K/V go (slot mapping) and which blocks hold the
 rest (block tables). Block copies planned by the scheduler (swap out, copy on
-write, swap in) are applied first, in that order.
+write, swap in) are applied first, in that order; with a KV offload tier, its
+reads come before them (evicted blocks are saved before being overwritten) and
+its writes after (prefix blocks loaded back, saved blocks put in the tier).
 """
 from __future__ import annotations
 
@@ -14,20 +16,23 @@ import torch
 from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.engine.scheduler import SchedulerOutput
 from pagedkv.kv.manager import KVCacheManager
+from pagedkv.kv.offload import KVOffload
 from pagedkv.kv.storage import KVStorage
 
 
 class ModelRunner:
     def __init__(self, model, storage: KVStorage, host_storage: KVStorage | None, kv: KVCacheManager,
-                 device: torch.device) -> None:
+                 device: torch.device, offload: KVOffload | None = None) -> None:
         self.model = model
         self.storage = storage
         self.host_storage = host_storage
         self.kv = kv
         self.block_size = kv.block_size
         self.device = device
+        self.offload = offload
 
     def apply_copies(self, out: SchedulerOutput) -> None:
+        staged = self.offload.stage(self.storage, out.offload_saves, out.offload_loads) if self.offload else None
         if out.swap_out:
             ids = [c.src for c in out.swap_out]
             self.host_storage.write_blocks([c.dst for c in out.swap_out], self.storage.read_blocks(ids))
@@ -36,6 +41,8 @@ class ModelRunner:
         if out.swap_in:
             data = self.host_storage.read_blocks([c.src for c in out.swap_in])
             self.storage.write_blocks([c.dst for c in out.swap_in], data)
+        if staged is not None:
+            self.offload.commit(self.storage, staged)
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Inputs for one forward; also the rows whose logits are sampled (last row of each sampling seq)."""

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedkv.engine.sequence import Sequence, Status
-from pagedkv.kv.manager import BlockCopy, KVCacheManager
+from pagedkv.kv.manager import BlockCopy, BlockLoad, BlockSave, KVCacheManager
 
 
 @dataclass(slots=True)
@@ -35,6 +35,8 @@ class SchedulerOutput:
     swap_out: list[BlockCopy] = field(default_factory=list)   # device -> host, done first
     copies: list[BlockCopy] = field(default_factory=list)     # device -> device (copy-on-write)
     swap_in: list[BlockCopy] = field(default_factory=list)    # host -> device
+    offload_saves: list[BlockSave] = field(default_factory=list)   # evicted device blocks -> offload tier, read first
+    offload_loads: list[BlockLoad] = field(default_factory=list)   # offload tier -> device, before the forward
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -68,6 +70,7 @@ class Scheduler:
             budget = self._schedule_swapped(out, budget)
             if not self.swapped:
                 self._schedule_waiting(out, budget)
+        out.offload_saves, out.offload_loads = self.kv.take_offload_plan()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -111,15 +114,16 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.kv.lookup_prefix(seq.token_ids)
-            computed = len(prefix) * bs
-            n = min(len(seq.token_ids) - computed, budget)
+            offloaded = self.kv.lookup_offloaded(seq.token_ids, len(prefix))
+            n = min(len(seq.token_ids) - (len(prefix) + offloaded) * bs, budget)
             remaining = seq.group.max_tokens - seq.num_output_tokens
             copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n, prefix_blocks=prefix,
-                                            max_tokens=remaining)
+                                            num_offloaded=offloaded, max_tokens=remaining)
             if copies is None:
                 break     # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             out.copies.extend(copies)
+            computed = self.kv.num_cached_tokens(seq.seq_id)   # less than planned if a tier block failed its check
             seq.num_computed_tokens = computed
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -20,7 +20,7 @@ import hashlib
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NewType
+from typing import NewType, Protocol
 
 BlockHash = NewType("BlockHash", bytes)
 
@@ -209,3 +209,50 @@ class BlockPool:
                 assert self.cached.get(block.block_hash) is block, f"block {block.block_id} hashed but not findable"
             else:
                 assert block.token_ids is None, f"unhashed block {block.block_id} keeps token ids"
+
+
+class HostPool(Protocol):
+    """Where swapped-out blocks go: host block ids the manager takes and gives back.
+
+    `HostBlockPool` is plain swap space; the offload host tier (`pagedkv.kv.offload.HostTier`) is the
+    other kind: it lends its slots to swap and evicts cached blocks to make room.
+    """
+    num_slots: int
+
+    def num_free(self) -> int:
+        """Slots `take` can hand out now."""
+        ...
+
+    def take(self, n: int) -> list[int]:
+        ...
+
+    def release(self, slots: Iterable[int]) -> None:
+        ...
+
+    def check_integrity(self, held: Sequence[int]) -> None:
+        """Audit, given the slots that swapped requests hold."""
+        ...
+
+
+class HostBlockPool:
+    """Swap space: a free list of host block ids, handed out lowest first, reused last-in first-out."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))    # pop() hands out 0 first
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise ValueError(f"asked for {n} host blocks, only {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, slots: Iterable[int]) -> None:
+        self._free.extend(slots)
+
+    def check_integrity(self, held: Sequence[int]) -> None:
+        assert sorted([*self._free, *held]) == list(range(self.num_slots)), "host blocks lost or held twice"

@@ -12,6 +12,12 @@ Every method that returns BlockCopy lists describes data the runner must copy
 before the next forward pass. Apply them in the order the calls were made: a
 block freed by one call may be the destination of a later one.
 
+With an offload tier (`pagedkv.kv.offload.KVOffload`), a cached block the pool
+evicts is recorded as a BlockSave (its data must reach the tier before anything
+overwrites it this step), and admission continues the prefix match in the tier:
+those blocks get fresh device blocks, count as prefix hits and come back as
+BlockLoad. `take_offload_plan` hands both lists to the runner once per step.
+
 The manager never touches tensors and never imports the model.
 """
 from __future__ import annotations
@@ -20,16 +26,34 @@ import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from pagedkv.config import ALLOCATION_POLICIES, ConfigError
-from pagedkv.kv.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from pagedkv.kv.block_pool import Block, BlockHash, BlockPool, HostBlockPool, HostPool, hash_block_tokens
+
+if TYPE_CHECKING:   # offload.py moves tensors; the manager only asks it questions
+    from pagedkv.kv.offload import KVOffload
 
 
 @dataclass(frozen=True, slots=True)
 class BlockCopy:
     """Copy block data src -> dst (CoW: device->device, swap-out: device->host, swap-in: host->device)."""
     src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSave:
+    """A cached device block evicted this step: save its data to the offload tier before it is overwritten."""
+    block_id: int
+    block_hash: BlockHash
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLoad:
+    """A prefix block found in the offload tier: load it into device block dst before the forward."""
+    block_hash: BlockHash
     dst: int
 
 
@@ -50,6 +74,7 @@ class KVStats:
     host_blocks: int
     host_free: int
     num_requests: int
+    offload_hits: int = 0  # of prefix_hits, tokens loaded from the offload tiers
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -69,6 +94,7 @@ class _Request:
 class _Admission(NamedTuple):
     prefix: list[Block]               # the still-valid leading run of the offered prefix blocks
     hashes: list[BlockHash]           # their chained hashes
+    offloaded: list[tuple[BlockHash, tuple[int, ...]]]   # the blocks after them found in the offload tier
     num_tokens: int                   # tokens held once admitted
     num_new_blocks: int               # blocks to take from the free queue
     fits: bool                        # room for them, the revived prefix blocks and the watermark
@@ -79,12 +105,17 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Block tables for every request, on one device pool and one host (swap) pool."""
+    """Block tables for every request, on one device pool and one host (swap) pool.
+
+    With `offload`, evicted cached blocks are planned into its tiers and prefix hits come back from
+    them; if it has a host tier, that tier is also the swap space (pass no num_host_blocks then).
+    """
 
     def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True, allocation_policy: str = "paged",
                  max_model_len: int | None = None, watermark: float = 0.01, hash_extra: bytes = b"",
-                 on_evict: Callable[[int, BlockHash], None] | None = None) -> None:
+                 on_evict: Callable[[int, BlockHash], None] | None = None,
+                 offload: KVOffload | None = None) -> None:
         if num_blocks < 1:
             raise ConfigError(f"the KV cache has room for {num_blocks} blocks; give it more memory (--kv-cache-memory)")
         if block_size < 1:
@@ -97,19 +128,29 @@ class KVCacheManager:
             raise ConfigError(f"watermark must be in [0, 1), got {watermark}")
         if num_host_blocks < 0:
             raise ConfigError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        host: HostPool = HostBlockPool(num_host_blocks)
+        if offload is not None and offload.host is not None:
+            if num_host_blocks:
+                raise ConfigError("swap space and an offload host tier are one pool: give num_host_blocks=0")
+            host = offload.host
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_host_blocks = num_host_blocks
+        self.num_host_blocks = host.num_slots
         self.enable_prefix_caching = enable_prefix_caching
         self.allocation_policy = allocation_policy
         self.max_model_len = max_model_len
         self.watermark_blocks = int(watermark * num_blocks)
         self.hash_extra = hash_extra
-        self.pool = BlockPool(num_blocks, on_evict)
-        self._host_free = list(range(num_host_blocks - 1, -1, -1))   # pop() hands out 0 first
+        self.pool = BlockPool(num_blocks, self._evicted)
+        self.host = host
+        self.offload = offload
+        self._on_evict = on_evict
+        self._saves: list[BlockSave] = []
+        self._loads: list[BlockLoad] = []
         self._requests: dict[str, _Request] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.offload_hits = 0
 
     # ---- prefix cache -------------------------------------------------------------------------
 
@@ -134,6 +175,44 @@ class KVCacheManager:
             blocks.append(block)
             hashes.append(parent)
         return blocks, hashes
+
+    def lookup_offloaded(self, token_ids: Sequence[int], num_prefix_blocks: int) -> int:
+        """How many blocks after the first num_prefix_blocks (from lookup_prefix) continue the chain in the
+        offload tier, never covering the last token. Pure; 0 without an offload tier."""
+        if self.offload is None or not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        parent = None
+        for i in range(num_prefix_blocks):
+            parent = hash_block_tokens(parent, tuple(token_ids[i * bs:(i + 1) * bs]), self.hash_extra)
+        return len(self._match_offloaded(token_ids, num_prefix_blocks, parent, len(token_ids)))
+
+    def _match_offloaded(self, token_ids: Sequence[int], start: int, parent: BlockHash | None,
+                         max_blocks: int) -> list[tuple[BlockHash, tuple[int, ...]]]:
+        """The blocks from index `start` on whose chained hash (and tokens) the offload tier holds."""
+        found: list[tuple[BlockHash, tuple[int, ...]]] = []
+        if self.offload is None or not self.enable_prefix_caching:
+            return found
+        bs = self.block_size
+        for i in range(start, min(start + max_blocks, (len(token_ids) - 1) // bs)):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            parent = hash_block_tokens(parent, chunk, self.hash_extra)
+            if not self.offload.contains(parent, chunk):
+                break
+            found.append((parent, chunk))
+        return found
+
+    def _evicted(self, block_id: int, block_hash: BlockHash) -> None:
+        if self.offload is not None:
+            self._saves.append(BlockSave(block_id, block_hash, self.pool.blocks[block_id].token_ids))
+        if self._on_evict is not None:
+            self._on_evict(block_id, block_hash)
+
+    def take_offload_plan(self) -> tuple[list[BlockSave], list[BlockLoad]]:
+        """This step's saves (evicted cached blocks) and loads (tier prefix hits), handed over once."""
+        plan = self._saves, self._loads
+        self._saves, self._loads = [], []
+        return plan
 
     def _cache_full_blocks(self, req: _Request, token_ids: Sequence[int]) -> None:
         """Hash and register every block of req that became full since the last call."""
@@ -163,7 +242,7 @@ class KVCacheManager:
         return 0
 
     def _admission_plan(self, token_ids: Sequence[int], num_new_tokens: int, prefix_blocks: Sequence[int],
-                        max_tokens: int | None) -> _Admission:
+                        max_tokens: int | None, num_offloaded: int) -> _Admission:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         blocks, hashes = self._match_prefix(token_ids, len(prefix_blocks))
@@ -171,27 +250,33 @@ class KVCacheManager:
         while k < len(blocks) and blocks[k].block_id == prefix_blocks[k]:
             k += 1
         del blocks[k:], hashes[k:]
-        held = k * self.block_size + num_new_tokens
+        offloaded = []
+        if num_offloaded and k == len(prefix_blocks):
+            offloaded = self._match_offloaded(token_ids, k, hashes[-1] if hashes else None, num_offloaded)
+        held = (k + len(offloaded)) * self.block_size + num_new_tokens
         if held > len(token_ids):
             raise ValueError(f"{held} tokens to hold but only {len(token_ids)} token ids given")
         total = _cdiv(max(held, self._reservation(len(token_ids), max_tokens)), self.block_size)
         num_new = total - k
         revived = sum(1 for block in blocks if block.ref_count == 0)
         fits = num_new + revived + self.watermark_blocks <= self.pool.num_free
-        return _Admission(blocks, hashes, held, num_new, fits)
+        return _Admission(blocks, hashes, offloaded, held, num_new, fits)
 
-    def can_allocate(self, token_ids: Sequence[int], num_new_tokens: int, *,
-                     prefix_blocks: Sequence[int] = (), max_tokens: int | None = None) -> bool:
+    def can_allocate(self, token_ids: Sequence[int], num_new_tokens: int, *, prefix_blocks: Sequence[int] = (),
+                     num_offloaded: int = 0, max_tokens: int | None = None) -> bool:
         """Would admitting this request succeed now (watermark included)? Changes nothing."""
-        return self._admission_plan(token_ids, num_new_tokens, prefix_blocks, max_tokens).fits
+        return self._admission_plan(token_ids, num_new_tokens, prefix_blocks, max_tokens, num_offloaded).fits
 
     def allocate_slots(self, req_id: str, token_ids: Sequence[int], num_new_tokens: int, *,
-                       prefix_blocks: Sequence[int] = (), max_tokens: int | None = None) -> list[BlockCopy] | None:
+                       prefix_blocks: Sequence[int] = (), num_offloaded: int = 0,
+                       max_tokens: int | None = None) -> list[BlockCopy] | None:
         """Make room for `num_new_tokens` more tokens of req_id; token_ids are all its tokens known so far.
 
         The first call admits the request: it takes the still-valid leading run of prefix_blocks (from
-        lookup_prefix) as computed tokens (num_new_tokens then counts from its end; read
-        num_cached_tokens after), keeps the watermark free, counts the prefix query and hits, and under
+        lookup_prefix), then of the num_offloaded tier blocks after them (from lookup_offloaded; each
+        gets a fresh device block and a BlockLoad), as computed tokens (num_new_tokens then counts from
+        their end; read num_cached_tokens after: a tier block whose data fails its check is computed
+        instead), keeps the watermark free, counts the prefix query and hits, and under
         a reservation policy takes its whole reservation. Later calls append; a write into a block shared
         after a fork gets a private copy, reported as BlockCopy(shared, private). Blocks that are now
         full are registered in the prefix cache. Returns None and changes nothing when the pool (after
@@ -199,24 +284,30 @@ class KVCacheManager:
         """
         req = self._requests.get(req_id)
         if req is None:
-            return self._admit(req_id, token_ids, num_new_tokens, prefix_blocks, max_tokens)
+            return self._admit(req_id, token_ids, num_new_tokens, prefix_blocks, max_tokens, num_offloaded)
         if req.swapped is not None:
             raise ValueError(f"request {req_id!r} is swapped out; swap_in first")
         return self._append(req, token_ids, num_new_tokens)
 
     def _admit(self, req_id: str, token_ids: Sequence[int], num_new_tokens: int, prefix_blocks: Sequence[int],
-               max_tokens: int | None) -> list[BlockCopy] | None:
-        plan = self._admission_plan(token_ids, num_new_tokens, prefix_blocks, max_tokens)
+               max_tokens: int | None, num_offloaded: int) -> list[BlockCopy] | None:
+        plan = self._admission_plan(token_ids, num_new_tokens, prefix_blocks, max_tokens, num_offloaded)
         if not plan.fits:
             return None
+        if plan.offloaded:
+            ready = self.offload.reserve(plan.offloaded)
+            if ready < len(plan.offloaded):           # fewer tokens held: still fits
+                plan = self._admission_plan(token_ids, num_new_tokens, prefix_blocks, max_tokens, ready)
         self.pool.touch(plan.prefix)                  # before get_new_blocks, which could evict them
-        num_cached = len(plan.prefix) * self.block_size
-        req = _Request(plan.prefix + self.pool.get_new_blocks(plan.num_new_blocks), plan.num_tokens, num_cached,
-                       plan.hashes)
+        new = self.pool.get_new_blocks(plan.num_new_blocks)
+        self._loads += [BlockLoad(block_hash, block.block_id) for (block_hash, _), block in zip(plan.offloaded, new)]
+        num_cached = (len(plan.prefix) + len(plan.offloaded)) * self.block_size
+        req = _Request(plan.prefix + new, plan.num_tokens, num_cached, plan.hashes)
         self._requests[req_id] = req
         if self.enable_prefix_caching:
             self.prefix_queries += len(token_ids)
             self.prefix_hits += num_cached
+            self.offload_hits += len(plan.offloaded) * self.block_size
             self._cache_full_blocks(req, token_ids)
         return []
 
@@ -256,7 +347,7 @@ class KVCacheManager:
         if req is None:
             return
         if req.swapped is not None:
-            self._host_free += [host for host, _ in req.swapped if host is not None]
+            self.host.release(host for host, _ in req.swapped if host is not None)
         else:
             self.pool.free_blocks(reversed(req.blocks))
 
@@ -274,20 +365,21 @@ class KVCacheManager:
     def can_swap_out(self, req_id: str) -> bool:
         req = self._requests.get(req_id)
         return (req is not None and req.swapped is None
-                and _cdiv(req.num_tokens, self.block_size) <= len(self._host_free))
+                and _cdiv(req.num_tokens, self.block_size) <= self.host.num_free())
 
     def swap_out(self, req_id: str) -> list[BlockCopy] | None:
         """Plan device->host copies of the blocks holding tokens and free the device blocks (cached ones
         stay findable). None, and no change, if the host pool is too small."""
         req = self._running(req_id)
         filled = _cdiv(req.num_tokens, self.block_size)
-        if filled > len(self._host_free):
+        if filled > self.host.num_free():
             return None
+        hosts = iter(self.host.take(filled))
         copies: list[BlockCopy] = []
         swapped: list[tuple[int | None, tuple[int, ...] | None]] = []
         for i, block in enumerate(req.blocks):
             if i < filled:
-                host = self._host_free.pop()
+                host = next(hosts)
                 copies.append(BlockCopy(block.block_id, host))
                 swapped.append((host, block.token_ids))
             else:
@@ -322,9 +414,8 @@ class KVCacheManager:
                     copies.append(BlockCopy(host, block.block_id))
                 if token_ids is not None:
                     self.pool.cache_full_block(block, req.hashes[len(table)], token_ids)
-            if host is not None:
-                self._host_free.append(host)
             table.append(block)
+        self.host.release(host for host, _ in req.swapped if host is not None)
         req.blocks = table
         req.swapped = None
         return copies
@@ -396,7 +487,8 @@ class KVCacheManager:
             tokens_held=tokens_held, token_slots=token_slots,
             token_utilization=tokens_held / token_slots if token_slots else 0.0,
             usage=used / self.num_blocks, prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
-            host_blocks=self.num_host_blocks, host_free=len(self._host_free), num_requests=len(self._requests))
+            host_blocks=self.num_host_blocks, host_free=self.host.num_free(), num_requests=len(self._requests),
+            offload_hits=self.offload_hits)
 
     def snapshot(self) -> dict:
         """JSON-able view for GET /v1/kv and the dashboard: stats, every block, every request."""
@@ -422,7 +514,7 @@ class KVCacheManager:
         self.pool.check_integrity()
         bs = self.block_size
         refs: Counter[int] = Counter()
-        hosts: list[int] = list(self._host_free)
+        hosts: list[int] = []
         for req_id, req in self._requests.items():
             want = req.num_tokens // bs if self.enable_prefix_caching else 0
             assert len(req.hashes) == want, f"{req_id}: {len(req.hashes)} hashes for {want} full blocks"
@@ -441,4 +533,4 @@ class KVCacheManager:
         for block in self.pool.blocks:
             assert block.ref_count == refs[block.block_id], \
                 f"block {block.block_id}: ref_count {block.ref_count}, held by {refs[block.block_id]} tables"
-        assert sorted(hosts) == list(range(self.num_host_blocks)), "host blocks lost or held twice"
+        self.host.check_integrity(hosts)

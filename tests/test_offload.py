@@ -1,0 +1,334 @@
+"""Tiered KV offload: the host and disk tiers alone, with the manager, and in the engine on a tiny model."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.config import ConfigError
+from pagedkv.kv.block_pool import hash_block_tokens
+from pagedkv.kv.manager import KVCacheManager
+from pagedkv.kv.offload import SUFFIX, DiskTier, HostTier, KVOffload
+from pagedkv.kv.storage import KVStorage
+
+SHAPE = dict(num_layers=2, num_kv_heads=1, block_size=2, head_dim=3, dtype="float32")
+BLOCK_SHAPE = (2, 2, 1, 2, 3)
+KEY = b"model-abc:torch.float32"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two shared cores: one torch thread is faster than two fighting other processes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def h(i: int):
+    return hash_block_tokens(None, [i, i], b"")
+
+
+def tokens(i: int) -> tuple[int, ...]:
+    return (i, i)
+
+
+def block(value: float) -> torch.Tensor:
+    return torch.full(BLOCK_SHAPE, value)
+
+
+def host_tier(n: int) -> HostTier:
+    return HostTier(KVStorage(num_blocks=n, device="cpu", **SHAPE))
+
+
+def disk_tier(root, max_bytes: int = 1 << 20, key: bytes = KEY) -> DiskTier:
+    return DiskTier(root, key, BLOCK_SHAPE, torch.float32, max_bytes)
+
+
+def files(tier: DiskTier) -> list[Path]:
+    return sorted(tier.dir.iterdir())
+
+
+# ---- host tier --------------------------------------------------------------------------------
+
+
+def test_host_tier_evicts_least_recently_used_and_skips_pinned():
+    tier = host_tier(2)
+    assert tier.insert(h(1), tokens(1)) == (0, None)
+    assert tier.insert(h(2), tokens(2)) == (1, None)
+    assert tier.touch(h(1)) and tier.order() == [h(2), h(1)]
+    slot, (victim, entry) = tier.insert(h(3), tokens(3))     # h2 is the LRU block
+    assert victim == h(2) and slot == entry.slot == 1 and tier.order() == [h(1), h(3)]
+    tier.pin(h(1))                                            # a load reads it this step
+    slot, (victim, _) = tier.insert(h(4), tokens(4))
+    assert victim == h(3) and slot == 1 and tier.order() == [h(1), h(4)]
+    assert tier.find(h(1), tokens(1)) == 0
+    assert tier.find(h(1), (9, 9)) is None                    # same hash, other tokens: no hit
+    tier.pin(h(4))
+    assert tier.insert(h(5), tokens(5)) is None               # everything pinned
+    tier.unpin_all()
+    tier.check_integrity([])
+
+
+def test_host_tier_lends_slots_to_swap_free_ones_first_then_lru():
+    tier = host_tier(3)
+    tier.insert(h(1), tokens(1))
+    tier.insert(h(2), tokens(2))
+    tier.pin(h(2))
+    assert tier.num_free() == 2                               # one free slot + unpinned h1
+    lent = tier.take(2)
+    assert lent == [2, 0] and [v for v, _ in tier.displaced] == [h(1)] and tier.order() == [h(2)]
+    with pytest.raises(ValueError):
+        tier.take(1)
+    tier.check_integrity(lent)
+    tier.release(lent)
+    tier.unpin_all()
+    assert tier.num_free() == 3
+    tier.check_integrity([])
+
+
+# ---- disk tier --------------------------------------------------------------------------------
+
+
+def test_disk_tier_round_trip_survives_a_restart_and_leaves_no_temp_files(tmp_path):
+    tier = disk_tier(tmp_path)
+    assert tier.write(h(1), tokens(1), block(1.5)) and tier.write(h(2), tokens(2), block(2.5))
+    assert [p.name for p in files(tier)] == sorted(f"{h(i).hex()}{SUFFIX}" for i in (1, 2))
+    assert torch.equal(tier.read(h(1), tokens(1)), block(1.5))
+    assert tier.read(h(1), (7, 7)) is None                    # token ids are compared too
+    again = disk_tier(tmp_path)                               # a new engine on the same folder
+    assert len(again) == 2 and again.bytes_used == tier.bytes_used
+    assert torch.equal(again.read(h(2), tokens(2)), block(2.5))
+    other = DiskTier(tmp_path, KEY, (2, 2, 1, 4, 3), torch.float32, 1 << 20)   # another block size
+    assert other.dir != tier.dir and len(other) == 0
+
+
+def test_disk_tier_checksum_mismatch_is_skipped_with_a_warning_and_deleted(tmp_path, caplog):
+    tier = disk_tier(tmp_path)
+    tier.write(h(1), tokens(1), block(1.0))
+    path = files(tier)[0]
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x40                                           # one flipped payload bit
+    path.write_bytes(raw)
+    with caplog.at_level(logging.WARNING, logger="pagedkv.offload"):
+        assert tier.read(h(1), tokens(1)) is None
+    assert "checksum mismatch" in caplog.text
+    assert not path.exists() and len(tier) == 0 and tier.bytes_used == 0 and tier.bad_files == 1
+
+
+def test_disk_tier_start_up_skips_truncated_foreign_and_stray_files(tmp_path, caplog):
+    tier = disk_tier(tmp_path)
+    for i in range(4):
+        tier.write(h(i), tokens(i), block(float(i)))
+    path = {i: tier.dir / f"{h(i).hex()}{SUFFIX}" for i in range(4)}
+    path[0].write_bytes(path[0].read_bytes()[:-7])            # truncated
+    stranger = disk_tier(tmp_path / "other", key=b"another-model:torch.float32")
+    stranger.write(h(1), tokens(1), block(9.0))
+    os.replace(files(stranger)[0], path[1])                   # another model's file, same name
+    path[2].write_bytes(b"garbage, not a block file")
+    (tier.dir / f"{h(7).hex()}{SUFFIX}.123.tmp").write_bytes(b"half a write")
+    with caplog.at_level(logging.WARNING, logger="pagedkv.offload"):
+        again = disk_tier(tmp_path)
+    assert "truncated" in caplog.text and "another-model" in caplog.text and "not a pagedkv block file" in caplog.text
+    assert again.bad_files == 3 and len(again) == 1
+    assert files(again) == sorted([path[1], path[3]])         # the foreign file is left alone
+    assert again.read(h(1), tokens(1)) is None
+    assert torch.equal(again.read(h(3), tokens(3)), block(3.0))
+
+
+def test_disk_tier_keeps_under_its_size_limit_dropping_least_recently_used(tmp_path):
+    one = disk_tier(tmp_path / "probe")
+    one.write(h(0), tokens(0), block(0.0))
+    size = one.bytes_used
+    tier = disk_tier(tmp_path, max_bytes=2 * size + size // 2)
+    tier.write(h(1), tokens(1), block(1.0))
+    tier.write(h(2), tokens(2), block(2.0))
+    tier.read(h(1), tokens(1))                                # h2 is now the LRU block
+    tier.write(h(3), tokens(3), block(3.0))
+    assert not tier.contains(h(2), tokens(2)) and tier.contains(h(1), tokens(1)) and tier.contains(h(3), tokens(3))
+    assert sum(p.stat().st_size for p in files(tier)) == tier.bytes_used <= tier.max_bytes and tier.dropped == 1
+    smaller = disk_tier(tmp_path, max_bytes=size)              # restart with a lower limit
+    assert len(smaller) == 1 and len(files(smaller)) == 1
+
+
+# ---- with the manager: evicted data is saved before it is overwritten, and comes back ----------
+
+
+def test_evicted_block_is_saved_before_overwrite_and_loaded_back():
+    device = KVStorage(num_blocks=3, device="cpu", **SHAPE)
+    offload = KVOffload(host_tier(4), None)
+    m = KVCacheManager(3, 2, offload=offload, watermark=0.0)
+    prompt = [1, 2, 3, 4, 5]                                   # 2 full blocks + 1 token
+
+    def step(writes: dict[int, float]):
+        saves, loads = m.take_offload_plan()
+        staged = offload.stage(device, saves, loads)
+        offload.commit(device, staged)
+        for bid, value in writes.items():                      # what the forward pass writes
+            device.write_blocks([bid], block(value)[None])
+        return saves, loads
+
+    m.allocate_slots("a", prompt, 5)
+    step({0: 10.0, 1: 11.0, 2: 12.0})
+    m.free("a")
+    m.allocate_slots("b", [7] * 6, 6)                          # evicts a's two cached blocks
+    saves, loads = step({0: 20.0, 1: 21.0, 2: 22.0})
+    assert sorted(s.block_id for s in saves) == [0, 1] and loads == []
+    m.free("b")
+    assert m.lookup_prefix(prompt) == [] and m.lookup_offloaded(prompt, 0) == 2
+    m.allocate_slots("a2", prompt, 1, num_offloaded=2)
+    assert m.num_cached_tokens("a2") == 4 and m.stats().offload_hits == 4
+    table = m.block_table("a2")
+    saves, loads = step({})
+    assert [load.dst for load in loads] == table[:2]
+    assert torch.equal(device.read_blocks(table[:2]), torch.stack([block(10.0), block(11.0)]))
+    assert offload.stats().loaded_host == 2
+    m.check_integrity()
+
+
+# ---- in the engine ----------------------------------------------------------------------------
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+_TEXT = "Memory is cut into fixed-size blocks handed out on demand, mapped by a block table. "
+CONVERSATIONS = [f"{name}: " + _TEXT * 2 for name in ("Ann", "Bob", "Cy", "Di")]
+OTHERS = [f"{i} Hello world! Serving a model means holding each request's cache. {i}" for i in range(4)]
+
+
+TINY_BLOCK_BYTES = 2048        # the tiny model's block of 4 tokens: 2 layers x K,V x 2 heads x 4 x 16 x fp32
+
+
+def make_llm(model_dir, **options) -> LLM:
+    options.setdefault("num_gpu_blocks_override", 24)
+    return LLM(model_dir, dtype="float32", block_size=4, max_num_batched_tokens=64, **options)
+
+
+def run(llm: LLM, prompts):
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], sum(o.num_cached_tokens for o in outs)
+
+
+def workload(llm: LLM):
+    """The conversations, other traffic that evicts them from the small pool, then the conversations again."""
+    first, _ = run(llm, CONVERSATIONS)
+    other, _ = run(llm, OTHERS)
+    again, cached = run(llm, CONVERSATIONS)
+    return first + other + again, cached
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    outputs, cached = workload(make_llm(tiny_model_dir))
+    return outputs, cached
+
+
+def assert_clean(llm: LLM) -> None:
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.stats().used == 0
+
+
+def test_host_tier_serves_evicted_prefixes_without_changing_outputs(tiny_model_dir, reference):
+    llm = make_llm(tiny_model_dir, kv_offload_host_memory="1MiB")
+    outputs, cached = workload(llm)
+    assert outputs == reference[0]
+    st = llm.engine.offload.stats()
+    assert st.saved > 0 and st.loaded_host > 0 and st.loaded_disk == 0
+    assert cached > reference[1]                               # fewer prompt tokens computed
+    assert llm.engine.kv.stats().offload_hits == 4 * st.loaded_host
+    assert_clean(llm)
+
+
+def test_full_host_tier_spills_to_disk_and_disk_hits_keep_outputs(tiny_model_dir, reference, tmp_path):
+    llm = make_llm(tiny_model_dir, kv_offload_host_memory=8 * TINY_BLOCK_BYTES, kv_offload_dir=str(tmp_path))
+    assert llm.engine.offload.host.num_slots == 8
+    outputs, cached = workload(llm)
+    assert outputs == reference[0]
+    st = llm.engine.offload.stats()
+    assert st.spilled > 0 and st.disk_blocks > 0 and st.loaded_disk > 0 and st.host_cached == 8
+    assert cached > reference[1]
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert_clean(llm)
+
+
+def test_restart_finds_the_blocks_the_last_engine_wrote(tiny_model_dir, reference, tmp_path):
+    first = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
+    run(first, CONVERSATIONS + OTHERS)
+    written = first.engine.offload.stats().disk_blocks
+    assert written > 0
+    second = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
+    assert second.engine.offload.stats().disk_blocks == written
+    outputs, cached = run(second, CONVERSATIONS)
+    assert outputs == reference[0][:4]
+    assert second.engine.offload.stats().loaded_disk > 0 and cached > 0
+
+
+def test_bad_files_are_skipped_with_a_warning_and_outputs_stay_equal(tiny_model_dir, reference, tmp_path, caplog):
+    first = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
+    run(first, CONVERSATIONS + OTHERS)
+    paths = sorted(first.engine.offload.disk.dir.iterdir())
+    assert len(paths) >= 6
+    paths[0].write_bytes(paths[0].read_bytes()[:100])                          # truncated
+    foreign = DiskTier(tmp_path / "x", b"another-model:torch.float32", first.engine.storage.block_shape,
+                       torch.float32, 1 << 20)
+    foreign.write(h(1), tokens(1), torch.zeros(first.engine.storage.block_shape))
+    os.replace(next(foreign.dir.iterdir()), paths[1])                            # foreign
+    for path in paths[2::2]:                                                    # corrupt payloads
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(raw)
+    with caplog.at_level(logging.WARNING, logger="pagedkv.offload"):
+        second = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
+        outputs, _ = run(second, CONVERSATIONS)
+    assert outputs == reference[0][:4]
+    assert "truncated" in caplog.text and "another-model" in caplog.text and "checksum mismatch" in caplog.text
+    assert second.engine.offload.stats().bad_files >= 3
+    assert_clean(second)
+
+
+def test_disk_size_limit_is_respected(tiny_model_dir, reference, tmp_path):
+    probe = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path / "probe"))
+    run(probe, CONVERSATIONS)
+    limit = 10 * probe.engine.offload.stats().disk_bytes // len(probe.engine.offload.disk)   # ten files
+    llm = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path / "limited"), kv_offload_disk_size=limit)
+    outputs, _ = workload(llm)
+    assert outputs == reference[0]
+    st = llm.engine.offload.stats()
+    used = sum(p.stat().st_size for p in (tmp_path / "limited").rglob(f"*{SUFFIX}"))
+    assert st.dropped > 0 and used == st.disk_bytes <= limit
+
+
+def test_swap_preemption_borrows_the_host_tier(tiny_model_dir, tmp_path, monkeypatch):
+    long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    roomy = make_llm(tiny_model_dir, num_gpu_blocks_override=256)
+    expected = [o.outputs[0].token_ids for o in roomy.generate(CONVERSATIONS, long, use_tqdm=False)]
+    llm = make_llm(tiny_model_dir, preemption_mode="swap", kv_offload_host_memory=24 * TINY_BLOCK_BYTES,
+                   kv_offload_dir=str(tmp_path))
+    offload = llm.engine.offload
+    assert llm.engine.kv.num_host_blocks == 24 and llm.engine.runner.host_storage is offload.host.storage
+    displaced = []
+    take = offload.host.take
+
+    def recording_take(n: int) -> list[int]:
+        slots = take(n)
+        displaced.extend(offload.host.displaced)
+        return slots
+
+    monkeypatch.setattr(offload.host, "take", recording_take)
+    for _ in range(2):                       # the second round finds the first one's blocks in the tiers
+        outs = llm.generate(CONVERSATIONS, long, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    st = offload.stats()
+    assert llm.engine.scheduler.num_preemptions > 0 and st.loaded_host + st.loaded_disk > 0
+    assert displaced and all(offload.disk.contains(bh, e.token_ids) for bh, e in displaced)   # pushed to disk
+    assert_clean(llm)
+    assert llm.engine.kv.stats().host_free == 24
+
+
+def test_offload_flags_too_small_for_one_block_are_config_errors(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="kv-offload-host-memory"):
+        make_llm(tiny_model_dir, kv_offload_host_memory=100)
+    with pytest.raises(ConfigError, match="kv-offload-disk-size"):
+        make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path), kv_offload_disk_size=100)
