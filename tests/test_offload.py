@@ -3,10 +3,16 @@ from __future__ import annotations
 
 import logging
 import os
+import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ConfigError
@@ -101,10 +107,10 @@ def test_disk_tier_round_trip_survives_a_restart_and_leaves_no_temp_files(tmp_pa
     assert torch.equal(tier.read(h(1), tokens(1)), block(1.5))
     assert tier.read(h(1), (7, 7)) is None                    # token ids are compared too
     again = disk_tier(tmp_path)                               # a new engine on the same folder
-    assert len(again) == 2 and again.bytes_used == tier.bytes_used
+    assert again.num_blocks == 2 and again.bytes_used == tier.bytes_used
     assert torch.equal(again.read(h(2), tokens(2)), block(2.5))
     other = DiskTier(tmp_path, KEY, (2, 2, 1, 4, 3), torch.float32, 1 << 20)   # another block size
-    assert other.dir != tier.dir and len(other) == 0
+    assert other.dir != tier.dir and other.num_blocks == 0
 
 
 def test_disk_tier_checksum_mismatch_is_skipped_with_a_warning_and_deleted(tmp_path, caplog):
@@ -117,7 +123,7 @@ def test_disk_tier_checksum_mismatch_is_skipped_with_a_warning_and_deleted(tmp_p
     with caplog.at_level(logging.WARNING, logger="pagedkv.offload"):
         assert tier.read(h(1), tokens(1)) is None
     assert "checksum mismatch" in caplog.text
-    assert not path.exists() and len(tier) == 0 and tier.bytes_used == 0 and tier.bad_files == 1
+    assert not path.exists() and tier.num_blocks == 0 and tier.bytes_used == 0 and tier.bad_files == 1
 
 
 def test_disk_tier_start_up_skips_truncated_foreign_and_stray_files(tmp_path, caplog):
@@ -134,7 +140,7 @@ def test_disk_tier_start_up_skips_truncated_foreign_and_stray_files(tmp_path, ca
     with caplog.at_level(logging.WARNING, logger="pagedkv.offload"):
         again = disk_tier(tmp_path)
     assert "truncated" in caplog.text and "another-model" in caplog.text and "not a pagedkv block file" in caplog.text
-    assert again.bad_files == 3 and len(again) == 1
+    assert again.bad_files == 3 and again.num_blocks == 1
     assert files(again) == sorted([path[1], path[3]])         # the foreign file is left alone
     assert again.read(h(1), tokens(1)) is None
     assert torch.equal(again.read(h(3), tokens(3)), block(3.0))
@@ -152,7 +158,7 @@ def test_disk_tier_keeps_under_its_size_limit_dropping_least_recently_used(tmp_p
     assert not tier.contains(h(2), tokens(2)) and tier.contains(h(1), tokens(1)) and tier.contains(h(3), tokens(3))
     assert sum(p.stat().st_size for p in files(tier)) == tier.bytes_used <= tier.max_bytes and tier.dropped == 1
     smaller = disk_tier(tmp_path, max_bytes=size)              # restart with a lower limit
-    assert len(smaller) == 1 and len(files(smaller)) == 1
+    assert smaller.num_blocks == 1 and len(files(smaller)) == 1
 
 
 # ---- with the manager: evicted data is saved before it is overwritten, and comes back ----------
@@ -188,6 +194,150 @@ def test_evicted_block_is_saved_before_overwrite_and_loaded_back():
     assert torch.equal(device.read_blocks(table[:2]), torch.stack([block(10.0), block(11.0)]))
     assert offload.stats().loaded_host == 2
     m.check_integrity()
+
+
+class OffloadMachine(RuleBasedStateMachine):
+    """Random engine-like steps on the manager with an offload, against K/V that hold the token ids.
+
+    A step schedules like the scheduler (preempt by swap or recompute, swap in, append, admit with
+    device and tier prefix hits) and then moves data like the runner (stage, swap out, CoW, swap in,
+    commit, the forward's writes). After every step each running request must read back exactly its
+    tokens: a block saved after being overwritten, a load clobbered by swap, a bad tier hit or a
+    corrupt file used shows up.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.m: KVCacheManager | None = None
+
+    @initialize(bs=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 16), host=st.integers(0, 8),
+                disk=st.booleans(), seed=st.integers(0, 2**16))
+    def setup(self, bs, num_blocks, host, disk, seed):
+        shape = dict(num_layers=1, num_kv_heads=1, block_size=bs, head_dim=1, dtype="float32")
+        self.bs = bs
+        self.dev = KVStorage(num_blocks=num_blocks, **shape)
+        tier = HostTier(KVStorage(num_blocks=host, **shape)) if host else None
+        self.dir = tempfile.mkdtemp() if disk or not host else None
+        files = DiskTier(self.dir, b"k", self.dev.block_shape, torch.float32, 12 * (600 + 8 * bs)) if self.dir else None
+        self.offload = KVOffload(tier, files)
+        self.swap = tier.storage if tier is not None else KVStorage(num_blocks=4, **shape)
+        self.m = KVCacheManager(num_blocks, bs, num_host_blocks=0 if tier is not None else 4, watermark=0.0, hash_extra=b"k",
+                                offload=self.offload)
+        rnd = random.Random(seed)
+        self.bases = [[rnd.randrange(20) for _ in range(6 * bs)] for _ in range(2)]
+        self.known: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.next_id = 0
+
+    def _running(self) -> list[str]:
+        return sorted(r for r in self.known if not self.m.is_swapped(r))
+
+    def _swapped(self) -> list[str]:
+        return sorted(r for r in self.known if self.m.is_swapped(r))
+
+    def _preempt(self, data, swap_out: list) -> None:
+        rid = data.draw(st.sampled_from(self._running()))
+        if data.draw(st.booleans()) and self.m.can_swap_out(rid):
+            swap_out += self.m.swap_out(rid)
+        else:                                          # recompute: it comes back as a new prompt
+            self.m.free(rid)
+            del self.known[rid], self.computed[rid]
+
+    def _append(self, data, rid: str, cow: list, writes: list) -> None:
+        start = self.computed[rid]
+        pending = len(self.known[rid]) - start
+        n = data.draw(st.integers(1, pending if pending else 2 * self.bs))
+        new = [] if pending else data.draw(st.lists(st.integers(0, 19), min_size=n, max_size=n))
+        copies = self.m.allocate_slots(rid, self.known[rid] + new, n)
+        if copies is not None:
+            cow += copies
+            self.known[rid] += new
+            self.computed[rid] = start + n
+            writes.append((rid, start, start + n))
+
+    def _admit(self, data, writes: list) -> None:
+        base = self.bases[data.draw(st.integers(0, 1))]
+        prompt = base[:data.draw(st.integers(0, len(base)))] + data.draw(st.lists(st.integers(0, 19), min_size=1,
+                                                                                   max_size=2 * self.bs))
+        prefix = self.m.lookup_prefix(prompt)
+        offloaded = self.m.lookup_offloaded(prompt, len(prefix))
+        n = data.draw(st.integers(1, len(prompt) - (len(prefix) + offloaded) * self.bs))
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        if self.m.allocate_slots(rid, prompt, n, prefix_blocks=prefix, num_offloaded=offloaded) is None:
+            return
+        cached = self.m.num_cached_tokens(rid)
+        assert cached <= (len(prefix) + offloaded) * self.bs
+        self.known[rid] = list(prompt)
+        self.computed[rid] = cached + n
+        writes.append((rid, cached, cached + n))
+
+    @precondition(lambda self: self.m is not None)
+    @rule(data=st.data())
+    def step(self, data):
+        swap_out, cow, swap_in, writes = [], [], [], []
+        if self._running() and data.draw(st.booleans()):
+            self._preempt(data, swap_out)
+        if self._swapped() and data.draw(st.booleans()):
+            swap_in += self.m.swap_in(data.draw(st.sampled_from(self._swapped()))) or []
+        for rid in self._running():
+            if data.draw(st.booleans()):
+                self._append(data, rid, cow, writes)
+        for _ in range(data.draw(st.integers(0, 2))):
+            self._admit(data, writes)
+        # the runner
+        staged = self.offload.stage(self.dev, *self.m.take_offload_plan())
+        if swap_out:
+            self.swap.write_blocks([c.dst for c in swap_out], self.dev.read_blocks([c.src for c in swap_out]))
+        self.dev.copy_blocks([(c.src, c.dst) for c in cow])
+        if swap_in:
+            self.dev.write_blocks([c.dst for c in swap_in], self.swap.read_blocks([c.src for c in swap_in]))
+        self.offload.commit(self.dev, staged)
+        for rid, start, end in writes:                 # the forward pass stores each token's K and V
+            table = self.m.block_table(rid)
+            for p in range(start, end):
+                self.dev.data[0, :, table[p // self.bs], 0, p % self.bs, 0] = self.known[rid][p]
+
+    @precondition(lambda self: self.m is not None and self.dir and self.offload.disk.num_blocks)
+    @rule(data=st.data())
+    def corrupt_a_file(self, data):
+        """Bit rot under the disk tier: the hit that reads it must fall back to computing."""
+        path = data.draw(st.sampled_from(sorted(self.offload.disk.dir.iterdir())))
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0x01
+        path.write_bytes(raw)
+
+    @precondition(lambda self: self.m is not None and self.known)
+    @rule(data=st.data())
+    def finish(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.known)))
+        self.m.free(rid)
+        del self.known[rid], self.computed[rid]
+
+    @invariant()
+    def reads_back_its_tokens(self):
+        if self.m is None:
+            return
+        self.m.check_integrity()
+        for rid in self._running():
+            table = self.m.block_table(rid)
+            got = [self.dev.data[0, :, table[p // self.bs], 0, p % self.bs, 0].tolist()
+                   for p in range(self.computed[rid])]
+            assert got == [[t, t] for t in self.known[rid][:self.computed[rid]]], f"{rid} reads back wrong K/V"
+
+    def teardown(self):
+        if self.m is None:
+            return
+        for rid in list(self.known):
+            self.m.free(rid)
+        self.m.check_integrity()
+        if self.dir:
+            shutil.rmtree(self.dir)
+
+
+OffloadMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
+                                            suppress_health_check=[HealthCheck.too_slow])
+TestOffloadStateful = OffloadMachine.TestCase
 
 
 # ---- in the engine ----------------------------------------------------------------------------
@@ -291,7 +441,7 @@ def test_bad_files_are_skipped_with_a_warning_and_outputs_stay_equal(tiny_model_
 def test_disk_size_limit_is_respected(tiny_model_dir, reference, tmp_path):
     probe = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path / "probe"))
     run(probe, CONVERSATIONS)
-    limit = 10 * probe.engine.offload.stats().disk_bytes // len(probe.engine.offload.disk)   # ten files
+    limit = 10 * probe.engine.offload.stats().disk_bytes // probe.engine.offload.disk.num_blocks   # ten files
     llm = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path / "limited"), kv_offload_disk_size=limit)
     outputs, _ = workload(llm)
     assert outputs == reference[0]

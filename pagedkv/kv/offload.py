@@ -83,8 +83,8 @@ class HostTier:
         self._lent: set[int] = set()
         self.displaced: list[tuple[BlockHash, _HostEntry]] = []   # evicted for swap, data not yet moved
 
-    def __len__(self) -> int:
-        """Cached blocks."""
+    @property
+    def num_cached(self) -> int:
         return len(self._lru)
 
     def find(self, block_hash: BlockHash, token_ids: TokenIds) -> int | None:
@@ -228,7 +228,8 @@ class DiskTier:
         self.dropped = 0
         self._scan()
 
-    def __len__(self) -> int:
+    @property
+    def num_blocks(self) -> int:
         return len(self._index)
 
     def _path(self, block_hash: BlockHash) -> Path:
@@ -525,9 +526,12 @@ class KVOffload:
             self.spilled += 1
 
     def stats(self) -> OffloadStats:
-        disk = self.disk
+        host, disk = self.host, self.disk
         return OffloadStats(
             saved=self.saved, loaded_host=self.loaded_host, loaded_disk=self.loaded_disk, spilled=self.spilled,
-            dropped=self._dropped + (disk.dropped if disk else 0), bad_files=disk.bad_files if disk else 0,
-            host_slots=self.host.num_slots if self.host else 0, host_cached=len(self.host) if self.host else 0,
-            disk_blocks=len(disk) if disk else 0, disk_bytes=disk.bytes_used if disk else 0)
+            dropped=self._dropped + (disk.dropped if disk is not None else 0),
+            bad_files=disk.bad_files if disk is not None else 0,
+            host_slots=host.num_slots if host is not None else 0,
+            host_cached=host.num_cached if host is not None else 0,
+            disk_blocks=disk.num_blocks if disk is not None else 0,
+            disk_bytes=disk.bytes_used if disk is not None else 0)
