@@ -179,12 +179,12 @@ _MAX_HEADER = 1 << 20
 
 
 class BadFile(Exception):
-    """A block file that cannot be used. A foreign one (another model, layout or format version) is
-    left alone; any other (corrupt, truncated) is deleted."""
+    """A block file that cannot be used. One to `keep` (another model's, another format version, or
+    unreadable right now) is left alone; any other (corrupt, truncated) is deleted."""
 
-    def __init__(self, reason: str, foreign: bool = False) -> None:
+    def __init__(self, reason: str, keep: bool = False) -> None:
         super().__init__(reason)
-        self.foreign = foreign
+        self.keep = keep
 
 
 @dataclass(slots=True)
@@ -262,7 +262,7 @@ class DiskTier:
                 self._skip(path, None, e)
                 continue
             except OSError as e:
-                self._skip(path, None, BadFile(f"unreadable: {e.strerror}", foreign=True))
+                self._skip(path, None, BadFile(f"unreadable: {e.strerror}", keep=True))
                 continue
             self._index[block_hash] = _DiskEntry(tuple(header["token_ids"]), size)
             self.bytes_used += size
@@ -279,7 +279,7 @@ class DiskTier:
         if magic != MAGIC:
             raise BadFile("not a pagedkv block file")
         if version != VERSION:
-            raise BadFile(f"format version {version}", foreign=True)
+            raise BadFile(f"format version {version}", keep=True)
         offset = _PREFIX.size + header_len
         if header_len > _MAX_HEADER or len(head) < offset:
             raise BadFile("truncated header")
@@ -290,9 +290,9 @@ class DiskTier:
         if not isinstance(header, dict):
             raise BadFile("unreadable header")
         if header.get("key") != self.key:
-            raise BadFile(f"written for {header.get('key')!r}", foreign=True)
+            raise BadFile(f"written for {header.get('key')!r}", keep=True)
         if header.get("dtype") != str(self.dtype) or header.get("shape") != list(self.block_shape):
-            raise BadFile(f"block layout {header.get('shape')} {header.get('dtype')}", foreign=True)
+            raise BadFile(f"block layout {header.get('shape')} {header.get('dtype')}", keep=True)
         if header.get("hash") != block_hash.hex():
             raise BadFile("hash differs from the file name")
         tokens = header.get("token_ids")
@@ -307,12 +307,12 @@ class DiskTier:
         return header, offset
 
     def _skip(self, path: Path, block_hash: BlockHash | None, err: BadFile) -> None:
-        """Never crash, never use it: warn, forget it, delete it unless it is foreign."""
+        """Never crash, never use it: warn, forget it, and delete it unless it is one to keep."""
         self.bad_files += 1
         entry = self._index.pop(block_hash, None) if block_hash is not None else None
         if entry is not None:
             self.bytes_used -= entry.size
-        if err.foreign:
+        if err.keep:
             log.warning("KV offload: ignoring %s (%s)", path, err)
         else:
             log.warning("KV offload: skipping bad block file %s (%s); deleted", path, err)
@@ -347,7 +347,7 @@ class DiskTier:
             self._skip(path, block_hash, e)
             return None
         except OSError as e:
-            self._skip(path, block_hash, BadFile(f"unreadable: {e.strerror}"))
+            self._skip(path, block_hash, BadFile(f"unreadable: {e.strerror}", keep=True))
             return None
         self._index.move_to_end(block_hash)
         numel = self.payload_size // self.dtype.itemsize
