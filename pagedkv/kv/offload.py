@@ -296,8 +296,7 @@ class DiskTier:
         if header.get("hash") != block_hash.hex():
             raise BadFile("hash differs from the file name")
         tokens = header.get("token_ids")
-        if not (isinstance(tokens, list) and len(tokens) == self.block_shape[3]
-                and all(type(t) is int for t in tokens)):
+        if not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
             raise BadFile("bad token ids")
         if header.get("nbytes") != self.payload_size:
             raise BadFile("wrong payload size")
