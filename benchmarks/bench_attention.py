@@ -4,13 +4,12 @@ The W1-like case of shared/bench/README.md: 64 requests with contexts 100..900, 
 3 KV heads, head dim 64, 16-token blocks scattered through the pool. Each way runs over several
 layers' caches in turn so that the K/V come from memory, not from the last-level cache.
 
-    python benchmarks/bench_attention.py [--requests 64] [--dtypes float32,bfloat16]
+    python benchmarks/bench_attention.py [--requests 64] [--dtypes float32,bfloat16] [--cpu-time]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,16 +79,26 @@ def paged_kernel(batch: Batch, layer: Layer) -> torch.Tensor:
     return kernel.paged_attention_decode(batch.q, layer.k, layer.v, batch.seq_lens, batch.block_tables, batch.scale)
 
 
-def time_per_layer(fn: Callable[[Batch, Layer], torch.Tensor], batch: Batch, rounds: int) -> float:
-    """Median milliseconds per layer over `rounds` passes through all layers."""
-    fn(batch, batch.layers[0])
-    samples = []
+WAYS: dict[str, Callable[[Batch, Layer], torch.Tensor]] = {
+    "kernel": paged_kernel,
+    "loop": loop_sdpa,
+    "gather": gather_sdpa,
+}
+
+
+def time_per_layer(batch: Batch, rounds: int, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Best milliseconds per layer of each way over `rounds` passes through all layers. The ways
+    take turns within each round, so that load from elsewhere on the machine hits them alike."""
+    best = dict.fromkeys(WAYS, float("inf"))
+    for fn in WAYS.values():
+        fn(batch, batch.layers[0])
     for _ in range(rounds):
-        start = time.perf_counter()
-        for layer in batch.layers:
-            fn(batch, layer)
-        samples.append((time.perf_counter() - start) * 1e3 / len(batch.layers))
-    return statistics.median(samples)
+        for name, fn in WAYS.items():
+            start = clock()
+            for layer in batch.layers:
+                fn(batch, layer)
+            best[name] = min(best[name], (clock() - start) * 1e3 / len(batch.layers))
+    return best
 
 
 def read_bandwidth(gib: float = 1.0) -> float:
@@ -114,17 +123,25 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=6, help="distinct layer caches cycled through")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--torch-rounds", type=int, default=3, help="rounds for the slow torch ways")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bandwidth", type=float, help="GB/s for the memory bound (default: measured here)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="one thread, timed by its CPU time: steadier while other work shares the machine")
     args = p.parse_args()
+    if args.cpu_time:
+        args.threads = 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
 
     start = time.perf_counter()
     assert kernel.available(), "the C++ kernel did not build; see the warning above"
     print(f"kernel ready in {time.perf_counter() - start:.1f} s "
-          f"(compiled now: {kernel.build_seconds is not None}), threads={torch.get_num_threads()}")
+          f"(compiled now: {kernel.build_seconds is not None}), threads={torch.get_num_threads()}"
+          f"{', timed by CPU time' if args.cpu_time else ''}")
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else read_bandwidth()
     print(f"memory bound at {bandwidth / 1e9:.1f} GB/s ({'given' if args.bandwidth else 'measured: sum over 1 GiB'})")
     print("| dtype | K/V read (MiB) | memory bound (ms) | kernel (ms) | per-request SDPA loop (ms) "
@@ -139,9 +156,8 @@ def main() -> None:
         elem = layer.k.element_size()
         kv_bytes = int(batch.seq_lens.sum()) * args.kv_heads * args.head_dim * 2 * elem
         bound = kv_bytes / bandwidth * 1e3
-        fast = time_per_layer(paged_kernel, batch, args.rounds)
-        loop = time_per_layer(loop_sdpa, batch, args.torch_rounds)
-        gather = time_per_layer(gather_sdpa, batch, args.torch_rounds)
+        ms = time_per_layer(batch, args.rounds, clock)
+        fast, loop, gather = ms["kernel"], ms["loop"], ms["gather"]
         print(f"| {name} | {kv_bytes / 2**20:.1f} | {bound:.2f} | {fast:.2f} | {loop:.1f} | {gather:.1f} "
               f"| {loop / fast:.0f}x | {gather / fast:.0f}x | {fast / bound:.2f} |")
 

@@ -225,6 +225,7 @@ template <typename T> struct DotFor { using type = FloatDot<T>; };
 // ---------------------------------------------------------------------------------------
 
 constexpr int kTile = 32;       // keys per online-softmax step (a multiple of W)
+constexpr int kAhead = 1;       // tiles between prefetching K/V rows and using them (1..3 measured; 1 best)
 constexpr int kRowBlock = 4;    // query rows whose accumulators stay in registers
 constexpr int kMaxRows = 32;    // query rows (tokens x group heads) per item, when G allows
 constexpr int kSplitMin = 128;  // fewest keys worth a split-K part of their own
@@ -250,12 +251,13 @@ struct Item {
 struct Scratch {
   int dp;                       // D rounded up to whole vectors
   std::vector<float> qf, acc, s, m, l;
-  std::vector<const void*> rows_k, rows_v;  // K/V row addresses of two tiles: this one, the next
-  int cur = 0;                              // which half of rows_k / rows_v is this tile
+  // K/V row addresses of the tile in use and of the next kAhead tiles, by tile number modulo
+  // kAhead + 1.
+  const void* kp[kAhead + 1][kTile];
+  const void* vp[kAhead + 1][kTile];
+  int cur = 0;  // slot of the tile in use
   Scratch(int rows, int dp_) : dp(dp_), qf(size_t(rows) * dp_), acc(size_t(rows) * dp_),
-      s(size_t(rows) * kTile), m(rows), l(rows), rows_k(2 * kTile), rows_v(2 * kTile) {}
-  const void* const* kp() const { return rows_k.data() + cur * kTile; }
-  const void* const* vp() const { return rows_v.data() + cur * kTile; }
+      s(size_t(rows) * kTile), m(rows), l(rows) {}
 };
 
 // Scores for rows [0, NR) of a row block against the tile's keys: s[i][t] = q_i . k_t, for
@@ -362,39 +364,43 @@ struct Attend {
   template <int NR> struct Scores {
     static void run(int r, const Attend& a, Scratch& ws, int nt) {
       const int qstride = ws.dp * kQPerFloat;
-      tile_scores<NR, NS, Dot, T>(reinterpret_cast<const Q*>(ws.qf.data()) + size_t(r) * qstride, qstride, ws.kp(),
-                                  nt, a.ns, a.dot_tail, a.P.scale, ws.s.data() + size_t(r) * kTile);
+      tile_scores<NR, NS, Dot, T>(reinterpret_cast<const Q*>(ws.qf.data()) + size_t(r) * qstride, qstride,
+                                  ws.kp[ws.cur], nt, a.ns, a.dot_tail, a.P.scale, ws.s.data() + size_t(r) * kTile);
     }
   };
   template <int NR> struct Values {
     static void run(int r, const Attend& a, Scratch& ws, int nt) {
-      tile_values<NR, NC, T>(ws.s.data() + size_t(r) * kTile, ws.vp(), nt, a.nc, a.tail,
+      tile_values<NR, NC, T>(ws.s.data() + size_t(r) * kTile, ws.vp[ws.cur], nt, a.nc, a.tail,
                              ws.acc.data() + size_t(r) * ws.dp, ws.dp);
     }
   };
 
-  // Finds the K/V rows of keys [t0, t0 + nt) of sequence b, head h, walking the block table,
-  // and asks the memory system for them ahead of use (one contiguous run per block).
-  void locate(int64_t b, int64_t h, int64_t t0, int nt, const void** kp, const void** vp) const {
-    const int32_t* table = P.block_tables + b * P.max_blocks + t0 / P.bs;
-    int64_t off = t0 % P.bs;
+  // Fills slot `slot` of ws.kp / ws.vp with the rows of keys [t0, t0 + nt) (padding kp to
+  // whole vectors of keys, whose extra scores are computed and never used) and prefetches them.
+  void locate(int64_t b, int64_t h, int64_t t0, int nt, Scratch& ws, int slot) const {
     const T* k = static_cast<const T*>(P.k);
     const T* v = static_cast<const T*>(P.v);
-    for (int t = 0; t < nt; off = 0) {
+    const void** kp = ws.kp[slot];
+    const void** vp = ws.vp[slot];
+    const int32_t* table = P.block_tables + b * P.max_blocks + t0 / P.bs;
+    int t = 0;
+    for (int64_t off = t0 % P.bs; t < nt; off = 0) {  // one run of rows per block
       const int64_t base = ((int64_t(*table++) * P.Hkv + h) * P.bs + off) * P.D;
       const int n = int(std::min<int64_t>(nt - t, P.bs - off));
-      const char* kb = reinterpret_cast<const char*>(k + base);
-      const char* vb = reinterpret_cast<const char*>(v + base);
-      for (int64_t o = 0; o < n * P.D * int64_t(sizeof(T)); o += 64) {
-        prefetch(kb + o);
-        prefetch(vb + o);
-      }
+      prefetch_span(k + base, n * P.D * int64_t(sizeof(T)));
+      prefetch_span(v + base, n * P.D * int64_t(sizeof(T)));
       for (int i = 0; i < n; ++i, ++t) {
         kp[t] = k + base + i * P.D;
         vp[t] = v + base + i * P.D;
       }
     }
-    for (int t = nt; t % W; ++t) kp[t] = kp[nt - 1];  // scores past nt are computed, never used
+    for (; t % W; ++t) kp[t] = kp[nt - 1];
+  }
+
+  static void prefetch_span(const void* p, int64_t bytes) {
+    const uintptr_t end = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes);
+    for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); line < end; line += 64)
+      prefetch(reinterpret_cast<const void*>(line));
   }
 
   // Copies the item's query rows into scratch in the form Dot wants, zero-padded.
@@ -423,15 +429,17 @@ struct Attend {
     std::fill(ws.m.begin(), ws.m.begin() + rows, -std::numeric_limits<float>::infinity());
     std::fill(ws.l.begin(), ws.l.begin() + rows, 0.f);
 
-    ws.cur = 0;
-    locate(b, h, it.k0, int(std::min<int64_t>(kTile, it.k1 - it.k0)), ws.rows_k.data(), ws.rows_v.data());
-    for (int64_t t0 = it.k0; t0 < it.k1; t0 += kTile, ws.cur ^= 1) {
-      const int nt = int(std::min<int64_t>(kTile, it.k1 - t0));
-      if (t0 + kTile < it.k1) {
-        const int next = (ws.cur ^ 1) * kTile;
-        locate(b, h, t0 + kTile, int(std::min<int64_t>(kTile, it.k1 - t0 - kTile)), ws.rows_k.data() + next,
-               ws.rows_v.data() + next);
-      }
+    // Tile i's rows sit in slot i % (kAhead + 1); they are located and prefetched kAhead tiles
+    // before their use.
+    const int slots = kAhead + 1;
+    const auto tile_keys = [&](int64_t t0) { return int(std::clamp<int64_t>(it.k1 - t0, 0, kTile)); };
+    for (int i = 0; i < kAhead && tile_keys(it.k0 + i * kTile) > 0; ++i)
+      locate(b, h, it.k0 + i * kTile, tile_keys(it.k0 + i * kTile), ws, i);
+    for (int64_t t0 = it.k0, i = 0; t0 < it.k1; t0 += kTile, ++i) {
+      const int nt = tile_keys(t0);
+      if (const int n = tile_keys(t0 + kAhead * kTile))
+        locate(b, h, t0 + kAhead * kTile, n, ws, int((i + kAhead) % slots));
+      ws.cur = int(i % slots);
       // Rows whose position is before t0 see nothing in this tile.
       const int r0 = int(std::clamp<int64_t>((t0 - first_pos) * G, 0, rows));
       for_row_blocks<Scores>(r0, rows, *this, ws, nt);
