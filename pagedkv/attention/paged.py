@@ -13,6 +13,12 @@ this step is seq_lens[b] tokens, so its query token i sits at position
 seq_len - query_len + i and sees every position up to its own. A prefill
 whose first blocks came from the prefix cache is just a query shorter than
 its context. The step writes all new K/V first, then attends.
+
+A quantized cache (fp8 / int8, kv/quant.py) comes as `QuantizedCache`s in
+place of the two tensors: writes quantize into the slots, and attention
+dequantizes the blocks it gathers into the query's dtype (the torch paths;
+the C++ kernel reads float caches only). An fp8 cache holds K/V rotated, so
+q is rotated on the way in and the output back on the way out.
 """
 from __future__ import annotations
 
@@ -23,6 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pagedkv.attention import kernel
+from pagedkv.kv.quant import QuantizedCache, SlotWrite
+
+Cache = Tensor | QuantizedCache
 
 
 @dataclass(slots=True)
@@ -40,9 +49,14 @@ class AttentionMetadata:
     _cache: dict = field(default_factory=dict, repr=False)
 
 
-def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+def write_kv(k_cache: Cache, v_cache: Cache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     """Store new K/V ([T, Hkv, D]) at their slots."""
     block_size = k_cache.shape[2]
+    if isinstance(k_cache, QuantizedCache):
+        where = SlotWrite.of(slot_mapping, block_size)
+        k_cache.write(k, where)
+        v_cache.write(v, where)
+        return
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size
     # Advanced indices around a slice put the indexed dim first: [T, Hkv, D].
@@ -50,10 +64,16 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
 
 
-def _gather(cache: Tensor, blocks: Tensor, length: int) -> Tensor:
-    """One sequence's first `length` cached tokens as [Hkv, length, D]."""
+def _kv_dtype(q: Tensor, cache: Cache) -> torch.dtype:
+    """What attention computes in: the cache's dtype, or the query's for a quantized cache."""
+    return q.dtype if isinstance(cache, QuantizedCache) else cache.dtype
+
+
+def _gather(cache: Cache, blocks: Tensor, length: int, dtype: torch.dtype) -> Tensor:
+    """One sequence's first `length` cached tokens as [Hkv, length, D] (dtype: see _kv_dtype)."""
     num_heads, block_size, head_dim = cache.shape[1:]
-    kv = cache.index_select(0, blocks).transpose(0, 1)
+    picked = cache.dequantize(blocks, dtype) if isinstance(cache, QuantizedCache) else cache.index_select(0, blocks)
+    kv = picked.transpose(0, 1)
     return kv.reshape(num_heads, blocks.numel() * block_size, head_dim)[:, :length]
 
 
@@ -68,14 +88,14 @@ class _Workspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple, Tensor] = {}
 
-    def get(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
-        key = (name, like.dtype, like.device)
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        key = (name, dtype, device)
         numel = 1
         for n in shape:
             numel *= n
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            buf = torch.empty(numel, dtype=dtype, device=device)
             self._buffers[key] = buf
         return buf[:numel].view(shape)
 
@@ -84,10 +104,10 @@ _workspace = _Workspace()
 _SCORE_BYTES = 16 << 20   # scores of one prefill chunk, counted at 4 bytes each
 
 
-def _decode_indices(meta: AttentionMetadata, num_kv_heads: int, like: Tensor) -> tuple[Tensor, Tensor, int]:
+def _decode_indices(meta: AttentionMetadata, num_kv_heads: int, dtype: torch.dtype,
+                    device: torch.device) -> tuple[Tensor, Tensor, int]:
     """Flat (block, head) rows to gather for a decode batch, and the additive padding mask."""
-    device = like.device
-    key = ("decode", num_kv_heads, device, like.dtype)
+    key = ("decode", num_kv_heads, device, dtype)
     if key not in meta._cache:
         max_blocks = -(-max(meta.seq_lens_list) // meta.block_size)
         tables = meta.block_tables[:, :max_blocks].to(device=device, dtype=torch.int64)
@@ -96,20 +116,28 @@ def _decode_indices(meta: AttentionMetadata, num_kv_heads: int, like: Tensor) ->
         length = max_blocks * meta.block_size
         pos = torch.arange(length, device=device)
         pad = pos[None, :] >= meta.seq_lens.to(device)[:, None]           # [B, L]
-        bias = torch.zeros(pad.shape, dtype=like.dtype, device=device).masked_fill_(pad, float("-inf"))
+        bias = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill_(pad, float("-inf"))
         meta._cache[key] = (rows, bias[:, None, None, :], length)
     return meta._cache[key]
 
 
-def _decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+def _gather_rows(cache: Cache, rows: Tensor, name: str, dtype: torch.dtype) -> Tensor:
+    """Flat (block * Hkv + head) rows of the cache as [R, block_size, D] in a reused buffer."""
+    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+    out = _workspace.get(name, (rows.numel(), block_size, head_dim), dtype, rows.device)
+    if isinstance(cache, QuantizedCache):
+        return cache.dequantize_rows(rows, out)
+    return torch.index_select(cache.view(num_blocks * num_kv_heads, block_size, head_dim), 0, rows, out=out)
+
+
+def _decode(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float) -> Tensor:
     """All sequences at once: gather their blocks padded to the longest, mask the padding."""
     num_seqs, num_q_heads, head_dim = q.shape
-    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
-    rows, bias, length = _decode_indices(meta, num_kv_heads, k_cache)
-    flat = (num_blocks * num_kv_heads, block_size, head_dim)
-    shape = (rows.numel(), block_size, head_dim)
-    k = torch.index_select(k_cache.view(flat), 0, rows, out=_workspace.get("k", shape, k_cache))
-    v = torch.index_select(v_cache.view(flat), 0, rows, out=_workspace.get("v", shape, v_cache))
+    num_kv_heads = k_cache.shape[1]
+    dtype = _kv_dtype(q, k_cache)
+    rows, bias, length = _decode_indices(meta, num_kv_heads, dtype, q.device)
+    k = _gather_rows(k_cache, rows, "k", dtype)
+    v = _gather_rows(v_cache, rows, "v", dtype)
     k = k.view(num_seqs, num_kv_heads, length, head_dim)
     v = v.view(num_seqs, num_kv_heads, length, head_dim)
     # The query heads of one KV head become its "query rows": no K/V expansion for GQA.
@@ -182,12 +210,13 @@ def _decode_part(meta: AttentionMetadata) -> tuple[AttentionMetadata, Tensor, fr
     return meta._cache["decode_part"]
 
 
-def _use_kernel(q: Tensor, k_cache: Tensor) -> bool:
-    """The C++ kernel (kernel.py) serves CPU decode when it is built and q shares the cache dtype."""
-    return q.device.type == "cpu" and q.dtype == k_cache.dtype and kernel.available()
+def _use_kernel(q: Tensor, k_cache: Cache) -> bool:
+    """The C++ kernel (kernel.py) serves CPU decode when it is built and q shares the (float) cache's dtype."""
+    return (isinstance(k_cache, Tensor) and q.device.type == "cpu" and q.dtype == k_cache.dtype
+            and kernel.available())
 
 
-def _decode_any(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+def _decode_any(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float) -> Tensor:
     """Decode through the kernel, which reads blocks in place (about 4x faster than gathering
     them here), else through the torch path."""
     if _use_kernel(q, k_cache):
@@ -195,13 +224,22 @@ def _decode_any(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMeta
     return _decode(q, k_cache, v_cache, meta, scale)
 
 
-def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+def paged_attention(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float) -> Tensor:
     """Attention of the step's new tokens over their sequences' cached context: [T, Hq, D].
 
     One-token queries (decodes) attend together in one batched pass; longer
     ones (prompts, prompt chunks after cached blocks) one sequence at a time,
     with GEMMs (faster for them than the kernel's per-query loops).
     """
+    rotation = k_cache.rotation if isinstance(k_cache, QuantizedCache) else None
+    if rotation is None:
+        return _attend(q, k_cache, v_cache, meta, scale)
+    # K/V are stored rotated (kv/quant.py): rotate q alike, and the output back.
+    out = _attend((q.float() @ rotation).to(q.dtype), k_cache, v_cache, meta, scale)
+    return (out.float() @ rotation.T).to(q.dtype)
+
+
+def _attend(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float) -> Tensor:
     if meta.is_decode:
         return _decode_any(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
@@ -212,8 +250,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     for b, (qlen, slen) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
         if b not in decodes:
             blocks = meta.block_tables[b, :-(-slen // meta.block_size)].to(device=q.device, dtype=torch.int64)
-            k = _gather(k_cache, blocks, slen)
-            v = _gather(v_cache, blocks, slen)
+            dtype = _kv_dtype(q, k_cache)
+            k = _gather(k_cache, blocks, slen, dtype)
+            v = _gather(v_cache, blocks, slen, dtype)
             out[start:start + qlen] = _prefill_one(q[start:start + qlen], k, v, scale)
         start += qlen
     return out

@@ -1,19 +1,26 @@
 """The K/V tensors of the block pool: one tensor for all layers.
 
-    data: [num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]
+    data:   [num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]
+    scales: [num_layers, 2 (K, V), num_blocks, num_kv_heads] float32  (fp8 / int8 only)
 
-`layer(i)` gives the (k_cache, v_cache) views the attention reads, each
-[num_blocks, num_kv_heads, block_size, head_dim]. Block ids are the block
-pool's ids; this module knows shapes and dtypes, never the model or who owns
-a block.
+`layer(i)` gives the (k_cache, v_cache) the attention reads: for float
+dtypes two tensors [num_blocks, num_kv_heads, block_size, head_dim]; for the
+quantized dtypes (fp8 = float8_e4m3fn, int8) two `QuantizedCache`s, the same
+views of `data` with their slices of `scales` (see quant.py). Block ids are
+the block pool's ids; this module knows shapes and dtypes, never the model or
+who owns a block.
 
-Blocks leave the pool (swap, offload) block-major: `read_blocks` returns
-[n, num_layers, 2, num_kv_heads, block_size, head_dim], so each block's
-bytes are contiguous and exactly `bytes_per_block` long, the unit a host or
-disk tier stores. Swap space is simply another KVStorage on the CPU
-(`read_blocks` of one feeds `write_blocks` of the other). Quantized KV
-dtypes (fp8/int8) would subclass this and keep per-block scales next to
-`data`; nothing here assumes a float dtype beyond its item size.
+Blocks leave the pool (swap, offload) block-major, as one tensor of `dtype`
+shaped [n, *block_shape] whose block is exactly `bytes_per_block` bytes, the
+unit a host or disk tier stores:
+
+    float dtypes:  block_shape = (num_layers, 2, num_kv_heads, block_size, head_dim)
+    fp8 / int8:    block_shape = (bytes_per_block,), packed bytes: the block's data in
+                   (layer, K/V, head, offset, dim) order, then its float32 scales in
+                   (layer, K/V, head) order
+
+Swap space is simply another KVStorage on the CPU (`read_blocks` of one feeds
+`write_blocks` of the other), so callers never look inside a block.
 """
 from __future__ import annotations
 
@@ -21,8 +28,10 @@ import torch
 from torch import Tensor
 
 from pagedkv.config import ConfigError
+from pagedkv.kv.quant import FORMATS, SCALE_DTYPE, QuantizedCache, hadamard
 
-_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
 def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -50,17 +59,33 @@ class KVStorage:
         self.head_dim = head_dim
         self.dtype = as_dtype(dtype)
         self.device = torch.device(device)
+        self.quant = FORMATS.get(self.dtype)
         self.data = torch.zeros(num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim,
                                 dtype=self.dtype, device=self.device)
-        self.kv_caches: list[tuple[Tensor, Tensor]] = [self.layer(i) for i in range(num_layers)]
+        self.scales: Tensor | None = None
+        self.rotation: Tensor | None = None
+        # Block moves are byte copies: float8 has no index_copy_ on CPU, its uint8 view does.
+        self._raw = self.data
+        if self.quant is not None:
+            self.scales = torch.zeros(num_layers, 2, num_blocks, num_kv_heads, dtype=SCALE_DTYPE, device=self.device)
+            self._raw = self.data.view(torch.uint8)
+            if self.quant.rotate:
+                self.rotation = hadamard(head_dim).to(self.device)
+        self.kv_caches: list[tuple] = [self.layer(i) for i in range(num_layers)]
 
-    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+    def layer(self, i: int) -> tuple[Tensor, Tensor] | tuple[QuantizedCache, QuantizedCache]:
         """(k_cache, v_cache) of layer i, each [num_blocks, num_kv_heads, block_size, head_dim]."""
-        return self.data[i, 0], self.data[i, 1]
+        if self.quant is None:
+            return self.data[i, 0], self.data[i, 1]
+        return (QuantizedCache(self.data[i, 0], self.scales[i, 0], self.quant, self.rotation),
+                QuantizedCache(self.data[i, 1], self.scales[i, 1], self.quant, self.rotation))
 
     @property
     def block_shape(self) -> tuple[int, ...]:
         """Shape of one block as `read_blocks` returns it (without the leading n)."""
+        if self.quant is not None:
+            return (self.bytes_per_block(self.num_layers, self.num_kv_heads, self.block_size, self.head_dim,
+                                         self.dtype),)
         return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -69,24 +94,47 @@ class KVStorage:
             return
         src = _ids([s for s, _ in pairs], self.device)
         dst = _ids([d for _, d in pairs], self.device)
-        self.data.index_copy_(2, dst, self.data.index_select(2, src))
+        self._raw.index_copy_(2, dst, self._raw.index_select(2, src))
+        if self.scales is not None:
+            self.scales.index_copy_(2, dst, self.scales.index_select(2, src))
 
     def read_blocks(self, ids: list[int] | Tensor) -> Tensor:
-        """The blocks' K/V, block-major: [n, num_layers, 2, num_kv_heads, block_size, head_dim]."""
-        picked = self.data.index_select(2, _ids(ids, self.device))
-        return picked.permute(2, 0, 1, 3, 4, 5).contiguous()
+        """The blocks block-major: [n, *block_shape] of `dtype`, scales packed in for fp8/int8."""
+        ids = _ids(ids, self.device)
+        picked = self._raw.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
+        if self.scales is None:
+            return picked
+        scales = self.scales.index_select(2, ids).permute(2, 0, 1, 3).contiguous().view(torch.uint8)
+        n = ids.numel()
+        return torch.cat([picked.view(n, -1), scales.view(n, -1)], dim=1).view(self.dtype)
 
     def write_blocks(self, ids: list[int] | Tensor, blocks: Tensor) -> None:
         """Inverse of `read_blocks`: store block-major `blocks` (any device) at block ids."""
-        src = blocks.to(device=self.device, dtype=self.dtype).permute(1, 2, 0, 3, 4, 5)
-        self.data.index_copy_(2, _ids(ids, self.device), src)
+        ids = _ids(ids, self.device)
+        if self.scales is None:
+            src = blocks.to(device=self.device, dtype=self.dtype).permute(1, 2, 0, 3, 4, 5)
+            self.data.index_copy_(2, ids, src)
+            return
+        if blocks.dtype != self.dtype or tuple(blocks.shape[1:]) != self.block_shape:
+            raise ValueError(f"expected packed {self.dtype} blocks of shape [n, {self.block_shape[0]}], "
+                             f"got {blocks.dtype} {list(blocks.shape)}")
+        packed = blocks.to(self.device).view(torch.uint8)
+        n, split = packed.shape[0], self.data[:, :, 0].numel()     # data bytes of one block
+        data = packed[:, :split].reshape(n, self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+        self._raw.index_copy_(2, ids, data.permute(1, 2, 0, 3, 4, 5))
+        scales = packed[:, split:].contiguous().view(SCALE_DTYPE).view(n, self.num_layers, 2, self.num_kv_heads)
+        self.scales.index_copy_(2, ids, scales.permute(1, 2, 0, 3))
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int,
                         dtype: torch.dtype | str) -> int:
-        """K and V of one block across all layers."""
-        return 2 * num_layers * num_kv_heads * block_size * head_dim * as_dtype(dtype).itemsize
+        """K and V of one block across all layers, with their scales for fp8 / int8."""
+        dtype = as_dtype(dtype)
+        rows = 2 * num_layers * num_kv_heads                      # (layer, K/V, head) of one block
+        scales = rows * SCALE_DTYPE.itemsize if dtype in FORMATS else 0
+        return rows * block_size * head_dim * dtype.itemsize + scales
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str) -> int:
-        return KVStorage.bytes_per_block(num_layers, num_kv_heads, 1, head_dim, dtype)
+        """Bytes of one token's K and V elements (fp8 / int8 scales are per block: see bytes_per_block)."""
+        return 2 * num_layers * num_kv_heads * head_dim * as_dtype(dtype).itemsize

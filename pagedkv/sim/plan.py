@@ -1,9 +1,9 @@
 """Capacity planning: KV bytes per token, and how many tokens and requests fit.
 
 K and V each take num_layers x num_kv_heads x head_dim elements per token.
-The pool is whole blocks, so capacity is counted in blocks first. int8 keeps
-one float32 scale per (layer, K or V, block, KV head) beside the blocks; fp8
-uses per-layer scales, which cost nothing per token.
+The pool is whole blocks, so capacity is counted in blocks first. fp8 and
+int8 keep one float32 scale per (layer, K or V, block, KV head) beside the
+blocks (kv/quant.py), counted in each block's bytes as the engine's pool does.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pagedkv.sim.shapes import ModelShape
 
 # bytes per K or V element; "auto" is the model's bf16
 KV_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "int8": 1}
-INT8_SCALE_BYTES = 4
+SCALE_BYTES = 4     # per (layer, K or V, block, KV head) of a quantized dtype
+QUANTIZED = ("fp8", "int8")
 
 
 def kv_bytes_per_block(shape: ModelShape, kv_dtype: str, block_size: int) -> int:
@@ -23,7 +24,7 @@ def kv_bytes_per_block(shape: ModelShape, kv_dtype: str, block_size: int) -> int
         raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_DTYPE_BYTES)}, got {kv_dtype!r}")
     heads = shape.num_layers * shape.num_kv_heads * 2  # K and V
     data = heads * shape.head_dim * KV_DTYPE_BYTES[kv_dtype] * block_size
-    return data + (heads * INT8_SCALE_BYTES if kv_dtype == "int8" else 0)
+    return data + (heads * SCALE_BYTES if kv_dtype in QUANTIZED else 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,143 @@
+"""Quantized KV blocks: fp8 (e4m3) or int8, one float32 scale per (block, KV head).
+
+One layer's K (or V) is a `QuantizedCache`:
+
+    data:   [num_blocks, num_kv_heads, block_size, head_dim]  float8_e4m3fn or int8
+    scales: [num_blocks, num_kv_heads]                          float32
+
+An element stands for data * scale. Every write keeps each touched block's
+scale large enough for its new values: a block written at offset 0 is fresh
+(whatever it held belonged to an earlier owner) and starts from the new
+values' range; a later write that exceeds the scale grows it and requantizes
+the entries already there, so one block never mixes two scales.
+
+fp8 scales are powers of two. Relative precision of a float format does not
+depend on the scale, so this costs nothing, and growing a scale by 2^k
+divides the stored values by 2^k exactly: requantization adds no error
+(except to values that sink below fp8's normal range). int8 keeps the exact
+amax / 127, where a power of two would waste up to a bit.
+
+fp8 also stores K and V rotated by an orthonormal Hadamard matrix R over
+head_dim (`rotation`). e4m3 keeps only 3 mantissa bits, so each element is
+off by up to 6%; a score q.k dominated by a few outlier channels inherits
+that error almost whole, while after the rotation it is spread over all
+channels whose errors partly cancel. Attention then works in the rotated
+space: (qR).(kR) = q.k, and sum p (vR) = (sum p v) R, so the output is
+rotated back with R^T (paged.py). On SmolLM2 this takes fp8's perplexity
+cost from about 1.5% to about 0.5% (BENCHMARKS.md). int8 (7 bits) gains
+nothing measurable from it and skips it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SCALE_DTYPE = torch.float32
+_MIN_SCALE = 2.0 ** -64     # scale of an all-zero block (keeps divisions finite)
+_BF16_FROM_E4M3 = -0x7810   # int16 0x87F0: the sign bit and the 7 exponent/mantissa bits, shifted left 4
+
+
+@dataclass(frozen=True, slots=True)
+class QuantFormat:
+    dtype: torch.dtype
+    qmax: float          # largest stored magnitude
+    pow2_scales: bool
+    rotate: bool         # store K/V times hadamard(head_dim)
+
+    def scale_for(self, amax: Tensor) -> Tensor:
+        """The smallest scale (of this format's kind) that keeps `amax` representable."""
+        scale = (amax / self.qmax).clamp_min(_MIN_SCALE)
+        return torch.exp2(torch.ceil(torch.log2(scale))) if self.pow2_scales else scale
+
+    def to_float(self, q: Tensor, dtype: torch.dtype) -> Tensor:
+        """Stored values as `dtype` (not yet times their scale)."""
+        if self.dtype != torch.float8_e4m3fn:
+            return q.to(dtype)
+        # torch converts float8 element by element on CPU (~4 ns each); these integer ops are
+        # vectorised (~0.3 ns) and exact for every e4m3 value: its sign, exponent and mantissa bits
+        # moved to bfloat16's places read as value * 2^-120 (subnormals included).
+        bits = q.view(torch.int8).to(torch.int16).bitwise_left_shift_(4).bitwise_and_(_BF16_FROM_E4M3)
+        return bits.view(torch.bfloat16).mul_(2.0 ** 120).to(dtype)
+
+    def quantize(self, x: Tensor, scale: Tensor) -> Tensor:
+        """x / scale in the stored dtype (x float32, scale broadcast against it)."""
+        y = (x / scale).clamp_(-self.qmax, self.qmax)
+        if self.dtype == torch.int8:
+            y = y.round_()
+        return y.to(self.dtype)
+
+
+FP8 = QuantFormat(torch.float8_e4m3fn, float(torch.finfo(torch.float8_e4m3fn).max), pow2_scales=True, rotate=True)
+INT8 = QuantFormat(torch.int8, 127.0, pow2_scales=False, rotate=False)
+FORMATS: dict[torch.dtype, QuantFormat] = {FP8.dtype: FP8, INT8.dtype: INT8}
+
+
+def hadamard(dim: int) -> Tensor:
+    """Orthonormal float32 [dim, dim]: Sylvester Hadamard blocks as large as the power of two
+    dividing dim allows (exact and the same everywhere, so stored blocks stay readable)."""
+    size = dim & -dim
+    h = torch.ones(1, 1)
+    while h.shape[0] < size:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return torch.block_diag(*[h] * (dim // size)) / math.sqrt(size)
+
+
+@dataclass(slots=True)
+class SlotWrite:
+    """Where a step's new tokens go, by block: computed once and shared by K, V and every layer's call."""
+    blocks: Tensor     # [T] block of each token
+    offsets: Tensor    # [T] offset inside it
+    touched: Tensor    # [U] distinct blocks written
+    which: Tensor      # [T] index of each token's block in `touched`
+    fresh: Tensor      # [U] bool: written at offset 0, so its old contents are not kept
+
+    @classmethod
+    def of(cls, slot_mapping: Tensor, block_size: int) -> SlotWrite:
+        blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+        offsets = slot_mapping - blocks * block_size
+        touched, which = torch.unique(blocks, return_inverse=True)
+        fresh = torch.zeros(touched.numel(), dtype=torch.bool, device=blocks.device)
+        fresh[which[offsets == 0]] = True
+        return cls(blocks, offsets, touched, which, fresh)
+
+
+@dataclass(slots=True)
+class QuantizedCache:
+    """One layer's K or V blocks, quantized, with their scales (views into KVStorage)."""
+    data: Tensor       # [num_blocks, num_kv_heads, block_size, head_dim]
+    scales: Tensor     # [num_blocks, num_kv_heads] float32
+    fmt: QuantFormat
+    rotation: Tensor | None = None   # [head_dim, head_dim] float32: data holds (x R) / scale
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def write(self, x: Tensor, where: SlotWrite) -> None:
+        """Store new values x [T, Hkv, D] at their slots, growing scales (and requantizing) as needed."""
+        x = x.float() if self.rotation is None else x.float() @ self.rotation
+        num_heads = x.shape[1]
+        amax = torch.zeros(where.touched.numel(), num_heads, dtype=SCALE_DTYPE, device=x.device)
+        amax.scatter_reduce_(0, where.which[:, None].expand(-1, num_heads), x.abs().amax(-1), "amax")
+        old = self.scales[where.touched].masked_fill_(where.fresh[:, None], 0.0)
+        scale = torch.maximum(old, self.fmt.scale_for(amax))
+        grown = (scale > old) & (old > 0)
+        if grown.any():
+            u, h = grown.nonzero(as_tuple=True)
+            b = where.touched[u]
+            ratio = (old[u, h] / scale[u, h])[:, None, None]
+            self.data[b, h] = self.fmt.quantize(self.fmt.to_float(self.data[b, h], SCALE_DTYPE) * ratio, 1.0)
+        self.scales[where.touched] = scale
+        self.data[where.blocks, :, where.offsets] = self.fmt.quantize(x, scale[where.which][:, :, None])
+
+    def dequantize(self, blocks: Tensor, dtype: torch.dtype) -> Tensor:
+        """Blocks [n] as [n, Hkv, block_size, D] values in `dtype` (rotated, if the cache rotates)."""
+        return self.fmt.to_float(self.data[blocks], dtype).mul_(self.scales[blocks].to(dtype)[:, :, None, None])
+
+    def dequantize_rows(self, rows: Tensor, out: Tensor) -> Tensor:
+        """Flat (block * Hkv + head) rows [R] into `out` [R, block_size, D] (any float dtype)."""
+        values = self.fmt.to_float(self.data.view(-1, *self.data.shape[2:])[rows], out.dtype)
+        return torch.mul(values, self.scales.view(-1)[rows].to(out.dtype)[:, None, None], out=out)
