@@ -89,7 +89,8 @@ class _Workspace:
         self._buffers: dict[tuple, Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-        key = (name, dtype, device)
+        # a buffer made in inference mode cannot be written outside it (and the engine runs in it)
+        key = (name, dtype, device, torch.is_inference_mode_enabled())
         numel = 1
         for n in shape:
             numel *= n
