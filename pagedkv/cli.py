@@ -26,7 +26,7 @@ class Parser(argparse.ArgumentParser):
     """argparse, but errors are one line and exit 2 (argparse prints usage first)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)   # prog is "pagedkv" or "pagedkv CMD"
         raise SystemExit(2)
 
 
@@ -66,11 +66,15 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name, module in COMMANDS.items():
         importlib.import_module(module).add_parser(sub)
+    parser.commands = sub.choices   # name -> subparser, for errors found after parsing
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # reported by the subcommand they were given to
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except (ConfigError, FileNotFoundError) as e:
