@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import AsyncIterator
 
 from pagedkv.config import ConfigError, EngineConfig
@@ -17,6 +18,9 @@ from pagedkv.engine.llm_engine import EngineStats, LLMEngine
 from pagedkv.engine.request import RequestOutput, SamplingParams
 
 log = logging.getLogger("pagedkv")
+
+
+STATS_INTERVAL_S = 0.2   # stats walk the whole pool: not after every step of a busy engine
 
 
 class QueueFullError(Exception):
@@ -37,7 +41,8 @@ class AsyncLLM:
         self.vocab_size = self.engine.vocab_size
         self._engine_lock = threading.Lock()   # held by a step; snapshots wait for it
         self._wake = threading.Condition()     # guards the inbox; never held during a step
-        self._stats = self.engine.stats()      # refreshed after every step, read without waiting
+        self._stats = self.engine.stats()      # refreshed between steps, read without waiting
+        self._stats_time = 0.0
         self._inbox: list[tuple] = []          # ("add", rid, ids, params, queue) | ("abort", rid)
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -149,6 +154,8 @@ class AsyncLLM:
                     for rid in list(self.engine.groups):
                         self.engine.abort(rid)
                         self._deliver(rid, RuntimeError(f"engine error: {e}"))
-                self._stats = self.engine.stats()
+                now = time.monotonic()
+                if now - self._stats_time > STATS_INTERVAL_S or not self.engine.has_unfinished():
+                    self._stats, self._stats_time = self.engine.stats(), now
             for out in outputs:
                 self._deliver(out.request_id, out)

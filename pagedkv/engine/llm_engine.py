@@ -46,6 +46,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    offload_hits: int              # prompt tokens loaded back from the host / disk tiers
+    offload_saved_blocks: int      # evicted device blocks kept in a tier
 
 
 def pick_device() -> torch.device:
@@ -262,7 +264,8 @@ class LLMEngine:
             num_free_blocks=s.free, num_cached_blocks=s.cached, block_size=self.kv.block_size,
             token_capacity=s.num_blocks * self.kv.block_size, prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits, num_preemptions=sch.num_preemptions,
-            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+            offload_hits=s.offload_hits, offload_saved_blocks=self.offload.stats().saved if self.offload else 0)
 
     def kv_snapshot(self) -> dict:
         return self.kv.snapshot()

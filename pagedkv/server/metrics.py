@@ -43,6 +43,8 @@ _COUNTERS = (
     ("num_preemptions", "num_preemptions", "Requests preempted (recompute or swap)."),
     ("prompt_tokens", "prompt_tokens", "Prompt tokens processed (prefilled)."),
     ("generation_tokens", "generation_tokens", "Tokens generated."),
+    ("kv_offload_hits", "offload_hits", "Prompt tokens loaded back from the host-memory or disk KV tiers."),
+    ("kv_offload_saved_blocks", "offload_saved_blocks", "Evicted KV blocks kept in the host-memory or disk tiers."),
 )
 
 
