@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.attention import kernel, paged
 from pagedkv.attention.paged import AttentionMetadata, contiguous_attention, paged_attention, write_kv
 from pagedkv.kv.block_pool import hash_block_tokens
 from pagedkv.kv.quant import FP8, INT8, QuantizedCache, hadamard
@@ -30,17 +31,29 @@ def values(c: QuantizedCache, blocks) -> torch.Tensor:
     return x if c.rotation is None else x @ c.rotation.T
 
 
+@pytest.fixture(params=["torch", "kernel"])
+def decode_backend(request, monkeypatch):
+    """Decodes through the torch path, or through the C++ kernel (over dequantized blocks) where it builds."""
+    if request.param == "torch":
+        monkeypatch.setattr(paged, "_use_kernel", lambda q, k_cache: False)
+    elif not kernel.available():
+        pytest.skip("the C++ attention kernel is not available here")
+    return request.param
+
+
 def write_tokens(k: QuantizedCache, v: QuantizedCache, x: torch.Tensor, slots) -> None:
     write_kv(k, v, x, -x, torch.as_tensor(slots))
 
 
 # ---- formats ---------------------------------------------------------------------------------------
 
-def test_fp8_to_float_is_exact_for_every_code():
+def test_fp8_dequantize_is_exact_for_every_code_and_scale():
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = ~codes.float().isnan()
-    for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(FP8.to_float(codes, dtype)[finite], codes.to(dtype)[finite])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for scale in (2.0 ** -20, 1.0, FP8.max_scale):
+            want = (codes.float() * scale).to(dtype)
+            assert torch.equal(FP8.dequantize(codes, torch.tensor(scale), dtype)[finite], want[finite])
 
 
 @pytest.mark.parametrize("name", ["fp8", "int8"])
@@ -51,12 +64,16 @@ def test_quantize_error_bounds(name):
     amax = x.abs().amax(-1, keepdim=True)
     scale = fmt.scale_for(amax)
     assert (amax / scale <= fmt.qmax * (1 + 1e-6)).all() and (amax / scale > fmt.qmax / (2 if fmt.pow2_scales else 1.001)).all()
-    err = (fmt.to_float(fmt.quantize(x, scale), torch.float32) * scale - x).abs()
+    err = (fmt.dequantize(fmt.quantize(x, scale), scale, torch.float32) - x).abs()
     if name == "int8":      # half a step of amax / 127
         assert (err <= scale / 2 * 1.0001).all()
     else:                   # 3 mantissa bits: half an ulp, 2^-4 relative; subnormals: half of 2^-9 * scale
         assert (err <= torch.maximum(x.abs() / 16, scale * 2.0 ** -10)).all()
     assert err.mean() / x.abs().mean() < (0.03 if name == "fp8" else 0.01)    # measured: 0.022, 0.006
+    huge = torch.tensor([[1e6, -3e5, 1.0]])                  # past fp8's largest scale: saturates, stays finite
+    s = fmt.scale_for(huge.abs().amax(-1, keepdim=True))
+    back = fmt.dequantize(fmt.quantize(huge, s), s, torch.bfloat16).float()
+    assert back.isfinite().all() and (back[0, :2].abs() >= (57344 if name == "fp8" else 2.9e5)).all()
 
 
 def test_hadamard_is_orthonormal_for_any_head_dim():
@@ -86,10 +103,11 @@ def test_token_by_token_writes_grow_the_scale_and_requantize(name):
     got = k.dequantize(torch.tensor([3]), torch.float32)[0].transpose(0, 1)
     want = at_once_k.dequantize(torch.tensor([3]), torch.float32)[0].transpose(0, 1)
     if name == "fp8":   # power-of-two scales: requantizing is exact, as if written at once (in e4m3's normal range)
-        stored = FP8.to_float(at_once_k.data[3], torch.float32)
+        one = torch.tensor(1.0)
+        stored = FP8.dequantize(at_once_k.data[3], one, torch.float32)
         normal = stored.abs() >= 2.0 ** -6
         assert normal.float().mean() > 0.9
-        assert torch.equal(FP8.to_float(k.data[3], torch.float32)[normal], stored[normal])
+        assert torch.equal(FP8.dequantize(k.data[3], one, torch.float32)[normal], stored[normal])
     if name == "int8":  # one rounding per growth, each within half the step (scale) it rounds to
         scales = torch.stack([at_once_k.fmt.scale_for(x[:t + 1].abs().amax((0, 2))) for t in range(BS)])
         grew = torch.cat([torch.ones(1, 2, dtype=torch.bool), scales[1:] > scales[:-1]])
@@ -154,7 +172,7 @@ def attention_case(name, query_lens, ctx_lens, seed=0, token_by_token=False):
 
 @pytest.mark.parametrize("name", ["fp8", "int8"])
 @pytest.mark.parametrize("kind", ["prefill", "decode", "mixed", "decoded_context"])
-def test_quantized_paged_attention_is_close_to_float(name, kind):
+def test_quantized_paged_attention_is_close_to_float(name, kind, decode_backend):
     ctx = [40, 129, 7, 300]
     qlens = {"prefill": [40, 30, 7, 300], "decode": [1] * 4, "mixed": [1, 129, 3, 1],
              "decoded_context": [1] * 4}[kind]
@@ -165,7 +183,7 @@ def test_quantized_paged_attention_is_close_to_float(name, kind):
     assert rel < {"fp8": 0.08, "int8": 0.045}[name], rel
 
 
-def test_bf16_queries_over_a_quantized_cache_stay_bf16():
+def test_bf16_queries_over_a_quantized_cache_stay_bf16(decode_backend):
     got, want = attention_case("fp8", [1, 5], [20, 5])
     assert got.dtype == torch.float32
     fmt = FP8

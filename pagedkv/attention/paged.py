@@ -16,8 +16,8 @@ its context. The step writes all new K/V first, then attends.
 
 A quantized cache (fp8 / int8, kv/quant.py) comes as `QuantizedCache`s in
 place of the two tensors: writes quantize into the slots, and attention
-dequantizes the blocks it gathers into the query's dtype (the torch paths;
-the C++ kernel reads float caches only). An fp8 cache holds K/V rotated, so
+dequantizes the blocks it gathers into the query's dtype (decode then runs
+the C++ kernel over those, which reads float caches only). An fp8 cache holds K/V rotated, so
 q is rotated on the way in and the output back on the way out.
 """
 from __future__ import annotations
@@ -123,11 +123,12 @@ def _decode_indices(meta: AttentionMetadata, num_kv_heads: int, dtype: torch.dty
 
 
 def _gather_rows(cache: Cache, rows: Tensor, name: str, dtype: torch.dtype) -> Tensor:
-    """Flat (block * Hkv + head) rows of the cache as [R, block_size, D] in a reused buffer."""
+    """Flat (block * Hkv + head) rows of the cache as [R, block_size, D], float ones in a reused buffer
+    (dequantizing allocates its steps anyway)."""
+    if isinstance(cache, QuantizedCache):
+        return cache.dequantize_rows(rows, dtype)
     num_blocks, num_kv_heads, block_size, head_dim = cache.shape
     out = _workspace.get(name, (rows.numel(), block_size, head_dim), dtype, rows.device)
-    if isinstance(cache, QuantizedCache):
-        return cache.dequantize_rows(rows, out)
     return torch.index_select(cache.view(num_blocks * num_kv_heads, block_size, head_dim), 0, rows, out=out)
 
 
@@ -212,17 +213,38 @@ def _decode_part(meta: AttentionMetadata) -> tuple[AttentionMetadata, Tensor, fr
 
 
 def _use_kernel(q: Tensor, k_cache: Cache) -> bool:
-    """The C++ kernel (kernel.py) serves CPU decode when it is built and q shares the (float) cache's dtype."""
-    return (isinstance(k_cache, Tensor) and q.device.type == "cpu" and q.dtype == k_cache.dtype
+    """The C++ kernel (kernel.py) serves CPU decode when it is built: for a float cache of q's dtype,
+    and for a quantized cache (over its blocks dequantized to q's dtype)."""
+    return (q.device.type == "cpu" and (isinstance(k_cache, QuantizedCache) or q.dtype == k_cache.dtype)
             and kernel.available())
+
+
+def _compact_tables(meta: AttentionMetadata, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The blocks a decode batch reads, each once per sequence in table order, and block tables
+    that point into that list instead of the pool."""
+    key = ("compact", device)
+    if key not in meta._cache:
+        used = -(-meta.seq_lens.to(device=device, dtype=torch.int64) // meta.block_size)     # [B]
+        width = int(used.max())
+        tables = meta.block_tables[:, :width].to(device=device, dtype=torch.int64)
+        real = torch.arange(width, device=device)[None, :] < used[:, None]
+        starts = torch.cumsum(used, 0) - used
+        compact = (starts[:, None] + torch.arange(width, device=device)[None, :]).masked_fill_(~real, 0)
+        meta._cache[key] = (tables[real], compact.to(torch.int32))
+    return meta._cache[key]
 
 
 def _decode_any(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float) -> Tensor:
     """Decode through the kernel, which reads blocks in place (about 4x faster than gathering
-    them here), else through the torch path."""
-    if _use_kernel(q, k_cache):
-        return kernel.paged_attention_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale)
-    return _decode(q, k_cache, v_cache, meta, scale)
+    them here), else through the torch path. A quantized cache first dequantizes the blocks the
+    batch reads (unpadded) into a compact float cache: about 2x faster than the torch path."""
+    if not _use_kernel(q, k_cache):
+        return _decode(q, k_cache, v_cache, meta, scale)
+    tables = meta.block_tables
+    if isinstance(k_cache, QuantizedCache):
+        blocks, tables = _compact_tables(meta, q.device)
+        k_cache, v_cache = k_cache.dequantize(blocks, q.dtype), v_cache.dequantize(blocks, q.dtype)
+    return kernel.paged_attention_decode(q, k_cache, v_cache, meta.seq_lens, tables, scale)
 
 
 def paged_attention(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float) -> Tensor:
