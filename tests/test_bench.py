@@ -77,13 +77,14 @@ def test_suite_json_has_every_field_and_consistent_counts(suite):
         assert r["total_tok_s"] == pytest.approx((want_out + want_prompt) / r["wall_s"], rel=0.01)
         assert 0.0 < r["kv_util_mean"] <= 1.0 and 0.0 < r["kv_usage_peak"] <= 1.0
         assert 1 <= r["peak_running"] <= len(lines) and r["preemptions"] == 0 and r["peak_rss_mb"] > 0
+        assert 0.0 <= r["other_load"] <= doc["machine"]["cpu_count"]
         assert r["ttft"]["count"] == r["e2e"]["count"] == len(lines)
         assert r["itl"]["count"] == want_out - len(lines)      # one gap between consecutive tokens
         assert r["ttft"]["p50"] <= r["e2e"]["p50"] and r["ttft"]["p50"] <= r["ttft"]["p99"]
         t = r["timeline"]
         assert len(t["t"]) == len(t["running"]) == len(t["kv_usage"]) == r["extra"]["steps"] + 1
         assert t["kv_usage"][-1] == 0.0       # every block back in the pool
-    assert {w["key"] for w in doc["workloads"]} == {"tr"}
+    assert {w["key"] for w in doc["workloads"]} == {"tr"} and doc["complete"] is True
     assert doc["machine"]["cpu_count"] >= 1 and doc["settings"]["suite_pool_tokens"] == POOL_TOKENS
 
 

@@ -83,6 +83,8 @@ def _specs(args: argparse.Namespace, keys: list[str], base: dict, trace_key: str
 
 
 def run(args: argparse.Namespace) -> int:
+    # everything the report needs is imported now: a long run must not pick up files edited meanwhile
+    from pagedkv.bench import plot, report  # noqa: F401
     from pagedkv.bench.workloads import load_workloads, read_trace
 
     _check(args)
@@ -103,78 +105,94 @@ def run(args: argparse.Namespace) -> int:
     if not workloads:
         raise ConfigError("no workload to run: give --workloads or --trace")
     specs = _specs(args, list(workloads), base, trace_key)
+    session = _Session(args, base, list(workloads.values()))
     runner = _run_online if args.online else _run_offline
-    results = runner(args, base, specs, workloads)
-    _report(args, base, results, list(workloads.values()))
+    runner(args, base, specs, workloads, session.add)
+    session.finish()
     return 0
 
 
-def _run_offline(args, base: dict, specs, workloads: dict):
-    from tqdm import tqdm
-
+def _run_offline(args, base: dict, specs, workloads: dict, on_result) -> None:
     from pagedkv.bench.offline import EngineFactory, run_offline
 
     factory = EngineFactory(base)
-    results = []
     for spec in specs:
         for key in spec.workloads:
             engine = factory.build(**spec.overrides)
             result = run_offline(engine, workloads[key], spec.label, spec.overrides, progress=not args.no_progress)
             result.extra["model_load_s"] = factory.load_s
-            results.append(result)
-            tqdm.write(_one_line(result), file=sys.stderr)
+            on_result(result)
             del engine
             gc.collect()
-    return results
 
 
-def _run_online(args, base: dict, specs, workloads: dict):
-    from tqdm import tqdm
-
+def _run_online(args, base: dict, specs, workloads: dict, on_result) -> None:
     from pagedkv.bench.online import LoadSpec, ServerProcess, model_vocab_size, run_online
 
     vocab = model_vocab_size(base.get("model"))
     load = LoadSpec(args.concurrency, args.request_rate, args.trace_seed)
-    results = []
     for spec in specs:
         with ServerProcess({**base, **spec.overrides}, args.server_startup_timeout) as server:
             for key in spec.workloads:
-                result = run_online(server, workloads[key], spec.label, spec.overrides, load, vocab,
-                                    progress=not args.no_progress)
-                results.append(result)
-                tqdm.write(_one_line(result), file=sys.stderr)
-    return results
+                on_result(run_online(server, workloads[key], spec.label, spec.overrides, load, vocab,
+                                     progress=not args.no_progress))
+
+
+class _Session:
+    """Collects the runs; after each one it rewrites --out (so a long suite never loses finished runs)."""
+
+    def __init__(self, args: argparse.Namespace, base: dict, workloads: list) -> None:
+        from pagedkv.bench.metrics import git_commit, machine_info
+        from pagedkv.bench.peers import load_peers
+
+        self.args, self.base = args, base
+        self.summaries = [w.summary() for w in workloads]
+        self.peers = load_peers(args.peers_dir)
+        self.machine, self.commit = machine_info(), git_commit()
+        self.results: list = []
+
+    def add(self, result) -> None:
+        from tqdm import tqdm
+
+        self.results.append(result)
+        tqdm.write(_one_line(result), file=sys.stderr)
+        if self.args.out:
+            self._write_json(complete=False)
+
+    def finish(self) -> None:
+        from pagedkv.bench import report
+
+        text = report.markdown(self.results, self.peers, self._ratios(), self.summaries)
+        print(text)
+        if self.args.markdown:
+            with open(self.args.markdown, "w") as f:
+                f.write(text)
+        if self.args.out:
+            self._write_json(complete=True)
+        if self.args.plot:
+            from pagedkv.bench.plot import plot_all
+            for path in plot_all(self.results, self.args.plot):
+                print(f"wrote {path}", file=sys.stderr)
+
+    def _ratios(self) -> list:
+        from pagedkv.bench.suite import suite_ratios
+
+        return suite_ratios(self.results, self.peers, self.args.suite_pool_tokens) if self.args.suite else []
+
+    def _write_json(self, complete: bool) -> None:
+        from pagedkv.bench import report
+
+        a = self.args
+        settings = {"engine_options": self.base, "online": a.online, "concurrency": a.concurrency,
+                    "request_rate": None if math.isinf(a.request_rate) else a.request_rate, "suite": a.suite,
+                    "suite_pool_tokens": a.suite_pool_tokens, "suite_max_model_len": a.suite_max_model_len}
+        doc = report.build_document(command=list(sys.argv), machine=self.machine, commit=self.commit,
+                                    workloads=self.summaries, results=self.results, peers=self.peers,
+                                    ratios=self._ratios(), settings=settings)
+        doc["complete"] = complete
+        report.write_json(doc, a.out)
 
 
 def _one_line(r) -> str:
     return (f"{r.workload} {r.label} ({r.mode}): {r.output_tok_s:.1f} out tok/s, {r.wall_s:.1f}s, "
             f"peak running {r.peak_running}, preemptions {r.preemptions}" + (f", {r.errors} errors" if r.errors else ""))
-
-
-def _report(args, base: dict, results, workloads) -> None:
-    from pagedkv.bench import report
-    from pagedkv.bench.metrics import git_commit, machine_info
-    from pagedkv.bench.peers import load_peers
-    from pagedkv.bench.suite import suite_ratios
-
-    peers = load_peers(args.peers_dir)
-    ratios = suite_ratios(results, peers, args.suite_pool_tokens) if args.suite else []
-    summaries = [w.summary() for w in workloads]
-    text = report.markdown(results, peers, ratios, summaries)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text)
-    if args.out:
-        settings = {"engine_options": base, "online": args.online, "concurrency": args.concurrency,
-                    "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
-                    "suite": args.suite, "suite_pool_tokens": args.suite_pool_tokens,
-                    "suite_max_model_len": args.suite_max_model_len}
-        doc = report.build_document(command=list(sys.argv), machine=machine_info(),
-                                    commit=git_commit(), workloads=summaries, results=results, peers=peers,
-                                    ratios=ratios, settings=settings)
-        report.write_json(doc, args.out)
-    if args.plot:
-        from pagedkv.bench.plot import plot_all
-        for path in plot_all(results, args.plot):
-            print(f"wrote {path}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 PERCENTILES = (50, 90, 99)
@@ -27,6 +28,57 @@ def rss_mb() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 2**20
+
+
+def _busy_cpu_s() -> float:
+    """Non-idle CPU seconds of the whole machine since boot (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)     # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds used by this process and its live children (the server, online)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+class CpuMeter:
+    """How much other work shared the cores during a run: machine busy CPU minus our own, in seconds.
+
+    The cores are shared, so a figure measured next to other work is slower than the engine is;
+    `other_load` (other processes' average busy cores) says how much to distrust it."""
+
+    def __enter__(self) -> "CpuMeter":
+        self.other_cpu_s: float | None = None
+        try:
+            self._busy0, self._own0, self._t0 = _busy_cpu_s(), _own_cpu_s(), time.monotonic()
+        except (OSError, ValueError, IndexError):
+            self._busy0 = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._busy0 is None:
+            return
+        self.seconds = time.monotonic() - self._t0
+        self.own_cpu_s = _own_cpu_s() - self._own0
+        self.other_cpu_s = max(0.0, _busy_cpu_s() - self._busy0 - self.own_cpu_s)
+
+    @property
+    def other_load(self) -> float | None:
+        """Average number of cores other processes kept busy."""
+        if self.other_cpu_s is None or self.seconds <= 0:
+            return None
+        return round(self.other_cpu_s / self.seconds, 2)
 
 
 def machine_info() -> dict:

@@ -10,7 +10,7 @@ import gc
 import time
 from dataclasses import dataclass, field
 
-from pagedkv.bench.metrics import rss_mb, summarize
+from pagedkv.bench.metrics import CpuMeter, rss_mb, summarize
 from pagedkv.bench.result import RunResult, rate
 from pagedkv.bench.workloads import Workload, token_range
 from pagedkv.config import EngineConfig
@@ -106,17 +106,18 @@ def run_offline(engine, workload: Workload, label: str, options: dict, progress:
     bar = tqdm(total=workload.output_tokens, desc=f"{workload.key} {label}", unit="tok",
                disable=not progress, dynamic_ncols=True, leave=False)
     finals = {}
-    t0 = time.monotonic()
-    for i, r in enumerate(workload.requests):
-        engine.add_request(f"bench-{i}", r.prompt, _greedy(r.max_tokens))
-    timeline.sample(engine, 0.0)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        timeline.sample(engine, time.monotonic() - t0)
-        bar.update(engine.generation_tokens_total - gen0 - bar.n)
-    wall = time.monotonic() - t0
+    with CpuMeter() as cpu:
+        t0 = time.monotonic()
+        for i, r in enumerate(workload.requests):
+            engine.add_request(f"bench-{i}", r.prompt, _greedy(r.max_tokens))
+        timeline.sample(engine, 0.0)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+            timeline.sample(engine, time.monotonic() - t0)
+            bar.update(engine.generation_tokens_total - gen0 - bar.n)
+        wall = time.monotonic() - t0
     bar.close()
     kv1 = engine.kv.stats()
     outputs = list(finals.values())
@@ -135,6 +136,7 @@ def run_offline(engine, workload: Workload, label: str, options: dict, progress:
         prefix_hit_rate=round((kv1.prefix_hits - kv0.prefix_hits) / queries, 4) if queries else 0.0,
         cached_tokens=cached, prompt_tokens_computed=workload.prompt_tokens - cached,
         preemptions=engine.scheduler.num_preemptions - pre0, peak_rss_mb=round(timeline.rss_peak, 1),
+        other_load=cpu.other_load,
         extra={"steps": len(timeline.t) - 1, "kv_blocks": kv1.num_blocks, "block_size": engine.kv.block_size,
                "kv_token_capacity": kv1.num_blocks * engine.kv.block_size, "max_model_len": engine.max_model_len},
         timeline={"t": timeline.t, "running": timeline.running, "waiting": timeline.waiting,

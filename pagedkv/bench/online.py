@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedkv.bench.metrics import summarize
+from pagedkv.bench.metrics import CpuMeter, summarize
 from pagedkv.bench.result import RunResult, rate
 from pagedkv.bench.workloads import BenchRequest, Workload, token_range
 from pagedkv.config import ConfigError
@@ -279,12 +279,14 @@ def _r(values: list[float]) -> list[float]:
 def run_online(server: ServerProcess, workload: Workload, label: str, options: dict, load: LoadSpec,
                vocab_size: int, progress: bool = True, poll_every: float = 0.5) -> RunResult:
     """Run the workload against a started server and measure it from the client's side."""
-    records, wall, series, before, after = asyncio.run(
-        _run_async(server.base_url, workload, load, progress, label, vocab_size, poll_every))
+    with CpuMeter() as cpu:   # the server is our child: its CPU counts as our own
+        records, wall, series, before, after = asyncio.run(
+            _run_async(server.base_url, workload, load, progress, label, vocab_size, poll_every))
     extra = {"concurrency": load.concurrency, "request_rate": None if math.isinf(load.request_rate)
              else load.request_rate, "server_startup_s": server.startup_s}
     result = records_result(records, wall, workload, label, options, series, before, after, extra)
     result.peak_rss_mb = _server_rss_mb(server)
+    result.other_load = cpu.other_load
     return result
 
 

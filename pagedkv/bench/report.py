@@ -11,7 +11,7 @@ from pagedkv.bench.suite import Ratio
 
 RUN_COLUMNS = ("config", "workload", "mode", "wall s", "out tok/s", "total tok/s", "req/s", "peak running",
                "KV util", "KV peak", "prefix hit", "prompt computed / sent", "preempt", "TTFT p50 / p99 s",
-               "ITL p50 / p99 ms", "e2e p50 s", "peak RSS MiB")
+               "ITL p50 / p99 ms", "e2e p50 s", "peak RSS MiB", "other load")
 
 
 def build_document(*, command: list[str], machine: dict, commit: str | None, workloads: list[dict],
@@ -43,7 +43,7 @@ def run_row(r: RunResult) -> list[str]:
             _f(r.total_tok_s, "{:.1f}"), _f(r.requests_per_s), _f(r.peak_running, "{}"),
             _f(r.kv_util_mean, "{:.1%}"), _f(r.kv_usage_peak, "{:.1%}"), _f(r.prefix_hit_rate, "{:.1%}"),
             computed, _f(r.preemptions, "{}"), _pair(r.ttft, 1, "{:.2f}"), _pair(r.itl, 1000, "{:.0f}"),
-            _f(r.e2e.get("p50"), "{:.1f}"), _f(r.peak_rss_mb, "{:.0f}")]
+            _f(r.e2e.get("p50"), "{:.1f}"), _f(r.peak_rss_mb, "{:.0f}"), _f(r.other_load, "{:.2f}")]
 
 
 def table(header: tuple[str, ...] | list[str], rows: list[list[str]]) -> str:
@@ -69,9 +69,13 @@ def ratios_table(ratios: list[Ratio]) -> str:
                  [[r.name, _f(r.value, "{:.3g}"), r.target, met(r), r.note] for r in ratios])
 
 
+NOTES = ("Output tok/s counts generated tokens, total tok/s adds the prompt tokens sent; KV util is the mean over "
+         "steps of tokens held / slots allocated; other load is the average number of cores that other processes "
+         "kept busy during the run (0 = a clean measurement).")
+
+
 def markdown(results: list[RunResult], peers: list[PeerFigures], ratios: list[Ratio], workloads: list[dict]) -> str:
-    """Output tok/s counts generated tokens only; total tok/s adds the prompt tokens sent."""
-    parts = ["### Runs", "", runs_table(results), ""]
+    parts = ["### Runs", "", runs_table(results), "", NOTES, ""]
     if workloads:
         parts += ["Workloads: " + "; ".join(f"{w['key']} = {w['requests']} requests, {w['prompt_tokens']:,} prompt "
                                             f"+ {w['output_tokens']:,} output tokens (checksum {w['checksum']})"

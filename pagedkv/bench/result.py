@@ -28,6 +28,7 @@ class RunResult:
     prompt_tokens_computed: int | None = None   # sent - cached
     preemptions: int | None = None
     peak_rss_mb: float | None = None
+    other_load: float | None = None       # cores other processes kept busy on average (noise)
     errors: int = 0
     extra: dict = field(default_factory=dict)
     # series for the plots: {"t": [...], "running": [...], "kv_usage": [...], "kv_util": [...]}
