@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 PERCENTILES = (50, 90, 99)
+MIN_METERED_S = 1.0
 
 
 def summarize(values: list[float]) -> dict[str, float | int]:
@@ -75,10 +76,11 @@ class CpuMeter:
 
     @property
     def other_load(self) -> float | None:
-        """Average number of cores other processes kept busy."""
-        if self.other_cpu_s is None or self.seconds <= 0:
+        """Average number of cores other processes kept busy; None for runs under a second, where the
+        kernel's 10 ms accounting ticks make the figure meaningless."""
+        if self.other_cpu_s is None or self.seconds < MIN_METERED_S:
             return None
-        return round(self.other_cpu_s / self.seconds, 2)
+        return round(min(self.other_cpu_s / self.seconds, float(os.cpu_count() or 1)), 2)
 
 
 def machine_info() -> dict:
