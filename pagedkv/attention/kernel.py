@@ -242,11 +242,11 @@ def _build() -> Path:
     name = f"pagedkv_paged_attention_{_build_key()}"
     build_dir = cache_dir() / name
     library, done = build_dir / f"{name}.so", build_dir / "built"
-    if done.exists():
+    if done.exists() and library.exists():
         return library
     build_dir.mkdir(parents=True, exist_ok=True)
     with _exclusive(build_dir / "build.lock"):
-        if done.exists():
+        if done.exists() and library.exists():
             return library
         # torch's own build lock is a plain file that a killed build leaves behind; holding the
         # flock means nobody else is building, so any such file is stale.
