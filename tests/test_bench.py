@@ -14,6 +14,8 @@ import torch
 from pagedkv.bench.metrics import MIN_METERED_S, CpuMeter
 from pagedkv.bench.online import LoadSpec, engine_flags, generate_load, parse_metrics, records_result
 from pagedkv.bench.peers import best_of, from_readme, load_peers
+from pagedkv.bench.result import RunResult
+from pagedkv.bench.suite import PREFIX_OFF, PREFIX_ON, suite_ratios
 from pagedkv.bench.workloads import BenchRequest, Workload, builtin_workload, find_shared_file, load_workloads
 from pagedkv.cli import main
 
@@ -136,6 +138,29 @@ def test_markdown_and_plots(suite):
     pngs = sorted(p.name for p in (d / "plots").iterdir())
     assert pngs == ["kv.png", "latency.png", "throughput.png"]
     assert all((d / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_from_json_renders_the_same_report_again(suite, tmp_path, capsys):
+    doc, _, d = suite
+    assert main(["bench", "--from-json", str(d / "r.json"), "--markdown", str(tmp_path / "again.md"),
+                 "--out", str(tmp_path / "again.json")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["runs"] == doc["runs"] and again["ratios"] == doc["ratios"] and again["command"] == doc["command"]
+    assert (tmp_path / "again.md").read_text() == (d / "r.md").read_text()
+    (tmp_path / "junk.json").write_text("[1, 2]")
+    assert main(["bench", "--from-json", str(tmp_path / "junk.json")]) == 2
+    assert "not a pagedkv bench result" in capsys.readouterr().err
+
+
+def test_ratios_withhold_verdicts_on_runs_that_shared_the_cores():
+    def run(label, workload, tok_s, load):
+        return RunResult(label, "offline", workload, {}, 1, 10, 10, 1.0, tok_s, tok_s, 1.0, {}, {}, {},
+                         other_load=load)
+    clean = suite_ratios([run(PREFIX_ON, "W2", 300.0, 0.01), run(PREFIX_OFF, "W2", 100.0, 0.0)], [], 1024)
+    noisy = suite_ratios([run(PREFIX_ON, "W2", 300.0, 0.9), run(PREFIX_OFF, "W2", 100.0, 0.0)], [], 1024)
+    (c,), (n,) = clean, noisy
+    assert (c.value, c.met, c.note) == (3.0, True, "")
+    assert (n.value, n.met) == (3.0, None) and "0.90 cores" in n.note
 
 
 @pytest.mark.parametrize("content, needle", [

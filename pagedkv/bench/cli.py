@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import sys
 
@@ -46,6 +47,8 @@ def add_parser(subparsers) -> None:
     g.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR")
     g.add_argument("--peers-dir", default=None, help="peer result JSONs (default: $PEERS_RESULTS or /tmp/peers/results)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--from-json", default=None, metavar="FILE",
+                   help="run nothing: render the report, ratios and plots of an earlier --out file again")
     p.set_defaults(func=run)
 
 
@@ -88,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.bench.workloads import load_workloads, read_trace
 
     _check(args)
+    if args.from_json:
+        _Session.from_document(args, args.from_json).finish()
+        return 0
     base = _base_options(args)
     keys = [k.strip() for k in args.workloads.split(",") if k.strip()] if args.workloads else []
     if args.workloads is None and args.trace is None:
@@ -148,8 +154,30 @@ class _Session:
         self.args, self.base = args, base
         self.summaries = [w.summary() for w in workloads]
         self.peers = load_peers(args.peers_dir)
-        self.machine, self.commit = machine_info(), git_commit()
+        self.machine, self.commit, self.command = machine_info(), git_commit(), list(sys.argv)
         self.results: list = []
+
+    @classmethod
+    def from_document(cls, args: argparse.Namespace, path: str) -> "_Session":
+        """The session an earlier --out file describes (its runs, peers and suite settings)."""
+        from pagedkv.bench.peers import PeerFigures
+        from pagedkv.bench.result import RunResult
+
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            session = cls.__new__(cls)
+            session.args, session.base = args, doc["settings"]["engine_options"]
+            session.summaries, session.machine = doc["workloads"], doc["machine"]
+            session.commit, session.command = doc["commit"], doc["command"]
+            session.peers = [PeerFigures(**p) for p in doc["peers"]]
+            session.results = [RunResult.from_json(r) for r in doc["runs"]]
+            for key in ("suite", "suite_pool_tokens", "suite_max_model_len", "online", "concurrency"):
+                setattr(args, key, doc["settings"][key])
+            args.request_rate = doc["settings"]["request_rate"] or math.inf
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"--from-json {path}: not a pagedkv bench result ({type(e).__name__}: {e})") from None
+        return session
 
     def add(self, result) -> None:
         from tqdm import tqdm
@@ -186,7 +214,7 @@ class _Session:
         settings = {"engine_options": self.base, "online": a.online, "concurrency": a.concurrency,
                     "request_rate": None if math.isinf(a.request_rate) else a.request_rate, "suite": a.suite,
                     "suite_pool_tokens": a.suite_pool_tokens, "suite_max_model_len": a.suite_max_model_len}
-        doc = report.build_document(command=list(sys.argv), machine=self.machine, commit=self.commit,
+        doc = report.build_document(command=self.command, machine=self.machine, commit=self.commit,
                                     workloads=self.summaries, results=self.results, peers=self.peers,
                                     ratios=self._ratios(), settings=settings)
         doc["complete"] = complete
