@@ -20,15 +20,14 @@ BS = 16
 
 
 def cache(fmt, num_blocks=8, heads=2, dim=32) -> QuantizedCache:
-    rotation = hadamard(dim) if fmt.rotate else None
     return QuantizedCache(torch.zeros(num_blocks, heads, BS, dim, dtype=fmt.dtype),
-                          torch.zeros(num_blocks, heads), fmt, rotation)
+                          torch.zeros(num_blocks, heads), fmt, hadamard(dim))
 
 
 def values(c: QuantizedCache, blocks) -> torch.Tensor:
     """Dequantized blocks, rotated back: [n, H, BS, D] float32."""
     x = c.dequantize(torch.as_tensor(blocks), torch.float32)
-    return x if c.rotation is None else x @ c.rotation.T
+    return x @ c.rotation.T
 
 
 @pytest.fixture(params=["torch", "kernel"])
@@ -97,9 +96,8 @@ def test_token_by_token_writes_grow_the_scale_and_requantize(name):
         write_tokens(k, v, x[t:t + 1], [3 * BS + t])
     at_once_k, at_once_v = cache(fmt), cache(fmt)
     write_tokens(at_once_k, at_once_v, x, range(3 * BS, 4 * BS))
-    assert torch.equal(k.scales[3], at_once_k.scales[3])      # the scale covers the largest value
-    # compare where the rounding happens: in the rotated space for fp8
-    x = x if k.rotation is None else x @ k.rotation
+    torch.testing.assert_close(k.scales[3], at_once_k.scales[3], rtol=1e-6, atol=0)   # covers the largest value
+    x = x @ k.rotation          # compare where the rounding happens: in the rotated space
     got = k.dequantize(torch.tensor([3]), torch.float32)[0].transpose(0, 1)
     want = at_once_k.dequantize(torch.tensor([3]), torch.float32)[0].transpose(0, 1)
     if name == "fp8":   # power-of-two scales: requantizing is exact, as if written at once (in e4m3's normal range)
@@ -110,9 +108,9 @@ def test_token_by_token_writes_grow_the_scale_and_requantize(name):
         assert torch.equal(FP8.dequantize(k.data[3], one, torch.float32)[normal], stored[normal])
     if name == "int8":  # one rounding per growth, each within half the step (scale) it rounds to
         scales = torch.stack([at_once_k.fmt.scale_for(x[:t + 1].abs().amax((0, 2))) for t in range(BS)])
-        grew = torch.cat([torch.ones(1, 2, dtype=torch.bool), scales[1:] > scales[:-1]])
-        halves = (scales * grew / 2).flip(0).cumsum(0).flip(0)        # token t: its own write and later growths
-        assert ((got - x).abs() <= halves[:, :, None] * 1.001).all()
+        growth = torch.cat([scales[1:] * (scales[1:] > scales[:-1]), torch.zeros(1, 2)]) / 2
+        later = growth.flip(0).cumsum(0).flip(0)                   # growths after token t
+        assert ((got - x).abs() <= (scales / 2 + later)[:, :, None] * 1.001).all()
         assert ((want - x).abs() <= k.scales[3][None, :, None] / 2 * 1.001).all()
     else:
         # rounding twice in the subnormal range can cost a whole subnormal step, 2^-9 * scale
@@ -128,10 +126,11 @@ def test_a_fresh_block_does_not_inherit_the_old_scale(name):
     write_tokens(k, v, torch.full((BS, 2, 32), 1000.0), range(2 * BS, 3 * BS))   # an earlier owner
     small = torch.linspace(-1, 1, 2 * 32).view(1, 2, 32)
     write_tokens(k, v, small, [2 * BS])                        # a new owner starts at offset 0
-    assert (k.scales[2] < 0.02).all()
-    torch.testing.assert_close(values(k, [2])[0, :, 0], small[0], atol=0.01, rtol=0.07)
+    assert (k.scales[2] < 0.05).all()                          # not 1000 / 127
+    torch.testing.assert_close(values(k, [2])[0, :, 0], small[0], atol=0.02, rtol=0.07)
+    before = k.scales[2].clone()
     write_tokens(k, v, small * 0.5, [2 * BS + 1])              # smaller than the scale: it stays
-    assert torch.equal(k.scales[2], k.scales[2].clone()) and (k.scales[2] < 0.02).all()
+    assert torch.equal(k.scales[2], before)
 
 
 # ---- attention ---------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ its context. The step writes all new K/V first, then attends.
 A quantized cache (fp8 / int8, kv/quant.py) comes as `QuantizedCache`s in
 place of the two tensors: writes quantize into the slots, and attention
 dequantizes the blocks it gathers into the query's dtype (decode then runs
-the C++ kernel over those, which reads float caches only). An fp8 cache holds K/V rotated, so
-q is rotated on the way in and the output back on the way out.
+the C++ kernel over those, which reads float caches only). Quantized caches
+hold K/V rotated, so q is rotated on the way in and the output back on the
+way out.
 """
 from __future__ import annotations
 
@@ -258,10 +259,10 @@ def paged_attention(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMe
     ones (prompts, prompt chunks after cached blocks) one sequence at a time,
     with GEMMs (faster for them than the kernel's per-query loops).
     """
-    rotation = k_cache.rotation if isinstance(k_cache, QuantizedCache) else None
-    if rotation is None:
+    if not isinstance(k_cache, QuantizedCache):
         return _attend(q, k_cache, v_cache, meta, scale)
     # K/V are stored rotated (kv/quant.py): rotate q alike, and the output back.
+    rotation = k_cache.rotation
     out = _attend((q.float() @ rotation).to(q.dtype), k_cache, v_cache, meta, scale)
     return (out.float() @ rotation.T).to(q.dtype)
 

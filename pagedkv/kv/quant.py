@@ -19,15 +19,17 @@ amax / 127, where a power of two would waste up to a bit. fp8 scales stop at
 2^7, so magnitudes past 448 * 2^7 = 57344 (no real K or V) saturate; that
 keeps scale * 2^120 finite for the fast dequantization below.
 
-fp8 also stores K and V rotated by an orthonormal Hadamard matrix R over
-head_dim (`rotation`). e4m3 keeps only 3 mantissa bits, so each element is
-off by up to 6%; a score q.k dominated by a few outlier channels inherits
-that error almost whole, while after the rotation it is spread over all
-channels whose errors partly cancel. Attention then works in the rotated
-space: (qR).(kR) = q.k, and sum p (vR) = (sum p v) R, so the output is
-rotated back with R^T (paged.py). On SmolLM2 this takes fp8's perplexity
-cost from about 1.5% to about 0.5% (BENCHMARKS.md). int8 (7 bits) gains
-nothing measurable from it and skips it.
+Both store K and V rotated by an orthonormal Hadamard matrix R over head_dim
+(`rotation`), because real keys have a few outlier channels. For fp8 (3
+mantissa bits, each element off by up to 6%) a score q.k dominated by those
+channels inherits their error almost whole; rotated, it is spread over all
+channels, whose errors partly cancel. For int8 the outliers set the step for
+every channel of the head; rotated, the amax shrinks towards the typical
+magnitude and the steps get finer. Attention works in the rotated space:
+(qR).(kR) = q.k and sum p (vR) = (sum p v) R, so q is rotated on the way in
+and the output back with R^T (paged.py). On SmolLM2 this takes fp8's
+perplexity cost from about 1.5% to under 0.5% and cuts int8's mean logit
+error by 30% (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -48,7 +50,6 @@ class QuantFormat:
     dtype: torch.dtype
     qmax: float          # largest stored magnitude
     pow2_scales: bool
-    rotate: bool         # store K/V times hadamard(head_dim)
     max_scale: float = math.inf
 
     def scale_for(self, amax: Tensor) -> Tensor:
@@ -77,9 +78,9 @@ class QuantFormat:
         return y.to(self.dtype)
 
 
-FP8 = QuantFormat(torch.float8_e4m3fn, float(torch.finfo(torch.float8_e4m3fn).max), pow2_scales=True, rotate=True,
+FP8 = QuantFormat(torch.float8_e4m3fn, float(torch.finfo(torch.float8_e4m3fn).max), pow2_scales=True,
                   max_scale=2.0 ** 7)
-INT8 = QuantFormat(torch.int8, 127.0, pow2_scales=False, rotate=False)
+INT8 = QuantFormat(torch.int8, 127.0, pow2_scales=False)
 FORMATS: dict[torch.dtype, QuantFormat] = {FP8.dtype: FP8, INT8.dtype: INT8}
 
 
@@ -118,7 +119,7 @@ class QuantizedCache:
     data: Tensor       # [num_blocks, num_kv_heads, block_size, head_dim]
     scales: Tensor     # [num_blocks, num_kv_heads] float32
     fmt: QuantFormat
-    rotation: Tensor | None = None   # [head_dim, head_dim] float32: data holds (x R) / scale
+    rotation: Tensor     # [head_dim, head_dim] float32: data holds (x R) / scale
 
     @property
     def shape(self) -> torch.Size:
@@ -126,7 +127,7 @@ class QuantizedCache:
 
     def write(self, x: Tensor, where: SlotWrite) -> None:
         """Store new values x [T, Hkv, D] at their slots, growing scales (and requantizing) as needed."""
-        x = x.float() if self.rotation is None else x.float() @ self.rotation
+        x = x.float() @ self.rotation
         num_heads = x.shape[1]
         amax = torch.zeros(where.touched.numel(), num_heads, dtype=SCALE_DTYPE, device=x.device)
         amax.scatter_reduce_(0, where.which[:, None].expand(-1, num_heads), x.abs().amax(-1), "amax")
@@ -142,7 +143,7 @@ class QuantizedCache:
         self.data[where.blocks, :, where.offsets] = self.fmt.quantize(x, scale[where.which][:, :, None])
 
     def dequantize(self, blocks: Tensor, dtype: torch.dtype) -> Tensor:
-        """Blocks [n] as [n, Hkv, block_size, D] values in `dtype` (rotated, if the cache rotates)."""
+        """Blocks [n] as [n, Hkv, block_size, D] values in `dtype` (rotated: x R)."""
         # index_select: advanced indexing is ~25x slower on CPU
         scales = self.scales.index_select(0, blocks)[:, :, None, None]
         return self.fmt.dequantize(self.data.index_select(0, blocks), scales, dtype)

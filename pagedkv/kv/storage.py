@@ -69,8 +69,7 @@ class KVStorage:
         if self.quant is not None:
             self.scales = torch.zeros(num_layers, 2, num_blocks, num_kv_heads, dtype=SCALE_DTYPE, device=self.device)
             self._raw = self.data.view(torch.uint8)
-            if self.quant.rotate:
-                self.rotation = hadamard(head_dim).to(self.device)
+            self.rotation = hadamard(head_dim).to(self.device)
         self.kv_caches: list[tuple] = [self.layer(i) for i in range(num_layers)]
 
     def layer(self, i: int) -> tuple[Tensor, Tensor] | tuple[QuantizedCache, QuantizedCache]:
