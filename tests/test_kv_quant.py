@@ -351,3 +351,26 @@ def test_prefix_cache_hash_differs_by_kv_dtype(tiny_model_dir):
     tokens = tuple(range(BS))
     hashes = {hash_block_tokens(None, tokens, extra) for extra in extras.values()}
     assert len(hashes) == 3
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_offload_tiers_keep_quantized_outputs(tiny_model_dir, tmp_path, name):
+    text = "Memory is cut into fixed-size blocks handed out on demand, mapped by a block table. "
+    conversations = [f"{who}: " + text * 2 for who in ("Ann", "Bob", "Cy", "Di")]
+    others = [f"{i} Hello world! Serving a model means holding each request's cache. {i}" for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def workload(**options):
+        """Conversations, traffic that evicts them from the small pool, the conversations again."""
+        llm = LLM(tiny_model_dir, dtype="float32", kv_cache_dtype=name, block_size=4, num_gpu_blocks_override=24,
+                  max_num_batched_tokens=64, **options)
+        outs = [o.outputs[0].token_ids for prompts in (conversations, others, conversations)
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+        return outs, llm
+
+    want, plain = workload()
+    block_bytes = plain.engine.storage.block_shape[0]             # packed: data and scales
+    got, llm = workload(kv_offload_host_memory=8 * block_bytes, kv_offload_dir=str(tmp_path))
+    st = llm.engine.offload.stats()
+    assert st.saved > 0 and st.spilled > 0 and st.loaded_disk > 0     # through the host tier to disk and back
+    assert got == want
