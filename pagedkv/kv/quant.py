@@ -96,7 +96,7 @@ def hadamard(dim: int) -> Tensor:
 
 @dataclass(slots=True)
 class SlotWrite:
-    """Where a step's new tokens go, by block: computed once and shared by K, V and every layer's call."""
+    """Where a step's new tokens go, by block (computed once per write_kv, shared by K and V)."""
     blocks: Tensor     # [T] block of each token
     offsets: Tensor    # [T] offset inside it
     touched: Tensor    # [U] distinct blocks written
@@ -119,7 +119,7 @@ class QuantizedCache:
     data: Tensor       # [num_blocks, num_kv_heads, block_size, head_dim]
     scales: Tensor     # [num_blocks, num_kv_heads] float32
     fmt: QuantFormat
-    rotation: Tensor     # [head_dim, head_dim] float32: data holds (x R) / scale
+    rotation: Tensor   # [head_dim, head_dim] float32: data holds (x R) / scale
 
     @property
     def shape(self) -> torch.Size:
