@@ -15,3 +15,14 @@ from tiny_model import make_tiny_model  # noqa: E402
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random-weight Llama as a Hugging Face folder (written once per session)."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(params=["torch", "kernel"])
+def decode_backend(request, monkeypatch):
+    """Decodes through the torch path, or through the C++ kernel (over dequantized blocks when quantized)."""
+    from pagedkv.attention import kernel, paged
+    if request.param == "torch":
+        monkeypatch.setattr(paged, "_use_kernel", lambda q, k_cache: False)
+    elif not kernel.available():
+        pytest.skip("the C++ attention kernel is not available here")
+    return request.param

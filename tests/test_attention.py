@@ -6,21 +6,13 @@ import random
 import pytest
 import torch
 
-from pagedkv.attention import kernel, paged
+from pagedkv.attention import paged
 from pagedkv.attention.paged import AttentionMetadata, contiguous_attention, paged_attention, write_kv
 from pagedkv.kv.storage import KVStorage
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture(params=["torch", "kernel"])
-def decode_backend(request, monkeypatch):
-    """Decodes through the torch path, or through the C++ kernel where it builds."""
-    if request.param == "torch":
-        monkeypatch.setattr(paged, "_use_kernel", lambda q, k_cache: False)
-    elif not kernel.available():
-        pytest.skip("the C++ attention kernel is not available here")
-    return request.param
 
 
 def naive_attention(q, k, v, scale, offset):

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.attention import kernel, paged
 from pagedkv.attention.paged import AttentionMetadata, contiguous_attention, paged_attention, write_kv
 from pagedkv.kv.block_pool import hash_block_tokens
 from pagedkv.kv.quant import FP8, INT8, QuantizedCache, hadamard
@@ -30,14 +29,6 @@ def values(c: QuantizedCache, blocks) -> torch.Tensor:
     return x @ c.rotation.T
 
 
-@pytest.fixture(params=["torch", "kernel"])
-def decode_backend(request, monkeypatch):
-    """Decodes through the torch path, or through the C++ kernel (over dequantized blocks) where it builds."""
-    if request.param == "torch":
-        monkeypatch.setattr(paged, "_use_kernel", lambda q, k_cache: False)
-    elif not kernel.available():
-        pytest.skip("the C++ attention kernel is not available here")
-    return request.param
 
 
 def write_tokens(k: QuantizedCache, v: QuantizedCache, x: torch.Tensor, slots) -> None:
