@@ -26,3 +26,13 @@ def decode_backend(request, monkeypatch):
     elif not kernel.available():
         pytest.skip("the C++ attention kernel is not available here")
     return request.param
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Two shared cores: one torch thread is faster than two fighting other processes."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

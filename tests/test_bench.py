@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from pagedkv.bench.metrics import MIN_METERED_S, CpuMeter
 from pagedkv.bench.online import LoadSpec, engine_flags, generate_load, parse_metrics, records_result
@@ -24,13 +23,7 @@ SHARED_CHECKSUMS = {"W1": "ab38e74d0a5aa11c", "W2": "774a9a993de3ef5d", "W3": "0
 POOL_TOKENS, MAX_LEN, BLOCK = 640, 256, 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two shared cores: one torch thread is faster than two fighting other processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def write_trace(path, n: int = 8, seed: int = 3) -> list[dict]:

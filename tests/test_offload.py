@@ -26,13 +26,7 @@ BLOCK_SHAPE = (2, 2, 1, 2, 3)
 KEY = b"model-abc:torch.float32"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two shared cores: one torch thread is faster than two fighting other processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def h(i: int):
