@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedkv import native
 from pagedkv.attention import kernel
 
 
@@ -140,7 +141,7 @@ def main() -> None:
     start = time.perf_counter()
     assert kernel.available(), "the C++ kernel did not build; see the warning above"
     print(f"kernel ready in {time.perf_counter() - start:.1f} s "
-          f"(compiled now: {kernel.build_seconds is not None}), threads={torch.get_num_threads()}"
+          f"(compiled now: {native.build_seconds is not None}), threads={torch.get_num_threads()}"
           f"{', timed by CPU time' if args.cpu_time else ''}")
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else read_bandwidth()
     print(f"memory bound at {bandwidth / 1e9:.1f} GB/s ({'given' if args.bandwidth else 'measured: sum over 1 GiB'})")

@@ -28,6 +28,18 @@ def decode_backend(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["native", "torch"])
+def kernels(request, monkeypatch):
+    """Runs with the C++ library (attention and the fused layer ops), or with all of it off."""
+    from pagedkv import native
+    if request.param == "torch":
+        monkeypatch.setattr(native, "_loaded", True)
+        monkeypatch.setattr(native, "_lib", None)
+    elif not native.available():
+        pytest.skip("the C++ library is not available here")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Two shared cores: one torch thread is faster than two fighting other processes."""

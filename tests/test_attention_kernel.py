@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedkv import native
 from pagedkv.attention import kernel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -276,13 +277,13 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch
     def broken() -> Path:
         raise RuntimeError("Error building extension: no compiler")
 
-    monkeypatch.setattr(kernel, "_build", broken)
-    monkeypatch.setattr(kernel, "_loaded", False)
-    monkeypatch.setattr(kernel, "_lib", None)
+    monkeypatch.setattr(native, "_build", broken)
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(native, "_lib", None)
     gen = torch.Generator().manual_seed(9)
     c = make_case(gen, seq_lens=[40, 3], query_lens=[1, 1], block_size=16, kv_heads=1, group=3, head_dim=64,
                   dtype=torch.float32)
-    with caplog.at_level(logging.WARNING, logger=kernel.__name__):
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert not kernel.available()
         got = kernel.paged_attention_decode(c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
         kernel.paged_attention_decode(c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
@@ -323,12 +324,12 @@ def test_gil_is_released_during_the_call() -> None:
 def test_concurrent_first_builds_share_one_compile(tmp_path: Path) -> None:
     """Two processes that start at once with an empty cache both end up with a working kernel."""
     script = (
-        "import torch; from pagedkv.attention import kernel as k;"
-        "key = k._build_key(); ok = k.available() and k._build_key() == key;"
+        "import torch; from pagedkv import native as n; from pagedkv.attention import kernel as k;"
+        "key = n._build_key(); ok = k.available() and n._build_key() == key;"
         "q = torch.randn(1, 2, 64); c = torch.randn(2, 1, 16, 64);"
         "o = k.paged_attention_decode(q, c, c, torch.tensor([5], dtype=torch.int32),"
         " torch.tensor([[1]], dtype=torch.int32), 0.125);"
-        "print(ok, k.build_seconds is not None, bool(torch.isfinite(o).all()))"
+        "print(ok, n.build_seconds is not None, bool(torch.isfinite(o).all()))"
     )
     env = {**os.environ, "PAGEDKV_EXT_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
     procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

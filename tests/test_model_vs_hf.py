@@ -111,7 +111,7 @@ def tiny(tiny_model_dir):
     return load_model(tiny_model_dir, torch.float32), load_hf(tiny_model_dir)
 
 
-def test_prefill_logits_match_transformers(tiny):
+def test_prefill_logits_match_transformers(tiny, kernels):
     lm, hf = tiny
     ids = lm.tokenizer.encode(PROMPTS[1])
     driver = PagedDriver(lm, block_size=4)
@@ -136,7 +136,7 @@ def _single_meta(driver: PagedDriver, seq: Seq, n: int) -> AttentionMetadata:
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_batched_greedy_matches_transformers(tiny, block_size):
+def test_batched_greedy_matches_transformers(tiny, block_size, kernels):
     lm, hf = tiny
     prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
     want = [hf_greedy(hf, p, 12) for p in prompts]

@@ -1,48 +1,24 @@
-"""Paged attention through block tables with a C++ kernel, built on first use.
+"""Paged attention through block tables with the C++ kernel (csrc/paged_attention.cpp, built by
+pagedkv.native).
 
 Decode attention decides this engine's speed on a CPU (see shared/bench/README.md): torch can only
-gather the scattered blocks first, which costs 10-20x the memory bound. The kernel in
-csrc/paged_attention.cpp reads the blocks in place instead. It is compiled once per machine with
-``torch.utils.cpp_extension.load`` into ~/.cache/pagedkv/ext (keyed by a hash of the source, the
-flags, torch's version and the CPU's features) and called through ctypes, which drops the GIL for
-the call. When it cannot be built, one warning is logged and a plain torch path gives the same
-results, only slower. ``PAGEDKV_ATTENTION_KERNEL=0`` chooses the torch path on purpose.
+gather the scattered blocks first, which costs 10-20x the memory bound. The kernel reads the blocks
+in place instead. Without the library, a plain torch path gives the same results, only slower.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import fcntl
-import hashlib
-import logging
-import os
-import threading
-import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-_CFLAGS = ("-O3", "-march=native", "-fopenmp")
-_LDFLAGS = ("-fopenmp",)
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_ERR_LEN = 512
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_loaded = False
-build_seconds: float | None = None
-"""Seconds this process spent compiling the kernel (None when it came from the cache or failed)."""
+from pagedkv import native
 
 
 def available() -> bool:
     """True when the C++ kernel is compiled and loaded (building it now if needed)."""
-    return _library() is not None
+    return native.available()
 
 
 def paged_attention_decode(
@@ -91,21 +67,21 @@ def _attend(
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1 or out.stride(1) != q.shape[2]:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with contiguous heads, got "
                          f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
-    lib = _library()
-    code = _DTYPE_CODES.get(q.dtype)
+    lib = native.library()
+    code = native.DTYPE_CODES.get(q.dtype)
     if lib is None or code is None:
         return _torch_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out)
     seq_lens = _int32(seq_lens)
     block_tables = _int32(block_tables)
     qsl = None if query_start_loc is None else _int32(query_start_loc)
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
-    err = ctypes.create_string_buffer(_ERR_LEN)
+    err = ctypes.create_string_buffer(native.ERR_LEN)
     rc = lib.pagedkv_paged_attention(
         code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         None if qsl is None else qsl.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
         q.shape[0], seq_lens.shape[0], block_tables.shape[1], num_blocks, q.shape[1], num_kv_heads,
         block_size, head_dim, q.stride(0), out.stride(0), float(scale), torch.get_num_threads(),
-        err, _ERR_LEN,
+        err, native.ERR_LEN,
     )
     if rc:
         raise ValueError(err.value.decode())
@@ -176,99 +152,3 @@ def _torch_attention(
                                            scale=scale, enable_gqa=True)
         out[first:last] = o.transpose(0, 1)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Building and loading
-
-
-def _library() -> ctypes.CDLL | None:
-    global _lib, _loaded
-    if _loaded:
-        return _lib
-    with _lock:
-        if not _loaded:
-            _lib = _open()
-            _loaded = True
-    return _lib
-
-
-def _open() -> ctypes.CDLL | None:
-    if os.environ.get("PAGEDKV_ATTENTION_KERNEL", "1") == "0":
-        logger.info("PAGEDKV_ATTENTION_KERNEL=0: paged attention runs on the torch path")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except Exception as exc:  # noqa: BLE001 - any failure to build means the torch path
-        logger.warning("the C++ paged attention kernel could not be built (%s); using the slower "
-                       "torch path", str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)
-        return None
-    fn = lib.pagedkv_paged_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = (
-        [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 10
-        + [ctypes.c_float, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-    )
-    return lib
-
-
-def cache_dir() -> Path:
-    """Where compiled kernels live: $PAGEDKV_EXT_DIR, else $XDG_CACHE_HOME/pagedkv/ext (~/.cache)."""
-    if "PAGEDKV_EXT_DIR" in os.environ:
-        return Path(os.environ["PAGEDKV_EXT_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedkv" / "ext"
-
-
-def _build_key() -> str:
-    """Everything that changes the binary: the source, flags, torch, and (for -march=native) the CPU."""
-    digest = hashlib.sha256(_SOURCE.read_bytes())
-    digest.update(repr((_CFLAGS, _LDFLAGS, torch.__version__, _cpu_features())).encode())
-    return digest.hexdigest()[:16]
-
-
-def _cpu_features() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    return os.uname().machine
-
-
-def _build() -> Path:
-    """Compiles the kernel unless a finished build for this key exists; safe across threads and
-    processes (an exclusive flock around the build, a marker written only after success)."""
-    global build_seconds
-    name = f"pagedkv_paged_attention_{_build_key()}"
-    build_dir = cache_dir() / name
-    library, done = build_dir / f"{name}.so", build_dir / "built"
-    if done.exists() and library.exists():
-        return library
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive(build_dir / "build.lock"):
-        if done.exists() and library.exists():
-            return library
-        # torch's own build lock is a plain file that a killed build leaves behind; holding the
-        # flock means nobody else is building, so any such file is stale.
-        (build_dir / "lock").unlink(missing_ok=True)
-        from torch.utils import cpp_extension
-
-        start = time.perf_counter()
-        # (load() appends to the flag lists it is given: hand it copies.)
-        cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
-                           extra_ldflags=list(_LDFLAGS), build_directory=str(build_dir), is_python_module=False,
-                           verbose=False)
-        build_seconds = time.perf_counter() - start
-        done.touch()
-        logger.info("compiled the paged attention kernel in %.1f s into %s", build_seconds, build_dir)
-    return library
-
-
-@contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

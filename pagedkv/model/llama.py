@@ -4,8 +4,9 @@ Inference only. A step's new tokens of all sequences are concatenated into
 T rows; `positions` says where each sits in its sequence, the attention
 metadata says where its K/V goes and what it reads. To keep the number of
 torch ops per layer small, q/k/v are one fused weight and gate/up another
-(built at load time from the Hugging Face tensors), and RoPE rotates q and k
-in one call.
+(built at load time from the Hugging Face tensors), and the work between the
+matmuls is one call each (ops.py): the residual add with RMSNorm, RoPE with
+the K/V store, SiLU with the up projection's product.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedkv.attention.paged import AttentionMetadata, paged_attention, write_kv
+from pagedkv.attention.paged import AttentionMetadata, Cache, paged_attention, write_kv
 from pagedkv.config import ConfigError
+from pagedkv.model import ops
 from pagedkv.model.config import LlamaConfig
 
 
@@ -48,26 +50,38 @@ def rope_inv_freq(config: LlamaConfig) -> Tensor:
 
 
 class Rotary(nn.Module):
-    """Precomputed cos/sin by position; rotates the two halves of each head (HF layout)."""
+    """Precomputed cos/sin by position (float32, [P, D]); rotates the two halves of each head (HF layout)."""
 
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))
         angles = torch.cat([freqs, freqs], dim=-1)                 # [P, D]
         half = config.head_dim // 2
         sign = torch.cat([-torch.ones(half), torch.ones(half)])
-        self.register_buffer("cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", (angles.sin() * sign).to(dtype), persistent=False)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin() * sign, persistent=False)
         self.half = half
 
-    def lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, signed sin for these positions, shaped [T, 1, D] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x * cos + rotate_half(x) * sin, with rotate_half's sign folded into `sin`."""
-        return torch.addcmul(x * cos, x.roll(self.half, dims=-1), sin)
+    def apply(self, qkv: Tensor, num_heads: int, num_kv_heads: int, positions: Tensor,
+              kv_cache: tuple[Cache, Cache], meta: AttentionMetadata) -> Tensor:
+        """Rotates q and k of the fused projection in place and stores the new k, v in the cache;
+        returns q as [T, Hq, D]."""
+        tokens, head_dim = qkv.shape[0], self.cos.shape[1]
+        k_cache, v_cache = kv_cache
+        plain = isinstance(k_cache, Tensor)
+        if ops.rope_and_cache(qkv, num_heads, num_kv_heads, positions, self.cos, self.sin,
+                              *((k_cache, v_cache, meta.slot_mapping) if plain else ())):
+            if not plain:
+                k, v = qkv[:, num_heads * head_dim:].view(tokens, 2 * num_kv_heads, head_dim).split(num_kv_heads, 1)
+                write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            return qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim)
+        heads = qkv.view(tokens, -1, head_dim)
+        qk = heads[:, :num_heads + num_kv_heads]
+        cos, sin = self.cos[positions].unsqueeze(1).to(qkv.dtype), self.sin[positions].unsqueeze(1).to(qkv.dtype)
+        qk = torch.addcmul(qk * cos, qk.roll(self.half, dims=-1), sin)
+        write_kv(k_cache, v_cache, qk[:, num_heads:], heads[:, num_heads + num_kv_heads:], meta.slot_mapping)
+        return qk[:, :num_heads]
 
 
 class RMSNorm(nn.Module):
@@ -76,11 +90,9 @@ class RMSNorm(nn.Module):
         self.weight = _param(size, dtype=dtype)
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        # Normalise in float32 like HF, then scale in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Normalises x + residual (x alone without one); returns it and the new residual."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -98,19 +110,17 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype)
         self.down_proj = _param(c.hidden_size, c.intermediate_size, dtype=dtype)
 
-    def forward(self, x: Tensor, rotary: Rotary, cos: Tensor, sin: Tensor,
-                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None, rotary: Rotary, positions: Tensor,
+                kv_cache: tuple[Cache, Cache], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """The layer's output still to be added to the residual stream, and that stream so far
+        (vLLM's layout: the add is fused into the next norm)."""
         tokens = x.shape[0]
-        qkv = F.linear(self.input_layernorm(x), self.qkv_proj)
-        qk = rotary.rotate(qkv[:, :self.q_size + self.kv_size].view(tokens, -1, self.head_dim), cos, sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        x = x + F.linear(attn.reshape(tokens, self.q_size), self.o_proj)
-        gate, up = F.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        h, residual = self.input_layernorm(x, residual)
+        qkv = F.linear(h, self.qkv_proj)
+        q = rotary.apply(qkv, self.num_heads, self.num_kv_heads, positions, kv_cache, meta)
+        attn = paged_attention(q, *kv_cache, meta, self.scale)
+        h, residual = self.post_attention_layernorm(F.linear(attn.reshape(tokens, self.q_size), self.o_proj), residual)
+        return F.linear(ops.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj), residual
 
 
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
@@ -135,16 +145,15 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
                         else _param(config.vocab_size, config.hidden_size, dtype=dtype))
-        self.rotary = Rotary(config, dtype)
+        self.rotary = Rotary(config)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 meta: AttentionMetadata) -> Tensor:
         """Hidden states [T, hidden] (after the final norm) of the step's new tokens."""
-        x = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary.lookup(positions)
+        x, residual = F.embedding(input_ids, self.embed_tokens), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, self.rotary, cos, sin, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, self.rotary, positions, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, vocab] float32 logits of the rows the sampler needs."""

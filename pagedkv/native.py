@@ -1,0 +1,147 @@
+"""The C++ kernels, compiled on first use and loaded through ctypes.
+
+csrc/ holds paged attention (paged_attention.cpp) and the fused ops around a
+decoder layer's matmuls (layer_ops.cpp). They build into one library, once per
+machine, with ``torch.utils.cpp_extension.load`` into ~/.cache/pagedkv/ext
+(keyed by a hash of the sources, the flags, torch's version and the CPU's
+features). ctypes drops the GIL for each call. When the library cannot be
+built, one warning is logged and every caller takes its plain torch path (same
+results, slower). ``PAGEDKV_KERNELS=0`` chooses the torch paths on purpose.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "layer_ops.cpp")
+_HEADERS = (_CSRC / "vec.h",)
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ERR_LEN = 512
+
+_P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# name -> argument types; every function returns an int status (0 = done)
+_SIGNATURES = {
+    "pagedkv_paged_attention": [_INT] + [_P] * 7 + [_I64] * 10 + [_F32, _INT, ctypes.c_char_p, _INT],
+    "pagedkv_rms_norm": [_INT, _P, _I64, _P, _P, _P, _I64, _I64, _F32, _INT],
+    "pagedkv_silu_mul": [_INT, _P, _I64, _P, _I64, _I64, _INT],
+    "pagedkv_rope_cache": ([_INT, _P] + [_I64] * 5 + [_P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _INT]
+                           + [ctypes.c_char_p, _INT]),
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_loaded = False
+build_seconds: float | None = None
+"""Seconds this process spent compiling the library (None when it came from the cache or failed)."""
+
+
+def available() -> bool:
+    """True when the library is compiled and loaded (building it now if needed)."""
+    return library() is not None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None when it cannot be built (the torch paths serve then)."""
+    global _lib, _loaded
+    if _loaded:
+        return _lib
+    with _lock:
+        if not _loaded:
+            _lib = _open()
+            _loaded = True
+    return _lib
+
+
+def _open() -> ctypes.CDLL | None:
+    if os.environ.get("PAGEDKV_KERNELS", "1") == "0":
+        logger.info("PAGEDKV_KERNELS=0: the C++ kernels are off; everything runs on the torch paths")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except Exception as exc:  # noqa: BLE001 - any failure to build means the torch paths
+        logger.warning("the C++ kernels could not be built (%s); using the slower torch path",
+                       str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    return lib
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels live: $PAGEDKV_EXT_DIR, else $XDG_CACHE_HOME/pagedkv/ext (~/.cache)."""
+    if "PAGEDKV_EXT_DIR" in os.environ:
+        return Path(os.environ["PAGEDKV_EXT_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagedkv" / "ext"
+
+
+def _build_key() -> str:
+    """Everything that changes the binary: the sources, flags, torch, and (for -march=native) the CPU."""
+    digest = hashlib.sha256()
+    for path in _SOURCES + _HEADERS:
+        digest.update(path.read_bytes())
+    digest.update(repr((_CFLAGS, _LDFLAGS, torch.__version__, _cpu_features())).encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_features() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    return os.uname().machine
+
+
+def _build() -> Path:
+    """Compiles the kernel unless a finished build for this key exists; safe across threads and
+    processes (an exclusive flock around the build, a marker written only after success)."""
+    global build_seconds
+    name = f"pagedkv_kernels_{_build_key()}"
+    build_dir = cache_dir() / name
+    library, done = build_dir / f"{name}.so", build_dir / "built"
+    if done.exists() and library.exists():
+        return library
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(build_dir / "build.lock"):
+        if done.exists() and library.exists():
+            return library
+        # torch's own build lock is a plain file that a killed build leaves behind; holding the
+        # flock means nobody else is building, so any such file is stale.
+        (build_dir / "lock").unlink(missing_ok=True)
+        from torch.utils import cpp_extension
+
+        start = time.perf_counter()
+        # (load() appends to the flag lists it is given: hand it copies.)
+        cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=list(_CFLAGS),
+                           extra_ldflags=list(_LDFLAGS), build_directory=str(build_dir), is_python_module=False,
+                           verbose=False)
+        build_seconds = time.perf_counter() - start
+        done.touch()
+        logger.info("compiled the C++ kernels in %.1f s into %s", build_seconds, build_dir)
+    return library
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,137 @@
+"""The fused C++ layer ops (csrc/layer_ops.cpp) against their torch paths in model/ops.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv import native
+from pagedkv.attention.paged import write_kv
+from pagedkv.model import ops
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# float32 agrees to rounding; the half types may differ by one unit in the last place where the
+# two paths round an intermediate differently.
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(autouse=True)
+def _need_library() -> None:
+    assert native.available(), "the compiler is installed here, so the library must build"
+
+
+@pytest.fixture
+def torch_path(monkeypatch: pytest.MonkeyPatch):
+    """Runs a call on the torch path of model/ops.py."""
+    def run(fn, *args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(ops, "_lib", lambda *tensors: None)
+            return fn(*args, **kwargs)
+    return run
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    scale = want.float().abs().max().clamp(min=1.0)
+    err = (got.float() - want.float()).abs().max() / scale
+    assert err <= TOL[dtype], (float(err), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 576), (37, 100), (300, 64)])
+def test_rms_norm_with_and_without_residual(dtype, rows, n, torch_path) -> None:
+    gen = torch.Generator().manual_seed(rows * n)
+    wide = torch.randn(rows, n + 8, generator=gen).to(dtype)
+    x = wide[:, 3:3 + n]                   # rows of a wider tensor: the C++ path reads strided rows
+    weight = (torch.rand(n, generator=gen) + 0.5).to(dtype)
+    residual = torch.randn(rows, n, generator=gen).to(dtype)
+
+    got, got_res = ops.rms_norm(x, weight, 1e-5)
+    want, want_res = torch_path(ops.rms_norm, x, weight, 1e-5)
+    close(got, want, dtype)
+    assert got_res is x and want_res is x
+
+    mine, theirs = residual.clone(), residual.clone()
+    got, got_res = ops.rms_norm(x, weight, 1e-5, mine)
+    want, want_res = torch_path(ops.rms_norm, x, weight, 1e-5, theirs)
+    assert got_res is mine and want_res is theirs
+    assert torch.equal(mine, theirs), "the residual add rounds once, the same way on both paths"
+    assert torch.equal(mine, residual + x)
+    close(got, want, dtype)
+
+
+def test_rms_norm_matches_the_formula_in_float64() -> None:
+    x = torch.randn(5, 64, dtype=torch.float32)
+    w = torch.rand(64) + 0.5
+    got, _ = ops.rms_norm(x, w, 1e-6)
+    xd = x.double()
+    want = w.double() * xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert (got.double() - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 1536), (9, 40), (200, 256)])
+def test_silu_mul(dtype, rows, n, torch_path) -> None:
+    gen = torch.Generator().manual_seed(n)
+    gate_up = (torch.randn(rows, 2 * n, generator=gen) * 6).to(dtype)   # both tails of the sigmoid
+    got = ops.silu_mul(gate_up)
+    want = torch_path(ops.silu_mul, gate_up)
+    close(got, want, dtype)
+
+
+def test_silu_mul_extremes() -> None:
+    gate = torch.tensor([[-1e4, -90.0, -1.0, 0.0, 1.0, 90.0, 1e4, -0.0]])
+    up = torch.full_like(gate, 2.0)
+    got = ops.silu_mul(torch.cat([gate, up], dim=1))
+    want = torch.nn.functional.silu(gate) * up
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-30)
+
+
+def _rotary_tables(max_pos: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    ang = torch.outer(torch.arange(max_pos).float(), inv)
+    ang = torch.cat([ang, ang], dim=-1)
+    half = head_dim // 2
+    sign = torch.cat([-torch.ones(half), torch.ones(half)])
+    return ang.cos(), ang.sin() * sign
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (50, 4, 2, 40), (7, 2, 2, 128)])
+def test_rope_and_cache_equals_torch_rotation_and_write(dtype, tokens, heads, kv_heads, head_dim, torch_path) -> None:
+    gen = torch.Generator().manual_seed(tokens + head_dim)
+    cos, sin = _rotary_tables(256, head_dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 256, (tokens,), generator=gen)
+    num_blocks, block_size = 12, 8
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    k_cache = torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+
+    mine = qkv.clone()
+    assert ops.rope_and_cache(mine, heads, kv_heads, positions, cos, sin, k_cache, v_cache, slots)
+
+    # the reference: HF's rotation in float32, then the torch cache write
+    x = qkv.float().view(tokens, -1, head_dim)[:, :heads + kv_heads]
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    rotated = (x * c + x.roll(head_dim // 2, dims=-1) * s).to(dtype)
+    close(mine.view(tokens, -1, head_dim)[:, :heads + kv_heads], rotated, dtype)
+    assert torch.equal(mine[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:]), "v untouched"
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    heads_view = mine.view(tokens, -1, head_dim)
+    write_kv(want_k, want_v, heads_view[:, heads:heads + kv_heads], heads_view[:, heads + kv_heads:], slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+    assert not torch_path(ops.rope_and_cache, qkv.clone(), heads, kv_heads, positions, cos, sin), \
+        "without the library the caller is told to rotate in torch"
+
+
+def test_rope_and_cache_rejects_bad_indices() -> None:
+    cos, sin = _rotary_tables(16, 8)
+    qkv = torch.randn(2, 3 * 8)
+    cache = torch.zeros(2, 1, 4, 8)
+    with pytest.raises(ValueError, match="position 16 is outside the rotary table of 16"):
+        ops.rope_and_cache(qkv, 1, 1, torch.tensor([0, 16]), cos, sin)
+    with pytest.raises(ValueError, match="slot 8 is outside the cache of 8 slots"):
+        ops.rope_and_cache(qkv, 1, 1, torch.tensor([0, 1]), cos, sin, cache, cache.clone(), torch.tensor([8, 0]))
+    assert torch.equal(cache, torch.zeros_like(cache)), "nothing is written when an index is bad"
