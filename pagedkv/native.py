@@ -50,6 +50,17 @@ build_seconds: float | None = None
 """Seconds this process spent compiling the library (None when it came from the cache or failed)."""
 
 
+_errors = threading.local()
+
+
+def error_buffer() -> ctypes.Array:
+    """This thread's buffer for a kernel's error message (ERR_LEN bytes, reused across calls)."""
+    buf = getattr(_errors, "buf", None)
+    if buf is None:
+        buf = _errors.buf = ctypes.create_string_buffer(ERR_LEN)
+    return buf
+
+
 def available() -> bool:
     """True when the library is compiled and loaded (building it now if needed)."""
     return library() is not None

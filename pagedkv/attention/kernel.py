@@ -8,8 +8,6 @@ in place instead. Without the library, a plain torch path gives the same results
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import torch.nn.functional as F
 
@@ -75,7 +73,7 @@ def _attend(
     block_tables = _int32(block_tables)
     qsl = None if query_start_loc is None else _int32(query_start_loc)
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
-    err = ctypes.create_string_buffer(native.ERR_LEN)
+    err = native.error_buffer()
     rc = lib.pagedkv_paged_attention(
         code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         None if qsl is None else qsl.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),

@@ -109,18 +109,25 @@ class DecoderLayer(nn.Module):
         self.o_proj = _param(c.hidden_size, self.q_size, dtype=dtype)
         self.gate_up_proj = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype)
         self.down_proj = _param(c.hidden_size, c.intermediate_size, dtype=dtype)
+        self.eps = c.rms_norm_eps
+        # Plain references for forward: nn.Module finds parameters through a slow __getattr__, a
+        # cost paid ~10 times per layer per step. (The Parameter objects stay the same when
+        # weights are loaded or the module is moved: their data changes in place.)
+        self.__dict__["_weights"] = (self.input_layernorm.weight, self.qkv_proj, self.o_proj,
+                                     self.post_attention_layernorm.weight, self.gate_up_proj, self.down_proj)
 
     def forward(self, x: Tensor, residual: Tensor | None, rotary: Rotary, positions: Tensor,
                 kv_cache: tuple[Cache, Cache], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
         """The layer's output still to be added to the residual stream, and that stream so far
         (vLLM's layout: the add is fused into the next norm)."""
+        norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj = self._weights
         tokens = x.shape[0]
-        h, residual = self.input_layernorm(x, residual)
-        qkv = F.linear(h, self.qkv_proj)
+        h, residual = ops.rms_norm(x, norm1, self.eps, residual)
+        qkv = F.linear(h, qkv_proj)
         q = rotary.apply(qkv, self.num_heads, self.num_kv_heads, positions, kv_cache, meta)
         attn = paged_attention(q, *kv_cache, meta, self.scale)
-        h, residual = self.post_attention_layernorm(F.linear(attn.reshape(tokens, self.q_size), self.o_proj), residual)
-        return F.linear(ops.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj), residual
+        h, residual = ops.rms_norm(F.linear(attn.reshape(tokens, self.q_size), o_proj), norm2, self.eps, residual)
+        return F.linear(ops.silu_mul(F.linear(h, gate_up_proj)), down_proj), residual
 
 
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
@@ -151,8 +158,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> Tensor:
         """Hidden states [T, hidden] (after the final norm) of the step's new tokens."""
         x, residual = F.embedding(input_ids, self.embed_tokens), None
+        rotary = self.rotary
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, self.rotary, positions, kv_cache, meta)
+            x, residual = layer.forward(x, residual, rotary, positions, kv_cache, meta)   # (no hooks: saves ~2 us)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

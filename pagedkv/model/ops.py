@@ -16,13 +16,13 @@ from torch import Tensor
 from pagedkv import native
 
 
-def _lib(*tensors: Tensor) -> ctypes.CDLL | None:
+def _lib(first: Tensor, *others: Tensor) -> ctypes.CDLL | None:
     """The library, when it serves these tensors: CPU, one dtype it knows, rows of unit stride."""
-    first = tensors[0]
-    if first.device.type != "cpu" or first.dtype not in native.DTYPE_CODES:
+    if not first.is_cpu or first.dtype not in native.DTYPE_CODES or first.stride(-1) != 1:
         return None
-    if any(t.dtype != first.dtype or t.device != first.device or t.stride(-1) != 1 for t in tensors):
-        return None
+    for t in others:
+        if t.dtype != first.dtype or not t.is_cpu or t.stride(-1) != 1:
+            return None
     return native.library()
 
 
@@ -77,7 +77,7 @@ def rope_and_cache(qkv: Tensor, num_heads: int, num_kv_heads: int, positions: Te
     head_dim = cos.shape[1]
     positions = positions if positions.dtype == torch.int64 else positions.long()
     slots = slot_mapping if slot_mapping is None or slot_mapping.dtype == torch.int64 else slot_mapping.long()
-    err = ctypes.create_string_buffer(native.ERR_LEN)
+    err = native.error_buffer()
     rc = lib.pagedkv_rope_cache(
         native.DTYPE_CODES[qkv.dtype], qkv.data_ptr(), tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim,
         positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
