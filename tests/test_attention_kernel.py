@@ -340,3 +340,50 @@ def test_concurrent_first_builds_share_one_compile(tmp_path: Path) -> None:
     assert sorted(lines) == ["True False True", "True True True"], lines
     built = list(tmp_path.glob("*/built"))
     assert len(built) == 1
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_cache_is_read_in_place_with_its_scales(cache_dtype, dtype) -> None:
+    """int8 / fp8 blocks with a scale per (block, KV head) give the attention of the values they stand for."""
+    gen = torch.Generator().manual_seed(11)
+    c = make_case(gen, seq_lens=[1, 40, 300, 97], query_lens=[1, 1, 7, 97], block_size=16, kv_heads=2, group=3,
+                  head_dim=64, dtype=torch.float32)
+    num_blocks, heads = c.k_cache.shape[:2]
+    scales = {}
+    stored = {}
+    for name in ("k", "v"):
+        values = getattr(c, f"{name}_cache")
+        scale = torch.rand(num_blocks, heads, generator=gen) * 0.05 + 0.001
+        if cache_dtype == torch.int8:
+            data = (values / scale[:, :, None, None]).round().clamp(-127, 127).to(torch.int8)
+        else:   # values / scale spans e4m3 from its subnormals to its saturation at 448
+            data = (values / scale[:, :, None, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+            assert ((data.float().abs() > 0) & (data.float().abs() < 2.0 ** -6)).any() and (data.float().abs() == 448).any()
+        scales[f"{name}_scales"], stored[name] = scale, data
+        setattr(c, f"{name}_cache", (data.float() * scale[:, :, None, None]).to(dtype))   # what they stand for
+    c.q = c.q.to(dtype)
+    got = kernel.paged_attention_varlen(c.q, stored["k"], stored["v"], c.query_start_loc, c.seq_lens,
+                                        c.block_tables, c.scale, **scales)
+    assert_matches(got, c)
+    decode = make_case(gen, seq_lens=[5, 333], query_lens=[1, 1], block_size=16, kv_heads=2, group=3, head_dim=64,
+                       dtype=dtype)
+    tables = c.block_tables[[1, 2]]
+    want = kernel.paged_attention_decode(decode.q, c.k_cache, c.v_cache, torch.tensor([40, 300], dtype=torch.int32),
+                                         tables, c.scale)
+    got = kernel.paged_attention_decode(decode.q, stored["k"], stored["v"], torch.tensor([40, 300], dtype=torch.int32),
+                                        tables, c.scale, **scales)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_quantized_cache_needs_matching_scales() -> None:
+    cache = torch.zeros(4, 2, 16, 64, dtype=torch.int8)
+    q = torch.randn(1, 2, 64)
+    args = (q, cache, cache, torch.tensor([3], dtype=torch.int32), torch.tensor([[1]], dtype=torch.int32), 0.125)
+    with pytest.raises(ValueError, match="must be a contiguous float32 CPU tensor"):
+        kernel.paged_attention_decode(*args, k_scales=torch.ones(4, 2), v_scales=torch.ones(4, 3))
+    with pytest.raises(ValueError, match="share a dtype"):
+        kernel.paged_attention_decode(*args)
+    with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
+        kernel.paged_attention_decode(q, q.new_zeros(4, 2, 16, 64), q.new_zeros(4, 2, 16, 64), *args[3:],
+                                      k_scales=torch.ones(4, 2), v_scales=torch.ones(4, 2))

@@ -83,7 +83,7 @@ def test_sigterm_on_an_idle_server_exits(tiny_model_dir):
 
 
 def test_sigterm_tells_a_running_stream_and_exits(tiny_model_dir):
-    srv = ServerProcess(tiny_model_dir, "--num-gpu-blocks-override", "1024", "--shutdown-timeout", "1")
+    srv = ServerProcess(tiny_model_dir, "--num-gpu-blocks-override", "1024", "--shutdown-timeout", "0.1")  # 2000 tokens take ~0.7 s here
     try:
         events = []
         body = {"prompt": "Hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}

@@ -27,9 +27,15 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query per sequence (q: [B, Hq, D]) at position seq_lens[b] - 1; returns [B, Hq, D]."""
-    return _attend(q, k_cache, v_cache, None, seq_lens, block_tables, scale, out)
+    """One query per sequence (q: [B, Hq, D]) at position seq_lens[b] - 1; returns [B, Hq, D].
+
+    A quantized cache (int8 or float8_e4m3fn) comes with float32 scales [num_blocks, Hkv]: element
+    x of block b, head h stands for x * scales[b, h]. The kernel reads it in place.
+    """
+    return _attend(q, k_cache, v_cache, None, seq_lens, block_tables, scale, out, k_scales, v_scales)
 
 
 def paged_attention_varlen(
@@ -41,10 +47,13 @@ def paged_attention_varlen(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Queries q[query_start_loc[b]:query_start_loc[b+1]] of sequence b are its last tokens and
-    attend causally to its seq_lens[b] keys in the cache (chunked prefill, speculative decode)."""
-    return _attend(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out)
+    attend causally to its seq_lens[b] keys in the cache (chunked prefill, speculative decode).
+    Quantized caches as in paged_attention_decode."""
+    return _attend(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, k_scales, v_scales)
 
 
 def _attend(
@@ -56,8 +65,11 @@ def _attend(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor | None,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
 ) -> torch.Tensor:
     _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    kv_code = _check_scales(q, k_cache, v_cache, k_scales, v_scales)
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     if out is None:
@@ -68,6 +80,9 @@ def _attend(
     lib = native.library()
     code = native.DTYPE_CODES.get(q.dtype)
     if lib is None or code is None:
+        if kv_code >= 0:   # the reference: the whole cache dequantized
+            k_cache = k_cache.float().mul_(k_scales[:, :, None, None]).to(q.dtype)
+            v_cache = v_cache.float().mul_(v_scales[:, :, None, None]).to(q.dtype)
         return _torch_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out)
     seq_lens = _int32(seq_lens)
     block_tables = _int32(block_tables)
@@ -75,7 +90,8 @@ def _attend(
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     err = native.error_buffer()
     rc = lib.pagedkv_paged_attention(
-        code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        code, kv_code, None if k_scales is None else k_scales.data_ptr(),
+        None if v_scales is None else v_scales.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         None if qsl is None else qsl.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
         q.shape[0], seq_lens.shape[0], block_tables.shape[1], num_blocks, q.shape[1], num_kv_heads,
         block_size, head_dim, q.stride(0), out.stride(0), float(scale), torch.get_num_threads(),
@@ -100,8 +116,6 @@ def _check_shapes(
                          f"{tuple(q.shape)} and {tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape or q.shape[2] != k_cache.shape[3]:
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and seq_lens.is_cpu and block_tables.is_cpu):
@@ -112,6 +126,28 @@ def _check_shapes(
                          f"{tuple(seq_lens.shape)} and {tuple(block_tables.shape)}")
     if query_start_loc is not None and (query_start_loc.dim() != 1 or query_start_loc.shape[0] != batch + 1):
         raise ValueError(f"query_start_loc must be [B + 1] = [{batch + 1}], got {tuple(query_start_loc.shape)}")
+
+
+_QUANTIZED_CODES = {torch.int8: 3, torch.float8_e4m3fn: 4}
+
+
+def _check_scales(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> int:
+    """The kernel's code for the cache's type: -1 for q's own, else that of a quantized cache."""
+    if k_scales is None and v_scales is None:
+        if not (q.dtype == k_cache.dtype == v_cache.dtype):
+            raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
+                             f"{v_cache.dtype} (or come quantized with scales)")
+        return -1
+    code = _QUANTIZED_CODES.get(k_cache.dtype)
+    if code is None or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"scales go with an int8 or float8_e4m3fn cache, got {k_cache.dtype} and {v_cache.dtype}")
+    want = tuple(k_cache.shape[:2])
+    for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if t is None or tuple(t.shape) != want or t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor {want}, got "
+                             f"{None if t is None else (tuple(t.shape), t.dtype)}")
+    return code
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -88,6 +89,7 @@ struct Problem {
   const int32_t* qsl; const int32_t* seq_lens; const int32_t* block_tables;
   int64_t T, B, max_blocks, num_blocks, Hq, Hkv, bs, D, q_stride, out_stride;
   float scale;
+  const float* k_scales; const float* v_scales;  // [num_blocks * Hkv] for a quantized cache, else null
   int G() const { return static_cast<int>(Hq / Hkv); }
   int64_t qstart(int64_t b) const { return qsl ? qsl[b] : b; }
   int64_t qlen(int64_t b) const { return qsl ? qsl[b + 1] - qsl[b] : 1; }
@@ -108,6 +110,8 @@ struct Scratch {
   // kAhead + 1.
   const void* kp[kAhead + 1][kTile];
   const void* vp[kAhead + 1][kTile];
+  float ks[kAhead + 1][kTile];  // per-key K / V scales of a quantized cache
+  float vs[kAhead + 1][kTile];
   int cur = 0;  // slot of the tile in use
   Scratch(int rows, int dp_) : dp(dp_), qf(size_t(rows) * dp_), acc(size_t(rows) * dp_),
       s(size_t(rows) * kTile), m(rows), l(rows) {}
@@ -117,8 +121,8 @@ struct Scratch {
 // whole groups of W keys (kp is padded to a multiple of W with valid addresses). q holds the
 // rows qstride Dot::Q apart; NS steps of Dot::kElems cover the head dimension.
 template <int NR, int NS, typename Dot, typename T>
-inline void tile_scores(const typename Dot::Q* q, int qstride, const void* const* kp, int nt, int ns,
-                        typename Dot::M tail, float scale, float* s) {
+inline void tile_scores(const typename Dot::Q* q, int qstride, const void* const* kp, const float* kscale, int nt,
+                        int ns, typename Dot::M tail, float scale, float* s) {
   static_assert(W == 16, "four groups of four keys make one vector of scores");
   const int nsv = NS ? NS : ns;
   // Small known shapes keep the query rows in registers; others read them from L1 each time.
@@ -147,7 +151,8 @@ inline void tile_scores(const typename Dot::Q* q, int qstride, const void* const
       for (int i = 0; i < NR; ++i) part[i][g] = reduce4(a[i][0], a[i][1], a[i][2], a[i][3]);
     }
     for (int i = 0; i < NR; ++i) {
-      const Vec sc = finish4(part[i]);
+      Vec sc = finish4(part[i]);
+      if (kscale) sc = mul(sc, load(kscale + t0, kFull));
       store(s + i * kTile + t0, Dot::kPrescaled ? sc : mul(sc, set1(scale)), kFull);
     }
   }
@@ -198,9 +203,12 @@ inline void for_row_blocks(int r0, int r1, A&&... args) {
   }
 }
 
-template <int NC, typename T>
+// T: the queries' and output's type; C: the cache's (T itself, or a quantized i8 / e4m3 whose
+// blocks carry scales).
+template <int NC, typename T, typename C>
 struct Attend {
-  using Dot = typename DotFor<T>::type;
+  using Dot = typename DotFor<C>::type;
+  static constexpr bool kQuantized = std::is_same_v<C, i8> || std::is_same_v<C, e4m3>;
   using Q = typename Dot::Q;
   static constexpr int kQPerFloat = int(sizeof(float) / sizeof(Q));  // q row stride unit
   static constexpr int NS = NC * W % Dot::kElems ? 0 : NC * W / Dot::kElems;
@@ -217,13 +225,14 @@ struct Attend {
   template <int NR> struct Scores {
     static void run(int r, const Attend& a, Scratch& ws, int nt) {
       const int qstride = ws.dp * kQPerFloat;
-      tile_scores<NR, NS, Dot, T>(reinterpret_cast<const Q*>(ws.qf.data()) + size_t(r) * qstride, qstride,
-                                  ws.kp[ws.cur], nt, a.ns, a.dot_tail, a.P.scale, ws.s.data() + size_t(r) * kTile);
+      tile_scores<NR, NS, Dot, C>(reinterpret_cast<const Q*>(ws.qf.data()) + size_t(r) * qstride, qstride,
+                                  ws.kp[ws.cur], kQuantized ? ws.ks[ws.cur] : nullptr, nt, a.ns, a.dot_tail,
+                                  a.P.scale, ws.s.data() + size_t(r) * kTile);
     }
   };
   template <int NR> struct Values {
     static void run(int r, const Attend& a, Scratch& ws, int nt) {
-      tile_values<NR, NC, T>(ws.s.data() + size_t(r) * kTile, ws.vp[ws.cur], nt, a.nc, a.tail,
+      tile_values<NR, NC, C>(ws.s.data() + size_t(r) * kTile, ws.vp[ws.cur], nt, a.nc, a.tail,
                              ws.acc.data() + size_t(r) * ws.dp, ws.dp);
     }
   };
@@ -231,23 +240,31 @@ struct Attend {
   // Fills slot `slot` of ws.kp / ws.vp with the rows of keys [t0, t0 + nt) (padding kp to
   // whole vectors of keys, whose extra scores are computed and never used) and prefetches them.
   void locate(int64_t b, int64_t h, int64_t t0, int nt, Scratch& ws, int slot) const {
-    const T* k = static_cast<const T*>(P.k);
-    const T* v = static_cast<const T*>(P.v);
+    const C* k = static_cast<const C*>(P.k);
+    const C* v = static_cast<const C*>(P.v);
     const void** kp = ws.kp[slot];
     const void** vp = ws.vp[slot];
     const int32_t* table = P.block_tables + b * P.max_blocks + t0 / P.bs;
     int t = 0;
     for (int64_t off = t0 % P.bs; t < nt; off = 0) {  // one run of rows per block
-      const int64_t base = ((int64_t(*table++) * P.Hkv + h) * P.bs + off) * P.D;
+      const int64_t row = int64_t(*table++) * P.Hkv + h;
+      const int64_t base = (row * P.bs + off) * P.D;
       const int n = int(std::min<int64_t>(nt - t, P.bs - off));
-      prefetch_span(k + base, n * P.D * int64_t(sizeof(T)));
-      prefetch_span(v + base, n * P.D * int64_t(sizeof(T)));
+      prefetch_span(k + base, n * P.D * int64_t(sizeof(C)));
+      prefetch_span(v + base, n * P.D * int64_t(sizeof(C)));
       for (int i = 0; i < n; ++i, ++t) {
         kp[t] = k + base + i * P.D;
         vp[t] = v + base + i * P.D;
+        if constexpr (kQuantized) {
+          ws.ks[slot][t] = P.k_scales[row];
+          ws.vs[slot][t] = P.v_scales[row];
+        }
       }
     }
-    for (; t % W; ++t) kp[t] = kp[nt - 1];
+    for (; t % W; ++t) {
+      kp[t] = kp[nt - 1];
+      if constexpr (kQuantized) ws.ks[slot][t] = ws.ks[slot][nt - 1];
+    }
   }
 
   static void prefetch_span(const void* p, int64_t bytes) {
@@ -297,6 +314,12 @@ struct Attend {
       const int r0 = int(std::clamp<int64_t>((t0 - first_pos) * G, 0, rows));
       for_row_blocks<Scores>(r0, rows, *this, ws, nt);
       for (int r = r0; r < rows; ++r) softmax_step(ws, r, int(std::min<int64_t>(nt, first_pos + r / G - t0 + 1)));
+      if constexpr (kQuantized) {  // sum_t p_t (v_t * scale_t): fold each key's V scale into p_t
+        for (int r = r0; r < rows; ++r) {
+          float* p = ws.s.data() + size_t(r) * kTile;
+          for (int t = 0; t < nt; ++t) p[t] *= ws.vs[ws.cur][t];
+        }
+      }
       for_row_blocks<Values>(r0, rows, *this, ws, nt);
     }
     finish(it, ws, rows, partial);
@@ -436,9 +459,9 @@ std::vector<Item> plan(const Problem& P, int threads, int rows_per_item) {
   return items;
 }
 
-template <int NC, typename T>
+template <int NC, typename T, typename C>
 void run_problem(const Problem& P, int threads) {
-  const Attend<NC, T> attend(P);
+  const Attend<NC, T, C> attend(P);
   const int G = P.G();
   const int rows_max = std::max(G, kMaxRows / G * G);
   const int dp = attend.nc * W;
@@ -474,34 +497,51 @@ void run_problem(const Problem& P, int threads) {
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch_dim(const Problem& P, int threads) {
-  if (P.D == 4 * W) run_problem<4, T>(P, threads);
-  else if (P.D == 8 * W) run_problem<8, T>(P, threads);
-  else run_problem<0, T>(P, threads);
+  if (P.D == 4 * W) run_problem<4, T, C>(P, threads);
+  else if (P.D == 8 * W) run_problem<8, T, C>(P, threads);
+  else run_problem<0, T, C>(P, threads);
+}
+
+// kv_dtype: -1 the queries' own type, 3 int8, 4 float8 e4m3fn (both with scales).
+template <typename T>
+int dispatch_cache(const Problem& P, int kv_dtype, int threads) {
+  switch (kv_dtype) {
+    case -1: dispatch_dim<T, T>(P, threads); return 0;
+    case 3: dispatch_dim<T, i8>(P, threads); return 0;
+    case 4: dispatch_dim<T, e4m3>(P, threads); return 0;
+    default: return 1;
+  }
 }
 
 }  // namespace
 
 extern "C" {
 
-// dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0, or 1 with a message in err.
-int pagedkv_paged_attention(int dtype, const void* q, const void* k, const void* v, void* out,
+// dtype (of q and out): 0 float32, 1 bfloat16, 2 float16. kv_dtype: -1 the same as q, or 3 int8 / 4
+// float8 e4m3fn with k_scales, v_scales [num_blocks * Hkv] (an element stands for value * scale).
+// Returns 0, or 1 with a message in err.
+int pagedkv_paged_attention(int dtype, int kv_dtype, const float* k_scales, const float* v_scales,
+                            const void* q, const void* k, const void* v, void* out,
                             const int32_t* query_start_loc, const int32_t* seq_lens,
                             const int32_t* block_tables, int64_t T, int64_t B, int64_t max_blocks,
                             int64_t num_blocks, int64_t Hq, int64_t Hkv, int64_t block_size,
                             int64_t head_dim, int64_t q_stride, int64_t out_stride, float scale,
                             int threads, char* err, int errlen) {
   const Problem P{q, k, v, out, query_start_loc, seq_lens, block_tables, T, B, max_blocks,
-                  num_blocks, Hq, Hkv, block_size, head_dim, q_stride, out_stride, scale};
+                  num_blocks, Hq, Hkv, block_size, head_dim, q_stride, out_stride, scale, k_scales, v_scales};
   if (validate(P, err, errlen)) return 1;
+  if (kv_dtype >= 0 && !(k_scales && v_scales)) return fail(err, errlen, "cache dtype code %lld needs k_scales and v_scales%.0lld", kv_dtype, 0);
   threads = std::max(1, threads);
+  int rc = 1;
   switch (dtype) {
-    case 0: dispatch_dim<float>(P, threads); return 0;
-    case 1: dispatch_dim<bf16>(P, threads); return 0;
-    case 2: dispatch_dim<fp16>(P, threads); return 0;
-    default: return fail(err, errlen, "unsupported dtype code %lld (%lld are known)", dtype, 3);
+    case 0: rc = dispatch_cache<float>(P, kv_dtype, threads); break;
+    case 1: rc = dispatch_cache<bf16>(P, kv_dtype, threads); break;
+    case 2: rc = dispatch_cache<fp16>(P, kv_dtype, threads); break;
+    default: break;
   }
+  return rc ? fail(err, errlen, "unsupported dtype codes %lld / %lld", dtype, kv_dtype) : 0;
 }
 
 // Lanes per vector: 16 with the AVX-512 path, 8 for the portable loops.

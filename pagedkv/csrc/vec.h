@@ -17,6 +17,8 @@ namespace pk {
 
 struct bf16 { uint16_t bits; };
 struct fp16 { uint16_t bits; };
+struct i8 { int8_t v; };        // an int8 KV element (times its block's scale)
+struct e4m3 { uint8_t bits; };  // a float8 e4m3fn KV element (times its block's scale)
 
 #ifdef PAGEDKV_AVX512
 
@@ -62,6 +64,15 @@ inline Vec load(const bf16* p, Mask m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline Vec load(const fp16* p, Mask m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+inline Vec load(const i8* p, Mask m) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p))); }
+// e4m3's sign, exponent and mantissa moved to float16's places read as value * 2^-8, subnormals
+// included (both formats scale linearly there); NaN (never stored) would read as a large number.
+inline Vec load(const e4m3* p, Mask m) {
+  const __m256i x = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
 
 inline void store(float* p, Vec v, Mask m) { _mm512_mask_storeu_ps(p, m, v); }
 inline void store(bf16* p, Vec v, Mask m) {
@@ -137,6 +148,12 @@ inline float to_float(fp16 x) {
   const uint32_t s = (x.bits >> 15) & 1u, e = (x.bits >> 10) & 31u, m = x.bits & 1023u;
   float f = e == 0 ? std::ldexp(float(m), -24) : e == 31 ? (m ? NAN : INFINITY) : std::ldexp(float(m | 1024u), int(e) - 25);
   return s ? -f : f;
+}
+inline float to_float(i8 x) { return float(x.v); }
+inline float to_float(e4m3 x) {
+  const int e = (x.bits >> 3) & 15, m = x.bits & 7;
+  const float f = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
+  return (x.bits & 0x80) ? -f : f;
 }
 inline void from_float(float a, float* p) { *p = a; }
 inline void from_float(float a, bf16* p) {
