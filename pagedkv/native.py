@@ -1,12 +1,13 @@
 """The C++ kernels, compiled on first use and loaded through ctypes.
 
-csrc/ holds paged attention (paged_attention.cpp) and the fused ops around a
-decoder layer's matmuls (layer_ops.cpp). They build into one library, once per
-machine, with ``torch.utils.cpp_extension.load`` into ~/.cache/pagedkv/ext
-(keyed by a hash of the sources, the flags, torch's version and the CPU's
-features). ctypes drops the GIL for each call. When the library cannot be
-built, one warning is logged and every caller takes its plain torch path (same
-results, slower). ``PAGEDKV_KERNELS=0`` chooses the torch paths on purpose.
+csrc/ holds paged attention (paged_attention.cpp), the fused ops around a
+decoder layer's matmuls (layer_ops.cpp) and quantized KV writes (kv_quant.cpp).
+They build into one library, once per machine, with
+``torch.utils.cpp_extension.load`` into ~/.cache/pagedkv/ext (keyed by a hash
+of the sources, the flags, torch's version and the CPU's features). ctypes
+drops the GIL for each call. When the library cannot be built, one warning is
+logged and every caller takes its plain torch path (same results, slower).
+``PAGEDKV_KERNELS=0`` chooses the torch paths on purpose.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "layer_ops.cpp")
+_SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "layer_ops.cpp", _CSRC / "kv_quant.cpp")
 _HEADERS = (_CSRC / "vec.h",)
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
@@ -41,6 +42,7 @@ _SIGNATURES = {
     "pagedkv_silu_mul": [_INT, _P, _I64, _P, _I64, _I64, _INT],
     "pagedkv_rope_cache": ([_INT, _P] + [_I64] * 5 + [_P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _INT]
                            + [ctypes.c_char_p, _INT]),
+    "pagedkv_quant_write": [_INT, _P] + [_I64] * 3 + [_P, _P, _P, _I64, _I64, ctypes.c_char_p, _INT],
 }
 
 _lock = threading.Lock()

@@ -111,6 +111,35 @@ def test_token_by_token_writes_grow_the_scale_and_requantize(name):
 
 
 @pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_native_writes_equal_the_torch_path_bit_for_bit(name, monkeypatch):
+    """csrc/kv_quant.cpp against QuantizedCache.write's torch ops: token-by-token growth, several tokens
+    of a block in one write, fresh blocks over old data, tokens out of order, tiny and huge values."""
+    from pagedkv import native
+    assert native.available()
+    fmt = FORMATS[name]
+    gen = torch.Generator().manual_seed(7)
+    mine_k, mine_v, ref_k, ref_v = (cache(fmt, num_blocks=6) for _ in range(4))
+    writes = []
+    for step in range(40):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        slots = torch.randperm(6 * BS, generator=gen)[:n]
+        magnitude = 10.0 ** float(torch.randint(-5, 4, (1,), generator=gen))
+        writes.append((torch.randn(n, 2, 32, generator=gen) * magnitude, slots))
+    writes.append((torch.randn(BS, 2, 32, generator=gen), torch.arange(2 * BS, 3 * BS).flip(0)))   # a whole block
+    for x, slots in writes:
+        write_kv(mine_k, mine_v, x, -x, slots)
+    with monkeypatch.context() as m:
+        m.setattr(QuantizedCache, "native_writer", lambda self, x: None)
+        for x, slots in writes:
+            write_kv(ref_k, ref_v, x, -x, slots)
+    for mine, ref in ((mine_k, ref_k), (mine_v, ref_v)):
+        assert torch.equal(mine.scales, ref.scales)
+        assert torch.equal(mine.data.view(torch.uint8), ref.data.view(torch.uint8))
+    with pytest.raises(ValueError, match="outside the cache"):
+        write_kv(mine_k, mine_v, writes[0][0][:1], writes[0][0][:1], torch.tensor([6 * BS]))
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8"])
 def test_a_fresh_block_does_not_inherit_the_old_scale(name):
     fmt = FORMATS[name]
     k, v = cache(fmt), cache(fmt)

@@ -54,9 +54,9 @@ def write_kv(k_cache: Cache, v_cache: Cache, k: Tensor, v: Tensor, slot_mapping:
     """Store new K/V ([T, Hkv, D]) at their slots."""
     block_size = k_cache.shape[2]
     if isinstance(k_cache, QuantizedCache):
-        where = SlotWrite.of(slot_mapping, block_size)
-        k_cache.write(k, where)
-        v_cache.write(v, where)
+        where = None if k_cache.native_writer(k) else SlotWrite.of(slot_mapping, block_size)
+        k_cache.write(k, slot_mapping, where)
+        v_cache.write(v, slot_mapping, where)
         return
     # As rows of the cache seen as [num_blocks * Hkv * block_size, D]: index_copy_ is ~200x faster
     # on CPU than advanced-index assignment (cache[blocks, :, offsets] = k), which took ~12 ms a call.

@@ -82,6 +82,7 @@ FP8 = QuantFormat(torch.float8_e4m3fn, float(torch.finfo(torch.float8_e4m3fn).ma
                   max_scale=2.0 ** 7)
 INT8 = QuantFormat(torch.int8, 127.0, pow2_scales=False)
 FORMATS: dict[torch.dtype, QuantFormat] = {FP8.dtype: FP8, INT8.dtype: INT8}
+_NATIVE_FORMAT = {torch.int8: 3, torch.float8_e4m3fn: 4}   # csrc/kv_quant.cpp's format codes
 
 
 def hadamard(dim: int) -> Tensor:
@@ -125,9 +126,32 @@ class QuantizedCache:
     def shape(self) -> torch.Size:
         return self.data.shape
 
-    def write(self, x: Tensor, where: SlotWrite) -> None:
-        """Store new values x [T, Hkv, D] at their slots, growing scales (and requantizing) as needed."""
+    def native_writer(self, x: Tensor):
+        """The C++ write (csrc/kv_quant.cpp) when it serves this cache, else None."""
+        if not (x.is_cpu and self.data.is_cpu and self.data.is_contiguous() and self.scales.is_contiguous()):
+            return None
+        from pagedkv import native
+        return native.library()
+
+    def write(self, x: Tensor, slot_mapping: Tensor, where: SlotWrite | None = None) -> None:
+        """Store new values x [T, Hkv, D] at their slots, growing scales (and requantizing) as needed.
+
+        `where` (the torch path's grouping of the slots) may be shared by the K and V writes of a
+        step; it is built here when needed and not given.
+        """
         x = x.float() @ self.rotation
+        lib = self.native_writer(x)
+        if lib is not None:
+            from pagedkv import native
+            slots = slot_mapping.to(torch.int64).contiguous()
+            num_blocks, num_heads, block_size, head_dim = self.data.shape
+            err = native.error_buffer()
+            if lib.pagedkv_quant_write(_NATIVE_FORMAT[self.fmt.dtype], x.contiguous().data_ptr(), x.shape[0],
+                                       num_heads, head_dim, slots.data_ptr(), self.data.data_ptr(),
+                                       self.scales.data_ptr(), num_blocks, block_size, err, native.ERR_LEN):
+                raise ValueError(err.value.decode())
+            return
+        where = where or SlotWrite.of(slot_mapping, self.data.shape[2])
         num_heads = x.shape[1]
         amax = torch.zeros(where.touched.numel(), num_heads, dtype=SCALE_DTYPE, device=x.device)
         amax.scatter_reduce_(0, where.which[:, None].expand(-1, num_heads), x.abs().amax(-1), "amax")
