@@ -32,6 +32,7 @@ _HEADERS = (_CSRC / "vec.h",)
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+QUANT_CODES = {torch.int8: 3, torch.float8_e4m3fn: 4}   # quantized KV caches (scales beside them)
 ERR_LEN = 512
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

@@ -91,7 +91,8 @@ def _attend(
     err = native.error_buffer()
     rc = lib.pagedkv_paged_attention(
         code, kv_code, None if k_scales is None else k_scales.data_ptr(),
-        None if v_scales is None else v_scales.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        None if v_scales is None else v_scales.data_ptr(),
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         None if qsl is None else qsl.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
         q.shape[0], seq_lens.shape[0], block_tables.shape[1], num_blocks, q.shape[1], num_kv_heads,
         block_size, head_dim, q.stride(0), out.stride(0), float(scale), torch.get_num_threads(),
@@ -128,9 +129,6 @@ def _check_shapes(
         raise ValueError(f"query_start_loc must be [B + 1] = [{batch + 1}], got {tuple(query_start_loc.shape)}")
 
 
-_QUANTIZED_CODES = {torch.int8: 3, torch.float8_e4m3fn: 4}
-
-
 def _check_scales(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> int:
     """The kernel's code for the cache's type: -1 for q's own, else that of a quantized cache."""
@@ -139,7 +137,7 @@ def _check_scales(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
                              f"{v_cache.dtype} (or come quantized with scales)")
         return -1
-    code = _QUANTIZED_CODES.get(k_cache.dtype)
+    code = native.QUANT_CODES.get(k_cache.dtype)
     if code is None or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"scales go with an int8 or float8_e4m3fn cache, got {k_cache.dtype} and {v_cache.dtype}")
     want = tuple(k_cache.shape[:2])

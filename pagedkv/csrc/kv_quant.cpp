@@ -16,6 +16,8 @@
 #include <utility>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 constexpr float kMinScale = 0x1p-64f;  // scale of an all-zero block (quant.py's _MIN_SCALE)
@@ -44,11 +46,7 @@ struct Fp8Format {
     b += 0x7FFFFu + ((b >> 20) & 1u);                                     // round the mantissa to 3 bits, ties to even
     return sign | uint8_t((b >> 20) - (120u << 3));                       // rebias the exponent: 127 -> 7
   }
-  static float value(Q q) {
-    const int e = (q >> 3) & 15, m = q & 7;
-    const float f = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
-    return (q & 0x80) ? -f : f;
-  }
+  static float value(Q q) { return pk::e4m3_to_float(q); }
 };
 
 template <typename F>

@@ -20,6 +20,13 @@ struct fp16 { uint16_t bits; };
 struct i8 { int8_t v; };        // an int8 KV element (times its block's scale)
 struct e4m3 { uint8_t bits; };  // a float8 e4m3fn KV element (times its block's scale)
 
+// One e4m3fn value, exactly (NaN, never stored, reads as 480).
+inline float e4m3_to_float(uint8_t bits) {
+  const int e = (bits >> 3) & 15, m = bits & 7;
+  const float f = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
+  return (bits & 0x80) ? -f : f;
+}
+
 #ifdef PAGEDKV_AVX512
 
 constexpr int W = 16;
@@ -150,11 +157,7 @@ inline float to_float(fp16 x) {
   return s ? -f : f;
 }
 inline float to_float(i8 x) { return float(x.v); }
-inline float to_float(e4m3 x) {
-  const int e = (x.bits >> 3) & 15, m = x.bits & 7;
-  const float f = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
-  return (x.bits & 0x80) ? -f : f;
-}
+inline float to_float(e4m3 x) { return e4m3_to_float(x.bits); }
 inline void from_float(float a, float* p) { *p = a; }
 inline void from_float(float a, bf16* p) {
   uint32_t b; std::memcpy(&b, &a, 4);

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pagedkv import native
+
 SCALE_DTYPE = torch.float32
 _MIN_SCALE = 2.0 ** -64     # scale of an all-zero block (keeps divisions finite)
 _BF16_FROM_E4M3 = -0x7810   # int16 0x87F0: the sign bit and the 7 exponent/mantissa bits, shifted left 4
@@ -82,7 +84,6 @@ FP8 = QuantFormat(torch.float8_e4m3fn, float(torch.finfo(torch.float8_e4m3fn).ma
                   max_scale=2.0 ** 7)
 INT8 = QuantFormat(torch.int8, 127.0, pow2_scales=False)
 FORMATS: dict[torch.dtype, QuantFormat] = {FP8.dtype: FP8, INT8.dtype: INT8}
-_NATIVE_FORMAT = {torch.int8: 3, torch.float8_e4m3fn: 4}   # csrc/kv_quant.cpp's format codes
 
 
 def hadamard(dim: int) -> Tensor:
@@ -130,7 +131,6 @@ class QuantizedCache:
         """The C++ write (csrc/kv_quant.cpp) when it serves this cache, else None."""
         if not (x.is_cpu and self.data.is_cpu and self.data.is_contiguous() and self.scales.is_contiguous()):
             return None
-        from pagedkv import native
         return native.library()
 
     def write(self, x: Tensor, slot_mapping: Tensor, where: SlotWrite | None = None) -> None:
@@ -142,11 +142,10 @@ class QuantizedCache:
         x = x.float() @ self.rotation
         lib = self.native_writer(x)
         if lib is not None:
-            from pagedkv import native
             slots = slot_mapping.to(torch.int64).contiguous()
             num_blocks, num_heads, block_size, head_dim = self.data.shape
             err = native.error_buffer()
-            if lib.pagedkv_quant_write(_NATIVE_FORMAT[self.fmt.dtype], x.contiguous().data_ptr(), x.shape[0],
+            if lib.pagedkv_quant_write(native.QUANT_CODES[self.fmt.dtype], x.contiguous().data_ptr(), x.shape[0],
                                        num_heads, head_dim, slots.data_ptr(), self.data.data_ptr(),
                                        self.scales.data_ptr(), num_blocks, block_size, err, native.ERR_LEN):
                 raise ValueError(err.value.decode())

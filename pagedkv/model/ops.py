@@ -69,7 +69,7 @@ def rope_and_cache(qkv: Tensor, num_heads: int, num_kv_heads: int, positions: Te
     cos / sin: float32 [max_positions, D], rotate_half's sign folded into sin. Returns False
     (having done nothing) where the library does not serve: the caller then rotates in torch.
     """
-    tokens, width = qkv.shape
+    tokens = qkv.shape[0]
     caching = k_cache is not None
     lib = _lib(qkv, k_cache, v_cache) if caching else _lib(qkv)
     if lib is None or (caching and not (k_cache.is_contiguous() and v_cache.is_contiguous())):
