@@ -52,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-waiting", type=int, default=d["max_waiting"].default, help="queue length before 503")
+    p.add_argument("--max-waiting", type=int, default=d["max_waiting"].default, help="queue length beyond which new requests get 429")
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:

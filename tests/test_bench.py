@@ -38,7 +38,11 @@ def suite(tiny_model_dir, tmp_path_factory):
     """One `pagedkv bench --suite` on a trace whose prompts share 32 tokens (block 16)."""
     d = tmp_path_factory.mktemp("bench")
     lines = write_trace(d / "tr.jsonl")
-    rc = main(["bench", "--model", tiny_model_dir, "--dtype", "float32", "--num-gpu-blocks-override", "256",
+    peers = d / "peers"   # the test's own peer figures: nothing outside the repository is read
+    peers.mkdir()
+    (peers / "vllm.json").write_text(json.dumps({"peer": "vllm_cpu", "results": [
+        {"workload": "W1-mixed", "output_tok_s": 100.0}]}))
+    rc = main(["bench", "--model", tiny_model_dir, "--peers-dir", str(peers), "--dtype", "float32", "--num-gpu-blocks-override", "256",
                "--trace", str(d / "tr.jsonl"), "--shared-prefix", "32", "--suite",
                "--suite-pool-tokens", str(POOL_TOKENS), "--suite-max-model-len", str(MAX_LEN),
                "--out", str(d / "r.json"), "--markdown", str(d / "r.md"), "--plot", str(d / "plots"),
