@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pagedkv.bench.result import RunResult
+from pagedkv.plotting import pyplot
 
 
 def _name(r: RunResult) -> str:
@@ -12,10 +13,7 @@ def _name(r: RunResult) -> str:
 
 def plot_all(results: list[RunResult], out_dir: str | Path) -> list[Path]:
     """Write throughput.png, latency.png and kv.png into out_dir; returns their paths."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [_throughput(plt, results, out / "throughput.png"), _latency(plt, results, out / "latency.png"),

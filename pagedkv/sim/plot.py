@@ -5,17 +5,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pagedkv.config import ConfigError
+from pagedkv.plotting import pyplot
 
 if TYPE_CHECKING:
     from pagedkv.sim.dynamic import DynamicResult
     from pagedkv.sim.simulate import SimResult
-
-
-def _pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 def _save(fig, path: str) -> None:
@@ -24,12 +18,12 @@ def _save(fig, path: str) -> None:
     except OSError as e:
         raise ConfigError(f"cannot write plot {path}: {e.strerror or e}") from None
     finally:
-        _pyplot().close(fig)
+        pyplot().close(fig)
 
 
 def plot_static(result: SimResult, path: str) -> None:
     """Left: the pool split into real tokens / reserved but empty / unreserved. Right: requests that fit."""
-    plt = _pyplot()
+    plt = pyplot()
     names = [r.policy for r in result.policies]
     pool = max(result.pool_tokens, 1)
     real = [100 * r.real_tokens / pool for r in result.policies]
@@ -57,7 +51,7 @@ def plot_static(result: SimResult, path: str) -> None:
 
 def plot_dynamic(results: Sequence[DynamicResult], path: str) -> None:
     """Token utilization and running requests per step, one line per policy."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax_util, ax_run) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     for r in results:
         ax_util.plot(r.times, [100 * u for u in r.utilization], label=r.policy, linewidth=1.2)

@@ -1,0 +1,17 @@
+"""matplotlib on demand: plots are an optional extra (`pip install "pagedkv[plot]"`), never the server's."""
+from __future__ import annotations
+
+from types import ModuleType
+
+from pagedkv.config import ConfigError
+
+
+def pyplot() -> ModuleType:
+    """matplotlib.pyplot on the Agg backend (no display needed), or a clear error naming the extra."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError('--plot needs matplotlib: pip install "pagedkv[plot]"') from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
