@@ -100,15 +100,15 @@ def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.devi
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None) -> None:
-        from pagedkv.model.loader import load_model, resolve_dtype
+        from pagedkv.model.loader import load_model
 
         self.config = config
         self.device = pick_device()
         if self.device.type == "cpu":
             keep_freed_memory()
-        dtype = resolve_dtype(config.dtype)
         t0 = time.monotonic()
-        self.loaded = loaded or load_model(config.model, dtype, self.device)
+        self.loaded = loaded or load_model(config.model, config.dtype, self.device)
+        dtype = self.loaded.model.dtype    # 'auto' was resolved for this model and device
         log.info("loaded %s in %.1fs", self.loaded.name, time.monotonic() - t0)
         self.tokenizer = self.loaded.tokenizer
         mc = self.loaded.config

@@ -7,7 +7,6 @@ comes back as a one-line ConfigError.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,29 +34,19 @@ class LoadedModel:
     max_model_len: int
 
 
-@functools.cache
-def cpu_has_fast_bf16() -> bool:
-    """AVX-512 BF16 or AMX: bfloat16 matmuls beat float32 ones 2.5-3x there (measured on EPYC)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
-            break
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
-def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
-    """'auto' -> bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32."""
+def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu",
+                  model_config: LlamaConfig | None = None) -> torch.dtype:
+    """'auto': bfloat16 on CUDA (float16 where bf16 is missing); on CPU the faster of float32 and
+    bfloat16 for this model's matmuls, measured once (`dtype_choice`); float32 without a model."""
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
         if torch.device(device).type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        if model_config is None:
+            return torch.float32
+        from pagedkv.model.dtype_choice import choose_cpu_dtype
+        return choose_cpu_dtype(model_config)
     if name not in _DTYPES:
         raise ConfigError(f"unknown dtype {name!r} (use auto, {', '.join(_DTYPES)})")
     return _DTYPES[name]
@@ -90,8 +79,8 @@ def read_checkpoint(path: str | Path | None) -> tuple[Checkpoint, str]:
 
 def load_model(path: str | Path | None, dtype: torch.dtype | str, device: str | torch.device = "cpu") -> LoadedModel:
     """Read a checkpoint and build the model on `device` in `dtype` ('auto' and names are resolved)."""
-    dtype = resolve_dtype(dtype, device)
     ckpt, name = read_checkpoint(path)
+    dtype = resolve_dtype(dtype, device, ckpt.config)
     with torch.device(device):
         model = LlamaForCausalLM(ckpt.config, dtype)
     model.load_weights(ckpt.weights)

@@ -1,0 +1,120 @@
+"""`--dtype auto` on CPU, by measurement: time this model's matmuls in float32 and bfloat16, keep the faster.
+
+A flag list cannot tell: without AVX-512 BF16, bfloat16 weights still win a
+batch-1 step (half the bytes, and a step is bound by reading the weights) but
+lose batched steps (no native bf16 dot product: oneDNN converts, and compute
+dominates). So the calibration times one decoder layer's worth of distinct
+weights of this model's shapes (more than a cache holds, like a real step) at
+batch 1 and at a batched step, and keeps the dtype with the lower geometric
+mean of per-token time over the two. It costs about a second, once: the
+verdict is cached per CPU, torch build, thread count and model shape in
+$PAGEDKV_EXT_DIR (or ~/.cache/pagedkv) as dtype.json.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.model.config import LlamaConfig
+
+log = logging.getLogger("pagedkv")
+
+CANDIDATES = (torch.float32, torch.bfloat16)
+BATCHED = 32             # a busy decode step's batch
+MIN_BYTES = 64 << 20     # float32 weights timed per trial: past the last-level cache of a server CPU
+REPEATS = 3
+
+
+def layer_shapes(cfg: LlamaConfig) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's projections: q, k, v, o, gate, up, down."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
+
+
+def _cpu_identity() -> str:
+    """The CPU, plus the variables that cap which instructions torch's matmuls may use."""
+    model = platform.processor() + os.environ.get("ONEDNN_MAX_CPU_ISA", "") + os.environ.get(
+        "ATEN_CPU_CAPABILITY", "")
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags", "Features")):
+                model += line
+    except OSError:
+        pass
+    return hashlib.sha256(model.encode()).hexdigest()[:16]
+
+
+def _cache_file() -> Path:
+    base = os.environ.get("PAGEDKV_EXT_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pagedkv")
+    return Path(base) / "dtype.json"
+
+
+def _time_per_token(shapes: list[tuple[int, int]], dtype: torch.dtype, batch: int) -> float:
+    """Seconds per token of one pass over enough distinct weights of these shapes (best of REPEATS)."""
+    per_layer = sum(o * i for o, i in shapes) * 4
+    layers = max(1, math.ceil(MIN_BYTES / per_layer))
+    weights = [torch.empty(s, dtype=dtype).uniform_(-0.05, 0.05) for _ in range(layers) for s in shapes]
+    inputs = {i: torch.randn(batch, i).to(dtype) for _, i in shapes}
+    best = math.inf
+    for _ in range(REPEATS + 1):    # the first pass warms up the matmul library
+        t0 = time.perf_counter()
+        for w in weights:
+            F.linear(inputs[w.shape[1]], w)
+        best = min(best, time.perf_counter() - t0)
+    return best / batch
+
+
+def measure(shapes: list[tuple[int, int]]) -> dict[str, dict[str, float]]:
+    """{dtype: {"1": s/token, "32": s/token}} for each candidate."""
+    return {str(dt).removeprefix("torch."): {str(b): _time_per_token(shapes, dt, b) for b in (1, BATCHED)}
+            for dt in CANDIDATES}
+
+
+def pick(timings: dict[str, dict[str, float]]) -> str:
+    """The dtype with the lowest geometric mean of per-token time over the measured batch sizes."""
+    return min(timings, key=lambda dt: math.prod(timings[dt].values()))
+
+
+def choose_cpu_dtype(cfg: LlamaConfig) -> torch.dtype:
+    """Measured once per (CPU, torch, threads, model shape), then read from the cache."""
+    shapes = layer_shapes(cfg)
+    key = f"{_cpu_identity()}:{torch.__version__}:{torch.get_num_threads()}:{shapes}"
+    path = _cache_file()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if not isinstance(cache, dict):
+        cache = {}
+    entry = cache.get(key)
+    if not (isinstance(entry, dict) and entry.get("dtype") in ("float32", "bfloat16")):
+        t0 = time.monotonic()
+        timings = measure(shapes)
+        entry = {"dtype": pick(timings), "timings": timings}
+        log.info("--dtype auto: measured %s in %.1fs -> %s", _describe(timings), time.monotonic() - t0,
+                 entry["dtype"])
+        cache[key] = entry
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, indent=1))
+            tmp.replace(path)
+        except OSError as e:            # a read-only cache only costs a second per start
+            log.warning("cannot cache the dtype calibration in %s: %s", path, e)
+    return getattr(torch, entry["dtype"])
+
+
+def _describe(timings: dict[str, dict[str, float]]) -> str:
+    return ", ".join(f"{dt} " + "/".join(f"{v * 1e6:.0f}" for v in t.values()) + " us/token (batch 1/32)"
+                     for dt, t in timings.items())
