@@ -6,7 +6,8 @@ request fail on purpose, in a real engine and a real server process. Set
 `LLMEngine.faults` in-process) and every request whose prompt contains MARKER
 raises `InjectedFault` at STAGE:
 
-- forward: after the model ran over a batch holding the request (its K/V are written)
+- forward: before the model runs over a batch holding the request (no K/V written)
+- after-forward: after it ran (the batch's K/V are written)
 - sample: in the sampler, for any batch holding the request
 - detokenize: when the request's new token is detokenized
 - step: at the start of a step while the request is in the engine; this one is not
@@ -24,7 +25,7 @@ from pagedkv.config import ConfigError
 from pagedkv.engine.sequence import SequenceGroup
 
 ENV = "PAGEDKV_INJECT_FAULT"
-STAGES = ("forward", "sample", "detokenize", "step")
+STAGES = ("forward", "after-forward", "sample", "detokenize", "step")
 
 
 class InjectedFault(RuntimeError):

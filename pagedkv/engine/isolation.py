@@ -72,9 +72,11 @@ class IsolatedForward:
 
     def _run(self, part: list[ScheduledSeq]) -> tuple[list[Sequence], torch.Tensor | None]:
         sampling = [s.seq for s in part if s.samples]
-        logits = self.runner.forward(part)
         if self.check_faults is not None:
             self.check_faults("forward", (s.seq.group for s in part))
+        logits = self.runner.forward(part)
+        if self.check_faults is not None:
+            self.check_faults("after-forward", (s.seq.group for s in part))
         return sampling, logits
 
     def _halve(self, part: list[ScheduledSeq], scheduled: list[ScheduledSeq], failures: Failures,
@@ -89,14 +91,16 @@ class IsolatedForward:
             self._rewind(half, failures.stale_blocks)
             try:
                 done.append(self._run(half))
+                continue
             except Exception as e:  # noqa: BLE001
                 if device_broken(e):
                     raise
-                if len(half) > 1:
-                    self._halve(half, scheduled, failures, done)
-                    continue
+                error = e
+            if len(half) > 1:
+                self._halve(half, scheduled, failures, done)
+            else:
                 group = half[0].seq.group
-                failures.add(group, e)
+                failures.add(group, error)
                 failures.stale_blocks.update(self._written_by(group, scheduled))
 
     def _written_by(self, group: SequenceGroup, scheduled: list[ScheduledSeq]) -> set[int]:
