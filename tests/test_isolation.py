@@ -10,6 +10,7 @@ import asyncio
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -160,3 +161,109 @@ def test_async_llm_loop_failure_reaches_every_client(tiny_model_dir, one_torch_t
             await anext(llm.generate("Hi", long, "late"))
         await llm.shutdown()
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------- over HTTP, a real server process
+
+SERVER_ARGS = ("--dtype", "float32", "--block-size", "4", "--num-gpu-blocks-override", "512", "--max-model-len", "1024",
+               "--served-model-name", "tiny")
+LONG = 900   # tokens for the well-behaved requests: they are still running when the faulty ones fail
+
+
+def body(prompt: str, stream: bool, max_tokens: int = LONG) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+
+
+def post(srv: ServerProcess, payload: dict) -> tuple[int, dict, float]:
+    """(status, JSON body, time the answer came)."""
+    r = srv.http.post("/v1/completions", json=payload, timeout=300)
+    return r.status_code, r.json(), time.monotonic()
+
+
+def stream(srv: ServerProcess, payload: dict,
+           started: threading.Event | None = None) -> tuple[int, str, list[dict], float]:
+    """(status, text, error events, time the stream ended); sets `started` at the first token."""
+    text, errors = "", []
+    with httpx.Client(base_url=srv.url, timeout=300) as http, \
+            http.stream("POST", "/v1/completions", json=payload) as r:
+        if r.status_code != 200:
+            return r.status_code, "", [json.loads(r.read())], time.monotonic()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                errors.append(event)
+            else:
+                text += event["choices"][0]["text"]
+                if started is not None and text:
+                    started.set()
+    return 200, text, errors, time.monotonic()
+
+
+def assert_openai_error(payload: dict, status: int) -> None:
+    err = payload["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "server_error" and err["message"]
+    assert (status, err["code"]) in {(500, "request_failed"), (503, "service_unavailable")}
+
+
+def test_http_a_failing_request_ends_alone(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_INJECT_FAULT", "sample:BOOM:5")   # BOOM requests fail at their 6th token
+    with ServerProcess(tiny_model_dir, *SERVER_ARGS) as srv, ThreadPoolExecutor(4) as pool:
+        good_stream, good_json = body("The quick brown fox", True), body("Hello world! Serving", False)
+        clean_stream, clean_json = stream(srv, good_stream)[1], post(srv, good_json)[1]
+        srv.wait_idle()
+
+        started = threading.Event()
+        running_stream = pool.submit(stream, srv, good_stream, started)
+        assert started.wait(120)
+        running_json = pool.submit(post, srv, good_json)
+        bad_json = pool.submit(post, srv, body(BAD, False, 50))
+        bad_stream = pool.submit(stream, srv, body("BOOM " + SHARED, True, 50))
+
+        status, payload, bad_json_at = bad_json.result()
+        assert status == 500
+        assert_openai_error(payload, 500)
+        assert "injected sample fault" in payload["error"]["message"]
+        status, text, errors, bad_stream_at = bad_stream.result()
+        assert status == 200 and text   # five tokens streamed, then the error event
+        assert len(errors) == 1
+        assert_openai_error(errors[0], 500)
+
+        status, text, errors, stream_done = running_stream.result()
+        assert (status, errors, text) == (200, [], clean_stream)
+        status, payload, json_done = running_json.result()
+        assert status == 200 and payload["choices"][0]["text"] == clean_json["choices"][0]["text"]
+        assert max(bad_json_at, bad_stream_at) < min(stream_done, json_done), "the faulty ones ran alone"
+
+        srv.wait_idle()   # every block back, no request left
+        assert srv.http.get("/health").status_code == 200
+        assert srv.proc.poll() is None
+
+
+def test_http_an_engine_failure_fails_everyone_and_exits(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_INJECT_FAULT", "step:DIE")   # not isolated: stops the engine loop
+    with ServerProcess(tiny_model_dir, *SERVER_ARGS) as srv, ThreadPoolExecutor(3) as pool:
+        started = threading.Event()
+        running_stream = pool.submit(stream, srv, body("The quick brown fox", True), started)
+        assert started.wait(120)
+        running_json = pool.submit(post, srv, body("Hello world! Serving", False))
+        status, payload, _ = post(srv, body("DIE now", False, 5))
+        assert status == 503
+        assert_openai_error(payload, 503)
+
+        status, text, errors, _ = running_stream.result()
+        assert status == 200 and len(errors) == 1
+        assert_openai_error(errors[0], 503)
+        status, payload, _ = running_json.result()
+        assert status == 503   # or it had not reached the engine yet: 503 too
+        assert_openai_error(payload, 503)
+
+        try:   # unhealthy until it is gone
+            assert srv.http.get("/health").status_code == 503
+        except httpx.TransportError:
+            pass
+        assert srv.proc.wait(60) == 1
+        assert "the engine loop stopped" in srv.output()

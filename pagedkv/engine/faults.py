@@ -2,9 +2,9 @@
 
 That one request's failure ends that request alone can only be tested by making a
 request fail on purpose, in a real engine and a real server process. Set
-`PAGEDKV_INJECT_FAULT=STAGE:MARKER` in the server's environment (or assign
+`PAGEDKV_INJECT_FAULT=STAGE:MARKER[:AFTER]` in the server's environment (or assign
 `LLMEngine.faults` in-process) and every request whose prompt contains MARKER
-raises `InjectedFault` at STAGE:
+raises `InjectedFault` at STAGE, once it has AFTER output tokens (default 0):
 
 - forward: before the model runs over a batch holding the request (no K/V written)
 - after-forward: after it ran (the batch's K/V are written)
@@ -37,6 +37,7 @@ class FaultInjector:
     stage: str
     marker: str
     tokenizer: object
+    after: int = 0                 # output tokens the request makes before it fails
     _matches: dict[str, bool] = field(default_factory=dict)   # request id -> prompt holds the marker
 
     def __post_init__(self) -> None:
@@ -49,14 +50,17 @@ class FaultInjector:
         if not spec:
             return None
         stage, _, marker = spec.partition(":")
-        return cls(stage, marker, tokenizer)
+        marker, _, after = marker.partition(":")
+        if after and not after.isdigit():
+            raise ConfigError(f"{ENV}: AFTER must be a number of tokens, got {after!r}")
+        return cls(stage, marker, tokenizer, int(after or 0))
 
     def check(self, stage: str, groups: Iterable[SequenceGroup]) -> None:
         """Raise if `stage` is the chosen one and one of `groups` is a chosen request."""
         if stage != self.stage:
             return
         for group in groups:
-            if self._chosen(group):
+            if self._chosen(group) and group.seqs[0].num_output_tokens >= self.after:
                 raise InjectedFault(f"injected {stage} fault for request {group.request_id}")
 
     def _chosen(self, group: SequenceGroup) -> bool:
