@@ -267,3 +267,22 @@ def test_http_an_engine_failure_fails_everyone_and_exits(tiny_model_dir, monkeyp
             pass
         assert srv.proc.wait(60) == 1
         assert "the engine loop stopped" in srv.output()
+
+
+def test_a_failing_admission_ends_alone(tiny_model_dir, clean, monkeypatch):
+    """A tier lookup that raises while one request is admitted fails that request only."""
+    engine = make_engine(tiny_model_dir)
+    bad_ids = engine.tokenize(BAD)
+    lookup = engine.kv.lookup_offloaded
+
+    def flaky_lookup(token_ids, num_prefix_blocks):
+        if list(token_ids[:len(bad_ids)]) == bad_ids:
+            raise OSError("injected: the disk tier went away")
+        return lookup(token_ids, num_prefix_blocks)
+    monkeypatch.setattr(engine.kv, "lookup_offloaded", flaky_lookup)
+    finals = run(engine)
+    bad = finals.pop("bad")
+    assert bad.error is not None and "disk tier" in bad.error
+    for rid, out in finals.items():
+        assert comparable(out) == comparable(clean[rid]), rid
+    assert_no_leak(engine)

@@ -222,6 +222,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.runner.apply_copies(out)
         failures = Failures()
+        for seq, error in out.failed:
+            failures.add(seq.group, error)
         sampling, logits = self.forward(out.scheduled, failures)
         for s in out.scheduled:
             if s.seq.group not in failures:
