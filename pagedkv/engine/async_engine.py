@@ -28,6 +28,7 @@ log = logging.getLogger("pagedkv")
 
 
 STATS_INTERVAL_S = 0.2   # stats walk the whole pool: not after every step of a busy engine
+FAILED = "the request failed inside the engine"
 
 
 class QueueFullError(Exception):
@@ -71,11 +72,11 @@ class AsyncLLM:
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
         self._engine_lock = threading.Lock()   # held by a step; snapshots wait for it
-        self._wake = threading.Condition()     # guards the inbox and the fields below; never held in a step
+        self._wake = threading.Condition()     # guards the inbox and what follows; not held long
         self._stats = self.engine.stats()      # refreshed between steps, read without waiting
         self._stats_time = 0.0
         self._inbox: list[Command] = []
-        self._num_waiting = 0                  # in the scheduler's queue or the inbox, kept by both threads
+        self._num_waiting = 0                  # in the scheduler's queue or the inbox
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -87,7 +88,7 @@ class AsyncLLM:
         self._ensure_started()
 
     def _ensure_started(self) -> None:
-        """Start the engine thread on first use (call on the event loop that will read the outputs)."""
+        """Start the engine thread on first use, on the event loop that will read the outputs."""
         if self._thread is None:
             self._loop = asyncio.get_running_loop()
             self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
@@ -103,7 +104,7 @@ class AsyncLLM:
 
     @property
     def error(self) -> BaseException | None:
-        """What stopped the engine loop, if it stopped on an error (the server must then restart)."""
+        """What stopped the engine loop, if an error did (the server must then restart)."""
         return self._error
 
     # ------------------------------------------------------------------ requests
@@ -126,7 +127,8 @@ class AsyncLLM:
                 raise ConfigError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = queue
             self._num_waiting += 1
-            self._inbox.append(AddRequest(request_id, ids, params, prompt if isinstance(prompt, str) else None))
+            text = prompt if isinstance(prompt, str) else None
+            self._inbox.append(AddRequest(request_id, ids, params, text))
             self._wake.notify()
         finished = False
         try:
@@ -166,7 +168,7 @@ class AsyncLLM:
     # ------------------------------------------------------------------ the loop (engine thread)
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         if isinstance(item, RequestOutput) and item.error is not None:
-            item = RequestFailedError(f"the request failed inside the engine: {item.error}")
+            item = RequestFailedError(f"{FAILED}: {item.error}")
         queue = self._queues.get(request_id)
         if queue is not None:
             self._loop.call_soon_threadsafe(queue.put_nowait, item)
@@ -186,7 +188,7 @@ class AsyncLLM:
             except Exception as e:  # noqa: BLE001 - this request's problem: end it alone
                 log.exception("adding request %s failed", cmd.request_id)
                 self.engine.abort(cmd.request_id)
-                self._deliver(cmd.request_id, RequestFailedError(f"the request failed inside the engine: {e}"))
+                self._deliver(cmd.request_id, RequestFailedError(f"{FAILED}: {e}"))
 
     def _run(self) -> None:
         try:
@@ -232,5 +234,5 @@ class AsyncLLM:
                 pass
 
     def _dead(self) -> EngineDeadError:
-        return EngineDeadError(f"the engine stopped after an internal error ({type(self._error).__name__}); "
-                               "the server is restarting")
+        return EngineDeadError(f"the engine stopped after an internal error "
+                               f"({type(self._error).__name__}); the server is restarting")

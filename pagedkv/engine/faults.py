@@ -38,7 +38,7 @@ class FaultInjector:
     marker: str
     tokenizer: object
     after: int = 0                 # output tokens the request makes before it fails
-    _matches: dict[str, bool] = field(default_factory=dict)   # request id -> prompt holds the marker
+    _matches: dict[str, bool] = field(default_factory=dict)   # request id -> has the marker
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES or not self.marker:
@@ -66,6 +66,8 @@ class FaultInjector:
     def _chosen(self, group: SequenceGroup) -> bool:
         hit = self._matches.get(group.request_id)
         if hit is None:
-            prompt = group.prompt if group.prompt is not None else self.tokenizer.decode(group.prompt_token_ids)
+            prompt = group.prompt
+            if prompt is None:
+                prompt = self.tokenizer.decode(group.prompt_token_ids)
             hit = self._matches[group.request_id] = self.marker in prompt
         return hit

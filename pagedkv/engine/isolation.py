@@ -56,7 +56,7 @@ class IsolatedForward:
 
     def __call__(self, scheduled: list[ScheduledSeq],
                  failures: Failures) -> tuple[list[Sequence], torch.Tensor | None]:
-        """The sequences that sample and their logits rows, in batch order, failed requests left out."""
+        """The sequences that sample and their logits rows, in batch order, failed ones left out."""
         try:
             return self._run(scheduled)
         except Exception as e:  # noqa: BLE001 - found and charged to its request below

@@ -228,7 +228,7 @@ class LLMEngine:
         for s in out.scheduled:
             if s.seq.group not in failures:
                 s.seq.num_computed_tokens += s.num_new_tokens
-        keep = [i for i, seq in enumerate(sampling) if seq.group not in failures]   # a sibling failed
+        keep = [i for i, seq in enumerate(sampling) if seq.group not in failures]
         if len(keep) != len(sampling):
             sampling = [sampling[i] for i in keep]
             logits = logits[keep] if keep else None
@@ -242,7 +242,7 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
                 failures: Failures) -> list[tuple[Sequence, int, Logprob | None]]:
-        """Sample the batch; if that raises, sample each request alone so that only the culprit fails.
+        """Sample the batch; if that raises, sample each request alone so only the culprit fails.
         Each sample's uniform is drawn once, before, so a retry draws what the batch would have."""
         uniforms = [seq.rng.random() for seq in seqs]
         try:
@@ -256,7 +256,8 @@ class LLMEngine:
         drawn = []
         for group, rows in by_group.items():
             try:
-                drawn += self._sample_rows(logits[rows], [seqs[i] for i in rows], [uniforms[i] for i in rows])
+                drawn += self._sample_rows(logits[rows], [seqs[i] for i in rows],
+                                           [uniforms[i] for i in rows])
             except Exception as e:  # noqa: BLE001
                 failures.add(group, e)
         return drawn
@@ -270,7 +271,7 @@ class LLMEngine:
 
     def _finish_step(self, drawn: list[tuple[Sequence, int, Logprob | None]],
                      failures: Failures) -> list[RequestOutput]:
-        """Append each drawn token (detokenize, stop checks), then the outputs: failed requests too."""
+        """Append each drawn token (detokenize, stop checks); the outputs, failed requests too."""
         now = time.monotonic()
         touched: dict[str, SequenceGroup] = {}
         for seq, token, lp in drawn:
@@ -297,7 +298,8 @@ class LLMEngine:
 
     def _fail(self, group: SequenceGroup, error: BaseException) -> RequestOutput:
         """End a request that failed in a step: free its blocks, keep every other request going."""
-        log.error("request %s failed: %s: %s", group.request_id, type(error).__name__, error, exc_info=error)
+        log.error("request %s failed: %s: %s", group.request_id, type(error).__name__, error,
+                  exc_info=error)
         for seq in group.seqs:
             if not seq.finished:
                 seq.finish_reason = "error"

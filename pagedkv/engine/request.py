@@ -96,4 +96,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    error: str | None = None          # set when the engine failed this request (finish_reason "error")
+    error: str | None = None          # why the engine failed this request (finish_reason "error")

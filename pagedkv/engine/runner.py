@@ -44,7 +44,8 @@ class ModelRunner:
         if staged is not None:
             self.offload.commit(self.storage, staged)
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, scheduled: list[ScheduledSeq]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Inputs for one forward; also the rows whose logits are sampled (last row of each sampling seq)."""
         bs = self.block_size
         tokens: list[int] = []

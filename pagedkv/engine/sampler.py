@@ -83,9 +83,10 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int]) -> None:
         self.eos_token_ids = eos_token_ids
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], uniforms: list[float]) -> SampleResult:
-        """logits: [B, vocab] float32, row i for seqs[i]; uniforms[i] in [0, 1) draws its token if it
-        samples. Changes in place only what a second call would change the same way."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 uniforms: list[float]) -> SampleResult:
+        """logits: [B, vocab] float32, row i for seqs[i]; uniforms[i] in [0, 1) draws its token
+        if it samples. Changes in place only what a second call would change the same way."""
         logits = _penalize(logits.float(), seqs)
         _block_stop_tokens(logits, seqs, self.eos_token_ids)
         params = [s.params for s in seqs]

@@ -164,7 +164,7 @@ class GracefulServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self.engine.error is not None and not self.should_exit:   # exit non-zero: see serve()
-            log.critical("the engine stopped after an internal error: exiting so that a supervisor restarts it")
+            log.critical("the engine stopped after an internal error: exiting for a restart")
             self.should_exit = True
         return await super().on_tick(counter)
 
@@ -174,7 +174,8 @@ class GracefulServer(uvicorn.Server):
             self._drain.cancel()
 
 
-def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0) -> int:
+def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
+          shutdown_timeout: float = 30.0) -> int:
     """Load the model, then serve until SIGINT/SIGTERM (exit code 0) or until the engine loop
     stops on an error (exit code 1, for a supervisor to restart the server)."""
     from pagedkv.engine.async_engine import AsyncLLM
