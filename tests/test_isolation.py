@@ -89,15 +89,18 @@ def clean(tiny_model_dir, one_torch_thread) -> dict[str, RequestOutput]:
     return finals
 
 
+@pytest.mark.parametrize("after", [0, 5], ids=["first-step", "mid-decode"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_failing_request_ends_alone(tiny_model_dir, clean, stage):
+def test_a_failing_request_ends_alone(tiny_model_dir, clean, stage, after):
     engine = make_engine(tiny_model_dir)
-    engine.faults = FaultInjector(stage, "BOOM", engine.tokenizer)
+    engine.faults = FaultInjector(stage, "BOOM", engine.tokenizer, after)
     finals = run(engine)
     assert set(finals) == set(clean)
     bad = finals.pop("bad")
     assert bad.finished and bad.error is not None and "injected" in bad.error
     assert all(c.finish_reason == "error" for c in bad.outputs)
+    made = max(after, 1) if stage == "detokenize" else after   # its failing token is appended
+    assert len(bad.outputs[0].token_ids) == made
     for rid, out in finals.items():
         assert out.error is None, rid
         assert comparable(out) == comparable(clean[rid]), f"{rid} changed: 'bad' failed in {stage}"

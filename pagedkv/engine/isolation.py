@@ -56,7 +56,8 @@ class IsolatedForward:
 
     def __call__(self, scheduled: list[ScheduledSeq],
                  failures: Failures) -> tuple[list[Sequence], torch.Tensor | None]:
-        """The sequences that sample and their logits rows, in batch order, failed ones left out."""
+        """The sequences that sample and their logits rows, in batch order. Those that failed are
+        left out, but not a sibling sample of theirs that ran before they failed."""
         try:
             return self._run(scheduled)
         except Exception as e:  # noqa: BLE001 - found and charged to its request below

@@ -2,6 +2,8 @@
 
 text -> tokenizer -> scheduler (asks the KV manager for blocks) -> runner
 (tensors) -> model -> sampler -> detokenizer -> RequestOutput.
+A request that fails at any of these stages ends alone (isolation.py); the
+others in its batch go on as if it had finished.
 """
 from __future__ import annotations
 
@@ -143,7 +145,7 @@ class LLMEngine:
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.faults = FaultInjector.from_env(self.tokenizer)   # tests only: see faults.py
-        self.forward = IsolatedForward(self.runner, self._check_faults)
+        self._forward = IsolatedForward(self.runner, self._check_faults)
         self.groups: dict[str, SequenceGroup] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -224,7 +226,7 @@ class LLMEngine:
         failures = Failures()
         for seq, error in out.failed:
             failures.add(seq.group, error)
-        sampling, logits = self.forward(out.scheduled, failures)
+        sampling, logits = self._forward(out.scheduled, failures)
         for s in out.scheduled:
             if s.seq.group not in failures:
                 s.seq.num_computed_tokens += s.num_new_tokens
