@@ -1,9 +1,15 @@
 """The engine for the server: the step loop runs in a background thread.
 
-Requests and aborts are handed to the loop through a lock-protected inbox and
-applied between steps; each request's outputs come back to its asyncio queue
-with `call_soon_threadsafe`. So the event loop never waits on the model, and
-an abort (or a client that goes away) frees the request's blocks within one step.
+Requests and aborts are handed to the loop as commands (AddRequest, Abort) in a
+lock-protected inbox and applied between steps; each request's outputs come back
+to its asyncio queue with `call_soon_threadsafe`. So the event loop never waits on
+the model, and an abort (or a client that goes away) frees the request's blocks
+within one step.
+
+A request that fails inside a step is ended alone by the engine (RequestFailedError
+to its client). Anything else that escapes the loop stops it for good: every client
+waiting, and every later one, gets EngineDeadError at once, and `error` says why, so
+the server can report unhealthy and exit for its supervisor to restart it.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import asyncio
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from pagedkv.config import ConfigError, EngineConfig
@@ -21,6 +28,7 @@ log = logging.getLogger("pagedkv")
 
 
 STATS_INTERVAL_S = 0.2   # stats walk the whole pool: not after every step of a busy engine
+FAILED = "the request failed inside the engine"
 
 
 class QueueFullError(Exception):
@@ -29,6 +37,30 @@ class QueueFullError(Exception):
 
 class ShuttingDownError(Exception):
     """The engine is stopping and takes no new request (HTTP 503)."""
+
+
+class RequestFailedError(Exception):
+    """This request failed inside the engine and was ended; the others carry on (HTTP 500)."""
+
+
+class EngineDeadError(Exception):
+    """The engine loop stopped after an error it could not pin on one request (HTTP 503)."""
+
+
+@dataclass(slots=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+
+
+@dataclass(slots=True)
+class Abort:
+    request_id: str
+
+
+Command = AddRequest | Abort
 
 
 class AsyncLLM:
@@ -40,20 +72,27 @@ class AsyncLLM:
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
         self._engine_lock = threading.Lock()   # held by a step; snapshots wait for it
-        self._wake = threading.Condition()     # guards the inbox; never held during a step
+        self._wake = threading.Condition()     # guards the inbox and what follows; not held long
         self._stats = self.engine.stats()      # refreshed between steps, read without waiting
         self._stats_time = 0.0
-        self._inbox: list[tuple] = []          # ("add", rid, ids, params, queue) | ("abort", rid)
+        self._inbox: list[Command] = []
+        self._num_waiting = 0                  # in the scheduler's queue or the inbox
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._error: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
-        self._thread.start()
+        self._ensure_started()
+
+    def _ensure_started(self) -> None:
+        """Start the engine thread on first use, on the event loop that will read the outputs."""
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+            self._thread.start()
 
     async def shutdown(self) -> None:
         """Stop the loop: requests still running are aborted and their streams told so."""
@@ -63,6 +102,11 @@ class AsyncLLM:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
 
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine loop, if an error did (the server must then restart)."""
+        return self._error
+
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt_token_ids, params)
@@ -70,18 +114,21 @@ class AsyncLLM:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs as tokens arrive; the last has finished=True. Closing the iterator aborts."""
-        if self._stopping:
-            raise ShuttingDownError("the server is shutting down")
+        self._check_accepting()
+        self._ensure_started()
         ids = self.engine.tokenize(prompt, add_special_tokens)
         self.engine.validate(ids, params)
         queue: asyncio.Queue = asyncio.Queue()
         with self._wake:
-            if len(self.engine.scheduler.waiting) + len(self._inbox) >= self.config.max_waiting:
+            self._check_accepting()
+            if self._num_waiting >= self.config.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
             if request_id in self._queues:
                 raise ConfigError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = queue
-            self._inbox.append(("add", request_id, ids, params, prompt if isinstance(prompt, str) else None))
+            self._num_waiting += 1
+            text = prompt if isinstance(prompt, str) else None
+            self._inbox.append(AddRequest(request_id, ids, params, text))
             self._wake.notify()
         finished = False
         try:
@@ -97,9 +144,15 @@ class AsyncLLM:
             if not finished:
                 await self.abort(request_id)
 
+    def _check_accepting(self) -> None:
+        if self._error is not None:
+            raise self._dead()
+        if self._stopping:
+            raise ShuttingDownError("the server is shutting down")
+
     async def abort(self, request_id: str) -> None:
         with self._wake:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(Abort(request_id))
             self._queues.pop(request_id, None)
             self._wake.notify()
 
@@ -113,26 +166,37 @@ class AsyncLLM:
             return self.engine.kv_snapshot()
 
     # ------------------------------------------------------------------ the loop (engine thread)
-    def _deliver(self, request_id: str, item) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        if isinstance(item, RequestOutput) and item.error is not None:
+            item = RequestFailedError(f"{FAILED}: {item.error}")
         queue = self._queues.get(request_id)
         if queue is not None:
             self._loop.call_soon_threadsafe(queue.put_nowait, item)
             if isinstance(item, Exception) or item.finished:
                 self._queues.pop(request_id, None)
 
-    def _apply(self, inbox: list[tuple]) -> None:
+    def _apply(self, inbox: list[Command]) -> None:
         for cmd in inbox:
-            if cmd[0] == "add":
-                _, rid, ids, params, prompt = cmd
-                try:
-                    group = self.engine.add_request(rid, ids, params)
-                    group.prompt = prompt
-                except ConfigError as e:
-                    self._deliver(rid, e)
-            else:
-                self.engine.abort(cmd[1])
+            if isinstance(cmd, Abort):
+                self.engine.abort(cmd.request_id)
+                continue
+            try:
+                group = self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+                group.prompt = cmd.prompt
+            except ConfigError as e:
+                self._deliver(cmd.request_id, e)
+            except Exception as e:  # noqa: BLE001 - this request's problem: end it alone
+                log.exception("adding request %s failed", cmd.request_id)
+                self.engine.abort(cmd.request_id)
+                self._deliver(cmd.request_id, RequestFailedError(f"{FAILED}: {e}"))
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - the loop must never die silently
+            self._die(e)
+
+    def _serve(self) -> None:
         while True:
             with self._wake:
                 while not self._inbox and not self.engine.has_unfinished() and not self._stopping:
@@ -146,16 +210,29 @@ class AsyncLLM:
                         self._deliver(rid, self.engine.abort(rid))
                     self._stats = self.engine.stats()
                     return
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # a bug, not a client's mistake: fail the running requests, keep serving
-                    log.exception("engine step failed")
-                    outputs = []
-                    for rid in list(self.engine.groups):
-                        self.engine.abort(rid)
-                        self._deliver(rid, RuntimeError(f"engine error: {e}"))
+                outputs = self.engine.step() if self.engine.has_unfinished() else []
                 now = time.monotonic()
                 if now - self._stats_time > STATS_INTERVAL_S or not self.engine.has_unfinished():
                     self._stats, self._stats_time = self.engine.stats(), now
+                waiting = len(self.engine.scheduler.waiting)
+            with self._wake:
+                self._num_waiting = waiting + sum(isinstance(c, AddRequest) for c in self._inbox)
             for out in outputs:
                 self._deliver(out.request_id, out)
+
+    def _die(self, error: BaseException) -> None:
+        """The loop cannot go on: fail every client now, and every later one."""
+        log.critical("the engine loop stopped: %s: %s", type(error).__name__, error, exc_info=error)
+        with self._wake:
+            self._error = error
+            queues, self._queues = self._queues, {}
+            self._inbox.clear()
+        for queue in queues.values():
+            try:
+                self._loop.call_soon_threadsafe(queue.put_nowait, self._dead())
+            except RuntimeError:   # the event loop is closed: nobody is waiting
+                pass
+
+    def _dead(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine stopped after an internal error "
+                               f"({type(self._error).__name__}); the server is restarting")

@@ -2,6 +2,8 @@
 
 text -> tokenizer -> scheduler (asks the KV manager for blocks) -> runner
 (tensors) -> model -> sampler -> detokenizer -> RequestOutput.
+A request that fails at any of these stages ends alone (isolation.py); the
+others in its batch go on as if it had finished.
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import torch
 
 from pagedkv.config import ConfigError, EngineConfig, format_size
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
-from pagedkv.engine.request import RequestOutput, SamplingParams
+from pagedkv.engine.faults import FaultInjector
+from pagedkv.engine.isolation import Failures, IsolatedForward
+from pagedkv.engine.request import Logprob, RequestOutput, SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler
@@ -140,6 +144,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.storage, host, self.kv, self.device, self.offload)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
+        self.faults = FaultInjector.from_env(self.tokenizer)   # tests only: see faults.py
+        self._forward = IsolatedForward(self.runner, self._check_faults)
         self.groups: dict[str, SequenceGroup] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -211,29 +217,102 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One scheduled batch. A request that fails in it ends alone, with `RequestOutput.error`;
+        an exception out of step is the engine's own (its state is then undefined)."""
+        if self.faults is not None:
+            self.faults.check("step", self.groups.values())
         out = self.scheduler.schedule()
-        logits = self.runner.execute(out)
-        sampling = [s.seq for s in out.scheduled if s.samples]
+        self.runner.apply_copies(out)
+        failures = Failures()
+        for seq, error in out.failed:
+            failures.add(seq.group, error)
+        sampling, logits = self._forward(out.scheduled, failures)
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-        if logits is None:
-            return []
-        rows, seqs = self._expand_forks(sampling)
-        if len(rows) != len(sampling):
-            logits = logits[rows]
-        result = self.sampler(logits, seqs)
+            if s.seq.group not in failures:
+                s.seq.num_computed_tokens += s.num_new_tokens
+        keep = [i for i, seq in enumerate(sampling) if seq.group not in failures]
+        if len(keep) != len(sampling):
+            sampling = [sampling[i] for i in keep]
+            logits = logits[keep] if keep else None
+        drawn = []
+        if logits is not None:
+            rows, seqs = self._expand_forks(sampling)
+            if len(rows) != len(sampling):
+                logits = logits[rows]
+            drawn = self._sample(logits, seqs, failures)
+        return self._finish_step(drawn, failures)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
+                failures: Failures) -> list[tuple[Sequence, int, Logprob | None]]:
+        """Sample the batch; if that raises, sample each request alone so only the culprit fails.
+        Each sample's uniform is drawn once, before, so a retry draws what the batch would have."""
+        uniforms = [seq.rng.random() for seq in seqs]
+        try:
+            return self._sample_rows(logits, seqs, uniforms)
+        except Exception as e:  # noqa: BLE001 - charged to its request below
+            log.warning("sampling %d sequences failed (%s: %s); sampling each request alone",
+                        len(seqs), type(e).__name__, e)
+        by_group: dict[SequenceGroup, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            by_group.setdefault(seq.group, []).append(i)
+        drawn = []
+        for group, rows in by_group.items():
+            try:
+                drawn += self._sample_rows(logits[rows], [seqs[i] for i in rows],
+                                           [uniforms[i] for i in rows])
+            except Exception as e:  # noqa: BLE001
+                failures.add(group, e)
+        return drawn
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence],
+                     uniforms: list[float]) -> list[tuple[Sequence, int, Logprob | None]]:
+        if self.faults is not None:
+            self.faults.check("sample", (seq.group for seq in seqs))
+        result = self.sampler(logits, seqs, uniforms)
+        return list(zip(seqs, result.token_ids, result.logprobs))
+
+    def _finish_step(self, drawn: list[tuple[Sequence, int, Logprob | None]],
+                     failures: Failures) -> list[RequestOutput]:
+        """Append each drawn token (detokenize, stop checks); the outputs, failed requests too."""
         now = time.monotonic()
         touched: dict[str, SequenceGroup] = {}
-        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
-            self._append(seq, token, lp, now)
+        for seq, token, lp in drawn:
+            if seq.group in failures:
+                continue
+            try:
+                self._append(seq, token, lp, now)
+            except Exception as e:  # noqa: BLE001
+                failures.add(seq.group, e)
             touched[seq.group.request_id] = seq.group
-        outputs = []
+        outputs = [self._fail(group, error) for group, error in failures.errors.items()]
         for rid, group in touched.items():
-            outputs.append(group.to_output(visible_text))
+            if group in failures:
+                continue
+            try:
+                outputs.append(group.to_output(visible_text))
+            except Exception as e:  # noqa: BLE001
+                outputs.append(self._fail(group, e))
+                continue
             if group.finished:
                 group.metrics.finished_time = now
                 self.groups.pop(rid, None)
         return outputs
+
+    def _fail(self, group: SequenceGroup, error: BaseException) -> RequestOutput:
+        """End a request that failed in a step: free its blocks, keep every other request going."""
+        log.error("request %s failed: %s: %s", group.request_id, type(error).__name__, error,
+                  exc_info=error)
+        for seq in group.seqs:
+            if not seq.finished:
+                seq.finish_reason = "error"
+                self.kv.uncache_uncomputed(seq.seq_id, seq.num_computed_tokens)
+                self.scheduler.finish(seq)
+        group.aborted = True
+        group.metrics.finished_time = time.monotonic()
+        self.groups.pop(group.request_id, None)
+        out = group.to_output(visible_text)
+        out.error = f"{type(error).__name__}: {error}"
+        return out
 
     def _expand_forks(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         """A request with n > 1 forks after its prefill: every sample draws its first token from the same row."""
@@ -252,6 +331,10 @@ class LLMEngine:
                     seqs.append(child)
         return rows, seqs
 
+    def _check_faults(self, stage: str, groups) -> None:
+        if self.faults is not None:
+            self.faults.check(stage, groups)
+
     def _append(self, seq: Sequence, token: int, logprob, now: float) -> None:
         seq.token_ids.append(token)
         if logprob is not None:
@@ -263,6 +346,8 @@ class LLMEngine:
         if seq.index == 0:
             m.token_times.append(now)
             m.last_token_time = now
+        if self.faults is not None:
+            self.faults.check("detokenize", (seq.group,))
         stopped = self.detokenizer.update(seq)
         p = seq.params
         if stopped:

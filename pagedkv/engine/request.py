@@ -96,3 +96,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    error: str | None = None          # why the engine failed this request (finish_reason "error")

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pagedkv.attention.paged import AttentionMetadata
-from pagedkv.engine.scheduler import SchedulerOutput
+from pagedkv.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.offload import KVOffload
 from pagedkv.kv.storage import KVStorage
@@ -44,7 +44,8 @@ class ModelRunner:
         if staged is not None:
             self.offload.commit(self.storage, staged)
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, scheduled: list[ScheduledSeq]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Inputs for one forward; also the rows whose logits are sampled (last row of each sampling seq)."""
         bs = self.block_size
         tokens: list[int] = []
@@ -54,7 +55,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
-        for s in out.scheduled:
+        for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
             table = self.kv.block_table(seq.seq_id)
@@ -91,9 +92,16 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Run one step; returns float32 logits [num sampling seqs, vocab] (None if nothing samples)."""
         self.apply_copies(out)
-        if not out.scheduled:
+        return self.forward(out.scheduled)
+
+    def forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor | None:
+        """The model over these sequences' new tokens (block copies already applied).
+
+        Separate from `execute` so the engine can run part of a step's batch again when it failed.
+        """
+        if not scheduled:
             return None
-        input_ids, positions, meta, rows = self.prepare(out)
+        input_ids, positions, meta, rows = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, self.storage.kv_caches, meta)
         if not rows:
             return None

@@ -21,12 +21,14 @@ class SampleResult:
     logprobs: list[Logprob | None]
 
 
-def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Repetition (prompt + output), presence and frequency (output) penalties, in place."""
+def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition (prompt + output), presence and frequency (output) penalties, on a copy: the
+    engine samples the same logits again, request by request, when a batch fails."""
     rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
             or s.params.presence_penalty or s.params.frequency_penalty]
     if not rows:
-        return
+        return logits
+    logits = logits.clone()
     vocab = logits.shape[1]
     for i in rows:
         p = seqs[i].params
@@ -40,6 +42,7 @@ def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         if out and (p.presence_penalty or p.frequency_penalty):
             counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
 
 
 def _block_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> None:
@@ -80,10 +83,11 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int]) -> None:
         self.eos_token_ids = eos_token_ids
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits: [B, vocab] float32, row i for seqs[i]."""
-        logits = logits.float()
-        _penalize(logits, seqs)
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 uniforms: list[float]) -> SampleResult:
+        """logits: [B, vocab] float32, row i for seqs[i]; uniforms[i] in [0, 1) draws its token
+        if it samples. Changes in place only what a second call would change the same way."""
+        logits = _penalize(logits.float(), seqs)
         _block_stop_tokens(logits, seqs, self.eos_token_ids)
         params = [s.params for s in seqs]
         greedy = torch.tensor([p.temperature == 0.0 for p in params])
@@ -94,7 +98,7 @@ class Sampler:
             top_p = torch.tensor([p.top_p for p in params])
             min_p = torch.tensor([p.min_p for p in params])
             probs = _truncate(logits / temp[:, None], top_k, top_p, min_p).softmax(-1)
-            u = torch.tensor([s.rng.random() for s in seqs], dtype=torch.float64)
+            u = torch.tensor(uniforms, dtype=torch.float64)
             cdf = probs.double().cumsum(-1)
             drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp(max=logits.shape[1] - 1)
             tokens = torch.where(greedy, tokens, drawn)

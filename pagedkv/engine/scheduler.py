@@ -38,6 +38,7 @@ class SchedulerOutput:
     offload_saves: list[BlockSave] = field(default_factory=list)   # evicted device blocks -> offload tier, read first
     offload_loads: list[BlockLoad] = field(default_factory=list)   # offload tier -> device, before the forward
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)   # admission raised
 
     @property
     def num_batched_tokens(self) -> int:
@@ -113,12 +114,16 @@ class Scheduler:
         bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            prefix = self.kv.lookup_prefix(seq.token_ids)
-            offloaded = self.kv.lookup_offloaded(seq.token_ids, len(prefix))
-            n = min(len(seq.token_ids) - (len(prefix) + offloaded) * bs, budget)
-            remaining = seq.group.max_tokens - seq.num_output_tokens
-            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n, prefix_blocks=prefix,
-                                            num_offloaded=offloaded, max_tokens=remaining)
+            try:   # reads the offload tiers: a failure there is this request's, not the engine's
+                prefix = self.kv.lookup_prefix(seq.token_ids)
+                offloaded = self.kv.lookup_offloaded(seq.token_ids, len(prefix))
+                n = min(len(seq.token_ids) - (len(prefix) + offloaded) * bs, budget)
+                remaining = seq.group.max_tokens - seq.num_output_tokens
+                copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n, prefix_blocks=prefix,
+                                                num_offloaded=offloaded, max_tokens=remaining)
+            except Exception as e:  # noqa: BLE001 - the engine fails the request, still at the head
+                out.failed.append((seq, e))
+                break
             if copies is None:
                 break     # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()

@@ -163,6 +163,13 @@ class BlockPool:
         block.token_ids = token_ids
         self.cached[block_hash] = block
 
+    def uncache(self, block: Block) -> None:
+        """Make a block unfindable without saving it anywhere: its data cannot be trusted."""
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; refused (False) while any block is referenced."""
         if self.free_queue.num_free != self.num_blocks:

@@ -351,6 +351,17 @@ class KVCacheManager:
         else:
             self.pool.free_blocks(reversed(req.blocks))
 
+    def uncache_uncomputed(self, req_id: str, num_computed_tokens: int) -> None:
+        """Before freeing a request whose step failed: its blocks from token num_computed_tokens on
+        were registered at allocation but may be half written, so they leave the prefix cache (and
+        never reach an offload tier), unless another request still holds (and computes) them."""
+        req = self._requests.get(req_id)
+        if req is None or req.swapped is not None:
+            return
+        for block in req.blocks[num_computed_tokens // self.block_size:]:
+            if block.ref_count == 1:
+                self.pool.uncache(block)
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Child shares every block of parent (ref++) and has the same token count."""
         parent = self._running(parent_id)

@@ -84,7 +84,7 @@ def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_B
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        if not request.app.state.ready:
+        if not request.app.state.ready or engine.error is not None:
             raise APIError(503, "the engine is not running")
         return JSONResponse({"status": "ok"})
 
@@ -162,14 +162,22 @@ class GracefulServer(uvicorn.Server):
         log.warning("requests still running after %.0fs: aborting them", self.grace)
         await self.engine.shutdown()
 
+    async def on_tick(self, counter: int) -> bool:
+        if self.engine.error is not None and not self.should_exit:   # exit non-zero: see serve()
+            log.critical("the engine stopped after an internal error: exiting for a restart")
+            self.should_exit = True
+        return await super().on_tick(counter)
+
     async def shutdown(self, sockets=None) -> None:
         await super().shutdown(sockets)
         if self._drain is not None:
             self._drain.cancel()
 
 
-def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0) -> None:
-    """Load the model, then serve until SIGINT/SIGTERM."""
+def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
+          shutdown_timeout: float = 30.0) -> int:
+    """Load the model, then serve until SIGINT/SIGTERM (exit code 0) or until the engine loop
+    stops on an error (exit code 1, for a supervisor to restart the server)."""
     from pagedkv.engine.async_engine import AsyncLLM
     engine = AsyncLLM(config)
     app = build_app(engine)
@@ -178,3 +186,4 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, shutd
     uv_config = uvicorn.Config(app, host=host, port=port, log_level="info", log_config=log_config,
                                timeout_graceful_shutdown=shutdown_timeout + 10)
     GracefulServer(uv_config, engine, shutdown_timeout).run()
+    return 1 if engine.error is not None else 0

@@ -27,5 +27,4 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     from pagedkv.server.app import serve   # late: keeps `pagedkv --help` free of torch
     print(f"pagedkv: loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
-    serve(config, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
-    return 0
+    return serve(config, args.host, args.port, shutdown_timeout=args.shutdown_timeout)

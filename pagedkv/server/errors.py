@@ -54,7 +54,8 @@ def error_response(err: APIError) -> JSONResponse:
 
 def to_api_error(exc: BaseException) -> APIError:
     """Map an exception raised while serving a request to its HTTP error."""
-    from pagedkv.engine.async_engine import QueueFullError, ShuttingDownError  # late: keeps torch out of import time
+    from pagedkv.engine.async_engine import (  # late: keeps torch out of import time
+        EngineDeadError, QueueFullError, RequestFailedError, ShuttingDownError)
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ConfigError):
@@ -63,8 +64,10 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, f"chat template error: {exc}")
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc) or "the waiting queue is full; retry later", headers={"Retry-After": "1"})
-    if isinstance(exc, ShuttingDownError):
+    if isinstance(exc, (ShuttingDownError, EngineDeadError)):
         return APIError(503, str(exc))
+    if isinstance(exc, RequestFailedError):   # logged with its traceback by the engine
+        return APIError(500, str(exc), code="request_failed")
     log.exception("internal error", exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}")
 
@@ -84,12 +87,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    from pagedkv.engine.async_engine import QueueFullError, ShuttingDownError
+    from pagedkv.engine.async_engine import (
+        EngineDeadError, QueueFullError, RequestFailedError, ShuttingDownError)
 
     async def _known(_: Request, exc: Exception) -> JSONResponse:
         return error_response(to_api_error(exc))
 
-    for kind in (APIError, ConfigError, jinja2.TemplateError, QueueFullError, ShuttingDownError):
+    for kind in (APIError, ConfigError, jinja2.TemplateError, QueueFullError, ShuttingDownError,
+                 RequestFailedError, EngineDeadError):
         app.add_exception_handler(kind, _known)
 
     @app.exception_handler(RequestValidationError)
