@@ -62,6 +62,7 @@ class AsyncLLM:
             self._wake.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        self.engine.close()
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -7,8 +7,13 @@ rest (block tables). Block copies planned by the scheduler (swap out, copy on
 write, swap in) are applied first, in that order; with a KV offload tier, its
 reads come before them (evicted blocks are saved before being overwritten) and
 its writes after (prefix blocks loaded back, saved blocks put in the tier).
+With tensor parallelism, rank 0 sends each step's StepPlan to the other ranks
+first; every rank then moves its own blocks and runs its shard of the forward.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,30 +24,54 @@ from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.offload import KVOffload
 from pagedkv.kv.storage import KVStorage
 
+if TYPE_CHECKING:
+    from pagedkv.distributed.group import TensorParallelGroup
+
+
+@dataclass
+class StepPlan:
+    """All a rank needs for one step: block moves (src, dst) and the forward's inputs (None: no forward)."""
+    swap_out: list[tuple[int, int]]
+    copies: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    inputs: tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None
+
 
 class ModelRunner:
-    def __init__(self, model, storage: KVStorage, host_storage: KVStorage | None, kv: KVCacheManager,
-                 device: torch.device, offload: KVOffload | None = None) -> None:
+    """`kv` (the block manager) and `offload` live in rank 0 only; `tp` is rank 0's link to the other ranks."""
+
+    def __init__(self, model, storage: KVStorage, host_storage: KVStorage | None, device: torch.device,
+                 kv: KVCacheManager | None = None, offload: KVOffload | None = None,
+                 tp: TensorParallelGroup | None = None) -> None:
         self.model = model
         self.storage = storage
         self.host_storage = host_storage
         self.kv = kv
-        self.block_size = kv.block_size
+        self.block_size = storage.block_size
         self.device = device
         self.offload = offload
+        self.tp = tp
 
-    def apply_copies(self, out: SchedulerOutput) -> None:
-        staged = self.offload.stage(self.storage, out.offload_saves, out.offload_loads) if self.offload else None
-        if out.swap_out:
-            ids = [c.src for c in out.swap_out]
-            self.host_storage.write_blocks([c.dst for c in out.swap_out], self.storage.read_blocks(ids))
-        if out.copies:
-            self.storage.copy_blocks([(c.src, c.dst) for c in out.copies])
-        if out.swap_in:
-            data = self.host_storage.read_blocks([c.src for c in out.swap_in])
-            self.storage.write_blocks([c.dst for c in out.swap_in], data)
-        if staged is not None:
-            self.offload.commit(self.storage, staged)
+    def move_blocks(self, plan: StepPlan) -> None:
+        if plan.swap_out:
+            data = self.storage.read_blocks([src for src, _ in plan.swap_out])
+            self.host_storage.write_blocks([dst for _, dst in plan.swap_out], data)
+        if plan.copies:
+            self.storage.copy_blocks(plan.copies)
+        if plan.swap_in:
+            data = self.host_storage.read_blocks([src for src, _ in plan.swap_in])
+            self.storage.write_blocks([dst for _, dst in plan.swap_in], data)
+
+    def forward(self, plan: StepPlan) -> torch.Tensor | None:
+        if plan.inputs is None:
+            return None
+        input_ids, positions, meta = plan.inputs
+        return self.model(input_ids, positions, self.storage.kv_caches, meta)
+
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """A worker rank's whole step."""
+        self.move_blocks(plan)
+        return self.forward(plan)
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Inputs for one forward; also the rows whose logits are sampled (last row of each sampling seq)."""
@@ -90,11 +119,25 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Run one step; returns float32 logits [num sampling seqs, vocab] (None if nothing samples)."""
-        self.apply_copies(out)
-        if not out.scheduled:
-            return None
-        input_ids, positions, meta, rows = self.prepare(out)
-        hidden = self.model(input_ids, positions, self.storage.kv_caches, meta)
-        if not rows:
+        rows: list[int] = []
+        inputs = None
+        if out.scheduled:
+            *tensors, rows = self.prepare(out)
+            inputs = tuple(tensors)
+        plan = StepPlan([(c.src, c.dst) for c in out.swap_out], [(c.src, c.dst) for c in out.copies],
+                        [(c.src, c.dst) for c in out.swap_in], inputs)
+        if self.tp is not None:
+            self.tp.send(plan)
+        staged = self.offload.stage(self.storage, out.offload_saves, out.offload_loads) if self.offload else None
+        self.move_blocks(plan)
+        if staged is not None:
+            self.offload.commit(self.storage, staged)
+        try:
+            hidden = self.forward(plan)
+        except RuntimeError as e:
+            if self.tp is not None and self.tp.dead_rank() is not None:
+                raise self.tp.error(e) from e
+            raise
+        if hidden is None or not rows:
             return None
         return self.model.compute_logits(hidden[rows]).float().cpu()
