@@ -52,6 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="split every layer over N processes (torch.distributed)")
     p.add_argument("--max-waiting", type=int, default=d["max_waiting"].default, help="queue length beyond which new requests get 429")
 
 

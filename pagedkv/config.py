@@ -89,6 +89,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     max_waiting: int = 1024
+    tensor_parallel_size: int = 1          # ranks, one process each (distributed/)
     # server
     api_key: str | None = None
     seed: int = 0
@@ -112,6 +113,8 @@ class EngineConfig:
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 1, "--max-model-len must be >= 1")
         need(self.max_waiting >= 1, "--max-waiting must be >= 1")
+        need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+             f"--tensor-parallel-size must be a positive integer, got {self.tensor_parallel_size}")
 
     @classmethod
     def field_names(cls) -> list[str]:

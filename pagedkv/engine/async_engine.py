@@ -101,6 +101,7 @@ class AsyncLLM:
             self._wake.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        self.engine.close()
 
     @property
     def error(self) -> BaseException | None:

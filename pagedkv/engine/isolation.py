@@ -45,8 +45,9 @@ class Failures:
 
 
 def device_broken(error: BaseException) -> bool:
-    """A CUDA error poisons the context: no retry can work, the engine must restart."""
-    return isinstance(error, torch.AcceleratorError)
+    """A CUDA error poisons the context, a lost tensor-parallel rank the group (`fatal`):
+    no retry can work, the engine must restart."""
+    return isinstance(error, torch.AcceleratorError) or getattr(error, "fatal", False)
 
 
 @dataclass

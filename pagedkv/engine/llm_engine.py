@@ -102,6 +102,40 @@ def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.devi
     return int(n)
 
 
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype | str:
+    return dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+
+
+def build_kv_storage(config: EngineConfig, mc, num_kv_heads: int, dtype: torch.dtype,
+                     device: torch.device) -> tuple[KVStorage, KVStorage | None, int]:
+    """The KV pool, the swap space (unless swap borrows the host tier's slots) and the bytes per block:
+    the same on every tensor-parallel rank, sized by the smallest rank."""
+    shape = dict(num_layers=mc.num_hidden_layers, num_kv_heads=num_kv_heads, block_size=config.block_size,
+                 head_dim=mc.head_dim, dtype=kv_cache_dtype(config, dtype))
+    bytes_per_block = KVStorage.bytes_per_block(**shape)
+    num_blocks = num_kv_blocks(config, bytes_per_block, device)
+    if config.tensor_parallel_size > 1:
+        from pagedkv.distributed.group import min_over_ranks
+        num_blocks = min_over_ranks(num_blocks)
+    storage = KVStorage(num_blocks=num_blocks, device=device, **shape)
+    host = None
+    if config.preemption_mode == "swap" and not config.kv_offload_host_memory:   # else the host tier's slots
+        host = KVStorage(num_blocks=max(config.swap_space // bytes_per_block, 1), device=torch.device("cpu"),
+                         **shape)
+    return storage, host, bytes_per_block
+
+
+def build_worker_runner(config: EngineConfig, rank: int, world: int, device: torch.device) -> ModelRunner:
+    """A tensor-parallel worker's model shard, KV pool and swap space, built in rank 0's order."""
+    from pagedkv.distributed.group import all_reduce
+    from pagedkv.distributed.shard import shard_model
+    from pagedkv.model.loader import load_model
+    loaded = load_model(config.model, config.dtype, device)
+    split = shard_model(loaded.model, rank, world, all_reduce)
+    storage, host, _ = build_kv_storage(config, loaded.config, split.num_kv_heads, loaded.model.dtype, device)
+    return ModelRunner(loaded.model, storage, host, device)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None) -> None:
         from pagedkv.model.loader import load_model
@@ -119,21 +153,21 @@ class LLMEngine:
         self.vocab_size = mc.vocab_size
         self.model_name = config.served_model_name or self.loaded.name
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
-        kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
-        shape = dict(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
-                     block_size=config.block_size, head_dim=mc.head_dim, dtype=kv_dtype)
-        bytes_per_block = KVStorage.bytes_per_block(**shape)
-        num_blocks = num_kv_blocks(config, bytes_per_block, self.device)
-        self.storage = KVStorage(num_blocks=num_blocks, device=self.device, **shape)
+        self.tp = None
+        num_kv_heads = mc.num_key_value_heads
+        if config.tensor_parallel_size > 1:
+            from pagedkv.distributed.group import TensorParallelGroup, all_reduce
+            from pagedkv.distributed.shard import shard_model
+            self.tp = TensorParallelGroup(config, dtype, self.device)
+            num_kv_heads = shard_model(self.loaded.model, 0, self.tp.world, all_reduce).num_kv_heads
+        self.storage, host, bytes_per_block = build_kv_storage(config, mc, num_kv_heads, dtype, self.device)
+        num_blocks = self.storage.num_blocks
+        kv_dtype = kv_cache_dtype(config, dtype)
         hash_extra = f"{self.loaded.fingerprint}:{kv_dtype}".encode()
         self.offload = KVOffload.from_config(config, self.storage, hash_extra)
-        host_tier = self.offload.host if self.offload is not None else None
-        num_host = 0
-        if config.preemption_mode == "swap" and host_tier is None:   # else swap borrows the host tier's slots
-            num_host = max(config.swap_space // bytes_per_block, 1)
-        host = KVStorage(num_blocks=num_host, device=torch.device("cpu"), **shape) if num_host else None
-        if host_tier is not None:
-            host = host_tier.storage
+        num_host = host.num_blocks if host is not None else 0
+        if self.offload is not None and self.offload.host is not None:   # swap borrows the host tier's slots
+            host, num_host = self.offload.host.storage, 0
         self.kv = KVCacheManager(
             num_blocks, config.block_size, num_host_blocks=num_host,
             enable_prefix_caching=config.enable_prefix_caching, allocation_policy=config.allocation_policy,
@@ -141,7 +175,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS,
                                    preemption_mode=config.preemption_mode)
-        self.runner = ModelRunner(self.loaded.model, self.storage, host, self.kv, self.device, self.offload)
+        self.runner = ModelRunner(self.loaded.model, self.storage, host, self.device, self.kv, self.offload, self.tp)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.faults = FaultInjector.from_env(self.tokenizer)   # tests only: see faults.py
@@ -152,6 +186,11 @@ class LLMEngine:
         log.info("KV pool: %d blocks of %d tokens (%s, %d tokens), max_model_len %d",
                  num_blocks, config.block_size, format_size(num_blocks * bytes_per_block),
                  num_blocks * config.block_size, self.max_model_len)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (the rest is freed with the engine)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:

@@ -7,8 +7,13 @@ rest (block tables). Block copies planned by the scheduler (swap out, copy on
 write, swap in) are applied first, in that order; with a KV offload tier, its
 reads come before them (evicted blocks are saved before being overwritten) and
 its writes after (prefix blocks loaded back, saved blocks put in the tier).
+With tensor parallelism, rank 0 sends the block moves and each forward's inputs
+to the other ranks; every rank moves its own blocks and runs its shard.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,30 +24,70 @@ from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.offload import KVOffload
 from pagedkv.kv.storage import KVStorage
 
+if TYPE_CHECKING:
+    from pagedkv.distributed.group import TensorParallelGroup
+
+
+@dataclass
+class BlockMoves:
+    """A step's block copies (src, dst), applied in this order before its forward."""
+    swap_out: list[tuple[int, int]]
+    copies: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+
+
+@dataclass
+class ForwardInputs:
+    """One forward's inputs: what every tensor-parallel rank needs besides its own weights and K/V."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+
 
 class ModelRunner:
-    def __init__(self, model, storage: KVStorage, host_storage: KVStorage | None, kv: KVCacheManager,
-                 device: torch.device, offload: KVOffload | None = None) -> None:
+    """`kv` (the block manager) and `offload` live in rank 0 only; `tp` is rank 0's link to the other ranks."""
+
+    def __init__(self, model, storage: KVStorage, host_storage: KVStorage | None, device: torch.device,
+                 kv: KVCacheManager | None = None, offload: KVOffload | None = None,
+                 tp: TensorParallelGroup | None = None) -> None:
         self.model = model
         self.storage = storage
         self.host_storage = host_storage
         self.kv = kv
-        self.block_size = kv.block_size
+        self.block_size = storage.block_size
         self.device = device
         self.offload = offload
+        self.tp = tp
 
     def apply_copies(self, out: SchedulerOutput) -> None:
+        moves = BlockMoves([(c.src, c.dst) for c in out.swap_out], [(c.src, c.dst) for c in out.copies],
+                           [(c.src, c.dst) for c in out.swap_in])
+        if self.tp is not None and (moves.swap_out or moves.copies or moves.swap_in):
+            self.tp.send(moves)
         staged = self.offload.stage(self.storage, out.offload_saves, out.offload_loads) if self.offload else None
-        if out.swap_out:
-            ids = [c.src for c in out.swap_out]
-            self.host_storage.write_blocks([c.dst for c in out.swap_out], self.storage.read_blocks(ids))
-        if out.copies:
-            self.storage.copy_blocks([(c.src, c.dst) for c in out.copies])
-        if out.swap_in:
-            data = self.host_storage.read_blocks([c.src for c in out.swap_in])
-            self.storage.write_blocks([c.dst for c in out.swap_in], data)
+        self.move_blocks(moves)
         if staged is not None:
             self.offload.commit(self.storage, staged)
+
+    def move_blocks(self, moves: BlockMoves) -> None:
+        if moves.swap_out:
+            data = self.storage.read_blocks([src for src, _ in moves.swap_out])
+            self.host_storage.write_blocks([dst for _, dst in moves.swap_out], data)
+        if moves.copies:
+            self.storage.copy_blocks(moves.copies)
+        if moves.swap_in:
+            data = self.host_storage.read_blocks([src for src, _ in moves.swap_in])
+            self.storage.write_blocks([dst for _, dst in moves.swap_in], data)
+
+    def run_model(self, inputs: ForwardInputs) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, self.storage.kv_caches, inputs.meta)
+
+    def run(self, item: BlockMoves | ForwardInputs) -> None:
+        """A worker rank's share of what rank 0 sent."""
+        if isinstance(item, BlockMoves):
+            self.move_blocks(item)
+        else:
+            self.run_model(item)
 
     def prepare(self, scheduled: list[ScheduledSeq]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -98,11 +143,20 @@ class ModelRunner:
         """The model over these sequences' new tokens (block copies already applied).
 
         Separate from `execute` so the engine can run part of a step's batch again when it failed.
+        With tensor parallelism a failed forward leaves the ranks out of step: it is fatal.
         """
         if not scheduled:
             return None
         input_ids, positions, meta, rows = self.prepare(scheduled)
-        hidden = self.model(input_ids, positions, self.storage.kv_caches, meta)
+        inputs = ForwardInputs(input_ids, positions, meta)
+        if self.tp is None:
+            hidden = self.run_model(inputs)
+        else:
+            self.tp.send(inputs)
+            try:
+                hidden = self.run_model(inputs)
+            except Exception as e:
+                raise self.tp.error(e) from e
         if not rows:
             return None
         return self.model.compute_logits(hidden[rows]).float().cpu()

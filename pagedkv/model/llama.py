@@ -115,6 +115,9 @@ class DecoderLayer(nn.Module):
         # weights are loaded or the module is moved: their data changes in place.)
         self.__dict__["_weights"] = (self.input_layernorm.weight, self.qkv_proj, self.o_proj,
                                      self.post_attention_layernorm.weight, self.gate_up_proj, self.down_proj)
+        # Tensor parallelism (distributed/shard.py) sets this: it sums the ranks' partial outputs
+        # of o_proj and down_proj in place.
+        self.__dict__["all_reduce"] = None
 
     def forward(self, x: Tensor, residual: Tensor | None, rotary: Rotary, positions: Tensor,
                 kv_cache: tuple[Cache, Cache], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -126,8 +129,15 @@ class DecoderLayer(nn.Module):
         qkv = F.linear(h, qkv_proj)
         q = rotary.apply(qkv, self.num_heads, self.num_kv_heads, positions, kv_cache, meta)
         attn = paged_attention(q, *kv_cache, meta, self.scale)
-        h, residual = ops.rms_norm(F.linear(attn.reshape(tokens, self.q_size), o_proj), norm2, self.eps, residual)
-        return F.linear(ops.silu_mul(F.linear(h, gate_up_proj)), down_proj), residual
+        o = F.linear(attn.reshape(tokens, self.q_size), o_proj)
+        reduce = self.all_reduce
+        if reduce is not None:
+            reduce(o)
+        h, residual = ops.rms_norm(o, norm2, self.eps, residual)
+        out = F.linear(ops.silu_mul(F.linear(h, gate_up_proj)), down_proj)
+        if reduce is not None:
+            reduce(out)
+        return out, residual
 
 
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")

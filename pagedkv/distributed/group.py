@@ -1,0 +1,148 @@
+"""The ranks of a tensor-parallel engine: rank 0 is the engine's process, ranks 1.. are spawned workers.
+
+torch.distributed does the talking (gloo on CPU, NCCL on CUDA for the
+all-reduces); torch.multiprocessing starts the workers. Rank 0 broadcasts each step's block
+moves and each forward's inputs; a worker applies the moves and runs its shard of
+the forward, and the two all-reduces per layer keep every rank's hidden states
+equal. A worker that dies makes rank 0's next collective fail: the error names
+the rank and its exit code, and the engine stops (the server exits non-zero).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import tempfile
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor
+
+from pagedkv.config import ConfigError, EngineConfig
+
+log = logging.getLogger("pagedkv")
+TIMEOUT = datetime.timedelta(minutes=10)   # one collective may wait out a long prefill on a slow rank
+
+
+class TensorParallelError(RuntimeError):
+    """A rank is gone: the engine cannot run another step (fatal, not one request's fault)."""
+    fatal = True
+
+
+def all_reduce(t: Tensor) -> None:
+    """Sum over ranks in place, in float32 (gloo sums bf16 poorly, and float32 matches one rank's matmul)."""
+    if t.dtype == torch.float32:
+        dist.all_reduce(t)
+        return
+    wide = t.float()
+    dist.all_reduce(wide)
+    t.copy_(wide)
+
+
+def min_over_ranks(n: int) -> int:
+    """The smallest of every rank's value (the KV pool is sized by the rank with the least memory)."""
+    t = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on the workers: starts them, sends each step's moves and inputs, stops them."""
+
+    def __init__(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.world = config.tensor_parallel_size
+        if config.kv_offload_host_memory or config.kv_offload_dir:
+            raise ConfigError("--tensor-parallel-size > 1 does not support the KV offload tiers yet "
+                              "(--kv-offload-host-memory, --kv-offload-dir)")
+        if dist.is_initialized():
+            raise ConfigError("one tensor-parallel engine per process: close the other first")
+        self._dir = tempfile.TemporaryDirectory(prefix="pagedkv-tp-")
+        init = f"file://{os.path.join(self._dir.name, 'rendezvous')}"
+        ctx = mp.get_context("spawn")
+        worker_config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
+        self.procs = [ctx.Process(target=_worker_main, name=f"pagedkv-tp-rank{r}", daemon=True,
+                                  args=(r, self.world, init, worker_config))
+                      for r in range(1, self.world)]
+        for p in self.procs:
+            p.start()
+        dist.init_process_group(backend(device), init_method=init, rank=0, world_size=self.world,
+                                timeout=TIMEOUT)
+        self.closed = False
+        self._finalizer = weakref.finalize(self, _stop, self.procs)
+        threading.Thread(target=self._watch, name="pagedkv-tp-watch", daemon=True).start()
+
+    def dead_rank(self) -> tuple[int, int | None] | None:
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                return rank, p.exitcode
+        return None
+
+    def _watch(self) -> None:
+        """Says which rank died as soon as it does, even while rank 0 is idle."""
+        while not self.closed:
+            dead = self.dead_rank()
+            if dead is not None and not self.closed:
+                log.error("tensor-parallel rank %d exited (code %s): the engine cannot go on", *dead)
+                return
+            threading.Event().wait(0.5)
+
+    def send(self, item: object) -> None:
+        """Broadcast block moves or forward inputs (None: stop). TensorParallelError when a rank is gone."""
+        try:
+            dist.broadcast_object_list([item], src=0)
+        except RuntimeError as e:
+            raise self.error(e) from e
+
+    def error(self, cause: BaseException) -> TensorParallelError:
+        dead = self.dead_rank()
+        what = f"rank {dead[0]} exited with code {dead[1]}" if dead else f"{type(cause).__name__}: {cause}"
+        return TensorParallelError(f"tensor parallelism failed: {what}")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.dead_rank() is None:
+            try:
+                self.send(None)
+            except TensorParallelError:
+                pass
+        self._finalizer()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._dir.cleanup()
+
+
+def _stop(procs: list) -> None:
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _worker_main(rank: int, world: int, init: str, config: EngineConfig) -> None:
+    """A worker rank: build its shard and its KV storage as rank 0 does, then run what rank 0 sends until None."""
+    from pagedkv.engine.llm_engine import build_worker_runner   # late: the spawned child imports torch first
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads()))
+    device = torch.device("cpu")
+    dist.init_process_group(backend(device), init_method=init, rank=rank, world_size=world, timeout=TIMEOUT)
+    runner = build_worker_runner(config, rank, world, device)
+    while True:
+        box: list = [None]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except RuntimeError:       # rank 0 is gone: nothing left to serve
+            break
+        if box[0] is None:
+            break
+        runner.run(box[0])
+    dist.destroy_process_group()
