@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.config import ConfigError, EngineConfig, format_size
+from pagedkv.engine.options import apply_engine_options
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
 from pagedkv.engine.request import RequestOutput, SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.step_stats import StepTokens
 from pagedkv.engine.sequence import Sequence, SequenceGroup
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.offload import KVOffload
@@ -111,6 +113,7 @@ class LLMEngine:
         self.loaded = loaded or load_model(config.model, dtype, self.device)
         log.info("loaded %s in %.1fs", self.loaded.name, time.monotonic() - t0)
         self.tokenizer = self.loaded.tokenizer
+        apply_engine_options(self, config)   # seed, chat template, generation defaults
         mc = self.loaded.config
         self.vocab_size = mc.vocab_size
         self.model_name = config.served_model_name or self.loaded.name
@@ -141,6 +144,7 @@ class LLMEngine:
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.groups: dict[str, SequenceGroup] = {}
+        self.step_tokens = StepTokens()   # tokens per step, for /metrics' iteration_tokens_total
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         log.info("KV pool: %d blocks of %d tokens (%s, %d tokens), max_model_len %d",
@@ -212,6 +216,7 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        self.step_tokens.observe(sum(s.num_new_tokens for s in out.scheduled))
         logits = self.runner.execute(out)
         sampling = [s.seq for s in out.scheduled if s.samples]
         for s in out.scheduled:
