@@ -90,11 +90,14 @@ def parse_size(value: str | int | float | None) -> int | None:
 
 def parse_swap_space(value: str | int | float) -> int:
     """vLLM's unit: a bare number is GiB (4 -> 4 GiB); '512MiB' says its own unit."""
-    if isinstance(value, (int, float)) or re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", str(value)):
+    if isinstance(value, (int, float)) or re.fullmatch(r"\s*-?[0-9]*\.?[0-9]+\s*", str(value)):
         gib = float(value)
         require(gib >= 0, f"--swap-space must not be negative, got {value}")
         return int(gib * 2**30)
-    return parse_size(value)
+    try:
+        return parse_size(value)
+    except ConfigError as e:
+        raise ConfigError(f"--swap-space: {e} or a number of GiB") from None
 
 
 def parse_human_int(value: str | int | None, flag: str = "--max-model-len") -> int | None:
