@@ -98,13 +98,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
     opts = {k: v for k, v in vars(args).items() if k in EngineConfig.field_names()}
-    tag = getattr(args, "model_tag", None)
-    if tag is not None:
-        if opts.get("model") not in (None, tag):
-            raise ConfigError(f"two models given: {tag!r} and --model {opts['model']!r}")
-        opts["model"] = tag
     opts.update(extra)
     return EngineConfig.from_options(**opts)
+
+
+def merge_model_tag(args: argparse.Namespace) -> None:
+    """`pagedkv serve MODEL` (vLLM's form) is `--model MODEL`; two different models are an error."""
+    tag = vars(args).pop("model_tag", None)
+    if tag is None:
+        return
+    if args.model not in (None, tag):
+        raise ConfigError(f"two models given: {tag!r} and --model {args.model!r}")
+    args.model = tag
 
 
 def build_parser() -> Parser:
@@ -122,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:   # reported by the subcommand they were given to
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        merge_model_tag(args)
         return int(args.func(args) or 0)
     except (ConfigError, FileNotFoundError) as e:
         print(f"pagedkv {args.command}: error: {e}", file=sys.stderr)
