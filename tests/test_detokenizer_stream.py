@@ -56,7 +56,10 @@ def test_decode_stream_repeats_a_prompt_ending_mid_character(tokenizer):
     ids = tokenizer.encode("ab 🦀 cd", add_special_tokens=False)   # 🦀: in no vocabulary, so split in bytes
     cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
     prompt, output = ids[:cut], ids[cut:]
-    stream = DecodeStream(ids=prompt, skip_special_tokens=True)
+    try:
+        stream = DecodeStream(ids=prompt, skip_special_tokens=True)
+    except TypeError:
+        pytest.skip("this tokenizers' DecodeStream takes no prompt ids")
     theirs = "".join(c for c in (stream.step(tokenizer._tok, t) for t in output) if c is not None)
     ours = stream_text(tokenizer, prompt, output)
     assert ours.endswith(" cd") and "ab" not in ours and theirs.startswith("ab")

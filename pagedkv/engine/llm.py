@@ -28,11 +28,13 @@ def to_prompt(p: Any) -> str | list[int]:
     if isinstance(p, dict):
         unknown = sorted(set(p) - _PROMPT_KEYS)
         if unknown:
-            raise ConfigError(f"prompt dict keys {unknown} are not supported (use 'prompt' or 'prompt_token_ids')")
+            raise ConfigError(f"prompt dict keys {unknown} are not supported "
+                              "(use 'prompt' or 'prompt_token_ids')")
         if len(p) != 1:
             raise ConfigError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
         return to_prompt(p.get("prompt", p.get("prompt_token_ids")))
-    raise ConfigError(f"a prompt must be a string, a list of token ids or a prompt dict, got {type(p).__name__}")
+    raise ConfigError("a prompt must be a string, a list of token ids or a prompt dict, "
+                      f"got {type(p).__name__}")
 
 
 def to_prompts(prompts: Any) -> list[str | list[int]]:
@@ -55,21 +57,22 @@ class LLM:
         """SamplingParams() with the model's generation_config.json defaults (--generation-config auto)."""
         return SamplingParams(**self.engine.generation_defaults)
 
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, **kwargs: Any) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. A single prompt may be passed bare."""
         if "params" in kwargs:   # pagedkv's earlier name for sampling_params
             sampling_params = kwargs.pop("params")
         if kwargs:
             raise ConfigError(f"generate() does not support: {', '.join(sorted(kwargs))}")
-        plist_prompts = to_prompts(prompts)
+        prompt_list = to_prompts(prompts)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(plist_prompts)
-        if len(plist) != len(plist_prompts):
-            raise ConfigError(f"got {len(plist)} SamplingParams for {len(plist_prompts)} prompts")
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompt_list)
+        if len(plist) != len(prompt_list):
+            raise ConfigError(f"got {len(plist)} SamplingParams for {len(prompt_list)} prompts")
         if not all(isinstance(p, SamplingParams) for p in plist):
             raise ConfigError("sampling_params must be a SamplingParams or a list of them")
-        return self._run(plist_prompts, plist, use_tqdm)
+        return self._run(prompt_list, plist, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -81,7 +84,8 @@ class LLM:
         if kwargs:
             raise ConfigError(f"chat() does not support: {', '.join(sorted(kwargs))}")
         if chat_template is not None:
-            raise ConfigError("chat(chat_template=...) is not supported: start the LLM with chat_template=...")
+            raise ConfigError("chat(chat_template=...) is not supported: "
+                              "start the LLM with chat_template=...")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         ids = [tok.encode(render_chat(tok, c, add_generation_prompt=add_generation_prompt,
@@ -90,7 +94,8 @@ class LLM:
                for c in convs]
         return self.generate(ids, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[str | list[int]], plist: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[str | list[int]], plist: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         order: dict[str, int] = {}
         try:
