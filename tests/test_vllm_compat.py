@@ -264,6 +264,7 @@ def test_generate_prompt_forms(llm):
         llm.generate(["x"], [GREEDY, GREEDY])
     with pytest.raises(ConfigError, match="lora_request"):
         llm.generate("x", GREEDY, lora_request=object())
+    assert llm.generate("x", GREEDY, use_tqdm=False, lora_request=None)[0].finished   # None: not used
 
 
 def test_output_shapes(llm):

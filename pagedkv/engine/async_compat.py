@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.async_engine import AsyncLLM
-from pagedkv.engine.llm import to_prompt, token_text
+from pagedkv.engine.llm import reject_unsupported, to_prompt, token_text
 from pagedkv.engine.request import RequestOutput, SamplingParams
 
 
@@ -52,8 +52,7 @@ class AsyncLLMEngine:
     async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
                        request_id: str, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs as tokens arrive; the last has finished=True. Closing it aborts the request."""
-        if kwargs:
-            raise TypeError(f"AsyncLLMEngine.generate() does not support: {', '.join(sorted(kwargs))}")
+        reject_unsupported("AsyncLLMEngine.generate", kwargs)
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError("sampling_params must be a pagedkv SamplingParams")
         text_or_ids = to_prompt(prompt)

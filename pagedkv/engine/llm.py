@@ -37,6 +37,13 @@ def to_prompt(p: Any) -> str | list[int]:
                       f"got {type(p).__name__}")
 
 
+def reject_unsupported(method: str, kwargs: dict[str, Any]) -> None:
+    """vLLM's other arguments (lora_request, priority, ...) are fine left at None, an error otherwise."""
+    given = sorted(k for k, v in kwargs.items() if v is not None)
+    if given:
+        raise ConfigError(f"{method}() does not support: {', '.join(given)}")
+
+
 def to_prompts(prompts: Any) -> list[str | list[int]]:
     """A single prompt or a sequence of them -> a list."""
     single = isinstance(prompts, (str, dict)) or (
@@ -63,8 +70,7 @@ class LLM:
         """One RequestOutput per prompt, in input order. A single prompt may be passed bare."""
         if "params" in kwargs:   # pagedkv's earlier name for sampling_params
             sampling_params = kwargs.pop("params")
-        if kwargs:
-            raise ConfigError(f"generate() does not support: {', '.join(sorted(kwargs))}")
+        reject_unsupported("generate", kwargs)
         prompt_list = to_prompts(prompts)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompt_list)
@@ -81,8 +87,7 @@ class LLM:
         """Apply the chat template to one conversation or a list of them, then generate."""
         if "params" in kwargs:
             sampling_params = kwargs.pop("params")
-        if kwargs:
-            raise ConfigError(f"chat() does not support: {', '.join(sorted(kwargs))}")
+        reject_unsupported("chat", kwargs)
         if chat_template is not None:
             raise ConfigError("chat(chat_template=...) is not supported: "
                               "start the LLM with chat_template=...")
