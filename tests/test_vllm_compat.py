@@ -304,19 +304,39 @@ def test_chat_options(llm):
         llm.chat(msgs, GREEDY, continue_final_message=True)
 
 
-def test_generation_config_defaults(tiny_model_dir, tmp_path):
-    folder = tmp_path / "model"
+def model_with_generation_config(tiny_model_dir: str, folder: Path, config: dict) -> str:
     folder.mkdir()
     for f in Path(tiny_model_dir).iterdir():
-        (folder / f.name).symlink_to(f)
-    (folder / "generation_config.json").unlink()
-    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
+        if f.name != "generation_config.json":
+            (folder / f.name).symlink_to(f)
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_generation_config_defaults(tiny_model_dir, tmp_path):
+    folder = model_with_generation_config(tiny_model_dir, tmp_path / "model",
+                                          {"temperature": 0.0, "max_new_tokens": 3})
     auto = LLM(model=str(folder), num_gpu_blocks_override=64)
     p = auto.get_default_sampling_params()
     assert (p.temperature, p.max_tokens) == (0.0, 3)
     assert len(auto.generate("Hello", use_tqdm=False)[0].outputs[0].token_ids) <= 3
     off = LLM(model=str(folder), num_gpu_blocks_override=64, generation_config="vllm")
     assert off.get_default_sampling_params() == SamplingParams()
+
+
+def test_server_applies_generation_config_to_what_requests_leave_out(tiny_model_dir, tmp_path):
+    folder = model_with_generation_config(tiny_model_dir, tmp_path / "model",
+                                          {"temperature": 0.0, "max_new_tokens": 3})
+    with ServerProcess(folder, "--num-gpu-blocks-override", "64") as srv:
+        client = srv.openai()
+        msgs = [{"role": "user", "content": "Hi"}]
+        no_eos = {"ignore_eos": True}
+        runs = [client.chat.completions.create(model="model", messages=msgs, extra_body=no_eos)
+                for _ in range(2)]
+        assert [r.usage.completion_tokens for r in runs] == [3, 3]           # max_new_tokens
+        assert runs[0].choices[0].message.content == runs[1].choices[0].message.content   # temperature 0
+        longer = client.chat.completions.create(model="model", messages=msgs, max_tokens=5, extra_body=no_eos)
+        assert longer.usage.completion_tokens == 5                           # the request's own value wins
 
 
 def test_async_engine(tiny_model_dir, llm):
