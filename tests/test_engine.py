@@ -150,10 +150,11 @@ def test_min_tokens_and_logprobs(tiny_model_dir, reference):
     p = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10, stop_token_ids=[reference[0][0]], logprobs=3)
     out = llm.generate(PROMPTS[0], p, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 10 and reference[0][0] not in out.token_ids and eos not in out.token_ids
-    assert len(out.logprobs) == 10
+    assert len(out.logprobs) == 10   # vLLM's shape: per position, token id -> Logprob(logprob, rank, decoded_token)
     for lp, t in zip(out.logprobs, out.token_ids):
-        assert lp.token_id == t and lp.logprob <= 0 and len(lp.top) == 3
-        assert max(lp.top.values()) == pytest.approx(lp.logprob, abs=1e-4)   # greedy takes the best
+        assert t in lp and lp[t].logprob <= 0 and len(lp) == 3
+        assert lp[t].rank == 1 and max(e.logprob for e in lp.values()) == pytest.approx(lp[t].logprob, abs=1e-4)
+    assert out.cumulative_logprob == pytest.approx(sum(lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)))
 
 
 def test_penalties_change_output(tiny_model_dir):

@@ -58,6 +58,8 @@ def engine_flags(options: dict) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):   # --served-model-name a b
+            flags += [flag, *map(str, value)]
         else:
             flags += [flag, str(value)]
     return flags

@@ -9,7 +9,7 @@ the rank and its exit code, and the engine stops (the server exits non-zero).
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import datetime
 import logging
 import os
@@ -67,7 +67,8 @@ class TensorParallelGroup:
         self._dir = tempfile.TemporaryDirectory(prefix="pagedkv-tp-")
         init = f"file://{os.path.join(self._dir.name, 'rendezvous')}"
         ctx = mp.get_context("spawn")
-        worker_config = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
+        worker_config = copy.copy(config)      # not dataclasses.replace: parsing sizes again would rescale them
+        worker_config.dtype = str(dtype).removeprefix("torch.")
         self.procs = [ctx.Process(target=_worker_main, name=f"pagedkv-tp-rank{r}", daemon=True,
                                   args=(r, self.world, init, worker_config))
                       for r in range(1, self.world)]

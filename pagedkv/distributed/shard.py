@@ -47,6 +47,14 @@ def split_heads(num_heads: int, num_kv_heads: int, rank: int, world: int) -> Hea
     return HeadSplit(q, range(kv, kv + 1))
 
 
+def check_shardable(config, world: int) -> None:
+    """Every rank's split exists (heads and MLP divide): checked before any worker starts."""
+    split_heads(config.num_attention_heads, config.num_key_value_heads, 0, world)
+    if config.intermediate_size % world:
+        raise ConfigError(f"--tensor-parallel-size {world} does not divide the MLP's "
+                          f"{config.intermediate_size} features")
+
+
 def _rows(w: Tensor, heads: range, head_dim: int) -> Tensor:
     return w[heads.start * head_dim:heads.stop * head_dim]
 
@@ -58,8 +66,6 @@ def _shard_layer(layer: nn.Module, split: HeadSplit, rank: int, world: int,
     q_size, kv_size = layer.q_size, layer.kv_size
     q_w, k_w, v_w = qkv.data.split([q_size, kv_size, kv_size])
     inter = gate_up.shape[0] // 2
-    if inter % world:
-        raise ConfigError(f"--tensor-parallel-size {world} does not divide the MLP's {inter} features")
     part = slice(rank * inter // world, (rank + 1) * inter // world)
     gate_w, up_w = gate_up.data.split([inter, inter])
     new = {
@@ -80,6 +86,7 @@ def _shard_layer(layer: nn.Module, split: HeadSplit, rank: int, world: int,
 def shard_model(model: nn.Module, rank: int, world: int, all_reduce: Callable[[Tensor], None]) -> HeadSplit:
     """Cut every layer of a loaded model down to rank's shard, in place; returns the head split."""
     c = model.config
+    check_shardable(c, world)
     split = split_heads(c.num_attention_heads, c.num_key_value_heads, rank, world)
     for layer in model.layers:
         _shard_layer(layer, split, rank, world, all_reduce)

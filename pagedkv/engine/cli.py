@@ -16,7 +16,6 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, timings and KV stats")
     p.set_defaults(func=run)
@@ -28,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+                            top_k=args.top_k, ignore_eos=args.ignore_eos)
     config = engine_config_from_args(args)
     t0 = time.monotonic()
     engine = LLMEngine(config)

@@ -1,57 +1,115 @@
-"""The offline API, shaped like vLLM's: `LLM(model, **options).generate(prompts, params)`."""
+"""The offline API, shaped like vLLM's: `LLM(model, **engine_args).generate(prompts, sampling_params)`.
+
+Prompts come as vLLM takes them: a string, a list of token ids, a
+{"prompt": ...} or {"prompt_token_ids": [...]} dict (TextPrompt / TokensPrompt),
+or a list of those. Outputs carry vLLM's fields and shapes (logprobs as
+list[dict[int, Logprob]]). What vLLM accepts but this engine cannot do raises
+a ConfigError naming it; nothing is silently ignored.
+"""
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import Sequence as Seq
+from typing import Any, Sequence as Seq
 
 from pagedkv.config import ConfigError, EngineConfig
+from pagedkv.engine.chat import render_chat
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.request import RequestOutput, SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict
+_PROMPT_KEYS = {"prompt", "prompt_token_ids"}
+
+
+def to_prompt(p: Any) -> str | list[int]:
+    """One prompt in any of vLLM's single-prompt forms -> text or token ids."""
+    if isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p)):
+        return p
+    if isinstance(p, dict):
+        unknown = sorted(set(p) - _PROMPT_KEYS)
+        if unknown:
+            raise ConfigError(f"prompt dict keys {unknown} are not supported "
+                              "(use 'prompt' or 'prompt_token_ids')")
+        if len(p) != 1:
+            raise ConfigError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+        return to_prompt(p.get("prompt", p.get("prompt_token_ids")))
+    raise ConfigError("a prompt must be a string, a list of token ids or a prompt dict, "
+                      f"got {type(p).__name__}")
+
+
+def reject_unsupported(method: str, kwargs: dict[str, Any]) -> None:
+    """vLLM's other arguments (lora_request, priority, ...) are fine left at None, an error otherwise."""
+    given = sorted(k for k, v in kwargs.items() if v is not None)
+    if given:
+        raise ConfigError(f"{method}() does not support: {', '.join(given)}")
+
+
+def to_prompts(prompts: Any) -> list[str | list[int]]:
+    """A single prompt or a sequence of them -> a list."""
+    single = isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and bool(prompts) and all(type(t) is int for t in prompts))
+    return [to_prompt(prompts)] if single else [to_prompt(p) for p in prompts]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **options) -> None:
-        self.engine = LLMEngine(EngineConfig.from_options(model=model, **options))
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        """`engine_args`: every `pagedkv serve` option with underscores, or vLLM's name for it."""
+        self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in input order. A single prompt may be passed bare."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = params if params is not None else SamplingParams()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ConfigError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        return self._run(prompts, plist, use_tqdm)
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (--generation-config auto)."""
+        return SamplingParams(**self.engine.generation_defaults)
 
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True, **kwargs: Any) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order. A single prompt may be passed bare."""
+        if "params" in kwargs:   # pagedkv's earlier name for sampling_params
+            sampling_params = kwargs.pop("params")
+        reject_unsupported("generate", kwargs)
+        prompt_list = to_prompts(prompts)
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompt_list)
+        if len(plist) != len(prompt_list):
+            raise ConfigError(f"got {len(plist)} SamplingParams for {len(prompt_list)} prompts")
+        if not all(isinstance(p, SamplingParams) for p in plist):
+            raise ConfigError("sampling_params must be a SamplingParams or a list of them")
+        return self._run(prompt_list, plist, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             **kwargs: Any) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate."""
+        if "params" in kwargs:
+            sampling_params = kwargs.pop("params")
+        reject_unsupported("chat", kwargs)
+        if chat_template is not None:
+            raise ConfigError("chat(chat_template=...) is not supported: "
+                              "start the LLM with chat_template=...")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        ids = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
+        ids = [tok.encode(render_chat(tok, c, add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message,
+                                      chat_template_kwargs=chat_template_kwargs), add_special_tokens=False)
                for c in convs]
-        return self.generate(ids, params, use_tqdm)
+        return self.generate(ids, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[Prompt], plist: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[str | list[int]], plist: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         order: dict[str, int] = {}
-        added = []
         try:
             for prompt, p in zip(prompts, plist):
                 rid = f"offline-{next(self._ids)}"
                 engine.add_request(rid, prompt, p)
                 order[rid] = len(order)
-                added.append(rid)
         except ConfigError:
-            for rid in added:   # nothing half-submitted stays behind
+            for rid in order:   # nothing half-submitted stays behind
                 engine.abort(rid)
             raise
         results: list[RequestOutput | None] = [None] * len(prompts)
@@ -59,12 +117,19 @@ class LLM:
         if use_tqdm and len(prompts) > 1:
             from tqdm import tqdm
             bar = tqdm(total=len(prompts), desc="generate", unit="req", dynamic_ncols=True)
+        decode = token_text(engine.tokenizer)
         while engine.has_unfinished():
             for out in engine.step():
                 if out.finished and out.request_id in order:
-                    results[order[out.request_id]] = out
+                    results[order[out.request_id]] = out.decode_logprobs(decode)
                     if bar is not None:
                         bar.update(1)
         if bar is not None:
             bar.close()
         return results  # type: ignore[return-value]
+
+
+def token_text(tokenizer):
+    """A token's text for Logprob.decoded_token (special tokens shown), cached per id."""
+    return functools.lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
+

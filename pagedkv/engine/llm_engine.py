@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.config import ConfigError, EngineConfig, format_size
+from pagedkv.engine.options import apply_engine_options
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
 from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.isolation import Failures, IsolatedForward
@@ -22,6 +23,7 @@ from pagedkv.engine.request import Logprob, RequestOutput, SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.step_stats import StepTokens
 from pagedkv.engine.sequence import Sequence, SequenceGroup
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.offload import KVOffload
@@ -149,6 +151,7 @@ class LLMEngine:
         dtype = self.loaded.model.dtype    # 'auto' was resolved for this model and device
         log.info("loaded %s in %.1fs", self.loaded.name, time.monotonic() - t0)
         self.tokenizer = self.loaded.tokenizer
+        apply_engine_options(self, config)   # seed, chat template, generation defaults
         mc = self.loaded.config
         self.vocab_size = mc.vocab_size
         self.model_name = config.served_model_name or self.loaded.name
@@ -157,7 +160,8 @@ class LLMEngine:
         num_kv_heads = mc.num_key_value_heads
         if config.tensor_parallel_size > 1:
             from pagedkv.distributed.group import TensorParallelGroup, all_reduce
-            from pagedkv.distributed.shard import shard_model
+            from pagedkv.distributed.shard import check_shardable, shard_model
+            check_shardable(mc, config.tensor_parallel_size)
             self.tp = TensorParallelGroup(config, dtype, self.device)
             num_kv_heads = shard_model(self.loaded.model, 0, self.tp.world, all_reduce).num_kv_heads
         self.storage, host, bytes_per_block = build_kv_storage(config, mc, num_kv_heads, dtype, self.device)
@@ -181,6 +185,7 @@ class LLMEngine:
         self.faults = FaultInjector.from_env(self.tokenizer)   # tests only: see faults.py
         self._forward = IsolatedForward(self.runner, self._check_faults)
         self.groups: dict[str, SequenceGroup] = {}
+        self.step_tokens = StepTokens()   # tokens per step, for /metrics' iteration_tokens_total
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         log.info("KV pool: %d blocks of %d tokens (%s, %d tokens), max_model_len %d",
@@ -261,6 +266,7 @@ class LLMEngine:
         if self.faults is not None:
             self.faults.check("step", self.groups.values())
         out = self.scheduler.schedule()
+        self.step_tokens.observe(sum(s.num_new_tokens for s in out.scheduled))
         self.runner.apply_copies(out)
         failures = Failures()
         for seq, error in out.failed:

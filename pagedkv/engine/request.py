@@ -59,21 +59,52 @@ class SamplingParams:
 
 
 @dataclass
-class Logprob:
-    """Log probability of the chosen token, with the top alternatives (token id -> logprob)."""
+class SampleLogprob:
+    """The sampler's record for one token: its logprob and rank, with the top alternatives (id -> logprob)."""
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
+    rank: int | None = None                   # 1 = the most likely token
+
+
+@dataclass
+class Logprob:
+    """vLLM's per-token entry in CompletionOutput.logprobs (a dict token id -> Logprob per position)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass
 class CompletionOutput:
+    """One sample, with vLLM's fields. `logprobs` is filled (decoded) where outputs leave the engine."""
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None          # None while running; "stop" | "length" | "abort"
-    logprobs: list[Logprob] | None = None
+    sample_logprobs: list[SampleLogprob] | None = None   # the engine's records (the server reads these)
     stop_reason: str | int | None = None      # the stop string or token id that ended it
+    cumulative_logprob: float | None = None   # set when logprobs were asked for
+    logprobs: list[dict[int, Logprob]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sample_logprobs is not None and self.cumulative_logprob is None:
+            self.cumulative_logprob = sum(lp.logprob for lp in self.sample_logprobs)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def decode_logprobs(self, decode) -> None:
+        """Fill `logprobs` in vLLM's shape; `decode(token_id)` gives a token's text."""
+        if self.sample_logprobs is None:
+            return
+        done = self.logprobs or []
+        for lp in self.sample_logprobs[len(done):]:
+            ranked = {t: Logprob(v, r, decode(t)) for r, (t, v) in enumerate(lp.top.items(), 1)}
+            if lp.token_id not in ranked:
+                ranked[lp.token_id] = Logprob(lp.logprob, lp.rank, decode(lp.token_id))
+            done.append(ranked)
+        self.logprobs = done
 
 
 @dataclass
@@ -97,3 +128,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None          # why the engine failed this request (finish_reason "error")
+    prompt_logprobs: None = None              # prompt logprobs are not computed here
+
+    def decode_logprobs(self, decode) -> "RequestOutput":
+        for o in self.outputs:
+            o.decode_logprobs(decode)
+        return self

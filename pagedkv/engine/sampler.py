@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.engine.request import Logprob
+from pagedkv.engine.request import SampleLogprob as Logprob
 from pagedkv.engine.sequence import Sequence
 
 
@@ -119,5 +119,6 @@ class Sampler:
                 result.append(None)
                 continue
             top = dict(zip(top_ids[i, :w].tolist(), top_vals[i, :w].tolist())) if w else {}
-            result.append(Logprob(tokens[i], float(logp[i, tokens[i]]), top))
+            chosen = logp[i, tokens[i]]
+            result.append(Logprob(tokens[i], float(chosen), top, int((logp[i] > chosen).sum()) + 1))
         return result

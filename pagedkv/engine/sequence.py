@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from pagedkv.engine.request import (CompletionOutput, Logprob, RequestMetrics,
+from pagedkv.engine.request import (CompletionOutput, RequestMetrics, SampleLogprob,
                                     RequestOutput, SamplingParams)
 
 
@@ -35,7 +35,7 @@ class Sequence:
     text: str = ""                   # detokenized output
     prefix_offset: int = 0           # incremental detokenizer state (see detokenizer.py)
     read_offset: int = 0
-    logprobs: list[Logprob] | None = None
+    logprobs: list[SampleLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -83,7 +83,8 @@ class SequenceGroup:
 
     def new_seq(self, index: int, token_ids: list[int]) -> Sequence:
         seed = self.params.seed
-        rng = random.Random(None if seed is None else f"{seed}:{index}")
+        # unseeded: drawn from the engine's seeded generator (--seed), as vLLM does
+        rng = random.Random(random.getrandbits(64) if seed is None else f"{seed}:{index}")
         return Sequence(f"{self.request_id}#{index}", index, self, token_ids, len(self.prompt_token_ids), rng,
                         logprobs=[] if self.params.logprobs is not None else None)
 

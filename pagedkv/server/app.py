@@ -21,6 +21,7 @@ import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
@@ -29,12 +30,14 @@ from pagedkv.server import protocol as api
 from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import MAX_BODY_BYTES, BearerAuth, BodySizeLimit
+from pagedkv.server.routes_extra import add_vllm_routes
 from pagedkv.server.serving import OpenAIServing
 
 log = logging.getLogger("pagedkv.server")
 STATIC = Path(__file__).parent / "static"
 MAX_SIM_REQUESTS = 100_000
 M = TypeVar("M", bound=BaseModel)
+CORS_DEFAULTS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False}
 
 
 async def read_json(request: Request, model: type[M]) -> M:
@@ -51,10 +54,12 @@ async def read_json(request: Request, model: type[M]) -> M:
         raise RequestValidationError(e.errors()) from None
 
 
-def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+              cors: dict | None = None) -> FastAPI:
     """The app over a constructed (not yet started) AsyncLLM; the lifespan starts and stops it.
 
-    `api_key` defaults to `engine.config.api_key`.
+    `api_key` defaults to `engine.config.api_key`; `cors` holds CORSMiddleware's options
+    (default, as vLLM: any origin, method and header, no credentials).
     """
     api_key = api_key if api_key is not None else engine.config.api_key
     metrics = ServerMetrics(engine, engine.model_name)
@@ -75,7 +80,8 @@ def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_B
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)   # added last = runs first
+        app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(CORSMiddleware, **{**CORS_DEFAULTS, **(cors or {})})   # added last = runs first
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/", include_in_schema=False)
@@ -90,8 +96,11 @@ def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_B
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = api.ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)
-        return Response(api.ModelList(data=[card]).model_dump_json(), media_type="application/json")
+        cards = [api.ModelCard(id=name, max_model_len=engine.max_model_len)
+                 for name in engine.config.served_model_names]
+        return Response(api.ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    add_vllm_routes(app, engine, read_json, serving.check_model)   # /tokenize, /detokenize, /version, /ping
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -174,16 +183,17 @@ class GracefulServer(uvicorn.Server):
             self._drain.cancel()
 
 
-def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
-          shutdown_timeout: float = 30.0) -> int:
+def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
+          cors: dict | None = None, log_level: str = "info", access_log: bool = True) -> int:
     """Load the model, then serve until SIGINT/SIGTERM (exit code 0) or until the engine loop
     stops on an error (exit code 1, for a supervisor to restart the server)."""
     from pagedkv.engine.async_engine import AsyncLLM
     engine = AsyncLLM(config)
-    app = build_app(engine)
+    app = build_app(engine, cors=cors)
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)   # pagedkv's messages look like uvicorn's
     log_config["loggers"]["pagedkv"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level="info", log_config=log_config,
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config,
+                               access_log=access_log,
                                timeout_graceful_shutdown=shutdown_timeout + 10)
     GracefulServer(uv_config, engine, shutdown_timeout).run()
     return 1 if engine.error is not None else 0

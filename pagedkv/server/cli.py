@@ -1,11 +1,18 @@
-"""`pagedkv serve`: the OpenAI-compatible server with the live KV-cache dashboard."""
+"""`pagedkv serve`: the OpenAI-compatible server with the live KV-cache dashboard.
+
+Takes `vllm serve`'s flags (see pagedkv.cli.add_engine_args): the model may be
+positional, and the CORS and uvicorn flags have vLLM's names and defaults.
+"""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from pagedkv.cli import add_engine_args, engine_config_from_args
 from pagedkv.config import ConfigError
+
+UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
 
 
 def add_parser(subparsers) -> None:
@@ -16,7 +23,25 @@ def add_parser(subparsers) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted")
+    p.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per request")
+    g = p.add_argument_group("CORS (as vLLM: JSON lists)")
+    g.add_argument("--allowed-origins", default='["*"]', help='JSON list, e.g. \'["https://a.example"]\'')
+    g.add_argument("--allowed-methods", default='["*"]', help="JSON list of HTTP methods")
+    g.add_argument("--allowed-headers", default='["*"]', help="JSON list of request headers")
+    g.add_argument("--allow-credentials", action="store_true", help="allow cookies and credentials")
     p.set_defaults(func=run)
+
+
+def json_list(flag: str, value: str) -> list[str]:
+    """vLLM's CORS flags take a JSON list of strings."""
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        items = None
+    if not (isinstance(items, list) and all(isinstance(i, str) for i in items)):
+        raise ConfigError(f"{flag} must be a JSON list of strings, e.g. '[\"*\"]', got {value!r}")
+    return items
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,7 +49,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    cors = {"allow_origins": json_list("--allowed-origins", args.allowed_origins),
+            "allow_methods": json_list("--allowed-methods", args.allowed_methods),
+            "allow_headers": json_list("--allowed-headers", args.allowed_headers),
+            "allow_credentials": args.allow_credentials}
     config = engine_config_from_args(args)
     from pagedkv.server.app import serve   # late: keeps `pagedkv --help` free of torch
     print(f"pagedkv: loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
-    return serve(config, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
+    return serve(config, args.host, args.port, shutdown_timeout=args.shutdown_timeout, cors=cors,
+                 log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log)

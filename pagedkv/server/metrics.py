@@ -1,8 +1,10 @@
 """Prometheus metrics for `GET /metrics`, named like vLLM's with the `pagedkv:` prefix.
 
-Engine gauges and counters are read from `engine.stats()` at scrape time by a
-custom collector, so they can never drift from what the engine did; only the
-latency histograms are kept here, fed from each finished request's timestamps.
+Every series vLLM's reference Grafana dashboard reads exists here with vLLM's
+meaning (examples/grafana.json is a dashboard over them). Engine gauges and
+counters are read from `engine.stats()` at scrape time by a custom collector,
+so they can never drift from what the engine did; the per-request histograms
+are kept here, fed from each finished request's timestamps and token counts.
 A private registry keeps several apps in one process (tests) apart.
 """
 from __future__ import annotations
@@ -10,10 +12,10 @@ from __future__ import annotations
 from typing import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagedkv.engine.request import RequestOutput
+from pagedkv.engine.request import RequestMetrics, RequestOutput
 
 P = "pagedkv:"
 
@@ -23,7 +25,18 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-               240.0, 480.0, 960.0, 1920.0, 7680.0)
+               240.0, 480.0, 960.0, 1920.0, 7680.0)   # also the queue / prefill / decode / inference times
+
+
+def tokens_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's 1-2-5 series up to max_model_len, for the prompt / generation length histograms."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 # (metric name, EngineStats field, help)
 _GAUGES = (
@@ -62,6 +75,23 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(P + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], float(getattr(stats, field)))
             yield c
+        steps = self.engine.engine.step_tokens
+        h = HistogramMetricFamily(P + "iteration_tokens_total", "Tokens scheduled per engine step.",
+                                  labels=["model_name"])
+        h.add_metric([self.model_name], [(le, float(n)) for le, n in steps.cumulative()], float(steps.total))
+        yield h
+        labels = self.cache_labels(stats.num_blocks)
+        info = GaugeMetricFamily(P + "cache_config_info", "The KV cache's configuration (value is 1).",
+                                 labels=list(labels))
+        info.add_metric(list(labels.values()), 1.0)
+        yield info
+
+    def cache_labels(self, num_blocks: int) -> dict[str, str]:
+        c = self.engine.config
+        return {"block_size": str(c.block_size), "cache_dtype": c.kv_cache_dtype,
+                "enable_prefix_caching": str(c.enable_prefix_caching),
+                "gpu_memory_utilization": str(c.memory_utilization), "num_gpu_blocks": str(num_blocks),
+                "swap_space_bytes": str(c.swap_space), "preemption_mode": c.preemption_mode}
 
 
 class ServerMetrics:
@@ -77,14 +107,28 @@ class ServerMetrics:
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish of a request.", E2E_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled (waiting).", E2E_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token.", E2E_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "First token to last token.", E2E_BUCKETS)
+        self.inference = hist("request_inference_time_seconds", "First scheduled to last token (running).",
+                              E2E_BUCKETS)
+        lengths = tokens_buckets(engine.max_model_len)
+        self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per request.", lengths)
+        self.gen_len = hist("request_generation_tokens", "Generated tokens per request (all samples).", lengths)
+        self.max_gen = hist("request_max_num_generation_tokens", "Generated tokens of a request's longest sample.",
+                            lengths)
         self._success = Counter(P + "request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self.model_name = model_name
 
     def observe(self, out: RequestOutput) -> None:
-        """Record a finished request's latencies (call once per request)."""
-        for o in out.outputs:
-            self._success.labels(self.model_name, o.finish_reason or "unknown").inc()
+        """Record a finished request (call once per request)."""
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        self._success.labels(self.model_name, reason or "unknown").inc()
+        generated = [len(o.token_ids) for o in out.outputs]
+        self.prompt_len.observe(len(out.prompt_token_ids))
+        self.gen_len.observe(sum(generated))
+        self.max_gen.observe(max(generated, default=0))
         m = out.metrics
         if m is None:
             return
@@ -94,6 +138,19 @@ class ServerMetrics:
             self.itl.observe(b - a)
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
+        self._phases(m)
+
+    def _phases(self, m: RequestMetrics) -> None:
+        """vLLM's phases: queued -> scheduled -> first token -> last token."""
+        start, first, last = m.first_scheduled_time, m.first_token_time, m.last_token_time
+        if start is None:
+            return
+        self.queue.observe(start - m.arrival_time)
+        if first is not None:
+            self.prefill.observe(first - start)
+        if first is not None and last is not None:
+            self.decode.observe(last - first)
+            self.inference.observe(last - start)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

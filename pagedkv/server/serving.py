@@ -22,7 +22,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from pagedkv.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from pagedkv.engine.options import with_defaults
+from pagedkv.engine.request import CompletionOutput, RequestOutput, SampleLogprob, SamplingParams
 from pagedkv.server import protocol as api
 from pagedkv.server.errors import APIError, error_body, to_api_error
 from pagedkv.server.metrics import ServerMetrics
@@ -158,7 +159,7 @@ class _Format(ABC):
         return []
 
     @abstractmethod
-    def chunk(self, index: int, text: str, logprobs: list[Logprob] | None, offset: int,
+    def chunk(self, index: int, text: str, logprobs: list[SampleLogprob] | None, offset: int,
               o: CompletionOutput, finished: bool) -> BaseModel:
         """One stream chunk: choice `index` grew by `text` (which starts at character `offset`)."""
 
@@ -172,7 +173,7 @@ class _Format(ABC):
 
 
 class _CompletionFormat(_Format):
-    def logprobs(self, items: list[Logprob] | None, offset: int) -> api.CompletionLogprobs | None:
+    def logprobs(self, items: list[SampleLogprob] | None, offset: int) -> api.CompletionLogprobs | None:
         if items is None:
             return None
         out = api.CompletionLogprobs()
@@ -185,7 +186,7 @@ class _CompletionFormat(_Format):
             offset += len(text)
         return out
 
-    def chunk(self, index: int, text: str, logprobs: list[Logprob] | None, offset: int,
+    def chunk(self, index: int, text: str, logprobs: list[SampleLogprob] | None, offset: int,
               o: CompletionOutput, finished: bool) -> BaseModel:
         return api.CompletionResponse(
             id=self.id, model=self.model, created=self.created, choices=[api.CompletionChoice(
@@ -195,7 +196,7 @@ class _CompletionFormat(_Format):
 
     def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage) -> BaseModel:
         return api.CompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage, choices=[
-            api.CompletionChoice(index=i, text=o.text, logprobs=self.logprobs(o.logprobs, 0),
+            api.CompletionChoice(index=i, text=o.text, logprobs=self.logprobs(o.sample_logprobs, 0),
                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason)
             for i, o in choices])
 
@@ -204,7 +205,7 @@ class _CompletionFormat(_Format):
 
 
 class _ChatFormat(_Format):
-    def logprobs(self, items: list[Logprob] | None) -> api.ChatLogprobs | None:
+    def logprobs(self, items: list[SampleLogprob] | None) -> api.ChatLogprobs | None:
         if items is None:
             return None
 
@@ -224,7 +225,7 @@ class _ChatFormat(_Format):
         return [self._chunk([api.ChatChunkChoice(index=i, delta=api.ChatDelta(role="assistant", content=""))])
                 for i in range(num_choices)]
 
-    def chunk(self, index: int, text: str, logprobs: list[Logprob] | None, offset: int,
+    def chunk(self, index: int, text: str, logprobs: list[SampleLogprob] | None, offset: int,
               o: CompletionOutput, finished: bool) -> BaseModel:
         return self._chunk([api.ChatChunkChoice(
             index=index, delta=api.ChatDelta(content=text or None), logprobs=self.logprobs(logprobs),
@@ -233,7 +234,7 @@ class _ChatFormat(_Format):
     def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage) -> BaseModel:
         return api.ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage, choices=[
             api.ChatChoice(index=i, message=api.ChatResponseMessage(content=o.text),
-                           logprobs=self.logprobs(o.logprobs), finish_reason=o.finish_reason,
+                           logprobs=self.logprobs(o.sample_logprobs), finish_reason=o.finish_reason,
                            stop_reason=o.stop_reason)
             for i, o in choices])
 
@@ -248,13 +249,22 @@ class OpenAIServing:
         self.engine, self.metrics = engine, metrics
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.engine.model_name:
+        if name is not None and name not in self.engine.config.served_model_names:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.engine.model_name!r}",
                            param="model", code="model_not_found")
 
+    def model_defaults(self, req: api.CompletionRequest | api.ChatCompletionRequest,
+                       params: SamplingParams) -> SamplingParams:
+        """--generation-config: the model's sampling defaults for what the request left out."""
+        given = set(req.model_fields_set)
+        if "max_completion_tokens" in given or isinstance(req, api.CompletionRequest):   # completions: 16
+            given.add("max_tokens")
+        defaults = self.engine.engine.generation_defaults
+        return with_defaults(params, defaults, set(defaults) - given)
+
     async def completions(self, req: api.CompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
-        params = req.sampling_params()
+        params = self.model_defaults(req, req.sampling_params())
         tok = self.engine.tokenizer
         prompts = [p if isinstance(p, list) else await encode(tok, p, add_special_tokens=True) for p in req.prompt]
         fmt = _CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.engine.model_name, token_decoder(tok))
@@ -262,7 +272,7 @@ class OpenAIServing:
 
     async def chat(self, req: api.ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
-        params = req.sampling_params()
+        params = self.model_defaults(req, req.sampling_params())
         tok = self.engine.tokenizer
         text = tok.apply_chat_template([m.as_template_input() for m in req.messages], add_generation_prompt=True)
         prompt = await encode(tok, text, add_special_tokens=False)   # the template already has BOS and the like
@@ -333,7 +343,7 @@ class OpenAIServing:
         if s.finished:
             return None
         text = o.text[s.chars:]
-        logprobs = o.logprobs[s.logprobs:] if o.logprobs is not None else None
+        logprobs = o.sample_logprobs[s.logprobs:] if o.sample_logprobs is not None else None
         finished = o.finish_reason is not None
         if not (text or logprobs or finished):
             return None

@@ -16,7 +16,8 @@ def add_parser(subparsers) -> None:
     src.add_argument("--shape", default=None, choices=sorted(KNOWN_SHAPES), help="a known model shape")
     p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES, help="one KV dtype (default: all)")
     p.add_argument("--memory", default="80GB", help="device memory, e.g. 80GB or 24GiB")
-    p.add_argument("--memory-utilization", type=float, default=0.9, help="fraction of --memory the engine may use")
+    p.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization", type=float,
+                   default=0.9, help="fraction of --memory the engine may use")
     p.add_argument("--context", type=int, default=128000, help="tokens per request for the concurrency column")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

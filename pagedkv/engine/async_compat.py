@@ -1,0 +1,80 @@
+"""vLLM's asynchronous engine API over pagedkv's AsyncLLM.
+
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=path, seed=0))
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=8), request_id="r1"):
+        print(out.outputs[0].text)
+    await engine.shutdown()
+
+The engine thread starts on the first request, on that event loop. Outputs
+are RequestOutput with vLLM's shapes (logprobs decoded as list[dict[int, Logprob]]).
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from pagedkv.config import EngineConfig
+from pagedkv.engine.async_engine import AsyncLLM
+from pagedkv.engine.llm import reject_unsupported, to_prompt, token_text
+from pagedkv.engine.request import RequestOutput, SamplingParams
+
+
+class EngineArgs:
+    """vLLM's engine arguments: `model` plus any `pagedkv serve` option or vLLM's name for it."""
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.model, self.options = model, options
+
+    def create_engine_config(self) -> EngineConfig:
+        return EngineConfig.from_options(model=self.model, **self.options)
+
+
+AsyncEngineArgs = EngineArgs
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self._llm = AsyncLLM(config)
+        self.config = config
+        self._decode = token_text(self._llm.tokenizer)
+        self._started = False
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **_: Any) -> "AsyncLLMEngine":
+        return cls(engine_args.create_engine_config())
+
+    async def get_tokenizer(self, *_: Any):
+        return self._llm.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._started
+
+    async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
+                       request_id: str, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs as tokens arrive; the last has finished=True. Closing it aborts the request."""
+        reject_unsupported("AsyncLLMEngine.generate", kwargs)
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError("sampling_params must be a pagedkv SamplingParams")
+        text_or_ids = to_prompt(prompt)
+        if not self._started:
+            await self._llm.start()
+            self._started = True
+        decoded: dict[int, list] = {}   # logprobs already decoded, per sample: each step adds one
+        stream = self._llm.generate(text_or_ids, sampling_params, request_id)
+        try:
+            async for out in stream:
+                for o in out.outputs:
+                    o.logprobs = list(decoded.get(o.index, [])) if o.sample_logprobs is not None else None
+                    o.decode_logprobs(self._decode)
+                    decoded[o.index] = o.logprobs
+                yield out
+        finally:
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    async def shutdown(self) -> None:
+        if self._started:
+            await self._llm.shutdown()
+            self._started = False

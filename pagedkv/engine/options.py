@@ -1,0 +1,54 @@
+"""Engine options that act after the model loads: --seed, --chat-template, --generation-config.
+
+`apply_engine_options` runs once in LLMEngine.__init__. The seed goes to the
+process's generators as vLLM does, and each request without a seed of its own
+draws its random stream from them, so a fresh engine given the same requests
+in the same order samples the same tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from pagedkv.config import ConfigError, EngineConfig
+from pagedkv.engine.request import SamplingParams
+
+# generation_config.json key -> SamplingParams field
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(config: EngineConfig) -> dict:
+    """Sampling defaults from generation_config.json ('auto': the model's folder; a folder: that one)."""
+    if config.generation_config == "vllm":
+        return {}
+    folder = config.model if config.generation_config == "auto" else config.generation_config
+    path = Path(folder) / "generation_config.json" if folder and Path(folder).is_dir() else None
+    if path is None or not path.is_file():
+        return {}   # a GGUF carries no generation config
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: unreadable ({e})") from None
+    defaults = {field: data[key] for key, field in _GENERATION_KEYS.items() if data.get(key) is not None}
+    SamplingParams(**defaults)   # a bad value fails at start-up, naming the field
+    return defaults
+
+
+def with_defaults(params: SamplingParams, defaults: dict, unset: set[str]) -> SamplingParams:
+    """`params` with the model's defaults for the fields in `unset` (those the user left out)."""
+    chosen = {k: v for k, v in defaults.items() if k in unset}
+    return dataclasses.replace(params, **chosen) if chosen else params
+
+
+def apply_engine_options(engine, config: EngineConfig) -> None:
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    if config.chat_template is not None:
+        engine.tokenizer.chat_template = config.chat_template
+        engine.tokenizer.__dict__.pop("_compiled_template", None)   # compiled lazily from the new one
+    engine.generation_defaults = generation_defaults(config)

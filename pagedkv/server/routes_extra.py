@@ -1,0 +1,67 @@
+"""vLLM's utility routes: /tokenize, /detokenize, /version, /ping (GET and POST), HEAD /health.
+
+Kept apart from app.py so the generation routes and these stay small; each
+validates its body like the OpenAI routes (400 with the field named).
+"""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from pagedkv import __version__
+from pagedkv.engine.chat import render_chat
+from pagedkv.server import protocol_extra as api
+from pagedkv.server.errors import APIError
+
+
+def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
+    """`read_json(request, Model)` parses a body; `check_model(name)` 404s a model not served."""
+    tok = engine.tokenizer
+
+    def json_response(model) -> Response:
+        return Response(model.model_dump_json(), media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = await read_json(request, api.TokenizeRequest)
+        check_model(req.model)
+        if req.messages is not None:
+            text = render_chat(tok, [m.as_template_input() for m in req.messages],
+                               add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message,
+                               chat_template_kwargs=req.chat_template_kwargs)
+            special = bool(req.add_special_tokens)            # the template already has BOS and the like
+        else:
+            text, special = req.prompt, req.add_special_tokens is not False
+        ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=special)
+        strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
+        return json_response(api.TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len,
+                                                  tokens=ids, token_strs=strs))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = await read_json(request, api.DetokenizeRequest)
+        check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})",
+                           param="tokens")
+        text = await asyncio.to_thread(tok.decode, req.tokens, skip_special_tokens=False)
+        return json_response(api.DetokenizeResponse(prompt=text))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response(api.VersionResponse(version=__version__))
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping(request: Request) -> Response:
+        if not request.app.state.ready:
+            raise APIError(503, "the engine is not running")
+        return Response(status_code=200)
+
+    @app.head("/health", include_in_schema=False)
+    async def health_head(request: Request) -> Response:
+        return Response(status_code=200 if request.app.state.ready else 503)
+
