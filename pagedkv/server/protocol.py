@@ -2,8 +2,10 @@
 
 Requests are validated strictly (a string where a number belongs is a 400, not
 a silent coercion); unknown fields are ignored as OpenAI's own server does.
-Range checks live in one place, `SamplingParams.validate`, so the server, the
-offline API and the CLI reject exactly the same values.
+Every field has a type from `validation` (64-bit ints, finite floats, text
+without lone surrogates, bounded lists); range checks live in one place,
+`SamplingParams.validate`, so the server, the offline API and the CLI reject
+exactly the same values.
 """
 from __future__ import annotations
 
@@ -13,9 +15,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
 from pagedkv.config import ConfigError
-from pagedkv.engine.request import SamplingParams
+from pagedkv.engine.request import INT64_MAX, MAX_STOP_STRINGS, ParamError, SamplingParams
+from pagedkv.server.validation import (MAX_MESSAGES, MAX_PROMPTS, FiniteFloat, Int64, Name, SafeStr, TokenId,
+                                       check_text)
 
 Prompt = str | list[int]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+PromptText = Annotated[SafeStr, Field(min_length=1)]
+PromptInput = PromptText | TokenIds | Annotated[list[PromptText | TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+StopInput = SafeStr | Annotated[list[SafeStr], Field(max_length=MAX_STOP_STRINGS)] | None
 
 
 def _is_token_ids(v: Any) -> bool:
@@ -30,33 +38,47 @@ def _check_prompt(v: Any) -> list[Prompt]:
         prompts = v
     else:
         raise ValueError("prompt must be a string, a list of token ids, or a list of those")
+    if len(prompts) > MAX_PROMPTS:
+        raise ValueError(f"prompt takes at most {MAX_PROMPTS} prompts in one request")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("prompt must not be empty")
+    for p in prompts:
+        check_text(p, "prompt")
+        if not isinstance(p, str) and not all(0 <= t <= INT64_MAX for t in p):
+            raise ValueError("prompt token ids must be >= 0")
     return prompts
 
 
 def _check_stop(v: Any) -> list[str] | None:
     if v is None:
         return None
-    if isinstance(v, str):
-        return [v]
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return v
-    raise ValueError("stop must be a string or a list of strings")
+    stops = [v] if isinstance(v, str) else v
+    if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+        raise ValueError("stop must be a string or a list of strings")
+    for s in stops:
+        check_text(s, "stop")
+    return stops
 
 
 def _check_content(v: Any) -> str | None:
     """OpenAI content: a string or a list of parts; only text parts are supported."""
-    if v is None or isinstance(v, str):
-        return v
     if isinstance(v, list):
         texts = []
         for part in v:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
             texts.append(part["text"])
-        return "".join(texts)
-    raise ValueError("content must be a string or a list of text parts")
+        v = "".join(texts)
+    elif v is not None and not isinstance(v, str):
+        raise ValueError("content must be a string or a list of text parts")
+    check_text(v, "content")
+    return v
+
+
+class TextPart(BaseModel):
+    """Only for the schema: what a content part looks like."""
+    type: Literal["text"]
+    text: SafeStr
 
 
 class _Strict(BaseModel):
@@ -69,35 +91,43 @@ class StreamOptions(_Strict):
 
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: Annotated[list[str] | None, BeforeValidator(_check_stop)] = None
-    stop_token_ids: list[int] | None = None
+    model: Name | None = None
+    n: Int64 = 1
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
+    top_k: Int64 | None = None
+    min_p: FiniteFloat | None = None
+    seed: Int64 | None = None
+    stop: Annotated[list[str] | None, BeforeValidator(_check_stop, json_schema_input_type=StopInput)] = None
+    stop_token_ids: list[TokenId] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    min_tokens: Int64 = 0
+    presence_penalty: FiniteFloat | None = None
+    frequency_penalty: FiniteFloat | None = None
+    repetition_penalty: FiniteFloat | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Name | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None, wire_names: dict[str, str]) -> SamplingParams:
+        """SamplingParams checks the ranges; its errors name the field as this request spelled it."""
         if self.logit_bias:
             raise ConfigError("logit_bias is not supported")
 
         def pick(value, default):
             return default if value is None else value
+        try:
+            return self._build(pick, max_tokens, logprobs)
+        except ParamError as e:
+            e.param = wire_names.get(e.param, e.param)
+            raise
+
+    def _build(self, pick, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
             top_k=pick(self.top_k, -1), min_p=pick(self.min_p, 0.0), seed=self.seed,
@@ -109,12 +139,12 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Annotated[list[Prompt], BeforeValidator(_check_prompt)]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Annotated[list[Prompt], BeforeValidator(_check_prompt, json_schema_input_type=PromptInput)]
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Int64 | None = None
+    suffix: SafeStr | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.echo:
@@ -123,30 +153,34 @@ class CompletionRequest(_SamplingRequest):
             raise ConfigError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ConfigError("best_of other than n is not supported")
-        return self._params(self.max_tokens, self.logprobs)
+        return self._params(self.max_tokens, self.logprobs, {})
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | None, BeforeValidator(_check_content)] = None
-    name: str | None = None
+    content: Annotated[str | None, BeforeValidator(_check_content,
+                                                   json_schema_input_type=SafeStr | list[TextPart] | None)] = None
+    name: Name | None = None
 
     def as_template_input(self) -> dict[str, str]:
         return {"role": self.role, "content": self.content or ""}
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ConfigError("top_logprobs requires logprobs to be true")
-        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None)
+        names = {"logprobs": "top_logprobs"}
+        limit = self.max_tokens
+        if self.max_completion_tokens is not None:
+            limit, names["max_tokens"] = self.max_completion_tokens, "max_completion_tokens"
+        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None, names)
 
 
 # ---- responses -------------------------------------------------------------------------------
