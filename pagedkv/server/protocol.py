@@ -15,15 +15,20 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
 from pagedkv.config import ConfigError
-from pagedkv.engine.request import INT64_MAX, MAX_STOP_STRINGS, ParamError, SamplingParams
+from pagedkv.engine.request import (INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                    MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, ParamError, SamplingParams)
 from pagedkv.server.validation import (MAX_MESSAGES, MAX_PROMPTS, FiniteFloat, Int64, Name, SafeStr, TokenId,
-                                       check_text)
+                                       check_text, documented as doc)
 
 Prompt = str | list[int]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 PromptText = Annotated[SafeStr, Field(min_length=1)]
 PromptInput = PromptText | TokenIds | Annotated[list[PromptText | TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
-StopInput = SafeStr | Annotated[list[SafeStr], Field(max_length=MAX_STOP_STRINGS)] | None
+StopText = Annotated[SafeStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+StopInput = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None
+Count = Annotated[Int64, doc(minimum=1)]
+Penalty = Annotated[FiniteFloat, doc(minimum=-2, maximum=2)]
+NumLogprobs = Annotated[Int64, doc(minimum=0, maximum=MAX_LOGPROBS)]
 
 
 def _is_token_ids(v: Any) -> bool:
@@ -92,21 +97,22 @@ class StreamOptions(_Strict):
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: Name | None = None
-    n: Int64 = 1
-    temperature: FiniteFloat | None = None
-    top_p: FiniteFloat | None = None
-    top_k: Int64 | None = None
-    min_p: FiniteFloat | None = None
+    n: Count = 1
+    temperature: Annotated[FiniteFloat, doc(minimum=0, maximum=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[FiniteFloat, doc(exclusiveMinimum=0, maximum=1)] | None = None
+    top_k: Annotated[Int64, doc(minimum=-1)] | None = None
+    min_p: Annotated[FiniteFloat, doc(minimum=0, maximum=1)] | None = None
     seed: Int64 | None = None
     stop: Annotated[list[str] | None, BeforeValidator(_check_stop, json_schema_input_type=StopInput)] = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], doc(maxItems=MAX_STOP_TOKEN_IDS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: Int64 = 0
-    presence_penalty: FiniteFloat | None = None
-    frequency_penalty: FiniteFloat | None = None
-    repetition_penalty: FiniteFloat | None = None
+    min_tokens: Annotated[Int64, doc(minimum=0)] = 0
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[FiniteFloat, doc(minimum=REPETITION_PENALTY_RANGE[0],
+                                                   maximum=REPETITION_PENALTY_RANGE[1])] | None = None
     logit_bias: dict[str, float] | None = None
     user: Name | None = None
 
@@ -140,10 +146,10 @@ class _SamplingRequest(_Strict):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Annotated[list[Prompt], BeforeValidator(_check_prompt, json_schema_input_type=PromptInput)]
-    max_tokens: Int64 | None = 16
-    logprobs: Int64 | None = None
+    max_tokens: Count | None = 16
+    logprobs: NumLogprobs | None = None
     echo: bool = False
-    best_of: Int64 | None = None
+    best_of: Count | None = None
     suffix: SafeStr | None = None
 
     def sampling_params(self) -> SamplingParams:
@@ -168,10 +174,10 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: Int64 | None = None
-    max_completion_tokens: Int64 | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: Int64 | None = None
+    top_logprobs: NumLogprobs | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

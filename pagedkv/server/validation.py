@@ -13,6 +13,7 @@ import json
 from typing import Annotated, Any, Callable, TypeVar
 
 from pydantic import AfterValidator, Field
+from pydantic.fields import FieldInfo
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.request import INT64_MAX, INT64_MIN, valid_text
@@ -40,6 +41,15 @@ SafeStr = Annotated[str, AfterValidator(_check_text)]
 """Text a tokenizer can encode: no lone surrogates ("\\ud800" is valid JSON but not Unicode)."""
 Name = Annotated[SafeStr, Field(max_length=MAX_NAME_CHARS)]
 """A short identifier: a model name, a user id."""
+
+
+def documented(**bounds: Any) -> FieldInfo:
+    """JSON-schema bounds (minimum=, maximum=, maxItems=...) for /openapi.json only.
+
+    SamplingParams.validate enforces them, with its own messages; declaring
+    them lets clients and the schema-driven fuzzer see the valid ranges.
+    """
+    return Field(json_schema_extra=bounds)
 
 
 def check_text(text: Any, what: str) -> None:
