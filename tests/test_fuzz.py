@@ -1,4 +1,4 @@
-"""Property-based fuzzing of a real server: nothing a client sends may earn a 5xx or leak a KV block.
+"""Property-based fuzzing of a real server: nothing a client sends earns a 5xx or leaks a KV block.
 
 Two generators, both bounded and derandomized (the same examples every run):
 schemathesis reads /openapi.json and sends bodies and query strings that fit
@@ -22,20 +22,26 @@ schemathesis = pytest.importorskip("schemathesis")
 FUZZ = settings(derandomize=True, deadline=None, database=None, phases=[Phase.generate],
                 suppress_health_check=list(HealthCheck))
 NASTY = [
-    None, True, 0, -1, 1, 2**63, -2**63 - 1, 10**30, 1e-38, 1e300, -1e300, 0.5, float("nan"), float("inf"),
-    float("-inf"), "", "x", "\ud800", "a\udfffb", "\x00", "é" * 300, [], [-1], [2**64], [1e400], ["\udc00"],
+    None, True, 0, -1, 1, 2**63, -2**63 - 1, 10**30, 1e-38, 1e300, -1e300, 0.5, float("nan"),
+    float("inf"),
+    float("-inf"), "", "x", "\ud800", "a\udfffb", "\x00", "é" * 300, [], [-1], [2**64], [1e400],
+    ["\udc00"],
     {}, {"a": [1]}, [[[[[]]]]], [[1, 2], "x"], [{"type": "text", "text": "\ud83d"}],
 ]
-TOP_LEVEL = ["model", "prompt", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-             "stream", "stream_options", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "logit_bias", "user", "max_tokens", "logprobs", "echo", "best_of", "suffix",
-             "messages", "max_completion_tokens", "top_logprobs"]
+TOP_LEVEL = ["model", "prompt", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+             "stop_token_ids", "stream", "stream_options", "ignore_eos", "min_tokens",
+             "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "user",
+             "max_tokens", "logprobs", "echo", "best_of", "suffix", "messages",
+             "max_completion_tokens", "top_logprobs"]
+USER = {"role": "user", "content": "hi"}
 NESTED = {   # field -> the top-level entries that put a value there
-    "stream_options.include_usage": lambda v: {"stream": True, "stream_options": {"include_usage": v}},
-    "messages.0.content": lambda v: {"messages": [{"role": "user", "content": v}]},
-    "messages.0.role": lambda v: {"messages": [{"role": v, "content": "hi"}]},
-    "messages.0.name": lambda v: {"messages": [{"role": "user", "content": "hi", "name": v}]},
-    "messages.0.content.0.text": lambda v: {"messages": [{"role": "user", "content": [{"type": "text", "text": v}]}]},
+    "stream_options.include_usage": lambda v: {"stream": True,
+                                               "stream_options": {"include_usage": v}},
+    "messages.0.content": lambda v: {"messages": [{**USER, "content": v}]},
+    "messages.0.role": lambda v: {"messages": [{**USER, "role": v}]},
+    "messages.0.name": lambda v: {"messages": [{**USER, "name": v}]},
+    "messages.0.content.0.text": lambda v: {"messages": [{**USER, "content": [{"type": "text",
+                                                                              "text": v}]}]},
 }
 FIELDS = TOP_LEVEL + list(NESTED)
 ENDPOINTS = ["/v1/completions", "/v1/chat/completions"]
@@ -43,7 +49,7 @@ ENDPOINTS = ["/v1/completions", "/v1/chat/completions"]
 
 def hostile_body(endpoint: str, fields: dict[str, object]) -> bytes:
     """A valid small request with `fields` overwritten, as raw JSON (NaN and Infinity included)."""
-    body: dict = {"prompt": "hi"} if endpoint == ENDPOINTS[0] else {"messages": [{"role": "user", "content": "hi"}]}
+    body: dict = {"prompt": "hi"} if endpoint == ENDPOINTS[0] else {"messages": [USER]}
     body["max_tokens"] = 2
     for field, value in fields.items():
         body.update(NESTED[field](value) if field in NESTED else {field: value})
@@ -81,7 +87,7 @@ def test_schema_driven_fuzzing_never_gets_a_5xx(server):
     assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/simulate"} <= labels
     body = schema.raw_schema["paths"]["/v1/completions"]["post"]["requestBody"]
     assert body["content"]["application/json"]["schema"]["$ref"].endswith("/CompletionRequest")
-    cases = st.one_of([op.as_strategy(generation_mode=mode) for op in ops for mode in GenerationMode])
+    cases = st.one_of([op.as_strategy(generation_mode=m) for op in ops for m in GenerationMode])
     statuses: dict[int, int] = {}
 
     @settings(FUZZ, max_examples=100)
@@ -116,7 +122,8 @@ def test_every_hostile_value_in_every_field_is_a_4xx_not_a_5xx(server):
 
 def test_hostile_values_combined_are_4xx_not_5xx(server):
     """Several hostile fields at once, as Hypothesis picks them."""
-    fields = st.dictionaries(st.sampled_from(FIELDS), st.sampled_from(NASTY), min_size=2, max_size=4)
+    fields = st.dictionaries(st.sampled_from(FIELDS), st.sampled_from(NASTY), min_size=2,
+                             max_size=4)
 
     @settings(FUZZ, max_examples=80)
     @given(endpoint=st.sampled_from(ENDPOINTS), fields=fields)

@@ -13,10 +13,10 @@ from pagedkv.config import ConfigError
 # Limits on what one request may ask for; the server's request models reuse them.
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1   # what torch and numpy can hold: seeds, top_k, counts
 GREEDY_BELOW = 1e-5        # vLLM's _SAMPLING_EPS: a lower temperature means greedy
-MIN_TEMPERATURE = 1e-2     # vLLM's _MAX_TEMP: lower (non-greedy) ones are raised to it, else logits overflow
+MIN_TEMPERATURE = 1e-2     # vLLM's _MAX_TEMP: lower ones (not greedy) are raised to it
 MAX_TEMPERATURE = 2.0      # as OpenAI and vLLM
-TOP_P_FLOOR = 1e-8         # any smaller top_p keeps just the top token too; float32 would round it to 0
-REPETITION_PENALTY_RANGE = (1e-6, 1e6)   # far past any use; further, float32 logits can overflow (NaN)
+TOP_P_FLOOR = 1e-8         # smaller ones keep just the top token too, but float32 rounds them to 0
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)   # far past any use; beyond, float32 logits overflow
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256       # each step scans every stop string's prefixes against the text's tail
@@ -56,7 +56,8 @@ def _check_int(param: str, value: Any, lo: int, hi: int = INT64_MAX) -> None:
 def _check_float(param: str, value: Any, lo: float, hi: float) -> None:
     _need(isinstance(value, (int, float)) and not isinstance(value, bool), param,
           f"{param} must be a number, got {value!r}")
-    _need(isinstance(value, int) or math.isfinite(value), param, f"{param} must be a finite number, got {value}")
+    _need(isinstance(value, int) or math.isfinite(value), param,
+          f"{param} must be a finite number, got {value}")
     _need(lo <= value <= hi, param, f"{param} must be in [{lo:g}, {hi:g}], got {value}")
 
 
@@ -70,7 +71,8 @@ def _as_list(param: str, value: Any, one: type) -> list:
         return []
     if isinstance(value, one):
         return [value]
-    _need(isinstance(value, (list, tuple)), param, f"{param} must be a list, got {type(value).__name__}")
+    _need(isinstance(value, (list, tuple)), param,
+          f"{param} must be a list, got {type(value).__name__}")
     return list(value)
 
 
@@ -131,10 +133,12 @@ class SamplingParams:
 
     def _check_stops(self, vocab_size: int | None) -> None:
         self.stop = _as_list("stop", self.stop, str)
-        _need(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"stop takes at most {MAX_STOP_STRINGS} strings")
+        _need(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+              f"stop takes at most {MAX_STOP_STRINGS} strings")
         for s in self.stop:
             _need(isinstance(s, str) and s != "", "stop", "stop must be non-empty strings")
-            _need(len(s) <= MAX_STOP_CHARS, "stop", f"each stop string must be at most {MAX_STOP_CHARS} characters")
+            _need(len(s) <= MAX_STOP_CHARS, "stop",
+                  f"each stop string must be at most {MAX_STOP_CHARS} characters")
             _need(valid_text(s), "stop", "stop must be valid Unicode (it holds a lone surrogate)")
         ids = _as_list("stop_token_ids", self.stop_token_ids, int)
         _need(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",

@@ -117,8 +117,8 @@ def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_B
                        max_output: int = Query(2048, ge=1, le=INT64_MAX),
                        requests: int = Query(200, ge=1, le=MAX_SIM_REQUESTS),
                        seed: int = Query(0, ge=INT64_MIN, le=INT64_MAX),
-                       policies: str = Query("reserve-max,reserve-output,paged:16,paged:256", max_length=128),
-                       ) -> JSONResponse:
+                       policies: str = Query("reserve-max,reserve-output,paged:16,paged:256",
+                                             max_length=128)) -> JSONResponse:
         """The seeds' experiment, computed exactly as `pagedkv simulate --json` does."""
         from pagedkv.sim.cli import load_requests
         from pagedkv.sim.simulate import parse_policies, pool_tokens_for, simulate as run_simulation
@@ -126,10 +126,11 @@ def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_B
         checked("policies", parse_policies, policies)
         args = argparse.Namespace(trace=None, requests=requests, seed=seed, max_output=max_output)
 
-        def run() -> dict:
-            return run_simulation(load_requests(args), kv_memory=kv_memory, bytes_per_token=bytes_per_token,
+        def run() -> dict:   # 100k requests take a while: off the event loop
+            trace = load_requests(args)
+            return run_simulation(trace, kv_memory=kv_memory, bytes_per_token=bytes_per_token,
                                   max_model_len=max_model_len, max_output=max_output, policies=policies).to_dict()
-        return JSONResponse(await asyncio.to_thread(run))   # 100k requests take a while: off the event loop
+        return JSONResponse(await asyncio.to_thread(run))
 
     return app
 

@@ -41,7 +41,7 @@ class APIError(Exception):
 
 
 def _printable(text: str | None) -> str | None:
-    """Lone surrogates from the request escaped, so echoing a bad value can never break the JSON encoder."""
+    """Lone surrogates from the request escaped: echoing a bad value must not break the encoder."""
     return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 

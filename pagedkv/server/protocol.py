@@ -15,20 +15,24 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
 from pagedkv.config import ConfigError
-from pagedkv.engine.request import (INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                                    MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, ParamError, SamplingParams)
-from pagedkv.server.validation import (MAX_MESSAGES, MAX_PROMPTS, FiniteFloat, Int64, Name, SafeStr, TokenId,
-                                       check_text, documented as doc)
+from pagedkv.engine.request import (INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                    MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE,
+                                    ParamError, SamplingParams)
+from pagedkv.server.validation import (MAX_MESSAGES, MAX_PROMPTS, FiniteFloat, Int64, Name, SafeStr,
+                                       TokenId, check_text, documented as doc)
 
 Prompt = str | list[int]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 PromptText = Annotated[SafeStr, Field(min_length=1)]
-PromptInput = PromptText | TokenIds | Annotated[list[PromptText | TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+PromptBatch = Annotated[list[PromptText | TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+PromptInput = PromptText | TokenIds | PromptBatch   # for the schema; _check_prompt reads it
 StopText = Annotated[SafeStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 StopInput = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None
 Count = Annotated[Int64, doc(minimum=1)]
 Penalty = Annotated[FiniteFloat, doc(minimum=-2, maximum=2)]
 NumLogprobs = Annotated[Int64, doc(minimum=0, maximum=MAX_LOGPROBS)]
+RepetitionPenalty = Annotated[FiniteFloat, doc(minimum=REPETITION_PENALTY_RANGE[0],
+                                               maximum=REPETITION_PENALTY_RANGE[1])]
 
 
 def _is_token_ids(v: Any) -> bool:
@@ -50,7 +54,7 @@ def _check_prompt(v: Any) -> list[Prompt]:
     for p in prompts:
         check_text(p, "prompt")
         if not isinstance(p, str) and not all(0 <= t <= INT64_MAX for t in p):
-            raise ValueError("prompt token ids must be >= 0")
+            raise ValueError("prompt token ids must be integers in [0, 2**63)")
     return prompts
 
 
@@ -63,6 +67,9 @@ def _check_stop(v: Any) -> list[str] | None:
     for s in stops:
         check_text(s, "stop")
     return stops
+
+
+StopField = Annotated[list[str] | None, BeforeValidator(_check_stop, json_schema_input_type=StopInput)]
 
 
 def _check_content(v: Any) -> str | None:
@@ -86,6 +93,9 @@ class TextPart(BaseModel):
     text: SafeStr
 
 
+ContentInput = SafeStr | list[TextPart] | None
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -103,7 +113,7 @@ class _SamplingRequest(_Strict):
     top_k: Annotated[Int64, doc(minimum=-1)] | None = None
     min_p: Annotated[FiniteFloat, doc(minimum=0, maximum=1)] | None = None
     seed: Int64 | None = None
-    stop: Annotated[list[str] | None, BeforeValidator(_check_stop, json_schema_input_type=StopInput)] = None
+    stop: StopField = None
     stop_token_ids: Annotated[list[TokenId], doc(maxItems=MAX_STOP_TOKEN_IDS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -111,8 +121,7 @@ class _SamplingRequest(_Strict):
     min_tokens: Annotated[Int64, doc(minimum=0)] = 0
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[FiniteFloat, doc(minimum=REPETITION_PENALTY_RANGE[0],
-                                                   maximum=REPETITION_PENALTY_RANGE[1])] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     logit_bias: dict[str, float] | None = None
     user: Name | None = None
 
@@ -120,8 +129,9 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _params(self, max_tokens: int | None, logprobs: int | None, wire_names: dict[str, str]) -> SamplingParams:
-        """SamplingParams checks the ranges; its errors name the field as this request spelled it."""
+    def _params(self, max_tokens: int | None, logprobs: int | None,
+                wire_names: dict[str, str]) -> SamplingParams:
+        """SamplingParams checks the ranges; its errors name the field as the request spelled it."""
         if self.logit_bias:
             raise ConfigError("logit_bias is not supported")
 
@@ -145,7 +155,8 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Annotated[list[Prompt], BeforeValidator(_check_prompt, json_schema_input_type=PromptInput)]
+    prompt: Annotated[list[Prompt], BeforeValidator(_check_prompt,
+                                                    json_schema_input_type=PromptInput)]
     max_tokens: Count | None = 16
     logprobs: NumLogprobs | None = None
     echo: bool = False
@@ -164,8 +175,8 @@ class CompletionRequest(_SamplingRequest):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | None, BeforeValidator(_check_content,
-                                                   json_schema_input_type=SafeStr | list[TextPart] | None)] = None
+    content: Annotated[str | None,
+                       BeforeValidator(_check_content, json_schema_input_type=ContentInput)] = None
     name: Name | None = None
 
     def as_template_input(self) -> dict[str, str]:
