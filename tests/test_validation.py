@@ -113,6 +113,8 @@ def test_offline_tiny_temperature_is_greedy(llm):
     ([VOCAB], {}, "prompt"),
     ([-1], {}, "prompt"),
     ([True], {}, "prompt"),
+    ("a\ud800", {}, "prompt"),
+    (5, {}, "prompt"),
 ])
 def test_offline_generate_rejects_before_any_work(llm, prompt, change, param):
     params = SamplingParams(max_tokens=4)
@@ -121,6 +123,13 @@ def test_offline_generate_rejects_before_any_work(llm, prompt, change, param):
     with pytest.raises(ParamError) as err:
         llm.generate(["fine", prompt], params, use_tqdm=False)
     assert err.value.param == param
+    assert_engine_idle(llm)
+
+
+def test_offline_chat_rejects_a_lone_surrogate(llm):
+    with pytest.raises(ParamError) as err:
+        llm.chat([{"role": "user", "content": "\udfff"}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert err.value.param == "prompt"
     assert_engine_idle(llm)
 
 

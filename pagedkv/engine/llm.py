@@ -36,8 +36,8 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        ids = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
-               for c in convs]
+        ids = [self.engine.tokenize(tok.apply_chat_template(c, add_generation_prompt=True),
+                                    add_special_tokens=False) for c in convs]
         return self.generate(ids, params, use_tqdm)
 
     def _run(self, prompts: list[Prompt], plist: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:

@@ -14,7 +14,7 @@ import torch
 
 from pagedkv.config import ConfigError, EngineConfig, format_size
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
-from pagedkv.engine.request import ParamError, RequestOutput, SamplingParams
+from pagedkv.engine.request import ParamError, RequestOutput, SamplingParams, valid_text
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler
@@ -150,7 +150,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
+            if not valid_text(prompt):
+                raise ParamError("prompt", "prompt must be valid Unicode text (it holds a lone "
+                                           "surrogate)")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if not isinstance(prompt, (list, tuple)):
+            raise ParamError("prompt", "prompt must be a string or a list of token ids, got "
+                                       f"{type(prompt).__name__}")
         return list(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
