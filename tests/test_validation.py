@@ -32,7 +32,8 @@ CHAT = [{"role": "user", "content": "hi"}]
     ("n", 0), ("n", True), ("n", 2**63), ("n", 1.0),
     ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", -0.1),
     ("temperature", 2.5),
-    ("temperature", "1"), ("temperature", 10**400),
+    ("temperature", "1"), ("temperature", 10**400), pytest.param("top_k", 10**5000, id="top_k-5000-digits"),
+    ("seed", [1]),
     ("top_p", 0.0), ("top_p", float("nan")), ("top_p", 1.5),
     ("top_k", HUGE), ("top_k", -2), ("top_k", 2.0), ("top_k", None),
     ("min_p", float("nan")), ("min_p", 1.1),
@@ -115,6 +116,7 @@ def test_offline_tiny_temperature_is_greedy(llm):
     ([True], {}, "prompt"),
     ("a\ud800", {}, "prompt"),
     (5, {}, "prompt"),
+    pytest.param([10**5000], {}, "prompt", id="token-id-of-5000-digits"),
 ])
 def test_offline_generate_rejects_before_any_work(llm, prompt, change, param):
     params = SamplingParams(max_tokens=4)

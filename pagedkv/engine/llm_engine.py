@@ -14,7 +14,7 @@ import torch
 
 from pagedkv.config import ConfigError, EngineConfig, format_size
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
-from pagedkv.engine.request import ParamError, RequestOutput, SamplingParams, valid_text
+from pagedkv.engine.request import ParamError, RequestOutput, SamplingParams, shown, valid_text
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler
@@ -167,7 +167,7 @@ class LLMEngine:
             raise ParamError("prompt", "the prompt is empty")
         bad = [t for t in prompt_ids if type(t) is not int or not 0 <= t < self.vocab_size]
         if bad:
-            raise ParamError("prompt", f"token id {bad[0]!r} is outside the vocabulary "
+            raise ParamError("prompt", f"token id {shown(bad[0])} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
         if n_prompt >= self.max_model_len:
             raise ParamError("prompt", f"the prompt has {n_prompt} tokens, but max_model_len is "

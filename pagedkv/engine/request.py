@@ -42,27 +42,35 @@ def valid_text(text: str) -> bool:
     return True
 
 
+def shown(value: Any) -> str:
+    """A bad value for an error message: short, and never str() of a 5,000-digit int (which raises)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _need(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise ParamError(param, message)
 
 
 def _check_int(param: str, value: Any, lo: int, hi: int = INT64_MAX) -> None:
-    _need(type(value) is int, param, f"{param} must be an integer, got {value!r}")
+    _need(type(value) is int, param, f"{param} must be an integer, got {shown(value)}")
     span = f">= {lo} and fit in 64 bits" if hi == INT64_MAX else f"in [{lo}, {hi}]"
-    _need(lo <= value <= hi, param, f"{param} must be {span}, got {value}")
+    _need(lo <= value <= hi, param, f"{param} must be {span}, got {shown(value)}")
 
 
 def _check_float(param: str, value: Any, lo: float, hi: float) -> None:
     _need(isinstance(value, (int, float)) and not isinstance(value, bool), param,
-          f"{param} must be a number, got {value!r}")
+          f"{param} must be a number, got {shown(value)}")
     _need(isinstance(value, int) or math.isfinite(value), param,
           f"{param} must be a finite number, got {value}")
-    _need(lo <= value <= hi, param, f"{param} must be in [{lo:g}, {hi:g}], got {value}")
+    _need(lo <= value <= hi, param, f"{param} must be in [{lo:g}, {hi:g}], got {shown(value)}")
 
 
 def _check_bool(param: str, value: Any) -> None:
-    _need(isinstance(value, bool), param, f"{param} must be true or false, got {value!r}")
+    _need(isinstance(value, bool), param, f"{param} must be true or false, got {shown(value)}")
 
 
 def _as_list(param: str, value: Any, one: type) -> list:
@@ -115,7 +123,7 @@ class SamplingParams:
         _check_int("n", self.n, 1)
         _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _check_float("top_p", self.top_p, 0.0, 1.0)
-        _need(self.top_p > 0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        _need(self.top_p > 0, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         _check_int("top_k", self.top_k, -1)
         _check_float("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
@@ -146,8 +154,8 @@ class SamplingParams:
         top = INT64_MAX if vocab_size is None else vocab_size - 1
         for t in ids:
             _need(type(t) is int and 0 <= t <= top, "stop_token_ids",
-                  f"stop token id {t!r} is outside the vocabulary [0, {top + 1})" if vocab_size else
-                  f"stop_token_ids must be integers >= 0, got {t!r}")
+                  f"stop token id {shown(t)} is outside the vocabulary [0, {top + 1})" if vocab_size
+                  else f"stop_token_ids must be integers >= 0, got {shown(t)}")
         ids = list(dict.fromkeys(ids))   # deduplicated, as vLLM does
         self.stop_token_ids = ids
 
