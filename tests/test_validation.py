@@ -32,7 +32,8 @@ CHAT = [{"role": "user", "content": "hi"}]
     ("n", 0), ("n", True), ("n", 2**63), ("n", 1.0),
     ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", -0.1),
     ("temperature", 2.5),
-    ("temperature", "1"), ("temperature", 10**400), pytest.param("top_k", 10**5000, id="top_k-5000-digits"),
+    ("temperature", "1"), ("temperature", 10**400),
+    pytest.param("top_k", 10**5000, id="top_k-5000-digits"),
     ("seed", [1]),
     ("top_p", 0.0), ("top_p", float("nan")), ("top_p", 1.5),
     ("top_k", HUGE), ("top_k", -2), ("top_k", 2.0), ("top_k", None),
@@ -130,7 +131,8 @@ def test_offline_generate_rejects_before_any_work(llm, prompt, change, param):
 
 def test_offline_chat_rejects_a_lone_surrogate(llm):
     with pytest.raises(ParamError) as err:
-        llm.chat([{"role": "user", "content": "\udfff"}], SamplingParams(max_tokens=2), use_tqdm=False)
+        llm.chat([{"role": "user", "content": "\udfff"}], SamplingParams(max_tokens=2),
+                 use_tqdm=False)
     assert err.value.param == "prompt"
     assert_engine_idle(llm)
 
@@ -186,6 +188,9 @@ def chat(**fields) -> dict:
     (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (chat(max_completion_tokens=0), "max_completion_tokens"),
     (completion(max_tokens=5000), "max_tokens"), (completion(n=1000), "n"),
+    (completion(echo=True), "echo"), (completion(suffix="x"), "suffix"),
+    (completion(best_of=2), "best_of"),
+    (chat(top_logprobs=2), "top_logprobs"),
     # token ids: negative, outside the vocabulary
     (completion(prompt=[-1]), "prompt"), (completion(prompt=[VOCAB]), "prompt"),
     (completion(prompt=[[1], [HUGE]]), "prompt"),

@@ -69,7 +69,8 @@ def _check_stop(v: Any) -> list[str] | None:
     return stops
 
 
-StopField = Annotated[list[str] | None, BeforeValidator(_check_stop, json_schema_input_type=StopInput)]
+StopField = Annotated[list[str] | None,
+                      BeforeValidator(_check_stop, json_schema_input_type=StopInput)]
 
 
 def _check_content(v: Any) -> str | None:
@@ -129,21 +130,12 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _params(self, max_tokens: int | None, logprobs: int | None,
-                wire_names: dict[str, str]) -> SamplingParams:
-        """SamplingParams checks the ranges; its errors name the field as the request spelled it."""
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
             raise ConfigError("logit_bias is not supported")
 
         def pick(value, default):
             return default if value is None else value
-        try:
-            return self._build(pick, max_tokens, logprobs)
-        except ParamError as e:
-            e.param = wire_names.get(e.param, e.param)
-            raise
-
-    def _build(self, pick, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
             top_k=pick(self.top_k, -1), min_p=pick(self.min_p, 0.0), seed=self.seed,
@@ -165,12 +157,12 @@ class CompletionRequest(_SamplingRequest):
 
     def sampling_params(self) -> SamplingParams:
         if self.echo:
-            raise ConfigError("echo is not supported")
+            raise ParamError("echo", "echo is not supported")
         if self.suffix:
-            raise ConfigError("suffix is not supported")
+            raise ParamError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise ConfigError("best_of other than n is not supported")
-        return self._params(self.max_tokens, self.logprobs, {})
+            raise ParamError("best_of", "best_of other than n is not supported")
+        return self._params(self.max_tokens, self.logprobs)
 
 
 class ChatMessage(_Strict):
@@ -192,12 +184,15 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ConfigError("top_logprobs requires logprobs to be true")
-        names = {"logprobs": "top_logprobs"}
-        limit = self.max_tokens
-        if self.max_completion_tokens is not None:
-            limit, names["max_tokens"] = self.max_completion_tokens, "max_completion_tokens"
-        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None, names)
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        try:
+            return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None)
+        except ParamError as e:   # name the field as this request spelled it
+            wire = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
+                    if self.max_completion_tokens is not None else "max_tokens"}
+            e.param = wire.get(e.param, e.param)
+            raise
 
 
 # ---- responses -------------------------------------------------------------------------------
