@@ -43,7 +43,7 @@ def valid_text(text: str) -> bool:
 
 
 def shown(value: Any) -> str:
-    """A bad value for an error message: short, and never str() of a 5,000-digit int (which raises)."""
+    """A bad value for an error message: short, never str() of a 5,000-digit int (that raises)."""
     if isinstance(value, int) and value.bit_length() > 64:
         return f"an integer of {value.bit_length()} bits"
     text = repr(value)
