@@ -15,7 +15,7 @@ from typing import Any, Sequence as Seq
 from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.chat import render_chat
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.request import RequestOutput, SamplingParams
+from pagedkv.engine.request import ParamError, RequestOutput, SamplingParams
 
 Prompt = str | list[int] | dict
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
@@ -28,13 +28,13 @@ def to_prompt(p: Any) -> str | list[int]:
     if isinstance(p, dict):
         unknown = sorted(set(p) - _PROMPT_KEYS)
         if unknown:
-            raise ConfigError(f"prompt dict keys {unknown} are not supported "
-                              "(use 'prompt' or 'prompt_token_ids')")
+            raise ParamError("prompt", f"prompt dict keys {unknown} are not supported "
+                             "(use 'prompt' or 'prompt_token_ids')")
         if len(p) != 1:
-            raise ConfigError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+            raise ParamError("prompt", "a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
         return to_prompt(p.get("prompt", p.get("prompt_token_ids")))
-    raise ConfigError("a prompt must be a string, a list of token ids or a prompt dict, "
-                      f"got {type(p).__name__}")
+    raise ParamError("prompt", "a prompt must be a string, a list of token ids or a prompt dict, "
+                               f"got {type(p).__name__}")
 
 
 def reject_unsupported(method: str, kwargs: dict[str, Any]) -> None:
@@ -93,9 +93,10 @@ class LLM:
                               "start the LLM with chat_template=...")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        ids = [tok.encode(render_chat(tok, c, add_generation_prompt=add_generation_prompt,
-                                      continue_final_message=continue_final_message,
-                                      chat_template_kwargs=chat_template_kwargs), add_special_tokens=False)
+        ids = [self.engine.tokenize(render_chat(tok, c, add_generation_prompt=add_generation_prompt,
+                                                continue_final_message=continue_final_message,
+                                                chat_template_kwargs=chat_template_kwargs),
+                                    add_special_tokens=False)
                for c in convs]
         return self.generate(ids, sampling_params, use_tqdm)
 

@@ -19,7 +19,7 @@ from pagedkv.engine.options import apply_engine_options
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
 from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.isolation import Failures, IsolatedForward
-from pagedkv.engine.request import Logprob, RequestOutput, SamplingParams
+from pagedkv.engine.request import Logprob, ParamError, RequestOutput, SamplingParams, shown, valid_text
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler
@@ -200,33 +200,41 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
+            if not valid_text(prompt):
+                raise ParamError("prompt", "prompt must be valid Unicode text (it holds a lone "
+                                           "surrogate)")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if not isinstance(prompt, (list, tuple)):
+            raise ParamError("prompt", "prompt must be a string or a list of token ids, got "
+                                       f"{type(prompt).__name__}")
         return list(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Reject what can never run, with the reason; returns max_tokens resolved."""
+        params.validate(self.vocab_size)   # again: offline callers may have changed fields since
         n_prompt = len(prompt_ids)
         if n_prompt == 0:
-            raise ConfigError("the prompt is empty")
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            raise ParamError("prompt", "the prompt is empty")
+        bad = [t for t in prompt_ids if type(t) is not int or not 0 <= t < self.vocab_size]
         if bad:
-            raise ConfigError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+            raise ParamError("prompt", f"token id {shown(bad[0])} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         if n_prompt >= self.max_model_len:
-            raise ConfigError(f"the prompt has {n_prompt} tokens, but max_model_len is {self.max_model_len}: "
-                              "no room is left for output")
+            raise ParamError("prompt", f"the prompt has {n_prompt} tokens, but max_model_len is "
+                             f"{self.max_model_len}: no room is left for output")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
         if n_prompt + max_tokens > self.max_model_len:
-            raise ConfigError(f"max_tokens={max_tokens} plus the prompt's {n_prompt} tokens exceeds "
-                              f"max_model_len={self.max_model_len}")
+            raise ParamError("max_tokens", f"max_tokens={max_tokens} plus the prompt's {n_prompt} "
+                             f"tokens exceeds max_model_len={self.max_model_len}")
         if params.n > self.config.max_num_seqs:
-            raise ConfigError(f"n={params.n} exceeds --max-num-seqs={self.config.max_num_seqs}")
+            raise ParamError("n", f"n={params.n} exceeds --max-num-seqs={self.config.max_num_seqs}")
         bs = self.config.block_size
         need = math.ceil(n_prompt / bs) + params.n * math.ceil((max_tokens + 1) / bs)
         if not self.kv.can_fit(n_prompt + max_tokens) or (params.n > 1 and need > self.kv.num_blocks):
             cap = self.kv.num_blocks * bs
-            raise ConfigError(f"the request needs KV for {n_prompt} prompt + {max_tokens} output tokens "
-                              f"x n={params.n}, more than the KV pool holds ({cap} tokens); "
-                              "lower max_tokens or n, or give the pool more memory")
+            raise ParamError("max_tokens", f"the request needs KV for {n_prompt} prompt + {max_tokens} "
+                             f"output tokens x n={params.n}, more than the KV pool holds "
+                             f"({cap} tokens); lower max_tokens or n, or give the pool more memory")
         return max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

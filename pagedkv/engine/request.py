@@ -4,19 +4,94 @@ Shaped like vLLM's classes of the same names so code can move between the two.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
-from pagedkv.config import require
+from pagedkv.config import ConfigError
+
+# Limits on what one request may ask for; the server's request models reuse them.
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1   # what torch and numpy can hold: seeds, top_k, counts
+GREEDY_BELOW = 1e-5        # vLLM's _SAMPLING_EPS: a lower temperature means greedy
+MIN_TEMPERATURE = 1e-2     # vLLM's _MAX_TEMP: lower ones (not greedy) are raised to it
+MAX_TEMPERATURE = 2.0      # as OpenAI and vLLM
+TOP_P_FLOOR = 1e-8         # smaller ones keep just the top token too, but float32 rounds them to 0
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)   # far past any use; beyond, float32 logits overflow
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256       # each step scans every stop string's prefixes against the text's tail
+MAX_STOP_TOKEN_IDS = 256
+
+
+class ParamError(ConfigError):
+    """A bad request parameter (HTTP 400); `param` names it as the OpenAI error's `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def valid_text(text: str) -> bool:
+    """True unless `text` holds a lone surrogate (JSON "\\ud800"), which no tokenizer can encode."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def shown(value: Any) -> str:
+    """A bad value for an error message: short, never str() of a 5,000-digit int (that raises)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _need(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise ParamError(param, message)
+
+
+def _check_int(param: str, value: Any, lo: int, hi: int = INT64_MAX) -> None:
+    _need(type(value) is int, param, f"{param} must be an integer, got {shown(value)}")
+    span = f">= {lo} and fit in 64 bits" if hi == INT64_MAX else f"in [{lo}, {hi}]"
+    _need(lo <= value <= hi, param, f"{param} must be {span}, got {shown(value)}")
+
+
+def _check_float(param: str, value: Any, lo: float, hi: float) -> None:
+    _need(isinstance(value, (int, float)) and not isinstance(value, bool), param,
+          f"{param} must be a number, got {shown(value)}")
+    _need(isinstance(value, int) or math.isfinite(value), param,
+          f"{param} must be a finite number, got {value}")
+    _need(lo <= value <= hi, param, f"{param} must be in [{lo:g}, {hi:g}], got {shown(value)}")
+
+
+def _check_bool(param: str, value: Any) -> None:
+    _need(isinstance(value, bool), param, f"{param} must be true or false, got {shown(value)}")
+
+
+def _as_list(param: str, value: Any, one: type) -> list:
+    """None, a single `one`, or a list/tuple of them -> a list (items are checked by the caller)."""
+    if value is None:
+        return []
+    if isinstance(value, one):
+        return [value]
+    _need(isinstance(value, (list, tuple)), param,
+          f"{param} must be a list, got {type(value).__name__}")
+    return list(value)
 
 
 @dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0          # 0 = greedy
+    temperature: float = 1.0          # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = -1                   # -1 or 0 = off
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None           # -1 = None (random), as in vLLM
     max_tokens: int | None = 16       # None: up to max_model_len
     min_tokens: int = 0
     stop: list[str] | str | None = None
@@ -29,29 +104,72 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
-    def validate(self) -> None:
-        """Raise ConfigError (HTTP 400) with the name of the bad parameter."""
-        need = require
-        need(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n}")
-        need(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        need(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0), f"top_k must be -1 (off) or >= 0, got {self.top_k}")
-        need(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-             f"max_tokens must be an integer >= 1, got {self.max_tokens}")
-        need(isinstance(self.min_tokens, int) and self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
-        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must not exceed max_tokens")
-        need(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        need(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        need(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs must be in [0, 20]")
-        need(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Check every field, then normalise what means the same thing (idempotent).
+
+        The one place for range rules: the server, `LLM` and the CLI all come
+        here, so they reject exactly the same values. Raises ParamError (HTTP
+        400) naming the parameter; with `vocab_size`, token ids are checked too.
+        """
+        self._check_numbers()
+        self._check_stops(vocab_size)
+        _check_bool("ignore_eos", self.ignore_eos)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self._normalise()
+
+    def _check_numbers(self) -> None:
+        _check_int("n", self.n, 1)
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_float("top_p", self.top_p, 0.0, 1.0)
+        _need(self.top_p > 0, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_int("top_k", self.top_k, -1)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
+        _need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+
+    def _check_stops(self, vocab_size: int | None) -> None:
+        self.stop = _as_list("stop", self.stop, str)
+        _need(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+              f"stop takes at most {MAX_STOP_STRINGS} strings")
+        for s in self.stop:
+            _need(isinstance(s, str) and s != "", "stop", "stop must be non-empty strings")
+            _need(len(s) <= MAX_STOP_CHARS, "stop",
+                  f"each stop string must be at most {MAX_STOP_CHARS} characters")
+            _need(valid_text(s), "stop", "stop must be valid Unicode (it holds a lone surrogate)")
+        ids = _as_list("stop_token_ids", self.stop_token_ids, int)
+        _need(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+              f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
+        top = INT64_MAX if vocab_size is None else vocab_size - 1
+        for t in ids:
+            _need(type(t) is int and 0 <= t <= top, "stop_token_ids",
+                  f"stop token id {shown(t)} is outside the vocabulary [0, {top + 1})" if vocab_size
+                  else f"stop_token_ids must be integers >= 0, got {shown(t)}")
+        ids = list(dict.fromkeys(ids))   # deduplicated, as vLLM does
+        self.stop_token_ids = ids
+
+    def _normalise(self) -> None:
+        """vLLM's meanings: seed -1 is no seed, top_k 0 is off, a tiny temperature is greedy."""
+        if self.seed == -1:
+            self.seed = None
+        if self.top_k == 0:
+            self.top_k = -1
+        if self.temperature < GREEDY_BELOW:
+            self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, -1, 0.0
+        elif self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        self.top_p = max(self.top_p, TOP_P_FLOOR)
 
     @property
     def greedy(self) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import json
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,12 +25,15 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
 from pagedkv.config import EngineConfig
+from pagedkv.engine.request import INT64_MAX, INT64_MIN
 from pagedkv.server import protocol as api
 from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import MAX_BODY_BYTES, BearerAuth, BodySizeLimit
+from pagedkv.server.openapi import install_openapi, json_body
 from pagedkv.server.routes_extra import add_vllm_routes
 from pagedkv.server.serving import OpenAIServing
+from pagedkv.server.validation import checked, load_json_object
 
 log = logging.getLogger("pagedkv.server")
 STATIC = Path(__file__).parent / "static"
@@ -42,12 +44,7 @@ CORS_DEFAULTS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers"
 
 async def read_json(request: Request, model: type[M]) -> M:
     """The body as `model`, whatever its Content-Type (curl -d sends form-encoded); 400 if it is not."""
-    try:
-        data = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object")
+    data = load_json_object(await request.body())
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -75,7 +72,8 @@ def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_B
             app.state.ready = False
             await engine.shutdown()
 
-    app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_openapi(app, [api.CompletionRequest, api.ChatCompletionRequest])
     app.state.ready = False
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
@@ -102,11 +100,11 @@ def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_B
 
     add_vllm_routes(app, engine, read_json, serving.check_model)   # /tokenize, /detokenize, /version, /ping
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(api.CompletionRequest))
     async def completions(request: Request) -> Response:
         return await serving.completions(await read_json(request, api.CompletionRequest), request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(api.ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(await read_json(request, api.ChatCompletionRequest), request)
 
@@ -122,18 +120,26 @@ def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_B
         return JSONResponse(snapshot)
 
     @app.get("/v1/simulate")
-    async def simulate(kv_memory: str = "64GiB", bytes_per_token: int = Query(131072, ge=1),
-                       max_model_len: int = Query(8192, ge=1), max_output: int = Query(2048, ge=1),
-                       requests: int = Query(200, ge=1, le=MAX_SIM_REQUESTS), seed: int = 0,
-                       policies: str = "reserve-max,reserve-output,paged:16,paged:256") -> JSONResponse:
+    async def simulate(kv_memory: str = Query("64GiB", max_length=32),
+                       bytes_per_token: int = Query(131072, ge=1, le=INT64_MAX),
+                       max_model_len: int = Query(8192, ge=1, le=INT64_MAX),
+                       max_output: int = Query(2048, ge=1, le=INT64_MAX),
+                       requests: int = Query(200, ge=1, le=MAX_SIM_REQUESTS),
+                       seed: int = Query(0, ge=INT64_MIN, le=INT64_MAX),
+                       policies: str = Query("reserve-max,reserve-output,paged:16,paged:256",
+                                             max_length=128)) -> JSONResponse:
         """The seeds' experiment, computed exactly as `pagedkv simulate --json` does."""
         from pagedkv.sim.cli import load_requests
-        from pagedkv.sim.simulate import simulate as run_simulation
+        from pagedkv.sim.simulate import parse_policies, pool_tokens_for, simulate as run_simulation
+        checked("kv_memory", lambda v: pool_tokens_for(v, bytes_per_token), kv_memory)
+        checked("policies", parse_policies, policies)
         args = argparse.Namespace(trace=None, requests=requests, seed=seed, max_output=max_output)
-        trace = load_requests(args)
-        result = run_simulation(trace, kv_memory=kv_memory, bytes_per_token=bytes_per_token,
-                                max_model_len=max_model_len, max_output=max_output, policies=policies)
-        return JSONResponse(result.to_dict())
+
+        def run() -> dict:   # 100k requests take a while: off the event loop
+            trace = load_requests(args)
+            return run_simulation(trace, kv_memory=kv_memory, bytes_per_token=bytes_per_token,
+                                  max_model_len=max_model_len, max_output=max_output, policies=policies).to_dict()
+        return JSONResponse(await asyncio.to_thread(run))
 
     return app
 

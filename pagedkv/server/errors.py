@@ -40,10 +40,15 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
+def _printable(text: str | None) -> str | None:
+    """Lone surrogates from the request escaped: echoing a bad value must not break the encoder."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """The OpenAI error object; `code` defaults to one that names the status."""
     kind, default_code = _TYPES.get(status, ("invalid_request_error" if status < 500 else "server_error", None))
-    return {"error": {"message": message, "type": kind, "param": param,
+    return {"error": {"message": _printable(message), "type": kind, "param": _printable(param),
                       "code": code if code is not None else default_code}}
 
 
@@ -59,7 +64,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ConfigError):
-        return APIError(400, str(exc))
+        return APIError(400, str(exc), param=getattr(exc, "param", None))   # ParamError names it
     if isinstance(exc, jinja2.TemplateError):
         return APIError(400, f"chat template error: {exc}")
     if isinstance(exc, QueueFullError):
@@ -78,12 +83,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query")]
     param = ".".join(loc) or None
-    if first.get("type") == "value_error":   # our own validators name the field already
-        return first.get("msg", "invalid value").removeprefix("Value error, "), param
-    msg = first.get("msg", "invalid value")
-    return (f"{param}: {msg}" if param else msg), param
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+    if param is None or (first.get("type") == "value_error" and msg.startswith(loc[0])):
+        return msg, param   # our own validators name the field already
+    return f"{param}: {msg}", param
 
 
 def install_error_handlers(app: FastAPI) -> None:

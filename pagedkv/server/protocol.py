@@ -2,8 +2,10 @@
 
 Requests are validated strictly (a string where a number belongs is a 400, not
 a silent coercion); unknown fields are ignored as OpenAI's own server does.
-Range checks live in one place, `SamplingParams.validate`, so the server, the
-offline API and the CLI reject exactly the same values.
+Every field has a type from `validation` (64-bit ints, finite floats, text
+without lone surrogates, bounded lists); range checks live in one place,
+`SamplingParams.validate`, so the server, the offline API and the CLI reject
+exactly the same values.
 """
 from __future__ import annotations
 
@@ -13,9 +15,24 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
 from pagedkv.config import ConfigError
-from pagedkv.engine.request import SamplingParams
+from pagedkv.engine.request import (INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                    MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE,
+                                    ParamError, SamplingParams)
+from pagedkv.server.validation import (MAX_MESSAGES, MAX_PROMPTS, FiniteFloat, Int64, Name, SafeStr,
+                                       TokenId, check_text, documented as doc)
 
 Prompt = str | list[int]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+PromptText = Annotated[SafeStr, Field(min_length=1)]
+PromptBatch = Annotated[list[PromptText | TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+PromptInput = PromptText | TokenIds | PromptBatch   # for the schema; _check_prompt reads it
+StopText = Annotated[SafeStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+StopInput = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None
+Count = Annotated[Int64, doc(minimum=1)]
+Penalty = Annotated[FiniteFloat, doc(minimum=-2, maximum=2)]
+NumLogprobs = Annotated[Int64, doc(minimum=0, maximum=MAX_LOGPROBS)]
+RepetitionPenalty = Annotated[FiniteFloat, doc(minimum=REPETITION_PENALTY_RANGE[0],
+                                               maximum=REPETITION_PENALTY_RANGE[1])]
 
 
 def _is_token_ids(v: Any) -> bool:
@@ -30,33 +47,54 @@ def _check_prompt(v: Any) -> list[Prompt]:
         prompts = v
     else:
         raise ValueError("prompt must be a string, a list of token ids, or a list of those")
+    if len(prompts) > MAX_PROMPTS:
+        raise ValueError(f"prompt takes at most {MAX_PROMPTS} prompts in one request")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("prompt must not be empty")
+    for p in prompts:
+        check_text(p, "prompt")
+        if not isinstance(p, str) and not all(0 <= t <= INT64_MAX for t in p):
+            raise ValueError("prompt token ids must be integers in [0, 2**63)")
     return prompts
 
 
 def _check_stop(v: Any) -> list[str] | None:
     if v is None:
         return None
-    if isinstance(v, str):
-        return [v]
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return v
-    raise ValueError("stop must be a string or a list of strings")
+    stops = [v] if isinstance(v, str) else v
+    if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+        raise ValueError("stop must be a string or a list of strings")
+    for s in stops:
+        check_text(s, "stop")
+    return stops
+
+
+StopField = Annotated[list[str] | None,
+                      BeforeValidator(_check_stop, json_schema_input_type=StopInput)]
 
 
 def _check_content(v: Any) -> str | None:
     """OpenAI content: a string or a list of parts; only text parts are supported."""
-    if v is None or isinstance(v, str):
-        return v
     if isinstance(v, list):
         texts = []
         for part in v:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
             texts.append(part["text"])
-        return "".join(texts)
-    raise ValueError("content must be a string or a list of text parts")
+        v = "".join(texts)
+    elif v is not None and not isinstance(v, str):
+        raise ValueError("content must be a string or a list of text parts")
+    check_text(v, "content")
+    return v
+
+
+class TextPart(BaseModel):
+    """Only for the schema: what a content part looks like."""
+    type: Literal["text"]
+    text: SafeStr
+
+
+ContentInput = SafeStr | list[TextPart] | None
 
 
 class _Strict(BaseModel):
@@ -69,24 +107,24 @@ class StreamOptions(_Strict):
 
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: Annotated[list[str] | None, BeforeValidator(_check_stop)] = None
-    stop_token_ids: list[int] | None = None
+    model: Name | None = None
+    n: Count = 1
+    temperature: Annotated[FiniteFloat, doc(minimum=0, maximum=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[FiniteFloat, doc(exclusiveMinimum=0, maximum=1)] | None = None
+    top_k: Annotated[Int64, doc(minimum=-1)] | None = None
+    min_p: Annotated[FiniteFloat, doc(minimum=0, maximum=1)] | None = None
+    seed: Int64 | None = None
+    stop: StopField = None
+    stop_token_ids: Annotated[list[TokenId], doc(maxItems=MAX_STOP_TOKEN_IDS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    min_tokens: Annotated[Int64, doc(minimum=0)] = 0
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Name | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -109,44 +147,52 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Annotated[list[Prompt], BeforeValidator(_check_prompt)]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Annotated[list[Prompt], BeforeValidator(_check_prompt,
+                                                    json_schema_input_type=PromptInput)]
+    max_tokens: Count | None = 16
+    logprobs: NumLogprobs | None = None
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Count | None = None
+    suffix: SafeStr | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.echo:
-            raise ConfigError("echo is not supported")
+            raise ParamError("echo", "echo is not supported")
         if self.suffix:
-            raise ConfigError("suffix is not supported")
+            raise ParamError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise ConfigError("best_of other than n is not supported")
+            raise ParamError("best_of", "best_of other than n is not supported")
         return self._params(self.max_tokens, self.logprobs)
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | None, BeforeValidator(_check_content)] = None
-    name: str | None = None
+    content: Annotated[str | None,
+                       BeforeValidator(_check_content, json_schema_input_type=ContentInput)] = None
+    name: Name | None = None
 
     def as_template_input(self) -> dict[str, str]:
         return {"role": self.role, "content": self.content or ""}
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ConfigError("top_logprobs requires logprobs to be true")
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None)
+        try:
+            return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None)
+        except ParamError as e:   # name the field as this request spelled it
+            wire = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
+                    if self.max_completion_tokens is not None else "max_tokens"}
+            e.param = wire.get(e.param, e.param)
+            raise
 
 
 # ---- responses -------------------------------------------------------------------------------
