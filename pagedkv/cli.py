@@ -52,6 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--speculative-config", default=None,
+                   help='n-gram speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     p.add_argument("--max-waiting", type=int, default=d["max_waiting"].default, help="queue length beyond which new requests get 429")
 
 

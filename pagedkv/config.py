@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +90,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     max_waiting: int = 1024
+    speculative_config: Any = None         # vLLM's JSON ({"method": "ngram", ...}); parsed to SpeculativeConfig
     # server
     api_key: str | None = None
     seed: int = 0
@@ -98,6 +100,8 @@ class EngineConfig:
         self.swap_space = parse_size(self.swap_space)
         self.kv_offload_host_memory = parse_size(self.kv_offload_host_memory)
         self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size)
+        from pagedkv.engine.spec_decode import SpeculativeConfig   # late: config is imported first
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.validate()
 
     def validate(self) -> None:

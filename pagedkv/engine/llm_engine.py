@@ -19,6 +19,7 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import Sequence, SequenceGroup
+from pagedkv.engine.spec_decode import NgramProposer, SpecDecodeStats
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.offload import KVOffload
 from pagedkv.kv.storage import KVStorage
@@ -48,6 +49,9 @@ class EngineStats:
     generation_tokens: int
     offload_hits: int              # prompt tokens loaded back from the host / disk tiers
     offload_saved_blocks: int      # evicted device blocks kept in a tier
+    spec_num_drafts: int = 0       # speculative decoding (spec_decode.py): steps that drafted,
+    spec_num_draft_tokens: int = 0     # tokens drafted,
+    spec_num_accepted_tokens: int = 0  # and drafts accepted
 
 
 def pick_device() -> torch.device:
@@ -134,9 +138,11 @@ class LLMEngine:
             num_blocks, config.block_size, num_host_blocks=num_host,
             enable_prefix_caching=config.enable_prefix_caching, allocation_policy=config.allocation_policy,
             max_model_len=self.max_model_len, hash_extra=hash_extra, offload=self.offload)
+        proposer = NgramProposer(config.speculative_config) if config.speculative_config else None
+        self.spec_stats = SpecDecodeStats()
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS,
-                                   preemption_mode=config.preemption_mode)
+                                   preemption_mode=config.preemption_mode, proposer=proposer)
         self.runner = ModelRunner(self.loaded.model, self.storage, host, self.kv, self.device, self.offload)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -213,20 +219,30 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         logits = self.runner.execute(out)
-        sampling = [s.seq for s in out.scheduled if s.samples]
+        sampling = [s for s in out.scheduled if s.samples]
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
         if logits is None:
             return []
-        rows, seqs = self._expand_forks(sampling)
-        if len(rows) != len(sampling):
-            logits = logits[rows]
-        result = self.sampler(logits, seqs)
         now = time.monotonic()
+        plain: list[Sequence] = []
+        plain_rows: list[int] = []
+        row = 0
         touched: dict[str, SequenceGroup] = {}
-        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
-            self._append(seq, token, lp, now)
-            touched[seq.group.request_id] = seq.group
+        for s in sampling:       # a speculating sequence has 1 + len(drafts) consecutive rows
+            if s.drafts:
+                self._verify(s.seq, s.drafts, logits[row:row + 1 + len(s.drafts)], now)
+                touched[s.seq.group.request_id] = s.seq.group
+            else:
+                plain.append(s.seq)
+                plain_rows.append(row)
+            row += 1 + len(s.drafts)
+        if plain:
+            rows, seqs = self._expand_forks(plain)
+            result = self.sampler(logits[[plain_rows[r] for r in rows]], seqs)
+            for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
+                self._append(seq, token, lp, now)
+                touched[seq.group.request_id] = seq.group
         outputs = []
         for rid, group in touched.items():
             outputs.append(group.to_output(visible_text))
@@ -234,6 +250,23 @@ class LLMEngine:
                 group.metrics.finished_time = now
                 self.groups.pop(rid, None)
         return outputs
+
+    def _verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor, now: float) -> None:
+        """Sample row by row as plain decoding would; keep the drafts up to the first that differs."""
+        accepted = 0
+        for i in range(len(drafts) + 1):
+            result = self.sampler(logits[i:i + 1], [seq])
+            token = result.token_ids[0]
+            self._append(seq, token, result.logprobs[0], now)
+            if seq.finished or i == len(drafts) or token != drafts[i]:
+                break
+            accepted += 1
+        self.spec_stats.num_drafts += 1
+        self.spec_stats.num_draft_tokens += len(drafts)
+        self.spec_stats.num_accepted_tokens += accepted
+        if not seq.finished:       # the accepted drafts' K/V was written by this step
+            seq.num_computed_tokens += accepted
+            self.kv.accept_lookahead(seq.seq_id, seq.token_ids, accepted)
 
     def _expand_forks(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         """A request with n > 1 forks after its prefill: every sample draws its first token from the same row."""
@@ -287,7 +320,9 @@ class LLMEngine:
             token_capacity=s.num_blocks * self.kv.block_size, prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits, num_preemptions=sch.num_preemptions,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
-            offload_hits=s.offload_hits, offload_saved_blocks=self.offload.stats().saved if self.offload else 0)
+            offload_hits=s.offload_hits, offload_saved_blocks=self.offload.stats().saved if self.offload else 0,
+            spec_num_drafts=self.spec_stats.num_drafts, spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens)
 
     def kv_snapshot(self) -> dict:
         return self.kv.snapshot()
