@@ -95,6 +95,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split every layer over N processes (torch.distributed)")
     for short, name in (("-pp", "pipeline-parallel-size"), ("-dp", "data-parallel-size")):
         p.add_argument(short, "--" + name, type=int, default=1, help="only 1: pagedkv runs on one device")
+    p.add_argument("--speculative-config", default=None,
+                   help='n-gram speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     add_noop_args(p)
 
 

@@ -15,6 +15,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
           "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -178,6 +179,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1          # ranks, one process each (distributed/)
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    speculative_config: Any = None         # vLLM's JSON ({"method": "ngram", ...}); parsed to SpeculativeConfig
     # server
     api_key: str | None = None
     served_model_names: list[str] = field(init=False, default_factory=list)
@@ -196,6 +198,8 @@ class EngineConfig:
         self.swap_space = parse_swap_space(self.swap_space)
         self.kv_offload_host_memory = parse_size(self.kv_offload_host_memory)
         self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size)
+        from pagedkv.engine.spec_decode import SpeculativeConfig   # late: config is imported first
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.validate()
 
     def validate(self) -> None:

@@ -56,7 +56,7 @@ class IsolatedForward:
     check_faults: FaultCheck | None = None
 
     def __call__(self, scheduled: list[ScheduledSeq],
-                 failures: Failures) -> tuple[list[Sequence], torch.Tensor | None]:
+                 failures: Failures) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
         """The sequences that sample and their logits rows, in batch order. Those that failed are
         left out, but not a sibling sample of theirs that ran before they failed."""
         try:
@@ -66,14 +66,14 @@ class IsolatedForward:
                 raise
             log.warning("a forward of %d sequences failed (%s: %s); running it in parts",
                         len(scheduled), type(e).__name__, e)
-        done: list[tuple[list[Sequence], torch.Tensor | None]] = []
+        done: list[tuple[list[ScheduledSeq], torch.Tensor | None]] = []
         self._halve(scheduled, scheduled, failures, done)
         seqs = [seq for part, _ in done for seq in part]
         logits = [rows for _, rows in done if rows is not None]
         return seqs, torch.cat(logits) if logits else None
 
-    def _run(self, part: list[ScheduledSeq]) -> tuple[list[Sequence], torch.Tensor | None]:
-        sampling = [s.seq for s in part if s.samples]
+    def _run(self, part: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
+        sampling = [s for s in part if s.samples]
         if self.check_faults is not None:
             self.check_faults("forward", (s.seq.group for s in part))
         logits = self.runner.forward(part)
@@ -82,7 +82,7 @@ class IsolatedForward:
         return sampling, logits
 
     def _halve(self, part: list[ScheduledSeq], scheduled: list[ScheduledSeq], failures: Failures,
-               done: list[tuple[list[Sequence], torch.Tensor | None]]) -> None:
+               done: list[tuple[list[ScheduledSeq], torch.Tensor | None]]) -> None:
         """`part` failed as a whole: run each half (in order, so a block's writer runs before its
         readers), halving again a half that fails; a sequence that fails alone fails its request."""
         mid = len(part) // 2

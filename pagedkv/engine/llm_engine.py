@@ -22,9 +22,10 @@ from pagedkv.engine.isolation import Failures, IsolatedForward
 from pagedkv.engine.request import Logprob, ParamError, RequestOutput, SamplingParams, shown, valid_text
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
-from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler import ScheduledSeq, Scheduler
 from pagedkv.engine.step_stats import StepTokens
 from pagedkv.engine.sequence import Sequence, SequenceGroup
+from pagedkv.engine.spec_decode import NgramProposer, SpecDecodeStats
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.offload import KVOffload
 from pagedkv.kv.storage import KVStorage
@@ -54,6 +55,9 @@ class EngineStats:
     generation_tokens: int
     offload_hits: int              # prompt tokens loaded back from the host / disk tiers
     offload_saved_blocks: int      # evicted device blocks kept in a tier
+    spec_num_drafts: int = 0       # speculative decoding (spec_decode.py): steps that drafted,
+    spec_num_draft_tokens: int = 0     # tokens drafted,
+    spec_num_accepted_tokens: int = 0  # and drafts accepted
 
 
 def pick_device() -> torch.device:
@@ -176,9 +180,11 @@ class LLMEngine:
             num_blocks, config.block_size, num_host_blocks=num_host,
             enable_prefix_caching=config.enable_prefix_caching, allocation_policy=config.allocation_policy,
             max_model_len=self.max_model_len, hash_extra=hash_extra, offload=self.offload)
+        proposer = NgramProposer(config.speculative_config) if config.speculative_config else None
+        self.spec_stats = SpecDecodeStats()
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS,
-                                   preemption_mode=config.preemption_mode)
+                                   preemption_mode=config.preemption_mode, proposer=proposer)
         self.runner = ModelRunner(self.loaded.model, self.storage, host, self.device, self.kv, self.offload, self.tp)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -274,26 +280,33 @@ class LLMEngine:
         if self.faults is not None:
             self.faults.check("step", self.groups.values())
         out = self.scheduler.schedule()
-        self.step_tokens.observe(sum(s.num_new_tokens for s in out.scheduled))
+        self.step_tokens.observe(out.num_batched_tokens)
         self.runner.apply_copies(out)
         failures = Failures()
         for seq, error in out.failed:
             failures.add(seq.group, error)
-        sampling, logits = self._forward(out.scheduled, failures)
+        sampling, logits = self._forward(out.scheduled, failures)   # the sampling rows, in order
         for s in out.scheduled:
             if s.seq.group not in failures:
                 s.seq.num_computed_tokens += s.num_new_tokens
-        keep = [i for i, seq in enumerate(sampling) if seq.group not in failures]
-        if len(keep) != len(sampling):
-            sampling = [sampling[i] for i in keep]
-            logits = logits[keep] if keep else None
+        plain: list[Sequence] = []
+        plain_rows: list[int] = []
+        speculative: list[tuple[ScheduledSeq, int]] = []
+        row = 0
+        for s in sampling:          # a speculating sequence has 1 + len(drafts) consecutive rows
+            if s.seq.group not in failures:
+                if s.drafts:
+                    speculative.append((s, row))
+                else:
+                    plain.append(s.seq)
+                    plain_rows.append(row)
+            row += 1 + len(s.drafts)
         drawn = []
-        if logits is not None:
-            rows, seqs = self._expand_forks(sampling)
-            if len(rows) != len(sampling):
-                logits = logits[rows]
-            drawn = self._sample(logits, seqs, failures)
-        return self._finish_step(drawn, failures)
+        if plain:
+            rows, seqs = self._expand_forks(plain)
+            picked = [plain_rows[r] for r in rows]
+            drawn = self._sample(logits if picked == list(range(row)) else logits[picked], seqs, failures)
+        return self._finish_step(drawn, failures, speculative, logits)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
                 failures: Failures) -> list[tuple[Sequence, int, Logprob | None]]:
@@ -324,9 +337,11 @@ class LLMEngine:
         result = self.sampler(logits, seqs, uniforms)
         return list(zip(seqs, result.token_ids, result.logprobs))
 
-    def _finish_step(self, drawn: list[tuple[Sequence, int, Logprob | None]],
-                     failures: Failures) -> list[RequestOutput]:
-        """Append each drawn token (detokenize, stop checks); the outputs, failed requests too."""
+    def _finish_step(self, drawn: list[tuple[Sequence, int, Logprob | None]], failures: Failures,
+                     speculative: list[tuple[ScheduledSeq, int]], logits: torch.Tensor | None
+                     ) -> list[RequestOutput]:
+        """Append each drawn token (detokenize, stop checks) and verify each speculating sequence's
+        drafts from its rows of `logits`; the outputs, failed requests too."""
         now = time.monotonic()
         touched: dict[str, SequenceGroup] = {}
         for seq, token, lp in drawn:
@@ -337,6 +352,12 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001
                 failures.add(seq.group, e)
             touched[seq.group.request_id] = seq.group
+        for s, row in speculative:
+            try:
+                self._verify(s.seq, s.drafts, logits[row:row + 1 + len(s.drafts)], now)
+            except Exception as e:  # noqa: BLE001
+                failures.add(s.seq.group, e)
+            touched[s.seq.group.request_id] = s.seq.group
         outputs = [self._fail(group, error) for group, error in failures.errors.items()]
         for rid, group in touched.items():
             if group in failures:
@@ -350,6 +371,22 @@ class LLMEngine:
                 group.metrics.finished_time = now
                 self.groups.pop(rid, None)
         return outputs
+
+    def _verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor, now: float) -> None:
+        """Sample row by row as plain decoding would; keep the drafts up to the first that differs."""
+        accepted = 0
+        for i in range(len(drafts) + 1):
+            ((_, token, lp),) = self._sample_rows(logits[i:i + 1], [seq], [seq.rng.random()])
+            self._append(seq, token, lp, now)
+            if seq.finished or i == len(drafts) or token != drafts[i]:
+                break
+            accepted += 1
+        self.spec_stats.num_drafts += 1
+        self.spec_stats.num_draft_tokens += len(drafts)
+        self.spec_stats.num_accepted_tokens += accepted
+        if not seq.finished:       # the accepted drafts' K/V was written by this step
+            seq.num_computed_tokens += accepted
+            self.kv.accept_lookahead(seq.seq_id, seq.token_ids, accepted)
 
     def _fail(self, group: SequenceGroup, error: BaseException) -> RequestOutput:
         """End a request that failed in a step: free its blocks, keep every other request going."""
@@ -425,7 +462,9 @@ class LLMEngine:
             token_capacity=s.num_blocks * self.kv.block_size, prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits, num_preemptions=sch.num_preemptions,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
-            offload_hits=s.offload_hits, offload_saved_blocks=self.offload.stats().saved if self.offload else 0)
+            offload_hits=s.offload_hits, offload_saved_blocks=self.offload.stats().saved if self.offload else 0,
+            spec_num_drafts=self.spec_stats.num_drafts, spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens)
 
     def kv_snapshot(self) -> dict:
         return self.kv.snapshot()

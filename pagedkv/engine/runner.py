@@ -101,18 +101,19 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         for s in scheduled:
-            seq, n = s.seq, s.num_new_tokens
+            seq, n = s.seq, s.num_new_tokens + len(s.drafts)
             start = seq.num_computed_tokens
             table = self.kv.block_table(seq.seq_id)
-            tokens.extend(seq.token_ids[start:start + n])
+            tokens.extend(seq.token_ids[start:start + s.num_new_tokens])
+            tokens.extend(s.drafts)
             pos = np.arange(start, start + n, dtype=np.int64)
             positions.append(pos)
             slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)
-            if s.samples:
-                sample_rows.append(len(tokens) - 1)
+            if s.samples:   # the last known token's row, then one row per draft
+                sample_rows.extend(range(len(tokens) - 1 - len(s.drafts), len(tokens)))
         width = max(len(t) for t in tables)
         block_tables = np.zeros((len(tables), width), dtype=np.int32)
         for i, t in enumerate(tables):

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedkv.engine.sequence import Sequence, Status
+from pagedkv.engine.spec_decode import NgramProposer
 from pagedkv.kv.manager import BlockCopy, BlockLoad, BlockSave, KVCacheManager
 
 
@@ -22,6 +23,7 @@ from pagedkv.kv.manager import BlockCopy, BlockLoad, BlockSave, KVCacheManager
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    drafts: list[int] = field(default_factory=list)   # speculative tokens after them (spec_decode.py)
 
     @property
     def samples(self) -> bool:
@@ -42,13 +44,14 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + len(s.drafts) for s in self.scheduled)
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute") -> None:
+                 preemption_mode: str = "recompute", proposer: NgramProposer | None = None) -> None:
         self.kv = kv
+        self.proposer = proposer
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -79,7 +82,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n)
+            drafts, copies = self._speculate(seq, n, budget)
+            if copies is None:
+                copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n)
             while copies is None:
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -87,10 +92,22 @@ class Scheduler:
                     return budget
                 copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n)
             out.copies.extend(copies)
-            out.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            out.scheduled.append(ScheduledSeq(seq, n, drafts))
+            budget -= n + len(drafts)
             i += 1
         return budget
+
+    def _speculate(self, seq: Sequence, n: int, budget: int) -> tuple[list[int], list | None]:
+        """Drafts for a decoding sequence and the slots for them, or ([], None) to schedule it plainly."""
+        if self.proposer is None or n != 1 or seq.num_uncomputed_tokens != 1:
+            return [], None
+        room = min(seq.group.max_tokens - seq.num_output_tokens - 1, budget - 1,
+                   (self.kv.max_model_len or len(seq.token_ids)) - len(seq.token_ids))
+        drafts = self.proposer.propose(seq.token_ids, room)
+        if not drafts:
+            return [], None
+        copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, 1, num_lookahead=len(drafts))
+        return (drafts, copies) if copies is not None else ([], None)
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:

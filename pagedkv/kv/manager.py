@@ -89,6 +89,7 @@ class _Request:
     hashes: list[BlockHash]           # chained hashes of the full blocks (prefix caching only)
     # while swapped: per logical block (host block id or None if it held no token, token ids if it was cached)
     swapped: list[tuple[int | None, tuple[int, ...] | None]] | None = None
+    num_owned_blocks: int = 0         # table length before the last step's speculative lookahead
 
 
 class _Admission(NamedTuple):
@@ -269,7 +270,7 @@ class KVCacheManager:
 
     def allocate_slots(self, req_id: str, token_ids: Sequence[int], num_new_tokens: int, *,
                        prefix_blocks: Sequence[int] = (), num_offloaded: int = 0,
-                       max_tokens: int | None = None) -> list[BlockCopy] | None:
+                       max_tokens: int | None = None, num_lookahead: int = 0) -> list[BlockCopy] | None:
         """Make room for `num_new_tokens` more tokens of req_id; token_ids are all its tokens known so far.
 
         The first call admits the request: it takes the still-valid leading run of prefix_blocks (from
@@ -281,13 +282,30 @@ class KVCacheManager:
         after a fork gets a private copy, reported as BlockCopy(shared, private). Blocks that are now
         full are registered in the prefix cache. Returns None and changes nothing when the pool (after
         evicting cached free blocks, LRU first) is too small.
+
+        `num_lookahead` more slots (speculative drafts) are made writable past those tokens but not held:
+        no draft is ever hashed; `accept_lookahead` keeps the verified ones and frees the rest.
         """
         req = self._requests.get(req_id)
         if req is None:
             return self._admit(req_id, token_ids, num_new_tokens, prefix_blocks, max_tokens, num_offloaded)
         if req.swapped is not None:
             raise ValueError(f"request {req_id!r} is swapped out; swap_in first")
-        return self._append(req, token_ids, num_new_tokens)
+        return self._append(req, token_ids, num_new_tokens, num_lookahead)
+
+    def accept_lookahead(self, req_id: str, token_ids: Sequence[int], num_accepted: int) -> None:
+        """After a speculative step: hold `num_accepted` more tokens (verified drafts, now in token_ids),
+        hash the blocks they fill, and give back every block past them (it holds only rejected drafts)."""
+        req = self._running(req_id)
+        req.num_tokens += num_accepted
+        if req.num_tokens > len(token_ids):
+            raise ValueError(f"{req.num_tokens} tokens held but only {len(token_ids)} token ids given")
+        keep = max(_cdiv(req.num_tokens, self.block_size), req.num_owned_blocks)
+        if len(req.blocks) > keep:
+            self.pool.free_blocks(reversed(req.blocks[keep:]))
+            del req.blocks[keep:]
+        if self.enable_prefix_caching and req.num_tokens // self.block_size > len(req.hashes):
+            self._cache_full_blocks(req, token_ids)
 
     def _admit(self, req_id: str, token_ids: Sequence[int], num_new_tokens: int, prefix_blocks: Sequence[int],
                max_tokens: int | None, num_offloaded: int) -> list[BlockCopy] | None:
@@ -311,15 +329,17 @@ class KVCacheManager:
             self._cache_full_blocks(req, token_ids)
         return []
 
-    def _append(self, req: _Request, token_ids: Sequence[int], num_new_tokens: int) -> list[BlockCopy] | None:
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+    def _append(self, req: _Request, token_ids: Sequence[int], num_new_tokens: int,
+                num_lookahead: int = 0) -> list[BlockCopy] | None:
+        if num_new_tokens < 0 or num_lookahead < 0:
+            raise ValueError(f"token counts must be >= 0, got {num_new_tokens} and {num_lookahead}")
         bs, table, pool = self.block_size, req.blocks, self.pool
         held = req.num_tokens
         target = held + num_new_tokens
         if target > len(token_ids):
             raise ValueError(f"{target} tokens to hold but only {len(token_ids)} token ids given")
-        needed = _cdiv(target, bs)
+        req.num_owned_blocks = max(len(table), _cdiv(target, bs))   # past it: lookahead only
+        needed = _cdiv(target + num_lookahead, bs)
         grow = max(0, needed - len(table))
         shared = [i for i in range(held // bs, min(len(table), needed)) if table[i].ref_count > 1]
         if grow + len(shared) > pool.num_free:

@@ -58,6 +58,9 @@ _COUNTERS = (
     ("generation_tokens", "generation_tokens", "Tokens generated."),
     ("kv_offload_hits", "offload_hits", "Prompt tokens loaded back from the host-memory or disk KV tiers."),
     ("kv_offload_saved_blocks", "offload_saved_blocks", "Evicted KV blocks kept in the host-memory or disk tiers."),
+    ("spec_decode_num_drafts", "spec_num_drafts", "Speculative steps of a sequence (each with its drafts)."),
+    ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Speculative tokens proposed."),
+    ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Speculative tokens accepted."),
 )
 
 

@@ -242,6 +242,7 @@
       running: get("num_requests_running"), waiting: get("num_requests_waiting"), swapped: get("num_requests_swapped"),
       hitNow: dq > 0 ? (hits - prev.hits) / dq : null, hitAll: queries ? hits / queries : null,
       capacity: get("kv_cache_capacity_tokens"), preemptions: get("num_preemptions_total"),
+      drafted: get("spec_decode_num_draft_tokens_total"), accepted: get("spec_decode_num_accepted_tokens_total"),
     };
   }
 
@@ -253,6 +254,9 @@
     $("card-reqs-sub").textContent = `running / waiting; ${row.swapped} swapped, ${row.preemptions} preemptions`;
     $("card-hit").textContent = row.hitAll == null ? "—" : pct(row.hitAll);
     $("card-hit-sub").textContent = `${snap.prefix_hits} of ${snap.prefix_queries} prompt tokens from cache`;
+    $("card-spec-box").hidden = !row.drafted;     // only with --speculative-config
+    $("card-spec").textContent = row.drafted ? pct(row.accepted / row.drafted) : "—";
+    $("card-spec-sub").textContent = `${row.accepted} of ${row.drafted} draft tokens`;
     $("card-cap").textContent = `${row.capacity.toLocaleString()} tok`;
     $("card-cap-sub").textContent = `${snap.num_blocks} blocks × ${snap.block_size} tokens`;
     $("pool-summary").textContent = `${snap.num_blocks} blocks of ${snap.block_size} tokens · ` +

@@ -1,0 +1,92 @@
+"""n-gram speculative decoding: drafts from the sequence's own tokens, verified in the same forward.
+
+The proposer looks for the longest suffix of the sequence (prompt_lookup_max
+down to prompt_lookup_min tokens) that occurred before, and proposes the tokens
+that followed its latest earlier occurrence. The scheduler gives a decoding
+sequence 1 + k rows (its last token and k drafts); their logits come back
+together. Verification samples each row in turn with the sequence's own
+parameters and random stream, exactly as plain decoding would, and keeps going
+while the sampled token equals the draft. For a draft that is one fixed token
+this is rejection sampling (accept with probability p(draft), else draw from p
+without it), so the output distribution is the target's, and a greedy or seeded
+request gives the same tokens with or without speculation.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedkv.config import ConfigError
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    method: str = "ngram"
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
+        """vLLM's --speculative-config: a JSON object (or a dict from Python); None turns it off."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
+        unknown = set(value) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        if unknown:
+            raise ConfigError(f"--speculative-config: unsupported keys {sorted(unknown)}")
+        if value.get("method", "ngram") != "ngram":
+            raise ConfigError(f"--speculative-config: method {value.get('method')!r} is not supported (only ngram)")
+        k = value.get("num_speculative_tokens")
+        hi = value.get("prompt_lookup_max", 4)
+        lo = value.get("prompt_lookup_min", 1)
+        for name, v in (("num_speculative_tokens", k), ("prompt_lookup_max", hi), ("prompt_lookup_min", lo)):
+            if type(v) is not int or v < 1:
+                raise ConfigError(f"--speculative-config: {name} must be a positive integer, got {v!r}")
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"--speculative-config: num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}")
+        if lo > hi:
+            raise ConfigError("--speculative-config: prompt_lookup_min must be <= prompt_lookup_max")
+        return cls(k, hi, lo)
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        """Up to min(k, max_drafts) tokens that followed the latest earlier match of the longest suffix."""
+        k = min(self.config.num_speculative_tokens, max_drafts)
+        if k <= 0:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        n_tokens = len(tokens)
+        for n in range(min(self.config.prompt_lookup_max, n_tokens - 1), self.config.prompt_lookup_min - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)   # every start before the suffix
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return tokens[start:start + k].tolist()
+        return []
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's counters: steps that drafted, tokens drafted, drafts accepted."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
