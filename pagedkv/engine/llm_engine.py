@@ -14,11 +14,13 @@ import torch
 
 from pagedkv.config import ConfigError, EngineConfig, format_size
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
+from pagedkv.engine.logits_processors import bad_words_token_ids
 from pagedkv.engine.request import RequestOutput, SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import Sequence, SequenceGroup
+from pagedkv.engine.structured import StructuredOutputs
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.offload import KVOffload
 from pagedkv.kv.storage import KVStorage
@@ -138,7 +140,8 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS,
                                    preemption_mode=config.preemption_mode)
         self.runner = ModelRunner(self.loaded.model, self.storage, host, self.kv, self.device, self.offload)
-        self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, self.structured)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.groups: dict[str, SequenceGroup] = {}
         self.prompt_tokens_total = 0
@@ -158,9 +161,12 @@ class LLMEngine:
         n_prompt = len(prompt_ids)
         if n_prompt == 0:
             raise ConfigError("the prompt is empty")
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [t for t in [*prompt_ids, *params.token_ids_used()]
+               if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ConfigError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)   # cached: the server compiled it already
         if n_prompt >= self.max_model_len:
             raise ConfigError(f"the prompt has {n_prompt} tokens, but max_model_len is {self.max_model_len}: "
                               "no room is left for output")
@@ -183,8 +189,10 @@ class LLMEngine:
                     add_special_tokens: bool = True) -> SequenceGroup:
         if request_id in self.groups:
             raise ConfigError(f"request id {request_id!r} is already in use")
-        prompt_ids = self.tokenize(prompt, add_special_tokens)
+        prompt_ids = params.truncate(self.tokenize(prompt, add_special_tokens), self.max_model_len)
         max_tokens = self.validate(prompt_ids, params)
+        if params.bad_words and not params.bad_words_token_ids:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         group = SequenceGroup.create(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
                                      params, max_tokens)
         init_offsets(group.seqs[0])
@@ -224,8 +232,9 @@ class LLMEngine:
         result = self.sampler(logits, seqs)
         now = time.monotonic()
         touched: dict[str, SequenceGroup] = {}
-        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
-            self._append(seq, token, lp, now)
+        done = result.grammar_done or [False] * len(seqs)
+        for seq, token, lp, grammar_done in zip(seqs, result.token_ids, result.logprobs, done):
+            self._append(seq, token, lp, now, grammar_done)
             touched[seq.group.request_id] = seq.group
         outputs = []
         for rid, group in touched.items():
@@ -252,7 +261,7 @@ class LLMEngine:
                     seqs.append(child)
         return rows, seqs
 
-    def _append(self, seq: Sequence, token: int, logprob, now: float) -> None:
+    def _append(self, seq: Sequence, token: int, logprob, now: float, grammar_done: bool = False) -> None:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
@@ -270,6 +279,8 @@ class LLMEngine:
         elif token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif grammar_done:   # the structured output is complete: nothing else may follow
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= seq.group.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"

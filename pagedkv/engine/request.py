@@ -10,6 +10,35 @@ from pagedkv.config import require
 
 
 @dataclass
+class StructuredOutputsParams:
+    """One output constraint (vLLM's class of the same name): exactly one of the fields is set.
+
+    `grammar` is a Lark grammar as llguidance takes it (GBNF is converted); `json_object` means
+    any JSON object.
+    """
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        require(len(set_) == 1, "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {', '.join(set_) or 'none'}")
+        require(self.choice is None or (isinstance(self.choice, list) and self.choice
+                                        and all(isinstance(c, str) for c in self.choice)),
+                "structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def key(self) -> str:
+        """A stable identity for the grammar cache."""
+        import json as _json
+        return _json.dumps([self.json, self.regex, self.choice, self.grammar, self.json_object],
+                           sort_keys=True)
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0          # 0 = greedy
@@ -27,12 +56,25 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None       # number of top alternatives to return per token
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True   # as vLLM with a fast tokenizer: decode() joins as is
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None       # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None       # only these may be drawn
+    bad_words: list[str] | None = None               # never completed (vLLM's semantics)
+    prompt_logprobs: int | None = None               # top alternatives per prompt token
+    truncate_prompt_tokens: int | None = None        # keep only the last N prompt tokens (-1: max_model_len)
+    structured_outputs: StructuredOutputsParams | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)   # set by the engine
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self.validate()
 
     def validate(self) -> None:
@@ -52,6 +94,35 @@ class SamplingParams:
         need(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs must be in [0, 20]")
         need(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        self._validate_token_fields()
+
+    def _validate_token_fields(self) -> None:
+        need = require
+        need(all(-100 <= v <= 100 for v in (self.logit_bias or {}).values()),
+             "logit_bias values must be in [-100, 100]")
+        need(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list)
+                                                and len(self.allowed_token_ids) > 0),
+             "allowed_token_ids must be a non-empty list of token ids")
+        need(all(isinstance(w, str) and w.strip() for w in self.bad_words or []),
+             "bad_words must be non-empty strings")
+        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                              and 0 <= self.prompt_logprobs <= 20),
+             "prompt_logprobs must be in [0, 20]")
+        need(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
+                                                     and (self.truncate_prompt_tokens >= 1
+                                                          or self.truncate_prompt_tokens == -1)),
+             f"truncate_prompt_tokens must be -1 or >= 1, got {self.truncate_prompt_tokens}")
+
+    def truncate(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as the model sees it: its last truncate_prompt_tokens tokens when that is set."""
+        n = self.truncate_prompt_tokens
+        if n is None:
+            return prompt_ids
+        return prompt_ids[-(max_model_len if n == -1 else n):]
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id the parameters name (checked against the vocabulary by the engine)."""
+        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
 
     @property
     def greedy(self) -> bool:

@@ -85,6 +85,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as Hugging Face's tokenizer.json (what llguidance reads)."""
+        return self._tok.to_str()
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render messages with the model's template (its raise_exception becomes a ConfigError)."""
         if not self.chat_template:
