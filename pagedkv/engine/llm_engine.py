@@ -14,6 +14,7 @@ import torch
 
 from pagedkv.config import ConfigError, EngineConfig, format_size
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
+from pagedkv.engine import prompt_logprobs
 from pagedkv.engine.logits_processors import bad_words_token_ids
 from pagedkv.engine.request import RequestOutput, SamplingParams
 from pagedkv.engine.runner import ModelRunner
@@ -221,6 +222,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         logits = self.runner.execute(out)
+        prompt_logprobs.record(self.runner.model, out.scheduled)
         sampling = [s.seq for s in out.scheduled if s.samples]
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens

@@ -135,6 +135,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
+    rank: int | None = None            # of the chosen token (1 = most likely); set for prompt logprobs
 
 
 @dataclass
@@ -167,3 +168,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[Logprob | None] | None = None   # the first prompt token has none

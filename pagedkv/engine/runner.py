@@ -88,6 +88,19 @@ class ModelRunner:
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         return input_ids, pos_t, meta, sample_rows
 
+    @staticmethod
+    def attach_prompt_hidden(out: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """Requests asking for prompt_logprobs get the hidden rows of the prompt positions not yet scored."""
+        row = 0
+        for s in out.scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            if seq.params.prompt_logprobs is not None:
+                first = max(start, len(seq.group.prompt_logprobs))
+                last = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+                if first < last:
+                    s.prompt_hidden = (first, hidden[row + first - start:row + last - start])
+            row += s.num_new_tokens
+
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Run one step; returns float32 logits [num sampling seqs, vocab] (None if nothing samples)."""
         self.apply_copies(out)
@@ -95,6 +108,7 @@ class ModelRunner:
             return None
         input_ids, positions, meta, rows = self.prepare(out)
         hidden = self.model(input_ids, positions, self.storage.kv_caches, meta)
+        self.attach_prompt_hidden(out, hidden)
         if not rows:
             return None
         return self.model.compute_logits(hidden[rows]).float().cpu()

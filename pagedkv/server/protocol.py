@@ -115,6 +115,8 @@ class _SamplingRequest(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _extension_params(self) -> dict:
+        if self.stream and self.prompt_logprobs is not None:
+            raise ConfigError("prompt_logprobs is not available when stream is true")
         try:
             bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         except ValueError:
@@ -149,11 +151,16 @@ class CompletionRequest(_SamplingRequest):
     add_special_tokens: bool = True
 
     def sampling_params(self) -> SamplingParams:
+        if self.stream and self.echo and self.logprobs is not None:
+            raise ConfigError("echo with logprobs is not available when stream is true")
         if self.suffix:
             raise ConfigError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ConfigError("best_of other than n is not supported")
-        return self._params(self.max_tokens, self.logprobs)
+        params = self._params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:   # the echoed prompt's tokens get logprobs too
+            params.prompt_logprobs = max(params.prompt_logprobs or 0, self.logprobs)
+        return params
 
 
 class ChatMessage(_Strict):
@@ -224,8 +231,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []            # None: the first prompt token under echo
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 
@@ -235,6 +242,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[dict[int, dict] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -281,6 +289,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[int, dict] | None] | None = None
 
 
 class ChatDelta(BaseModel):

@@ -126,6 +126,21 @@ def token_decoder(tokenizer, as_ids: bool = False) -> Callable[[int], str]:
     return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def prompt_logprobs_json(token: Callable[[int], str], items: list[Logprob | None] | None) -> list | None:
+    """vLLM's shape: per prompt token, None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    if items is None:
+        return None
+
+    def entry(value: float, rank: int | None, token_id: int) -> dict:
+        return {"logprob": max(value, MIN_LOGPROB), "rank": rank, "decoded_token": token(token_id)}
+    out: list[dict | None] = [None]
+    for lp in items[1:]:
+        top = {t: entry(v, r, t) for r, (t, v) in enumerate(lp.top.items(), 1)}
+        top[lp.token_id] = entry(lp.logprob, lp.rank, lp.token_id)
+        out.append(top)
+    return out
+
+
 def request_id(prefix: str, given: str | None) -> str:
     return f"{prefix}-{given if given else uuid.uuid4().hex}"
 
@@ -175,7 +190,8 @@ class _Format(ABC):
         """One stream chunk: choice `index` grew by `text` (which starts at character `offset`)."""
 
     @abstractmethod
-    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage) -> BaseModel:
+    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage,
+                 finals: list[RequestOutput]) -> BaseModel:
         """The whole non-streamed answer."""
 
     @abstractmethod
@@ -197,18 +213,32 @@ class _CompletionFormat(_Format):
         return [api.CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[
             api.CompletionChoice(index=i, text=self._echo(i))]) for i in range(num_choices)]
 
-    def logprobs(self, items: list[Logprob] | None, offset: int) -> api.CompletionLogprobs | None:
+    def logprobs(self, items: list[Logprob | int] | None, offset: int) -> api.CompletionLogprobs | None:
+        """A bare token id is the first prompt token under echo: nothing precedes it to score it."""
         if items is None:
             return None
         out = api.CompletionLogprobs()
         for lp in items:
-            text = self.token(lp.token_id)
+            text = self.token(lp if isinstance(lp, int) else lp.token_id)
             out.tokens.append(text)
-            out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
-            out.top_logprobs.append({self.token(t): max(v, MIN_LOGPROB) for t, v in lp.top.items()})
+            if isinstance(lp, int):
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
+                out.top_logprobs.append({self.token(t): max(v, MIN_LOGPROB) for t, v in lp.top.items()})
             out.text_offset.append(offset)
             offset += len(text)
         return out
+
+    def _choice(self, i: int, o: CompletionOutput, prompt: RequestOutput) -> api.CompletionChoice:
+        items = o.logprobs
+        if self.echo and items is not None:   # echo with logprobs: the prompt's tokens come first
+            items = [prompt.prompt_token_ids[0], *prompt.prompt_logprobs[1:], *items]
+        return api.CompletionChoice(
+            index=i, text=self._echo(i) + o.text, logprobs=self.logprobs(items, 0),
+            finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+            prompt_logprobs=prompt_logprobs_json(self.token, prompt.prompt_logprobs))
 
     def chunk(self, index: int, text: str, logprobs: list[Logprob] | None, offset: int,
               o: CompletionOutput, finished: bool) -> BaseModel:
@@ -218,11 +248,10 @@ class _CompletionFormat(_Format):
                 finish_reason=o.finish_reason if finished else None,
                 stop_reason=o.stop_reason if finished else None)])
 
-    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage) -> BaseModel:
+    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage,
+                 finals: list[RequestOutput]) -> BaseModel:
         return api.CompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage, choices=[
-            api.CompletionChoice(index=i, text=self._echo(i) + o.text, logprobs=self.logprobs(o.logprobs, 0),
-                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-            for i, o in choices])
+            self._choice(i, o, finals[i // self.n]) for i, o in choices])
 
     def usage_chunk(self, usage: api.Usage) -> BaseModel:
         return api.CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
@@ -255,7 +284,7 @@ class _ChatFormat(_Format):
                 for i in range(num_choices)]
 
     def chunk(self, index: int, text: str, logprobs: list[Logprob] | None, offset: int,
-              o: CompletionOutput, finished: bool) -> BaseModel:
+              o: CompletionOutput, finished: bool) -> BaseModel | None:
         calls = None
         finish = o.finish_reason if finished else None
         if self.parser is not None:
@@ -263,6 +292,8 @@ class _ChatFormat(_Format):
             text, calls = stream.update(o.text, finished)
             if stream.calls and finish == "stop":
                 finish = "tool_calls"
+            if not (text or calls or logprobs or finished):
+                return None   # nothing the client can use yet (a tool call still being written)
         return self._chunk([api.ChatChunkChoice(
             index=index, delta=api.ChatDelta(content=text or None, tool_calls=calls or None),
             logprobs=self.logprobs(logprobs), finish_reason=finish)])
@@ -278,14 +309,16 @@ class _ChatFormat(_Format):
                 return api.ChatResponseMessage(content=content if content.strip() else None, tool_calls=calls), finish
         return api.ChatResponseMessage(content=self.echo + o.text), o.finish_reason
 
-    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage) -> BaseModel:
+    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage,
+                 finals: list[RequestOutput]) -> BaseModel:
         out = []
         for i, o in choices:
             message, finish = self.message(o)
             out.append(api.ChatChoice(index=i, message=message, logprobs=self.logprobs(o.logprobs),
                                       finish_reason=finish, stop_reason=o.stop_reason))
         return api.ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage,
-                                          choices=out)
+                                          choices=out, prompt_logprobs=prompt_logprobs_json(
+                                              self.token, finals[0].prompt_logprobs))
 
     def usage_chunk(self, usage: api.Usage) -> BaseModel:
         return self._chunk([], usage)
@@ -351,7 +384,7 @@ class OpenAIServing:
             if not stream:
                 finals = await until_disconnect(request, self._collect(events, len(prompts)))
                 check_not_aborted(finals)
-                body = fmt.response(numbered_choices(finals, params.n), usage_of(finals)).model_dump_json()
+                body = fmt.response(numbered_choices(finals, params.n), usage_of(finals), finals).model_dump_json()
                 return Response(body, media_type="application/json")
             first = await until_disconnect(request, anext(events))
         except BaseException as e:

@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass
 
 from pagedkv.config import ConfigError
+from pagedkv.engine.structured import JSON_OPTIONS
 from pagedkv.server.tool_parsers import HermesToolParser
 
 HERMES_SYSTEM_PROMPT = (
@@ -65,7 +66,7 @@ def call_grammar(tools: list, single: bool) -> str:
                 "properties": {"name": {"const": t.function.name},
                                "arguments": t.function.parameters or {"type": "object"}}}
                for t in tools]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema = dict(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, **{"x-guidance": JSON_OPTIONS})
     call = '"<tool_call>\\n" %json ' + json.dumps(schema) + ' "\\n</tool_call>"'
     return f"start: call{'' if single else ' (chr_nl call)*'}\nchr_nl: \"\\n\"\ncall: {call}\n"
 
