@@ -19,7 +19,6 @@ import weakref
 from collections import OrderedDict
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 
 from pagedkv.config import ConfigError
@@ -98,9 +97,10 @@ class StructuredOutputs:
         if not rows:
             return
         batch, vocab = logits.shape
-        bitmask = torch.full(llg_torch.get_bitmask_shape(batch, vocab), -1, dtype=torch.int32)
-        for i in rows:
-            llg_torch.fill_next_token_bitmask(self._matcher(seqs[i]), bitmask, i)
+        bitmask = torch.full((batch, (vocab + 31) // 32), -1, dtype=torch.int32)
+        row_bytes = bitmask.shape[1] * 4
+        for i in rows:   # llguidance writes the row in place (llguidance.torch would import torch.compile)
+            self._matcher(seqs[i]).unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
         allowed = ((bitmask[:, :, None] >> _BITS) & 1).view(batch, -1)[:, :vocab].bool()
         logits.masked_fill_(~allowed, float("-inf"))
         dead = torch.isneginf(logits).all(-1)
