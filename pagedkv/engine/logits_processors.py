@@ -37,12 +37,15 @@ def completing_tokens(output: list[int], words: list[list[int]]) -> list[int]:
 
 
 def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:
-    """Each bad word tokenized as it starts the text and, when that differs, after a space (as vLLM)."""
+    """Each bad word tokenized as it starts the text and, when that differs, after a space.
+
+    vLLM keeps the spaced form only when it has as many tokens; here it is always kept, so " quick"
+    is banned with "quick" even where the tokenizer has a single token for the spaced word."""
     out: list[list[int]] = []
     for word in bad_words:
         alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         out.append(alone)
-        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+        if spaced and spaced != alone:
             out.append(spaced)
     return out
