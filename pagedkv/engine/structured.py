@@ -4,9 +4,11 @@ Compiling a grammar (a JSON schema, a regex, a Lark grammar) takes from microsec
 so the server compiles it off the engine thread before the request is queued (a grammar that does
 not compile is a 400 then) and keeps compiled matchers in a small LRU cache: the engine thread only
 deep-copies one per sequence. Each step the sampler gets one int32 bitmask for the whole batch
-(rows without a grammar allow every token), each constrained row filled by its own matcher, applied
-with one masked_fill. The sampled tokens are fed back to the matchers; a sequence whose grammar
-can take no more tokens is finished.
+(rows without a grammar allow every token), each constrained row filled by its matcher (one after
+the other: llguidance's thread pool, LLExecutor, measured slower on a busy 2-core CPU), and applies
+it in one pass: a byte lookup table turns the bits into 0 / -inf logit offsets, added to the logits
+(branch-free; masked_fill with a mixed mask ran 7x slower). The sampled tokens are fed back to the
+matchers; a sequence whose grammar can take no more tokens is finished.
 
 JSON is generated compact (no optional whitespace): the same values, and a model cannot pad the
 output with blank lines until max_tokens.
@@ -27,7 +29,8 @@ from pagedkv.engine.sequence import Sequence
 
 CACHE_SIZE = 64
 JSON_OPTIONS = {"whitespace_flexible": False}
-_BITS = torch.arange(32, dtype=torch.int32)
+# byte value -> its 8 bits as logit offsets (0: allowed, -inf: not): unpacking the bitmask is one gather
+_BYTE_BIAS = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
 
 
 def grammar_of(spec: StructuredOutputsParams) -> str:
@@ -99,11 +102,11 @@ class StructuredOutputs:
         batch, vocab = logits.shape
         bitmask = torch.full((batch, (vocab + 31) // 32), -1, dtype=torch.int32)
         row_bytes = bitmask.shape[1] * 4
-        for i in rows:   # llguidance writes the row in place (llguidance.torch would import torch.compile)
+        for i in rows:   # llguidance writes each row in place, the GIL released
             self._matcher(seqs[i]).unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
-        allowed = ((bitmask[:, :, None] >> _BITS) & 1).view(batch, -1)[:, :vocab].bool()
-        logits.masked_fill_(~allowed, float("-inf"))
-        dead = torch.isneginf(logits).all(-1)
+        bias = _BYTE_BIAS.index_select(0, bitmask.view(torch.uint8).view(-1).long())
+        logits.add_(bias.view(batch, -1)[:, :vocab])   # branch-free: masked_fill is 7x slower on mixed masks
+        dead = logits.amax(-1) == float("-inf")
         if bool(dead.any()):   # another rule (min_tokens, bad_words) took the grammar's last tokens
             eos = sorted(self._tokenizer.eos_token_ids)
             logits[dead.nonzero().squeeze(1)[:, None], torch.tensor(eos)[None, :]] = 0.0
