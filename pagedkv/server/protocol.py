@@ -68,6 +68,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's; not implemented: a 400 when true
 
 
 class _SamplingRequest(_Strict):
@@ -115,6 +116,8 @@ class _SamplingRequest(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _extension_params(self) -> dict:
+        if self.stream_options and self.stream_options.continuous_usage_stats:
+            raise ConfigError("stream_options.continuous_usage_stats is not supported by pagedkv")
         if self.stream and self.prompt_logprobs is not None:
             raise ConfigError("prompt_logprobs is not available when stream is true")
         try:
