@@ -196,3 +196,23 @@ def test_bad_tool_requests_are_400(client, kw, words):
 def test_tool_choice_without_tools_is_400(client):
     with pytest.raises(openai.BadRequestError, match="tool_choice needs tools"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, tool_choice="required")
+
+
+@pytest.mark.slow
+def test_default_model_calls_a_tool_and_answers_in_json():
+    """SmolLM2 (real weights, GGUF tokenizer through llguidance): a forced call and a JSON answer."""
+    with ServerProcess(None, "--max-model-len", "2048", "--kv-cache-memory", "256MiB",
+                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as srv:
+        c = srv.openai()
+        name = c.models.list().data[0].id
+        r = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "Weather in Paris for 3 days?"}],
+                                      tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                      max_tokens=80, temperature=0)
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls"
+        check_call(call.function.name, call.function.arguments)
+        fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+        r = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "Paris, 3 days, as JSON"}],
+                                      response_format=fmt, max_tokens=60, temperature=0)
+        jsonschema.validate(json.loads(r.choices[0].message.content), WEATHER)
+        srv.wait_idle()
