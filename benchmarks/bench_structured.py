@@ -7,6 +7,7 @@ constrained row + one masked_fill over [batch, vocab]) per step.
 
     python benchmarks/bench_structured.py [--batch 1 8 32] [--steps 64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,25 +21,37 @@ from pagedkv.engine.request import SamplingParams, StructuredOutputsParams
 from pagedkv.engine.sequence import SequenceGroup
 from pagedkv.engine.structured import StructuredOutputs
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
-                         "city": {"enum": ["Paris", "Oslo", "Lima", "Kyoto"]},
-                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}}}}
-GRAMMARS = {"json_schema": StructuredOutputsParams(json=SCHEMA),
-            "regex": StructuredOutputsParams(regex=r"[A-Z][a-z]{2,12}( [A-Z][a-z]{2,12}){0,4}\."),
-            "choice": StructuredOutputsParams(choice=[f"option number {i}" for i in range(50)])}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "city", "tags"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer"},
+        "city": {"enum": ["Paris", "Oslo", "Lima", "Kyoto"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}},
+    },
+}
+GRAMMARS = {
+    "json_schema": StructuredOutputsParams(json=SCHEMA),
+    "regex": StructuredOutputsParams(regex=r"[A-Z][a-z]{2,12}( [A-Z][a-z]{2,12}){0,4}\."),
+    "choice": StructuredOutputsParams(choice=[f"option number {i}" for i in range(50)]),
+}
 
 
 def default_tokenizer():
     """SmolLM2's tokenizer, from the installed default model."""
     from pagedkv.model.loader import load_model
+
     loaded = load_model(None, torch.float32, torch.device("cpu"))
     return loaded.tokenizer, loaded.config.vocab_size
 
 
 def new_seqs(spec: StructuredOutputsParams, batch: int, steps: int) -> list:
     params = SamplingParams(max_tokens=steps, structured_outputs=spec)
-    return [SequenceGroup.create(f"r{i}", None, [1, 2, 3], params, steps).seqs[0] for i in range(batch)]
+    return [
+        SequenceGroup.create(f"r{i}", None, [1, 2, 3], params, steps).seqs[0] for i in range(batch)
+    ]
 
 
 def hook_pass(structured: StructuredOutputs, spec, batch: int, steps: int, vocab: int):
@@ -63,8 +76,9 @@ def hook_pass(structured: StructuredOutputs, spec, batch: int, steps: int, vocab
     return times, chosen
 
 
-def mask_pass(structured: StructuredOutputs, spec, batch: int, steps: int, vocab: int,
-              chosen: list[list[int]]) -> list[float]:
+def mask_pass(
+    structured: StructuredOutputs, spec, batch: int, steps: int, vocab: int, chosen: list[list[int]]
+) -> list[float]:
     """The same token paths again, timing only llguidance's mask: µs per request per step."""
     seqs = new_seqs(spec, batch, steps)
     row = torch.full(((vocab + 31) // 32,), -1, dtype=torch.int32)
@@ -92,9 +106,10 @@ def main() -> None:
     tok, vocab = default_tokenizer()
     structured = StructuredOutputs(tok, vocab)
     t0 = time.perf_counter()
-    structured.lltokenizer   # built once per engine, on the first constrained request
+    structured.lltokenizer  # built once per engine, on the first constrained request
     print(f"# llguidance tokenizer built in {(time.perf_counter() - t0) * 1000:.0f} ms")
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread, vocab {vocab}")
+    cpu = platform.processor() or platform.machine()
+    print(f"# {cpu}, torch {torch.__version__}, 1 thread, vocab {vocab}")
     for name, spec in GRAMMARS.items():
         t0 = time.perf_counter()
         structured.compile(spec)
@@ -102,8 +117,12 @@ def main() -> None:
         for batch in args.batch:
             hook, chosen = hook_pass(structured, spec, batch, args.steps, vocab)
             mask = mask_pass(structured, spec, batch, args.steps, vocab, chosen)
-            print(f"{name:12s} batch {batch:3d}: mask {statistics.median(mask):7.1f} µs/request/step, "
-                  f"hook {statistics.median(hook):8.1f} µs/step ({len(chosen)} steps; compile {compile_ms:.1f} ms)")
+            print(
+                f"{name:12s} batch {batch:3d}: "
+                f"mask {statistics.median(mask):7.1f} µs/request/step, "
+                f"hook {statistics.median(hook):8.1f} µs/step "
+                f"({len(chosen)} steps; compile {compile_ms:.1f} ms)"
+            )
 
 
 if __name__ == "__main__":

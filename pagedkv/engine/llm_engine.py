@@ -167,7 +167,7 @@ class LLMEngine:
         if bad:
             raise ConfigError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
         if params.structured_outputs is not None:
-            self.structured.compile(params.structured_outputs)   # cached: the server compiled it already
+            self.structured.compile(params.structured_outputs)   # cached: the server compiled it
         if n_prompt >= self.max_model_len:
             raise ConfigError(f"the prompt has {n_prompt} tokens, but max_model_len is {self.max_model_len}: "
                               "no room is left for output")
@@ -263,7 +263,8 @@ class LLMEngine:
                     seqs.append(child)
         return rows, seqs
 
-    def _append(self, seq: Sequence, token: int, logprob, now: float, grammar_done: bool = False) -> None:
+    def _append(self, seq: Sequence, token: int, logprob, now: float,
+                grammar_done: bool = False) -> None:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)

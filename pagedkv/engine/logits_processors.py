@@ -1,6 +1,7 @@
 """Per-request token rules applied to the logits before sampling: logit_bias, allowed_token_ids,
 bad_words (all with vLLM's meaning). Only rows that set one of them cost anything.
 """
+
 from __future__ import annotations
 
 import torch
@@ -9,7 +10,7 @@ from pagedkv.engine.sequence import Sequence
 
 
 def apply_token_rules(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """In place: add logit_bias, keep only allowed_token_ids, forbid the token that completes a bad word."""
+    """In place: add logit_bias, keep allowed_token_ids only, forbid what completes a bad word."""
     vocab = logits.shape[1]
     for i, seq in enumerate(seqs):
         p = seq.params
@@ -31,7 +32,7 @@ def completing_tokens(output: list[int], words: list[list[int]]) -> list[int]:
     banned = []
     for word in words:
         head = word[:-1]
-        if not head or output[len(output) - len(head):] == head:
+        if not head or output[len(output) - len(head) :] == head:
             banned.append(word[-1])
     return banned
 

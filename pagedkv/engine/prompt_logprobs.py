@@ -5,6 +5,7 @@ The runner hands over the hidden rows of the prompt positions a step computed (s
 never holds a [prompt length x vocab] tensor. Such a request skips the prefix cache: a cached
 block's positions are never computed, so their logits would not exist.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,7 +16,7 @@ ROWS_PER_SLICE = 256
 
 
 def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor, k: int) -> list[Logprob]:
-    """Per row of log-probabilities: the chosen token's, its rank (1 = most likely) and the top k."""
+    """Per row of log-probabilities: the chosen token's, its rank (1 = most likely), the top k."""
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
     ranks = (logp > chosen[:, None]).sum(1) + 1
     top_vals, top_ids = logp.topk(k, -1) if k else (None, None)
@@ -35,7 +36,13 @@ def record(model, scheduled) -> None:
         s.prompt_hidden = None
         group = s.seq.group
         for at in range(0, len(hidden), ROWS_PER_SLICE):
-            logp = model.compute_logits(hidden[at:at + ROWS_PER_SLICE]).float().cpu().log_softmax(-1)
-            start = first + at + 1   # logits at position p give the probability of token p + 1
-            targets = torch.tensor(group.prompt_token_ids[start:start + len(logp)], dtype=torch.long)
-            group.prompt_logprobs.extend(token_logprobs(logp, targets, group.params.prompt_logprobs))
+            logp = (
+                model.compute_logits(hidden[at : at + ROWS_PER_SLICE]).float().cpu().log_softmax(-1)
+            )
+            start = first + at + 1  # logits at position p give the probability of token p + 1
+            targets = torch.tensor(
+                group.prompt_token_ids[start : start + len(logp)], dtype=torch.long
+            )
+            group.prompt_logprobs.extend(
+                token_logprobs(logp, targets, group.params.prompt_logprobs)
+            )

@@ -23,9 +23,10 @@ class StructuredOutputsParams:
     json_object: bool | None = None
 
     def __post_init__(self) -> None:
-        set_ = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
-        require(len(set_) == 1, "structured_outputs needs exactly one of json, regex, choice, grammar, "
-                f"json_object; got {', '.join(set_) or 'none'}")
+        kinds = ("json", "regex", "choice", "grammar", "json_object")
+        given = [k for k in kinds if getattr(self, k)]
+        require(len(given) == 1, f"structured_outputs needs exactly one of {', '.join(kinds)}; "
+                f"got {', '.join(given) or 'none'}")
         require(self.choice is None or (isinstance(self.choice, list) and self.choice
                                         and all(isinstance(c, str) for c in self.choice)),
                 "structured_outputs.choice must be a non-empty list of strings")
@@ -56,15 +57,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None       # number of top alternatives to return per token
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True   # as vLLM with a fast tokenizer: decode() joins as is
+    spaces_between_special_tokens: bool = True   # as vLLM with a fast tokenizer: no effect
     include_stop_str_in_output: bool = False
-    logit_bias: dict[int, float] | None = None       # token id -> added to its logit, in [-100, 100]
+    logit_bias: dict[int, float] | None = None       # token id -> added to its logit, [-100, 100]
     allowed_token_ids: list[int] | None = None       # only these may be drawn
     bad_words: list[str] | None = None               # never completed (vLLM's semantics)
     prompt_logprobs: int | None = None               # top alternatives per prompt token
-    truncate_prompt_tokens: int | None = None        # keep only the last N prompt tokens (-1: max_model_len)
+    truncate_prompt_tokens: int | None = None        # keep the last N prompt tokens (-1: all fit)
     structured_outputs: StructuredOutputsParams | None = None
-    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)   # set by the engine
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)   # by the engine
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -114,7 +115,7 @@ class SamplingParams:
              f"truncate_prompt_tokens must be -1 or >= 1, got {self.truncate_prompt_tokens}")
 
     def truncate(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt as the model sees it: its last truncate_prompt_tokens tokens when that is set."""
+        """The prompt as the model sees it: its last truncate_prompt_tokens tokens, if set."""
         n = self.truncate_prompt_tokens
         if n is None:
             return prompt_ids
@@ -135,7 +136,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
-    rank: int | None = None            # of the chosen token (1 = most likely); set for prompt logprobs
+    rank: int | None = None            # of the chosen token (1 = most likely); prompt logprobs only
 
 
 @dataclass

@@ -90,7 +90,7 @@ class ModelRunner:
 
     @staticmethod
     def attach_prompt_hidden(out: SchedulerOutput, hidden: torch.Tensor) -> None:
-        """Requests asking for prompt_logprobs get the hidden rows of the prompt positions not yet scored."""
+        """A request asking for prompt_logprobs gets the hidden rows of its unscored prompt."""
         row = 0
         for s in out.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens

@@ -116,7 +116,8 @@ class Scheduler:
             seq = self.waiting[0]
             every_position = seq.params.prompt_logprobs is not None   # cached blocks have no logits
             prefix = [] if every_position else self.kv.lookup_prefix(seq.token_ids)
-            offloaded = 0 if every_position else self.kv.lookup_offloaded(seq.token_ids, len(prefix))
+            offloaded = 0 if every_position else self.kv.lookup_offloaded(seq.token_ids,
+                                                                          len(prefix))
             n = min(len(seq.token_ids) - (len(prefix) + offloaded) * bs, budget)
             remaining = seq.group.max_tokens - seq.num_output_tokens
             copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n, prefix_blocks=prefix,

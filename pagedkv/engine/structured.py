@@ -1,4 +1,4 @@
-"""Structured outputs: grammars compiled by llguidance, one matcher per sequence, one bitmask a step.
+"""Structured outputs: llguidance grammars, one matcher per sequence, one bitmask per step.
 
 Compiling a grammar (a JSON schema, a regex, a Lark grammar) takes from microseconds to a second,
 so the server compiles it off the engine thread before the request is queued (a grammar that does
@@ -13,6 +13,7 @@ matchers; a sequence whose grammar can take no more tokens is finished.
 JSON is generated compact (no optional whitespace): the same values, and a model cannot pad the
 output with blank lines until max_tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,15 +30,19 @@ from pagedkv.engine.sequence import Sequence
 
 CACHE_SIZE = 64
 JSON_OPTIONS = {"whitespace_flexible": False}
-# byte value -> its 8 bits as logit offsets (0: allowed, -inf: not): unpacking the bitmask is one gather
-_BYTE_BIAS = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
+# byte value -> its 8 bits as logit offsets (0: allowed, -inf: not): unpacking is one gather
+_BYTE_BIAS = torch.where(
+    ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf")
+)
 
 
 def grammar_of(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar for one constraint (not yet checked)."""
     try:
         if spec.json_object:
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                {"type": "object"}, defaults=JSON_OPTIONS
+            )
         if spec.json is not None:
             schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
@@ -45,7 +50,7 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
             return llguidance.grammar_from("regex", spec.regex)
         if spec.choice is not None:
             return llguidance.grammar_from("choice", spec.choice)
-        return llguidance.grammar_from("grammar", spec.grammar)   # Lark, or GBNF converted to Lark
+        return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to Lark
     except (ValueError, TypeError) as e:
         raise ConfigError(f"structured output: {e}") from None
 
@@ -59,27 +64,32 @@ class StructuredOutputs:
         self._lltok: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
-        self._matchers: weakref.WeakKeyDictionary[Sequence, llguidance.LLMatcher] = weakref.WeakKeyDictionary()
+        self._matchers: weakref.WeakKeyDictionary[Sequence, llguidance.LLMatcher] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:
-        if self._lltok is None:   # built on first use: plain requests never pay for it
+        if self._lltok is None:  # built on first use: plain requests never pay for it
             tok = self._tokenizer
-            self._lltok = llguidance.LLTokenizer(tok.to_json(), n_vocab=self._vocab_size,
-                                                 eos_token=sorted(tok.eos_token_ids))
+            self._lltok = llguidance.LLTokenizer(
+                tok.to_json(), n_vocab=self._vocab_size, eos_token=sorted(tok.eos_token_ids)
+            )
         return self._lltok
 
     def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
-        """A fresh matcher for `spec`; ConfigError (a 400) if the grammar does not compile. Thread-safe."""
+        """A fresh matcher for `spec`; ConfigError (a 400) if it does not compile. Thread-safe."""
         key = spec.key
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key].deep_copy()
             lltok = self.lltokenizer
-        matcher = llguidance.LLMatcher(lltok, grammar_of(spec), log_level=0)   # drops the GIL
+        matcher = llguidance.LLMatcher(lltok, grammar_of(spec), log_level=0)  # drops the GIL
         if matcher.is_error():
-            raise ConfigError(f"structured output: the grammar does not compile: {matcher.get_error()}")
+            raise ConfigError(
+                f"structured output: the grammar does not compile: {matcher.get_error()}"
+            )
         with self._lock:
             self._cache[key] = matcher
             while len(self._cache) > CACHE_SIZE:
@@ -90,7 +100,7 @@ class StructuredOutputs:
         m = self._matchers.get(seq)
         if m is None:
             m = self.compile(seq.params.structured_outputs)
-            m.consume_tokens(seq.output_token_ids)   # empty, unless created after a fork
+            m.consume_tokens(seq.output_token_ids)  # empty, unless created after a fork
             self._matchers[seq] = m
         return m
 
@@ -102,12 +112,14 @@ class StructuredOutputs:
         batch, vocab = logits.shape
         bitmask = torch.full((batch, (vocab + 31) // 32), -1, dtype=torch.int32)
         row_bytes = bitmask.shape[1] * 4
-        for i in rows:   # llguidance writes each row in place, the GIL released
+        for i in rows:  # llguidance writes each row in place, the GIL released
             self._matcher(seqs[i]).unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
         bias = _BYTE_BIAS.index_select(0, bitmask.view(torch.uint8).view(-1).long())
-        logits.add_(bias.view(batch, -1)[:, :vocab])   # branch-free: masked_fill is 7x slower on mixed masks
+        logits.add_(
+            bias.view(batch, -1)[:, :vocab]
+        )  # branch-free: masked_fill is 7x slower on mixed masks
         dead = logits.amax(-1) == float("-inf")
-        if bool(dead.any()):   # another rule (min_tokens, bad_words) took the grammar's last tokens
+        if bool(dead.any()):  # another rule (min_tokens, bad_words) took the grammar's last tokens
             eos = sorted(self._tokenizer.eos_token_ids)
             logits[dead.nonzero().squeeze(1)[:, None], torch.tensor(eos)[None, :]] = 0.0
 
@@ -118,5 +130,5 @@ class StructuredOutputs:
             if seq.params.structured_outputs is not None:
                 m = self._matcher(seq)
                 m.consume_token(token)
-                done[i] = m.is_stopped()   # also true in an error state: the output cannot go on
+                done[i] = m.is_stopped()  # also true in an error state: the output cannot go on
         return done

@@ -103,12 +103,13 @@ class Tokenizer:
                             **kwargs: Any) -> str:
         """Render messages with the model's template, or `chat_template`; kwargs (tools, documents,
         chat_template_kwargs) become template variables. With continue_final_message the text ends
-        inside the last message, for the model to go on with it. Template errors are ConfigErrors."""
+        inside the last message, for the model to go on with it. Template errors: ConfigError."""
         template = chat_template or self.chat_template
         if not template:
             raise ConfigError("this model has no chat template")
         if continue_final_message and add_generation_prompt:
-            raise ConfigError("continue_final_message and add_generation_prompt cannot both be true")
+            raise ConfigError("continue_final_message and add_generation_prompt cannot both be "
+                              "true")
 
         def text(token_id: int | None) -> str:
             return (self._tok.id_to_token(token_id) or "") if token_id is not None else ""
@@ -122,7 +123,8 @@ class Tokenizer:
             last = messages[-1].get("content") if messages else None
             at = rendered.rfind(last) if last else -1
             if at == -1:
-                raise ConfigError("continue_final_message needs a last message with content the template shows")
+                raise ConfigError("continue_final_message needs a last message whose content the "
+                                  "template shows")
             rendered = rendered[:at + len(last)]
         return rendered
 

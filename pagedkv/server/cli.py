@@ -16,8 +16,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted")
-    p.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"')
-    p.add_argument("--tool-call-parser", default=None, help="how tool calls are read from the output: hermes")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto"')
+    p.add_argument("--tool-call-parser", default=None,
+                   help="how tool calls are read from the output: hermes")
     p.set_defaults(func=run)
 
 

@@ -11,7 +11,8 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, model_serializer,
+                      model_validator)
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.request import SamplingParams
@@ -128,7 +129,8 @@ class _SamplingRequest(_Strict):
                     spaces_between_special_tokens=self.spaces_between_special_tokens,
                     include_stop_str_in_output=self.include_stop_str_in_output,
                     allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-                    prompt_logprobs=self.prompt_logprobs, truncate_prompt_tokens=self.truncate_prompt_tokens,
+                    prompt_logprobs=self.prompt_logprobs,
+                    truncate_prompt_tokens=self.truncate_prompt_tokens,
                     structured_outputs=structured_spec(self))
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

@@ -5,6 +5,7 @@ The models are used by protocol.py's request classes; the resolution of the seve
 accepts to ask for structured output (`structured_outputs`, `guided_*`, `response_format`) into one
 `StructuredOutputsParams` lives here.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -16,17 +17,30 @@ from pagedkv.engine.request import StructuredOutputsParams
 
 # field -> the value that means "not used"; any other value is a 400 naming the field
 UNSUPPORTED: dict[str, Any] = {
-    "use_beam_search": False, "length_penalty": 1.0, "priority": 0, "cache_salt": None,
-    "logits_processors": None, "kv_transfer_params": None, "vllm_xargs": None, "prompt_embeds": None,
-    "mm_processor_kwargs": None, "return_token_ids": None, "guided_whitespace_pattern": None,
-    "audio": None, "modalities": None, "prediction": None, "web_search_options": None,
-    "functions": None, "function_call": None, "reasoning_effort": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "priority": 0,
+    "cache_salt": None,
+    "logits_processors": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "prompt_embeds": None,
+    "mm_processor_kwargs": None,
+    "return_token_ids": None,
+    "guided_whitespace_pattern": None,
+    "audio": None,
+    "modalities": None,
+    "prediction": None,
+    "web_search_options": None,
+    "functions": None,
+    "function_call": None,
+    "reasoning_effort": None,
 }
 GUIDED_BACKENDS = (None, "auto", "guidance", "llguidance")
 
 
 def reject_unsupported(data: Any) -> Any:
-    """A before-validator: a field pagedkv does not implement, set to something else than its default."""
+    """A before-validator: a field pagedkv does not implement, set to other than its default."""
     if isinstance(data, dict):
         for name, unused in UNSUPPORTED.items():
             if name in data and data[name] is not None and data[name] != unused:
@@ -93,7 +107,8 @@ class DeltaFunctionCall(BaseModel):
 
 
 class DeltaToolCall(BaseModel):
-    """One piece of a streamed tool call: the first carries id, type and name; later ones arguments."""
+    """A piece of a streamed tool call: the first has id, type and name; later ones arguments."""
+
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
@@ -105,29 +120,37 @@ class DeltaToolCall(BaseModel):
 
 
 def structured_spec(req) -> StructuredOutputsParams | None:
-    """The one output constraint a request asks for, from whichever field it used; 400 if several."""
+    """The one output constraint a request asks for, from whichever field; 400 if several."""
     if req.guided_decoding_backend not in GUIDED_BACKENDS:
-        raise ConfigError(f"guided_decoding_backend {req.guided_decoding_backend!r} is not available; "
-                          "pagedkv uses llguidance")
+        raise ConfigError(
+            f"guided_decoding_backend {req.guided_decoding_backend!r} is not available; "
+            "pagedkv uses llguidance"
+        )
     found: list[tuple[str, StructuredOutputsParams]] = []
     if req.structured_outputs is not None:
         found.append(("structured_outputs", _from_dict(req.structured_outputs)))
-    for field, key in (("guided_json", "json"), ("guided_regex", "regex"),
-                       ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+    for field, key in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
         value = getattr(req, field)
         if value is not None:
             found.append((field, StructuredOutputsParams(**{key: value})))
     if req.response_format is not None and req.response_format.type != "text":
         found.append(("response_format", _from_response_format(req.response_format)))
     if len(found) > 1:
-        raise ConfigError(f"only one output constraint may be given; got {', '.join(f for f, _ in found)}")
+        raise ConfigError(
+            f"only one output constraint may be given; got {', '.join(f for f, _ in found)}"
+        )
     return found[0][1] if found else None
 
 
 def _from_dict(data: dict) -> StructuredOutputsParams:
     data = {k: v for k, v in data.items() if v is not None}
     data.pop("backend", None)
-    data.pop("disable_any_whitespace", None)   # pagedkv's JSON never has optional whitespace
+    data.pop("disable_any_whitespace", None)  # pagedkv's JSON never has optional whitespace
     unknown = sorted(set(data) - {"json", "regex", "choice", "grammar", "json_object"})
     if unknown:
         raise ConfigError(f"structured_outputs.{unknown[0]} is not supported by pagedkv")

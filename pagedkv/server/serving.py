@@ -126,8 +126,9 @@ def token_decoder(tokenizer, as_ids: bool = False) -> Callable[[int], str]:
     return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def prompt_logprobs_json(token: Callable[[int], str], items: list[Logprob | None] | None) -> list | None:
-    """vLLM's shape: per prompt token, None (the first) or {token id: {logprob, rank, decoded_token}}."""
+def prompt_logprobs_json(token: Callable[[int], str],
+                         items: list[Logprob | None] | None) -> list | None:
+    """vLLM's shape: per prompt token, None (the first) or {id: {logprob, rank, decoded_token}}."""
     if items is None:
         return None
 
@@ -213,7 +214,8 @@ class _CompletionFormat(_Format):
         return [api.CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[
             api.CompletionChoice(index=i, text=self._echo(i))]) for i in range(num_choices)]
 
-    def logprobs(self, items: list[Logprob | int] | None, offset: int) -> api.CompletionLogprobs | None:
+    def logprobs(self, items: list[Logprob | int] | None,
+                 offset: int) -> api.CompletionLogprobs | None:
         """A bare token id is the first prompt token under echo: nothing precedes it to score it."""
         if items is None:
             return None
@@ -226,7 +228,8 @@ class _CompletionFormat(_Format):
                 out.top_logprobs.append(None)
             else:
                 out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
-                out.top_logprobs.append({self.token(t): max(v, MIN_LOGPROB) for t, v in lp.top.items()})
+                top = {self.token(t): max(v, MIN_LOGPROB) for t, v in lp.top.items()}
+                out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(text)
         return out
@@ -280,7 +283,8 @@ class _ChatFormat(_Format):
                                        usage=usage)
 
     def start(self, num_choices: int) -> list[BaseModel]:
-        return [self._chunk([api.ChatChunkChoice(index=i, delta=api.ChatDelta(role="assistant", content=self.echo))])
+        delta = api.ChatDelta(role="assistant", content=self.echo)
+        return [self._chunk([api.ChatChunkChoice(index=i, delta=delta)])
                 for i in range(num_choices)]
 
     def chunk(self, index: int, text: str, logprobs: list[Logprob] | None, offset: int,
@@ -306,7 +310,9 @@ class _ChatFormat(_Format):
             if calls:
                 content = self.echo + parsed.content
                 finish = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
-                return api.ChatResponseMessage(content=content if content.strip() else None, tool_calls=calls), finish
+                message = api.ChatResponseMessage(content=content if content.strip() else None,
+                                                  tool_calls=calls)
+                return message, finish
         return api.ChatResponseMessage(content=self.echo + o.text), o.finish_reason
 
     def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage,
@@ -316,9 +322,9 @@ class _ChatFormat(_Format):
             message, finish = self.message(o)
             out.append(api.ChatChoice(index=i, message=message, logprobs=self.logprobs(o.logprobs),
                                       finish_reason=finish, stop_reason=o.stop_reason))
-        return api.ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage,
-                                          choices=out, prompt_logprobs=prompt_logprobs_json(
-                                              self.token, finals[0].prompt_logprobs))
+        prompt_lps = prompt_logprobs_json(self.token, finals[0].prompt_logprobs)
+        return api.ChatCompletionResponse(id=self.id, model=self.model, created=self.created,
+                                          usage=usage, choices=out, prompt_logprobs=prompt_lps)
 
     def usage_chunk(self, usage: api.Usage) -> BaseModel:
         return self._chunk([], usage)
@@ -339,15 +345,18 @@ class OpenAIServing:
         self.check_model(req.model)
         params = req.sampling_params()
         tok = self.engine.tokenizer
-        encoded = [p if isinstance(p, list) else await encode(tok, p, add_special_tokens=req.add_special_tokens)
+        special = req.add_special_tokens
+        encoded = [p if isinstance(p, list) else await encode(tok, p, add_special_tokens=special)
                    for p in req.prompt]
         prompts = [params.truncate(ids, self.engine.max_model_len) for ids in encoded]
         echo = None
         if req.echo:   # the prompt as given, unless truncation cut it
-            echo = [p if isinstance(p, str) and len(ids) == len(full) else tok.decode(ids, skip_special_tokens=False)
+            echo = [p if isinstance(p, str) and len(ids) == len(full) else
+                    tok.decode(ids, skip_special_tokens=False)
                     for p, full, ids in zip(req.prompt, encoded, prompts)]
         fmt = _CompletionFormat(request_id("cmpl", req.request_id), self.engine.model_name,
-                                token_decoder(tok, req.return_tokens_as_token_ids), echo=echo, n=params.n)
+                                token_decoder(tok, req.return_tokens_as_token_ids), echo=echo,
+                                n=params.n)
         return await self._run(request, fmt, prompts, params, req.stream, req.include_usage)
 
     async def chat(self, req: api.ChatCompletionRequest, request: Request) -> Response:
@@ -356,22 +365,24 @@ class OpenAIServing:
         plan = plan_tools(req, self.engine.config.enable_auto_tool_choice)
         if plan.grammar is not None:
             if params.structured_outputs is not None:
-                raise ConfigError("tool_choice required or a named function cannot be combined with "
-                                  "response_format or structured outputs")
+                raise ConfigError("tool_choice required or a named function cannot be combined "
+                                  "with response_format or structured outputs")
             params.structured_outputs = StructuredOutputsParams(grammar=plan.grammar)
         tok = self.engine.tokenizer
         text = render_chat(tok, req)
-        prompt = await encode(tok, text, add_special_tokens=req.add_special_tokens)   # the template has BOS
+        prompt = await encode(tok, text, add_special_tokens=req.add_special_tokens)
         last = req.messages[-1]
         echo = (last.content or "") if req.echo and last.role == "assistant" else ""
         fmt = _ChatFormat(request_id("chatcmpl", req.request_id), self.engine.model_name,
-                          token_decoder(tok, req.return_tokens_as_token_ids), parser=plan.parser, echo=echo)
+                          token_decoder(tok, req.return_tokens_as_token_ids), parser=plan.parser,
+                          echo=echo)
         return await self._run(request, fmt, [prompt], params, req.stream, req.include_usage)
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
-        """Off the event loop and the engine thread; a grammar that does not compile is a 400 here."""
-        if params.structured_outputs is not None:
-            await asyncio.to_thread(self.engine.engine.structured.compile, params.structured_outputs)
+        """Off the event loop and the engine thread; a grammar that does not compile: 400 here."""
+        spec = params.structured_outputs
+        if spec is not None:
+            await asyncio.to_thread(self.engine.engine.structured.compile, spec)
 
     async def _run(self, request: Request, fmt: _Format, prompts: list[list[int]], params: SamplingParams,
                    stream: bool, include_usage: bool) -> Response:
@@ -384,7 +395,8 @@ class OpenAIServing:
             if not stream:
                 finals = await until_disconnect(request, self._collect(events, len(prompts)))
                 check_not_aborted(finals)
-                body = fmt.response(numbered_choices(finals, params.n), usage_of(finals), finals).model_dump_json()
+                answer = fmt.response(numbered_choices(finals, params.n), usage_of(finals), finals)
+                body = answer.model_dump_json()
                 return Response(body, media_type="application/json")
             first = await until_disconnect(request, anext(events))
         except BaseException as e:

@@ -1,4 +1,5 @@
-"""Tool calls in model output: Hermes-style `<tool_call>{"name": ..., "arguments": ...}</tool_call>`.
+"""Tool calls in model output, Hermes style:
+`<tool_call>{"name": ..., "arguments": ...}</tool_call>`.
 
 One parser serves both answers: `parse(text, final=True)` for the whole output, and the same call on
 the text so far while streaming, where it returns only what can no longer change (content before a
@@ -6,6 +7,7 @@ possible `<tool_call>`, a name once its closing quote is out, the arguments up t
 turn out to close the call). `ToolCallStream` turns successive parses into OpenAI's
 `delta.tool_calls` pieces, so the pieces of a stream add up to the non-streamed answer.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +25,7 @@ _DECODER = json.JSONDecoder()
 @dataclass
 class ParsedCall:
     name: str | None
-    arguments: str           # JSON text; while streaming, the part that can no longer change
+    arguments: str  # JSON text; while streaming, the part that can no longer change
     complete: bool
 
 
@@ -35,7 +37,7 @@ class ParsedOutput:
 
 @dataclass
 class HermesToolParser:
-    max_calls: int | None = None   # 1 when parallel_tool_calls is false: later calls are dropped
+    max_calls: int | None = None  # 1 when parallel_tool_calls is false: later calls are dropped
     start = "<tool_call>"
     end = "</tool_call>"
 
@@ -47,10 +49,10 @@ class HermesToolParser:
         for block in text[at:].split(self.start)[1:]:
             body, closed = block.split(self.end, 1)[0], self.end in block
             call = _parse_call(body, complete=closed or final)
-            if call is None:   # not a tool call after all (the model wrote the tag in prose)
+            if call is None:  # not a tool call after all (the model wrote the tag in prose)
                 return ParsedOutput(text if final else text[:at])
             calls.append(call)
-        del calls[self.max_calls or len(calls):]
+        del calls[self.max_calls or len(calls) :]
         return ParsedOutput(text[:at], calls)
 
 
@@ -76,20 +78,23 @@ def _parse_call(body: str, complete: bool) -> ParsedCall | None:
         return ParsedCall(name.group(1) if name else None, "{}" if complete else "", complete)
     try:
         _, end = _DECODER.raw_decode(body, args.end())
-        arguments = body[args.end():end]
+        arguments = body[args.end() : end]
     except ValueError:
         if complete:
             return None
-        arguments = body[args.end():].rstrip(" \t\r\n}")   # a closing brace may be the call's own
-    if complete and arguments.startswith('"'):   # arguments sent as a JSON string: its content
+        arguments = body[args.end() :].rstrip(" \t\r\n}")  # a closing brace may be the call's own
+    if complete and arguments.startswith('"'):  # arguments sent as a JSON string: its content
         arguments = json.loads(arguments)
     name_text = json.loads(f'"{name.group(1)}"') if name else None
     return ParsedCall(name_text, arguments, complete)
 
 
 def final_tool_calls(parsed: ParsedOutput) -> list[ToolCall]:
-    return [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
-            for c in parsed.calls if c.complete and c.name is not None]
+    return [
+        ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in parsed.calls
+        if c.complete and c.name is not None
+    ]
 
 
 def new_call_id() -> str:
@@ -105,6 +110,7 @@ class _SentCall:
 @dataclass
 class ToolCallStream:
     """What one streamed choice has sent: content characters and, per call, its id and arguments."""
+
     parser: HermesToolParser
     content: int = 0
     calls: list[_SentCall] = field(default_factory=list)
@@ -112,7 +118,7 @@ class ToolCallStream:
     def update(self, text: str, final: bool) -> tuple[str, list[DeltaToolCall]]:
         """The new content and tool call pieces since the last update."""
         parsed = self.parser.parse(text, final)
-        content = parsed.content[self.content:]
+        content = parsed.content[self.content :]
         self.content = max(self.content, len(parsed.content))
         deltas = []
         for i, call in enumerate(parsed.calls):
@@ -120,11 +126,21 @@ class ToolCallStream:
                 break
             if i == len(self.calls):
                 self.calls.append(_SentCall(new_call_id()))
-                deltas.append(DeltaToolCall(index=i, id=self.calls[i].id, type="function",
-                                            function=DeltaFunctionCall(name=call.name, arguments="")))
+                deltas.append(
+                    DeltaToolCall(
+                        index=i,
+                        id=self.calls[i].id,
+                        type="function",
+                        function=DeltaFunctionCall(name=call.name, arguments=""),
+                    )
+                )
             sent = self.calls[i]
             if len(call.arguments) > sent.arguments:
-                deltas.append(DeltaToolCall(index=i, function=DeltaFunctionCall(
-                    arguments=call.arguments[sent.arguments:])))
+                deltas.append(
+                    DeltaToolCall(
+                        index=i,
+                        function=DeltaFunctionCall(arguments=call.arguments[sent.arguments :]),
+                    )
+                )
                 sent.arguments = len(call.arguments)
         return content, deltas

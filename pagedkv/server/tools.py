@@ -1,4 +1,4 @@
-"""Tools in a chat request: what the chat template sees, which constraint the output gets, how it is read.
+"""Tools in a chat request: what the template sees, what constrains the output, how it is read.
 
 - `tool_choice` "none": the tools reach the template, the output is plain text (as vLLM).
 - "auto" (the default when tools are given): needs `--enable-auto-tool-choice --tool-call-parser
@@ -12,6 +12,7 @@ messages are rewritten the way Hermes models are trained: a system prompt listin
 (appended to the conversation's own system message, or as a new first message), assistant tool calls
 as `<tool_call>` blocks in the content and tool results as `<tool_response>` blocks.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,18 +23,26 @@ from pagedkv.engine.structured import JSON_OPTIONS
 from pagedkv.server.tool_parsers import HermesToolParser
 
 HERMES_SYSTEM_PROMPT = (
-    "You are a function calling AI model. You may call one or more functions to assist with the user "
-    "query. Here are the available tools: <tools> {tools} </tools>\n"
+    "You are a function calling AI model. You may call one or more functions to assist with the "
+    "user query. Here are the available tools: <tools> {tools} </tools>\n"
     "For each function call, return a JSON object with the function name and arguments within "
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
-_RESERVED_TEMPLATE_ARGS = {"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token"}
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+_RESERVED_TEMPLATE_ARGS = {
+    "messages",
+    "add_generation_prompt",
+    "tools",
+    "documents",
+    "bos_token",
+    "eos_token",
+}
 
 
 @dataclass
 class ToolPlan:
-    parser: HermesToolParser | None = None   # None: the output is plain text
-    grammar: str | None = None               # Lark grammar forcing the calls (required / named)
+    parser: HermesToolParser | None = None  # None: the output is plain text
+    grammar: str | None = None  # Lark grammar forcing the calls (required / named)
 
 
 def plan_tools(req, auto_tool_choice: bool) -> ToolPlan:
@@ -47,32 +56,46 @@ def plan_tools(req, auto_tool_choice: bool) -> ToolPlan:
     single = req.parallel_tool_calls is False
     if choice == "auto":
         if not auto_tool_choice:
-            raise ConfigError('"auto" tool choice requires --enable-auto-tool-choice and '
-                              "--tool-call-parser to be set")
+            raise ConfigError(
+                '"auto" tool choice requires --enable-auto-tool-choice and '
+                "--tool-call-parser to be set"
+            )
         return ToolPlan(HermesToolParser(max_calls=1 if single else None))
     if choice == "required":
         chosen = tools
     else:
         chosen = [t for t in tools if t.function.name == choice.function.name]
         if not chosen:
-            raise ConfigError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+            raise ConfigError(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools"
+            )
         single = True
     return ToolPlan(HermesToolParser(max_calls=1 if single else None), call_grammar(chosen, single))
 
 
 def call_grammar(tools: list, single: bool) -> str:
     """Lark (llguidance) for one or more `<tool_call>` blocks calling one of `tools`."""
-    schemas = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": t.function.name},
-                               "arguments": t.function.parameters or {"type": "object"}}}
-               for t in tools]
-    schema = dict(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, **{"x-guidance": JSON_OPTIONS})
+    schemas = [
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "arguments"],
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+        }
+        for t in tools
+    ]
+    schema = dict(
+        schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, **{"x-guidance": JSON_OPTIONS}
+    )
     call = '"<tool_call>\\n" %json ' + json.dumps(schema) + ' "\\n</tool_call>"'
-    return f"start: call{'' if single else ' (chr_nl call)*'}\nchr_nl: \"\\n\"\ncall: {call}\n"
+    return f'start: call{"" if single else " (chr_nl call)*"}\nchr_nl: "\\n"\ncall: {call}\n'
 
 
 def render_chat(tokenizer, req) -> str:
-    """The chat request as prompt text: template arguments, tools and history, continue_final_message."""
+    """The chat request as prompt text: template arguments, tools, history, continuation."""
     messages = [m.as_template_input() for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     template = req.chat_template or tokenizer.chat_template or ""
@@ -81,10 +104,18 @@ def render_chat(tokenizer, req) -> str:
     kwargs = dict(req.chat_template_kwargs or {})
     clash = sorted(_RESERVED_TEMPLATE_ARGS & set(kwargs))
     if clash:
-        raise ConfigError(f"chat_template_kwargs must not set {clash[0]!r}; it has its own request field")
+        raise ConfigError(
+            f"chat_template_kwargs must not set {clash[0]!r}; it has its own request field"
+        )
     return tokenizer.apply_chat_template(
-        messages, add_generation_prompt=req.add_generation_prompt, chat_template=req.chat_template,
-        continue_final_message=req.continue_final_message, tools=tools, documents=req.documents, **kwargs)
+        messages,
+        add_generation_prompt=req.add_generation_prompt,
+        chat_template=req.chat_template,
+        continue_final_message=req.continue_final_message,
+        tools=tools,
+        documents=req.documents,
+        **kwargs,
+    )
 
 
 def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
@@ -93,9 +124,14 @@ def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict
     for m in messages:
         content = m["content"]
         if m.get("tool_calls"):
-            content += "".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
-                                                              "arguments": c["function"]["arguments"]})
-                               + "\n</tool_call>" for c in m["tool_calls"])
+            content += "".join(
+                "<tool_call>\n"
+                + json.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                )
+                + "\n</tool_call>"
+                for c in m["tool_calls"]
+            )
         elif m["role"] == "tool":
             content = f"<tool_response>\n{content}\n</tool_response>"
         out.append({"role": m["role"], "content": content})
