@@ -346,3 +346,14 @@ def test_default_model_calls_a_tool_and_answers_in_json():
         )
         jsonschema.validate(json.loads(r.choices[0].message.content), WEATHER)
         srv.wait_idle()
+
+
+def test_a_name_inside_the_arguments_is_not_the_call_name():
+    text = '<tool_call>{"arguments": {"name": "Bob"}, "name": "greet"}</tool_call>'
+    for end in range(1, len(text)):
+        for call in HermesToolParser().parse(text[:end], final=False).calls:
+            assert call.name in (None, "greet")
+    (call,) = HermesToolParser().parse(text, final=True).calls
+    assert (call.name, json.loads(call.arguments)) == ("greet", {"name": "Bob"})
+    stringified = '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    assert HermesToolParser().parse(stringified, final=True).calls[0].arguments == '{"a": 1}'

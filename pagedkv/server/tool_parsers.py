@@ -65,28 +65,46 @@ def _hold_back(text: str, tag: str) -> str:
 
 
 def _parse_call(body: str, complete: bool) -> ParsedCall | None:
-    if complete:
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
-        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
-            return None
-    name = _NAME.search(body)
+    return _complete_call(body) if complete else _partial_call(body)
+
+
+def _complete_call(body: str) -> ParsedCall | None:
+    """A whole block: its JSON decides; the arguments keep the model's own text when it is that JSON
+    (so they equal what was streamed), else they are re-serialized."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # arguments sent as a JSON string: its content
+        return ParsedCall(obj["name"], args, True)
+    raw, whole = _raw_arguments(body)
+    if not (whole and json.loads(raw) == args):
+        raw = json.dumps(args, ensure_ascii=False)
+    return ParsedCall(obj["name"], raw, True)
+
+
+def _partial_call(body: str) -> ParsedCall:
+    """A block still being written: the name once its closing quote is out, the arguments so far."""
+    args = _ARGS.search(body)
+    name = _NAME.search(body, 0, args.start() if args else len(body))
+    name_text = json.loads(f'"{name.group(1)}"') if name else None
+    return ParsedCall(name_text, _raw_arguments(body)[0] if args else "", False)
+
+
+def _raw_arguments(body: str) -> tuple[str, bool]:
+    """The arguments' JSON text as written, and whether it is whole; while it is not, without a
+    tail of closing braces and spaces that may belong to the call object itself."""
     args = _ARGS.search(body)
     if args is None:
-        return ParsedCall(name.group(1) if name else None, "{}" if complete else "", complete)
+        return "", False
     try:
         _, end = _DECODER.raw_decode(body, args.end())
-        arguments = body[args.end() : end]
+        return body[args.end() : end], True
     except ValueError:
-        if complete:
-            return None
-        arguments = body[args.end() :].rstrip(" \t\r\n}")  # a closing brace may be the call's own
-    if complete and arguments.startswith('"'):  # arguments sent as a JSON string: its content
-        arguments = json.loads(arguments)
-    name_text = json.loads(f'"{name.group(1)}"') if name else None
-    return ParsedCall(name_text, arguments, complete)
+        return body[args.end() :].rstrip(" \t\r\n}"), False
 
 
 def final_tool_calls(parsed: ParsedOutput) -> list[ToolCall]:
