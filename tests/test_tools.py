@@ -118,8 +118,7 @@ def test_tools_and_history_reach_a_template_that_knows_no_tools(tiny_model_dir):
     assert msgs[0]["role"] == "system" and '"get_weather"' in msgs[0]["content"]
     assert (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n'
-        "</tool_call>"
-        in msgs[2]["content"]
+        "</tool_call>" in msgs[2]["content"]
     )
     assert msgs[3] == {"role": "tool", "content": "<tool_response>\nsunny\n</tool_response>"}
     text = Tokenizer.from_hf_folder(tiny_model_dir).apply_chat_template(msgs)
@@ -357,3 +356,25 @@ def test_a_name_inside_the_arguments_is_not_the_call_name():
     assert (call.name, json.loads(call.arguments)) == ("greet", {"name": "Bob"})
     stringified = '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
     assert HermesToolParser().parse(stringified, final=True).calls[0].arguments == '{"a": 1}'
+
+
+def test_tool_parameters_with_defs_and_refs(client):
+    params = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["when"],
+        "properties": {"when": {"$ref": "#/$defs/day"}},
+        "$defs": {"day": {"enum": ["mon", "tue"]}},
+    }
+    tool = {"type": "function", "function": {"name": "book", "parameters": params}}
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        tools=[tool],
+        seed=1,
+        tool_choice={"type": "function", "function": {"name": "book"}},
+        temperature=1.0,
+        max_tokens=100,
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert json.loads(call.function.arguments)["when"] in ("mon", "tue")

@@ -35,6 +35,7 @@ UNSUPPORTED: dict[str, Any] = {
     "functions": None,
     "function_call": None,
     "reasoning_effort": None,
+    "structural_tag": None,
 }
 GUIDED_BACKENDS = (None, "auto", "guidance", "llguidance")
 

@@ -74,22 +74,28 @@ def plan_tools(req, auto_tool_choice: bool) -> ToolPlan:
 
 
 def call_grammar(tools: list, single: bool) -> str:
-    """Lark (llguidance) for one or more `<tool_call>` blocks calling one of `tools`."""
-    schemas = [
-        {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["name", "arguments"],
-            "properties": {
-                "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"},
-            },
-        }
-        for t in tools
-    ]
-    schema = dict(
-        schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, **{"x-guidance": JSON_OPTIONS}
-    )
+    """Lark (llguidance) for one or more `<tool_call>` blocks calling one of `tools`.
+
+    Each tool's `$defs` move to the schema's root, where its `#/$defs/...` references point."""
+    defs: dict = {}
+    schemas = []
+    for t in tools:
+        params = dict(t.function.parameters or {"type": "object"})
+        for name, sub in params.pop("$defs", {}).items():
+            if defs.setdefault(name, sub) != sub:
+                raise ConfigError(f"two tools define $defs {name!r} differently")
+        schemas.append(
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "arguments"],
+                "properties": {"name": {"const": t.function.name}, "arguments": params},
+            }
+        )
+    schema = dict(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+    schema["x-guidance"] = JSON_OPTIONS
+    if defs:
+        schema["$defs"] = defs
     call = '"<tool_call>\\n" %json ' + json.dumps(schema) + ' "\\n</tool_call>"'
     return f'start: call{"" if single else " (chr_nl call)*"}\nchr_nl: "\\n"\ncall: {call}\n'
 
