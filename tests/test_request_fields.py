@@ -290,6 +290,8 @@ def test_unsupported_fields_are_400_naming_them(server, field, value):
         ),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "--enable-auto-tool-choice"),
         ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"best_of": 3}, "best_of"),
+    ({"structural_tag": "{}"}, "structural_tag"),
         ({"continue_final_message": True}, "add_generation_prompt"),
         ({"chat_template_kwargs": {"messages": []}}, "messages"),
         ({"chat_template": "{% for %}"}, "chat template"),

@@ -213,10 +213,13 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     include_reasoning: bool = True   # no reasoning parser here: there is never reasoning to drop
+    best_of: int | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ConfigError("top_logprobs requires logprobs to be true")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ConfigError("best_of other than n is not supported")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None)
 
