@@ -220,11 +220,11 @@ def test_constrained_requests_do_not_change_others(server, client):
     ],
 )
 def test_a_bad_constraint_is_a_400_before_any_work(server, body, words):
-    before = server.metrics().get("pagedkv:prompt_tokens_total", 0.0)
+    before = server.metrics()["pagedkv:prompt_tokens_total"]
     r = server.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"]
-    assert server.metrics().get("pagedkv:prompt_tokens_total", 0.0) == before  # never queued
+    assert server.metrics()["pagedkv:prompt_tokens_total"] == before  # never queued
 
 
 def test_offline_llm_takes_structured_outputs(tiny_model_dir, one_torch_thread):
