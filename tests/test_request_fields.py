@@ -235,6 +235,19 @@ def test_chat_template_and_its_kwargs(client, tok):
     assert r.usage.prompt_tokens == len(tok.encode("Hello:there", add_special_tokens=False))
 
 
+def test_documents_reach_the_template(client, tok):
+    template = "{% for d in documents %}{{ d['title'] }};{% endfor %}{{ messages[0]['content'] }}"
+    r = chat(
+        client,
+        [{"role": "user", "content": "hi"}],
+        extra_body={
+            "chat_template": template,
+            "documents": [{"title": "A", "text": "x"}, {"title": "B", "text": "y"}],
+        },
+    )
+    assert r.usage.prompt_tokens == len(tok.encode("A;B;hi", add_special_tokens=False))
+
+
 def test_add_generation_prompt_and_continue_final_message(client, tok):
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
     with_prompt = chat(client, msgs[:1]).usage.prompt_tokens
@@ -290,8 +303,8 @@ def test_unsupported_fields_are_400_naming_them(server, field, value):
         ),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "--enable-auto-tool-choice"),
         ({"reasoning_effort": "low"}, "reasoning_effort"),
-    ({"best_of": 3}, "best_of"),
-    ({"structural_tag": "{}"}, "structural_tag"),
+        ({"best_of": 3}, "best_of"),
+        ({"structural_tag": "{}"}, "structural_tag"),
         ({"continue_final_message": True}, "add_generation_prompt"),
         ({"chat_template_kwargs": {"messages": []}}, "messages"),
         ({"chat_template": "{% for %}"}, "chat template"),
