@@ -206,6 +206,14 @@ def test_truncate_prompt_tokens_keeps_the_last_n(client, tok):
     assert r.choices[0].text == complete(client, prompt=ids[-5:]).choices[0].text
 
 
+def test_truncation_makes_a_too_long_chat_prompt_fit(client):
+    long = [{"role": "user", "content": "paged attention keeps blocks " * 200}]
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        chat(client, long)
+    r = chat(client, long, extra_body={"truncate_prompt_tokens": 50})
+    assert r.usage.prompt_tokens == 50
+
+
 def test_prompt_logprobs_cover_every_prompt_token(client, tok):
     ids = tok.encode(PROMPT)
     first = complete(client, prompt_logprobs=2).choices[0].model_extra["prompt_logprobs"]

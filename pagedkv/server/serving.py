@@ -371,6 +371,7 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         text = render_chat(tok, req)
         prompt = await encode(tok, text, add_special_tokens=req.add_special_tokens)
+        prompt = params.truncate(prompt, self.engine.max_model_len)
         last = req.messages[-1]
         echo = (last.content or "") if req.echo and last.role == "assistant" else ""
         fmt = _ChatFormat(request_id("chatcmpl", req.request_id), self.engine.model_name,
