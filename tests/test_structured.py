@@ -255,10 +255,23 @@ def test_grammars_survive_preemption(tiny_model_dir, one_torch_thread, mode):
     """A pool too small for the batch preempts: each matcher keeps its place."""
     from pagedkv import LLM
 
-    llm = LLM(tiny_model_dir, num_gpu_blocks_override=48, block_size=4, max_model_len=256,
-              preemption_mode=mode)
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60, n=2,
-                             structured_outputs=StructuredOutputsParams(json=PERSON)) for s in range(4)]
+    llm = LLM(
+        tiny_model_dir,
+        num_gpu_blocks_override=48,
+        block_size=4,
+        max_model_len=256,
+        preemption_mode=mode,
+    )
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=s,
+            max_tokens=60,
+            n=2,
+            structured_outputs=StructuredOutputsParams(json=PERSON),
+        )
+        for s in range(4)
+    ]
     outs = llm.generate(["Pet:"] * 4, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     for o in outs:
