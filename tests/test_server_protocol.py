@@ -62,7 +62,7 @@ def test_every_sampling_field_reaches_sampling_params():
 
 @pytest.mark.parametrize("fields", [
     {"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"n": 0},
-    {"logit_bias": {"5": 1.0}}, {"echo": True}, {"best_of": 3}, {"stop": [""]}, {"logprobs": 50},
+    {"logit_bias": {"5": 500.0}}, {"logit_bias": {"x": 1.0}}, {"best_of": 3}, {"stop": [""]}, {"logprobs": 50},
 ])
 def test_out_of_range_values_are_config_errors(fields):
     with pytest.raises(ConfigError):

@@ -188,7 +188,12 @@ def chat(**fields) -> dict:
     (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (chat(max_completion_tokens=0), "max_completion_tokens"),
     (completion(max_tokens=5000), "max_tokens"), (completion(n=1000), "n"),
-    (completion(echo=True), "echo"), (completion(suffix="x"), "suffix"),
+    (completion(echo=True, logprobs=1, stream=True), "echo"), (completion(suffix="x"), "suffix"),
+    (completion(logit_bias={"5": 101}), "logit_bias"), (completion(logit_bias={"-1": 1}), "logit_bias"),
+    (completion(logit_bias={str(VOCAB): 1}), "logit_bias"), (completion(allowed_token_ids=[]), "allowed_token_ids"),
+    (completion(allowed_token_ids=[VOCAB]), "allowed_token_ids"), (completion(bad_words=[""]), "bad_words"),
+    (completion(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (completion(prompt_logprobs=21), "prompt_logprobs"),
     (completion(best_of=2), "best_of"),
     (chat(top_logprobs=2), "top_logprobs"),
     # token ids: negative, outside the vocabulary

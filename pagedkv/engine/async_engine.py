@@ -117,7 +117,7 @@ class AsyncLLM:
         """Cumulative outputs as tokens arrive; the last has finished=True. Closing the iterator aborts."""
         self._check_accepting()
         self._ensure_started()
-        ids = self.engine.tokenize(prompt, add_special_tokens)
+        ids = params.truncate(self.engine.tokenize(prompt, add_special_tokens), self.max_model_len)
         self.engine.validate(ids, params)
         queue: asyncio.Queue = asyncio.Queue()
         with self._wake:

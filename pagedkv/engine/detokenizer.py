@@ -40,7 +40,8 @@ class Detokenizer:
             start = max(old_len - len(stop) + 1, 0)   # only where the new text could complete it
             at = seq.text.find(stop, start)
             if at != -1:
-                seq.text = seq.text[:at]               # the stop string is not shown
+                keep = len(stop) if seq.params.include_stop_str_in_output else 0
+                seq.text = seq.text[:at + keep]        # the stop string is shown only if asked for
                 seq.stop_reason = stop
                 return True
         return False

@@ -24,7 +24,7 @@ import torch
 
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.scheduler import ScheduledSeq
-from pagedkv.engine.sequence import Sequence, SequenceGroup
+from pagedkv.engine.sequence import SequenceGroup
 
 log = logging.getLogger("pagedkv")
 

@@ -17,20 +17,27 @@ import torch
 from pagedkv.config import ConfigError, EngineConfig, format_size
 from pagedkv.engine.options import apply_engine_options
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
+from pagedkv.engine import prompt_logprobs
 from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.isolation import Failures, IsolatedForward
-from pagedkv.engine.request import Logprob, ParamError, RequestOutput, SamplingParams, shown, valid_text
+from pagedkv.engine.logits_processors import bad_words_token_ids
+from pagedkv.engine.request import (ParamError, RequestOutput, SampleLogprob, SamplingParams, shown,
+                                    valid_text)
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler
 from pagedkv.engine.step_stats import StepTokens
 from pagedkv.engine.sequence import Sequence, SequenceGroup
 from pagedkv.engine.spec_decode import NgramProposer, SpecDecodeStats
+from pagedkv.engine.structured import StructuredOutputs
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.offload import KVOffload
 from pagedkv.kv.storage import KVStorage
 
 log = logging.getLogger("pagedkv")
+
+# a sampled token: its sequence, id, logprob record, and whether it completes a structured grammar
+Drawn = tuple[Sequence, int, SampleLogprob | None, bool]
 
 CPU_DEFAULT_KV_CAP = 4 * 2**30   # on CPU, --memory-utilization alone never takes more than this
 DEFAULT_MAX_BATCHED_TOKENS = 2048
@@ -186,7 +193,8 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS,
                                    preemption_mode=config.preemption_mode, proposer=proposer)
         self.runner = ModelRunner(self.loaded.model, self.storage, host, self.device, self.kv, self.offload, self.tp)
-        self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, self.structured)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.faults = FaultInjector.from_env(self.tokenizer)   # tests only: see faults.py
         self._forward = IsolatedForward(self.runner, self._check_faults)
@@ -225,6 +233,8 @@ class LLMEngine:
         if bad:
             raise ParamError("prompt", f"token id {shown(bad[0])} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)   # cached: the server compiled it
         if n_prompt >= self.max_model_len:
             raise ParamError("prompt", f"the prompt has {n_prompt} tokens, but max_model_len is "
                              f"{self.max_model_len}: no room is left for output")
@@ -247,8 +257,10 @@ class LLMEngine:
                     add_special_tokens: bool = True) -> SequenceGroup:
         if request_id in self.groups:
             raise ConfigError(f"request id {request_id!r} is already in use")
-        prompt_ids = self.tokenize(prompt, add_special_tokens)
+        prompt_ids = params.truncate(self.tokenize(prompt, add_special_tokens), self.max_model_len)
         max_tokens = self.validate(prompt_ids, params)
+        if params.bad_words and not params.bad_words_token_ids:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         group = SequenceGroup.create(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
                                      params, max_tokens)
         init_offsets(group.seqs[0])
@@ -286,6 +298,7 @@ class LLMEngine:
         for seq, error in out.failed:
             failures.add(seq.group, error)
         sampling, logits = self._forward(out.scheduled, failures)   # the sampling rows, in order
+        prompt_logprobs.record(self.runner.model, [s for s in out.scheduled if s.seq.group not in failures])
         for s in out.scheduled:
             if s.seq.group not in failures:
                 s.seq.num_computed_tokens += s.num_new_tokens
@@ -309,7 +322,7 @@ class LLMEngine:
         return self._finish_step(drawn, failures, speculative, logits)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
-                failures: Failures) -> list[tuple[Sequence, int, Logprob | None]]:
+                failures: Failures) -> list[Drawn]:
         """Sample the batch; if that raises, sample each request alone so only the culprit fails.
         Each sample's uniform is drawn once, before, so a retry draws what the batch would have."""
         uniforms = [seq.rng.random() for seq in seqs]
@@ -331,24 +344,25 @@ class LLMEngine:
         return drawn
 
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence],
-                     uniforms: list[float]) -> list[tuple[Sequence, int, Logprob | None]]:
+                     uniforms: list[float]) -> list[Drawn]:
         if self.faults is not None:
             self.faults.check("sample", (seq.group for seq in seqs))
         result = self.sampler(logits, seqs, uniforms)
-        return list(zip(seqs, result.token_ids, result.logprobs))
+        done = result.grammar_done or [False] * len(seqs)
+        return list(zip(seqs, result.token_ids, result.logprobs, done))
 
-    def _finish_step(self, drawn: list[tuple[Sequence, int, Logprob | None]], failures: Failures,
+    def _finish_step(self, drawn: list[Drawn], failures: Failures,
                      speculative: list[tuple[ScheduledSeq, int]], logits: torch.Tensor | None
                      ) -> list[RequestOutput]:
         """Append each drawn token (detokenize, stop checks) and verify each speculating sequence's
         drafts from its rows of `logits`; the outputs, failed requests too."""
         now = time.monotonic()
         touched: dict[str, SequenceGroup] = {}
-        for seq, token, lp in drawn:
+        for seq, token, lp, grammar_done in drawn:
             if seq.group in failures:
                 continue
             try:
-                self._append(seq, token, lp, now)
+                self._append(seq, token, lp, now, grammar_done)
             except Exception as e:  # noqa: BLE001
                 failures.add(seq.group, e)
             touched[seq.group.request_id] = seq.group
@@ -376,8 +390,8 @@ class LLMEngine:
         """Sample row by row as plain decoding would; keep the drafts up to the first that differs."""
         accepted = 0
         for i in range(len(drafts) + 1):
-            ((_, token, lp),) = self._sample_rows(logits[i:i + 1], [seq], [seq.rng.random()])
-            self._append(seq, token, lp, now)
+            ((_, token, lp, grammar_done),) = self._sample_rows(logits[i:i + 1], [seq], [seq.rng.random()])
+            self._append(seq, token, lp, now, grammar_done)
             if seq.finished or i == len(drafts) or token != drafts[i]:
                 break
             accepted += 1
@@ -425,7 +439,8 @@ class LLMEngine:
         if self.faults is not None:
             self.faults.check(stage, groups)
 
-    def _append(self, seq: Sequence, token: int, logprob, now: float) -> None:
+    def _append(self, seq: Sequence, token: int, logprob, now: float,
+                grammar_done: bool = False) -> None:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
@@ -445,6 +460,8 @@ class LLMEngine:
         elif token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif grammar_done:   # the structured output is complete: nothing else may follow
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= seq.group.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"

@@ -21,6 +21,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256       # each step scans every stop string's prefixes against the text's tail
 MAX_STOP_TOKEN_IDS = 256
+MAX_TOKEN_LIST = 4096     # logit_bias / allowed_token_ids entries
+MAX_BAD_WORDS = 128
 
 
 class ParamError(ConfigError):
@@ -85,6 +87,36 @@ def _as_list(param: str, value: Any, one: type) -> list:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """One output constraint (vLLM's class of the same name): exactly one of the fields is set.
+
+    `grammar` is a Lark grammar as llguidance takes it (GBNF is converted); `json_object` means
+    any JSON object.
+    """
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        kinds = ("json", "regex", "choice", "grammar", "json_object")
+        given = [k for k in kinds if getattr(self, k)]
+        _need(len(given) == 1, "structured_outputs", "structured_outputs needs exactly one of "
+              f"{', '.join(kinds)}; got {', '.join(given) or 'none'}")
+        _need(self.choice is None or (isinstance(self.choice, list) and bool(self.choice)
+                                      and all(isinstance(c, str) for c in self.choice)),
+              "structured_outputs", "structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def key(self) -> str:
+        """A stable identity for the grammar cache."""
+        import json as _json
+        return _json.dumps([self.json, self.regex, self.choice, self.grammar, self.json_object],
+                           sort_keys=True)
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0          # 0 (or below GREEDY_BELOW) = greedy
@@ -102,8 +134,19 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None       # number of top alternatives to return per token
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True   # as vLLM with a fast tokenizer: no effect
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None       # token id -> added to its logit, [-100, 100]
+    allowed_token_ids: list[int] | None = None       # only these may be drawn
+    bad_words: list[str] | None = None               # never completed (vLLM's semantics)
+    prompt_logprobs: int | None = None               # top alternatives per prompt token
+    truncate_prompt_tokens: int | None = None        # keep the last N prompt tokens (-1: all fit)
+    structured_outputs: StructuredOutputsParams | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)   # by the engine
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -115,8 +158,10 @@ class SamplingParams:
         """
         self._check_numbers()
         self._check_stops(vocab_size)
-        _check_bool("ignore_eos", self.ignore_eos)
-        _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self._check_token_fields(vocab_size)
+        for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            _check_bool(flag, getattr(self, flag))
         self._normalise()
 
     def _check_numbers(self) -> None:
@@ -138,6 +183,12 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1)
+            _need(self.truncate_prompt_tokens != 0, "truncate_prompt_tokens",
+                  "truncate_prompt_tokens must be -1 (all that fit) or >= 1")
 
     def _check_stops(self, vocab_size: int | None) -> None:
         self.stop = _as_list("stop", self.stop, str)
@@ -158,6 +209,51 @@ class SamplingParams:
                   else f"stop_token_ids must be integers >= 0, got {shown(t)}")
         ids = list(dict.fromkeys(ids))   # deduplicated, as vLLM does
         self.stop_token_ids = ids
+
+    def _check_token_fields(self, vocab_size: int | None) -> None:
+        """logit_bias, allowed_token_ids, bad_words: token ids in the vocabulary, bounded sizes."""
+        top = INT64_MAX if vocab_size is None else vocab_size - 1
+
+        def token_id(param: str, t: Any) -> int:
+            if isinstance(t, str) and t.isdigit() and len(t) <= 19:   # JSON object keys are strings
+                t = int(t)
+            _need(type(t) is int and 0 <= t <= top, param,
+                  f"{param}: token id {shown(t)} is outside the vocabulary [0, {top + 1})" if vocab_size
+                  else f"{param}: token ids must be integers >= 0, got {shown(t)}")
+            return t
+
+        if self.logit_bias is not None:
+            _need(isinstance(self.logit_bias, dict), "logit_bias", "logit_bias must be an object")
+            _need(len(self.logit_bias) <= MAX_TOKEN_LIST, "logit_bias",
+                  f"logit_bias takes at most {MAX_TOKEN_LIST} tokens")
+            bias = {}
+            for t, v in self.logit_bias.items():
+                _check_float("logit_bias", v, -100.0, 100.0)
+                bias[token_id("logit_bias", t)] = float(v)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = _as_list("allowed_token_ids", self.allowed_token_ids, int)
+            _need(0 < len(ids) <= MAX_TOKEN_LIST, "allowed_token_ids",
+                  f"allowed_token_ids must hold 1 to {MAX_TOKEN_LIST} token ids")
+            self.allowed_token_ids = [token_id("allowed_token_ids", t) for t in ids]
+        words = _as_list("bad_words", self.bad_words, str)
+        _need(len(words) <= MAX_BAD_WORDS, "bad_words", f"bad_words takes at most {MAX_BAD_WORDS} words")
+        for w in words:
+            _need(isinstance(w, str) and w.strip() != "" and len(w) <= MAX_STOP_CHARS, "bad_words",
+                  f"bad_words must be non-empty strings of at most {MAX_STOP_CHARS} characters")
+            _need(valid_text(w), "bad_words", "bad_words must be valid Unicode (it holds a lone surrogate)")
+        self.bad_words = words or None
+
+    def truncate(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as the model sees it: its last truncate_prompt_tokens tokens, if set."""
+        n = self.truncate_prompt_tokens
+        if n is None:
+            return prompt_ids
+        return prompt_ids[-(max_model_len if n == -1 else n):]
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id the parameters name (checked against the vocabulary by the engine)."""
+        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
 
     def _normalise(self) -> None:
         """vLLM's meanings: seed -1 is no seed, top_k 0 is off, a tiny temperature is greedy."""
@@ -246,7 +342,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None          # why the engine failed this request (finish_reason "error")
-    prompt_logprobs: None = None              # prompt logprobs are not computed here
+    prompt_logprobs: list[SampleLogprob | None] | None = None   # the first prompt token has none
 
     def decode_logprobs(self, decode) -> "RequestOutput":
         for o in self.outputs:

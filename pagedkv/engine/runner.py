@@ -135,6 +135,19 @@ class ModelRunner:
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         return input_ids, pos_t, meta, sample_rows
 
+    @staticmethod
+    def attach_prompt_hidden(scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
+        """A request asking for prompt_logprobs gets the hidden rows of its unscored prompt."""
+        row = 0
+        for s in scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            if seq.params.prompt_logprobs is not None:
+                first = max(start, len(seq.group.prompt_logprobs))
+                last = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+                if first < last:
+                    s.prompt_hidden = (first, hidden[row + first - start:row + last - start])
+            row += s.num_new_tokens + len(s.drafts)
+
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Run one step; returns float32 logits [num sampling seqs, vocab] (None if nothing samples)."""
         self.apply_copies(out)
@@ -158,6 +171,7 @@ class ModelRunner:
                 hidden = self.run_model(inputs)
             except Exception as e:
                 raise self.tp.error(e) from e
+        self.attach_prompt_hidden(scheduled, hidden)
         if not rows:
             return None
         return self.model.compute_logits(hidden[rows]).float().cpu()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.engine.logits_processors import apply_token_rules
 from pagedkv.engine.request import SampleLogprob as Logprob
 from pagedkv.engine.sequence import Sequence
 
@@ -19,6 +20,7 @@ from pagedkv.engine.sequence import Sequence
 class SampleResult:
     token_ids: list[int]
     logprobs: list[Logprob | None]
+    grammar_done: list[bool] | None = None   # per row: its structured-output grammar is complete
 
 
 def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -80,8 +82,9 @@ def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, mi
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int]) -> None:
+    def __init__(self, eos_token_ids: set[int], structured=None) -> None:
         self.eos_token_ids = eos_token_ids
+        self.structured = structured   # engine.structured.StructuredOutputs: grammar masks
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
                  uniforms: list[float]) -> SampleResult:
@@ -89,6 +92,9 @@ class Sampler:
         if it samples. Changes in place only what a second call would change the same way."""
         logits = _penalize(logits.float(), seqs)
         _block_stop_tokens(logits, seqs, self.eos_token_ids)
+        apply_token_rules(logits, seqs)
+        if self.structured is not None:
+            self.structured.apply(logits, seqs)
         params = [s.params for s in seqs]
         greedy = torch.tensor([p.temperature == 0.0 for p in params])
         tokens = logits.argmax(-1)
@@ -103,7 +109,8 @@ class Sampler:
             drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp(max=logits.shape[1] - 1)
             tokens = torch.where(greedy, tokens, drawn)
         token_list = tokens.tolist()
-        return SampleResult(token_list, self._logprobs(logits, seqs, token_list))
+        done = self.structured.accept(seqs, token_list) if self.structured is not None else None
+        return SampleResult(token_list, self._logprobs(logits, seqs, token_list), done)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[Logprob | None]:

@@ -24,6 +24,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     drafts: list[int] = field(default_factory=list)   # speculative tokens after them (spec_decode.py)
+    prompt_hidden: tuple | None = None   # (first position, hidden rows) for prompt_logprobs
 
     @property
     def samples(self) -> bool:
@@ -131,9 +132,10 @@ class Scheduler:
         bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            every_position = seq.params.prompt_logprobs is not None   # cached blocks have no logits
             try:   # reads the offload tiers: a failure there is this request's, not the engine's
-                prefix = self.kv.lookup_prefix(seq.token_ids)
-                offloaded = self.kv.lookup_offloaded(seq.token_ids, len(prefix))
+                prefix = [] if every_position else self.kv.lookup_prefix(seq.token_ids)
+                offloaded = 0 if every_position else self.kv.lookup_offloaded(seq.token_ids, len(prefix))
                 n = min(len(seq.token_ids) - (len(prefix) + offloaded) * bs, budget)
                 remaining = seq.group.max_tokens - seq.num_output_tokens
                 copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n, prefix_blocks=prefix,

@@ -73,6 +73,7 @@ class SequenceGroup:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     num_cached_tokens: int = 0
     aborted: bool = False
+    prompt_logprobs: list[SampleLogprob] = field(default_factory=list)   # prompt tokens 1.. (if asked)
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -98,5 +99,7 @@ class SequenceGroup:
         outs = [CompletionOutput(s.index, text_of(s), list(s.output_token_ids), s.finish_reason,
                                  list(s.logprobs) if s.logprobs is not None else None, s.stop_reason)
                 for s in self.seqs]
+        wants = self.params.prompt_logprobs is not None
+        prompt_lps = [None, *self.prompt_logprobs] if wants else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             self.num_cached_tokens, self.metrics)
+                             self.num_cached_tokens, self.metrics, prompt_logprobs=prompt_lps)

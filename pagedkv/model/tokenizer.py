@@ -36,6 +36,15 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str) -> Template:
+    """Compiled on first use, so a model whose template is broken still loads for plain prompts."""
+    try:
+        return _template_env().from_string(source)
+    except TemplateError as e:
+        raise ConfigError(f"chat template does not compile: {e}") from None
+
+
 def _template_env() -> ImmutableSandboxedEnvironment:
     """The sandboxed Jinja set-up HF uses for chat templates, with its helpers."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
@@ -85,24 +94,39 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render messages with the model's template (its raise_exception becomes a ConfigError)."""
-        if not self.chat_template:
+    def to_json(self) -> str:
+        """The tokenizer as Hugging Face's tokenizer.json (what llguidance reads)."""
+        return self._tok.to_str()
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            **kwargs: Any) -> str:
+        """Render messages with the model's template, or `chat_template`; kwargs (tools, documents,
+        chat_template_kwargs) become template variables. With continue_final_message the text ends
+        inside the last message, for the model to go on with it. Template errors: ConfigError."""
+        template = chat_template or self.chat_template
+        if not template:
             raise ConfigError("this model has no chat template")
+        if continue_final_message and add_generation_prompt:
+            raise ConfigError("continue_final_message and add_generation_prompt cannot both be "
+                              "true")
 
         def text(token_id: int | None) -> str:
             return (self._tok.id_to_token(token_id) or "") if token_id is not None else ""
         try:
-            return self._compiled_template.render(
+            rendered = _compile_template(template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=text(self.bos_token_id), eos_token=text(self.eos_token_id), **kwargs)
         except TemplateError as e:   # the template's own raise_exception, or a broken template
             raise ConfigError(f"chat template: {e}") from None
-
-    @functools.cached_property
-    def _compiled_template(self) -> Template:
-        """Compiled on first use, so a model whose template is broken still loads for plain prompts."""
-        return _template_env().from_string(self.chat_template)
+        if continue_final_message:
+            last = messages[-1].get("content") if messages else None
+            at = rendered.rfind(last) if last else -1
+            if at == -1:
+                raise ConfigError("continue_final_message needs a last message whose content the "
+                                  "template shows")
+            rendered = rendered[:at + len(last)]
+        return rendered
 
     # ---- construction -------------------------------------------------------------------------------
 

@@ -30,6 +30,10 @@ def add_parser(subparsers) -> None:
     g.add_argument("--allowed-methods", default='["*"]', help="JSON list of HTTP methods")
     g.add_argument("--allowed-headers", default='["*"]', help="JSON list of request headers")
     g.add_argument("--allow-credentials", action="store_true", help="allow cookies and credentials")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto"')
+    p.add_argument("--tool-call-parser", default=None,
+                   help="how tool calls are read from the output: hermes")
     p.set_defaults(func=run)
 
 

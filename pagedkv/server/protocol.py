@@ -9,10 +9,12 @@ exactly the same values.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, model_serializer,
+                      model_validator)
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.request import (INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
@@ -20,6 +22,8 @@ from pagedkv.engine.request import (INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, MAX
                                     ParamError, SamplingParams)
 from pagedkv.server.validation import (MAX_MESSAGES, MAX_PROMPTS, FiniteFloat, Int64, Name, SafeStr,
                                        TokenId, check_text, documented as doc)
+from pagedkv.server.request_fields import (DeltaToolCall, NamedToolChoice, ResponseFormat, ToolCall,
+                                           ToolDefinition, reject_unsupported, structured_spec)
 
 Prompt = str | list[int]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -103,6 +107,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's; not implemented: a 400 when true
 
 
 class _SamplingRequest(_Strict):
@@ -123,17 +128,47 @@ class _SamplingRequest(_Strict):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[Name, FiniteFloat] | None = None   # token id (as a string) -> bias
     user: Name | None = None
+    # ---- vLLM's extensions (request_fields.py): honoured, or a 400 naming the field;
+    # ranges and sizes are checked by SamplingParams.validate, as for every other field
+    echo: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[SafeStr] | None = None
+    prompt_logprobs: NumLogprobs | None = None
+    truncate_prompt_tokens: Int64 | None = None
+    request_id: Name | None = None
+    return_tokens_as_token_ids: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | SafeStr | None = None
+    guided_regex: SafeStr | None = None
+    guided_choice: list[SafeStr] | None = None
+    guided_grammar: SafeStr | None = None
+    guided_decoding_backend: Name | None = None
+    _unsupported = model_validator(mode="before")(reject_unsupported)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
-            raise ConfigError("logit_bias is not supported")
+    def _extension_params(self) -> dict:
+        if self.stream_options and self.stream_options.continuous_usage_stats:
+            raise ParamError("stream_options", "stream_options.continuous_usage_stats is not supported")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ParamError("prompt_logprobs", "prompt_logprobs is not available when stream is true")
+        return dict(logit_bias=self.logit_bias, skip_special_tokens=self.skip_special_tokens,
+                    spaces_between_special_tokens=self.spaces_between_special_tokens,
+                    include_stop_str_in_output=self.include_stop_str_in_output,
+                    allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                    prompt_logprobs=self.prompt_logprobs,
+                    truncate_prompt_tokens=self.truncate_prompt_tokens,
+                    structured_outputs=structured_spec(self))
 
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         def pick(value, default):
             return default if value is None else value
         return SamplingParams(
@@ -143,7 +178,8 @@ class _SamplingRequest(_Strict):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0),
-            repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs)
+            repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
+            **self._extension_params())
 
 
 class CompletionRequest(_SamplingRequest):
@@ -151,18 +187,21 @@ class CompletionRequest(_SamplingRequest):
                                                     json_schema_input_type=PromptInput)]
     max_tokens: Count | None = 16
     logprobs: NumLogprobs | None = None
-    echo: bool = False
     best_of: Count | None = None
     suffix: SafeStr | None = None
+    add_special_tokens: bool = True
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise ParamError("echo", "echo is not supported")
+        if self.stream and self.echo and self.logprobs is not None:
+            raise ParamError("echo", "echo with logprobs is not available when stream is true")
         if self.suffix:
             raise ParamError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of", "best_of other than n is not supported")
-        return self._params(self.max_tokens, self.logprobs)
+        params = self._params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:   # the echoed prompt's tokens get logprobs too
+            params.prompt_logprobs = max(params.prompt_logprobs or 0, self.logprobs)
+        return params
 
 
 class ChatMessage(_Strict):
@@ -170,9 +209,28 @@ class ChatMessage(_Strict):
     content: Annotated[str | None,
                        BeforeValidator(_check_content, json_schema_input_type=ContentInput)] = None
     name: Name | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Name | None = None
 
-    def as_template_input(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content or ""}
+    def as_template_input(self) -> dict:
+        """What the chat template sees; tool call arguments as objects, as HF templates expect."""
+        msg: dict = {"role": self.role, "content": self.content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
+                for c in self.tool_calls]
+        return msg
+
+
+def _arguments_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        raise ConfigError(f"tool call arguments are not JSON: {arguments[:80]!r}") from None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -181,10 +239,24 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
+    # ---- chat template and tools (vLLM's fields)
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: SafeStr | None = None
+    chat_template_kwargs: dict | None = None
+    documents: list[dict] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True   # no reasoning parser here: there is never reasoning to drop
+    best_of: Count | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ParamError("best_of", "best_of other than n is not supported")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         try:
             return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None)
@@ -210,8 +282,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []            # None: the first prompt token under echo
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 
@@ -221,6 +293,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[dict[int, dict] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -248,7 +321,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
@@ -266,11 +340,13 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[int, dict] | None] | None = None
 
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler) -> dict:

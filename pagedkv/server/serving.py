@@ -22,11 +22,15 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from pagedkv.config import ConfigError
 from pagedkv.engine.options import with_defaults
-from pagedkv.engine.request import CompletionOutput, RequestOutput, SampleLogprob, SamplingParams
+from pagedkv.engine.request import (CompletionOutput, RequestOutput, SampleLogprob, SamplingParams,
+                                    StructuredOutputsParams)
 from pagedkv.server import protocol as api
 from pagedkv.server.errors import APIError, error_body, to_api_error
 from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.tool_parsers import HermesToolParser, ToolCallStream, final_tool_calls
+from pagedkv.server.tools import plan_tools, render_chat
 
 T = TypeVar("T")
 MIN_LOGPROB = -9999.0   # JSON has no -inf
@@ -114,9 +118,33 @@ async def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
 
-def token_decoder(tokenizer) -> Callable[[int], str]:
-    """One token's text for logprobs; special tokens (an end-of-turn, say) are shown, not dropped."""
+def token_decoder(tokenizer, as_ids: bool = False) -> Callable[[int], str]:
+    """One token's text for logprobs; special tokens (an end-of-turn, say) are shown, not dropped.
+
+    With `as_ids` (return_tokens_as_token_ids) it is "token_id:N", as vLLM writes it."""
+    if as_ids:
+        return lambda token_id: f"token_id:{token_id}"
     return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def prompt_logprobs_json(token: Callable[[int], str],
+                         items: list[SampleLogprob | None] | None) -> list | None:
+    """vLLM's shape: per prompt token, None (the first) or {id: {logprob, rank, decoded_token}}."""
+    if items is None:
+        return None
+
+    def entry(value: float, rank: int | None, token_id: int) -> dict:
+        return {"logprob": max(value, MIN_LOGPROB), "rank": rank, "decoded_token": token(token_id)}
+    out: list[dict | None] = [None]
+    for lp in items[1:]:
+        top = {t: entry(v, r, t) for r, (t, v) in enumerate(lp.top.items(), 1)}
+        top[lp.token_id] = entry(lp.logprob, lp.rank, lp.token_id)
+        out.append(top)
+    return out
+
+
+def request_id(prefix: str, given: str | None) -> str:
+    return f"{prefix}-{given if given else uuid.uuid4().hex}"
 
 
 def check_not_aborted(finals: list[RequestOutput]) -> None:
@@ -164,7 +192,8 @@ class _Format(ABC):
         """One stream chunk: choice `index` grew by `text` (which starts at character `offset`)."""
 
     @abstractmethod
-    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage) -> BaseModel:
+    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage,
+                 finals: list[RequestOutput]) -> BaseModel:
         """The whole non-streamed answer."""
 
     @abstractmethod
@@ -172,19 +201,48 @@ class _Format(ABC):
         """The last stream chunk when stream_options.include_usage is set."""
 
 
+@dataclass
 class _CompletionFormat(_Format):
-    def logprobs(self, items: list[SampleLogprob] | None, offset: int) -> api.CompletionLogprobs | None:
+    echo: list[str] | None = None   # per prompt: the text shown before its choices' output
+    n: int = 1
+
+    def _echo(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
+
+    def start(self, num_choices: int) -> list[BaseModel]:
+        if not self.echo:
+            return []
+        return [api.CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[
+            api.CompletionChoice(index=i, text=self._echo(i))]) for i in range(num_choices)]
+
+    def logprobs(self, items: list[SampleLogprob | int] | None,
+                 offset: int) -> api.CompletionLogprobs | None:
+        """A bare token id is the first prompt token under echo: nothing precedes it to score it."""
         if items is None:
             return None
         out = api.CompletionLogprobs()
         for lp in items:
-            text = self.token(lp.token_id)
+            text = self.token(lp if isinstance(lp, int) else lp.token_id)
             out.tokens.append(text)
-            out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
-            out.top_logprobs.append({self.token(t): max(v, MIN_LOGPROB) for t, v in lp.top.items()})
+            if isinstance(lp, int):
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
+                top = {self.token(t): max(v, MIN_LOGPROB) for t, v in lp.top.items()}
+                out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(text)
         return out
+
+    def _choice(self, i: int, o: CompletionOutput, prompt: RequestOutput) -> api.CompletionChoice:
+        items = o.sample_logprobs
+        if self.echo and items is not None:   # echo with logprobs: the prompt's tokens come first
+            items = [prompt.prompt_token_ids[0], *prompt.prompt_logprobs[1:], *items]
+        return api.CompletionChoice(
+            index=i, text=self._echo(i) + o.text, logprobs=self.logprobs(items, 0),
+            finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+            prompt_logprobs=prompt_logprobs_json(self.token, prompt.prompt_logprobs))
 
     def chunk(self, index: int, text: str, logprobs: list[SampleLogprob] | None, offset: int,
               o: CompletionOutput, finished: bool) -> BaseModel:
@@ -194,17 +252,21 @@ class _CompletionFormat(_Format):
                 finish_reason=o.finish_reason if finished else None,
                 stop_reason=o.stop_reason if finished else None)])
 
-    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage) -> BaseModel:
+    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage,
+                 finals: list[RequestOutput]) -> BaseModel:
         return api.CompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage, choices=[
-            api.CompletionChoice(index=i, text=o.text, logprobs=self.logprobs(o.sample_logprobs, 0),
-                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-            for i, o in choices])
+            self._choice(i, o, finals[i // self.n]) for i, o in choices])
 
     def usage_chunk(self, usage: api.Usage) -> BaseModel:
         return api.CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
 
 
+@dataclass
 class _ChatFormat(_Format):
+    parser: HermesToolParser | None = None   # tool calls are read from the output
+    echo: str = ""                           # the last message, when the client asked to echo it
+    streams: dict[int, ToolCallStream] = field(default_factory=dict)
+
     def logprobs(self, items: list[SampleLogprob] | None) -> api.ChatLogprobs | None:
         if items is None:
             return None
@@ -222,21 +284,48 @@ class _ChatFormat(_Format):
                                        usage=usage)
 
     def start(self, num_choices: int) -> list[BaseModel]:
-        return [self._chunk([api.ChatChunkChoice(index=i, delta=api.ChatDelta(role="assistant", content=""))])
+        delta = api.ChatDelta(role="assistant", content=self.echo)
+        return [self._chunk([api.ChatChunkChoice(index=i, delta=delta)])
                 for i in range(num_choices)]
 
     def chunk(self, index: int, text: str, logprobs: list[SampleLogprob] | None, offset: int,
-              o: CompletionOutput, finished: bool) -> BaseModel:
+              o: CompletionOutput, finished: bool) -> BaseModel | None:
+        calls = None
+        finish = o.finish_reason if finished else None
+        if self.parser is not None:
+            stream = self.streams.setdefault(index, ToolCallStream(self.parser))
+            text, calls = stream.update(o.text, finished)
+            if stream.calls and finish == "stop":
+                finish = "tool_calls"
+            if not (text or calls or logprobs or finished):
+                return None   # nothing the client can use yet (a tool call still being written)
         return self._chunk([api.ChatChunkChoice(
-            index=index, delta=api.ChatDelta(content=text or None), logprobs=self.logprobs(logprobs),
-            finish_reason=o.finish_reason if finished else None)])
+            index=index, delta=api.ChatDelta(content=text or None, tool_calls=calls or None),
+            logprobs=self.logprobs(logprobs), finish_reason=finish)])
 
-    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage) -> BaseModel:
-        return api.ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage, choices=[
-            api.ChatChoice(index=i, message=api.ChatResponseMessage(content=o.text),
-                           logprobs=self.logprobs(o.sample_logprobs), finish_reason=o.finish_reason,
-                           stop_reason=o.stop_reason)
-            for i, o in choices])
+    def message(self, o: CompletionOutput) -> tuple[api.ChatResponseMessage, str | None]:
+        """The answer's message and finish reason: tool calls, when the output has them."""
+        if self.parser is not None:
+            parsed = self.parser.parse(o.text, final=True)
+            calls = final_tool_calls(parsed)
+            if calls:
+                content = self.echo + parsed.content
+                finish = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
+                message = api.ChatResponseMessage(content=content if content.strip() else None,
+                                                  tool_calls=calls)
+                return message, finish
+        return api.ChatResponseMessage(content=self.echo + o.text), o.finish_reason
+
+    def response(self, choices: list[tuple[int, CompletionOutput]], usage: api.Usage,
+                 finals: list[RequestOutput]) -> BaseModel:
+        out = []
+        for i, o in choices:
+            message, finish = self.message(o)
+            out.append(api.ChatChoice(index=i, message=message, logprobs=self.logprobs(o.sample_logprobs),
+                                      finish_reason=finish, stop_reason=o.stop_reason))
+        prompt_lps = prompt_logprobs_json(self.token, finals[0].prompt_logprobs)
+        return api.ChatCompletionResponse(id=self.id, model=self.model, created=self.created,
+                                          usage=usage, choices=out, prompt_logprobs=prompt_lps)
 
     def usage_chunk(self, usage: api.Usage) -> BaseModel:
         return self._chunk([], usage)
@@ -266,21 +355,49 @@ class OpenAIServing:
         self.check_model(req.model)
         params = self.model_defaults(req, req.sampling_params())
         tok = self.engine.tokenizer
-        prompts = [p if isinstance(p, list) else await encode(tok, p, add_special_tokens=True) for p in req.prompt]
-        fmt = _CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.engine.model_name, token_decoder(tok))
+        special = req.add_special_tokens
+        encoded = [p if isinstance(p, list) else await encode(tok, p, add_special_tokens=special)
+                   for p in req.prompt]
+        prompts = [params.truncate(ids, self.engine.max_model_len) for ids in encoded]
+        echo = None
+        if req.echo:   # the prompt as given, unless truncation cut it
+            echo = [p if isinstance(p, str) and len(ids) == len(full) else
+                    tok.decode(ids, skip_special_tokens=False)
+                    for p, full, ids in zip(req.prompt, encoded, prompts)]
+        fmt = _CompletionFormat(request_id("cmpl", req.request_id), self.engine.model_name,
+                                token_decoder(tok, req.return_tokens_as_token_ids), echo=echo,
+                                n=params.n)
         return await self._run(request, fmt, prompts, params, req.stream, req.include_usage)
 
     async def chat(self, req: api.ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
         params = self.model_defaults(req, req.sampling_params())
+        plan = plan_tools(req, self.engine.config.enable_auto_tool_choice)
+        if plan.grammar is not None:
+            if params.structured_outputs is not None:
+                raise ConfigError("tool_choice required or a named function cannot be combined "
+                                  "with response_format or structured outputs")
+            params.structured_outputs = StructuredOutputsParams(grammar=plan.grammar)
         tok = self.engine.tokenizer
-        text = tok.apply_chat_template([m.as_template_input() for m in req.messages], add_generation_prompt=True)
-        prompt = await encode(tok, text, add_special_tokens=False)   # the template already has BOS and the like
-        fmt = _ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.engine.model_name, token_decoder(tok))
+        text = render_chat(tok, req)
+        prompt = await encode(tok, text, add_special_tokens=req.add_special_tokens)
+        prompt = params.truncate(prompt, self.engine.max_model_len)
+        last = req.messages[-1]
+        echo = (last.content or "") if req.echo and last.role == "assistant" else ""
+        fmt = _ChatFormat(request_id("chatcmpl", req.request_id), self.engine.model_name,
+                          token_decoder(tok, req.return_tokens_as_token_ids), parser=plan.parser,
+                          echo=echo)
         return await self._run(request, fmt, [prompt], params, req.stream, req.include_usage)
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Off the event loop and the engine thread; a grammar that does not compile: 400 here."""
+        spec = params.structured_outputs
+        if spec is not None:
+            await asyncio.to_thread(self.engine.engine.structured.compile, spec)
 
     async def _run(self, request: Request, fmt: _Format, prompts: list[list[int]], params: SamplingParams,
                    stream: bool, include_usage: bool) -> Response:
+        await self._compile_grammar(params)
         for ids in prompts:
             self.engine.validate(ids, params)
         events = merge([self.engine.generate(ids, params, request_id=f"{fmt.id}-{i}")
@@ -289,7 +406,8 @@ class OpenAIServing:
             if not stream:
                 finals = await until_disconnect(request, self._collect(events, len(prompts)))
                 check_not_aborted(finals)
-                body = fmt.response(numbered_choices(finals, params.n), usage_of(finals)).model_dump_json()
+                answer = fmt.response(numbered_choices(finals, params.n), usage_of(finals), finals)
+                body = answer.model_dump_json()
                 return Response(body, media_type="application/json")
             first = await until_disconnect(request, anext(events))
         except BaseException as e:

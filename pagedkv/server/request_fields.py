@@ -1,0 +1,166 @@
+"""vLLM's request fields beyond the sampling ones: output constraints, tools, and the fields pagedkv
+does not implement, which are answered with a 400 that names them instead of being ignored.
+
+The models are used by protocol.py's request classes; the resolution of the several ways vLLM
+accepts to ask for structured output (`structured_outputs`, `guided_*`, `response_format`) into one
+`StructuredOutputsParams` lives here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from pagedkv.config import ConfigError
+from pagedkv.engine.request import StructuredOutputsParams
+
+# field -> the value that means "not used"; any other value is a 400 naming the field
+UNSUPPORTED: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "priority": 0,
+    "cache_salt": None,
+    "logits_processors": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "prompt_embeds": None,
+    "mm_processor_kwargs": None,
+    "return_token_ids": None,
+    "guided_whitespace_pattern": None,
+    "audio": None,
+    "modalities": None,
+    "prediction": None,
+    "web_search_options": None,
+    "functions": None,
+    "function_call": None,
+    "reasoning_effort": None,
+    "structural_tag": None,
+}
+GUIDED_BACKENDS = (None, "auto", "guidance", "llguidance")
+
+
+def reject_unsupported(data: Any) -> Any:
+    """A before-validator: a field pagedkv does not implement, set to other than its default."""
+    if isinstance(data, dict):
+        for name, unused in UNSUPPORTED.items():
+            if name in data and data[name] is not None and data[name] != unused:
+                raise ValueError(f"{name} is not supported by pagedkv")
+    return data
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class JsonSchemaFormat(_Model):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first has id, type and name; later ones arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+def structured_spec(req) -> StructuredOutputsParams | None:
+    """The one output constraint a request asks for, from whichever field; 400 if several."""
+    if req.guided_decoding_backend not in GUIDED_BACKENDS:
+        raise ConfigError(
+            f"guided_decoding_backend {req.guided_decoding_backend!r} is not available; "
+            "pagedkv uses llguidance"
+        )
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", _from_dict(req.structured_outputs)))
+    for field, key in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
+        value = getattr(req, field)
+        if value is not None:
+            found.append((field, StructuredOutputsParams(**{key: value})))
+    if req.response_format is not None and req.response_format.type != "text":
+        found.append(("response_format", _from_response_format(req.response_format)))
+    if len(found) > 1:
+        raise ConfigError(
+            f"only one output constraint may be given; got {', '.join(f for f, _ in found)}"
+        )
+    return found[0][1] if found else None
+
+
+def _from_dict(data: dict) -> StructuredOutputsParams:
+    data = {k: v for k, v in data.items() if v is not None}
+    data.pop("backend", None)
+    data.pop("disable_any_whitespace", None)  # pagedkv's JSON never has optional whitespace
+    unknown = sorted(set(data) - {"json", "regex", "choice", "grammar", "json_object"})
+    if unknown:
+        raise ConfigError(f"structured_outputs.{unknown[0]} is not supported by pagedkv")
+    return StructuredOutputsParams(**data)
+
+
+def _from_response_format(fmt: ResponseFormat) -> StructuredOutputsParams:
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise ConfigError("response_format json_schema needs json_schema.schema")
+    return StructuredOutputsParams(json=fmt.json_schema.schema_)

@@ -1,0 +1,150 @@
+"""Tools in a chat request: what the template sees, what constrains the output, how it is read.
+
+- `tool_choice` "none": the tools reach the template, the output is plain text (as vLLM).
+- "auto" (the default when tools are given): needs `--enable-auto-tool-choice --tool-call-parser
+  hermes`, else a 400 as in vLLM; the output is parsed for Hermes `<tool_call>` blocks.
+- "required" or a named function: the output is forced by a grammar to be Hermes tool call blocks
+  whose JSON is `{"name": <one of the tools>, "arguments": <that tool's parameters schema>}`, so it
+  always parses; one block when `parallel_tool_calls` is false or a function is named.
+
+A chat template that never mentions `tools` (SmolLM2's) cannot show them to the model, so the
+messages are rewritten the way Hermes models are trained: a system prompt listing the tools as JSON
+(appended to the conversation's own system message, or as a new first message), assistant tool calls
+as `<tool_call>` blocks in the content and tool results as `<tool_response>` blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pagedkv.config import ConfigError
+from pagedkv.engine.structured import JSON_OPTIONS
+from pagedkv.server.tool_parsers import HermesToolParser
+
+HERMES_SYSTEM_PROMPT = (
+    "You are a function calling AI model. You may call one or more functions to assist with the "
+    "user query. Here are the available tools: <tools> {tools} </tools>\n"
+    "For each function call, return a JSON object with the function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+_RESERVED_TEMPLATE_ARGS = {
+    "messages",
+    "add_generation_prompt",
+    "tools",
+    "documents",
+    "bos_token",
+    "eos_token",
+}
+
+
+@dataclass
+class ToolPlan:
+    parser: HermesToolParser | None = None  # None: the output is plain text
+    grammar: str | None = None  # Lark grammar forcing the calls (required / named)
+
+
+def plan_tools(req, auto_tool_choice: bool) -> ToolPlan:
+    """Check tools / tool_choice against each other and the server's flags."""
+    tools = req.tools or []
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if choice == "none":
+        return ToolPlan()
+    if not tools:
+        raise ConfigError("tool_choice needs tools")
+    single = req.parallel_tool_calls is False
+    if choice == "auto":
+        if not auto_tool_choice:
+            raise ConfigError(
+                '"auto" tool choice requires --enable-auto-tool-choice and '
+                "--tool-call-parser to be set"
+            )
+        return ToolPlan(HermesToolParser(max_calls=1 if single else None))
+    if choice == "required":
+        chosen = tools
+    else:
+        chosen = [t for t in tools if t.function.name == choice.function.name]
+        if not chosen:
+            raise ConfigError(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools"
+            )
+        single = True
+    return ToolPlan(HermesToolParser(max_calls=1 if single else None), call_grammar(chosen, single))
+
+
+def call_grammar(tools: list, single: bool) -> str:
+    """Lark (llguidance) for one or more `<tool_call>` blocks calling one of `tools`.
+
+    Each tool's `$defs` move to the schema's root, where its `#/$defs/...` references point."""
+    defs: dict = {}
+    schemas = []
+    for t in tools:
+        params = dict(t.function.parameters or {"type": "object"})
+        for name, sub in params.pop("$defs", {}).items():
+            if defs.setdefault(name, sub) != sub:
+                raise ConfigError(f"two tools define $defs {name!r} differently")
+        schemas.append(
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "arguments"],
+                "properties": {"name": {"const": t.function.name}, "arguments": params},
+            }
+        )
+    schema = dict(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+    schema["x-guidance"] = JSON_OPTIONS
+    if defs:
+        schema["$defs"] = defs
+    call = '"<tool_call>\\n" %json ' + json.dumps(schema) + ' "\\n</tool_call>"'
+    return f'start: call{"" if single else " (chr_nl call)*"}\nchr_nl: "\\n"\ncall: {call}\n'
+
+
+def render_chat(tokenizer, req) -> str:
+    """The chat request as prompt text: template arguments, tools, history, continuation."""
+    messages = [m.as_template_input() for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    template = req.chat_template or tokenizer.chat_template or ""
+    if "tool" not in template:
+        messages = hermes_messages(messages, tools)
+    kwargs = dict(req.chat_template_kwargs or {})
+    clash = sorted(_RESERVED_TEMPLATE_ARGS & set(kwargs))
+    if clash:
+        raise ConfigError(
+            f"chat_template_kwargs must not set {clash[0]!r}; it has its own request field"
+        )
+    return tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=req.add_generation_prompt,
+        chat_template=req.chat_template,
+        continue_final_message=req.continue_final_message,
+        tools=tools,
+        documents=req.documents,
+        **kwargs,
+    )
+
+
+def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """The conversation for a template that knows no tools (see the module docstring)."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if m.get("tool_calls"):
+            content += "".join(
+                "<tool_call>\n"
+                + json.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                )
+                + "\n</tool_call>"
+                for c in m["tool_calls"]
+            )
+        elif m["role"] == "tool":
+            content = f"<tool_response>\n{content}\n</tool_response>"
+        out.append({"role": m["role"], "content": content})
+    if tools:
+        prompt = HERMES_SYSTEM_PROMPT.format(tools=json.dumps(tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out

@@ -1,0 +1,348 @@
+"""vLLM's request fields through a real server: each honoured field has the effect it names, and a
+field pagedkv does not implement is a 400 that names it.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from pagedkv.engine.logits_processors import completing_tokens
+from pagedkv.engine.request import SamplingParams
+from pagedkv.model.tokenizer import Tokenizer
+from server_process import ServerProcess
+
+PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with ServerProcess(
+        tiny_model_dir,
+        "--block-size",
+        "4",
+        "--num-gpu-blocks-override",
+        "512",
+        "--max-model-len",
+        "1024",
+        "--served-model-name",
+        "tiny",
+    ) as srv:
+        yield srv
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").wait_idle()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.openai()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir) -> Tokenizer:
+    return Tokenizer.from_hf_folder(tiny_model_dir)
+
+
+def complete(client, prompt=PROMPT, **kw):
+    kw.setdefault("max_tokens", 8)
+    kw.setdefault("temperature", 0)
+    extra = {
+        k: kw.pop(k)
+        for k in list(kw)
+        if k
+        not in (
+            "max_tokens",
+            "temperature",
+            "seed",
+            "echo",
+            "logprobs",
+            "stream",
+            "stop",
+            "n",
+            "logit_bias",
+        )
+    }
+    return client.completions.create(model="tiny", prompt=prompt, extra_body=extra or None, **kw)
+
+
+def ids_of(choice) -> list[int]:
+    """The output token ids, read from logprobs with return_tokens_as_token_ids."""
+    return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+
+def chat(client, messages, **kw):
+    kw.setdefault("max_tokens", 4)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model="tiny", messages=messages, **kw)
+
+
+# ---------------------------------------------------------------- token rules
+
+
+def test_logit_bias_forces_a_token(client):
+    r = complete(client, logit_bias={"300": 100}, logprobs=0, return_tokens_as_token_ids=True)
+    assert ids_of(r.choices[0]) == [300] * 8
+
+
+def test_allowed_token_ids_restrict_sampling(client):
+    allowed = [100, 200, 300]
+    for seed in range(3):
+        r = complete(
+            client,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=16,
+            allowed_token_ids=allowed,
+            logprobs=0,
+            return_tokens_as_token_ids=True,
+        )
+        assert set(ids_of(r.choices[0])) <= set(allowed)
+
+
+def test_bad_words_are_never_completed(client, tok):
+    word = "quick"
+    forced = set(
+        tok.encode(word, add_special_tokens=False)
+        + tok.encode(" " + word, add_special_tokens=False)
+    )
+    bias = {str(t): 100 for t in forced}
+    assert word in complete(client, logit_bias=bias, max_tokens=12).choices[0].text
+    assert (
+        word
+        not in complete(client, logit_bias=bias, max_tokens=12, bad_words=[word]).choices[0].text
+    )
+
+
+def test_completing_tokens_follows_vllm():
+    assert completing_tokens([5, 6], [[7]]) == [7]  # one token: always banned
+    assert completing_tokens([5, 6], [[6, 8], [5, 9]]) == [8]  # only where the rest ends the output
+    assert completing_tokens([], [[1, 2]]) == []
+
+
+# ---------------------------------------------------------------- text
+
+
+def test_echo_prepends_the_prompt(client, tok):
+    plain = complete(client).choices[0].text
+    assert complete(client, echo=True).choices[0].text == PROMPT + plain
+    ids = tok.encode(PROMPT)
+    assert complete(client, prompt=ids, echo=True).choices[0].text == tok.decode(ids) + plain
+    chunks = list(complete(client, echo=True, stream=True))
+    assert (
+        chunks[0].choices[0].text == PROMPT
+        and "".join(c.choices[0].text for c in chunks) == PROMPT + plain
+    )
+
+
+def test_echo_with_logprobs_scores_the_prompt_too(client, tok):
+    r = complete(client, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    n_prompt = len(tok.encode(PROMPT))
+    assert (
+        len(lp.tokens) == n_prompt + 8
+        and lp.token_logprobs[0] is None
+        and lp.top_logprobs[0] is None
+    )
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+
+
+def test_chat_echo_prepends_the_last_assistant_message(client):
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well,"}]
+    plain = chat(
+        client, msgs, extra_body={"add_generation_prompt": False, "continue_final_message": True}
+    )
+    echoed = chat(
+        client,
+        msgs,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True, "echo": True},
+    )
+    assert echoed.choices[0].message.content == "Well," + plain.choices[0].message.content
+
+
+def test_include_stop_str_in_output(client):
+    text = complete(client, max_tokens=16).choices[0].text
+    stop = text[4:7]
+    cut = text.find(stop)
+    assert complete(client, max_tokens=16, stop=[stop]).choices[0].text == text[:cut]
+    shown = complete(client, max_tokens=16, stop=[stop], include_stop_str_in_output=True).choices[0]
+    assert shown.text == text[: cut + len(stop)] and shown.finish_reason == "stop"
+
+
+def test_skip_special_tokens_false_shows_them(client, tok):
+    special = tok.encode("<|im_start|>", add_special_tokens=False)
+    assert len(special) == 1
+    bias = {str(special[0]): 100}
+    assert complete(client, logit_bias=bias, max_tokens=3).choices[0].text == ""
+    shown = (
+        complete(client, logit_bias=bias, max_tokens=3, skip_special_tokens=False).choices[0].text
+    )
+    assert shown == "<|im_start|>" * 3
+    assert (
+        complete(
+            client,
+            logit_bias=bias,
+            max_tokens=3,
+            skip_special_tokens=False,
+            spaces_between_special_tokens=False,
+        )
+        .choices[0]
+        .text
+        == shown
+    )
+
+
+# ---------------------------------------------------------------- prompt
+
+
+def test_truncate_prompt_tokens_keeps_the_last_n(client, tok):
+    ids = tok.encode(PROMPT)
+    r = complete(client, truncate_prompt_tokens=5)
+    assert r.usage.prompt_tokens == 5
+    assert r.choices[0].text == complete(client, prompt=ids[-5:]).choices[0].text
+
+
+def test_truncation_makes_a_too_long_chat_prompt_fit(client):
+    long = [{"role": "user", "content": "paged attention keeps blocks " * 200}]
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        chat(client, long)
+    r = chat(client, long, extra_body={"truncate_prompt_tokens": 50})
+    assert r.usage.prompt_tokens == 50
+
+
+def test_prompt_logprobs_cover_every_prompt_token(client, tok):
+    ids = tok.encode(PROMPT)
+    first = complete(client, prompt_logprobs=2).choices[0].model_extra["prompt_logprobs"]
+    assert len(first) == len(ids) and first[0] is None
+    for token, entry in zip(ids[1:], first[1:]):
+        assert str(token) in entry and 2 <= len(entry) <= 3
+        assert entry[str(token)]["rank"] >= 1 and entry[str(token)]["logprob"] <= 0
+    again = complete(
+        client, prompt_logprobs=2
+    )  # the prefix cache is skipped: every position is scored
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].model_extra["prompt_logprobs"] == first
+    r = chat(client, [{"role": "user", "content": "Hi"}], extra_body={"prompt_logprobs": 0})
+    assert len(r.model_extra["prompt_logprobs"]) == r.usage.prompt_tokens
+
+
+# ---------------------------------------------------------------- chat template
+
+
+def test_chat_template_and_its_kwargs(client, tok):
+    template = "{{ greeting }}:{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    r = chat(
+        client,
+        [{"role": "user", "content": "there"}],
+        extra_body={"chat_template": template, "chat_template_kwargs": {"greeting": "Hello"}},
+    )
+    assert r.usage.prompt_tokens == len(tok.encode("Hello:there", add_special_tokens=False))
+
+
+def test_documents_reach_the_template(client, tok):
+    template = "{% for d in documents %}{{ d['title'] }};{% endfor %}{{ messages[0]['content'] }}"
+    r = chat(
+        client,
+        [{"role": "user", "content": "hi"}],
+        extra_body={
+            "chat_template": template,
+            "documents": [{"title": "A", "text": "x"}, {"title": "B", "text": "y"}],
+        },
+    )
+    assert r.usage.prompt_tokens == len(tok.encode("A;B;hi", add_special_tokens=False))
+
+
+def test_add_generation_prompt_and_continue_final_message(client, tok):
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+    with_prompt = chat(client, msgs[:1]).usage.prompt_tokens
+    without = chat(
+        client, msgs[:1], extra_body={"add_generation_prompt": False}
+    ).usage.prompt_tokens
+    assert with_prompt - without == len(
+        tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    )
+    cont = chat(
+        client, msgs, extra_body={"add_generation_prompt": False, "continue_final_message": True}
+    )
+    full = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    expected = full[: full.rindex("The answer is") + len("The answer is")]
+    assert cont.usage.prompt_tokens == len(tok.encode(expected, add_special_tokens=False))
+
+
+def test_request_id_names_the_response(client):
+    assert complete(client, request_id="abc123").id == "cmpl-abc123"
+
+
+# ---------------------------------------------------------------- rejected
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("use_beam_search", True),
+        ("cache_salt", "s"),
+        ("priority", 1),
+        ("logits_processors", ["x"]),
+        ("return_token_ids", True),
+        ("kv_transfer_params", {}),
+        ("vllm_xargs", {"a": 1}),
+        ("length_penalty", 0.5),
+    ],
+)
+def test_unsupported_fields_are_400_naming_them(server, field, value):
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        r = server.http.post(path, json={**body, "max_tokens": 2, field: value})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (
+            {"tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]},
+            "--enable-auto-tool-choice",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "--enable-auto-tool-choice"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"best_of": 3}, "best_of"),
+        ({"structural_tag": "{}"}, "structural_tag"),
+        ({"continue_final_message": True}, "add_generation_prompt"),
+        ({"chat_template_kwargs": {"messages": []}}, "messages"),
+        ({"chat_template": "{% for %}"}, "chat template"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"allowed_token_ids": [10**6]}, "outside the vocabulary"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ],
+)
+def test_bad_chat_fields_are_400(client, extra, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, [{"role": "user", "content": "hi"}], extra_body=extra)
+    assert words in e.value.message
+
+
+def test_offline_llm_takes_the_new_sampling_fields(tiny_model_dir, one_torch_thread):
+    from pagedkv import LLM
+
+    llm = LLM(tiny_model_dir, num_gpu_blocks_override=128, block_size=4)
+    ids = llm.get_tokenizer().encode(PROMPT)
+    outs = llm.generate(
+        [ids, ids, ids],
+        [
+            SamplingParams(max_tokens=4, temperature=0, logit_bias={300: 100.0}),
+            SamplingParams(max_tokens=6, temperature=1.0, seed=1, allowed_token_ids=[7, 8]),
+            SamplingParams(
+                max_tokens=2, temperature=0, truncate_prompt_tokens=3, prompt_logprobs=1
+            ),
+        ],
+        use_tqdm=False,
+    )
+    assert outs[0].outputs[0].token_ids == [300] * 4
+    assert set(outs[1].outputs[0].token_ids) <= {7, 8}
+    assert outs[2].prompt_token_ids == ids[-3:] and len(outs[2].prompt_logprobs) == 3

@@ -1,0 +1,380 @@
+"""Tool calls: the Hermes parser on its own, then `tools` / `tool_choice` through a real server.
+
+With the tiny random model, `required` and named calls show the grammar at work (the call always
+parses and its arguments validate); `auto` is checked by forcing the model's text to a Hermes call
+with a choice constraint, so the auto parser sees exactly what a Hermes model writes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.server.tool_parsers import HermesToolParser, ToolCallStream, final_tool_calls
+from pagedkv.server.tools import hermes_messages
+from server_process import ServerProcess
+
+WEATHER = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "days"],
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+}
+TIME = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["zone"],
+    "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather forecast",
+            "parameters": WEATHER,
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+HERMES = (
+    'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+)
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+# ---------------------------------------------------------------- the parser
+
+
+def test_hermes_text_parses_into_calls():
+    parsed = HermesToolParser().parse(HERMES, final=True)
+    assert parsed.content == "Let me check."
+    calls = final_tool_calls(parsed)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}),
+        ("get_time", {"zone": "CET"}),
+    ]
+    assert len({c.id for c in calls}) == 2
+    assert len(HermesToolParser(max_calls=1).parse(HERMES, final=True).calls) == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no tools here",
+        "<tool_call>\n{not json}\n</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',
+    ],
+)
+def test_text_that_is_not_a_call_stays_content(text):
+    parsed = HermesToolParser().parse(text, final=True)
+    assert parsed.content == text and final_tool_calls(parsed) == []
+
+
+def test_streamed_pieces_add_up_to_the_whole():
+    """Fed a character at a time, the deltas rebuild the same content and calls as one parse."""
+    stream, content, calls = ToolCallStream(HermesToolParser()), "", {}
+    for end in range(1, len(HERMES) + 1):
+        text, deltas = stream.update(HERMES[:end], final=end == len(HERMES))
+        content += text
+        for d in deltas:
+            call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+            assert d.id is None or d.id == call["id"]
+            call["arguments"] += d.function.arguments or ""
+    assert content == "Let me check."
+    whole = HermesToolParser().parse(HERMES, final=True).calls
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.name, c.arguments) for c in whole
+    ]
+    assert all(c["id"] for c in calls.values())
+
+
+def test_tools_and_history_reach_a_template_that_knows_no_tools(tiny_model_dir):
+    history = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]
+    msgs = hermes_messages(history, [TOOLS[0]])
+    assert msgs[0]["role"] == "system" and '"get_weather"' in msgs[0]["content"]
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n'
+        "</tool_call>" in msgs[2]["content"]
+    )
+    assert msgs[3] == {"role": "tool", "content": "<tool_response>\nsunny\n</tool_response>"}
+    text = Tokenizer.from_hf_folder(tiny_model_dir).apply_chat_template(msgs)
+    assert "<tool_response>" in text and "Weather forecast" in text
+
+
+# ---------------------------------------------------------------- through the server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with ServerProcess(
+        tiny_model_dir,
+        "--block-size",
+        "4",
+        "--num-gpu-blocks-override",
+        "1024",
+        "--max-model-len",
+        "2048",
+        "--served-model-name",
+        "tiny",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ) as srv:
+        yield srv
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").wait_idle()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.openai()
+
+
+def chat(client, **kw):
+    kw.setdefault("max_tokens", 200)
+    kw.setdefault("temperature", 1.0)
+    return client.chat.completions.create(
+        model="tiny", messages=kw.pop("messages", MESSAGES), tools=TOOLS, **kw
+    )
+
+
+def check_call(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_required_yields_a_parsed_call(client, seed):
+    r = chat(client, tool_choice="required", seed=seed, parallel_tool_calls=False)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    check_call(call.function.name, call.function.arguments)
+
+
+def test_required_with_parallel_calls(client):
+    """Several calls may follow each other; each one parses and validates."""
+    tools = [TOOLS[1], {"type": "function", "function": {"name": "get_zone", "parameters": TIME}}]
+    SCHEMAS["get_zone"] = TIME
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            tools=tools,
+            tool_choice="required",
+            seed=seed,
+            temperature=1.0,
+            max_tokens=1000,
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            check_call(call.function.name, call.function.arguments)
+
+
+def test_named_function_is_the_one_called(client):
+    for seed in range(3):
+        r = chat(
+            client, tool_choice={"type": "function", "function": {"name": "get_time"}}, seed=seed
+        )
+        calls = r.choices[0].message.tool_calls
+        assert [c.function.name for c in calls] == ["get_time"]
+        check_call("get_time", calls[0].function.arguments)
+
+
+def test_streamed_calls_reassemble_to_the_same_call(client):
+    kw = dict(tool_choice="required", seed=5, parallel_tool_calls=False)
+    whole = chat(client, **kw).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in chat(client, stream=True, **kw):
+        delta = chunk.choices[0].delta
+        finish = chunk.choices[0].finish_reason or finish
+        for d in delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"name": d.function.name, "arguments": "", "id": d.id})
+            call["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls" and len(whole) == len(calls) == 1
+    assert (calls[0]["name"], calls[0]["arguments"]) == (
+        whole[0].function.name,
+        whole[0].function.arguments,
+    )
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_auto_parses_a_hermes_answer(client):
+    """The text is forced to a Hermes call (a choice constraint); auto must find the calls."""
+    r = chat(client, tool_choice="auto", extra_body={"guided_choice": [HERMES]}, max_tokens=300)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather", "get_time"]
+    plain = chat(client, tool_choice="auto", extra_body={"guided_choice": ["just text"]})
+    assert (
+        plain.choices[0].message.content == "just text" and not plain.choices[0].message.tool_calls
+    )
+    assert plain.choices[0].finish_reason == "stop"
+
+
+def test_history_with_tool_calls_and_results_is_accepted(client):
+    messages = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "days": 1}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+    ]
+    r = chat(client, messages=messages, tool_choice="none", max_tokens=4)
+    bare = chat(client, tool_choice="none", max_tokens=4)
+    assert (
+        r.usage.prompt_tokens > bare.usage.prompt_tokens
+    )  # the call and its result are in the prompt
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "cannot be combined",
+        ),
+        (
+            {
+                "messages": [
+                    *MESSAGES,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{bad"},
+                            }
+                        ],
+                    },
+                ]
+            },
+            "not JSON",
+        ),
+    ],
+)
+def test_bad_tool_requests_are_400(client, kw, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, **kw)
+    assert words in e.value.message
+
+
+def test_tool_choice_without_tools_is_400(client):
+    with pytest.raises(openai.BadRequestError, match="tool_choice needs tools"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, tool_choice="required")
+
+
+@pytest.mark.slow
+def test_default_model_calls_a_tool_and_answers_in_json():
+    """SmolLM2 (real weights, GGUF tokenizer in llguidance): a forced call, a JSON answer."""
+    with ServerProcess(
+        None,
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory",
+        "256MiB",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ) as srv:
+        c = srv.openai()
+        name = c.models.list().data[0].id
+        r = c.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "Weather in Paris for 3 days?"}],
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=80,
+            temperature=0,
+        )
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls"
+        check_call(call.function.name, call.function.arguments)
+        fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+        r = c.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "Paris, 3 days, as JSON"}],
+            response_format=fmt,
+            max_tokens=60,
+            temperature=0,
+        )
+        jsonschema.validate(json.loads(r.choices[0].message.content), WEATHER)
+        srv.wait_idle()
+
+
+def test_a_name_inside_the_arguments_is_not_the_call_name():
+    text = '<tool_call>{"arguments": {"name": "Bob"}, "name": "greet"}</tool_call>'
+    for end in range(1, len(text)):
+        for call in HermesToolParser().parse(text[:end], final=False).calls:
+            assert call.name in (None, "greet")
+    (call,) = HermesToolParser().parse(text, final=True).calls
+    assert (call.name, json.loads(call.arguments)) == ("greet", {"name": "Bob"})
+    stringified = '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    assert HermesToolParser().parse(stringified, final=True).calls[0].arguments == '{"a": 1}'
+
+
+def test_tool_parameters_with_defs_and_refs(client):
+    params = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["when"],
+        "properties": {"when": {"$ref": "#/$defs/day"}},
+        "$defs": {"day": {"enum": ["mon", "tue"]}},
+    }
+    tool = {"type": "function", "function": {"name": "book", "parameters": params}}
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        tools=[tool],
+        seed=1,
+        tool_choice={"type": "function", "function": {"name": "book"}},
+        temperature=1.0,
+        max_tokens=100,
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert json.loads(call.function.arguments)["when"] in ("mon", "tue")
