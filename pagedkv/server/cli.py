@@ -16,6 +16,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas behind one endpoint, on Ray Serve (pip install 'pagedkv[ray]')")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     p.set_defaults(func=run)
 
 
@@ -27,5 +30,10 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     from pagedkv.server.app import serve   # late: keeps `pagedkv --help` free of torch
     print(f"pagedkv: loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
+    if args.data_parallel_size != 1 or args.ray_address:   # late: the default never imports Ray
+        from pagedkv.server.ray_launch import serve_replicas
+        serve_replicas(config, args.host, args.port, args.data_parallel_size, args.ray_address,
+                       args.shutdown_timeout)
+        return 0
     serve(config, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
     return 0
