@@ -124,13 +124,13 @@ def test_prefix_aware_routing_keeps_each_tenant_on_one_replica(cluster):
 def test_dead_replica_errors_its_stream_and_its_successor_reads_the_shared_tier(cluster):
     prompt = "The disk tier is shared. " * 20
     first = complete(cluster, prompt, replica=0)
-    for i in range(5):   # push the prompt's blocks out of replica 0's 64-block pool into the shared dir
-        complete(cluster, f"filler {i} " + "Memory is cut into fixed-size blocks. " * 20, replica=0)
+    for i in range(12):   # push the prompt's blocks out of replica 0's 64-block pool into the shared dir
+        complete(cluster, f"filler {i} " + "Memory is cut into fixed-size blocks. " * 30, replica=0)
     before = replicas(cluster)
     victim = before[1]
     with httpx.stream("POST", f"{cluster}/v1/completions", headers={REPLICA: "1"}, timeout=120,
-                      json={"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as s:
-        assert s.headers[REPLICA] == victim["replica"]
+                      json={"prompt": "Hello", "max_tokens": 900, "ignore_eos": True, "stream": True}) as s:
+        assert s.status_code == 200 and s.headers[REPLICA] == victim["replica"]
         lines = s.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
         os.kill(victim["pid"], signal.SIGKILL)
@@ -146,3 +146,4 @@ def test_dead_replica_errors_its_stream_and_its_successor_reads_the_shared_tier(
     again = complete(cluster, prompt, replica=successor).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 4
     assert again["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert replicas(cluster)[successor]["offload_hits"] >= 16 * 4   # read from the files replica 0 wrote
