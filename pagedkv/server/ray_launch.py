@@ -25,7 +25,7 @@ def serve_replicas(config: EngineConfig, host: str, port: int, num_replicas: int
         import ray
         from ray import serve
     except ImportError:
-        raise ConfigError("--data-parallel-size and --ray-address need Ray: pip install 'pagedkv[ray]'") from None
+        raise ConfigError("--data-parallel-size and --ray-address need Ray: pip install \"pagedkv[ray]\"") from None
     from pagedkv.server.ray_app import build
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")   # inherited by the replicas Ray starts here
