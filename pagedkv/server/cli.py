@@ -19,6 +19,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas behind one endpoint, on Ray Serve (pip install 'pagedkv[ray]')")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    p.add_argument("--routing", default=None, choices=["prefix-aware", "least-loaded", "round-robin"],
+                   help="how --data-parallel-size picks a replica (default prefix-aware)")
     p.set_defaults(func=run)
 
 
@@ -27,13 +29,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.routing and args.data_parallel_size == 1 and not args.ray_address:
+        raise ConfigError("--routing chooses among replicas: give --data-parallel-size N (N > 1)")
     config = engine_config_from_args(args)
     from pagedkv.server.app import serve   # late: keeps `pagedkv --help` free of torch
     print(f"pagedkv: loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
     if args.data_parallel_size != 1 or args.ray_address:   # late: the default never imports Ray
         from pagedkv.server.ray_launch import serve_replicas
         serve_replicas(config, args.host, args.port, args.data_parallel_size, args.ray_address,
-                       args.shutdown_timeout)
+                       args.shutdown_timeout, args.routing or "prefix-aware")
         return 0
     serve(config, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
     return 0

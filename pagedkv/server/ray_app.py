@@ -42,8 +42,7 @@ class ReplicaGone(Exception):
     """The replica serving a request failed or died."""
 
 
-@serve.deployment(request_router_config=RequestRouterConfig(request_router_class=PagedKVRouter),
-                  max_ongoing_requests=1000, health_check_period_s=2, health_check_timeout_s=30)
+@serve.deployment(max_ongoing_requests=1000, health_check_period_s=2, health_check_timeout_s=30)
 class EngineReplica:
     """One engine and its FastAPI app, called through ASGI by the ingress."""
 
@@ -220,9 +219,12 @@ class Ingress:
         return StreamingResponse(_relay(stream), status_code=head["status"], headers=headers)
 
 
-def build(config: EngineConfig, num_replicas: int, shutdown_timeout: float = 30.0):
-    """The Serve application: N engine replicas behind the ingress."""
+def build(config: EngineConfig, num_replicas: int, shutdown_timeout: float = 30.0,
+          routing: str = "prefix-aware"):
+    """The Serve application: N engine replicas behind the ingress, routed by `routing`."""
+    router = RequestRouterConfig(request_router_class=PagedKVRouter, request_router_kwargs={"policy": routing})
     engine = EngineReplica.options(num_replicas=num_replicas, ray_actor_options={"num_cpus": 1},
-                                   graceful_shutdown_timeout_s=shutdown_timeout).bind(config)
+                                   graceful_shutdown_timeout_s=shutdown_timeout,
+                                   request_router_config=router).bind(config)
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(
         engine, config.model, config.block_size, num_replicas)

@@ -16,7 +16,7 @@ APP_NAME = "pagedkv"
 
 
 def serve_replicas(config: EngineConfig, host: str, port: int, num_replicas: int, ray_address: str | None,
-                   shutdown_timeout: float) -> None:
+                   shutdown_timeout: float, routing: str = "prefix-aware") -> None:
     if num_replicas < 1:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {num_replicas}")
     if port == 0:
@@ -26,6 +26,8 @@ def serve_replicas(config: EngineConfig, host: str, port: int, num_replicas: int
         from ray import serve
     except ImportError:
         raise ConfigError("--data-parallel-size and --ray-address need Ray: pip install \"pagedkv[ray]\"") from None
+    from pagedkv.routing import make_policy
+    make_policy(routing)   # a bad name fails before Ray starts
     from pagedkv.server.ray_app import build
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")   # inherited by the replicas Ray starts here
@@ -39,7 +41,7 @@ def serve_replicas(config: EngineConfig, host: str, port: int, num_replicas: int
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(build(config, num_replicas, shutdown_timeout), name=APP_NAME, route_prefix="/")
+        serve.run(build(config, num_replicas, shutdown_timeout, routing), name=APP_NAME, route_prefix="/")
         print(f"pagedkv serves {config.model or 'the default model'} on {num_replicas} Ray Serve replicas: "
               f"OpenAI API at http://{host}:{port}/v1, dashboard at http://{host}:{port}/",
               file=sys.stderr, flush=True)

@@ -64,6 +64,7 @@ class ReplicaResult:
     prompt_tokens_computed: int
     requests_max_per_replica: int
     requests_mean_per_replica: float
+    peak_load: int           # most requests one replica held at once (waiting + running)
     steps: int
     preemptions: int
 
@@ -91,7 +92,7 @@ def run_replicas(trace: list[TenantRequest], replicas: int, routing: str, *, poo
     arrivals = arrival_steps(len(trace), arrival_rate * replicas, seed)
     pending = deque(sorted(range(len(trace)), key=lambda i: arrivals[i]))
     served = [0] * replicas
-    t = 0
+    t = peak = 0
     while pending or not all(r.done() for r in reps):
         if pending and all(r.done() for r in reps):
             t = max(t, arrivals[pending[0]])       # skip idle steps
@@ -102,6 +103,7 @@ def run_replicas(trace: list[TenantRequest], replicas: int, routing: str, *, poo
             k = policy.choose(prompt_block_hashes(live.token_ids[:live.prompt], block_size), loads)
             reps[k].waiting.append(live)
             served[k] += 1
+            peak = max(peak, loads[k] + 1)
         for r in reps:
             r.t = t
             r.step()
@@ -109,7 +111,7 @@ def run_replicas(trace: list[TenantRequest], replicas: int, routing: str, *, poo
     queries = sum(r.kv.prefix_queries for r in reps)
     hits = sum(r.kv.prefix_hits for r in reps)
     return ReplicaResult(replicas, routing, len(trace), queries, hits, queries - hits, max(served),
-                         len(trace) / replicas, t, sum(r.preemptions for r in reps))
+                         len(trace) / replicas, peak, t, sum(r.preemptions for r in reps))
 
 
 def _live(i: int, req: TenantRequest, arrival: int, pool_tokens: int, max_model_len: int) -> _Live:
@@ -135,11 +137,11 @@ def format_results(results: list[ReplicaResult], pool_tokens: int, tenants: int,
     lines = [f"{tenants} tenants (system prompts {SYSTEM_PROMPT_RANGE[0]}-{SYSTEM_PROMPT_RANGE[1]} tokens), "
              f"Poisson arrivals {arrival_rate:g} per step per replica, {pool_tokens:,} token slots per replica",
              f"{'replicas':>8}  {'routing':<14}{'hit rate':>9}{'prompt tokens computed':>24}"
-             f"{'requests/replica max/mean':>27}{'steps':>8}{'preemptions':>12}"]
+             f"{'requests/replica max/mean':>27}{'peak load':>11}{'steps':>8}{'preemptions':>12}"]
     for r in results:
         spread = f"{r.requests_max_per_replica} / {r.requests_mean_per_replica:.0f}"
         lines.append(f"{r.replicas:>8}  {r.routing:<14}{100 * r.hit_rate:>8.1f}%{r.prompt_tokens_computed:>24,}"
-                     f"{spread:>27}{r.steps:>8,}{r.preemptions:>12,}")
+                     f"{spread:>27}{r.peak_load:>11}{r.steps:>8,}{r.preemptions:>12,}")
     return "\n".join(lines)
 
 
