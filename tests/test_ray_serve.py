@@ -121,6 +121,17 @@ def test_prefix_aware_routing_keeps_each_tenant_on_one_replica(cluster):
     assert min(cached[len(TENANTS):]) >= 16 * 4    # every later turn found its system prompt cached
 
 
+def test_a_client_that_goes_away_frees_the_replicas_blocks(cluster):
+    with httpx.stream("POST", f"{cluster}/v1/completions", headers={REPLICA: "0"}, timeout=120,
+                      json={"prompt": "Hello", "max_tokens": 900, "ignore_eos": True, "stream": True}) as s:
+        assert s.status_code == 200
+        assert next(line for line in s.iter_lines() if line.startswith("data:"))
+    deadline = time.monotonic() + 60
+    while (pool := replicas(cluster)[0])["num_requests"] or pool["used"]:
+        assert time.monotonic() < deadline, f"replica 0 still holds the request: {pool['num_requests']}"
+        time.sleep(0.5)
+
+
 def test_dead_replica_errors_its_stream_and_its_successor_reads_the_shared_tier(cluster):
     prompt = "The disk tier is shared. " * 20
     first = complete(cluster, prompt, replica=0)

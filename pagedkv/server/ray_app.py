@@ -35,7 +35,7 @@ from pagedkv.server.ray_router import PagedKVRouter, RouteKey
 log = logging.getLogger("pagedkv.server")
 REPLICA_HEADER = "x-pagedkv-replica"     # send a request to replica i (tests, debugging); answers say who served
 SSE = "text/event-stream"
-START_ATTEMPTS = 3       # tries to start a request while replicas are found dead
+START_ATTEMPTS = 2       # tries to start a request while replicas are found dead
 
 
 class ReplicaGone(Exception):
@@ -152,8 +152,10 @@ class Ingress:
     async def _call(self, request: Request, key: RouteKey, body: bytes):
         """Start the call; returns (head, the rest of the stream). Raises ReplicaGone.
 
-        A replica found dead before it answered anything is tried again (Ray drops it from
-        routing meanwhile): the request never ran there, so it cannot run twice."""
+        A replica found dead before the answer started (routed there before Ray saw it die,
+        or dead mid-way through a non-streamed answer) gets one more try elsewhere: nothing
+        reached the client yet and a generation changes nothing. Only one, so a request that
+        kills replicas cannot take down more than two."""
         headers = [(k, v) for k, v in request.scope["headers"] if k.lower() != REPLICA_HEADER.encode()]
         for attempt in range(START_ATTEMPTS):
             stream = self.engine.forward.remote(key, request.method, request.url.path,
