@@ -12,6 +12,7 @@ is past `load_factor` x the mean load + `slack`: then the next shorter match is 
 at last the least loaded replica. A hot prefix therefore spills to a second replica (which
 then holds it too) instead of swamping one.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -25,23 +26,25 @@ from pagedkv.config import ConfigError
 from pagedkv.kv.block_pool import BlockHash, hash_block_tokens
 
 K = TypeVar("K", bound=Hashable)
-MAX_ROUTING_BLOCKS = 256      # a prefix past 4k tokens (at 16 per block) is matched on its head
+MAX_ROUTING_BLOCKS = 256  # a prefix past 4k tokens (at 16 per block) is matched on its head
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int,
-                        max_blocks: int = MAX_ROUTING_BLOCKS) -> list[BlockHash]:
+def prompt_block_hashes(
+    token_ids: Sequence[int], block_size: int, max_blocks: int = MAX_ROUTING_BLOCKS
+) -> list[BlockHash]:
     """Chained hashes of the prompt's full blocks, as a replica's prefix cache keys them."""
     hashes: list[BlockHash] = []
     parent = None
     for i in range(min(len(token_ids) // block_size, max_blocks)):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
     return hashes
 
 
 class RoutingPolicy(ABC):
     """Picks one of `loads`' keys (the live replicas) for a request with these block hashes."""
+
     name: str
 
     @abstractmethod
@@ -64,6 +67,7 @@ class RoundRobin(RoutingPolicy):
 
 class LeastLoaded(RoutingPolicy):
     """Fewest requests in flight; ties go round the replicas so an idle cluster still spreads."""
+
     name = "least-loaded"
 
     def __init__(self) -> None:
@@ -72,16 +76,23 @@ class LeastLoaded(RoutingPolicy):
     def choose(self, hashes: Sequence[BlockHash], loads: Mapping[K, int]) -> K:
         replicas = sorted(loads, key=str)
         start = next(self._next) % len(replicas)
-        return min(replicas[start:] + replicas[:start], key=loads.__getitem__)   # min keeps the first
+        return min(
+            replicas[start:] + replicas[:start], key=loads.__getitem__
+        )  # min keeps the first
 
 
 class PrefixAware(RoutingPolicy):
     """The replica holding the longest known prefix, within a load bound; else the least loaded."""
+
     name = "prefix-aware"
 
-    def __init__(self, *, load_factor: float = 1.25, slack: int = 2, max_entries: int = 1 << 20) -> None:
+    def __init__(
+        self, *, load_factor: float = 1.25, slack: int = 2, max_entries: int = 1 << 20
+    ) -> None:
         if load_factor < 1 or slack < 1 or max_entries < 1:
-            raise ConfigError("prefix-aware routing needs load_factor >= 1, slack >= 1, max_entries >= 1")
+            raise ConfigError(
+                "prefix-aware routing needs load_factor >= 1, slack >= 1, max_entries >= 1"
+            )
         self.load_factor, self.slack, self.max_entries = load_factor, slack, max_entries
         self._owners: OrderedDict[BlockHash, dict[Hashable, None]] = OrderedDict()
 
@@ -93,7 +104,9 @@ class PrefixAware(RoutingPolicy):
         self._record(hashes, chosen)
         return chosen
 
-    def _longest_match(self, hashes: Sequence[BlockHash], loads: Mapping[K, int], bound: float) -> K | None:
+    def _longest_match(
+        self, hashes: Sequence[BlockHash], loads: Mapping[K, int], bound: float
+    ) -> K | None:
         for h in reversed(hashes):
             owners = [r for r in self._owners.get(h, ()) if r in loads and loads[r] < bound]
             if owners:

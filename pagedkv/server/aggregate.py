@@ -3,6 +3,7 @@
 Counters and histograms add up; gauges add up too (running requests, blocks) except ratios
 (usage, utilization, hit rates), which are averaged. No Ray import: plain text in, text out.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -28,7 +29,7 @@ def merge_metrics(texts: list[str]) -> bytes:
     values: dict[str, dict[tuple, list[float]]] = {}
     for text in texts:
         for fam in text_string_to_metric_families(text):
-            merged = families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
+            families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
             series = values.setdefault(fam.name, {})
             for s in fam.samples:
                 series.setdefault((s.name, tuple(sorted(s.labels.items()))), []).append(s.value)
@@ -42,7 +43,7 @@ def merge_metrics(texts: list[str]) -> bytes:
 
 
 def merge_kv(snapshots: list[dict]) -> dict:
-    """Replica 0's snapshot at the top (what the dashboard draws), and every replica's under "replicas"."""
+    """Replica 0's snapshot at the top (what the dashboard draws), every replica's in "replicas"."""
     if not snapshots:
         return {"replicas": []}
     return {**snapshots[0], "replicas": snapshots}

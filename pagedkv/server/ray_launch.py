@@ -2,6 +2,7 @@
 
 Kept apart from `ray_app` so a missing Ray is one clear line (exit 2), not an ImportError.
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,15 @@ from pagedkv.config import ConfigError, EngineConfig
 APP_NAME = "pagedkv"
 
 
-def serve_replicas(config: EngineConfig, host: str, port: int, num_replicas: int, ray_address: str | None,
-                   shutdown_timeout: float, routing: str = "prefix-aware") -> None:
+def serve_replicas(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    num_replicas: int,
+    ray_address: str | None,
+    shutdown_timeout: float,
+    routing: str = "prefix-aware",
+) -> None:
     if num_replicas < 1:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {num_replicas}")
     if port == 0:
@@ -25,15 +33,25 @@ def serve_replicas(config: EngineConfig, host: str, port: int, num_replicas: int
         import ray
         from ray import serve
     except ImportError:
-        raise ConfigError("--data-parallel-size and --ray-address need Ray: pip install \"pagedkv[ray]\"") from None
+        raise ConfigError(
+            '--data-parallel-size and --ray-address need Ray: pip install "pagedkv[ray]"'
+        ) from None
     from pagedkv.routing import make_policy
-    make_policy(routing)   # a bad name fails before Ray starts
+
+    make_policy(routing)  # a bad name fails before Ray starts
     from pagedkv.server.ray_app import build
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")   # inherited by the replicas Ray starts here
-    if ray_address is None:   # a local instance sized for the replicas; no dashboard on a small machine
-        ray.init(address="local", num_cpus=num_replicas, include_dashboard=False,
-                 logging_level=logging.WARNING, log_to_driver=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the replicas Ray starts here
+    if (
+        ray_address is None
+    ):  # a local instance sized for the replicas; no dashboard on a small machine
+        ray.init(
+            address="local",
+            num_cpus=num_replicas,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+        )
     else:
         ray.init(address=ray_address, logging_level=logging.WARNING)
     stop = threading.Event()
@@ -41,10 +59,16 @@ def serve_replicas(config: EngineConfig, host: str, port: int, num_replicas: int
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(build(config, num_replicas, shutdown_timeout, routing), name=APP_NAME, route_prefix="/")
-        print(f"pagedkv serves {config.model or 'the default model'} on {num_replicas} Ray Serve replicas: "
-              f"OpenAI API at http://{host}:{port}/v1, dashboard at http://{host}:{port}/",
-              file=sys.stderr, flush=True)
+        serve.run(
+            build(config, num_replicas, shutdown_timeout, routing), name=APP_NAME, route_prefix="/"
+        )
+        print(
+            f"pagedkv serves {config.model or 'the default model'} on {num_replicas} Ray Serve "
+            "replicas: "
+            f"OpenAI API at http://{host}:{port}/v1, dashboard at http://{host}:{port}/",
+            file=sys.stderr,
+            flush=True,
+        )
         stop.wait()
     finally:
         serve.shutdown()

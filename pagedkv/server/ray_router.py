@@ -1,4 +1,4 @@
-"""The Ray Serve request router in front of the engine replicas (imports Ray; only `--data-parallel-size`).
+"""The Ray Serve request router in front of the engine replicas (--data-parallel-size; Ray).
 
 It runs inside the ingress's deployment handle. Each call to a replica carries a `RouteKey`
 as its first argument: the prompt's block hashes, or a replica index for calls meant for one
@@ -7,6 +7,7 @@ code the simulator runs; loads are this router's own counts of requests in fligh
 since every request goes through it). Ray removes a dead replica from the candidates, and
 the policy forgets what that replica held.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -21,12 +22,13 @@ from pagedkv.routing import make_policy
 @dataclass(frozen=True, slots=True)
 class RouteKey:
     """What the router reads from a call: the prompt's block hashes, or one replica by index."""
+
     hashes: tuple[BlockHash, ...] = ()
-    replica: int | None = None       # index into the replicas sorted by id (for per-replica calls)
+    replica: int | None = None  # index into the replicas sorted by id (for per-replica calls)
 
 
 class PagedKVRouter(RequestRouter):
-    """Routes with a `pagedkv.routing` policy; Ray falls back to the next rank when a replica is full."""
+    """Routes by a `pagedkv.routing` policy; Ray takes the next rank if a replica is full."""
 
     # a replica busy with a forward pass on a loaded machine answers Ray's queue probe late
     queue_len_response_deadline_s = 2.0
@@ -37,11 +39,14 @@ class PagedKVRouter(RequestRouter):
         self.in_flight: Counter[ReplicaID] = Counter()
         self._sent: dict[str, ReplicaID] = {}
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
         key = pending_request.args[0] if pending_request and pending_request.args else None
-        if pending_request is not None:   # else Ray retries a full or slow replica in a tight loop
+        if pending_request is not None:  # else Ray retries a full or slow replica in a tight loop
             pending_request.routing_context.should_backoff = True
         # duck-typed: Serve pickles the ingress by value, so its RouteKey is a copy of this class
         if not by_id or not hasattr(key, "hashes") or not hasattr(key, "replica"):
@@ -50,11 +55,15 @@ class PagedKVRouter(RequestRouter):
             ordered = sorted(by_id, key=lambda rid: rid.unique_id)
             return [[by_id[ordered[key.replica % len(ordered)]]]]
         chosen = self.policy.choose(key.hashes, {rid: self.in_flight[rid] for rid in by_id})
-        rest = sorted((r for r in candidate_replicas if r.replica_id != chosen),
-                      key=lambda r: self.in_flight[r.replica_id])
+        rest = sorted(
+            (r for r in candidate_replicas if r.replica_id != chosen),
+            key=lambda r: self.in_flight[r.replica_id],
+        )
         return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result
+    ) -> None:
         self.in_flight[replica_id] += 1
         self._sent[pending_request.metadata.internal_request_id] = replica_id
 
