@@ -170,3 +170,10 @@ def test_default_paths_never_import_ray_and_a_missing_ray_is_one_line():
     )
     assert r.returncode == 2, r.stderr
     assert 'pip install "pagedkv[ray]"' in r.stderr and "Traceback" not in r.stderr
+
+
+def test_routing_without_replicas_is_one_line_exit_2(capsys):
+    from pagedkv.cli import main
+    assert main(["serve", "--routing", "round-robin"]) == 2
+    err = capsys.readouterr().err
+    assert "--data-parallel-size" in err and len(err.strip().splitlines()) == 1
