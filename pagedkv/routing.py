@@ -50,6 +50,9 @@ class RoutingPolicy(ABC):
     @abstractmethod
     def choose(self, hashes: Sequence[BlockHash], loads: Mapping[K, int]) -> K: ...
 
+    def record(self, hashes: Sequence[BlockHash], replica: Hashable) -> None:
+        """The request went to `replica` (which may not be the one chosen, if that one was full)."""
+
     def forget(self, replica: Hashable) -> None:
         """The replica is gone: stop counting on what it held."""
 
@@ -101,7 +104,7 @@ class PrefixAware(RoutingPolicy):
         chosen = self._longest_match(hashes, loads, bound)
         if chosen is None:
             chosen = min(loads, key=lambda r: (loads[r], _spread(hashes, r)))
-        self._record(hashes, chosen)
+        self.record(hashes, chosen)
         return chosen
 
     def _longest_match(
@@ -113,7 +116,7 @@ class PrefixAware(RoutingPolicy):
                 return min(owners, key=lambda r: loads[r])
         return None
 
-    def _record(self, hashes: Sequence[BlockHash], replica: Hashable) -> None:
+    def record(self, hashes: Sequence[BlockHash], replica: Hashable) -> None:
         for h in hashes:
             owners = self._owners.setdefault(h, {})
             owners[replica] = None

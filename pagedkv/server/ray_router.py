@@ -66,6 +66,9 @@ class PagedKVRouter(RequestRouter):
     ) -> None:
         self.in_flight[replica_id] += 1
         self._sent[pending_request.metadata.internal_request_id] = replica_id
+        key = pending_request.args[0] if pending_request.args else None
+        if getattr(key, "hashes", None) and key.replica is None:   # where the prefix really went
+            self.policy.record(key.hashes, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self._sent.pop(internal_request_id, None) is not None and self.in_flight[replica_id] > 0:
