@@ -148,6 +148,7 @@ def test_simulate_replicas_cli():
         (["--replicas", "0"], "--replicas must be >= 1"),
         (["--replicas", "2", "--routing", "random"], "unknown routing"),
         (["--replicas", "2", "--trace", "x.jsonl"], "--trace is not supported"),
+    (["--replicas", "2", "--dynamic", "--requests", "5"], "--requests, --dynamic does not apply"),
     ],
 )
 def test_simulate_replicas_bad_flags_are_one_line_exit_2(args, message):
