@@ -178,3 +178,15 @@ def test_routing_without_replicas_is_one_line_exit_2(capsys):
     assert main(["serve", "--routing", "round-robin"]) == 2
     err = capsys.readouterr().err
     assert "--data-parallel-size" in err and len(err.strip().splitlines()) == 1
+
+
+def test_replica_metrics_merge_sums_counts_and_averages_ratios():
+    from pagedkv.server.aggregate import merge_metrics
+    one = ('# HELP pagedkv:prompt_tokens_total p\n# TYPE pagedkv:prompt_tokens_total counter\n'
+           'pagedkv:prompt_tokens_total{model_name="m"} 2.0\n'
+           '# HELP pagedkv:kv_cache_usage_perc u\n# TYPE pagedkv:kv_cache_usage_perc gauge\n'
+           'pagedkv:kv_cache_usage_perc{model_name="m"} 0.5\n')
+    two = one.replace("} 2.0", "} 3.0").replace("} 0.5", "} 0.1")
+    text = merge_metrics([one, two]).decode()
+    assert 'pagedkv:prompt_tokens_total{model_name="m"} 5.0' in text
+    assert 'pagedkv:kv_cache_usage_perc{model_name="m"} 0.3' in text

@@ -1,7 +1,8 @@
 """One answer from several replicas: /metrics summed over replicas, /v1/kv with each replica's pool.
 
 Counters and histograms add up; gauges add up too (running requests, blocks) except ratios
-(usage, utilization, hit rates), which are averaged. No Ray import: plain text in, text out.
+(usage, utilization, hit rates), which are averaged; `_created` times take the
+earliest. No Ray import: plain text in, text out.
 """
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ def merge_metrics(texts: list[str]) -> bytes:
     for name, fam in families.items():
         average = fam.type == "gauge" and any(w in name for w in RATIO_WORDS)
         for (sample, labels), vals in values[name].items():
-            fam.add_sample(sample, dict(labels), sum(vals) / len(vals) if average else sum(vals))
+            if sample.endswith("_created"):   # a start time: the earliest replica's
+                value = min(vals)
+            else:
+                value = sum(vals) / len(vals) if average else sum(vals)
+            fam.add_sample(sample, dict(labels), value)
     registry = CollectorRegistry()
     registry.register(_Fixed(list(families.values())))
     return generate_latest(registry)
