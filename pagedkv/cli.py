@@ -93,8 +93,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="'auto': sampling defaults from the model folder's generation_config.json; 'vllm': none")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split every layer over N processes (torch.distributed)")
-    for short, name in (("-pp", "pipeline-parallel-size"), ("-dp", "data-parallel-size")):
-        p.add_argument(short, "--" + name, type=int, default=1, help="only 1: pagedkv runs on one device")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, help="only 1")
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                   help="serve: N engine replicas behind one endpoint on Ray Serve (pip install 'pagedkv[ray]')")
     p.add_argument("--speculative-config", default=None,
                    help='n-gram speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')

@@ -49,7 +49,7 @@ NOOP_OPTIONS = {
     "distributed_executor_backend": "pagedkv runs in one process",
 }
 ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")   # False cannot be honoured
-PARALLEL_SIZES = ("pipeline_parallel_size", "data_parallel_size")   # tensor parallelism: distributed/
+PARALLEL_SIZES = ("pipeline_parallel_size",)   # tensor: distributed/; data: serve --data-parallel-size
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:i?q\d\w*|b?f16|f32|fp16|bf16)$", re.IGNORECASE)
 TOOL_CALL_PARSERS = ("hermes",)
 
@@ -179,7 +179,7 @@ class EngineConfig:
     max_waiting: int = 1024
     tensor_parallel_size: int = 1          # ranks, one process each (distributed/)
     pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
+    data_parallel_size: int = 1            # engine replicas on Ray Serve (`pagedkv serve` only)
     speculative_config: Any = None         # vLLM's JSON ({"method": "ngram", ...}); parsed to SpeculativeConfig
     # server
     api_key: str | None = None
@@ -217,6 +217,8 @@ class EngineConfig:
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 1, "--max-model-len must be >= 1")
         need(self.max_waiting >= 1, "--max-waiting must be >= 1")
+        need(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
+             f"--data-parallel-size must be a positive integer, got {self.data_parallel_size}")
         need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
              f"--tensor-parallel-size must be a positive integer, got {self.tensor_parallel_size}")
         need(isinstance(self.seed, int), f"--seed must be an integer, got {self.seed!r}")

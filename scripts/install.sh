@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PIP="python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore"
 $PIP torch==2.13.0
 if [ "${1:-}" = "--test" ]; then
-  $PIP -e ".[test]"
+  $PIP -e ".[test]"   # includes ray[serve] (the --data-parallel-size tests); it needs no torch of its own
   if ! command -v chromium >/dev/null 2>&1; then   # headless browser for the dashboard test
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
       || echo "warning: could not install chromium; the dashboard test will fail" >&2

@@ -153,6 +153,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None) -> None:
         from pagedkv.model.loader import load_model
 
+        if config.data_parallel_size != 1:
+            raise ConfigError("--data-parallel-size N runs N engine replicas under `pagedkv serve`; "
+                              "this is one engine")
         self.config = config
         self.device = pick_device()
         if self.device.type == "cpu":

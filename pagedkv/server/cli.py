@@ -6,6 +6,7 @@ positional, and the CORS and uvicorn flags have vLLM's names and defaults.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 
@@ -34,6 +35,9 @@ def add_parser(subparsers) -> None:
                    help='allow tool_choice "auto"')
     p.add_argument("--tool-call-parser", default=None,
                    help="how tool calls are read from the output: hermes")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    p.add_argument("--routing", default=None, choices=["prefix-aware", "least-loaded", "round-robin"],
+                   help="how --data-parallel-size picks a replica (default prefix-aware)")
     p.set_defaults(func=run)
 
 
@@ -53,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.routing and args.data_parallel_size == 1 and not args.ray_address:
+        raise ConfigError("--routing chooses among replicas: give --data-parallel-size N (N > 1)")
     cors = {"allow_origins": json_list("--allowed-origins", args.allowed_origins),
             "allow_methods": json_list("--allowed-methods", args.allowed_methods),
             "allow_headers": json_list("--allowed-headers", args.allowed_headers),
@@ -60,5 +66,12 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     from pagedkv.server.app import serve   # late: keeps `pagedkv --help` free of torch
     print(f"pagedkv: loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
+    if config.data_parallel_size != 1 or args.ray_address:   # late: the default never imports Ray
+        from pagedkv.server.ray_launch import serve_replicas
+        replica = copy.copy(config)           # each replica is one engine
+        replica.data_parallel_size = 1
+        serve_replicas(replica, args.host, args.port, config.data_parallel_size, args.ray_address,
+                       args.shutdown_timeout, args.routing or "prefix-aware")
+        return 0
     return serve(config, args.host, args.port, shutdown_timeout=args.shutdown_timeout, cors=cors,
                  log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log)

@@ -38,6 +38,12 @@ def add_parser(subparsers) -> None:
     dyn.add_argument("--shared-prefix", type=int, default=0,
                      help="tokens of system prompt every request shares (exercises prefix caching)")
     dyn.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off in the replay")
+    rep = p.add_argument_group("a multi-tenant trace over replicas, by routing (--replicas)")
+    rep.add_argument("--replicas", metavar="R[,R...]", help="replay over R replicas (--arrival-rate is per replica)")
+    rep.add_argument("--routing", default="round-robin,least-loaded,prefix-aware",
+                     help="comma list of round-robin, least-loaded, prefix-aware")
+    rep.add_argument("--tenants", type=int, default=8, help="tenants, each with its own long system prompt")
+    rep.add_argument("--requests-per-replica", type=int, default=100)
     p.set_defaults(func=run)
 
 
@@ -106,6 +112,9 @@ def run_dynamic(args: argparse.Namespace, trace: list[TraceRequest]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        from pagedkv.sim.replicas import run_cli
+        return run_cli(args)
     parse_policies(args.policies)  # fail on a bad policy before any work
     trace = load_requests(args)
     return run_dynamic(args, trace) if args.dynamic else run_static(args, trace)

@@ -1,0 +1,295 @@
+"""`pagedkv serve --data-parallel-size N`: N engine replicas on Ray Serve behind one endpoint.
+
+    client -> Ray Serve proxy -> Ingress (tokenizer) --handle + PagedKVRouter--> EngineReplica x N
+                                   | the prompt's block hashes         each: AsyncLLM + build_app
+                                           | /metrics, /v1/kv: ask every replica, merge
+
+Each replica runs the same FastAPI app as the one-process server (`build_app`), so routes,
+errors and streaming are that app's; the ingress hands it the raw request and streams its
+ASGI messages back. The ingress computes the prompt's block hashes, which the request router
+(`ray_router.PagedKVRouter`, Ray's RequestRouter API) turns into a replica with
+`pagedkv.routing`. Ray starts, restarts and health-checks the replicas; a replica that dies
+is dropped from routing and its in-flight requests get a 503 (an error event if streaming).
+"""
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from pagedkv.config import EngineConfig
+from pagedkv.routing import prompt_block_hashes
+from pagedkv.server.aggregate import merge_kv, merge_metrics
+from pagedkv.server.errors import error_body
+from pagedkv.server.middleware import MAX_BODY_BYTES, BodySizeLimit
+from pagedkv.server.ray_router import PagedKVRouter, RouteKey
+
+log = logging.getLogger("pagedkv.server")
+REPLICA_HEADER = (
+    "x-pagedkv-replica"  # send a request to replica i (tests, debugging); answers say who served
+)
+SSE = "text/event-stream"
+START_ATTEMPTS = 2  # tries to start a request while replicas are found dead
+
+
+class ReplicaGone(Exception):
+    """The replica serving a request failed or died."""
+
+
+@serve.deployment(max_ongoing_requests=1000, health_check_period_s=2, health_check_timeout_s=30)
+class EngineReplica:
+    """One engine and its FastAPI app, called through ASGI by the ingress."""
+
+    async def __init__(self, config: EngineConfig) -> None:
+        import torch
+
+        torch.set_num_threads(1)  # replicas share the machine's cores
+        from pagedkv.engine.async_engine import AsyncLLM
+        from pagedkv.server.app import build_app
+
+        self.name = ray.get_runtime_context().get_actor_name() or "replica"
+        self.pid = os.getpid()
+        self.app = build_app(AsyncLLM(config))
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()
+
+    async def __del__(self) -> None:
+        await self._lifespan.__aexit__(None, None, None)
+
+    async def forward(
+        self,
+        key: RouteKey,
+        method: str,
+        path: str,
+        query: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> AsyncIterator[dict | bytes]:
+        """One HTTP request through the app: yields {status, headers, replica, pid}, then body."""
+        sent: asyncio.Queue = asyncio.Queue()
+        gone, body_read = asyncio.Event(), False
+
+        async def receive() -> dict:
+            nonlocal body_read
+            if not body_read:
+                body_read = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": method,
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": query,
+            "root_path": "",
+            "headers": headers,
+            "client": ("127.0.0.1", 0),
+            "server": ("replica", 0),
+        }
+        task = asyncio.ensure_future(self.app(scope, receive, sent.put))
+        task.add_done_callback(lambda _: sent.put_nowait(None))
+        try:
+            while (msg := await sent.get()) is not None:
+                if msg["type"] == "http.response.start":
+                    yield {
+                        "status": msg["status"],
+                        "headers": msg.get("headers", []),
+                        "replica": self.name,
+                        "pid": self.pid,
+                    }
+                elif msg["type"] == "http.response.body" and msg.get("body"):
+                    yield msg["body"]
+        finally:
+            gone.set()  # a client that went away aborts the engine request, as in one process
+            await asyncio.gather(task, return_exceptions=True)
+
+
+app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None, openapi_url=None)
+app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
+
+
+# Serve pickles the deployment classes where they are declared: what they call must come first.
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(error_body(status, message), status_code=status)
+
+
+async def _relay(stream) -> AsyncIterator[bytes]:
+    """The replica's event stream; if the replica dies, an error event ends it."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except ray.exceptions.RayError as e:
+        err = error_body(503, f"the replica serving this request failed: {type(e).__name__}")
+        yield f"data: {json.dumps(err)}\n\n".encode()
+    finally:
+        stream.cancel()
+
+
+@serve.deployment(max_ongoing_requests=10_000)
+@serve.ingress(app)
+class Ingress:
+    """The HTTP entry: routes on the prompt's block hashes; /metrics, /v1/kv ask each replica."""
+
+    def __init__(self, engine, model: str | None, block_size: int, num_replicas: int) -> None:
+        from pagedkv.model.loader import read_checkpoint
+
+        self.engine = engine.options(stream=True)
+        self.tokenizer = read_checkpoint(model)[0].tokenizer
+        self.block_size, self.num_replicas = block_size, num_replicas
+
+    def route_key(self, request: Request, body: bytes) -> RouteKey:
+        """The prompt's block hashes (none for a body we cannot read: the replica will say why)."""
+        wanted = request.headers.get(REPLICA_HEADER)
+        if wanted is not None and wanted.isdigit():
+            return RouteKey(replica=int(wanted))
+        try:
+            data = json.loads(body) if body else {}
+            ids = self._prompt_ids(request.url.path, data) if isinstance(data, dict) else []
+        except Exception:  # noqa: BLE001 - bad input is the replica's to reject, with its own message
+            ids = []
+        return RouteKey(hashes=tuple(prompt_block_hashes(ids, self.block_size)))
+
+    def _prompt_ids(self, path: str, data: dict) -> list[int]:
+        tok = self.tokenizer
+        if path.endswith("/chat/completions"):
+            from pagedkv.server.protocol import ChatCompletionRequest
+
+            messages = [
+                m.as_template_input() for m in ChatCompletionRequest.model_validate(data).messages
+            ]
+            return tok.encode(
+                tok.apply_chat_template(messages, add_generation_prompt=True),
+                add_special_tokens=False,
+            )
+        prompt = data.get("prompt") if path.endswith("/completions") else None
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return tok.encode(prompt, add_special_tokens=True)
+        return (
+            prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else []
+        )
+
+    async def _call(self, request: Request, key: RouteKey, body: bytes):
+        """Start the call; returns (head, the rest of the stream). Raises ReplicaGone.
+
+        A replica found dead before the answer started (routed there before Ray saw it die,
+        or dead mid-way through a non-streamed answer) gets one more try elsewhere: nothing
+        reached the client yet and a generation changes nothing. Only one, so a request that
+        kills replicas cannot take down more than two."""
+        headers = [
+            (k, v) for k, v in request.scope["headers"] if k.lower() != REPLICA_HEADER.encode()
+        ]
+        for attempt in range(START_ATTEMPTS):
+            stream = self.engine.forward.remote(
+                key,
+                request.method,
+                request.url.path,
+                request.scope.get("query_string", b""),
+                headers,
+                body,
+            )
+            try:
+                return await stream.__anext__(), stream
+            except ray.exceptions.ActorDiedError as e:
+                error = e
+                await asyncio.sleep(0.2 * (attempt + 1))
+            except (ray.exceptions.RayError, StopAsyncIteration) as e:
+                error = e
+                break
+        raise ReplicaGone(
+            f"the replica serving this request failed: {type(error).__name__}"
+        ) from error
+
+    async def _each_replica(self, request: Request) -> list[tuple[dict, bytes]]:
+        """The same GET on every replica (deduplicated: a replica that died meanwhile is skipped).
+
+        One at a time: Ray gives the calls of one ingress request one internal request id,
+        and its router matches concurrent calls by that id."""
+        unique: dict[str, tuple[dict, bytes]] = {}
+        for i in range(self.num_replicas):
+            try:
+                head, stream = await self._call(request, RouteKey(replica=i), b"")
+                unique[head["replica"]] = head, b"".join([chunk async for chunk in stream])
+            except (ReplicaGone, ray.exceptions.RayError):
+                continue
+        return [unique[name] for name in sorted(unique)]
+
+    @app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        answers = await self._each_replica(request)
+        if not answers:
+            return _error(503, "no engine replica is running")
+        body = merge_metrics([text.decode() for _, text in answers])
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/kv")
+    async def kv(self, request: Request) -> Response:
+        answers = await self._each_replica(request)
+        if not answers:
+            return _error(503, "no engine replica is running")
+        for head, body in answers:
+            if head["status"] != 200:  # e.g. a missing API key: the replica's own error
+                return Response(body, status_code=head["status"], media_type="application/json")
+        return JSONResponse(
+            merge_kv(
+                [
+                    {**json.loads(body), "replica": head["replica"], "pid": head["pid"]}
+                    for head, body in answers
+                ]
+            )
+        )
+
+    @app.api_route(
+        "/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+    )
+    async def proxy(self, request: Request, path: str) -> Response:
+        body = await request.body()
+        try:
+            head, stream = await self._call(request, self.route_key(request, body), body)
+        except ReplicaGone as e:
+            return _error(503, str(e))
+        headers = {
+            k.decode(): v.decode() for k, v in head["headers"] if k.lower() != b"content-length"
+        }
+        headers[REPLICA_HEADER] = head["replica"]
+        if not headers.get("content-type", "").startswith(SSE):
+            try:  # whole bodies are collected, so a replica dying mid-answer is a clean 503
+                content = b"".join([chunk async for chunk in stream])
+            except ray.exceptions.RayError as e:
+                return _error(503, f"the replica serving this request failed: {type(e).__name__}")
+            return Response(content, status_code=head["status"], headers=headers)
+        return StreamingResponse(_relay(stream), status_code=head["status"], headers=headers)
+
+
+def build(
+    config: EngineConfig,
+    num_replicas: int,
+    shutdown_timeout: float = 30.0,
+    routing: str = "prefix-aware",
+):
+    """The Serve application: N engine replicas behind the ingress, routed by `routing`."""
+    router = RequestRouterConfig(
+        request_router_class=PagedKVRouter, request_router_kwargs={"policy": routing}
+    )
+    engine = EngineReplica.options(
+        num_replicas=num_replicas,
+        ray_actor_options={"num_cpus": 1},
+        graceful_shutdown_timeout_s=shutdown_timeout,
+        request_router_config=router,
+    ).bind(config)
+    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(
+        engine, config.model, config.block_size, num_replicas
+    )

@@ -1,0 +1,71 @@
+"""Start (or join) Ray, run the replicas' Serve application, wait for SIGINT/SIGTERM, shut down.
+
+Kept apart from `ray_app` so a missing Ray is one clear line (exit 2), not an ImportError.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+from pagedkv.config import ConfigError, EngineConfig
+
+APP_NAME = "pagedkv"
+
+
+def serve_replicas(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    num_replicas: int,
+    ray_address: str | None,
+    shutdown_timeout: float,
+    routing: str = "prefix-aware",
+) -> None:
+    if num_replicas < 1:
+        raise ConfigError(f"--data-parallel-size must be >= 1, got {num_replicas}")
+    if port == 0:
+        raise ConfigError("--port 0 is not supported with Ray Serve: give a port")
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ConfigError(
+            '--data-parallel-size and --ray-address need Ray: pip install "pagedkv[ray]"'
+        ) from None
+    from pagedkv.routing import make_policy
+
+    make_policy(routing)  # a bad name fails before Ray starts
+    from pagedkv.server.ray_app import build
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the replicas Ray starts here
+    if ray_address is None:   # a local instance sized for the replicas; no dashboard here
+        ray.init(address="local", num_cpus=num_replicas, include_dashboard=False,
+                 logging_level=logging.WARNING, log_to_driver=True)
+    else:
+        try:
+            ray.init(address=ray_address, logging_level=logging.WARNING)
+        except ConnectionError as e:   # wrong address, or a cluster whose auth token we lack
+            raise ConfigError(f"--ray-address {ray_address}: cannot join: {e}") from None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(
+            build(config, num_replicas, shutdown_timeout, routing), name=APP_NAME, route_prefix="/"
+        )
+        replicas = f"{num_replicas} Ray Serve replica{'s' if num_replicas > 1 else ''}"
+        print(f"pagedkv serves {config.model or 'the default model'} on {replicas}: OpenAI API "
+              f"at http://{host}:{port}/v1, dashboard at http://{host}:{port}/",
+              file=sys.stderr, flush=True)
+        stop.wait()
+    finally:
+        if ray_address is None:
+            serve.shutdown()
+        else:   # a shared cluster keeps its Serve and other applications
+            serve.delete(APP_NAME)
+        ray.shutdown()

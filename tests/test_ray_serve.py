@@ -1,0 +1,217 @@
+"""`pagedkv serve --data-parallel-size 2`: a real local Ray cluster on loopback, a tiny model.
+
+One server for the module (Ray and two engines take a while to start): the OpenAI routes,
+errors and streaming through the replicas, /metrics and /v1/kv over both, prefix-aware
+routing, a replica killed mid-stream, and the shared --kv-offload-dir seen by the replica
+Ray starts in its place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("ray.serve", reason="needs pip install 'pagedkv[ray]'")
+
+from tiny_model import make_tiny_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+REPLICA = "x-pagedkv-replica"
+TENANTS = [
+    f"You are assistant number {i}. " + "Paged attention keeps the KV cache in blocks. " * 12
+    for i in range(4)
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.getbasetemp() / "tiny-ray")
+    port, offload = free_port(), tmp_path_factory.mktemp("offload")
+    log = tempfile.NamedTemporaryFile("w+", prefix="pagedkv-ray-", suffix=".log", delete=False)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedkv.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--data-parallel-size",
+        "2",
+        "--num-gpu-blocks-override",
+        "64",
+        "--max-num-seqs",
+        "4",
+        "--kv-offload-dir",
+        str(offload),
+        "--shutdown-timeout",
+        "2",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while "pagedkv serves" not in Path(log.name).read_text():
+            assert proc.poll() is None, Path(log.name).read_text()[-4000:]
+            assert time.monotonic() < deadline, "the replicas did not start"
+            time.sleep(0.5)
+        while len(replicas(url)) < 2:  # the ingress's router learns of both replicas
+            assert time.monotonic() < deadline, "the ingress never saw both replicas"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        os.unlink(log.name)
+
+
+def complete(url: str, prompt: str, replica: int | None = None, **body) -> httpx.Response:
+    headers = {REPLICA: str(replica)} if replica is not None else {}
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, **body}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def replicas(url: str) -> list[dict]:
+    return httpx.get(f"{url}/v1/kv", timeout=60).json()["replicas"]
+
+
+def test_openai_routes_errors_and_streaming(cluster):
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt="Hello world", max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
+    again = client.completions.create(
+        model=model, prompt="Hello world", max_tokens=4, temperature=0
+    )
+    assert again.choices[0].text == out.choices[0].text  # greedy: same answer whichever replica
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            stream=True,
+            temperature=0,
+        )
+    )
+    assert sum(len(c.choices[0].delta.content or "") for c in chunks if c.choices) > 0
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="x", max_tokens=-1)
+    assert (
+        err.value.body["message"].startswith("max_tokens")
+        and err.value.body["type"] == "invalid_request_error"
+    )
+    bad = httpx.post(f"{cluster}/v1/chat/completions", content=b"{not json", timeout=60)
+    assert bad.status_code == 400 and set(bad.json()["error"]) == {
+        "message",
+        "type",
+        "param",
+        "code",
+    }
+
+
+def test_kv_and_metrics_cover_every_replica(cluster):
+    for i in (0, 1):
+        complete(cluster, f"replica {i} counts this prompt", replica=i)
+    snaps = replicas(cluster)
+    assert len(snaps) == 2 and len({s["replica"] for s in snaps}) == 2
+    assert all(s["num_blocks"] == 64 and s["prefix_queries"] > 0 for s in snaps)
+    text = httpx.get(f"{cluster}/metrics", timeout=60).text
+    queries = float(
+        re.search(r"^pagedkv:prefix_cache_queries_total\{.*\} (\S+)$", text, re.M).group(1)
+    )
+    assert queries == sum(s["prefix_queries"] for s in snaps)
+
+
+def test_prefix_aware_routing_keeps_each_tenant_on_one_replica(cluster):
+    served: dict[int, set[str]] = {}
+    cached = []
+    for turn in range(3):
+        for t, system in enumerate(TENANTS):
+            r = complete(cluster, f"{system} User {turn} asks about tenant {t}.")
+            served.setdefault(t, set()).add(r.headers[REPLICA])
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert all(len(names) == 1 for names in served.values()), served
+    assert min(cached[len(TENANTS) :]) >= 16 * 4  # every later turn found its system prompt cached
+
+
+def test_a_client_that_goes_away_frees_the_replicas_blocks(cluster):
+    with httpx.stream(
+        "POST",
+        f"{cluster}/v1/completions",
+        headers={REPLICA: "0"},
+        timeout=120,
+        json={"prompt": "Hello", "max_tokens": 900, "ignore_eos": True, "stream": True},
+    ) as s:
+        assert s.status_code == 200
+        assert next(line for line in s.iter_lines() if line.startswith("data:"))
+    deadline = time.monotonic() + 60
+    while (pool := replicas(cluster)[0])["num_requests"] or pool["used"]:
+        assert time.monotonic() < deadline, (
+            f"replica 0 still holds the request: {pool['num_requests']}"
+        )
+        time.sleep(0.5)
+
+
+def test_dead_replica_errors_its_stream_and_its_successor_reads_the_shared_tier(cluster):
+    prompt = "The disk tier is shared. " * 20
+    first = complete(cluster, prompt, replica=0)
+    for i in range(
+        12
+    ):  # push the prompt's blocks out of replica 0's 64-block pool into the shared dir
+        complete(cluster, f"filler {i} " + "Memory is cut into fixed-size blocks. " * 30, replica=0)
+    before = replicas(cluster)
+    victim = before[1]
+    with httpx.stream(
+        "POST",
+        f"{cluster}/v1/completions",
+        headers={REPLICA: "1"},
+        timeout=120,
+        json={"prompt": "Hello", "max_tokens": 900, "ignore_eos": True, "stream": True},
+    ) as s:
+        assert s.status_code == 200 and s.headers[REPLICA] == victim["replica"]
+        lines = s.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        os.kill(victim["pid"], signal.SIGKILL)
+        tail = [line for line in lines if line.startswith("data:")]
+    assert "error" in json.loads(tail[-1][5:]) and "replica" in tail[-1]
+    for i in range(3):  # the other replica keeps serving meanwhile
+        assert complete(cluster, f"still served {i}").json()["choices"][0]["text"] is not None
+    deadline = time.monotonic() + 120
+    while len(after := replicas(cluster)) < 2 or victim["replica"] in {s["replica"] for s in after}:
+        assert time.monotonic() < deadline, "Ray did not replace the dead replica"
+        time.sleep(1)
+    successor = next(
+        i for i, s in enumerate(after) if s["replica"] not in {b["replica"] for b in before}
+    )
+    again = complete(cluster, prompt, replica=successor).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 4
+    assert again["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert (
+        replicas(cluster)[successor]["offload_hits"] >= 16 * 4
+    )  # read from the files replica 0 wrote
