@@ -48,6 +48,7 @@ class EngineStats:
     generation_tokens: int
     offload_hits: int              # prompt tokens loaded back from the host / disk tiers
     offload_saved_blocks: int      # evicted device blocks kept in a tier
+    offload_disk_writes_dropped: int = 0   # blocks the disk tier's full write queue turned away
 
 
 def pick_device() -> torch.device:
@@ -287,7 +288,15 @@ class LLMEngine:
             token_capacity=s.num_blocks * self.kv.block_size, prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits, num_preemptions=sch.num_preemptions,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
-            offload_hits=s.offload_hits, offload_saved_blocks=self.offload.stats().saved if self.offload else 0)
+            offload_hits=s.offload_hits, offload_saved_blocks=self.offload.stats().saved if self.offload else 0,
+            offload_disk_writes_dropped=self.offload.stats().writes_dropped if self.offload else 0)
 
     def kv_snapshot(self) -> dict:
         return self.kv.snapshot()
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Graceful shutdown: blocks queued for the disk tier are written before this returns, so a
+        restart on the same --kv-offload-dir finds everything this engine cached. Idempotent."""
+        if self.offload is not None:
+            self.offload.close()

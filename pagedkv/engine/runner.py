@@ -6,7 +6,8 @@ context is, where its new K/V go (slot mapping) and which blocks hold the
 rest (block tables). Block copies planned by the scheduler (swap out, copy on
 write, swap in) are applied first, in that order; with a KV offload tier, its
 reads come before them (evicted blocks are saved before being overwritten) and
-its writes after (prefix blocks loaded back, saved blocks put in the tier).
+its writes after (prefix blocks loaded back, saved blocks put in the tier), and
+the blocks the forward filled are written through to its disk tier after it.
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ class ModelRunner:
             return None
         input_ids, positions, meta, rows = self.prepare(out)
         hidden = self.model(input_ids, positions, self.storage.kv_caches, meta)
-        if not rows:
-            return None
-        return self.model.compute_logits(hidden[rows]).float().cpu()
+        logits = self.model.compute_logits(hidden[rows]).float().cpu() if rows else None
+        if out.offload_writes:
+            self.offload.write_through(self.storage, out.offload_writes)
+        return logits

@@ -45,6 +45,8 @@ _COUNTERS = (
     ("generation_tokens", "generation_tokens", "Tokens generated."),
     ("kv_offload_hits", "offload_hits", "Prompt tokens loaded back from the host-memory or disk KV tiers."),
     ("kv_offload_saved_blocks", "offload_saved_blocks", "Evicted KV blocks kept in the host-memory or disk tiers."),
+    ("kv_offload_disk_writes_dropped", "offload_disk_writes_dropped",
+     "KV blocks not written through to the disk tier because its write queue was full."),
 )
 
 
