@@ -138,7 +138,9 @@ def test_a_full_write_queue_drops_and_counts_instead_of_waiting(tmp_path, monkey
     results = [tier.put(h, (i, i), torch.full(shape, float(i))) for i, h in enumerate(hashes[1:], 1)]
     assert time.monotonic() - start < 5                    # never waited on the stuck disk
     assert results == [True, False, False, False] and tier.writes_dropped == 3
-    assert tier.put(hashes[1], (1, 1), torch.ones(shape))  # queued already: not twice, not dropped
+    assert tier.contains(hashes[1], (1, 1)) and not tier.contains(hashes[2], (2, 2))
+    assert torch.equal(tier.read(hashes[1], (1, 1)), torch.full(shape, 1.0))   # its queued copy, meanwhile
+    assert tier.put(hashes[1], (1, 1), torch.zeros(shape))  # queued already: not twice, not dropped
     release.set()
     tier.close()
     assert tier.written == 2 and len(block_files(tmp_path)) == 2

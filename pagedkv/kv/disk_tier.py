@@ -7,7 +7,8 @@
 
 The engine thread only hands over a copy it already made; the file is encoded,
 checksummed and written on the writer thread, so a step never waits on the
-disk. A file appears under its final name only once it is whole (written to
+disk. A queued block is found and read from that copy until its file is there,
+so what the engine sees does not depend on how fast the disk is. A file appears under its final name only once it is whole (written to
 a temporary name in the same folder, fsynced, renamed), so a process killed
 at any moment leaves whole files and, at worst, a temporary file, which the
 next start deletes. Every read checks the header and the payload's checksum.
@@ -109,7 +110,7 @@ class DiskTier:
         self.dropped = 0             # files deleted for the size limit, and writes that failed
         self.written = 0             # files written
         self.writes_dropped = 0      # blocks never written: the queue was full (or closed)
-        self._queued: set[BlockHash] = set()
+        self._queued: dict[BlockHash, _Write] = {}
         size = queue_blocks if queue_blocks is not None else max(8, WRITE_QUEUE_BYTES // self.payload_size)
         self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=size)
         self._thread: threading.Thread | None = None
@@ -227,12 +228,18 @@ class DiskTier:
 
     def contains(self, block_hash: BlockHash, token_ids: TokenIds) -> bool:
         with self._lock:
-            entry = self._index.get(block_hash)
+            entry = self._index.get(block_hash) or self._queued.get(block_hash)
             return entry is not None and entry.token_ids == token_ids
 
     def read(self, block_hash: BlockHash, token_ids: TokenIds) -> Tensor | None:
-        """The block, after checking its whole file; None (and the file skipped) if anything is off."""
-        if not self.contains(block_hash, token_ids):
+        """The block, after checking its whole file (or its queued copy); None (and the file skipped) if
+        anything is off. Do not modify the result."""
+        with self._lock:
+            entry = self._index.get(block_hash)
+            queued = self._queued.get(block_hash) if entry is None else None
+        if queued is not None:
+            return queued.data if queued.token_ids == token_ids else None
+        if entry is None or entry.token_ids != token_ids:
             return None
         path = self._path(block_hash)
         try:
@@ -284,9 +291,10 @@ class DiskTier:
             return False
         if self._thread is None:
             self._start()
+        item = _Write(block_hash, token_ids, data)
         with self._lock:
-            self._queued.add(block_hash)
-        self._queue.put_nowait(_Write(block_hash, token_ids, data))
+            self._queued[block_hash] = item
+        self._queue.put_nowait(item)
         return True
 
     def _start(self) -> None:
@@ -306,7 +314,7 @@ class DiskTier:
             finally:
                 if item is not None:
                     with self._lock:
-                        self._queued.discard(item.block_hash)
+                        self._queued.pop(item.block_hash, None)
                 self._queue.task_done()
 
     def flush(self) -> None:

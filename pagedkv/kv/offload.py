@@ -262,11 +262,16 @@ class KVOffload:
     def stage(self, storage: KVStorage, saves: list[BlockSave], loads: list[BlockLoad]) -> _Staged:
         """Reads only, before the step's block copies: device blocks to save, tier blocks to load, and
         cached host blocks whose slots swap-out is about to overwrite (they go to disk now)."""
+        if self.host is None and saves:                # disk only: what was written through needs no copy
+            kept = [s for s in saves if self.disk.needs(s.block_hash)]
+            self.saved += len(saves) - len(kept)
+            self.spilled += len(saves) - len(kept)
+            saves = kept
         saved = storage.read_blocks([s.block_id for s in saves]).cpu() if saves else None
         loaded = torch.stack([self._take(load.block_hash) for load in loads]) if loads else None
         if self.host is not None:
             for block_hash, entry in self.host.displaced:
-                self._spill(block_hash, entry.token_ids, self.host.storage.read_blocks([entry.slot])[0])
+                self._spill_slot(block_hash, entry.token_ids, entry.slot)
             self.host.displaced.clear()
             self.host.unpin_all()
         self._staged.clear()
@@ -302,7 +307,7 @@ class KVOffload:
         slot, victim = got
         if victim is not None:
             victim_hash, entry = victim
-            self._spill(victim_hash, entry.token_ids, self.host.storage.read_blocks([slot])[0])
+            self._spill_slot(victim_hash, entry.token_ids, slot)
         self.host.storage.write_blocks([slot], data[None])
 
     def _spill(self, block_hash: BlockHash, token_ids: TokenIds, data: Tensor) -> None:
@@ -312,6 +317,15 @@ class KVOffload:
             self._dropped += 1
         elif self.disk.put(block_hash, token_ids, data):      # a dropped one counts in disk.writes_dropped
             self.spilled += 1
+
+    def _spill_slot(self, block_hash: BlockHash, token_ids: TokenIds, slot: int) -> None:
+        """A cached host block leaving its slot: read only if the disk lacks it (not written through)."""
+        if self.disk is not None and not self.disk.needs(block_hash):
+            self.spilled += 1
+        elif self.disk is not None:
+            self._spill(block_hash, token_ids, self.host.storage.read_blocks([slot])[0])
+        else:
+            self._dropped += 1
 
     def write_through(self, storage: KVStorage, writes: list[BlockSave]) -> None:
         """After the forward that filled them: copy the blocks the disk lacks off the device (as many as
