@@ -26,13 +26,14 @@ from server_process import ServerProcess
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BLOCK = 4
-PROMPT = ("Paged attention keeps the KV cache in blocks. Hello world! Serving a model means holding each "
-          "request's cache while it grows a token at a time. ") * 3
-OTHERS = [f"{i} The quick brown fox jumps over the lazy dog. Memory is cut into fixed-size blocks. {i}"
+PROMPT = ("Paged attention keeps the KV cache in blocks. Hello world! Serving a model means "
+          "holding each request's cache while it grows a token at a time. ") * 3
+OTHERS = [f"{i} The quick brown fox jumps over the lazy dog. Memory is cut into fixed-size blocks."
           for i in range(6)]
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-SERVE = ("--block-size", str(BLOCK), "--num-gpu-blocks-override", "256", "--served-model-name", "tiny")
+SERVE = ("--block-size", str(BLOCK), "--num-gpu-blocks-override", "256",
+         "--served-model-name", "tiny")
 
 
 def make_llm(model_dir, **options) -> LLM:
@@ -41,16 +42,18 @@ def make_llm(model_dir, **options) -> LLM:
 
 def run(llm: LLM, prompts: list[str]) -> list[tuple[list[int], int]]:
     """(output token ids, cached prompt tokens) per prompt."""
-    return [(o.outputs[0].token_ids, o.num_cached_tokens) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.num_cached_tokens) for o in outs]
 
 
 def block_files(root: Path) -> list[Path]:
     return sorted(root.rglob(f"*{SUFFIX}"))
 
 
-def full_prefix_blocks(num_prompt_tokens: int) -> int:
-    """Full blocks a prefix hit may cover: the last prompt token is always computed."""
-    return (num_prompt_tokens - 1) // BLOCK
+def full_hit(prompt: str | int, llm: LLM | None = None) -> int:
+    """Tokens a whole prefix hit covers: every full block but the one of the last prompt token."""
+    n = prompt if isinstance(prompt, int) else len(llm.get_tokenizer().encode(prompt))
+    return (n - 1) // BLOCK * BLOCK
 
 
 @pytest.fixture(scope="module")
@@ -63,25 +66,26 @@ def cold(tiny_model_dir) -> dict[str, tuple[list[int], str]]:
 # ---- in process ------------------------------------------------------------------------------
 
 
-def test_blocks_still_cached_at_a_graceful_close_are_served_from_disk_after_restart(tiny_model_dir, tmp_path,
-                                                                                     cold):
+def test_what_is_cached_at_a_graceful_close_is_served_from_disk_after_restart(tiny_model_dir,
+                                                                               tmp_path, cold):
     first = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
     n_prompt = len(first.get_tokenizer().encode(PROMPT))
     assert run(first, [PROMPT]) == [(cold[PROMPT][0], 0)]
-    assert run(first, [PROMPT])[0][1] == full_prefix_blocks(n_prompt) * BLOCK   # a device hit: no new write
+    assert run(first, [PROMPT])[0][1] == full_hit(n_prompt)   # a device hit: nothing new to write
     first.engine.close()
     st = first.engine.offload.stats()
-    computed = n_prompt + MAX_TOKENS - 1                   # the last sampled token is never computed
-    assert st.saved == 0                                   # nothing was evicted: all on disk by write-through
-    assert st.written == len(block_files(tmp_path)) == computed // BLOCK and st.writes_dropped == 0
+    computed = n_prompt + MAX_TOKENS - 1          # the last sampled token is never computed
+    assert st.saved == 0                          # nothing was evicted: on disk by write-through
+    assert st.written == len(block_files(tmp_path)) == computed // BLOCK
+    assert st.writes_dropped == 0
     first.engine.close()                                   # idempotent
 
     second = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
     assert second.engine.offload.stats().disk_blocks == computed // BLOCK
     [(tokens, cached)] = run(second, [PROMPT])
     assert tokens == cold[PROMPT][0]
-    assert cached == full_prefix_blocks(n_prompt) * BLOCK
-    assert second.engine.offload.stats().loaded_disk == full_prefix_blocks(n_prompt)
+    assert cached == full_hit(n_prompt)
+    assert second.engine.offload.stats().loaded_disk == full_hit(n_prompt) // BLOCK
     second.engine.close()
 
 
@@ -93,7 +97,8 @@ def _block_path(llm: LLM, prompt: str, index: int) -> Path:
     return llm.engine.offload.disk.dir / f"{parent.hex()}{SUFFIX}"
 
 
-def test_torn_corrupt_and_temp_files_are_rejected_not_loaded(tiny_model_dir, tmp_path, cold, caplog):
+def test_torn_corrupt_and_temp_files_are_rejected_not_loaded(tiny_model_dir, tmp_path, cold,
+                                                             caplog):
     first = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
     run(first, [PROMPT])
     first.engine.close()
@@ -109,13 +114,14 @@ def test_torn_corrupt_and_temp_files_are_rejected_not_loaded(tiny_model_dir, tmp
         assert not temp.exists() and not torn.exists()    # deleted at start
         [(tokens, cached)] = run(second, [PROMPT])
     assert "truncated" in caplog.text and "checksum mismatch" in caplog.text
-    assert tokens == cold[PROMPT][0] and cached == 0       # the chain starts with the bad block: all computed
-    assert second.engine.offload.stats().loaded_disk == 0 and second.engine.offload.stats().bad_files == 2
-    second.engine.close()                                  # both blocks were computed again and rewritten
+    assert tokens == cold[PROMPT][0] and cached == 0   # the chain starts with the bad block
+    st = second.engine.offload.stats()
+    assert st.loaded_disk == 0 and st.bad_files == 2
+    second.engine.close()                              # both blocks computed again and rewritten
 
     third = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
     [(tokens, cached)] = run(third, [PROMPT])
-    assert tokens == cold[PROMPT][0] and cached == full_prefix_blocks(len(third.get_tokenizer().encode(PROMPT))) * BLOCK
+    assert tokens == cold[PROMPT][0] and cached == full_hit(PROMPT, third)
     third.engine.close()
 
 
@@ -135,26 +141,28 @@ def test_a_full_write_queue_drops_and_counts_instead_of_waiting(tmp_path, monkey
     assert tier.put(hashes[0], (0, 0), torch.zeros(shape))
     assert entered.wait(30)                                # the writer holds block 0
     start = time.monotonic()
-    results = [tier.put(h, (i, i), torch.full(shape, float(i))) for i, h in enumerate(hashes[1:], 1)]
+    results = [tier.put(h, (i, i), torch.full(shape, float(i)))
+               for i, h in enumerate(hashes[1:], 1)]
     assert time.monotonic() - start < 5                    # never waited on the stuck disk
     assert results == [True, False, False, False] and tier.writes_dropped == 3
     assert tier.contains(hashes[1], (1, 1)) and not tier.contains(hashes[2], (2, 2))
-    assert torch.equal(tier.read(hashes[1], (1, 1)), torch.full(shape, 1.0))   # its queued copy, meanwhile
+    assert torch.equal(tier.read(hashes[1], (1, 1)), torch.ones(shape))   # its queued copy
     assert tier.put(hashes[1], (1, 1), torch.zeros(shape))  # queued already: not twice, not dropped
     release.set()
     tier.close()
     assert tier.written == 2 and len(block_files(tmp_path)) == 2
-    assert not tier.put(hashes[4], (4, 4), torch.zeros(shape)) and tier.writes_dropped == 4   # closed
-    assert torch.equal(DiskTier(tmp_path, b"k", shape, torch.float32, 1 << 20).read(hashes[1], (1, 1)),
-                       torch.ones(shape))
+    assert not tier.put(hashes[4], (4, 4), torch.zeros(shape))             # closed: dropped
+    assert tier.writes_dropped == 4
+    again = DiskTier(tmp_path, b"k", shape, torch.float32, 1 << 20)
+    assert torch.equal(again.read(hashes[1], (1, 1)), torch.ones(shape))   # the first copy
 
 
 # ---- a real server -----------------------------------------------------------------------------
 
 
 def complete(srv: ServerProcess, prompt: str):
-    return srv.openai().completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    return srv.openai().completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                           temperature=0, extra_body={"ignore_eos": True})
 
 
 def test_server_sigterm_then_restart_serves_the_prompt_from_disk(tiny_model_dir, tmp_path, cold):
@@ -169,16 +177,16 @@ def test_server_sigterm_then_restart_serves_the_prompt_from_disk(tiny_model_dir,
     with ServerProcess(tiny_model_dir, *args) as srv:
         second = complete(srv, PROMPT)
     assert second.choices[0].text == cold[PROMPT][1]
-    n_prompt = second.usage.prompt_tokens
-    assert second.usage.prompt_tokens_details.cached_tokens == full_prefix_blocks(n_prompt) * BLOCK
+    assert second.usage.prompt_tokens_details.cached_tokens == full_hit(second.usage.prompt_tokens)
 
 
 def _load(srv: ServerProcess, prompts: list[str]) -> list[threading.Thread]:
     """Requests that keep the writer busy until the server dies under them."""
     def one(prompt: str) -> None:
         try:
-            srv.http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 48,
-                                                   "temperature": 0, "ignore_eos": True})
+            srv.http.post("/v1/completions", json={"model": "tiny", "prompt": prompt,
+                                                   "max_tokens": 48, "temperature": 0,
+                                                   "ignore_eos": True})
         except httpx.HTTPError:
             pass
     threads = [threading.Thread(target=one, args=(p,), daemon=True) for p in prompts]
@@ -218,8 +226,8 @@ def test_kill_9_at_random_moments_never_breaks_a_restart(tiny_model_dir, tmp_pat
         finally:
             srv.http.close()
             srv.close()
-    assert any(cached_seen[2:])                            # later rounds found what earlier ones wrote
-    with ServerProcess(tiny_model_dir, *args) as srv:      # and a graceful stop leaves no temporary file
+    assert any(cached_seen[2:])                   # later rounds found what earlier ones wrote
+    with ServerProcess(tiny_model_dir, *args) as srv:   # a graceful stop leaves no temporary file
         for prompt in checks:
             assert complete(srv, prompt).choices[0].text == cold[prompt][1]
         srv.terminate()

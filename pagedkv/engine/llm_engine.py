@@ -288,7 +288,8 @@ class LLMEngine:
             token_capacity=s.num_blocks * self.kv.block_size, prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits, num_preemptions=sch.num_preemptions,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
-            offload_hits=s.offload_hits, offload_saved_blocks=self.offload.stats().saved if self.offload else 0,
+            offload_hits=s.offload_hits,
+            offload_saved_blocks=self.offload.stats().saved if self.offload else 0,
             offload_disk_writes_dropped=self.offload.stats().writes_dropped if self.offload else 0)
 
     def kv_snapshot(self) -> dict:

@@ -37,7 +37,7 @@ class SchedulerOutput:
     swap_in: list[BlockCopy] = field(default_factory=list)    # host -> device
     offload_saves: list[BlockSave] = field(default_factory=list)   # evicted device blocks -> offload tier, read first
     offload_loads: list[BlockLoad] = field(default_factory=list)   # offload tier -> device, before the forward
-    offload_writes: list[BlockSave] = field(default_factory=list)  # newly full blocks -> disk, after the forward
+    offload_writes: list[BlockSave] = field(default_factory=list)  # filled -> disk, after forward
     preempted: list[Sequence] = field(default_factory=list)
 
     @property

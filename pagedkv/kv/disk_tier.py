@@ -1,4 +1,4 @@
-"""The disk tier: one checksummed file per KV block, written by a background thread, kept across restarts.
+"""The disk KV tier: a checksummed file per block, written in the background, kept across restarts.
 
     engine thread                              writer thread
     put(hash, tokens, block copy) --bounded queue--> temp file, fsync, rename --> index
@@ -8,10 +8,12 @@
 The engine thread only hands over a copy it already made; the file is encoded,
 checksummed and written on the writer thread, so a step never waits on the
 disk. A queued block is found and read from that copy until its file is there,
-so what the engine sees does not depend on how fast the disk is. A file appears under its final name only once it is whole (written to
-a temporary name in the same folder, fsynced, renamed), so a process killed
-at any moment leaves whole files and, at worst, a temporary file, which the
-next start deletes. Every read checks the header and the payload's checksum.
+so what the engine sees does not depend on how fast the disk is.
+
+A file appears under its final name only once it is whole (written to a
+temporary name in the same folder, fsynced, renamed), so a process killed at
+any moment leaves whole files and, at worst, a temporary file, which the next
+start deletes. Every read checks the header and the payload's checksum.
 `close` drains the queue: a graceful shutdown loses nothing queued.
 """
 from __future__ import annotations
@@ -72,6 +74,10 @@ class _Write(NamedTuple):
     data: Tensor
 
 
+def _checksum(payload) -> str:
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+
+
 def _unlink(path: Path) -> None:
     try:
         path.unlink()
@@ -80,7 +86,7 @@ def _unlink(path: Path) -> None:
 
 
 class DiskTier:
-    """One file per block under `root/<digest of key and layout>/`, LRU by last use, at most max_bytes.
+    """A file per block under `root/<digest of key and layout>/`, LRU by last use, <= max_bytes.
 
     A file is: magic, format version, header length, a JSON header (key, block hash, token ids,
     dtype, shape, payload size, blake2b of the payload; padded so the payload is aligned), then the
@@ -111,8 +117,9 @@ class DiskTier:
         self.written = 0             # files written
         self.writes_dropped = 0      # blocks never written: the queue was full (or closed)
         self._queued: dict[BlockHash, _Write] = {}
-        size = queue_blocks if queue_blocks is not None else max(8, WRITE_QUEUE_BYTES // self.payload_size)
-        self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=size)
+        if queue_blocks is None:
+            queue_blocks = max(8, WRITE_QUEUE_BYTES // self.payload_size)
+        self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=queue_blocks)
         self._thread: threading.Thread | None = None
         self._closed = False
         self._scan()
@@ -164,8 +171,9 @@ class DiskTier:
             log.info("KV offload: %d blocks (%s) on disk from earlier runs in %s",
                      len(self._index), format_size(self.bytes_used), self.dir)
 
-    def _parse(self, head: bytes | bytearray, file_size: int, block_hash: BlockHash) -> tuple[dict, int]:
-        """Check a file's header against this tier and its name; returns (header, payload offset)."""
+    def _parse(self, head: bytes | bytearray, file_size: int,
+               block_hash: BlockHash) -> tuple[dict, int]:
+        """Check a file's header against this tier and its name; returns (header, payload start)."""
         if len(head) < _PREFIX.size:
             raise BadFile("truncated header")
         magic, version, header_len = _PREFIX.unpack_from(head)
@@ -215,7 +223,7 @@ class DiskTier:
             self.bytes_used -= entry.size
 
     def _make_room(self, size: int) -> list[Path]:
-        """Drop LRU entries until `size` more bytes fit; returns their files to delete (lock held)."""
+        """Drop LRU entries until `size` more bytes fit; returns their files to delete (locked)."""
         victims = []
         while self._index and self.bytes_used + size > self.max_bytes:
             block_hash, entry = self._index.popitem(last=False)
@@ -232,8 +240,8 @@ class DiskTier:
             return entry is not None and entry.token_ids == token_ids
 
     def read(self, block_hash: BlockHash, token_ids: TokenIds) -> Tensor | None:
-        """The block, after checking its whole file (or its queued copy); None (and the file skipped) if
-        anything is off. Do not modify the result."""
+        """The block, after checking its whole file (or its queued copy); None (and the file
+        skipped) if anything is off. Do not modify the result."""
         with self._lock:
             entry = self._index.get(block_hash)
             queued = self._queued.get(block_hash) if entry is None else None
@@ -249,7 +257,7 @@ class DiskTier:
             header, offset = self._parse(buf, got, block_hash)
             if tuple(header["token_ids"]) != token_ids:
                 raise BadFile("token ids differ from the index")
-            if hashlib.blake2b(memoryview(buf)[offset:], digest_size=16).hexdigest() != header.get("blake2b"):
+            if _checksum(memoryview(buf)[offset:]) != header.get("blake2b"):
                 raise BadFile("checksum mismatch")
         except FileNotFoundError:          # deleted for the size limit since: a plain miss
             with self._lock:
@@ -265,7 +273,8 @@ class DiskTier:
             if block_hash in self._index:
                 self._index.move_to_end(block_hash)
         numel = self.payload_size // self.dtype.itemsize
-        return torch.frombuffer(buf, dtype=self.dtype, count=numel, offset=offset).view(self.block_shape)
+        data = torch.frombuffer(buf, dtype=self.dtype, count=numel, offset=offset)
+        return data.view(self.block_shape)
 
     # ---- writes -------------------------------------------------------------------------------
 
@@ -353,17 +362,17 @@ class DiskTier:
             os.close(fd)
 
     def write(self, block_hash: BlockHash, token_ids: TokenIds, block: Tensor) -> bool:
-        """Store a block (CPU, `block_shape`) atomically, now; False if it cannot be (limit, OS error).
-        The writer thread's job; callable directly when nothing is queued."""
+        """Store a block (CPU, `block_shape`) atomically, now; False if it cannot be (limit, OS
+        error). The writer thread's job; callable directly when nothing is queued."""
         with self._lock:
             if block_hash in self._index:
                 self._index.move_to_end(block_hash)
                 return True
         payload = block.contiguous().view(-1).view(torch.uint8).numpy()
         header = json.dumps({
-            "key": self.key, "hash": block_hash.hex(), "token_ids": list(token_ids), "dtype": str(self.dtype),
-            "shape": list(self.block_shape), "nbytes": payload.nbytes,
-            "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
+            "key": self.key, "hash": block_hash.hex(), "token_ids": list(token_ids),
+            "dtype": str(self.dtype), "shape": list(self.block_shape), "nbytes": payload.nbytes,
+            "blake2b": _checksum(payload)}).encode()
         header += b" " * (-(_PREFIX.size + len(header)) % _ALIGN)
         size = _PREFIX.size + len(header) + payload.nbytes
         with self._lock:

@@ -92,8 +92,9 @@ def _cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Block tables for every request, on one device pool and one host (swap) pool.
 
-    With `offload`, evicted cached blocks (and, with a disk tier, newly full ones) are planned into its tiers and prefix hits come back from
-    them; if it has a host tier, that tier is also the swap space (pass no num_host_blocks then).
+    With `offload`, evicted cached blocks (and, with a disk tier, newly full ones) are planned
+    into its tiers and prefix hits come back from them; if it has a host tier, that tier is also
+    the swap space (pass no num_host_blocks then).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
@@ -133,7 +134,8 @@ class KVCacheManager:
         self._saves: list[BlockSave] = []
         self._loads: list[BlockLoad] = []
         self._writes: list[BlockSave] = []
-        self._write_through = offload is not None and offload.writes_through and enable_prefix_caching
+        self._write_through = (offload is not None and offload.writes_through
+                               and enable_prefix_caching)
         self._requests: dict[str, _Request] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -196,8 +198,8 @@ class KVCacheManager:
             self._on_evict(block_id, block_hash)
 
     def take_offload_plan(self) -> OffloadPlan:
-        """This step's saves (evicted cached blocks), loads (tier prefix hits) and writes (blocks that
-        became full), handed over once."""
+        """This step's saves (evicted cached blocks), loads (tier prefix hits) and writes (blocks
+        that became full), handed over once."""
         plan = OffloadPlan(self._saves, self._loads, self._writes)
         self._saves, self._loads, self._writes = [], [], []
         return plan

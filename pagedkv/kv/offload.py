@@ -262,7 +262,7 @@ class KVOffload:
     def stage(self, storage: KVStorage, saves: list[BlockSave], loads: list[BlockLoad]) -> _Staged:
         """Reads only, before the step's block copies: device blocks to save, tier blocks to load, and
         cached host blocks whose slots swap-out is about to overwrite (they go to disk now)."""
-        if self.host is None and saves:                # disk only: what was written through needs no copy
+        if self.host is None and saves:        # disk only: what was written through needs no copy
             kept = [s for s in saves if self.disk.needs(s.block_hash)]
             self.saved += len(saves) - len(kept)
             self.spilled += len(saves) - len(kept)
@@ -315,11 +315,11 @@ class KVOffload:
         Usually written through already, so nothing is queued."""
         if self.disk is None:
             self._dropped += 1
-        elif self.disk.put(block_hash, token_ids, data):      # a dropped one counts in disk.writes_dropped
+        elif self.disk.put(block_hash, token_ids, data):      # a drop counts in disk.writes_dropped
             self.spilled += 1
 
     def _spill_slot(self, block_hash: BlockHash, token_ids: TokenIds, slot: int) -> None:
-        """A cached host block leaving its slot: read only if the disk lacks it (not written through)."""
+        """A cached host block leaving its slot: read it only if the disk lacks it."""
         if self.disk is not None and not self.disk.needs(block_hash):
             self.spilled += 1
         elif self.disk is not None:
@@ -328,8 +328,8 @@ class KVOffload:
             self._dropped += 1
 
     def write_through(self, storage: KVStorage, writes: list[BlockSave]) -> None:
-        """After the forward that filled them: copy the blocks the disk lacks off the device (as many as
-        its queue takes; the rest are dropped and counted) and queue them. Never waits on the disk."""
+        """After the forward that filled them: copy the blocks the disk lacks off the device (as
+        many as its queue takes; the rest are dropped and counted) and queue them. Never waits."""
         disk = self.disk
         todo = [w for w in writes if disk.needs(w.block_hash)]
         room = disk.room()

@@ -26,7 +26,7 @@ class BlockSave:
 
 @dataclass(frozen=True, slots=True)
 class BlockLoad:
-    """A prefix block found in the offload tier: load it into device block dst before the forward."""
+    """A prefix block found in an offload tier: load it into device block dst before the forward."""
     block_hash: BlockHash
     dst: int
 
@@ -35,7 +35,7 @@ class OffloadPlan(NamedTuple):
     """One step's offload work, handed from the manager to the runner once."""
     saves: list[BlockSave]      # evicted cached blocks: read before the step's block copies
     loads: list[BlockLoad]      # tier prefix hits: written into the device before the forward
-    writes: list[BlockSave]     # blocks that became full this step: written through after the forward
+    writes: list[BlockSave]     # blocks filled this step: written through after the forward
 
 
 class OffloadTiers(Protocol):
