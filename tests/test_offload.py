@@ -131,7 +131,7 @@ def test_disk_tier_start_up_skips_truncated_foreign_and_stray_files(tmp_path, ca
     stranger.write(h(1), tokens(1), block(9.0))
     os.replace(files(stranger)[0], path[1])                   # another model's file, same name
     path[2].write_bytes(b"garbage, not a block file")
-    (tier.dir / f"{h(7).hex()}{SUFFIX}.123.tmp").write_bytes(b"half a write")
+    (tier.dir / f"{h(7).hex()}{SUFFIX}.999999999.tmp").write_bytes(b"half a write")
     with caplog.at_level(logging.WARNING, logger="pagedkv.offload"):
         again = disk_tier(tmp_path)
     assert "truncated" in caplog.text and "another-model" in caplog.text and "not a pagedkv block file" in caplog.text

@@ -9,6 +9,7 @@ file damaged by hand is rejected on read, never loaded.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -107,11 +108,14 @@ def test_torn_corrupt_and_temp_files_are_rejected_not_loaded(tiny_model_dir, tmp
     raw[len(raw) // 2 + 64] ^= 0x10                        # one bit of the payload
     flipped.write_bytes(raw)
     torn.write_bytes(torn.read_bytes()[:len(raw) // 2])    # what a torn write would leave
-    temp = flipped.with_name(f"{flipped.name}.4242{TMP_SUFFIX}")
+    temp = flipped.with_name(f"{flipped.name}.999999999{TMP_SUFFIX}")   # its writer is gone
     temp.write_bytes(b"half of a block file")
+    busy = flipped.with_name(f"{flipped.name}.{os.getpid()}{TMP_SUFFIX}")   # its writer is alive
+    busy.write_bytes(b"being written by another engine on this folder")
     with caplog.at_level(logging.WARNING, logger="pagedkv.offload"):
         second = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
         assert not temp.exists() and not torn.exists()    # deleted at start
+        assert busy.exists()
         [(tokens, cached)] = run(second, [PROMPT])
     assert "truncated" in caplog.text and "checksum mismatch" in caplog.text
     assert tokens == cold[PROMPT][0] and cached == 0   # the chain starts with the bad block
@@ -197,7 +201,7 @@ def _load(srv: ServerProcess, prompts: list[str]) -> list[threading.Thread]:
 
 def _plant_damage(tier_dir: Path, rnd: random.Random) -> list[Path]:
     """A temporary file and a torn block file, as a crash (or a power cut) could leave them."""
-    temp = tier_dir / f"{'ab' * 32}{SUFFIX}.999999{TMP_SUFFIX}"
+    temp = tier_dir / f"{'ab' * 32}{SUFFIX}.999999999{TMP_SUFFIX}"
     temp.write_bytes(b"\0" * 100)
     whole = rnd.choice(block_files(tier_dir)).read_bytes()
     torn = tier_dir / f"{'cd' * 32}{SUFFIX}"

@@ -13,7 +13,8 @@ so what the engine sees does not depend on how fast the disk is.
 A file appears under its final name only once it is whole (written to a
 temporary name in the same folder, fsynced, renamed), so a process killed at
 any moment leaves whole files and, at worst, a temporary file, which the next
-start deletes. Every read checks the header and the payload's checksum.
+start deletes (unless its writer, another engine on the same folder, still
+runs). Every read checks the header and the payload's checksum.
 `close` drains the queue: a graceful shutdown loses nothing queued.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ MAGIC = b"PKVB"
 VERSION = 1
 SUFFIX = ".kvb"
 TMP_SUFFIX = ".tmp"
+TMP_MAX_AGE_S = 600                   # a temporary file this old is abandoned, whoever wrote it
 _PREFIX = struct.Struct("<4sHI")      # magic, format version, header length
 _ALIGN = 64                           # the payload starts at a multiple of this
 _MAX_HEADER = 1 << 20
@@ -76,6 +79,22 @@ class _Write(NamedTuple):
 
 def _checksum(payload) -> str:
     return hashlib.blake2b(payload, digest_size=16).hexdigest()
+
+
+def _abandoned(tmp: Path) -> bool:
+    """A temporary file whose writer is gone: its pid (in the name) is not running, or it is old.
+    Another engine sharing the folder may be writing the others right now."""
+    try:
+        pid = int(tmp.name[:-len(TMP_SUFFIX)].rsplit(".", 1)[1])
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return True
+    except PermissionError:              # alive, someone else's
+        pass
+    try:
+        return time.time() - tmp.stat().st_mtime > TMP_MAX_AGE_S
+    except OSError:
+        return False
 
 
 def _unlink(path: Path) -> None:
@@ -139,8 +158,9 @@ class DiskTier:
         found = []
         for path in self.dir.iterdir():
             try:
-                if path.name.endswith(TMP_SUFFIX):          # a write that never finished
-                    path.unlink()
+                if path.name.endswith(TMP_SUFFIX):
+                    if _abandoned(path):
+                        path.unlink()
                 elif path.suffix == SUFFIX:
                     found.append((path.stat().st_mtime_ns, path))
             except OSError:
