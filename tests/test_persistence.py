@@ -21,7 +21,8 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.kv.block_pool import hash_block_tokens
-from pagedkv.kv.disk_tier import SUFFIX, TMP_SUFFIX, DiskTier
+from pagedkv.kv.block_file import SUFFIX, TMP_SUFFIX
+from pagedkv.kv.disk_tier import DiskTier
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

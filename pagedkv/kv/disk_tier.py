@@ -20,13 +20,9 @@ runs). Every read checks the header and the payload's checksum.
 from __future__ import annotations
 
 import atexit
-import hashlib
-import json
 import logging
-import math
 import os
 import queue
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -39,30 +35,15 @@ import torch
 from torch import Tensor
 
 from pagedkv.config import ConfigError, format_size
+from pagedkv.kv.block_file import SUFFIX, TMP_SUFFIX, BadFile, BlockFormat
 from pagedkv.kv.block_pool import BlockHash
 from pagedkv.kv.plan import TokenIds
 
 log = logging.getLogger("pagedkv.offload")
 
-MAGIC = b"PKVB"
-VERSION = 1
-SUFFIX = ".kvb"
-TMP_SUFFIX = ".tmp"
 TMP_MAX_AGE_S = 600                   # a temporary file this old is abandoned, whoever wrote it
-_PREFIX = struct.Struct("<4sHI")      # magic, format version, header length
-_ALIGN = 64                           # the payload starts at a multiple of this
-_MAX_HEADER = 1 << 20
 WRITE_QUEUE_BYTES = 256 << 20         # block copies waiting for the writer, at most
-DRAIN_TIMEOUT_S = 25.0              # inside the server's 30 s wait for the engine thread
-
-
-class BadFile(Exception):
-    """A block file that cannot be used. One to `keep` (another model's, another format version, or
-    unreadable right now) is left alone; any other (corrupt, truncated) is deleted."""
-
-    def __init__(self, reason: str, keep: bool = False) -> None:
-        super().__init__(reason)
-        self.keep = keep
+DRAIN_TIMEOUT_S = 25.0                # inside the server's 30 s wait for the engine thread
 
 
 @dataclass(slots=True)
@@ -75,10 +56,6 @@ class _Write(NamedTuple):
     block_hash: BlockHash
     token_ids: TokenIds
     data: Tensor
-
-
-def _checksum(payload) -> str:
-    return hashlib.blake2b(payload, digest_size=16).hexdigest()
 
 
 def _abandoned(tmp: Path) -> bool:
@@ -105,11 +82,9 @@ def _unlink(path: Path) -> None:
 
 
 class DiskTier:
-    """A file per block under `root/<digest of key and layout>/`, LRU by last use, <= max_bytes.
-
-    A file is: magic, format version, header length, a JSON header (key, block hash, token ids,
-    dtype, shape, payload size, blake2b of the payload; padded so the payload is aligned), then the
-    payload (the block as `KVStorage.read_blocks` gives it).
+    """A file per block (`pagedkv.kv.block_file`; the payload is the block as
+    `KVStorage.read_blocks` gives it) under `root/<digest of key and layout>/`, LRU by last use,
+    at most max_bytes.
 
     Thread safety: the engine thread calls everything but the writer loop; `_lock` guards the index,
     the byte count and the set of queued hashes, and is never held during file I/O.
@@ -117,12 +92,8 @@ class DiskTier:
 
     def __init__(self, root: str | Path, key: bytes, block_shape: Sequence[int], dtype: torch.dtype,
                  max_bytes: int, queue_blocks: int | None = None) -> None:
-        self.key = key.decode("utf-8", "replace")
-        self.block_shape = tuple(block_shape)
-        self.dtype = dtype
-        self.payload_size = math.prod(self.block_shape) * dtype.itemsize
-        layout = f"{self.key}|{list(self.block_shape)}|{dtype}".encode()
-        self.dir = Path(root) / hashlib.blake2b(layout, digest_size=8).hexdigest()
+        self.format = BlockFormat(key.decode("utf-8", "replace"), tuple(block_shape), dtype)
+        self.dir = Path(root) / self.format.folder
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -137,7 +108,7 @@ class DiskTier:
         self.writes_dropped = 0      # blocks never written: the queue was full (or closed)
         self._queued: dict[BlockHash, _Write] = {}
         if queue_blocks is None:
-            queue_blocks = max(8, WRITE_QUEUE_BYTES // self.payload_size)
+            queue_blocks = max(8, WRITE_QUEUE_BYTES // self.format.payload_size)
         self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=queue_blocks)
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -169,11 +140,9 @@ class DiskTier:
             try:
                 block_hash = BlockHash(bytes.fromhex(path.stem))
                 with open(path, "rb") as f:
-                    head = f.read(_PREFIX.size)
-                    if len(head) == _PREFIX.size:
-                        head += f.read(min(_PREFIX.unpack(head)[2], _MAX_HEADER))
+                    head = self.format.read_head(f)
                     size = os.fstat(f.fileno()).st_size
-                header, _ = self._parse(head, size, block_hash)
+                header, _ = self.format.parse(head, size, block_hash)
             except ValueError:
                 self._skip(path, None, BadFile("not a block file name"))
                 continue
@@ -190,41 +159,6 @@ class DiskTier:
         if self._index:
             log.info("KV offload: %d blocks (%s) on disk from earlier runs in %s",
                      len(self._index), format_size(self.bytes_used), self.dir)
-
-    def _parse(self, head: bytes | bytearray, file_size: int,
-               block_hash: BlockHash) -> tuple[dict, int]:
-        """Check a file's header against this tier and its name; returns (header, payload start)."""
-        if len(head) < _PREFIX.size:
-            raise BadFile("truncated header")
-        magic, version, header_len = _PREFIX.unpack_from(head)
-        if magic != MAGIC:
-            raise BadFile("not a pagedkv block file")
-        if version != VERSION:
-            raise BadFile(f"format version {version}", keep=True)
-        offset = _PREFIX.size + header_len
-        if header_len > _MAX_HEADER or len(head) < offset:
-            raise BadFile("truncated header")
-        try:
-            header = json.loads(bytes(head[_PREFIX.size:offset]))
-        except ValueError:
-            raise BadFile("unreadable header") from None
-        if not isinstance(header, dict):
-            raise BadFile("unreadable header")
-        if header.get("key") != self.key:
-            raise BadFile(f"written for {header.get('key')!r}", keep=True)
-        if header.get("dtype") != str(self.dtype) or header.get("shape") != list(self.block_shape):
-            raise BadFile(f"block layout {header.get('shape')} {header.get('dtype')}", keep=True)
-        if header.get("hash") != block_hash.hex():
-            raise BadFile("hash differs from the file name")
-        tokens = header.get("token_ids")
-        if not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
-            raise BadFile("bad token ids")
-        if header.get("nbytes") != self.payload_size:
-            raise BadFile("wrong payload size")
-        if file_size != offset + self.payload_size:
-            raise BadFile(f"truncated ({file_size} of {offset + self.payload_size} bytes)"
-                          if file_size < offset + self.payload_size else "trailing bytes")
-        return header, offset
 
     def _skip(self, path: Path, block_hash: BlockHash | None, err: BadFile) -> None:
         """Never crash, never use it: warn, forget it, and delete it unless it is one to keep."""
@@ -273,12 +207,8 @@ class DiskTier:
         try:
             with open(path, "rb") as f:
                 buf = bytearray(os.fstat(f.fileno()).st_size)
-                got = f.readinto(buf)
-            header, offset = self._parse(buf, got, block_hash)
-            if tuple(header["token_ids"]) != token_ids:
-                raise BadFile("token ids differ from the index")
-            if _checksum(memoryview(buf)[offset:]) != header.get("blake2b"):
-                raise BadFile("checksum mismatch")
+                del buf[f.readinto(buf):]
+            data = self.format.decode(buf, block_hash, token_ids)
         except FileNotFoundError:          # deleted for the size limit since: a plain miss
             with self._lock:
                 self._forget(block_hash)
@@ -292,9 +222,7 @@ class DiskTier:
         with self._lock:
             if block_hash in self._index:
                 self._index.move_to_end(block_hash)
-        numel = self.payload_size // self.dtype.itemsize
-        data = torch.frombuffer(buf, dtype=self.dtype, count=numel, offset=offset)
-        return data.view(self.block_shape)
+        return data
 
     # ---- writes -------------------------------------------------------------------------------
 
@@ -389,12 +317,8 @@ class DiskTier:
                 self._index.move_to_end(block_hash)
                 return True
         payload = block.contiguous().view(-1).view(torch.uint8).numpy()
-        header = json.dumps({
-            "key": self.key, "hash": block_hash.hex(), "token_ids": list(token_ids),
-            "dtype": str(self.dtype), "shape": list(self.block_shape), "nbytes": payload.nbytes,
-            "blake2b": _checksum(payload)}).encode()
-        header += b" " * (-(_PREFIX.size + len(header)) % _ALIGN)
-        size = _PREFIX.size + len(header) + payload.nbytes
+        head = self.format.encode(block_hash, token_ids, payload)
+        size = len(head) + payload.nbytes
         with self._lock:
             if size > self.max_bytes:
                 self.dropped += 1
@@ -407,8 +331,7 @@ class DiskTier:
         tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")
         try:
             with open(tmp, "wb") as f:
-                f.write(_PREFIX.pack(MAGIC, VERSION, len(header)))
-                f.write(header)
+                f.write(head)
                 f.write(payload)
                 f.flush()
                 os.fsync(f.fileno())
