@@ -22,6 +22,7 @@ import torch
 from pagedkv import LLM, SamplingParams
 from pagedkv.kv.block_pool import hash_block_tokens
 from pagedkv.kv.block_file import SUFFIX, TMP_SUFFIX
+from pagedkv.kv import disk_tier
 from pagedkv.kv.disk_tier import DiskTier
 from server_process import ServerProcess
 
@@ -160,6 +161,31 @@ def test_a_full_write_queue_drops_and_counts_instead_of_waiting(tmp_path, monkey
     assert tier.writes_dropped == 4
     again = DiskTier(tmp_path, b"k", shape, torch.float32, 1 << 20)
     assert torch.equal(again.read(hashes[1], (1, 1)), torch.ones(shape))   # the first copy
+
+
+def test_a_stuck_disk_never_stalls_the_engine_and_its_drops_are_counted(tiny_model_dir, tmp_path,
+                                                                       cold, monkeypatch):
+    monkeypatch.setattr(disk_tier, "WRITE_QUEUE_BYTES", 0)     # the smallest queue: 8 blocks
+    llm = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
+    release, gave_up = threading.Event(), []
+    write = llm.engine.offload.disk.write
+
+    def hang(*args):                                           # a disk that hangs until released
+        if not release.wait(120):
+            gave_up.append(args[0])
+        return write(*args)
+
+    monkeypatch.setattr(llm.engine.offload.disk, "write", hang)
+    try:
+        assert run(llm, [PROMPT, *OTHERS]) == [(cold[p][0], 0) for p in [PROMPT, *OTHERS]]
+        dropped = llm.engine.stats().offload_disk_writes_dropped
+        assert dropped > 0 and dropped == llm.engine.offload.stats().writes_dropped
+    finally:
+        release.set()
+    assert not gave_up                            # the engine finished while the disk still hung
+    llm.engine.close()
+    written = llm.engine.offload.stats().written
+    assert written == len(block_files(tmp_path)) and 8 <= written <= 9   # 8 queued, 1 maybe taken
 
 
 # ---- a real server -----------------------------------------------------------------------------
