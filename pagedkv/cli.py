@@ -81,7 +81,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES])
     p.add_argument("--allocation-policy", default="paged", choices=["paged", "reserve-max", "reserve-output"])
     p.add_argument("--kv-offload-host-memory", default=None, help="host tier for evicted prefix blocks, e.g. 4GiB")
-    p.add_argument("--kv-offload-dir", default=None, help="disk tier folder for evicted prefix blocks (persistent)")
+    p.add_argument("--kv-offload-dir", default=None, help="disk tier folder: every full prefix block is written "
+                   "through in the background, so a restart on it finds them")
     p.add_argument("--kv-offload-disk-size", default="10GiB")
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)

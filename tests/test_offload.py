@@ -18,7 +18,9 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.config import ConfigError
 from pagedkv.kv.block_pool import hash_block_tokens
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.kv.offload import SUFFIX, DiskTier, HostTier, KVOffload
+from pagedkv.kv.block_file import SUFFIX
+from pagedkv.kv.disk_tier import DiskTier
+from pagedkv.kv.offload import HostTier, KVOffload
 from pagedkv.kv.storage import KVStorage
 
 SHAPE = dict(num_layers=2, num_kv_heads=1, block_size=2, head_dim=3, dtype="float32")
@@ -130,7 +132,7 @@ def test_disk_tier_start_up_skips_truncated_foreign_and_stray_files(tmp_path, ca
     stranger.write(h(1), tokens(1), block(9.0))
     os.replace(files(stranger)[0], path[1])                   # another model's file, same name
     path[2].write_bytes(b"garbage, not a block file")
-    (tier.dir / f"{h(7).hex()}{SUFFIX}.123.tmp").write_bytes(b"half a write")
+    (tier.dir / f"{h(7).hex()}{SUFFIX}.999999999.tmp").write_bytes(b"half a write")
     with caplog.at_level(logging.WARNING, logger="pagedkv.offload"):
         again = disk_tier(tmp_path)
     assert "truncated" in caplog.text and "another-model" in caplog.text and "not a pagedkv block file" in caplog.text
@@ -165,7 +167,7 @@ def test_evicted_block_is_saved_before_overwrite_and_loaded_back():
     prompt = [1, 2, 3, 4, 5]                                   # 2 full blocks + 1 token
 
     def step(writes: dict[int, float]):
-        saves, loads = m.take_offload_plan()
+        saves, loads, _ = m.take_offload_plan()
         staged = offload.stage(device, saves, loads)
         offload.commit(device, staged)
         for bid, value in writes.items():                      # what the forward pass writes
@@ -280,7 +282,8 @@ class OffloadMachine(RuleBasedStateMachine):
         for _ in range(data.draw(st.integers(0, 2))):
             self._admit(data, writes)
         # the runner
-        staged = self.offload.stage(self.dev, *self.m.take_offload_plan())
+        saves, loads, through = self.m.take_offload_plan()
+        staged = self.offload.stage(self.dev, saves, loads)
         if swap_out:
             self.swap.write_blocks([c.dst for c in swap_out], self.dev.read_blocks([c.src for c in swap_out]))
         self.dev.copy_blocks([(c.src, c.dst) for c in cow])
@@ -291,6 +294,9 @@ class OffloadMachine(RuleBasedStateMachine):
             table = self.m.block_table(rid)
             for p in range(start, end):
                 self.dev.data[0, :, table[p // self.bs], 0, p % self.bs, 0] = self.known[rid][p]
+        if through:                                    # blocks just filled go to disk too
+            self.offload.write_through(self.dev, through)
+        self.offload.flush()                           # the disk as the next step finds it: no race
 
     @precondition(lambda self: self.m is not None and self.dir and self.offload.disk.num_blocks)
     @rule(data=st.data())
@@ -325,6 +331,7 @@ class OffloadMachine(RuleBasedStateMachine):
         for rid in list(self.known):
             self.m.free(rid)
         self.m.check_integrity()
+        self.offload.close()
         if self.dir:
             shutil.rmtree(self.dir)
 
@@ -390,6 +397,7 @@ def test_full_host_tier_spills_to_disk_and_disk_hits_keep_outputs(tiny_model_dir
     assert llm.engine.offload.host.num_slots == 8
     outputs, cached = workload(llm)
     assert outputs == reference[0]
+    llm.engine.offload.flush()
     st = llm.engine.offload.stats()
     assert st.spilled > 0 and st.disk_blocks > 0 and st.loaded_disk > 0 and st.host_cached == 8
     assert cached > reference[1]
@@ -400,6 +408,7 @@ def test_full_host_tier_spills_to_disk_and_disk_hits_keep_outputs(tiny_model_dir
 def test_restart_finds_the_blocks_the_last_engine_wrote(tiny_model_dir, reference, tmp_path):
     first = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
     run(first, CONVERSATIONS + OTHERS)
+    first.engine.close()
     written = first.engine.offload.stats().disk_blocks
     assert written > 0
     second = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
@@ -412,6 +421,7 @@ def test_restart_finds_the_blocks_the_last_engine_wrote(tiny_model_dir, referenc
 def test_bad_files_are_skipped_with_a_warning_and_outputs_stay_equal(tiny_model_dir, reference, tmp_path, caplog):
     first = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
     run(first, CONVERSATIONS + OTHERS)
+    first.engine.close()
     paths = sorted(first.engine.offload.disk.dir.iterdir())
     assert len(paths) >= 6
     paths[0].write_bytes(paths[0].read_bytes()[:100])                          # truncated
@@ -435,10 +445,12 @@ def test_bad_files_are_skipped_with_a_warning_and_outputs_stay_equal(tiny_model_
 def test_disk_size_limit_is_respected(tiny_model_dir, reference, tmp_path):
     probe = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path / "probe"))
     run(probe, CONVERSATIONS)
+    probe.engine.close()
     limit = 10 * probe.engine.offload.stats().disk_bytes // probe.engine.offload.disk.num_blocks   # ten files
     llm = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path / "limited"), kv_offload_disk_size=limit)
     outputs, _ = workload(llm)
     assert outputs == reference[0]
+    llm.engine.close()
     st = llm.engine.offload.stats()
     used = sum(p.stat().st_size for p in (tmp_path / "limited").rglob(f"*{SUFFIX}"))
     assert st.dropped > 0 and used == st.disk_bytes <= limit
@@ -464,6 +476,7 @@ def test_swap_preemption_borrows_the_host_tier(tiny_model_dir, tmp_path, monkeyp
     for _ in range(2):                       # the second round finds the first one's blocks in the tiers
         outs = llm.generate(CONVERSATIONS, long, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
+    offload.flush()
     st = offload.stats()
     assert llm.engine.scheduler.num_preemptions > 0 and st.loaded_host + st.loaded_disk > 0
     assert displaced and all(offload.disk.contains(bh, e.token_ids) for bh, e in displaced)   # pushed to disk

@@ -209,6 +209,7 @@ class AsyncLLM:
                 if stopping:
                     for rid in list(self.engine.groups):
                         self._deliver(rid, self.engine.abort(rid))
+                    self.engine.close()          # drains the disk tier's write queue
                     self._stats = self.engine.stats()
                     return
                 outputs = self.engine.step() if self.engine.has_unfinished() else []

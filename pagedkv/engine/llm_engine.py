@@ -62,6 +62,7 @@ class EngineStats:
     generation_tokens: int
     offload_hits: int              # prompt tokens loaded back from the host / disk tiers
     offload_saved_blocks: int      # evicted device blocks kept in a tier
+    offload_disk_writes_dropped: int = 0   # blocks the disk tier's full write queue turned away
     spec_num_drafts: int = 0       # speculative decoding (spec_decode.py): steps that drafted,
     spec_num_draft_tokens: int = 0     # tokens drafted,
     spec_num_accepted_tokens: int = 0  # and drafts accepted
@@ -209,11 +210,6 @@ class LLMEngine:
                  num_blocks, config.block_size, format_size(num_blocks * bytes_per_block),
                  num_blocks * config.block_size, self.max_model_len)
 
-    def close(self) -> None:
-        """Stop the tensor-parallel workers (the rest is freed with the engine)."""
-        if self.tp is not None:
-            self.tp.close()
-
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
@@ -302,6 +298,7 @@ class LLMEngine:
             failures.add(seq.group, error)
         sampling, logits = self._forward(out.scheduled, failures)   # the sampling rows, in order
         prompt_logprobs.record(self.runner.model, [s for s in out.scheduled if s.seq.group not in failures])
+        self.runner.write_through(out.offload_writes, failures.stale_blocks)
         for s in out.scheduled:
             if s.seq.group not in failures:
                 s.seq.num_computed_tokens += s.num_new_tokens
@@ -482,9 +479,21 @@ class LLMEngine:
             token_capacity=s.num_blocks * self.kv.block_size, prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits, num_preemptions=sch.num_preemptions,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
-            offload_hits=s.offload_hits, offload_saved_blocks=self.offload.stats().saved if self.offload else 0,
+            offload_hits=s.offload_hits,
+            offload_saved_blocks=self.offload.stats().saved if self.offload else 0,
+            offload_disk_writes_dropped=self.offload.stats().writes_dropped if self.offload else 0,
             spec_num_drafts=self.spec_stats.num_drafts, spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens)
 
     def kv_snapshot(self) -> dict:
         return self.kv.snapshot()
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Graceful shutdown: blocks queued for the disk tier are written before this returns, so a
+        restart on the same --kv-offload-dir finds everything this engine cached; the
+        tensor-parallel workers stop. Idempotent."""
+        if self.offload is not None:
+            self.offload.close()
+        if self.tp is not None:
+            self.tp.close()

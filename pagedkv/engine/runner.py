@@ -6,7 +6,8 @@ context is, where its new K/V go (slot mapping) and which blocks hold the
 rest (block tables). Block copies planned by the scheduler (swap out, copy on
 write, swap in) are applied first, in that order; with a KV offload tier, its
 reads come before them (evicted blocks are saved before being overwritten) and
-its writes after (prefix blocks loaded back, saved blocks put in the tier).
+its writes after (prefix blocks loaded back, saved blocks put in the tier), and
+the blocks a step filled are written through to its disk tier after the step.
 With tensor parallelism, rank 0 sends the block moves and each forward's inputs
 to the other ranks; every rank moves its own blocks and runs its shard.
 """
@@ -22,6 +23,7 @@ from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.offload import KVOffload
+from pagedkv.kv.plan import BlockSave
 from pagedkv.kv.storage import KVStorage
 
 if TYPE_CHECKING:
@@ -148,10 +150,12 @@ class ModelRunner:
                     s.prompt_hidden = (first, hidden[row + first - start:row + last - start])
             row += s.num_new_tokens + len(s.drafts)
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """Run one step; returns float32 logits [num sampling seqs, vocab] (None if nothing samples)."""
-        self.apply_copies(out)
-        return self.forward(out.scheduled)
+    def write_through(self, writes: list[BlockSave], skip: set[int] = frozenset()) -> None:
+        """Queue the blocks the step filled for the disk tier, less those a failed request left
+        unwritten (`skip`)."""
+        writes = [w for w in writes if w.block_id not in skip]
+        if writes:
+            self.offload.write_through(self.storage, writes)
 
     def forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor | None:
         """The model over these sequences' new tokens (block copies already applied).

@@ -40,6 +40,7 @@ class SchedulerOutput:
     swap_in: list[BlockCopy] = field(default_factory=list)    # host -> device
     offload_saves: list[BlockSave] = field(default_factory=list)   # evicted device blocks -> offload tier, read first
     offload_loads: list[BlockLoad] = field(default_factory=list)   # offload tier -> device, before the forward
+    offload_writes: list[BlockSave] = field(default_factory=list)  # filled -> disk, after forward
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)   # admission raised
 
@@ -75,7 +76,7 @@ class Scheduler:
             budget = self._schedule_swapped(out, budget)
             if not self.swapped:
                 self._schedule_waiting(out, budget)
-        out.offload_saves, out.offload_loads = self.kv.take_offload_plan()
+        out.offload_saves, out.offload_loads, out.offload_writes = self.kv.take_offload_plan()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

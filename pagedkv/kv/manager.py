@@ -12,11 +12,13 @@ Every method that returns BlockCopy lists describes data the runner must copy
 before the next forward pass. Apply them in the order the calls were made: a
 block freed by one call may be the destination of a later one.
 
-With an offload tier (`pagedkv.kv.offload.KVOffload`), a cached block the pool
+With offload tiers (`pagedkv.kv.plan.OffloadTiers`), a cached block the pool
 evicts is recorded as a BlockSave (its data must reach the tier before anything
-overwrites it this step), and admission continues the prefix match in the tier:
+overwrites it this step), and admission continues the prefix match in the tiers:
 those blocks get fresh device blocks, count as prefix hits and come back as
-BlockLoad. `take_offload_plan` hands both lists to the runner once per step.
+BlockLoad. With a disk tier, every block that becomes full is also recorded, to
+be written through once the step's forward has filled it. `take_offload_plan`
+hands the three lists to the runner once per step.
 
 The manager never touches tensors and never imports the model.
 """
@@ -26,34 +28,17 @@ import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from pagedkv.config import ALLOCATION_POLICIES, ConfigError
 from pagedkv.kv.block_pool import Block, BlockHash, BlockPool, HostBlockPool, HostPool, hash_block_tokens
-
-if TYPE_CHECKING:   # offload.py moves tensors; the manager only asks it questions
-    from pagedkv.kv.offload import KVOffload
+from pagedkv.kv.plan import BlockLoad, BlockSave, OffloadPlan, OffloadTiers
 
 
 @dataclass(frozen=True, slots=True)
 class BlockCopy:
     """Copy block data src -> dst (CoW: device->device, swap-out: device->host, swap-in: host->device)."""
     src: int
-    dst: int
-
-
-@dataclass(frozen=True, slots=True)
-class BlockSave:
-    """A cached device block evicted this step: save its data to the offload tier before it is overwritten."""
-    block_id: int
-    block_hash: BlockHash
-    token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class BlockLoad:
-    """A prefix block found in the offload tier: load it into device block dst before the forward."""
-    block_hash: BlockHash
     dst: int
 
 
@@ -108,15 +93,16 @@ def _cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Block tables for every request, on one device pool and one host (swap) pool.
 
-    With `offload`, evicted cached blocks are planned into its tiers and prefix hits come back from
-    them; if it has a host tier, that tier is also the swap space (pass no num_host_blocks then).
+    With `offload`, evicted cached blocks (and, with a disk tier, newly full ones) are planned
+    into its tiers and prefix hits come back from them; if it has a host tier, that tier is also
+    the swap space (pass no num_host_blocks then).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True, allocation_policy: str = "paged",
                  max_model_len: int | None = None, watermark: float = 0.01, hash_extra: bytes = b"",
                  on_evict: Callable[[int, BlockHash], None] | None = None,
-                 offload: KVOffload | None = None) -> None:
+                 offload: OffloadTiers | None = None) -> None:
         if num_blocks < 1:
             raise ConfigError(f"the KV cache has room for {num_blocks} blocks; give it more memory (--kv-cache-memory)")
         if block_size < 1:
@@ -148,6 +134,9 @@ class KVCacheManager:
         self._on_evict = on_evict
         self._saves: list[BlockSave] = []
         self._loads: list[BlockLoad] = []
+        self._writes: list[BlockSave] = []
+        self._write_through = (offload is not None and offload.writes_through
+                               and enable_prefix_caching)
         self._requests: dict[str, _Request] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -209,10 +198,11 @@ class KVCacheManager:
         if self._on_evict is not None:
             self._on_evict(block_id, block_hash)
 
-    def take_offload_plan(self) -> tuple[list[BlockSave], list[BlockLoad]]:
-        """This step's saves (evicted cached blocks) and loads (tier prefix hits), handed over once."""
-        plan = self._saves, self._loads
-        self._saves, self._loads = [], []
+    def take_offload_plan(self) -> OffloadPlan:
+        """This step's saves (evicted cached blocks), loads (tier prefix hits) and writes (blocks
+        that became full), handed over once."""
+        plan = OffloadPlan(self._saves, self._loads, self._writes)
+        self._saves, self._loads, self._writes = [], [], []
         return plan
 
     def _cache_full_blocks(self, req: _Request, token_ids: Sequence[int]) -> None:
@@ -224,6 +214,8 @@ class KVCacheManager:
             parent = hash_block_tokens(parent, chunk, self.hash_extra)
             hashes.append(parent)
             self.pool.cache_full_block(req.blocks[i], parent, chunk)
+            if self._write_through:
+                self._writes.append(BlockSave(req.blocks[i].block_id, parent, chunk))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (False) while any request holds device blocks."""

@@ -1,8 +1,9 @@
 """Tiered KV offload: cached prefix blocks evicted from the device live on in host memory, then on disk.
 
     device pool --evicted--> host tier (LRU slots) --full--> disk tier (a file per block) --full--> gone
-         ^                        |                               |
-         +------- prefix hit -----+-------------------------------+
+       ^  |                       |                               ^  |
+       |  +---- every block once full (written through) ---------+  |
+       +-------- prefix hit ------+----------------------------------+
 
 Blocks are keyed by their chained block hash (blake2b over the parent hash,
 the token ids, the model fingerprint and the KV dtype), which is stable across
@@ -11,17 +12,25 @@ and KV dtype indexes the folder at start-up and finds what the last one wrote.
 Every entry also keeps its token ids, compared on each hit as the device cache
 does, so even a hash collision cannot hand out wrong K/V.
 
+With a disk tier, each block is copied to host memory as soon as the forward
+has filled it and queued for the disk writer (`pagedkv.kv.disk_tier`), so what
+is still cached on the device or the host at shutdown is on disk too; a block
+already on disk (or queued) is not copied again, and a full queue drops the
+write (counted) rather than wait.
+
 One step, as the manager plans it and the runner carries it out:
 
     scheduling  a cached device block is evicted    -> BlockSave (recorded; nothing moves yet)
                 admission continues the prefix match in the tiers -> `reserve`: a host slot is
                 pinned, a disk file is read and checked now (a bad one is skipped before its
                 tokens count as computed)             -> BlockLoad into a fresh device block
+                a block becomes full (with a disk tier) -> BlockSave in the plan's writes
     runner      stage:  reads only: the device blocks to save, the blocks to load, and cached
                         host blocks that swap-out will overwrite (sent to disk here)
                 swap out, copy-on-write, swap in      (unchanged)
                 commit: writes: the loaded blocks into the device, the saved blocks into the
                         host tier (whose LRU block goes to disk)
+                forward, then `write_through`: the blocks it filled are copied and queued for disk
 
 Reading everything first means no write of the step clobbers data the step
 still needs: evicted device blocks are read before any device write, and the
@@ -33,16 +42,11 @@ budget, `--kv-offload-host-memory`, holds both; live requests come first.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import os
-import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -50,12 +54,11 @@ from torch import Tensor
 
 from pagedkv.config import ConfigError, EngineConfig, format_size
 from pagedkv.kv.block_pool import BlockHash
-from pagedkv.kv.manager import BlockLoad, BlockSave
+from pagedkv.kv.disk_tier import DiskTier
+from pagedkv.kv.plan import BlockLoad, BlockSave, TokenIds
 from pagedkv.kv.storage import KVStorage
 
 log = logging.getLogger("pagedkv.offload")
-
-TokenIds = tuple[int, ...]
 
 
 # ---- host memory ------------------------------------------------------------------------------
@@ -168,224 +171,6 @@ class HostTier:
         assert self._pinned <= self._lru.keys(), "a pinned block is not cached"
 
 
-# ---- disk -------------------------------------------------------------------------------------
-
-MAGIC = b"PKVB"
-VERSION = 1
-SUFFIX = ".kvb"
-_PREFIX = struct.Struct("<4sHI")      # magic, format version, header length
-_ALIGN = 64                           # the payload starts at a multiple of this
-_MAX_HEADER = 1 << 20
-
-
-class BadFile(Exception):
-    """A block file that cannot be used. One to `keep` (another model's, another format version, or
-    unreadable right now) is left alone; any other (corrupt, truncated) is deleted."""
-
-    def __init__(self, reason: str, keep: bool = False) -> None:
-        super().__init__(reason)
-        self.keep = keep
-
-
-@dataclass(slots=True)
-class _DiskEntry:
-    token_ids: TokenIds
-    size: int
-
-
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except OSError:
-        pass
-
-
-class DiskTier:
-    """One file per block under `root/<digest of key and layout>/`, LRU by last use, at most max_bytes.
-
-    A file is: magic, format version, header length, a JSON header (key, block hash, token ids,
-    dtype, shape, payload size, blake2b of the payload; padded so the payload is aligned), then the
-    payload (the block as `KVStorage.read_blocks` gives it). Files are written to a temporary name
-    and renamed, so a reader sees a whole file or none; the checksum catches the rest.
-    """
-
-    def __init__(self, root: str | Path, key: bytes, block_shape: Sequence[int], dtype: torch.dtype,
-                 max_bytes: int) -> None:
-        self.key = key.decode("utf-8", "replace")
-        self.block_shape = tuple(block_shape)
-        self.dtype = dtype
-        self.payload_size = math.prod(self.block_shape) * dtype.itemsize
-        layout = f"{self.key}|{list(self.block_shape)}|{dtype}".encode()
-        self.dir = Path(root) / hashlib.blake2b(layout, digest_size=8).hexdigest()
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"--kv-offload-dir: cannot create {self.dir}: {e.strerror}") from None
-        self.max_bytes = max_bytes
-        self._index: OrderedDict[BlockHash, _DiskEntry] = OrderedDict()
-        self.bytes_used = 0
-        self.bad_files = 0
-        self.dropped = 0
-        self._scan()
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self._index)
-
-    def _path(self, block_hash: BlockHash) -> Path:
-        return self.dir / f"{block_hash.hex()}{SUFFIX}"
-
-    def _scan(self) -> None:
-        """Index what earlier engines left here (least recently written first), then enforce the limit."""
-        found = []
-        for path in self.dir.iterdir():
-            try:
-                if path.name.endswith(".tmp"):            # a write that never finished
-                    path.unlink()
-                elif path.suffix == SUFFIX:
-                    found.append((path.stat().st_mtime_ns, path))
-            except OSError:
-                continue
-        for _, path in sorted(found):
-            try:
-                block_hash = BlockHash(bytes.fromhex(path.stem))
-                with open(path, "rb") as f:
-                    head = f.read(_PREFIX.size)
-                    if len(head) == _PREFIX.size:
-                        head += f.read(min(_PREFIX.unpack(head)[2], _MAX_HEADER))
-                    size = os.fstat(f.fileno()).st_size
-                header, _ = self._parse(head, size, block_hash)
-            except ValueError:
-                self._skip(path, None, BadFile("not a block file name"))
-                continue
-            except BadFile as e:
-                self._skip(path, None, e)
-                continue
-            except OSError as e:
-                self._skip(path, None, BadFile(f"unreadable: {e.strerror}", keep=True))
-                continue
-            self._index[block_hash] = _DiskEntry(tuple(header["token_ids"]), size)
-            self.bytes_used += size
-        self._make_room(0)
-        if self._index:
-            log.info("KV offload: %d blocks (%s) on disk from earlier runs in %s",
-                     len(self._index), format_size(self.bytes_used), self.dir)
-
-    def _parse(self, head: bytes | bytearray, file_size: int, block_hash: BlockHash) -> tuple[dict, int]:
-        """Check a file's header against this tier and its name; returns (header, payload offset)."""
-        if len(head) < _PREFIX.size:
-            raise BadFile("truncated header")
-        magic, version, header_len = _PREFIX.unpack_from(head)
-        if magic != MAGIC:
-            raise BadFile("not a pagedkv block file")
-        if version != VERSION:
-            raise BadFile(f"format version {version}", keep=True)
-        offset = _PREFIX.size + header_len
-        if header_len > _MAX_HEADER or len(head) < offset:
-            raise BadFile("truncated header")
-        try:
-            header = json.loads(bytes(head[_PREFIX.size:offset]))
-        except ValueError:
-            raise BadFile("unreadable header") from None
-        if not isinstance(header, dict):
-            raise BadFile("unreadable header")
-        if header.get("key") != self.key:
-            raise BadFile(f"written for {header.get('key')!r}", keep=True)
-        if header.get("dtype") != str(self.dtype) or header.get("shape") != list(self.block_shape):
-            raise BadFile(f"block layout {header.get('shape')} {header.get('dtype')}", keep=True)
-        if header.get("hash") != block_hash.hex():
-            raise BadFile("hash differs from the file name")
-        tokens = header.get("token_ids")
-        if not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
-            raise BadFile("bad token ids")
-        if header.get("nbytes") != self.payload_size:
-            raise BadFile("wrong payload size")
-        if file_size != offset + self.payload_size:
-            raise BadFile(f"truncated ({file_size} of {offset + self.payload_size} bytes)"
-                          if file_size < offset + self.payload_size else "trailing bytes")
-        return header, offset
-
-    def _skip(self, path: Path, block_hash: BlockHash | None, err: BadFile) -> None:
-        """Never crash, never use it: warn, forget it, and delete it unless it is one to keep."""
-        self.bad_files += 1
-        entry = self._index.pop(block_hash, None) if block_hash is not None else None
-        if entry is not None:
-            self.bytes_used -= entry.size
-        if err.keep:
-            log.warning("KV offload: ignoring %s (%s)", path, err)
-        else:
-            log.warning("KV offload: skipping bad block file %s (%s); deleted", path, err)
-            _unlink(path)
-
-    def _make_room(self, size: int) -> None:
-        while self._index and self.bytes_used + size > self.max_bytes:
-            block_hash, entry = self._index.popitem(last=False)
-            _unlink(self._path(block_hash))
-            self.bytes_used -= entry.size
-            self.dropped += 1
-
-    def contains(self, block_hash: BlockHash, token_ids: TokenIds) -> bool:
-        entry = self._index.get(block_hash)
-        return entry is not None and entry.token_ids == token_ids
-
-    def read(self, block_hash: BlockHash, token_ids: TokenIds) -> Tensor | None:
-        """The block, after checking its whole file; None (and the file skipped) if anything is off."""
-        if not self.contains(block_hash, token_ids):
-            return None
-        path = self._path(block_hash)
-        try:
-            with open(path, "rb") as f:
-                buf = bytearray(os.fstat(f.fileno()).st_size)
-                got = f.readinto(buf)
-            header, offset = self._parse(buf, got, block_hash)
-            if tuple(header["token_ids"]) != token_ids:
-                raise BadFile("token ids differ from the index")
-            if hashlib.blake2b(memoryview(buf)[offset:], digest_size=16).hexdigest() != header.get("blake2b"):
-                raise BadFile("checksum mismatch")
-        except BadFile as e:
-            self._skip(path, block_hash, e)
-            return None
-        except OSError as e:
-            self._skip(path, block_hash, BadFile(f"unreadable: {e.strerror}", keep=True))
-            return None
-        self._index.move_to_end(block_hash)
-        numel = self.payload_size // self.dtype.itemsize
-        return torch.frombuffer(buf, dtype=self.dtype, count=numel, offset=offset).view(self.block_shape)
-
-    def write(self, block_hash: BlockHash, token_ids: TokenIds, block: Tensor) -> bool:
-        """Store a block (CPU, `block_shape`) atomically; False if it cannot be (limit, OS error)."""
-        if block_hash in self._index:
-            self._index.move_to_end(block_hash)
-            return True
-        payload = block.contiguous().view(-1).view(torch.uint8).numpy()
-        header = json.dumps({
-            "key": self.key, "hash": block_hash.hex(), "token_ids": list(token_ids), "dtype": str(self.dtype),
-            "shape": list(self.block_shape), "nbytes": payload.nbytes,
-            "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
-        header += b" " * (-(_PREFIX.size + len(header)) % _ALIGN)
-        size = _PREFIX.size + len(header) + payload.nbytes
-        if size > self.max_bytes:
-            self.dropped += 1
-            return False
-        self._make_room(size)
-        path = self._path(block_hash)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(_PREFIX.pack(MAGIC, VERSION, len(header)))
-                f.write(header)
-                f.write(payload)
-            os.replace(tmp, path)
-        except OSError as e:
-            log.warning("KV offload: cannot write %s (%s); block dropped", path, e.strerror)
-            _unlink(tmp)
-            self.dropped += 1
-            return False
-        self._index[block_hash] = _DiskEntry(token_ids, size)
-        self.bytes_used += size
-        return True
-
-
 # ---- both tiers, as the manager and the runner see them --------------------------------------
 
 
@@ -394,7 +179,9 @@ class OffloadStats:
     saved: int             # evicted device blocks put into a tier
     loaded_host: int       # prefix blocks loaded back from host memory
     loaded_disk: int       # ... and from disk
-    spilled: int           # blocks written to disk (host tier full, or no host tier)
+    spilled: int           # blocks sent to disk on leaving host memory (host tier full, or none)
+    written: int           # block files written (write-through and spills)
+    writes_dropped: int    # blocks never written: the disk queue was full
     dropped: int           # blocks that fell off the last tier
     bad_files: int         # corrupt, truncated or foreign files skipped
     host_slots: int
@@ -419,6 +206,7 @@ class KVOffload:
             raise ValueError("an offload needs a host tier, a disk tier or both")
         self.host = host
         self.disk = disk
+        self.writes_through = disk is not None
         self._staged: dict[BlockHash, Tensor] = {}    # disk blocks read at admission, loaded this step
         self.saved = self.loaded_host = self.loaded_disk = self.spilled = 0
         self._dropped = 0
@@ -474,11 +262,16 @@ class KVOffload:
     def stage(self, storage: KVStorage, saves: list[BlockSave], loads: list[BlockLoad]) -> _Staged:
         """Reads only, before the step's block copies: device blocks to save, tier blocks to load, and
         cached host blocks whose slots swap-out is about to overwrite (they go to disk now)."""
+        if self.host is None and saves:        # disk only: what was written through needs no copy
+            kept = [s for s in saves if self.disk.needs(s.block_hash)]
+            self.saved += len(saves) - len(kept)
+            self.spilled += len(saves) - len(kept)
+            saves = kept
         saved = storage.read_blocks([s.block_id for s in saves]).cpu() if saves else None
         loaded = torch.stack([self._take(load.block_hash) for load in loads]) if loads else None
         if self.host is not None:
             for block_hash, entry in self.host.displaced:
-                self._spill(block_hash, entry.token_ids, self.host.storage.read_blocks([entry.slot])[0])
+                self._spill_slot(block_hash, entry.token_ids, entry.slot)
             self.host.displaced.clear()
             self.host.unpin_all()
         self._staged.clear()
@@ -514,20 +307,57 @@ class KVOffload:
         slot, victim = got
         if victim is not None:
             victim_hash, entry = victim
-            self._spill(victim_hash, entry.token_ids, self.host.storage.read_blocks([slot])[0])
+            self._spill_slot(victim_hash, entry.token_ids, slot)
         self.host.storage.write_blocks([slot], data[None])
 
     def _spill(self, block_hash: BlockHash, token_ids: TokenIds, data: Tensor) -> None:
-        """A block leaving host memory (or evicted with no host tier): to disk if there is one."""
+        """A block leaving host memory (or evicted with no host tier): to disk if there is one.
+        Usually written through already, so nothing is queued."""
         if self.disk is None:
             self._dropped += 1
-        elif self.disk.write(block_hash, token_ids, data):     # a failed write counts in disk.dropped
+        elif self.disk.put(block_hash, token_ids, data):      # a drop counts in disk.writes_dropped
             self.spilled += 1
+
+    def _spill_slot(self, block_hash: BlockHash, token_ids: TokenIds, slot: int) -> None:
+        """A cached host block leaving its slot: read it only if the disk lacks it."""
+        if self.disk is not None and not self.disk.needs(block_hash):
+            self.spilled += 1
+        elif self.disk is not None:
+            self._spill(block_hash, token_ids, self.host.storage.read_blocks([slot])[0])
+        else:
+            self._dropped += 1
+
+    def write_through(self, storage: KVStorage, writes: list[BlockSave]) -> None:
+        """After the forward that filled them: copy the blocks the disk lacks off the device (as
+        many as its queue takes; the rest are dropped and counted) and queue them. Never waits."""
+        disk = self.disk
+        todo = [w for w in writes if disk.needs(w.block_hash)]
+        room = disk.room()
+        if len(todo) > room:
+            disk.writes_dropped += len(todo) - room
+            del todo[room:]
+        if not todo:
+            return
+        data = storage.read_blocks([w.block_id for w in todo]).cpu()
+        for w, block in zip(todo, data):
+            disk.put(w.block_hash, w.token_ids, block)
+
+    def flush(self) -> None:
+        """Wait until every queued block is on disk."""
+        if self.disk is not None:
+            self.disk.flush()
+
+    def close(self) -> None:
+        """Graceful shutdown: write what is queued, stop the disk writer."""
+        if self.disk is not None:
+            self.disk.close()
 
     def stats(self) -> OffloadStats:
         host, disk = self.host, self.disk
         return OffloadStats(
             saved=self.saved, loaded_host=self.loaded_host, loaded_disk=self.loaded_disk, spilled=self.spilled,
+            written=disk.written if disk is not None else 0,
+            writes_dropped=disk.writes_dropped if disk is not None else 0,
             dropped=self._dropped + (disk.dropped if disk is not None else 0),
             bad_files=disk.bad_files if disk is not None else 0,
             host_slots=host.num_slots if host is not None else 0,

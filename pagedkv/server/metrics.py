@@ -61,6 +61,8 @@ _COUNTERS = (
     ("spec_decode_num_drafts", "spec_num_drafts", "Speculative steps of a sequence (each with its drafts)."),
     ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Speculative tokens proposed."),
     ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Speculative tokens accepted."),
+    ("kv_offload_disk_writes_dropped", "offload_disk_writes_dropped",
+     "KV blocks not written through to the disk tier because its write queue was full."),
 )
 
 
