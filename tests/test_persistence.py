@@ -92,6 +92,23 @@ def test_what_is_cached_at_a_graceful_close_is_served_from_disk_after_restart(ti
     second.engine.close()
 
 
+def test_engines_sharing_a_folder_find_each_others_blocks_while_running(tiny_model_dir, tmp_path,
+                                                                          cold):
+    """Replicas given one --kv-offload-dir: a prefix one computes is loaded, not recomputed, by
+    another that was already running when it was written."""
+    a = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
+    b = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))     # started before a writes
+    assert b.engine.offload.stats().disk_blocks == 0
+    assert run(a, [PROMPT]) == [(cold[PROMPT][0], 0)]
+    a.engine.offload.flush()
+    [(tokens, cached)] = run(b, [PROMPT])
+    assert tokens == cold[PROMPT][0]
+    assert cached == full_hit(PROMPT, b)
+    assert b.engine.offload.stats().loaded_disk == full_hit(PROMPT, b) // BLOCK
+    a.engine.close()
+    b.engine.close()
+
+
 def _block_path(llm: LLM, prompt: str, index: int) -> Path:
     ids = llm.get_tokenizer().encode(prompt)
     parent = None

@@ -139,26 +139,38 @@ class DiskTier:
         for _, path in sorted(found):
             try:
                 block_hash = BlockHash(bytes.fromhex(path.stem))
-                with open(path, "rb") as f:
-                    head = self.format.read_head(f)
-                    size = os.fstat(f.fileno()).st_size
-                header, _ = self.format.parse(head, size, block_hash)
             except ValueError:
                 self._skip(path, None, BadFile("not a block file name"))
                 continue
-            except BadFile as e:
-                self._skip(path, None, e)
-                continue
-            except OSError as e:
-                self._skip(path, None, BadFile(f"unreadable: {e.strerror}", keep=True))
-                continue
-            self._index[block_hash] = _DiskEntry(tuple(header["token_ids"]), size)
-            self.bytes_used += size
+            self._adopt(path, block_hash)
         for victim in self._make_room(0):
             _unlink(victim)
         if self._index:
             log.info("KV offload: %d blocks (%s) on disk from earlier runs in %s",
                      len(self._index), format_size(self.bytes_used), self.dir)
+
+    def _adopt(self, path: Path, block_hash: BlockHash) -> _DiskEntry | None:
+        """Index a block file found on disk (an earlier run's, or a sibling replica's sharing this
+        folder) after checking its header; None if it is missing or bad."""
+        try:
+            with open(path, "rb") as f:
+                head = self.format.read_head(f)
+                size = os.fstat(f.fileno()).st_size
+            header, _ = self.format.parse(head, size, block_hash)
+        except FileNotFoundError:
+            return None
+        except BadFile as e:
+            self._skip(path, None, e)
+            return None
+        except OSError as e:
+            self._skip(path, None, BadFile(f"unreadable: {e.strerror}", keep=True))
+            return None
+        entry = _DiskEntry(tuple(header["token_ids"]), size)
+        with self._lock:
+            if block_hash not in self._index:
+                self._index[block_hash] = entry
+                self.bytes_used += size
+        return entry
 
     def _skip(self, path: Path, block_hash: BlockHash | None, err: BadFile) -> None:
         """Never crash, never use it: warn, forget it, and delete it unless it is one to keep."""
@@ -189,9 +201,12 @@ class DiskTier:
     # ---- reads (engine thread) ----------------------------------------------------------------
 
     def contains(self, block_hash: BlockHash, token_ids: TokenIds) -> bool:
+        """Indexed, queued, or written since by another engine sharing this folder (a replica)."""
         with self._lock:
             entry = self._index.get(block_hash) or self._queued.get(block_hash)
-            return entry is not None and entry.token_ids == token_ids
+        if entry is None:
+            entry = self._adopt(self._path(block_hash), block_hash)
+        return entry is not None and entry.token_ids == token_ids
 
     def read(self, block_hash: BlockHash, token_ids: TokenIds) -> Tensor | None:
         """The block, after checking its whole file (or its queued copy); None (and the file
