@@ -5,6 +5,9 @@ The W1-like case of shared/bench/README.md: 64 requests with contexts 100..900, 
 layers' caches in turn so that the K/V come from memory, not from the last-level cache.
 
     python benchmarks/bench_attention.py [--requests 64] [--dtypes float32,bfloat16] [--cpu-time]
+
+The kernel is the variant for the best vector ISA of this CPU; PAGEDKV_CPU_ISA=avx2 (or avx512,
+neon, portable) times another (see pagedkv/native.py).
 """
 
 from __future__ import annotations
@@ -141,7 +144,8 @@ def main() -> None:
     start = time.perf_counter()
     assert kernel.available(), "the C++ kernel did not build; see the warning above"
     print(f"kernel ready in {time.perf_counter() - start:.1f} s "
-          f"(compiled now: {native.build_seconds is not None}), threads={torch.get_num_threads()}"
+          f"(compiled now: {native.build_seconds is not None}), ISA={native.selected_isa()}, "
+          f"threads={torch.get_num_threads()}"
           f"{', timed by CPU time' if args.cpu_time else ''}")
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else read_bandwidth()
     print(f"memory bound at {bandwidth / 1e9:.1f} GB/s ({'given' if args.bandwidth else 'measured: sum over 1 GiB'})")

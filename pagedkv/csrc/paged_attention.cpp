@@ -80,7 +80,7 @@ template <typename T> struct DotFor { using type = FloatDot<T>; };
 
 constexpr int kTile = 32;       // keys per online-softmax step (a multiple of W)
 constexpr int kAhead = 1;       // tiles between prefetching K/V rows and using them (1..3 measured; 1 best)
-constexpr int kRowBlock = kRegisters >= 32 ? 4 : 2;  // query rows whose accumulators stay in registers
+constexpr int kRowBlock = kRegisters >= 32 ? 4 : 3;  // query rows whose accumulators stay in registers
 constexpr int kMaxRows = 32;    // query rows (tokens x group heads) per item, when G allows
 constexpr int kSplitMin = 128;  // fewest keys worth a split-K part of their own
 

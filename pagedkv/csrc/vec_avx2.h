@@ -41,6 +41,13 @@ inline Lanes<uint16_t> float_to_half(Vec v) {
   return (Lanes<uint16_t>)_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+// Integer lanes widened (zero- or sign-extended) to the next size, one instruction each.
+inline U32 widen(Lanes<uint16_t> x) { return (U32)_mm256_cvtepu16_epi32((__m128i)x); }
+inline I32 widen(Lanes<int8_t> x) { return (I32)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)&x)); }
+inline Lanes<uint16_t> widen(Lanes<uint8_t> x) {
+  return (Lanes<uint16_t>)_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)&x));
+}
+
 }  // namespace pk
 
 #include "vec_lanes.h"

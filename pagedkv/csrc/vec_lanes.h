@@ -24,26 +24,48 @@ inline float hsum(Vec v) {
   return s;
 }
 
-// The first m lanes of p as raw bits, zeros after.
+// n < Size bytes from s to d in power-of-two pieces of constant size: no call to memcpy, which
+// would make the compiler spill every vector register around it in the kernels' loops.
+template <size_t Size, size_t Piece = 32> inline void copy_small(char* d, const char* s, size_t n) {
+  if constexpr (Piece > 0) {
+    if constexpr (Piece < Size) {
+      if (n & Piece) {
+        std::memcpy(d, s, Piece);
+        d += Piece;
+        s += Piece;
+      }
+    }
+    copy_small<Size, Piece / 2>(d, s, n);
+  }
+}
+
+// The first m lanes of p as raw bits, zeros after. (Whole vectors take the branch with a
+// constant size: one load or store instruction.)
 template <typename R, typename T> inline R load_raw(const T* p, Mask m) {
+  if (m == kFull) {
+    R r;
+    std::memcpy(&r, p, sizeof r);
+    return r;
+  }
   R r{};
-  std::memcpy(&r, p, m == kFull ? sizeof r : size_t(m) * sizeof(T));
+  copy_small<sizeof(R)>(reinterpret_cast<char*>(&r), reinterpret_cast<const char*>(p), size_t(m) * sizeof(T));
   return r;
 }
 template <typename T, typename R> inline void store_raw(T* p, R r, Mask m) {
-  std::memcpy(p, &r, m == kFull ? sizeof r : size_t(m) * sizeof(T));
+  if (m == kFull) std::memcpy(p, &r, sizeof r);
+  else copy_small<sizeof(R)>(reinterpret_cast<char*>(p), reinterpret_cast<const char*>(&r), size_t(m) * sizeof(T));
 }
 
 inline Vec load(const float* p, Mask m) { return (Vec)load_raw<F32>(p, m); }
 inline Vec load(const bf16* p, Mask m) {  // bf16 is float32's top half
-  return (Vec)(__builtin_convertvector(load_raw<Lanes<uint16_t>>(p, m), U32) << 16);
+  return (Vec)(widen(load_raw<Lanes<uint16_t>>(p, m)) << 16);
 }
 inline Vec load(const fp16* p, Mask m) { return half_to_float(load_raw<Lanes<uint16_t>>(p, m)); }
-inline Vec load(const i8* p, Mask m) { return (Vec)__builtin_convertvector(load_raw<Lanes<int8_t>>(p, m), F32); }
+inline Vec load(const i8* p, Mask m) { return (Vec)__builtin_convertvector(widen(load_raw<Lanes<int8_t>>(p, m)), F32); }
 // e4m3's sign, exponent and mantissa moved to float16's places read as value * 2^-8, subnormals
 // included (both formats scale linearly there); NaN (never stored) would read as a large number.
 inline Vec load(const e4m3* p, Mask m) {
-  const Lanes<uint16_t> x = __builtin_convertvector(load_raw<Lanes<uint8_t>>(p, m), Lanes<uint16_t>);
+  const Lanes<uint16_t> x = widen(load_raw<Lanes<uint8_t>>(p, m));
   const Lanes<uint16_t> h = ((x & 0x80) << 8) | ((x & 0x7F) << 7);
   return mul(half_to_float(h), set1(256.f));
 }

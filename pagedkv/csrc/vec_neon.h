@@ -30,6 +30,11 @@ inline Vec finish(const Vec* c) { return c[0]; }
 inline Vec half_to_float(Lanes<uint16_t> h) { return vcvt_f32_f16(vreinterpret_f16_u16((uint16x4_t)h)); }
 inline Lanes<uint16_t> float_to_half(Vec v) { return (Lanes<uint16_t>)vreinterpret_u16_f16(vcvt_f16_f32(v)); }
 
+// Integer lanes widened (zero- or sign-extended) to the next size.
+inline U32 widen(Lanes<uint16_t> x) { return __builtin_convertvector(x, U32); }
+inline I32 widen(Lanes<int8_t> x) { return __builtin_convertvector(x, I32); }
+inline Lanes<uint16_t> widen(Lanes<uint8_t> x) { return __builtin_convertvector(x, Lanes<uint16_t>); }
+
 }  // namespace pk
 
 #include "vec_lanes.h"

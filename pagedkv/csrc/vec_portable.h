@@ -66,6 +66,11 @@ inline Lanes<uint16_t> float_to_half(Vec v) {
   return h;
 }
 
+// Integer lanes widened (zero- or sign-extended) to the next size.
+inline U32 widen(Lanes<uint16_t> x) { return __builtin_convertvector(x, U32); }
+inline I32 widen(Lanes<int8_t> x) { return __builtin_convertvector(x, I32); }
+inline Lanes<uint16_t> widen(Lanes<uint8_t> x) { return __builtin_convertvector(x, Lanes<uint16_t>); }
+
 }  // namespace pk
 
 #include "vec_lanes.h"
