@@ -1,9 +1,15 @@
 // Portable backend of vec.h: eight float32 lanes as a GCC/Clang vector, for CPUs with none of
 // the others (the compiler maps it onto whatever SIMD the target has). fp16 converts through
-// the compiler's _Float16, which rounds to nearest even like torch.
+// the compiler's half type, which rounds to nearest even like torch.
 #pragma once
 
 namespace pk {
+
+#if defined(__aarch64__) || defined(__arm__)
+using half = __fp16;  // GCC 12's C++ has no _Float16 on Arm
+#else
+using half = _Float16;
+#endif
 
 constexpr int kRegisters = 16;  // vector registers: bounds the kernels' register blocking
 using Vec = F32;
@@ -48,7 +54,7 @@ inline Vec finish(const Vec* c) {
 inline Vec half_to_float(Lanes<uint16_t> h) {
   Vec v;
   for (int i = 0; i < W; ++i) {
-    _Float16 x;
+    half x;
     const uint16_t bits = h[i];
     std::memcpy(&x, &bits, 2);
     v[i] = float(x);
@@ -58,7 +64,7 @@ inline Vec half_to_float(Lanes<uint16_t> h) {
 inline Lanes<uint16_t> float_to_half(Vec v) {
   Lanes<uint16_t> h;
   for (int i = 0; i < W; ++i) {
-    const _Float16 x = static_cast<_Float16>(v[i]);
+    const half x = static_cast<half>(v[i]);
     uint16_t bits;
     std::memcpy(&bits, &x, 2);
     h[i] = bits;
