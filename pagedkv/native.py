@@ -159,8 +159,10 @@ def cache_dir() -> Path:
     return Path(base) / "pagedkv" / "ext"
 
 
-def _build_key(cflags: tuple[str, ...]) -> str:
-    """Everything that changes the binary: the sources, flags, torch, and (for -march=native) the CPU."""
+def _build_key(cflags: tuple[str, ...] | None = None) -> str:
+    """Everything that changes the binary: the sources, flags (default: the selected ISA's), torch,
+    and (for -march=native) the CPU."""
+    cflags = cflags if cflags is not None else isa_cflags(selected_isa())
     digest = hashlib.sha256()
     for path in _SOURCES + _HEADERS:
         digest.update(path.read_bytes())
