@@ -5,6 +5,9 @@ The W1-like case of shared/bench/README.md: 64 requests with contexts 100..900, 
 layers' caches in turn so that the K/V come from memory, not from the last-level cache.
 
     python benchmarks/bench_attention.py [--requests 64] [--dtypes float32,bfloat16] [--cpu-time]
+
+The kernel is the variant for the best vector ISA of this CPU; PAGEDKV_CPU_ISA=avx2 (or avx512,
+neon, portable) times another (see pagedkv/native.py).
 """
 
 from __future__ import annotations
@@ -102,15 +105,16 @@ def time_per_layer(batch: Batch, rounds: int, clock: Callable[[], float] = time.
     return best
 
 
-def read_bandwidth(gib: float = 1.0) -> float:
-    """Bytes per second that torch reads (a sum over a buffer much larger than the caches)."""
+def read_bandwidth(gib: float = 1.0, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Bytes per second that torch reads (a sum over a buffer much larger than the caches), timed by
+    the same clock as the kernels."""
     x = torch.ones(int(gib * 2**30) // 4)
     x.sum()
     best = float("inf")
     for _ in range(5):
-        start = time.perf_counter()
+        start = clock()
         x.sum()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return x.numel() * 4 / best
 
 
@@ -141,9 +145,10 @@ def main() -> None:
     start = time.perf_counter()
     assert kernel.available(), "the C++ kernel did not build; see the warning above"
     print(f"kernel ready in {time.perf_counter() - start:.1f} s "
-          f"(compiled now: {native.build_seconds is not None}), threads={torch.get_num_threads()}"
+          f"(compiled now: {native.build_seconds is not None}), ISA={native.selected_isa()}, "
+          f"threads={torch.get_num_threads()}"
           f"{', timed by CPU time' if args.cpu_time else ''}")
-    bandwidth = args.bandwidth * 1e9 if args.bandwidth else read_bandwidth()
+    bandwidth = args.bandwidth * 1e9 if args.bandwidth else read_bandwidth(clock=clock)
     print(f"memory bound at {bandwidth / 1e9:.1f} GB/s ({'given' if args.bandwidth else 'measured: sum over 1 GiB'})")
     print("| dtype | K/V read (MiB) | memory bound (ms) | kernel (ms) | per-request SDPA loop (ms) "
           "| gather + SDPA (ms) | loop / kernel | gather / kernel | kernel / bound |")

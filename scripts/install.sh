@@ -11,6 +11,11 @@ if [ "${1:-}" = "--test" ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
       || echo "warning: could not install chromium; the dashboard test will fail" >&2
   fi
+  if ! command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 || ! command -v qemu-aarch64 >/dev/null 2>&1; then
+    # cross compiler + qemu-user: the kernels' AArch64 NEON check (tests/test_native_isa.py)
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu qemu-user \
+      >/dev/null) || echo "warning: could not install the AArch64 cross tools; the NEON check will skip" >&2
+  fi
 else
   $PIP -e .
 fi

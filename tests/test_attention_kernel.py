@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv import native
+from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
 from pagedkv.attention import kernel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,7 +110,7 @@ def test_kernel_is_built_here() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [1, 16, 256])
 @pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (4, 128), (3, 80)])
-def test_decode_matches_reference(dtype: torch.dtype, block_size: int, group: int, head_dim: int) -> None:
+def test_decode_matches_reference(dtype: torch.dtype, block_size: int, group: int, head_dim: int, kernel_isa) -> None:
     gen = torch.Generator().manual_seed(block_size * 1000 + group * 10 + head_dim)
     # Lengths 1 .. 1000, including exactly full blocks and one-past-full ones.
     lens = [1, 2, 17, block_size, block_size + 1, 1000] + torch.randint(1, 1001, (4,), generator=gen).tolist()
@@ -122,7 +123,7 @@ def test_decode_matches_reference(dtype: torch.dtype, block_size: int, group: in
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16, 256])
 @pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (4, 128), (3, 80)])
-def test_varlen_matches_reference(dtype: torch.dtype, block_size: int, group: int, head_dim: int) -> None:
+def test_varlen_matches_reference(dtype: torch.dtype, block_size: int, group: int, head_dim: int, kernel_isa) -> None:
     gen = torch.Generator().manual_seed(7 + block_size + group + head_dim)
     lens = [5, 40, 300, 999, 64]
     # A whole prompt as one chunk, chunks of a longer prompt, a decode, a speculative burst, and
@@ -160,7 +161,7 @@ def test_random_batches(data, block_size: int, kv_heads: int, group: int, head_d
 
 
 @pytest.mark.parametrize("head_dim", [8, 40, 72, 96, 100, 256])
-def test_unusual_head_dims(head_dim: int) -> None:
+def test_unusual_head_dims(head_dim: int, kernel_isa) -> None:
     gen = torch.Generator().manual_seed(head_dim)
     c = make_case(gen, seq_lens=[1, 50, 333], query_lens=[1, 3, 2], block_size=16, kv_heads=2, group=3,
                   head_dim=head_dim, dtype=torch.float32)
@@ -170,7 +171,7 @@ def test_unusual_head_dims(head_dim: int) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_long_single_sequence_split_across_threads(threads: int) -> None:
+def test_long_single_sequence_split_across_threads(threads: int, kernel_isa) -> None:
     """One long sequence is cut into key ranges merged afterwards; the thread count must not
     change the result."""
     gen = torch.Generator().manual_seed(threads)
@@ -344,7 +345,7 @@ def test_concurrent_first_builds_share_one_compile(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_cache_is_read_in_place_with_its_scales(cache_dtype, dtype) -> None:
+def test_quantized_cache_is_read_in_place_with_its_scales(cache_dtype, dtype, kernel_isa) -> None:
     """int8 / fp8 blocks with a scale per (block, KV head) give the attention of the values they stand for."""
     gen = torch.Generator().manual_seed(11)
     c = make_case(gen, seq_lens=[1, 40, 300, 97], query_lens=[1, 1, 7, 97], block_size=16, kv_heads=2, group=3,

@@ -13,6 +13,7 @@ from pagedkv.kv.quant import FP8, INT8, QuantizedCache, hadamard
 from pagedkv.kv.storage import KVStorage
 from pagedkv.sim.plan import kv_bytes_per_block
 from pagedkv.sim.shapes import KNOWN_SHAPES
+from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
 
 FORMATS = {"fp8": FP8, "int8": INT8}
 BS = 16
@@ -111,7 +112,7 @@ def test_token_by_token_writes_grow_the_scale_and_requantize(name):
 
 
 @pytest.mark.parametrize("name", ["fp8", "int8"])
-def test_native_writes_equal_the_torch_path_bit_for_bit(name, monkeypatch):
+def test_native_writes_equal_the_torch_path_bit_for_bit(name, monkeypatch, kernel_isa):
     """csrc/kv_quant.cpp against QuantizedCache.write's torch ops: token-by-token growth, several tokens
     of a block in one write, fresh blocks over old data, tokens out of order, tiny and huge values."""
     from pagedkv import native

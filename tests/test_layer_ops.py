@@ -7,6 +7,7 @@ import torch
 from pagedkv import native
 from pagedkv.attention.paged import write_kv
 from pagedkv.model import ops
+from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # float32 agrees to rounding; the half types may differ by one unit in the last place where the
@@ -38,7 +39,7 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,n", [(1, 576), (37, 100), (300, 64)])
-def test_rms_norm_with_and_without_residual(dtype, rows, n, torch_path) -> None:
+def test_rms_norm_with_and_without_residual(dtype, rows, n, torch_path, kernel_isa) -> None:
     gen = torch.Generator().manual_seed(rows * n)
     wide = torch.randn(rows, n + 8, generator=gen).to(dtype)
     x = wide[:, 3:3 + n]                   # rows of a wider tensor: the C++ path reads strided rows
@@ -70,7 +71,7 @@ def test_rms_norm_matches_the_formula_in_float64() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,n", [(1, 1536), (9, 40), (200, 256)])
-def test_silu_mul(dtype, rows, n, torch_path) -> None:
+def test_silu_mul(dtype, rows, n, torch_path, kernel_isa) -> None:
     gen = torch.Generator().manual_seed(n)
     gate_up = (torch.randn(rows, 2 * n, generator=gen) * 6).to(dtype)   # both tails of the sigmoid
     got = ops.silu_mul(gate_up)
@@ -78,7 +79,7 @@ def test_silu_mul(dtype, rows, n, torch_path) -> None:
     close(got, want, dtype)
 
 
-def test_silu_mul_extremes() -> None:
+def test_silu_mul_extremes(kernel_isa) -> None:
     gate = torch.tensor([[-1e4, -90.0, -1.0, 0.0, 1.0, 90.0, 1e4, -0.0]])
     up = torch.full_like(gate, 2.0)
     got = ops.silu_mul(torch.cat([gate, up], dim=1))
@@ -98,7 +99,7 @@ def _rotary_tables(max_pos: int, head_dim: int) -> tuple[torch.Tensor, torch.Ten
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (50, 4, 2, 40), (7, 2, 2, 128)])
-def test_rope_and_cache_equals_torch_rotation_and_write(dtype, tokens, heads, kv_heads, head_dim, torch_path) -> None:
+def test_rope_and_cache_equals_torch_rotation_and_write(dtype, tokens, heads, kv_heads, head_dim, torch_path, kernel_isa) -> None:
     gen = torch.Generator().manual_seed(tokens + head_dim)
     cos, sin = _rotary_tables(256, head_dim)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)

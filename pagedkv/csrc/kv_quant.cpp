@@ -12,7 +12,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -20,34 +19,32 @@
 
 namespace {
 
+using namespace pk;
+
 constexpr float kMinScale = 0x1p-64f;  // scale of an all-zero block (quant.py's _MIN_SCALE)
 
 struct Int8Format {
-  using Q = int8_t;
+  using Q = i8;
   static float scale_for(float amax) { return std::max(amax / 127.f, kMinScale); }
-  static Q quantize(float x) { return Q(std::nearbyint(std::clamp(x, -127.f, 127.f))); }
-  static float value(Q q) { return float(q); }
+  static I32 codes(Vec x) { return int8_codes(x); }
 };
 
 struct Fp8Format {
-  using Q = uint8_t;
+  using Q = e4m3;
   // Powers of two, at most 2^7 (quant.py: FP8.scale_for).
   static float scale_for(float amax) {
     const float s = std::max(amax / 448.f, kMinScale);
     return std::min(std::exp2(std::ceil(std::log2(s))), 128.f);
   }
-  static Q quantize(float x) {
-    const float a = std::min(std::fabs(x), 448.f);
-    const uint8_t sign = std::signbit(x) ? 0x80 : 0;
-    if (std::isnan(x)) return sign | 0x7F;
-    if (a < 0x1p-6f) return sign | uint8_t(std::nearbyint(a * 512.f));  // subnormals: multiples of 2^-9 (8 = 2^-6 carries over)
-    uint32_t b;
-    std::memcpy(&b, &a, 4);
-    b += 0x7FFFFu + ((b >> 20) & 1u);                                     // round the mantissa to 3 bits, ties to even
-    return sign | uint8_t((b >> 20) - (120u << 3));                       // rebias the exponent: 127 -> 7
-  }
-  static float value(Q q) { return pk::e4m3_to_float(q); }
+  static I32 codes(Vec x) { return e4m3_codes(x); }
 };
+
+// The largest |x| over n floats.
+inline float abs_max(const float* x, int64_t n) {
+  Vec m = zero();
+  for (int64_t d = 0; d < n; d += W) m = vmax(m, vabs(load(x + d, lanes(n, d))));
+  return hmax(m);
+}
 
 template <typename F>
 void write(const float* x, int64_t T, int64_t H, int64_t D, const int64_t* slots, typename F::Q* data,
@@ -63,24 +60,28 @@ void write(const float* x, int64_t T, int64_t H, int64_t D, const int64_t* slots
     while (end < order.size() && order[end].first == block) fresh |= slots[order[end++].second] % bs == 0;
     for (int64_t h = 0; h < H; ++h) {
       float amax = 0.f;
-      for (size_t i = g; i < end; ++i) {
-        const float* row = x + (order[i].second * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(row[d]));
-      }
+      for (size_t i = g; i < end; ++i) amax = std::max(amax, abs_max(x + (order[i].second * H + h) * D, D));
       float& scale = scales[block * H + h];
       const float old = fresh ? 0.f : scale;
       const float grown = std::max(old, F::scale_for(amax));
       Q* rows = data + (block * H + h) * bs * D;
       if (old > 0.f && grown > old) {
-        const float ratio = old / grown;
-        for (int64_t e = 0; e < bs * D; ++e) rows[e] = F::quantize(F::value(rows[e]) * ratio);
+        const Vec ratio = set1(old / grown);
+        for (int64_t e = 0; e < bs * D; e += W) {
+          const Mask m = lanes(bs * D, e);
+          store_codes(rows + e, F::codes(mul(load(rows + e, m), ratio)), m);
+        }
       }
       scale = grown;
+      const Vec divisor = set1(grown);
       for (size_t i = g; i < end; ++i) {
         const int64_t t = order[i].second;
         const float* row = x + (t * H + h) * D;
         Q* dst = rows + (slots[t] % bs) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = F::quantize(row[d] / grown);  // as torch: x / scale
+        for (int64_t d = 0; d < D; d += W) {
+          const Mask m = lanes(D, d);
+          store_codes(dst + d, F::codes(vdiv(load(row + d, m), divisor)), m);  // as torch: x / scale
+        }
       }
     }
     g = end;
@@ -103,8 +104,8 @@ int pagedkv_quant_write(int format, const float* x, int64_t T, int64_t H, int64_
     }
   }
   switch (format) {
-    case 3: write<Int8Format>(x, T, H, D, slots, static_cast<int8_t*>(data), scales, bs); return 0;
-    case 4: write<Fp8Format>(x, T, H, D, slots, static_cast<uint8_t*>(data), scales, bs); return 0;
+    case 3: write<Int8Format>(x, T, H, D, slots, static_cast<i8*>(data), scales, bs); return 0;
+    case 4: write<Fp8Format>(x, T, H, D, slots, static_cast<e4m3*>(data), scales, bs); return 0;
     default: std::snprintf(err, size_t(errlen), "unknown quantized format %d", format); return 1;
   }
 }

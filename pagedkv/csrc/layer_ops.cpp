@@ -29,8 +29,6 @@ inline int threads_for(int64_t elems, int threads) {
   return elems < kParallelElems ? 1 : std::max(1, threads);
 }
 
-inline Mask lanes(int64_t n, int64_t c) { return c + W <= n ? kFull : first_lanes(int(n - c)); }
-
 // residual (when given) = round(x + residual); out = round(w * round(s * rsqrt(mean(s^2) + eps)))
 // with s the (new) residual or x: torch's `weight * (x.float() * rsqrt(...)).to(dtype)`.
 template <typename T>

@@ -56,7 +56,7 @@ struct FloatDot {
   static Vec step(Vec a, QV q, K k) { return fma(q, k, a); }
 };
 
-#if defined(PAGEDKV_AVX512) && defined(__AVX512BF16__)
+#if defined(PAGEDKV_ISA_AVX512) && defined(__AVX512BF16__)
 struct Bf16Dot {
   using Q = bf16;
   using K = __m512bh;
@@ -79,8 +79,10 @@ template <typename T> struct DotFor { using type = FloatDot<T>; };
 // ---------------------------------------------------------------------------------------
 
 constexpr int kTile = 32;       // keys per online-softmax step (a multiple of W)
-constexpr int kAhead = 1;       // tiles between prefetching K/V rows and using them (1..3 measured; 1 best)
-constexpr int kRowBlock = 4;    // query rows whose accumulators stay in registers
+// Tiles between prefetching K/V rows and using them: measured 1..3 on one core of this AMD EPYC,
+// 1 best for AVX-512, 2 for the narrower vectors (AVX2 bf16 2.7 ms against 3.0 with 1).
+constexpr int kAhead = W >= 16 ? 1 : 2;
+constexpr int kRowBlock = kRegisters >= 32 ? 4 : 3;  // query rows whose accumulators stay in registers
 constexpr int kMaxRows = 32;    // query rows (tokens x group heads) per item, when G allows
 constexpr int kSplitMin = 128;  // fewest keys worth a split-K part of their own
 
@@ -123,7 +125,7 @@ struct Scratch {
 template <int NR, int NS, typename Dot, typename T>
 inline void tile_scores(const typename Dot::Q* q, int qstride, const void* const* kp, const float* kscale, int nt,
                         int ns, typename Dot::M tail, float scale, float* s) {
-  static_assert(W == 16, "four groups of four keys make one vector of scores");
+  static_assert(kTile % W == 0 && W % 4 == 0, "groups of four keys make whole vectors of scores");
   const int nsv = NS ? NS : ns;
   // Small known shapes keep the query rows in registers; others read them from L1 each time.
   constexpr bool kHold = NS > 0 && NR * NS <= 12;
@@ -136,8 +138,8 @@ inline void tile_scores(const typename Dot::Q* q, int qstride, const void* const
     else return Dot::load_q(q + i * qstride + c * Dot::kElems);
   };
   for (int t0 = 0; t0 < nt; t0 += W) {
-    Vec part[NR][4];
-    for (int g = 0; g < 4; ++g) {
+    Vec part[NR][kGroups];
+    for (int g = 0; g < kGroups; ++g) {
       Vec a[NR][4];
       for (int i = 0; i < NR; ++i)
         for (int j = 0; j < 4; ++j) a[i][j] = zero();
@@ -151,7 +153,7 @@ inline void tile_scores(const typename Dot::Q* q, int qstride, const void* const
       for (int i = 0; i < NR; ++i) part[i][g] = reduce4(a[i][0], a[i][1], a[i][2], a[i][3]);
     }
     for (int i = 0; i < NR; ++i) {
-      Vec sc = finish4(part[i]);
+      Vec sc = finish(part[i]);
       if (kscale) sc = mul(sc, load(kscale + t0, kFull));
       store(s + i * kTile + t0, Dot::kPrescaled ? sc : mul(sc, set1(scale)), kFull);
     }
@@ -191,16 +193,16 @@ inline void tile_values(const float* p, const void* const* vp, int nt, int nc, M
 }
 
 // Calls F<NR> on each block of up to kRowBlock rows in [r0, r1).
+template <template <int> class F, int NR, typename... A>
+inline void run_rows(int n, int r, A&... args) {
+  if constexpr (NR > 1) {
+    if (n < NR) return run_rows<F, NR - 1>(n, r, args...);
+  }
+  F<NR>::run(r, args...);
+}
 template <template <int> class F, typename... A>
 inline void for_row_blocks(int r0, int r1, A&&... args) {
-  for (int r = r0; r < r1; r += kRowBlock) {
-    switch (std::min(kRowBlock, r1 - r)) {
-      case 4: F<4>::run(r, args...); break;
-      case 3: F<3>::run(r, args...); break;
-      case 2: F<2>::run(r, args...); break;
-      default: F<1>::run(r, args...); break;
-    }
-  }
+  for (int r = r0; r < r1; r += kRowBlock) run_rows<F, kRowBlock>(std::min(kRowBlock, r1 - r), r, args...);
 }
 
 // T: the queries' and output's type; C: the cache's (T itself, or a quantized i8 / e4m3 whose
@@ -499,8 +501,8 @@ void run_problem(const Problem& P, int threads) {
 
 template <typename T, typename C>
 void dispatch_dim(const Problem& P, int threads) {
-  if (P.D == 4 * W) run_problem<4, T, C>(P, threads);
-  else if (P.D == 8 * W) run_problem<8, T, C>(P, threads);
+  if (P.D == 64) run_problem<64 / W, T, C>(P, threads);
+  else if (P.D == 128) run_problem<128 / W, T, C>(P, threads);
   else run_problem<0, T, C>(P, threads);
 }
 
@@ -544,7 +546,20 @@ int pagedkv_paged_attention(int dtype, int kv_dtype, const float* k_scales, cons
   return rc ? fail(err, errlen, "unsupported dtype codes %lld / %lld", dtype, kv_dtype) : 0;
 }
 
-// Lanes per vector: 16 with the AVX-512 path, 8 for the portable loops.
+// Lanes per vector: 16 with AVX-512, 8 with AVX2 or the portable backend, 4 with NEON.
 int pagedkv_vector_width() { return W; }
+
+// The vector backend this library was built with (vec.h).
+const char* pagedkv_isa() {
+#if defined(PAGEDKV_ISA_AVX512)
+  return "avx512";
+#elif defined(PAGEDKV_ISA_AVX2)
+  return "avx2";
+#elif defined(PAGEDKV_ISA_NEON)
+  return "neon";
+#else
+  return "portable";
+#endif
+}
 
 }  // extern "C"

@@ -1,0 +1,283 @@
+// Numeric check of the C++ kernels without Python or torch: small random inputs through every
+// entry point of pagedkv/csrc, compared with a scalar reference computed here in double. Built
+// once per vector ISA (natively for the x86 ones, with the AArch64 cross compiler and run under
+// qemu-user for NEON) by tests/test_native_isa.py. Prints one line per check and "N passed, M
+// failed"; exits non-zero on any failure.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+extern "C" {
+int pagedkv_paged_attention(int, int, const float*, const float*, const void*, const void*, const void*, void*,
+                            const int32_t*, const int32_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                            int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, char*, int);
+int pagedkv_rms_norm(int, const void*, int64_t, void*, const void*, void*, int64_t, int64_t, float, int);
+int pagedkv_silu_mul(int, const void*, int64_t, void*, int64_t, int64_t, int);
+int pagedkv_rope_cache(int, void*, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*, const float*,
+                       const float*, int64_t, const int64_t*, void*, void*, int64_t, int64_t, int, char*, int);
+int pagedkv_quant_write(int, const float*, int64_t, int64_t, int64_t, const int64_t*, void*, float*, int64_t,
+                        int64_t, char*, int);
+const char* pagedkv_isa();
+}
+
+namespace {
+
+#if defined(__aarch64__)
+using half = __fp16;  // GCC 12's C++ has no _Float16 on Arm
+#else
+using half = _Float16;
+#endif
+
+std::mt19937 rng(1234);
+int passed = 0, failed = 0;
+
+float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng); }
+int randint(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
+
+// Element codecs, scalar and independent of vec.h: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 e4m3fn.
+float decode(int dtype, const uint8_t* p) {
+  switch (dtype) {
+    case 0: { float f; std::memcpy(&f, p, 4); return f; }
+    case 1: { uint32_t b = uint32_t(p[0] | (p[1] << 8)) << 16; float f; std::memcpy(&f, &b, 4); return f; }
+    case 2: { half h; std::memcpy(&h, p, 2); return float(h); }
+    case 3: return float(int8_t(p[0]));
+    default: {
+      const int e = (p[0] >> 3) & 15, m = p[0] & 7;
+      const double f = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
+      return float((p[0] & 0x80) ? -f : f);
+    }
+  }
+}
+void encode(int dtype, float x, uint8_t* p) {
+  switch (dtype) {
+    case 0: std::memcpy(p, &x, 4); break;
+    case 1: {
+      uint32_t b; std::memcpy(&b, &x, 4);
+      const uint16_t h = uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+      std::memcpy(p, &h, 2); break;
+    }
+    default: { const half h = static_cast<half>(x); std::memcpy(p, &h, 2); }
+  }
+}
+size_t elem_size(int dtype) { return dtype == 0 ? 4 : dtype <= 2 ? 2 : 1; }
+
+struct Buf {  // n elements of one dtype
+  int dtype;
+  std::vector<uint8_t> bytes;
+  Buf(int d, size_t n) : dtype(d), bytes(n * elem_size(d)) {}
+  float get(size_t i) const { return decode(dtype, &bytes[i * elem_size(dtype)]); }
+  void set(size_t i, float x) { encode(dtype, x, &bytes[i * elem_size(dtype)]); }
+  void* data() { return bytes.data(); }
+  size_t size() const { return bytes.size() / elem_size(dtype); }
+  void fill_random(float lo, float hi) {
+    for (size_t i = 0; i < size(); ++i) {
+      if (dtype == 3) bytes[i] = uint8_t(randint(-127, 127));
+      else if (dtype == 4) { bytes[i] = uint8_t(randint(0, 255)); if ((bytes[i] & 0x7F) == 0x7F) bytes[i] ^= 1; }
+      else set(i, uniform(lo, hi));
+    }
+  }
+};
+
+// Records one check: the largest error relative to max(1, |want|) against tol.
+void check(const std::string& name, const std::vector<double>& want, const Buf& got, double tol) {
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    worst = std::max(worst, std::fabs(got.get(i) - want[i]) / std::max(1.0, std::fabs(want[i])));
+  const bool ok = worst <= tol && !std::isnan(worst);
+  (ok ? passed : failed)++;
+  std::printf("%s %s: max error %.3g (tolerance %.3g)\n", ok ? "ok  " : "FAIL", name.c_str(), worst, tol);
+}
+
+const double kTol[] = {2e-5, 2e-2, 3e-3};  // per query dtype: float32, bfloat16, float16
+const char* kName[] = {"float32", "bfloat16", "float16", "int8", "e4m3"};
+
+// Varlen paged attention over scattered blocks against softmax(q k^T * scale) v in double.
+void attention(int dtype, int kv_dtype, int64_t D, int threads) {
+  const int64_t Hkv = 2, G = 3, Hq = Hkv * G, bs = 16, B = 3;
+  const int32_t seq_lens[B] = {1 + randint(0, 40), 70 + randint(0, 200), 300 + randint(0, 300)};
+  const int32_t qlens[B] = {1, 5, 1};
+  std::vector<int32_t> qsl(B + 1, 0);
+  int64_t max_blocks = 0, num_blocks = 0;
+  for (int b = 0; b < B; ++b) {
+    qsl[b + 1] = qsl[b] + qlens[b];
+    max_blocks = std::max<int64_t>(max_blocks, (seq_lens[b] + bs - 1) / bs);
+    num_blocks += (seq_lens[b] + bs - 1) / bs;
+  }
+  num_blocks += 4;
+  std::vector<int32_t> perm(num_blocks), tables(B * max_blocks, 0);
+  for (int64_t i = 0; i < num_blocks; ++i) perm[i] = int32_t(i);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (int64_t b = 0, used = 0; b < B; ++b)
+    for (int64_t j = 0; j < (seq_lens[b] + bs - 1) / bs; ++j) tables[b * max_blocks + j] = perm[used++];
+  const int cache = kv_dtype < 0 ? dtype : kv_dtype;
+  const int64_t T = qsl[B];
+  Buf q(dtype, T * Hq * D), out(dtype, T * Hq * D), k(cache, num_blocks * Hkv * bs * D), v(cache, k.size());
+  q.fill_random(-1, 1); k.fill_random(-1, 1); v.fill_random(-1, 1);
+  std::vector<float> ks(num_blocks * Hkv, 1.f), vs(num_blocks * Hkv, 1.f);
+  if (kv_dtype >= 0)
+    for (size_t i = 0; i < ks.size(); ++i) { ks[i] = uniform(0.001f, 0.01f); vs[i] = uniform(0.001f, 0.01f); }
+  const float scale = float(1.0 / std::sqrt(double(D)));
+  char err[256] = "";
+  if (pagedkv_paged_attention(dtype, kv_dtype, kv_dtype >= 0 ? ks.data() : nullptr, kv_dtype >= 0 ? vs.data() : nullptr,
+                              q.data(), k.data(), v.data(), out.data(), qsl.data(), seq_lens, tables.data(), T, B,
+                              max_blocks, num_blocks, Hq, Hkv, bs, D, Hq * D, Hq * D, scale, threads, err, 256)) {
+    std::printf("FAIL attention refused: %s\n", err);
+    failed++;
+    return;
+  }
+  std::vector<double> want(out.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < qlens[b]; ++i)
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        const int64_t t = qsl[b] + i, h = hq / G, keys = seq_lens[b] - qlens[b] + i + 1;
+        std::vector<double> s(keys);
+        double mx = -1e300, sum = 0;
+        const auto row = [&](int64_t pos) {
+          const int64_t blk = tables[b * max_blocks + pos / bs];
+          return std::make_pair(((blk * Hkv + h) * bs + pos % bs) * D, blk * Hkv + h);
+        };
+        for (int64_t p = 0; p < keys; ++p) {
+          const auto [at, sc] = row(p);
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d) dot += double(q.get((t * Hq + hq) * D + d)) * k.get(at + d) * ks[sc];
+          s[p] = dot * scale;
+          mx = std::max(mx, s[p]);
+        }
+        for (double& x : s) sum += (x = std::exp(x - mx));
+        for (int64_t d = 0; d < D; ++d) {
+          double acc = 0;
+          for (int64_t p = 0; p < keys; ++p) { const auto [at, sc] = row(p); acc += s[p] * v.get(at + d) * vs[sc]; }
+          want[(t * Hq + hq) * D + d] = acc / sum;
+        }
+      }
+  check(std::string("attention ") + kName[dtype] + " cache " + kName[cache] + " D=" + std::to_string(D) +
+            " threads=" + std::to_string(threads), want, out, kTol[dtype] * (kv_dtype >= 0 ? 2 : 1));
+}
+
+double round_to(int dtype, double x) { uint8_t b[4]; encode(dtype, float(x), b); return decode(dtype, b); }
+
+// RMSNorm with the residual add, rounding where torch rounds (see layer_ops.cpp).
+void rms_norm(int dtype, int64_t rows, int64_t n) {
+  Buf x(dtype, rows * n), res(dtype, rows * n), w(dtype, n), out(dtype, rows * n);
+  x.fill_random(-2, 2); res.fill_random(-2, 2); w.fill_random(0.5, 1.5);
+  std::vector<double> want(rows * n), want_res(rows * n);
+  for (int64_t r = 0; r < rows; ++r) {
+    double sq = 0;
+    for (int64_t c = 0; c < n; ++c) {
+      want_res[r * n + c] = round_to(dtype, double(x.get(r * n + c)) + res.get(r * n + c));
+      sq += want_res[r * n + c] * want_res[r * n + c];
+    }
+    const double inv = 1.0 / std::sqrt(sq / double(n) + 1e-6);
+    for (int64_t c = 0; c < n; ++c) want[r * n + c] = w.get(c) * round_to(dtype, want_res[r * n + c] * inv);
+  }
+  pagedkv_rms_norm(dtype, x.data(), n, res.data(), w.data(), out.data(), rows, n, 1e-6f, 2);
+  check(std::string("rms_norm residual ") + kName[dtype] + " n=" + std::to_string(n), want_res, res, 1e-6);
+  check(std::string("rms_norm ") + kName[dtype] + " n=" + std::to_string(n), want, out, kTol[dtype]);
+}
+
+void silu_mul(int dtype, int64_t rows, int64_t n) {
+  Buf x(dtype, rows * 2 * n), out(dtype, rows * n);
+  x.fill_random(-8, 8);
+  std::vector<double> want(rows * n);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; ++c) {
+      const double g = x.get(r * 2 * n + c);
+      want[r * n + c] = round_to(dtype, g / (1 + std::exp(-g))) * x.get(r * 2 * n + n + c);
+    }
+  pagedkv_silu_mul(dtype, x.data(), 2 * n, out.data(), rows, n, 2);
+  check(std::string("silu_mul ") + kName[dtype] + " n=" + std::to_string(n), want, out, kTol[dtype]);
+}
+
+// RoPE on q and k heads, then k and v stored at their slots of the paged cache.
+void rope_cache(int dtype, int64_t D) {
+  const int64_t tokens = 5, Hq = 3, Hkv = 1, stride = (Hq + 2 * Hkv) * D, max_pos = 64, bs = 4, num_blocks = 8;
+  Buf qkv(dtype, tokens * stride), kc(dtype, num_blocks * Hkv * bs * D), vc(dtype, kc.size());
+  qkv.fill_random(-1, 1);
+  std::vector<float> cos(max_pos * D), sin(max_pos * D);
+  for (int64_t p = 0; p < max_pos; ++p)
+    for (int64_t i = 0; i < D; ++i) {
+      const double a = p * std::pow(10000.0, -double(2 * (i % (D / 2))) / double(D));
+      cos[p * D + i] = float(std::cos(a));
+      sin[p * D + i] = float(i < D / 2 ? -std::sin(a) : std::sin(a));
+    }
+  std::vector<int64_t> pos(tokens), slots(tokens);
+  for (int64_t t = 0; t < tokens; ++t) { pos[t] = randint(0, max_pos - 1); slots[t] = t * 5 + 1; }
+  std::vector<double> want(qkv.size()), want_k(kc.size(), 0.0), want_v(vc.size(), 0.0);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < Hq + 2 * Hkv; ++h)
+      for (int64_t i = 0; i < D; ++i) {
+        const int64_t at = t * stride + h * D;
+        const double x = qkv.get(at + i), y = qkv.get(at + (i + D / 2) % D);
+        want[at + i] = h < Hq + Hkv ? x * cos[pos[t] * D + i] + y * sin[pos[t] * D + i] : x;
+      }
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t i = 0; i < D; ++i) {
+      const int64_t c = ((slots[t] / bs * Hkv) * bs + slots[t] % bs) * D + i;
+      want_k[c] = round_to(dtype, want[t * stride + Hq * D + i]);
+      want_v[c] = want[t * stride + (Hq + Hkv) * D + i];
+    }
+  char err[256] = "";
+  pagedkv_rope_cache(dtype, qkv.data(), tokens, stride, Hq, Hkv, D, pos.data(), cos.data(), sin.data(), max_pos,
+                     slots.data(), kc.data(), vc.data(), num_blocks, bs, 2, err, 256);
+  const std::string tag = std::string(kName[dtype]) + " D=" + std::to_string(D);
+  check("rope " + tag, want, qkv, kTol[dtype]);
+  check("rope k cache " + tag, want_k, kc, kTol[dtype]);
+  check("rope v cache " + tag, want_v, vc, 0);
+}
+
+// Quantized writes into fresh blocks: the scale from the rows' largest |x|, each value within
+// half a step of int8 or within e4m3's rounding.
+void quant_write(int format, int64_t D) {
+  const int64_t T = 6, H = 2, bs = 4, num_blocks = 4;
+  std::vector<float> x(T * H * D);
+  for (float& f : x) f = uniform(-3, 3) * (randint(0, 9) ? 1.f : 1e-3f);
+  std::vector<int64_t> slots = {0, 1, 2, 3, 8, 9};  // blocks 0 and 2, both from offset 0
+  Buf data(format, num_blocks * H * bs * D);
+  std::vector<float> scales(num_blocks * H, 0.f);
+  char err[256] = "";
+  pagedkv_quant_write(format, x.data(), T, H, D, slots.data(), data.data(), scales.data(), num_blocks, bs, err, 256);
+  std::vector<double> want(data.size(), 0.0);
+  Buf got(0, data.size());
+  bool scales_ok = true;
+  for (int64_t blk : {0, 2})
+    for (int64_t h = 0; h < H; ++h) {
+      double amax = 0;
+      for (int64_t t = 0; t < T; ++t)
+        if (slots[t] / bs == blk) for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(double(x[(t * H + h) * D + d])));
+      const double s = format == 3 ? amax / 127 : std::min(std::exp2(std::ceil(std::log2(amax / 448))), 128.0);
+      scales_ok &= std::fabs(scales[blk * H + h] - s) <= 1e-6 * s;
+    }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t blk = slots[t] / bs, at = ((blk * H + h) * bs + slots[t] % bs) * D + d;
+        const double s = scales[blk * H + h];
+        want[at] = x[(t * H + h) * D + d] / s;  // in steps of the scale
+        got.set(at, data.get(at));
+      }
+  (scales_ok ? passed : failed)++;
+  std::printf("%s quant_write %s D=%lld scales\n", scales_ok ? "ok  " : "FAIL", kName[format], (long long)D);
+  // int8: within half a step; e4m3: within 1/16 relative (3 mantissa bits) or 2^-10 absolute.
+  check(std::string("quant_write ") + kName[format] + " D=" + std::to_string(D), want, got, format == 3 ? 0.5 : 0.0625);
+}
+
+}  // namespace
+
+int main() {
+  std::printf("ISA %s\n", pagedkv_isa());
+  for (int dtype = 0; dtype < 3; ++dtype) {
+    for (int64_t D : {64, 40, 100}) attention(dtype, -1, D, 2);
+    for (int kv : {3, 4}) attention(dtype, kv, 64, 1);
+    for (int64_t n : {64, 100}) { rms_norm(dtype, 3, n); silu_mul(dtype, 3, n); }
+    for (int64_t D : {64, 20}) rope_cache(dtype, D);
+  }
+  attention(1, -1, 128, 1);
+  for (int fmt : {3, 4}) for (int64_t D : {64, 36}) quant_write(fmt, D);
+  std::printf("%d passed, %d failed\n", passed, failed);
+  return failed ? 1 : 0;
+}
