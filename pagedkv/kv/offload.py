@@ -218,8 +218,6 @@ class KVOffload:
         `key` names the model and KV dtype (the engine's hash_extra)."""
         host_bytes, folder = config.kv_offload_host_memory, config.kv_offload_dir
         disk_bytes = config.kv_offload_disk_size
-        # EngineConfig.__post_init__ parses both sizes to ints
-        assert not isinstance(host_bytes, str) and not isinstance(disk_bytes, str)
         if not host_bytes and not folder:
             return None
         per_block = math.prod(storage.block_shape) * storage.dtype.itemsize
