@@ -316,6 +316,7 @@ class LLMEngine:
             row += 1 + len(s.drafts)
         drawn = []
         if plain:
+            assert logits is not None                  # plain rows are sampling rows
             rows, seqs = self._expand_forks(plain)
             picked = [plain_rows[r] for r in rows]
             drawn = self._sample(logits if picked == list(range(row)) else logits[picked], seqs, failures)
@@ -367,6 +368,7 @@ class LLMEngine:
                 failures.add(seq.group, e)
             touched[seq.group.request_id] = seq.group
         for s, row in speculative:
+            assert logits is not None                  # its rows are sampling rows
             try:
                 self._verify(s.seq, s.drafts, logits[row:row + 1 + len(s.drafts)], now)
             except Exception as e:  # noqa: BLE001
@@ -443,6 +445,7 @@ class LLMEngine:
                 grammar_done: bool = False) -> None:
         seq.token_ids.append(token)
         if logprob is not None:
+            assert seq.logprobs is not None            # a list whenever params.logprobs asks for them
             seq.logprobs.append(logprob)
         self.generation_tokens_total += 1
         m = seq.group.metrics
@@ -457,7 +460,7 @@ class LLMEngine:
         p = seq.params
         if stopped:
             seq.finish_reason = "stop"
-        elif token in p.stop_token_ids:
+        elif token in (p.stop_token_ids or ()):      # a list once validated
             seq.finish_reason, seq.stop_reason = "stop", token
         elif not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             seq.finish_reason = "stop"
