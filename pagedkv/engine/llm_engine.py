@@ -151,6 +151,8 @@ def build_worker_runner(config: EngineConfig, rank: int, world: int, device: tor
 
 
 class LLMEngine:
+    generation_defaults: dict   # SamplingParams fields from generation_config.json (apply_engine_options)
+
     def __init__(self, config: EngineConfig, loaded=None) -> None:
         from pagedkv.model.loader import load_model
 
@@ -170,7 +172,7 @@ class LLMEngine:
         mc = self.loaded.config
         self.vocab_size = mc.vocab_size
         self.model_name = config.served_model_name or self.loaded.name
-        self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
+        self.max_model_len: int = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
         self.tp = None
         num_kv_heads = mc.num_key_value_heads
         if config.tensor_parallel_size > 1:
