@@ -151,7 +151,7 @@ def build_worker_runner(config: EngineConfig, rank: int, world: int, device: tor
 
 
 class LLMEngine:
-    generation_defaults: dict   # SamplingParams fields from generation_config.json (apply_engine_options)
+    generation_defaults: dict   # SamplingParams fields from generation_config.json (options.py)
 
     def __init__(self, config: EngineConfig, loaded=None) -> None:
         from pagedkv.model.loader import load_model
@@ -447,7 +447,7 @@ class LLMEngine:
                 grammar_done: bool = False) -> None:
         seq.token_ids.append(token)
         if logprob is not None:
-            assert seq.logprobs is not None            # a list whenever params.logprobs asks for them
+            assert seq.logprobs is not None            # a list when params.logprobs asks
             seq.logprobs.append(logprob)
         self.generation_tokens_total += 1
         m = seq.group.metrics

@@ -265,7 +265,7 @@ class KVOffload:
         """Reads only, before the step's block copies: device blocks to save, tier blocks to load, and
         cached host blocks whose slots swap-out is about to overwrite (they go to disk now)."""
         disk = self.disk
-        if self.host is None and disk is not None and saves:  # disk only: written through needs no copy
+        if self.host is None and disk is not None and saves:   # disk only: written through, no copy
             kept = [s for s in saves if disk.needs(s.block_hash)]
             self.saved += len(saves) - len(kept)
             self.spilled += len(saves) - len(kept)
@@ -338,7 +338,7 @@ class KVOffload:
         """After the forward that filled them: copy the blocks the disk lacks off the device (as
         many as its queue takes; the rest are dropped and counted) and queue them. Never waits."""
         disk = self.disk
-        assert disk is not None                        # the manager writes through only to a disk tier
+        assert disk is not None                        # writes through only to a disk tier
         todo = [w for w in writes if disk.needs(w.block_hash)]
         room = disk.room()
         if len(todo) > room:
