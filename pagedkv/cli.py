@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Mapping
 
 from pagedkv.config import (ALWAYS_ON, DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES,
                             NOOP_OPTIONS, ConfigError, EngineConfig, note)
@@ -25,6 +26,7 @@ COMMANDS = {
 
 class Parser(argparse.ArgumentParser):
     """argparse, but errors are one line and exit 2 (argparse prints usage first)."""
+    commands: Mapping[str, argparse.ArgumentParser]   # the top parser's subparsers, by name
 
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"{self.prog}: error: {message}", file=sys.stderr)   # prog is "pagedkv" or "pagedkv CMD"

@@ -19,8 +19,8 @@ import itertools
 import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import TypeVar, cast
 
 from pagedkv.config import ConfigError
 from pagedkv.kv.block_pool import BlockHash, hash_block_tokens
@@ -111,7 +111,9 @@ class PrefixAware(RoutingPolicy):
         self, hashes: Sequence[BlockHash], loads: Mapping[K, int], bound: float
     ) -> K | None:
         for h in reversed(hashes):
-            owners = [r for r in self._owners.get(h, ()) if r in loads and loads[r] < bound]
+            # the replicas recorded for h; `in loads` keeps the live ones, which are Ks
+            recorded = cast("Iterable[K]", self._owners.get(h, ()))
+            owners = [r for r in recorded if r in loads and loads[r] < bound]
             if owners:
                 return min(owners, key=lambda r: loads[r])
         return None

@@ -61,6 +61,7 @@ class CpuMeter:
 
     def __enter__(self) -> "CpuMeter":
         self.other_cpu_s: float | None = None
+        self._busy0: float | None
         try:
             self._busy0, self._own0, self._t0 = _busy_cpu_s(), _own_cpu_s(), time.monotonic()
         except (OSError, ValueError, IndexError):
@@ -87,7 +88,7 @@ def machine_info() -> dict:
     """CPU model, core count, memory and software versions, for the report header."""
     import torch
 
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+    info: dict[str, object] = {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "platform": platform.platform()}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

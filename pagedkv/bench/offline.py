@@ -84,7 +84,9 @@ def warm_up(engine) -> None:
 
 def latencies(outputs) -> dict[str, list[float]]:
     """TTFT, inter-token gaps and end-to-end seconds from each RequestOutput's metrics."""
-    ttft, itl, e2e = [], [], []
+    ttft: list[float] = []
+    itl: list[float] = []
+    e2e: list[float] = []
     for out in outputs:
         m = out.metrics
         if m.first_token_time is not None:

@@ -247,7 +247,7 @@ def records_result(records: list[RequestRecord], wall: float, workload: Workload
     ok = [r for r in records if r.error is None]
     ttft = [r.chunk_times[0] - r.start for r in ok if r.chunk_times]
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-    e2e = [r.end - r.start for r in ok]
+    e2e = [r.end - r.start for r in ok if r.end is not None]   # set for every returned record
     out_tokens = sum(r.output_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
 
@@ -294,11 +294,13 @@ def run_online(server: ServerProcess, workload: Workload, label: str, options: d
 
 def _server_rss_mb(server: ServerProcess) -> float | None:
     """The server's peak RSS (VmHWM) from /proc, where there is one."""
+    if server.proc is None:
+        return None
     try:
         for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return round(int(line.split()[1]) / 1024, 1)
-    except (OSError, AttributeError):
+    except OSError:
         pass
     return None
 

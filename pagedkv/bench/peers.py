@@ -99,5 +99,6 @@ def load_peers(results_dir: str | None = None, readme: str | Path | None = None)
 
 def best_of(peers: list[PeerFigures], match: str, key: str) -> tuple[float, str] | None:
     """The best figure on workload `key` among peers whose name contains `match` (case-insensitive)."""
-    found = [(p.tok_s[key], p.peer) for p in peers if match.lower() in p.peer.lower() and p.tok_s.get(key)]
+    found = [(tok_s, p.peer) for p in peers
+             if match.lower() in p.peer.lower() and (tok_s := p.tok_s.get(key))]
     return max(found) if found else None

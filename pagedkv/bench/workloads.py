@@ -120,6 +120,7 @@ def find_shared_file(explicit: str | None = None) -> Path | None:
 def _shared_workload(path: Path, key: str) -> Workload:
     name = "pagedkv_shared_workloads"
     spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None   # a .py file always gets both
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module     # its dataclasses look their module up while being defined
     try:

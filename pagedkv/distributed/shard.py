@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from pagedkv.config import ConfigError
+from pagedkv.model.llama import DecoderLayer, LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,10 @@ def _rows(w: Tensor, heads: range, head_dim: int) -> Tensor:
     return w[heads.start * head_dim:heads.stop * head_dim]
 
 
-def _shard_layer(layer: nn.Module, split: HeadSplit, rank: int, world: int,
+def _shard_layer(layer: DecoderLayer, split: HeadSplit, rank: int, world: int,
                  all_reduce: Callable[[Tensor], None]) -> None:
     d = layer.head_dim
-    norm1, qkv, o, norm2, gate_up, down = layer._weights
+    norm1, qkv, o, norm2, gate_up, down = layer.__dict__["_weights"]   # set there by DecoderLayer
     q_size, kv_size = layer.q_size, layer.kv_size
     q_w, k_w, v_w = qkv.data.split([q_size, kv_size, kv_size])
     inter = gate_up.shape[0] // 2
@@ -83,11 +84,13 @@ def _shard_layer(layer: nn.Module, split: HeadSplit, rank: int, world: int,
     layer.__dict__["all_reduce"] = all_reduce
 
 
-def shard_model(model: nn.Module, rank: int, world: int, all_reduce: Callable[[Tensor], None]) -> HeadSplit:
+def shard_model(model: LlamaForCausalLM, rank: int, world: int,
+                all_reduce: Callable[[Tensor], None]) -> HeadSplit:
     """Cut every layer of a loaded model down to rank's shard, in place; returns the head split."""
     c = model.config
     check_shardable(c, world)
     split = split_heads(c.num_attention_heads, c.num_key_value_heads, rank, world)
     for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
         _shard_layer(layer, split, rank, world, all_reduce)
     return split

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 from pagedkv.config import EngineConfig
 from pagedkv.engine.async_engine import AsyncLLM
 from pagedkv.engine.llm import reject_unsupported, to_prompt, token_text
-from pagedkv.engine.request import RequestOutput, SamplingParams
+from pagedkv.engine.request import Logprob, RequestOutput, SamplingParams
 
 
 class EngineArgs:
@@ -59,12 +59,12 @@ class AsyncLLMEngine:
         if not self._started:
             await self._llm.start()
             self._started = True
-        decoded: dict[int, list] = {}   # logprobs already decoded, per sample: each step adds one
+        decoded: dict[int, list[dict[int, Logprob]] | None] = {}   # logprobs already decoded, per sample: each step adds one
         stream = self._llm.generate(text_or_ids, sampling_params, request_id)
         try:
             async for out in stream:
                 for o in out.outputs:
-                    o.logprobs = list(decoded.get(o.index, [])) if o.sample_logprobs is not None else None
+                    o.logprobs = list(decoded.get(o.index) or []) if o.sample_logprobs is not None else None
                     o.decode_logprobs(self._decode)
                     decoded[o.index] = o.logprobs
                 yield out

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.llm_engine import EngineStats, LLMEngine
@@ -113,7 +113,7 @@ class AsyncLLM:
         self.engine.validate(prompt_token_ids, params)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+                       add_special_tokens: bool = True) -> AsyncGenerator[RequestOutput, None]:
         """Cumulative outputs as tokens arrive; the last has finished=True. Closing the iterator aborts."""
         self._check_accepting()
         self._ensure_started()
@@ -172,6 +172,7 @@ class AsyncLLM:
             item = RequestFailedError(f"{FAILED}: {item.error}")
         queue = self._queues.get(request_id)
         if queue is not None:
+            assert self._loop is not None             # set before any request is queued
             self._loop.call_soon_threadsafe(queue.put_nowait, item)
             if isinstance(item, Exception) or item.finished:
                 self._queues.pop(request_id, None)
@@ -208,7 +209,9 @@ class AsyncLLM:
                 self._apply(inbox)
                 if stopping:
                     for rid in list(self.engine.groups):
-                        self._deliver(rid, self.engine.abort(rid))
+                        out = self.engine.abort(rid)
+                        assert out is not None    # rid is one of the engine's groups
+                        self._deliver(rid, out)
                     self.engine.close()          # drains the disk tier's write queue
                     self._stats = self.engine.stats()
                     return
@@ -230,6 +233,7 @@ class AsyncLLM:
             queues, self._queues = self._queues, {}
             self._inbox.clear()
         for queue in queues.values():
+            assert self._loop is not None             # set before any request is queued
             try:
                 self._loop.call_soon_threadsafe(queue.put_nowait, self._dead())
             except RuntimeError:   # the event loop is closed: nobody is waiting

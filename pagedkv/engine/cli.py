@@ -46,11 +46,13 @@ def run(args: argparse.Namespace) -> int:
         peak_tokens, peak_slots = max(peak_tokens, s.tokens_held), max(peak_slots, s.token_slots)
         for o in engine.step():
             out = o
+    assert out is not None                          # the loop ran until the request finished
     comp = out.outputs[0]
     if not args.json:
         print(comp.text)
         return 0
     m = group.metrics
+    assert m.first_token_time is not None and m.finished_time is not None   # a finished request
     print(json.dumps({
         "text": comp.text,
         "prompt_token_ids": out.prompt_token_ids,

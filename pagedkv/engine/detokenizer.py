@@ -36,7 +36,7 @@ class Detokenizer:
 
     @staticmethod
     def _check_stop(seq: Sequence, old_len: int) -> bool:
-        for stop in seq.params.stop:
+        for stop in seq.params.stop or ():          # a list once validated
             start = max(old_len - len(stop) + 1, 0)   # only where the new text could complete it
             at = seq.text.find(stop, start)
             if at != -1:

@@ -20,9 +20,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.sequence import SequenceGroup
+
+if TYPE_CHECKING:
+    from pagedkv.model.tokenizer import Tokenizer
 
 ENV = "PAGEDKV_INJECT_FAULT"
 STAGES = ("forward", "after-forward", "sample", "detokenize", "step")
@@ -36,7 +40,7 @@ class InjectedFault(RuntimeError):
 class FaultInjector:
     stage: str
     marker: str
-    tokenizer: object
+    tokenizer: Tokenizer
     after: int = 0                 # output tokens the request makes before it fails
     _matches: dict[str, bool] = field(default_factory=dict)   # request id -> has the marker
 
@@ -45,7 +49,7 @@ class FaultInjector:
             raise ConfigError(f"{ENV} must be STAGE:MARKER with STAGE one of {', '.join(STAGES)}")
 
     @classmethod
-    def from_env(cls, tokenizer) -> FaultInjector | None:
+    def from_env(cls, tokenizer: Tokenizer) -> FaultInjector | None:
         spec = os.environ.get(ENV)
         if not spec:
             return None

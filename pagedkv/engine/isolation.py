@@ -107,11 +107,12 @@ class IsolatedForward:
 
     def _written_by(self, group: SequenceGroup, scheduled: list[ScheduledSeq]) -> set[int]:
         """The blocks this step writes for the request's sequences."""
-        bs, blocks = self.runner.block_size, set()
+        bs, kv, blocks = self.runner.block_size, self.runner.kv, set[int]()
+        assert kv is not None                          # the engine's runner (rank 0) holds it
         for s in scheduled:
             if s.seq.group is group:
                 start = s.seq.num_computed_tokens
-                table = self.runner.kv.block_table(s.seq.seq_id)
+                table = kv.block_table(s.seq.seq_id)
                 blocks.update(table[start // bs:(start + s.num_new_tokens - 1) // bs + 1])
         return blocks
 
@@ -120,10 +121,11 @@ class IsolatedForward:
         recomputes from that block on (same tokens at the same positions: the same K/V)."""
         if not stale:
             return
-        bs = self.runner.block_size
+        bs, kv = self.runner.block_size, self.runner.kv
+        assert kv is not None
         for s in part:
             start = s.seq.num_computed_tokens
-            table = self.runner.kv.block_table(s.seq.seq_id)
+            table = kv.block_table(s.seq.seq_id)
             for i in range(-(-start // bs)):
                 if table[i] in stale:
                     s.num_new_tokens += start - i * bs

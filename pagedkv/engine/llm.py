@@ -73,7 +73,7 @@ class LLM:
         reject_unsupported("generate", kwargs)
         prompt_list = to_prompts(prompts)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompt_list)
+        plist: list[Any] = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompt_list)
         if len(plist) != len(prompt_list):
             raise ConfigError(f"got {len(plist)} SamplingParams for {len(prompt_list)} prompts")
         if not all(isinstance(p, SamplingParams) for p in plist):
@@ -91,7 +91,7 @@ class LLM:
         if chat_template is not None:
             raise ConfigError("chat(chat_template=...) is not supported: "
                               "start the LLM with chat_template=...")
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         ids = [self.engine.tokenize(render_chat(tok, c, add_generation_prompt=add_generation_prompt,
                                                 continue_final_message=continue_final_message,

@@ -151,6 +151,8 @@ def build_worker_runner(config: EngineConfig, rank: int, world: int, device: tor
 
 
 class LLMEngine:
+    generation_defaults: dict   # SamplingParams fields from generation_config.json (options.py)
+
     def __init__(self, config: EngineConfig, loaded=None) -> None:
         from pagedkv.model.loader import load_model
 
@@ -170,7 +172,7 @@ class LLMEngine:
         mc = self.loaded.config
         self.vocab_size = mc.vocab_size
         self.model_name = config.served_model_name or self.loaded.name
-        self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
+        self.max_model_len: int = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
         self.tp = None
         num_kv_heads = mc.num_key_value_heads
         if config.tensor_parallel_size > 1:
@@ -316,6 +318,7 @@ class LLMEngine:
             row += 1 + len(s.drafts)
         drawn = []
         if plain:
+            assert logits is not None                  # plain rows are sampling rows
             rows, seqs = self._expand_forks(plain)
             picked = [plain_rows[r] for r in rows]
             drawn = self._sample(logits if picked == list(range(row)) else logits[picked], seqs, failures)
@@ -367,6 +370,7 @@ class LLMEngine:
                 failures.add(seq.group, e)
             touched[seq.group.request_id] = seq.group
         for s, row in speculative:
+            assert logits is not None                  # its rows are sampling rows
             try:
                 self._verify(s.seq, s.drafts, logits[row:row + 1 + len(s.drafts)], now)
             except Exception as e:  # noqa: BLE001
@@ -443,6 +447,7 @@ class LLMEngine:
                 grammar_done: bool = False) -> None:
         seq.token_ids.append(token)
         if logprob is not None:
+            assert seq.logprobs is not None            # a list when params.logprobs asks
             seq.logprobs.append(logprob)
         self.generation_tokens_total += 1
         m = seq.group.metrics
@@ -457,7 +462,7 @@ class LLMEngine:
         p = seq.params
         if stopped:
             seq.finish_reason = "stop"
-        elif token in p.stop_token_ids:
+        elif token in (p.stop_token_ids or ()):      # a list once validated
             seq.finish_reason, seq.stop_reason = "stop", token
         elif not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             seq.finish_reason = "stop"

@@ -19,10 +19,12 @@ def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor, k: int) -> list[Log
     """Per row of log-probabilities: the chosen token's, its rank (1 = most likely), the top k."""
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
     ranks = (logp > chosen[:, None]).sum(1) + 1
-    top_vals, top_ids = logp.topk(k, -1) if k else (None, None)
+    top_k = logp.topk(k, -1) if k else None
     out = []
     for i, (token, value, rank) in enumerate(zip(tokens.tolist(), chosen.tolist(), ranks.tolist())):
-        top = dict(zip(top_ids[i].tolist(), top_vals[i].tolist())) if k else {}
+        top = {}
+        if top_k is not None:
+            top = dict(zip(top_k.indices[i].tolist(), top_k.values[i].tolist()))
         out.append(Logprob(token, value, top, rank))
     return out
 

@@ -253,7 +253,8 @@ class SamplingParams:
 
     def token_ids_used(self) -> list[int]:
         """Every token id the parameters name (checked against the vocabulary by the engine)."""
-        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
+        return [*(self.stop_token_ids or []), *(self.logit_bias or {}),
+                *(self.allowed_token_ids or [])]
 
     def _normalise(self) -> None:
         """vLLM's meanings: seed -1 is no seed, top_k 0 is off, a tiny temperature is greedy."""

@@ -13,6 +13,7 @@ to the other ranks; every rank moves its own blocks and runs its shard.
 """
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,19 +67,25 @@ class ModelRunner:
                            [(c.src, c.dst) for c in out.swap_in])
         if self.tp is not None and (moves.swap_out or moves.copies or moves.swap_in):
             self.tp.send(moves)
-        staged = self.offload.stage(self.storage, out.offload_saves, out.offload_loads) if self.offload else None
+        offload = self.offload
+        staged = None
+        if offload:
+            staged = offload.stage(self.storage, out.offload_saves, out.offload_loads)
         self.move_blocks(moves)
-        if staged is not None:
-            self.offload.commit(self.storage, staged)
+        if offload is not None and staged is not None:
+            offload.commit(self.storage, staged)
 
     def move_blocks(self, moves: BlockMoves) -> None:
+        host = self.host_storage                       # the scheduler swaps only with host blocks
         if moves.swap_out:
+            assert host is not None
             data = self.storage.read_blocks([src for src, _ in moves.swap_out])
-            self.host_storage.write_blocks([dst for _, dst in moves.swap_out], data)
+            host.write_blocks([dst for _, dst in moves.swap_out], data)
         if moves.copies:
             self.storage.copy_blocks(moves.copies)
         if moves.swap_in:
-            data = self.host_storage.read_blocks([src for src, _ in moves.swap_in])
+            assert host is not None
+            data = host.read_blocks([src for src, _ in moves.swap_in])
             self.storage.write_blocks([dst for _, dst in moves.swap_in], data)
 
     def run_model(self, inputs: ForwardInputs) -> torch.Tensor:
@@ -102,10 +109,12 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
+        kv = self.kv
+        assert kv is not None                          # rank 0 prepares the inputs
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens + len(s.drafts)
             start = seq.num_computed_tokens
-            table = self.kv.block_table(seq.seq_id)
+            table = kv.block_table(seq.seq_id)
             tokens.extend(seq.token_ids[start:start + s.num_new_tokens])
             tokens.extend(s.drafts)
             pos = np.arange(start, start + n, dtype=np.int64)
@@ -150,11 +159,12 @@ class ModelRunner:
                     s.prompt_hidden = (first, hidden[row + first - start:row + last - start])
             row += s.num_new_tokens + len(s.drafts)
 
-    def write_through(self, writes: list[BlockSave], skip: set[int] = frozenset()) -> None:
+    def write_through(self, writes: list[BlockSave], skip: Set[int] = frozenset()) -> None:
         """Queue the blocks the step filled for the disk tier, less those a failed request left
         unwritten (`skip`)."""
         writes = [w for w in writes if w.block_id not in skip]
         if writes:
+            assert self.offload is not None            # writes come only from a disk tier
             self.offload.write_through(self.storage, writes)
 
     def forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor | None:

@@ -52,7 +52,7 @@ def _block_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[
     for i, s in enumerate(seqs):
         p = s.params
         if s.num_output_tokens < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
+            banned = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else eos_ids)
             if banned:
                 logits[i, sorted(t for t in banned if t < logits.shape[1])] = float("-inf")
 
@@ -119,13 +119,15 @@ class Sampler:
             return [None] * len(seqs)
         logp = logits.log_softmax(-1)
         k = max(w or 0 for w in want)
-        top_vals, top_ids = logp.topk(k, -1) if k else (None, None)
+        top = logp.topk(k, -1) if k else None
         result: list[Logprob | None] = []
         for i, w in enumerate(want):
             if w is None:
                 result.append(None)
                 continue
-            top = dict(zip(top_ids[i, :w].tolist(), top_vals[i, :w].tolist())) if w else {}
+            alts: dict[int, float] = {}
+            if w and top is not None:
+                alts = dict(zip(top.indices[i, :w].tolist(), top.values[i, :w].tolist()))
             chosen = logp[i, tokens[i]]
-            result.append(Logprob(tokens[i], float(chosen), top, int((logp[i] > chosen).sum()) + 1))
+            result.append(Logprob(tokens[i], float(chosen), alts, int((logp[i] > chosen).sum()) + 1))
         return result

@@ -47,17 +47,20 @@ class SpeculativeConfig:
             raise ConfigError(f"--speculative-config: unsupported keys {sorted(unknown)}")
         if value.get("method", "ngram") != "ngram":
             raise ConfigError(f"--speculative-config: method {value.get('method')!r} is not supported (only ngram)")
-        k = value.get("num_speculative_tokens")
-        hi = value.get("prompt_lookup_max", 4)
-        lo = value.get("prompt_lookup_min", 1)
-        for name, v in (("num_speculative_tokens", k), ("prompt_lookup_max", hi), ("prompt_lookup_min", lo)):
-            if type(v) is not int or v < 1:
-                raise ConfigError(f"--speculative-config: {name} must be a positive integer, got {v!r}")
+        k = _positive_int("num_speculative_tokens", value.get("num_speculative_tokens"))
+        hi = _positive_int("prompt_lookup_max", value.get("prompt_lookup_max", 4))
+        lo = _positive_int("prompt_lookup_min", value.get("prompt_lookup_min", 1))
         if k > MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"--speculative-config: num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}")
         if lo > hi:
             raise ConfigError("--speculative-config: prompt_lookup_min must be <= prompt_lookup_max")
         return cls(k, hi, lo)
+
+
+def _positive_int(name: str, v: object) -> int:
+    if type(v) is not int or v < 1:
+        raise ConfigError(f"--speculative-config: {name} must be a positive integer, got {v!r}")
+    return v
 
 
 class NgramProposer:

@@ -20,6 +20,7 @@ import json
 import threading
 import weakref
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import llguidance
 import torch
@@ -28,8 +29,11 @@ from pagedkv.config import ConfigError
 from pagedkv.engine.request import StructuredOutputsParams
 from pagedkv.engine.sequence import Sequence
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 CACHE_SIZE = 64
-JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 # byte value -> its 8 bits as logit offsets (0: allowed, -inf: not): unpacking is one gather
 _BYTE_BIAS = torch.where(
     ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf")
@@ -49,7 +53,9 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
         if spec.regex is not None:
             return llguidance.grammar_from("regex", spec.regex)
         if spec.choice is not None:
-            return llguidance.grammar_from("choice", spec.choice)
+            # the stub says str; "choice" takes the list itself too (llguidance's _grammar_from.py)
+            return llguidance.grammar_from("choice", spec.choice)  # type: ignore[arg-type]
+        assert spec.grammar is not None  # exactly one field is set (StructuredOutputsParams)
         return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to Lark
     except (ValueError, TypeError) as e:
         raise ConfigError(f"structured output: {e}") from None
@@ -99,7 +105,9 @@ class StructuredOutputs:
     def _matcher(self, seq: Sequence) -> llguidance.LLMatcher:
         m = self._matchers.get(seq)
         if m is None:
-            m = self.compile(seq.params.structured_outputs)
+            spec = seq.params.structured_outputs
+            assert spec is not None  # only constrained sequences get a matcher
+            m = self.compile(spec)
             m.consume_tokens(seq.output_token_ids)  # empty, unless created after a fork
             self._matchers[seq] = m
         return m

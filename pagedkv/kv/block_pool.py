@@ -71,13 +71,14 @@ class FreeBlockQueue:
 
     def popleft(self) -> Block:
         block = self.head.next
-        if block is self.tail:
+        if block is self.tail or block is None:
             raise IndexError("free queue is empty")
         self.remove(block)
         return block
 
     def append(self, block: Block) -> None:
         last = self.tail.prev
+        assert last is not None  # the head sentinel at least
         last.next = block
         block.prev = last
         block.next = self.tail
@@ -85,14 +86,16 @@ class FreeBlockQueue:
         self.num_free += 1
 
     def remove(self, block: Block) -> None:
-        block.prev.next = block.next
-        block.next.prev = block.prev
+        prev, nxt = block.prev, block.next
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next = nxt
+        nxt.prev = prev
         block.prev = block.next = None
         self.num_free -= 1
 
     def __iter__(self) -> Iterator[Block]:
         block = self.head.next
-        while block is not self.tail:
+        while block is not self.tail and block is not None:
             yield block
             block = block.next
 
@@ -181,6 +184,7 @@ class BlockPool:
         return True
 
     def _evict(self, block: Block) -> None:
+        assert block.block_hash is not None  # only cached blocks are evicted
         if self.on_evict is not None:
             self.on_evict(block.block_id, block.block_hash)
         del self.cached[block.block_hash]

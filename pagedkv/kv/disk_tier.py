@@ -347,7 +347,7 @@ class DiskTier:
         try:
             with open(tmp, "wb") as f:
                 f.write(head)
-                f.write(payload)
+                f.write(payload.data)                # the array's buffer, no copy
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)

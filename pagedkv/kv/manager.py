@@ -194,7 +194,9 @@ class KVCacheManager:
 
     def _evicted(self, block_id: int, block_hash: BlockHash) -> None:
         if self.offload is not None:
-            self._saves.append(BlockSave(block_id, block_hash, self.pool.blocks[block_id].token_ids))
+            token_ids = self.pool.blocks[block_id].token_ids
+            assert token_ids is not None  # set with the hash; the pool clears both after this call
+            self._saves.append(BlockSave(block_id, block_hash, token_ids))
         if self._on_evict is not None:
             self._on_evict(block_id, block_hash)
 
@@ -226,7 +228,7 @@ class KVCacheManager:
     def _reservation(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         """Tokens a reservation policy takes at admission (0 under paging)."""
         if self.allocation_policy == "reserve-max":
-            return self.max_model_len
+            return self.max_model_len or 0            # set: __init__ refuses reserve-max without it
         if self.allocation_policy == "reserve-output":
             if max_tokens is None:
                 return self.max_model_len or 0
@@ -305,6 +307,7 @@ class KVCacheManager:
         if not plan.fits:
             return None
         if plan.offloaded:
+            assert self.offload is not None           # only offload tiers plan offloaded blocks
             ready = self.offload.reserve(plan.offloaded)
             if ready < len(plan.offloaded):           # fewer tokens held: still fits
                 plan = self._admission_plan(token_ids, num_new_tokens, prefix_blocks, max_tokens, ready)
@@ -482,7 +485,9 @@ class KVCacheManager:
 
     def can_fit(self, num_tokens: int) -> bool:
         """Could a request of num_tokens (prompt + max_tokens) ever be admitted into the empty pool?"""
-        tokens = max(num_tokens, self.max_model_len) if self.allocation_policy == "reserve-max" else num_tokens
+        tokens = num_tokens
+        if self.allocation_policy == "reserve-max":
+            tokens = max(num_tokens, self.max_model_len or 0)
         return _cdiv(tokens, self.block_size) + self.watermark_blocks <= self.num_blocks
 
     def _block_fills(self) -> tuple[dict[int, int], dict[int, list[str]]]:

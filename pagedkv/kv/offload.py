@@ -147,12 +147,13 @@ class HostTier:
         """Lend n slots to swap, evicting cached blocks LRU first (listed in `displaced`)."""
         if n > self.num_free():
             raise ValueError(f"asked for {n} host blocks, only {self.num_free()} available")
-        slots = []
+        slots: list[int] = []
         while len(slots) < n:
             if self._free:
                 slots.append(self._free.pop())
             else:
                 victim = self._evict_lru()
+                assert victim is not None     # num_free() counted an unpinned cached block
                 self.displaced.append(victim)
                 slots.append(victim[1].slot)
         self._lent.update(slots)
@@ -216,6 +217,7 @@ class KVOffload:
         """The tiers the flags ask for, shaped like the device `storage`; None when neither is set.
         `key` names the model and KV dtype (the engine's hash_extra)."""
         host_bytes, folder = config.kv_offload_host_memory, config.kv_offload_dir
+        disk_bytes = config.kv_offload_disk_size
         if not host_bytes and not folder:
             return None
         per_block = math.prod(storage.block_shape) * storage.dtype.itemsize
@@ -229,11 +231,11 @@ class KVOffload:
                                       storage.head_dim, storage.dtype, "cpu"))
             log.info("KV offload host tier: %d blocks (%s), shared with swap", n, format_size(n * per_block))
         if folder:
-            if config.kv_offload_disk_size < per_block:
-                raise ConfigError(f"--kv-offload-disk-size {format_size(config.kv_offload_disk_size)} holds no "
+            if disk_bytes < per_block:
+                raise ConfigError(f"--kv-offload-disk-size {format_size(disk_bytes)} holds no "
                                   f"KV block ({format_size(per_block)} each)")
-            disk = DiskTier(folder, key, storage.block_shape, storage.dtype, config.kv_offload_disk_size)
-            log.info("KV offload disk tier: %s, up to %s", disk.dir, format_size(config.kv_offload_disk_size))
+            disk = DiskTier(folder, key, storage.block_shape, storage.dtype, disk_bytes)
+            log.info("KV offload disk tier: %s, up to %s", disk.dir, format_size(disk_bytes))
         if not config.enable_prefix_caching:
             log.warning("KV offload keeps prefix-cache blocks: with prefix caching off it only holds swap")
         return cls(host, disk)
@@ -262,8 +264,9 @@ class KVOffload:
     def stage(self, storage: KVStorage, saves: list[BlockSave], loads: list[BlockLoad]) -> _Staged:
         """Reads only, before the step's block copies: device blocks to save, tier blocks to load, and
         cached host blocks whose slots swap-out is about to overwrite (they go to disk now)."""
-        if self.host is None and saves:        # disk only: what was written through needs no copy
-            kept = [s for s in saves if self.disk.needs(s.block_hash)]
+        disk = self.disk
+        if self.host is None and disk is not None and saves:   # disk only: written through, no copy
+            kept = [s for s in saves if disk.needs(s.block_hash)]
             self.saved += len(saves) - len(kept)
             self.spilled += len(saves) - len(kept)
             saves = kept
@@ -283,13 +286,16 @@ class KVOffload:
             self.loaded_disk += 1
             return data
         self.loaded_host += 1
+        assert self.host is not None                   # reserve() pinned it in the host tier
         return self.host.storage.read_blocks([self.host.slot(block_hash)])[0]
 
     def commit(self, storage: KVStorage, staged: _Staged) -> None:
         """Writes, after the step's block copies: loaded blocks into the device, saved ones into the tiers."""
         if staged.load_dst:
+            assert staged.loaded is not None
             storage.write_blocks(staged.load_dst, staged.loaded)
         if staged.saves:
+            assert staged.saved is not None
             for save, data in zip(staged.saves, staged.saved):
                 self._save(save.block_hash, save.token_ids, data)
 
@@ -323,6 +329,7 @@ class KVOffload:
         if self.disk is not None and not self.disk.needs(block_hash):
             self.spilled += 1
         elif self.disk is not None:
+            assert self.host is not None               # a slot is a host-tier slot
             self._spill(block_hash, token_ids, self.host.storage.read_blocks([slot])[0])
         else:
             self._dropped += 1
@@ -331,6 +338,7 @@ class KVOffload:
         """After the forward that filled them: copy the blocks the disk lacks off the device (as
         many as its queue takes; the rest are dropped and counted) and queue them. Never waits."""
         disk = self.disk
+        assert disk is not None                        # writes through only to a disk tier
         todo = [w for w in writes if disk.needs(w.block_hash)]
         room = disk.room()
         if len(todo) > room:

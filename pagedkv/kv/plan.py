@@ -40,8 +40,13 @@ class OffloadPlan(NamedTuple):
 
 class OffloadTiers(Protocol):
     """The manager's view of the tiers behind the device pool (`pagedkv.kv.offload.KVOffload`)."""
-    host: HostPool | None       # with a host tier, it is also the swap space
-    writes_through: bool        # wants every block that becomes full (it has a disk tier)
+    @property
+    def host(self) -> HostPool | None:
+        """With a host tier, it is also the swap space."""
+
+    @property
+    def writes_through(self) -> bool:
+        """Wants every block that becomes full (it has a disk tier)."""
 
     def contains(self, block_hash: BlockHash, token_ids: TokenIds) -> bool:
         ...

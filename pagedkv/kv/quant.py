@@ -72,7 +72,7 @@ class QuantFormat:
         bits = q.view(torch.int8).to(torch.int16).bitwise_left_shift_(4).bitwise_and_(_BF16_FROM_E4M3)
         return bits.view(torch.bfloat16).mul_((scale * _E4M3_IN_BF16).to(torch.bfloat16)).to(dtype)
 
-    def quantize(self, x: Tensor, scale: Tensor) -> Tensor:
+    def quantize(self, x: Tensor, scale: Tensor | float) -> Tensor:
         """x / scale in the stored dtype (x float32, scale broadcast against it)."""
         y = (x / scale).clamp_(-self.qmax, self.qmax)
         if self.dtype == torch.int8:

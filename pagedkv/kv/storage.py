@@ -76,6 +76,7 @@ class KVStorage:
         """(k_cache, v_cache) of layer i, each [num_blocks, num_kv_heads, block_size, head_dim]."""
         if self.quant is None:
             return self.data[i, 0], self.data[i, 1]
+        assert self.scales is not None and self.rotation is not None  # set with self.quant
         return (QuantizedCache(self.data[i, 0], self.scales[i, 0], self.quant, self.rotation),
                 QuantizedCache(self.data[i, 1], self.scales[i, 1], self.quant, self.rotation))
 

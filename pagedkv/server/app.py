@@ -198,8 +198,10 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, shutd
     app = build_app(engine, cors=cors)
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)   # pagedkv's messages look like uvicorn's
     log_config["loggers"]["pagedkv"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config,
-                               access_log=access_log,
-                               timeout_graceful_shutdown=shutdown_timeout + 10)
+    uv_config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, log_config=log_config,
+        access_log=access_log,
+        # annotated int, but uvicorn only hands it to asyncio.wait_for, which takes a float
+        timeout_graceful_shutdown=shutdown_timeout + 10)  # type: ignore[arg-type]
     GracefulServer(uv_config, engine, shutdown_timeout).run()
     return 1 if engine.error is not None else 0

@@ -32,4 +32,4 @@ def install_openapi(app: FastAPI, bodies: list[type[BaseModel]]) -> None:
             app.openapi_schema = doc
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to override it

@@ -47,7 +47,7 @@ class ReplicaGone(Exception):
 class EngineReplica:
     """One engine and its FastAPI app, called through ASGI by the ingress."""
 
-    async def __init__(self, config: EngineConfig) -> None:
+    async def __init__(self, config: EngineConfig) -> None:  # type: ignore[misc]  # Serve awaits it
         import torch
 
         torch.set_num_threads(1)  # replicas share the machine's cores
@@ -192,6 +192,7 @@ class Ingress:
         headers = [
             (k, v) for k, v in request.scope["headers"] if k.lower() != REPLICA_HEADER.encode()
         ]
+        error: Exception
         for attempt in range(START_ATTEMPTS):
             stream = self.engine.forward.remote(
                 key,
@@ -281,15 +282,18 @@ def build(
     routing: str = "prefix-aware",
 ):
     """The Serve application: N engine replicas behind the ingress, routed by `routing`."""
+    # ray's pydantic-v1 model is seen as taking dicts; the field is Union[str, Callable]
     router = RequestRouterConfig(
-        request_router_class=PagedKVRouter, request_router_kwargs={"policy": routing}
+        request_router_class=PagedKVRouter,  # type: ignore[arg-type]
+        request_router_kwargs={"policy": routing},
     )
-    engine = EngineReplica.options(
+    # serve.deployment turns each class into a Deployment; its typing keeps the class
+    engine = EngineReplica.options(  # type: ignore[attr-defined]
         num_replicas=num_replicas,
         ray_actor_options={"num_cpus": 1},
         graceful_shutdown_timeout_s=shutdown_timeout,
         request_router_config=router,
     ).bind(config)
-    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(
+    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(  # type: ignore[attr-defined]
         engine, config.model, config.block_size, num_replicas
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -34,7 +35,8 @@ class PagedKVRouter(RequestRouter):
     queue_len_response_deadline_s = 2.0
     max_queue_len_response_deadline_s = 10.0
 
-    def initialize_state(self, policy: str = "prefix-aware") -> None:
+    # Ray calls it with request_router_kwargs; a router names the ones it takes (Ray's own examples)
+    def initialize_state(self, policy: str = "prefix-aware") -> None:  # type: ignore[override]
         self.policy = make_policy(policy)
         self.in_flight: Counter[ReplicaID] = Counter()
         self._sent: dict[str, ReplicaID] = {}
@@ -45,7 +47,7 @@ class PagedKVRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
-        key = pending_request.args[0] if pending_request and pending_request.args else None
+        key: Any = pending_request.args[0] if pending_request and pending_request.args else None
         if pending_request is not None:  # else Ray retries a full or slow replica in a tight loop
             pending_request.routing_context.should_backoff = True
         # duck-typed: Serve pickles the ingress by value, so its RouteKey is a copy of this class
@@ -66,7 +68,7 @@ class PagedKVRouter(RequestRouter):
     ) -> None:
         self.in_flight[replica_id] += 1
         self._sent[pending_request.metadata.internal_request_id] = replica_id
-        key = pending_request.args[0] if pending_request.args else None
+        key: Any = pending_request.args[0] if pending_request.args else None
         if getattr(key, "hashes", None) and key.replica is None:   # where the prefix really went
             self.policy.record(key.hashes, replica_id)
 

@@ -14,9 +14,10 @@ import json
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import AsyncGenerator, Awaitable, Callable, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -58,7 +59,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
     """Interleave several async iterators as (index, item); closing the merge closes them all."""
     if len(streams) == 1:
         async with aclosing(streams[0]) as only:
@@ -68,7 +69,7 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+    async def pump(i: int, stream: AsyncGenerator[T, None]) -> None:
         try:
             async with aclosing(stream) as s:
                 async for item in s:
@@ -97,15 +98,16 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
 class EventStream(StreamingResponse):
     """SSE response that always closes its iterator, however the stream ends (disconnect included)."""
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncGenerator[str, None]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._content = content   # the body_iterator itself, typed as the generator it is
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await self._content.aclose()
 
 
 def sse(payload: BaseModel | dict) -> str:
@@ -137,6 +139,7 @@ def prompt_logprobs_json(token: Callable[[int], str],
         return {"logprob": max(value, MIN_LOGPROB), "rank": rank, "decoded_token": token(token_id)}
     out: list[dict | None] = [None]
     for lp in items[1:]:
+        assert lp is not None   # only the first prompt token has no logprob
         top = {t: entry(v, r, t) for r, (t, v) in enumerate(lp.top.items(), 1)}
         top[lp.token_id] = entry(lp.logprob, lp.rank, lp.token_id)
         out.append(top)
@@ -145,6 +148,13 @@ def prompt_logprobs_json(token: Callable[[int], str],
 
 def request_id(prefix: str, given: str | None) -> str:
     return f"{prefix}-{given if given else uuid.uuid4().hex}"
+
+
+def all_final(finals: list[RequestOutput | None]) -> list[RequestOutput]:
+    """Each request's final output: every stream ends with one (or raises)."""
+    done = [out for out in finals if out is not None]
+    assert len(done) == len(finals)
+    return done
 
 
 def check_not_aborted(finals: list[RequestOutput]) -> None:
@@ -188,7 +198,7 @@ class _Format(ABC):
 
     @abstractmethod
     def chunk(self, index: int, text: str, logprobs: list[SampleLogprob] | None, offset: int,
-              o: CompletionOutput, finished: bool) -> BaseModel:
+              o: CompletionOutput, finished: bool) -> BaseModel | None:
         """One stream chunk: choice `index` grew by `text` (which starts at character `offset`)."""
 
     @abstractmethod
@@ -215,7 +225,7 @@ class _CompletionFormat(_Format):
         return [api.CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[
             api.CompletionChoice(index=i, text=self._echo(i))]) for i in range(num_choices)]
 
-    def logprobs(self, items: list[SampleLogprob | int] | None,
+    def logprobs(self, items: Sequence[SampleLogprob | int] | None,
                  offset: int) -> api.CompletionLogprobs | None:
         """A bare token id is the first prompt token under echo: nothing precedes it to score it."""
         if items is None:
@@ -236,9 +246,11 @@ class _CompletionFormat(_Format):
         return out
 
     def _choice(self, i: int, o: CompletionOutput, prompt: RequestOutput) -> api.CompletionChoice:
-        items = o.sample_logprobs
+        items: Sequence[SampleLogprob | int] | None = o.sample_logprobs
         if self.echo and items is not None:   # echo with logprobs: the prompt's tokens come first
-            items = [prompt.prompt_token_ids[0], *prompt.prompt_logprobs[1:], *items]
+            # echo with logprobs asks for the prompt's; only its first token has none
+            scored = cast(list[SampleLogprob], prompt.prompt_logprobs)[1:]
+            items = [prompt.prompt_token_ids[0], *scored, *items]
         return api.CompletionChoice(
             index=i, text=self._echo(i) + o.text, logprobs=self.logprobs(items, 0),
             finish_reason=o.finish_reason, stop_reason=o.stop_reason,
@@ -417,24 +429,25 @@ class OpenAIServing:
             raise
         return EventStream(self._stream(fmt, first, events, len(prompts), params.n, include_usage))
 
-    async def _collect(self, events: AsyncIterator[tuple[int, RequestOutput]], num: int) -> list[RequestOutput]:
+    async def _collect(self, events: AsyncGenerator[tuple[int, RequestOutput], None],
+                       num: int) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * num
         async with aclosing(events):
             async for i, out in events:
                 if out.finished:
                     finals[i] = out
                     self.metrics.observe(out)
-        return finals
+        return all_final(finals)
 
     async def _stream(self, fmt: _Format, first: tuple[int, RequestOutput],
-                      events: AsyncIterator[tuple[int, RequestOutput]], num: int, n: int,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      events: AsyncGenerator[tuple[int, RequestOutput], None], num: int, n: int,
+                      include_usage: bool) -> AsyncGenerator[str, None]:
         finals: list[RequestOutput | None] = [None] * num
         sent: dict[int, _Sent] = {}
         try:
             async with aclosing(events):
-                for chunk in fmt.start(num * n):
-                    yield sse(chunk)
+                for start in fmt.start(num * n):
+                    yield sse(start)
                 item: tuple[int, RequestOutput] | None = first
                 while item is not None:
                     i, out = item
@@ -446,9 +459,10 @@ class OpenAIServing:
                         finals[i] = out
                         self.metrics.observe(out)
                     item = await anext(events, None)
-            check_not_aborted(finals)
+            done = all_final(finals)
+            check_not_aborted(done)
             if include_usage:
-                yield sse(fmt.usage_chunk(usage_of(finals)))
+                yield sse(fmt.usage_chunk(usage_of(done)))
         except Exception as e:  # noqa: BLE001 - the status is already sent: report in the stream
             err = to_api_error(e)
             yield sse(error_body(err.status, err.message, err.param, err.code))

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.structured import JSON_OPTIONS
 from pagedkv.server.tool_parsers import HermesToolParser
+
+if TYPE_CHECKING:
+    from pagedkv.server.protocol import ChatCompletionRequest
 
 HERMES_SYSTEM_PROMPT = (
     "You are a function calling AI model. You may call one or more functions to assist with the "
@@ -45,7 +49,7 @@ class ToolPlan:
     grammar: str | None = None  # Lark grammar forcing the calls (required / named)
 
 
-def plan_tools(req, auto_tool_choice: bool) -> ToolPlan:
+def plan_tools(req: ChatCompletionRequest, auto_tool_choice: bool) -> ToolPlan:
     """Check tools / tool_choice against each other and the server's flags."""
     tools = req.tools or []
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
