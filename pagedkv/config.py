@@ -15,7 +15,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
           "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -76,6 +76,10 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+@overload
+def parse_size(value: str | int | float) -> int: ...
+@overload
+def parse_size(value: None) -> None: ...
 def parse_size(value: str | int | float | None) -> int | None:
     """'1GiB' -> 1073741824, '80GB' -> 80e9, 1024 -> 1024. None stays None."""
     if value is None:
@@ -161,21 +165,22 @@ class EngineConfig:
     generation_config: str = "auto"        # 'auto': the model's generation_config.json defaults; 'vllm': none
     # cache
     block_size: int = 16
-    kv_cache_memory: int | str | None = None   # bytes or "1GiB"; wins over memory_utilization
+    # Sizes and lengths may be given as text ("1GiB", "32k"); __post_init__ parses them to ints.
+    kv_cache_memory: int | None = None     # bytes ("1GiB"); wins over memory_utilization
     memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None  # exact pool size in blocks (tests, bench)
-    swap_space: int | float | str = 4      # GiB when a bare number (as vLLM), else a size like 512MiB
+    swap_space: int = 4                    # GiB when a bare number (as vLLM), else a size like 512MiB
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     allocation_policy: str = "paged"
-    kv_offload_host_memory: int | str | None = None
+    kv_offload_host_memory: int | None = None
     kv_offload_dir: str | None = None
-    kv_offload_disk_size: int | str = "10GiB"
+    kv_offload_disk_size: int = 10 * 2**30
     # scheduler
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
-    max_model_len: int | str | None = None     # 4096, or vLLM's 32k / 32K / 1M
+    max_model_len: int | None = None       # 4096, or vLLM's 32k / 32K / 1M
     max_waiting: int = 1024
     tensor_parallel_size: int = 1          # ranks, one process each (distributed/)
     pipeline_parallel_size: int = 1
@@ -230,7 +235,7 @@ class EngineConfig:
                             "(only 1 is supported)")
         need(self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
              f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
-        need(not self.enable_auto_tool_choice or self.tool_call_parser,
+        need(not self.enable_auto_tool_choice or self.tool_call_parser is not None,
              "--enable-auto-tool-choice needs --tool-call-parser")
 
     @classmethod

@@ -30,7 +30,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 def tokens_buckets(max_model_len: int) -> tuple[int, ...]:
     """vLLM's 1-2-5 series up to max_model_len, for the prompt / generation length histograms."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > max_model_len:
