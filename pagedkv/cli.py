@@ -36,6 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"], help="weights: none, int8 (per channel), gguf (the file's own blocks; default for a .gguf on CPU)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 1GiB (wins over --memory-utilization)")
     p.add_argument("--memory-utilization", type=float, default=d["memory_utilization"].default,

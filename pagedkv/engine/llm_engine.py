@@ -48,6 +48,7 @@ class EngineStats:
     generation_tokens: int
     offload_hits: int              # prompt tokens loaded back from the host / disk tiers
     offload_saved_blocks: int      # evicted device blocks kept in a tier
+    model_weight_bytes: int = 0    # resident weights (after --quantization)
 
 
 def pick_device() -> torch.device:
@@ -108,8 +109,10 @@ class LLMEngine:
             keep_freed_memory()
         dtype = resolve_dtype(config.dtype)
         t0 = time.monotonic()
-        self.loaded = loaded or load_model(config.model, dtype, self.device)
-        log.info("loaded %s in %.1fs", self.loaded.name, time.monotonic() - t0)
+        self.loaded = loaded or load_model(config.model, dtype, self.device, config.quantization)
+        self.weight_bytes = self.loaded.model.weight_bytes()
+        log.info("loaded %s in %.1fs: weights %s (quantization %s)", self.loaded.name, time.monotonic() - t0,
+                 format_size(self.weight_bytes), self.loaded.quantization)
         self.tokenizer = self.loaded.tokenizer
         mc = self.loaded.config
         self.vocab_size = mc.vocab_size
@@ -287,7 +290,8 @@ class LLMEngine:
             token_capacity=s.num_blocks * self.kv.block_size, prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits, num_preemptions=sch.num_preemptions,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
-            offload_hits=s.offload_hits, offload_saved_blocks=self.offload.stats().saved if self.offload else 0)
+            offload_hits=s.offload_hits, offload_saved_blocks=self.offload.stats().saved if self.offload else 0,
+            model_weight_bytes=self.weight_bytes)
 
     def kv_snapshot(self) -> dict:
         return self.kv.snapshot()
