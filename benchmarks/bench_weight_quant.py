@@ -9,6 +9,10 @@ bench_kv_quant's measures (greedy prefix agreement on chat prompts, teacher-
 forced top-1 agreement and mean |logit difference|, perplexity of
 pagedkv/data/alice_ch1.txt).
 
+--requantize Q8_0 (or Q4_0, Q4_1): first writes a copy of the model whose
+matrices gguf's own quantizer re-encodes in that type (norms stay float32),
+and measures that file: the reference is then its dequantized float32 form.
+
 --speed: W3-like decode through the engine (`LLM`, batch 1, greedy, a short
 chat prompt, --decode-tokens output tokens, eos ignored) for each scheme,
 the schemes alternating round by round so that load from other processes hits
@@ -20,17 +24,44 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
+
+import gguf
 
 import torch
 
 from bench_kv_quant import PROMPTS, TEXT, measure   # same folder: one definition of the measures
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import SamplingParams
+from pagedkv.config import default_model_path
 from pagedkv.model.loader import load_model
 
 QUALITY_SCHEMES = "none:float32,none:bfloat16,int8:float32,gguf:float32,gguf:bfloat16"
 SPEED_SCHEMES = "none:bfloat16,none:float32,int8:auto,gguf:auto"
+
+
+def requantize(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """A copy of a GGUF with every 2-D tensor re-encoded as qtype by gguf's quantizer."""
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub)
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        if values.ndim == 2:
+            writer.add_tensor(t.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
 
 
 def split(scheme: str) -> tuple[str, str]:
@@ -99,6 +130,8 @@ def main() -> None:
                                                      f"with --speed {SPEED_SCHEMES})")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt (quality)")
     ap.add_argument("--ppl-chunk", type=int, default=100)
+    ap.add_argument("--requantize", default=None, choices=["Q8_0", "Q4_0", "Q4_1"],
+                    help="measure a copy of the model re-encoded in this GGUF type")
     ap.add_argument("--speed", action="store_true", help="decode speed through the engine instead")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--decode-tokens", type=int, default=128)
@@ -109,7 +142,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.schemes = args.schemes or (SPEED_SCHEMES if args.speed else QUALITY_SCHEMES)
     t0 = time.monotonic()
-    info = speed(args) if args.speed else quality(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.requantize:
+            src = Path(args.model) if args.model else default_model_path()
+            args.model = str(requantize(src, Path(tmp) / f"{src.stem}.{args.requantize}.gguf",
+                                        gguf.GGMLQuantizationType[args.requantize]))
+        info = speed(args) if args.speed else quality(args)
     info["seconds"] = round(time.monotonic() - t0)
     if args.json:
         print(json.dumps(info, indent=1))

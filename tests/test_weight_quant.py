@@ -149,3 +149,18 @@ def test_default_model_gguf_blocks_follow_the_dequantized_model(smol_gguf, one_t
     assert llm.engine.loaded.quantization == "gguf"
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
+
+
+def test_weight_bytes_in_plan_stats_and_metrics(tiny_model_dir, tiny32):
+    from pagedkv.server.metrics import ServerMetrics
+    from pagedkv.sim.shapes import resolve_shape
+    r = subprocess.run([sys.executable, "-m", "pagedkv.cli", "plan", "--model", str(tiny_model_dir),
+                        "--quantization", "int8", "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    plain = resolve_shape(str(tiny_model_dir))
+    assert '"weight_bytes": %d' % plain.num_params in r.stdout   # one byte per weight
+    llm = LLM(tiny_model_dir, quantization="int8", dtype="float32", num_gpu_blocks_override=64)
+    held = llm.engine.stats().model_weight_bytes
+    assert held == llm.engine.loaded.model.weight_bytes() < 0.3 * tiny32.model.weight_bytes()
+    text = ServerMetrics(llm.engine, "tiny").render()[0].decode()
+    assert f'pagedkv:model_weight_bytes{{model_name="tiny"}} {float(held)}' in text
