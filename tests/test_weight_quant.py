@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -87,28 +88,47 @@ def test_int8_tiny_model_stays_close_to_float32(tiny_model_dir, tiny32, one_torc
 
 
 @pytest.fixture(scope="module")
-def int8_reference(tiny_model_dir):
-    llm = LLM(tiny_model_dir, quantization="int8", dtype="float32", num_gpu_blocks_override=256)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+def quantized_models(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    """quantization -> model: the tiny HF folder for int8, and a Q4_0 GGUF of it for gguf."""
+    from test_loaders import hf_to_gguf
+    q4 = hf_to_gguf(Path(tiny_model_dir), tmp_path_factory.mktemp("q4") / "tiny.Q4_0.gguf", QT.Q4_0)
+    return {"int8": str(tiny_model_dir), "gguf": str(q4)}
 
 
+def quantized_llm(models: dict[str, str], quantization: str, **options) -> LLM:
+    options.setdefault("num_gpu_blocks_override", 256)
+    return LLM(models[quantization], quantization=quantization, dtype="float32", **options)
+
+
+@pytest.fixture(scope="module")
+def references(quantized_models) -> dict[str, list[list[int]]]:
+    """Greedy outputs per quantization, one prompt at a time, with a roomy pool."""
+    refs = {}
+    for q in quantized_models:
+        llm = quantized_llm(quantized_models, q)
+        assert not isinstance(llm.engine.loaded.model.layers[0].o_proj, torch.Tensor)
+        refs[q] = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    return refs
+
+
+@pytest.mark.parametrize("quantization", ["int8", "gguf"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_quantized_outputs(tiny_model_dir, int8_reference, mode, one_torch_thread):
-    llm = LLM(tiny_model_dir, quantization="int8", dtype="float32", num_gpu_blocks_override=24, block_size=4,
-              preemption_mode=mode, swap_space="64MiB", max_num_batched_tokens=32)
+def test_preemption_keeps_quantized_outputs(quantized_models, references, quantization, mode, one_torch_thread):
+    llm = quantized_llm(quantized_models, quantization, num_gpu_blocks_override=24, block_size=4,
+                        preemption_mode=mode, swap_space="64MiB", max_num_batched_tokens=32)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == int8_reference
+    assert [o.outputs[0].token_ids for o in outs] == references[quantization]
 
 
-def test_prefix_cache_keeps_quantized_outputs(tiny_model_dir, int8_reference, one_torch_thread):
-    llm = LLM(tiny_model_dir, quantization="int8", dtype="float32", num_gpu_blocks_override=256, block_size=4,
-              max_num_batched_tokens=7)
+@pytest.mark.parametrize("quantization", ["int8", "gguf"])
+def test_prefix_cache_keeps_quantized_outputs(quantized_models, references, quantization, one_torch_thread):
+    llm = quantized_llm(quantized_models, quantization, block_size=4, max_num_batched_tokens=7)
     first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert again[3].num_cached_tokens > 0
-    assert [o.outputs[0].token_ids for o in first] == int8_reference
-    assert [o.outputs[0].token_ids for o in again] == int8_reference
+    assert [o.outputs[0].token_ids for o in first] == references[quantization]
+    assert [o.outputs[0].token_ids for o in again] == references[quantization]
 
 
 def test_bad_quantization_values(tiny_model_dir):
