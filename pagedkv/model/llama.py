@@ -22,7 +22,8 @@ from pagedkv.attention.paged import AttentionMetadata, Cache, paged_attention, w
 from pagedkv.config import ConfigError
 from pagedkv.model import ops
 from pagedkv.model.config import LlamaConfig
-from pagedkv.model.quant_linear import Blocks, Int8Weight, QuantWeight, embed, linear, to_kernel, weight_nbytes
+from pagedkv.model.quant_linear import (Blocks, Int8Weight, QuantWeight, embed, linear, to_embedding, to_kernel,
+                                        weight_nbytes)
 
 QUANTIZATIONS = ("none", "int8", "gguf")
 MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
@@ -235,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _store(self, owner: nn.Module, target: str, value: Tensor | Blocks, name: str) -> None:
         """Copy a weight in, or (quantized model, matmul weight) replace the parameter with its
-        quantized form. Embeddings become per-row int8: rows are looked up one at a time."""
+        quantized form."""
         if self.quantization == "none" or target not in MATMUL_WEIGHTS:
             value = value.dequantize() if isinstance(value, Blocks) else value
             self._copy(owner.get_parameter(target), value, name)
@@ -244,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         if tuple(value.shape) != expected:
             raise ConfigError(f"weight {name} has shape {tuple(value.shape)}, expected {expected}")
         if isinstance(value, Blocks):
-            weight = Int8Weight.quantize(value.dequantize()) if target == "embed_tokens" else to_kernel(value)
+            weight = to_embedding(value) if target == "embed_tokens" else to_kernel(value)
         elif self.quantization == "int8":
             weight = Int8Weight.quantize(value)
         else:   # gguf: a float tensor in the file stays float

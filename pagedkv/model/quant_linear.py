@@ -33,6 +33,7 @@ from torch import Tensor
 
 ACT_DTYPE = torch.bfloat16          # what the packed kernels take and return
 INT4_GROUPS = (32, 64, 128)         # group sizes aten's int4 CPU kernel accepts
+_BLOCK_N = 64                       # aten's CPU int4 layout: [N/64, K, 32] bytes; low nibbles rows 0-31
 
 
 @dataclass
@@ -46,6 +47,17 @@ class Int4Weight:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.reshape(-1, self.shape[1]).to(ACT_DTYPE).contiguous(), self.packed, self.group, self.scales_zeros)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """Embedding lookup: the looked-up rows unpacked from aten's layout (N a multiple of 64)."""
+        n, k = self.shape
+        block, j = ids // _BLOCK_N, ids % _BLOCK_N
+        half = _BLOCK_N // 2
+        raw = self.packed.view(n // _BLOCK_N, k, half)[block, :, j % half]             # [T, K] bytes
+        q = (raw >> (4 * (j >= half)).to(torch.uint8)[:, None]) & 15
+        scale, zero = self.scales_zeros[:, ids].float().unbind(-1)                    # [K / group, T]
+        w = (q.float().view(-1, k // self.group, self.group) - 8) * scale.t()[..., None] + zero.t()[..., None]
+        return w.view(-1, k).to(dtype)
 
     @property
     def nbytes(self) -> int:
@@ -94,8 +106,10 @@ def linear(x: Tensor, w: Tensor | QuantWeight) -> Tensor:
     return F.linear(x, w) if isinstance(w, Tensor) else w.mm(x)
 
 
-def embed(ids: Tensor, w: Tensor | Int8Weight, dtype: torch.dtype) -> Tensor:
-    return F.embedding(ids, w) if isinstance(w, Tensor) else w.rows(ids, dtype)
+def embed(ids: Tensor, w: Tensor | QuantWeight, dtype: torch.dtype) -> Tensor:
+    if isinstance(w, Tensor):
+        return F.embedding(ids, w)
+    return w.rows(ids.flatten(), dtype).view(*ids.shape, w.shape[1])
 
 
 def weight_nbytes(w: Tensor | QuantWeight) -> int:
@@ -152,6 +166,12 @@ def pack_int4(b: Blocks) -> Int4Weight:
     sz = torch.stack([b.scale, zero + 8 * b.scale], dim=-1).transpose(0, 1).to(ACT_DTYPE).contiguous()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(b.q.to(torch.int32).contiguous(), 1)
     return Int4Weight(packed, sz, b.group, (n, k))
+
+
+def to_embedding(b: Blocks) -> QuantWeight:
+    """An embedding (often tied to lm_head) looks rows up: int4 only where rows can be unpacked."""
+    w = to_kernel(b)
+    return w if isinstance(w, Int8Weight) or b.q.shape[0] % _BLOCK_N == 0 else Int8Weight.quantize(b.dequantize())
 
 
 def to_kernel(b: Blocks) -> QuantWeight:

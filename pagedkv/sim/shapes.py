@@ -97,8 +97,7 @@ def gguf_resident_bytes(reader, quantization: str) -> int:
     for t in reader.tensors:
         dims = [int(n) for n in t.shape.tolist()]
         shape = (dims[1], dims[0]) if len(dims) == 2 else (1, int(t.n_elements))
-        embedding = t.name == "token_embd.weight" and quantization != "none"   # always int8 rows
-        total += resident_bytes(t.tensor_type, shape, "int8" if embedding else quantization, 2)
+        total += resident_bytes(t.tensor_type, shape, quantization, 2)
     return total
 
 
