@@ -19,13 +19,12 @@ import torch
 from torch import Tensor, nn
 
 from pagedkv.attention.paged import AttentionMetadata, Cache, paged_attention, write_kv
-from pagedkv.config import ConfigError
+from pagedkv.config import QUANTIZATIONS, ConfigError
 from pagedkv.model import ops
 from pagedkv.model.config import LlamaConfig
 from pagedkv.model.quant_linear import (Blocks, Int8Weight, QuantWeight, embed, linear, to_embedding, to_kernel,
                                         weight_nbytes)
 
-QUANTIZATIONS = ("none", "int8", "gguf")
 MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
 
 

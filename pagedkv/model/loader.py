@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.config import ConfigError, default_model_path
+from pagedkv.config import QUANTIZATIONS, ConfigError, default_model_path
 from pagedkv.model.config import Checkpoint, LlamaConfig
 from pagedkv.model.gguf_loader import load_gguf
 from pagedkv.model.hf_loader import load_hf
-from pagedkv.model.llama import QUANTIZATIONS, LlamaForCausalLM
+from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

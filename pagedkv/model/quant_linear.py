@@ -53,11 +53,11 @@ class Int4Weight:
         n, k = self.shape
         block, j = ids // _BLOCK_N, ids % _BLOCK_N
         half = _BLOCK_N // 2
-        raw = self.packed.view(n // _BLOCK_N, k, half)[block, :, j % half]             # [T, K] bytes
+        raw = self.packed.view(n // _BLOCK_N, k, half)[block, :, j % half]       # [T, K] bytes
         q = (raw >> (4 * (j >= half)).to(torch.uint8)[:, None]) & 15
-        scale, zero = self.scales_zeros[:, ids].float().unbind(-1)                    # [K / group, T]
-        w = (q.float().view(-1, k // self.group, self.group) - 8) * scale.t()[..., None] + zero.t()[..., None]
-        return w.view(-1, k).to(dtype)
+        scale, zero = self.scales_zeros[:, ids].float().unbind(-1)              # [K / group, T]
+        q = q.float().view(-1, k // self.group, self.group) - 8
+        return (q * scale.t()[..., None] + zero.t()[..., None]).view(-1, k).to(dtype)
 
     @property
     def nbytes(self) -> int:
@@ -145,7 +145,8 @@ class Blocks:
 
     def map_rows(self, fn) -> "Blocks":
         """The same function (a row permutation) applied to codes, scales and zeros."""
-        return Blocks(fn(self.q), fn(self.scale), None if self.zero is None else fn(self.zero), self.group, self.bits)
+        zero = None if self.zero is None else fn(self.zero)
+        return Blocks(fn(self.q), fn(self.scale), zero, self.group, self.bits)
 
     @staticmethod
     def cat(parts: list["Blocks"]) -> "Blocks":
@@ -171,7 +172,9 @@ def pack_int4(b: Blocks) -> Int4Weight:
 def to_embedding(b: Blocks) -> QuantWeight:
     """An embedding (often tied to lm_head) looks rows up: int4 only where rows can be unpacked."""
     w = to_kernel(b)
-    return w if isinstance(w, Int8Weight) or b.q.shape[0] % _BLOCK_N == 0 else Int8Weight.quantize(b.dequantize())
+    if isinstance(w, Int8Weight) or b.q.shape[0] % _BLOCK_N == 0:
+        return w
+    return Int8Weight.quantize(b.dequantize())
 
 
 def to_kernel(b: Blocks) -> QuantWeight:
