@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as QT
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ConfigError
 from pagedkv.model.loader import load_model
-from pagedkv.model.quant_linear import ACT_DTYPE, Int4Weight, Int8Weight, blocks_from_gguf, to_kernel
+from pagedkv.model.quant_linear import ACT_DTYPE, Int4Weight, Int8Weight, blocks_from_gguf, gguf_weight
 from test_loaders import block_q4_0, block_q4_1, block_q4_k, block_q6_k, block_q8_0
 from test_model_vs_hf import PagedDriver, Seq
 
@@ -44,9 +44,10 @@ def test_packing_round_trip_equals_gguf_dequantization(qtype, one_torch_thread):
     want = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
     blocks = blocks_from_gguf(raw, qtype, tuple(want.shape))
     assert torch.equal(blocks.dequantize(), want)           # codes, scales, zeros read exactly
-    packed = to_kernel(blocks)
+    packed = gguf_weight(blocks, "embed_tokens", torch.float32)
     got = kernel_weights(packed)
     if qtype in (QT.Q4_0, QT.Q4_1, QT.Q4_K):
+        assert isinstance(gguf_weight(blocks, "gate_up_proj", torch.float32), Int4Weight)
         assert isinstance(packed, Int4Weight)
         # the same 4-bit codes: only scales and zeros are rounded to bfloat16 (and the product read back)
         s = blocks.scale.to(ACT_DTYPE).float().repeat_interleave(blocks.group, 1)
@@ -60,7 +61,9 @@ def test_packing_round_trip_equals_gguf_dequantization(qtype, one_torch_thread):
         ids = torch.tensor([0, 1, 31, 32, 33, 63, 64, 127, 5])                    # embedding lookups
         torch.testing.assert_close(packed.rows(ids, torch.float32), exact[ids], rtol=2**-7, atol=1e-6)
     else:
-        # no torch kernel runs these blocks: re-quantized per row, at most half an int8 step off
+        # no torch kernel runs these blocks: other matrices are dequantized, exactly in float32 ...
+        assert torch.equal(gguf_weight(blocks, "down_proj", torch.float32), want)
+        # ... and the vocabulary ones re-quantized per row, at most half an int8 step off
         assert isinstance(packed, Int8Weight)
         row_step = want.abs().amax(1, keepdim=True) / 127
         assert ((got - want).abs() <= 0.51 * row_step + 2**-7 * want.abs()).all()
@@ -68,7 +71,7 @@ def test_packing_round_trip_equals_gguf_dequantization(qtype, one_torch_thread):
 
 def test_rows_not_a_multiple_of_16_fall_back_to_int8():
     raw = random_tensor(QT.Q4_0, rows=24, cols=64)
-    assert isinstance(to_kernel(blocks_from_gguf(raw, QT.Q4_0, (24, 64))), Int8Weight)
+    assert isinstance(gguf_weight(blocks_from_gguf(raw, QT.Q4_0, (24, 64)), "o_proj", torch.float32), Int8Weight)
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,7 @@ from pagedkv.attention.paged import AttentionMetadata, Cache, paged_attention, w
 from pagedkv.config import QUANTIZATIONS, ConfigError
 from pagedkv.model import ops
 from pagedkv.model.config import LlamaConfig
-from pagedkv.model.quant_linear import (Blocks, Int8Weight, QuantWeight, embed, linear, to_embedding, to_kernel,
-                                        weight_nbytes)
+from pagedkv.model.quant_linear import Blocks, Int8Weight, QuantWeight, embed, gguf_weight, linear, weight_nbytes
 
 MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
 
@@ -244,12 +243,12 @@ class LlamaForCausalLM(nn.Module):
         if tuple(value.shape) != expected:
             raise ConfigError(f"weight {name} has shape {tuple(value.shape)}, expected {expected}")
         if isinstance(value, Blocks):
-            weight = to_embedding(value) if target == "embed_tokens" else to_kernel(value)
+            weight = gguf_weight(value, target, self.dtype)
         elif self.quantization == "int8":
             weight = Int8Weight.quantize(value)
         else:   # gguf: a float tensor in the file stays float
-            weight = nn.Parameter(value.to(self.dtype), requires_grad=False)
-        _replace(owner, target, weight)
+            weight = value.to(self.dtype)
+        _replace(owner, target, nn.Parameter(weight, requires_grad=False) if isinstance(weight, Tensor) else weight)
 
     @staticmethod
     def _copy(param: nn.Parameter, tensor: Tensor, name: str) -> None:
@@ -270,11 +269,9 @@ def _replace(owner: nn.Module, name: str, weight: Tensor | QuantWeight) -> None:
 
 def _join(parts: list[Tensor | Blocks]) -> Tensor | Blocks:
     """Concatenate the parts of a fused weight (q/k/v, gate/up) along the output rows. Blocks of
-    different kinds (Q4_K_M files keep some v in Q6_K) meet as per-row int8."""
+    different kinds (Q4_K_M files keep some v in Q6_K) meet dequantized."""
     if len(parts) == 1:
         return parts[0]
-    if all(isinstance(p, Blocks) for p in parts):
-        if Blocks.compatible(parts):
-            return Blocks.cat(parts)
-        return Blocks.cat([Blocks.per_row_int8(p.dequantize()) for p in parts])
+    if all(isinstance(p, Blocks) for p in parts) and Blocks.compatible(parts):
+        return Blocks.cat(parts)
     return torch.cat([p.dequantize() if isinstance(p, Blocks) else p for p in parts])

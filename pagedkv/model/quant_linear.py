@@ -9,12 +9,12 @@ activations (the float32 versions of these ops are 10-20x slower, measured):
   onto it with the same 4-bit codes; only the scales and zeros are rounded from
   float16 to bfloat16 (relative error <= 2^-9, far below one 4-bit step).
 - `Int8Weight`: int8 per output channel with one scale per row
-  (`aten._weight_int8pack_mm`). Used for `--quantization int8`, and for GGUF
-  types no torch kernel runs as they are (Q8_0's per-32 scales, Q6_K's 6-bit
-  codes with per-16 scales): those are re-quantized per row, which adds at most
-  half a step of rowmax/127 to each weight.
-- plain tensors (`--quantization none`, and GGUF tensors of other types,
-  dequantized to the model's dtype).
+  (`aten._weight_int8pack_mm`). Used for `--quantization int8`, and under
+  gguf for the embedding and lm_head in types no torch kernel runs as they are
+  (Q8_0's per-32 scales, Q6_K's 6-bit codes with per-16 scales): re-quantized
+  per row, which adds at most half a step of rowmax/127 to each weight.
+- plain tensors (`--quantization none`; under gguf, Q8_0/Q6_K matrices other
+  than those two and tensors of other types, dequantized to the model's dtype).
 
 `Blocks` is the loader's form of a GGUF tensor before the kernel layout is
 chosen: codes, scales and zeros per group, so q/k rows can be permuted and
@@ -131,11 +131,6 @@ class Blocks:
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
-    @classmethod
-    def per_row_int8(cls, w: Tensor) -> "Blocks":
-        i8 = Int8Weight.quantize(w)
-        return cls(i8.q, i8.scale.float()[:, None], None, w.shape[1], 8)
-
     def dequantize(self) -> Tensor:
         n, k = self.q.shape
         w = self.q.float().view(n, k // self.group, self.group) * self.scale[..., None]
@@ -169,19 +164,21 @@ def pack_int4(b: Blocks) -> Int4Weight:
     return Int4Weight(packed, sz, b.group, (n, k))
 
 
-def to_embedding(b: Blocks) -> QuantWeight:
-    """An embedding (often tied to lm_head) looks rows up: int4 only where rows can be unpacked."""
-    w = to_kernel(b)
-    if isinstance(w, Int8Weight) or b.q.shape[0] % _BLOCK_N == 0:
-        return w
-    return Int8Weight.quantize(b.dequantize())
+def gguf_weight(b: Blocks, target: str, dtype: torch.dtype) -> Tensor | QuantWeight:
+    """What --quantization gguf holds for a GGUF matrix (target: our weight's name).
 
-
-def to_kernel(b: Blocks) -> QuantWeight:
-    """4-bit blocks run as they are; 6- and 8-bit ones are re-quantized per row to int8 (and 4-bit
-    ones whose row count the int4 packing cannot take: it wants a multiple of 16)."""
+    4-bit blocks run as they are (int4; per-row int8 where aten's packing cannot take the row count).
+    6- and 8-bit blocks (Q6_K, Q8_0) have no exact kernel: the vocabulary matrices (embedding,
+    lm_head) become per-row int8, which cost nothing measurable on Q8_0; the others are
+    dequantized to `dtype`, since per-row int8 of a whole Q8_0 model cost +0.45% perplexity
+    (float32 model) and +0.72% (bfloat16), over the 0.5% Q8_0 is allowed (BENCHMARKS.md).
+    """
+    vocab = target in ("embed_tokens", "lm_head")
     if b.bits == 4 and b.group in INT4_GROUPS and b.q.shape[0] % 16 == 0:
-        return pack_int4(b)
+        if target != "embed_tokens" or b.q.shape[0] % _BLOCK_N == 0:   # rows() unpacks 64-row blocks
+            return pack_int4(b)
+    elif not (vocab or b.bits == 4):
+        return b.dequantize().to(dtype)
     return Int8Weight.quantize(b.dequantize())
 
 
@@ -233,11 +230,14 @@ def blocks_from_gguf(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> Bloc
                   None if zero is None else as_t(zero.astype(np.float32)).reshape(n, -1), group, bits)
 
 
-def resident_bytes(qtype: QT, shape: tuple[int, int], quantization: str, dtype_bytes: int) -> int:
-    """Bytes one weight matrix takes in memory under `quantization` (what `pagedkv plan` shows)."""
+def resident_bytes(qtype: QT, shape: tuple[int, int], quantization: str, dtype_bytes: int,
+                   vocab: bool = False) -> int:
+    """Bytes one weight matrix (vocab: the embedding or lm_head) takes in memory under
+    `quantization`, as gguf_weight decides (what `pagedkv plan` shows)."""
     n, k = shape
-    if quantization == "int8" or (quantization == "gguf" and qtype in (QT.Q8_0, QT.Q6_K)):
+    eight_bit = qtype in (QT.Q8_0, QT.Q6_K)
+    if quantization == "int8" or (quantization == "gguf" and eight_bit and vocab):
         return n * k + 2 * n
-    if quantization == "gguf" and qtype in KEPT_TYPES:
+    if quantization == "gguf" and qtype in KEPT_TYPES and not eight_bit:
         return n * k // 2 + 2 * 2 * n * (k // 32)
     return n * k * dtype_bytes

@@ -97,7 +97,8 @@ def gguf_resident_bytes(reader, quantization: str) -> int:
     for t in reader.tensors:
         dims = [int(n) for n in t.shape.tolist()]
         shape = (dims[1], dims[0]) if len(dims) == 2 else (1, int(t.n_elements))
-        total += resident_bytes(t.tensor_type, shape, quantization, 2)
+        vocab = t.name in ("token_embd.weight", "output.weight")
+        total += resident_bytes(t.tensor_type, shape, quantization, 2, vocab)
     return total
 
 
