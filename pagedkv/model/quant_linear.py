@@ -1,13 +1,16 @@
 """Weights kept at low precision, and the one `linear(x, w)` the forward calls.
 
-Three holders, all multiplied by torch's packed CPU kernels, which want bfloat16
-activations (the float32 versions of these ops are 10-20x slower, measured):
+Two quantized holders, multiplied by torch's packed CPU kernels, which want
+bfloat16 activations and scales (their float32 versions are 20-40x slower,
+measured), and plain tensors:
 
 - `Int4Weight`: 4 bits per weight, a scale and a zero per group of 32 along K
   (`aten._weight_int4pack_mm_for_cpu`, w = (q - 8) * scale + zero). GGUF's
   Q4_0 (d, zero -8d), Q4_1 (d, m) and Q4_K (per-32 sub-block d*sc, -dmin*m) map
   onto it with the same 4-bit codes; only the scales and zeros are rounded from
-  float16 to bfloat16 (relative error <= 2^-9, far below one 4-bit step).
+  float16 to bfloat16 (a relative error <= 2^-9 of each). Every step, prefill
+  included, goes through the kernel: a dense path for many rows would make
+  results depend on a step's row count (BENCHMARKS.md).
 - `Int8Weight`: int8 per output channel with one scale per row
   (`aten._weight_int8pack_mm`). Used for `--quantization int8`, and under
   gguf for the embedding and lm_head in types no torch kernel runs as they are
