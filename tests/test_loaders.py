@@ -244,8 +244,9 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_to_gguf(folder: Path, out: Path) -> Path:
-    """The tiny HF model as llama.cpp would convert it (float32, permuted q/k, GPT-2 BPE vocab)."""
+def hf_to_gguf(folder: Path, out: Path, qtype: QT | None = None) -> Path:
+    """The tiny HF model as llama.cpp would convert it (float32, permuted q/k, GPT-2 BPE vocab);
+    with qtype, its matrices quantized by gguf's own quantizer."""
     from safetensors.numpy import load_file
     cfg = json.loads((folder / "config.json").read_text())
     tok = json.loads((folder / "tokenizer.json").read_text())
@@ -292,6 +293,8 @@ def hf_to_gguf(folder: Path, out: Path) -> Path:
         elif part == "attn_k":
             w = llama_cpp_permute(w, kv_heads)
         tensors[f"blk.{layer}.{part}.weight"] = w
+    if qtype is not None:
+        tensors = {k: (gguf.quants.quantize(w, qtype), qtype) if w.ndim == 2 else w for k, w in tensors.items()}
     return write_gguf(out, tensors=tensors, meta=meta)
 
 

@@ -66,6 +66,7 @@ class EngineStats:
     spec_num_drafts: int = 0       # speculative decoding (spec_decode.py): steps that drafted,
     spec_num_draft_tokens: int = 0     # tokens drafted,
     spec_num_accepted_tokens: int = 0  # and drafts accepted
+    model_weight_bytes: int = 0    # resident weights (after --quantization)
 
 
 def pick_device() -> torch.device:
@@ -164,9 +165,16 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()
         t0 = time.monotonic()
-        self.loaded = loaded or load_model(config.model, config.dtype, self.device)
+        quantization = config.quantization
+        if config.tensor_parallel_size > 1:    # shards are cut from dense weights
+            if quantization not in (None, "none"):
+                raise ConfigError(f"--tensor-parallel-size > 1 does not support --quantization {quantization} yet")
+            quantization = "none"
+        self.loaded = loaded or load_model(config.model, config.dtype, self.device, quantization)
         dtype = self.loaded.model.dtype    # 'auto' was resolved for this model and device
-        log.info("loaded %s in %.1fs", self.loaded.name, time.monotonic() - t0)
+        self.weight_bytes = self.loaded.model.weight_bytes()
+        log.info("loaded %s in %.1fs: weights %s (quantization %s)", self.loaded.name, time.monotonic() - t0,
+                 format_size(self.weight_bytes), self.loaded.quantization)
         self.tokenizer = self.loaded.tokenizer
         apply_engine_options(self, config)   # seed, chat template, generation defaults
         mc = self.loaded.config
@@ -488,7 +496,8 @@ class LLMEngine:
             offload_saved_blocks=self.offload.stats().saved if self.offload else 0,
             offload_disk_writes_dropped=self.offload.stats().writes_dropped if self.offload else 0,
             spec_num_drafts=self.spec_stats.num_drafts, spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens)
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            model_weight_bytes=self.weight_bytes)
 
     def kv_snapshot(self) -> dict:
         return self.kv.snapshot()

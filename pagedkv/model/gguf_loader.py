@@ -1,7 +1,8 @@
 """Llama-family models from GGUF files (llama.cpp's format).
 
 Tensors are dequantized to float32 with `gguf.quants` (vectorised numpy,
-a whole tensor at a time) and renamed to Hugging Face names. llama.cpp's
+a whole tensor at a time), or kept as their quantized blocks for
+`--quantization gguf` (quant_linear.Blocks), and renamed to Hugging Face names. llama.cpp's
 converter interleaves the two RoPE halves of every q/k head
 (rows h*D + 2i + j  <-  HF rows h*D + j*D/2 + i); we undo that so the
 weights match the HF layout the forward expects.
@@ -9,7 +10,7 @@ weights match the HF layout the forward expects.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from pagedkv.config import ConfigError
 from pagedkv.model.config import Checkpoint, LlamaConfig
+from pagedkv.model.quant_linear import KEPT_TYPES, Blocks, blocks_from_gguf
 from pagedkv.model.tokenizer import Tokenizer
 
 # general.architecture values whose tensors and forward are Llama's (llama.cpp files Mistral-style
@@ -132,8 +134,13 @@ def unpermute_rope(w: Tensor, num_heads: int) -> Tensor:
     return w.reshape(num_heads, out_dim // num_heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
-def iter_weights(reader: gguf.GGUFReader, config: LlamaConfig) -> Iterator[tuple[str, Tensor]]:
-    """(HF name, float32 tensor) one at a time, so a big model never sits dequantized all at once."""
+def iter_weights(reader: gguf.GGUFReader, config: LlamaConfig,
+                 keep_blocks: bool = False) -> Iterator[tuple[str, Tensor | Blocks]]:
+    """(HF name, float32 tensor) one at a time, so a big model never sits dequantized all at once.
+
+    keep_blocks (--quantization gguf): tensors of the types quant_linear runs come as Blocks
+    (the file's own codes and scales) instead.
+    """
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # folded into config.rope_scaling
@@ -144,18 +151,26 @@ def iter_weights(reader: gguf.GGUFReader, config: LlamaConfig) -> Iterator[tuple
             name = _NAMES[t.name]
         else:
             raise ConfigError(f"unexpected tensor {t.name!r} in a Llama GGUF file")
-        w = torch.from_numpy(dequantize(t))
+        if keep_blocks and t.tensor_type in KEPT_TYPES and len(t.shape) == 2:
+            shape = (int(t.shape[1]), int(t.shape[0]))
+            w = blocks_from_gguf(t.data, t.tensor_type, shape)
+        else:
+            w = torch.from_numpy(dequantize(t))
         if m and m.group(2) == "attn_q":
-            w = unpermute_rope(w, config.num_attention_heads)
+            w = _rows(w, lambda x: unpermute_rope(x, config.num_attention_heads))
         elif m and m.group(2) == "attn_k":
-            w = unpermute_rope(w, config.num_key_value_heads)
+            w = _rows(w, lambda x: unpermute_rope(x, config.num_key_value_heads))
         yield name, w
 
 
-def load_gguf(path: Path) -> Checkpoint:
+def _rows(w: Tensor | Blocks, fn: Callable[[Tensor], Tensor]) -> Tensor | Blocks:
+    return w.map_rows(fn) if isinstance(w, Blocks) else fn(w)
+
+
+def load_gguf(path: Path, keep_blocks: bool = False) -> Checkpoint:
     reader = open_gguf(path)
     meta = read_metadata(reader)
     config = config_from_metadata(meta, reader)
     return Checkpoint(config=config, tokenizer=Tokenizer.from_gguf_metadata(meta),
-                      weights=iter_weights(reader, config), files=[path],
+                      weights=iter_weights(reader, config, keep_blocks), files=[path],
                       max_model_len=config.max_position_embeddings)

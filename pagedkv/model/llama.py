@@ -6,7 +6,8 @@ metadata says where its K/V goes and what it reads. To keep the number of
 torch ops per layer small, q/k/v are one fused weight and gate/up another
 (built at load time from the Hugging Face tensors), and the work between the
 matmuls is one call each (ops.py): the residual add with RMSNorm, RoPE with
-the K/V store, SiLU with the up projection's product.
+the K/V store, SiLU with the up projection's product. The matmul weights may
+be quantized (--quantization, quant_linear.py): `linear` takes either form.
 """
 from __future__ import annotations
 
@@ -15,17 +16,20 @@ import re
 from collections.abc import Iterable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedkv.attention.paged import AttentionMetadata, Cache, paged_attention, write_kv
-from pagedkv.config import ConfigError
+from pagedkv.config import QUANTIZATIONS, ConfigError
 from pagedkv.model import ops
 from pagedkv.model.config import LlamaConfig
+from pagedkv.model.quant_linear import Blocks, Int8Weight, QuantWeight, embed, gguf_weight, linear, weight_nbytes
+
+MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+def _param(*shape: int, dtype: torch.dtype, device: str | None = None) -> nn.Parameter:
+    """device "meta" for a weight that loading replaces with a quantized one (no memory until then)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 def rope_inv_freq(config: LlamaConfig) -> Tensor:
@@ -96,7 +100,7 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: str | None = None) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -105,14 +109,18 @@ class DecoderLayer(nn.Module):
         self.scale = c.head_dim ** -0.5
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, c.hidden_size, dtype=dtype)
-        self.o_proj = _param(c.hidden_size, self.q_size, dtype=dtype)
-        self.gate_up_proj = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype)
-        self.down_proj = _param(c.hidden_size, c.intermediate_size, dtype=dtype)
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, c.hidden_size, dtype=dtype, device=device)
+        self.o_proj = _param(c.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.gate_up_proj = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype, device=device)
+        self.down_proj = _param(c.hidden_size, c.intermediate_size, dtype=dtype, device=device)
         self.eps = c.rms_norm_eps
-        # Plain references for forward: nn.Module finds parameters through a slow __getattr__, a
-        # cost paid ~10 times per layer per step. (The Parameter objects stay the same when
-        # weights are loaded or the module is moved: their data changes in place.)
+        self.refresh_weights()
+
+    def refresh_weights(self) -> None:
+        """Plain references for forward: nn.Module finds parameters through a slow __getattr__, a
+        cost paid ~10 times per layer per step. (Parameter objects stay the same when weights are
+        loaded or the module is moved: their data changes in place; a quantized weight replaces
+        its parameter, so loading calls this again.)"""
         self.__dict__["_weights"] = (self.input_layernorm.weight, self.qkv_proj, self.o_proj,
                                      self.post_attention_layernorm.weight, self.gate_up_proj, self.down_proj)
         # Tensor parallelism (distributed/shard.py) sets this: it sums the ranks' partial outputs
@@ -126,15 +134,15 @@ class DecoderLayer(nn.Module):
         norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj = self._weights
         tokens = x.shape[0]
         h, residual = ops.rms_norm(x, norm1, self.eps, residual)
-        qkv = F.linear(h, qkv_proj)
+        qkv = linear(h, qkv_proj)
         q = rotary.apply(qkv, self.num_heads, self.num_kv_heads, positions, kv_cache, meta)
         attn = paged_attention(q, *kv_cache, meta, self.scale)
-        o = F.linear(attn.reshape(tokens, self.q_size), o_proj)
+        o = linear(attn.reshape(tokens, self.q_size), o_proj)
         reduce = self.all_reduce
         if reduce is not None:
             reduce(o)
         h, residual = ops.rms_norm(o, norm2, self.eps, residual)
-        out = F.linear(ops.silu_mul(F.linear(h, gate_up_proj)), down_proj)
+        out = linear(ops.silu_mul(linear(h, gate_up_proj)), down_proj)
         if reduce is not None:
             reduce(out)
         return out, residual
@@ -153,21 +161,28 @@ _PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
+                 quantization: str = "none") -> None:
+        """quantization: "none", "int8" (per-row int8 of any float weights) or "gguf" (the GGUF
+        file's own blocks, which load_weights then receives as quant_linear.Blocks)."""
         super().__init__()
+        if quantization not in QUANTIZATIONS:
+            raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.quantization = quantization
+        late = None if quantization == "none" else "meta"
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=late)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, late) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
-                        else _param(config.vocab_size, config.hidden_size, dtype=dtype))
+                        else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=late))
         self.rotary = Rotary(config)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 meta: AttentionMetadata) -> Tensor:
         """Hidden states [T, hidden] (after the final norm) of the step's new tokens."""
-        x, residual = F.embedding(input_ids, self.embed_tokens), None
+        x, residual = embed(input_ids, self.embed_tokens, self.dtype), None
         rotary = self.rotary
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer.forward(x, residual, rotary, positions, kv_cache, meta)   # (no hooks: saves ~2 us)
@@ -175,7 +190,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, vocab] float32 logits of the rows the sampler needs."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of all weights (a tied embedding counted once)."""
+        found = {id(p): p for p in self.parameters()}
+        for owner in (self, *self.layers):
+            for name in MATMUL_WEIGHTS:
+                w = owner.__dict__.get(name)
+                if w is not None:
+                    found[id(w)] = w
+        return sum(weight_nbytes(w) for w in found.values())
 
     def load_weights(self, weights: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up.
@@ -196,12 +221,12 @@ class LlamaForCausalLM(nn.Module):
                 parts[index] = tensor
                 if all(p is not None for p in parts):
                     full = f"model.layers.{layer}.{target}"
-                    self._copy(self.layers[layer].get_parameter(target), torch.cat(parts), full)
+                    self._store(self.layers[layer], target, _join(parts), full)
                     done.add(full)
                     del pending[(layer, target)]
             elif name in _TOP:
                 if name != "lm_head.weight" or not self.config.tie_word_embeddings:
-                    self._copy(self.get_parameter(_TOP[name]), tensor, name)
+                    self._store(self, _TOP[name], tensor, name)
                 done.add(name)
             elif not name.endswith("rotary_emb.inv_freq"):
                 raise ConfigError(f"unexpected weight {name!r} for a Llama model")
@@ -212,6 +237,28 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(required - done)
         if missing:
             raise ConfigError(f"missing weights: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+        if self.config.tie_word_embeddings and not isinstance(self.embed_tokens, nn.Parameter):
+            _replace(self, "lm_head", self.embed_tokens)
+        for layer in self.layers:
+            layer.refresh_weights()
+
+    def _store(self, owner: nn.Module, target: str, value: Tensor | Blocks, name: str) -> None:
+        """Copy a weight in, or (quantized model, matmul weight) replace the parameter with its
+        quantized form."""
+        if self.quantization == "none" or target not in MATMUL_WEIGHTS:
+            value = value.dequantize() if isinstance(value, Blocks) else value
+            self._copy(owner.get_parameter(target), value, name)
+            return
+        expected = tuple(owner.get_parameter(target).shape)
+        if tuple(value.shape) != expected:
+            raise ConfigError(f"weight {name} has shape {tuple(value.shape)}, expected {expected}")
+        if isinstance(value, Blocks):
+            weight = gguf_weight(value, target, self.dtype)
+        elif self.quantization == "int8":
+            weight = Int8Weight.quantize(value)
+        else:   # gguf: a float tensor in the file stays float
+            weight = value.to(self.dtype)
+        _replace(owner, target, nn.Parameter(weight, requires_grad=False) if isinstance(weight, Tensor) else weight)
 
     @staticmethod
     def _copy(param: nn.Parameter, tensor: Tensor, name: str) -> None:
@@ -219,3 +266,22 @@ class LlamaForCausalLM(nn.Module):
             raise ConfigError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(tensor)
+
+
+def _replace(owner: nn.Module, name: str, weight: Tensor | QuantWeight) -> None:
+    """Swap a parameter for another weight object (nn.Module refuses a non-Parameter in its slot)."""
+    owner._parameters.pop(name, None)
+    if isinstance(weight, nn.Parameter):
+        owner.register_parameter(name, weight)
+    else:
+        owner.__dict__[name] = weight
+
+
+def _join(parts: list[Tensor | Blocks]) -> Tensor | Blocks:
+    """Concatenate the parts of a fused weight (q/k/v, gate/up) along the output rows. Blocks of
+    different kinds (Q4_K_M files keep some v in Q6_K) meet dequantized."""
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(p, Blocks) for p in parts) and Blocks.compatible(parts):
+        return Blocks.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, Blocks) else p for p in parts])

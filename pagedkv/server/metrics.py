@@ -50,6 +50,7 @@ _GAUGES = (
     ("kv_cache_free_blocks", "num_free_blocks", "Free blocks in the KV pool (cached or not)."),
     ("kv_cache_cached_blocks", "num_cached_blocks", "Blocks holding a reusable prefix."),
     ("kv_cache_capacity_tokens", "token_capacity", "Tokens the KV pool can hold."),
+    ("model_weight_bytes", "model_weight_bytes", "Resident bytes of the model weights (after --quantization)."),
 )
 _COUNTERS = (
     ("prefix_cache_queries", "prefix_queries", "Prompt tokens looked up in the prefix cache."),

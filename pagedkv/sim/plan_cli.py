@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagedkv.config import KV_CACHE_DTYPES, format_size, parse_size
+from pagedkv.config import KV_CACHE_DTYPES, QUANTIZATIONS, format_size, parse_size
 from pagedkv.sim.plan import Plan, check_budget, plan_capacity
 from pagedkv.sim.shapes import KNOWN_SHAPES, resolve_shape
 
@@ -15,6 +15,8 @@ def add_parser(subparsers) -> None:
     src.add_argument("--model", default=None, help="Hugging Face folder or .gguf (default: SmolLM2-135M-Instruct)")
     src.add_argument("--shape", default=None, choices=sorted(KNOWN_SHAPES), help="a known model shape")
     p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES, help="one KV dtype (default: all)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="weights as loaded: none (bfloat16), int8, gguf (default: gguf for a .gguf, else none)")
     p.add_argument("--memory", default="80GB", help="device memory, e.g. 80GB or 24GiB")
     p.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization", type=float,
                    default=0.9, help="fraction of --memory the engine may use")
@@ -48,7 +50,7 @@ def format_plan(plan: Plan) -> str:
 def run(args: argparse.Namespace) -> int:
     memory = parse_size(args.memory)
     check_budget(memory, args.memory_utilization, args.context, args.block_size)  # before reading a model
-    shape = resolve_shape(args.model, args.shape)
+    shape = resolve_shape(args.model, args.shape, args.quantization)
     dtypes = (args.kv_cache_dtype,) if args.kv_cache_dtype else KV_CACHE_DTYPES
     plan = plan_capacity(shape, memory=memory, memory_utilization=args.memory_utilization,
                          context=args.context, block_size=args.block_size, kv_dtypes=dtypes)

@@ -6,6 +6,7 @@ decoder-only model with standard multi-head / grouped-query attention works.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,8 +90,21 @@ def shape_from_config(folder: Path) -> ModelShape:
                       cfg.get("max_position_embeddings"))
 
 
-def shape_from_gguf(path: Path) -> ModelShape:
-    """A GGUF file: `<arch>.block_count`, `<arch>.attention.head_count_kv` ...; weights = tensor bytes."""
+def gguf_resident_bytes(reader, quantization: str) -> int:
+    """Bytes the weights take once loaded under --quantization (bfloat16 for dequantized ones)."""
+    from pagedkv.model.quant_linear import resident_bytes
+    total = 0
+    for t in reader.tensors:
+        dims = [int(n) for n in t.shape.tolist()]
+        shape = (dims[1], dims[0]) if len(dims) == 2 else (1, int(t.n_elements))
+        vocab = t.name in ("token_embd.weight", "output.weight")
+        total += resident_bytes(t.tensor_type, shape, quantization, 2, vocab)
+    return total
+
+
+def shape_from_gguf(path: Path, quantization: str | None = None) -> ModelShape:
+    """A GGUF file: `<arch>.block_count`, `<arch>.attention.head_count_kv` ...; weights = what they take
+    once loaded under `quantization` (None: the engine's default for a GGUF on CPU, gguf)."""
     from gguf import GGUFReader
 
     try:
@@ -113,21 +127,29 @@ def shape_from_gguf(path: Path) -> ModelShape:
     kv_heads = meta(f"{arch}.attention.head_count_kv", heads)
     head_dim = meta(f"{arch}.attention.key_length", hidden // heads)
     return ModelShape(path.stem, "gguf", int(layers), int(kv_heads), int(head_dim),
-                      sum(int(t.n_elements) for t in reader.tensors), sum(int(t.n_bytes) for t in reader.tensors),
+                      sum(int(t.n_elements) for t in reader.tensors), gguf_resident_bytes(reader, quantization or "gguf"),
                       int(meta(f"{arch}.context_length", 0)) or None)
 
 
-def resolve_shape(model: str | None = None, shape: str | None = None) -> ModelShape:
+def quantized(s: ModelShape, quantization: str | None) -> ModelShape:
+    """A float checkpoint's shape under --quantization: int8 holds one byte per weight."""
+    if quantization == "gguf":
+        raise ConfigError("--quantization gguf needs a .gguf model (use int8 for other models)")
+    return dataclasses.replace(s, weight_bytes=s.num_params) if quantization == "int8" else s
+
+
+def resolve_shape(model: str | None = None, shape: str | None = None,
+                  quantization: str | None = None) -> ModelShape:
     """--shape NAME, --model PATH (folder, config.json or .gguf), or the default model."""
     if shape is not None:
-        return shape_by_name(shape)
+        return quantized(shape_by_name(shape), quantization)
     path = Path(model) if model is not None else default_model_path()
     if path.is_dir():
-        return shape_from_config(path)
+        return quantized(shape_from_config(path), quantization)
     if path.name == "config.json" and path.is_file():
-        return shape_from_config(path.parent)
+        return quantized(shape_from_config(path.parent), quantization)
     if path.suffix.lower() == ".gguf" and path.is_file():
-        return shape_from_gguf(path)
+        return shape_from_gguf(path, quantization)
     if not path.exists():
         raise ConfigError(f"model not found: {path}")
     raise ConfigError(f"--model must be a Hugging Face folder with config.json or a .gguf file, got {path}")

@@ -1,0 +1,246 @@
+"""Weights kept at low precision, and the one `linear(x, w)` the forward calls.
+
+Two quantized holders, multiplied by torch's packed CPU kernels, which want
+bfloat16 activations and scales (their float32 versions are 20-40x slower,
+measured), and plain tensors:
+
+- `Int4Weight`: 4 bits per weight, a scale and a zero per group of 32 along K
+  (`aten._weight_int4pack_mm_for_cpu`, w = (q - 8) * scale + zero). GGUF's
+  Q4_0 (d, zero -8d), Q4_1 (d, m) and Q4_K (per-32 sub-block d*sc, -dmin*m) map
+  onto it with the same 4-bit codes; only the scales and zeros are rounded from
+  float16 to bfloat16 (a relative error <= 2^-9 of each). Every step, prefill
+  included, goes through the kernel: a dense path for many rows would make
+  results depend on a step's row count (BENCHMARKS.md).
+- `Int8Weight`: int8 per output channel with one scale per row
+  (`aten._weight_int8pack_mm`). Used for `--quantization int8`, and under
+  gguf for the embedding and lm_head in types no torch kernel runs as they are
+  (Q8_0's per-32 scales, Q6_K's 6-bit codes with per-16 scales): re-quantized
+  per row, which adds at most half a step of rowmax/127 to each weight.
+- plain tensors (`--quantization none`; under gguf, Q8_0/Q6_K matrices other
+  than those two and tensors of other types, dequantized to the model's dtype).
+
+`Blocks` is the loader's form of a GGUF tensor before the kernel layout is
+chosen: codes, scales and zeros per group, so q/k rows can be permuted and
+q/k/v parts concatenated before packing (the packed layout cannot be cut).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QT
+from torch import Tensor
+
+ACT_DTYPE = torch.bfloat16          # what the packed kernels take and return
+INT4_GROUPS = (32, 64, 128)         # group sizes aten's int4 CPU kernel accepts
+_BLOCK_N = 64                       # aten's CPU int4 layout: [N/64, K, 32] bytes; low nibbles rows 0-31
+
+
+@dataclass
+class Int4Weight:
+    packed: Tensor                   # uint8 [N, K/2], aten's CPU int4 layout
+    scales_zeros: Tensor             # bfloat16 [K/group, N, 2]
+    group: int
+    shape: tuple[int, int]           # (N, K)
+
+    def mm(self, x: Tensor) -> Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.shape[1]).to(ACT_DTYPE).contiguous(), self.packed, self.group, self.scales_zeros)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """Embedding lookup: the looked-up rows unpacked from aten's layout (N a multiple of 64)."""
+        n, k = self.shape
+        block, j = ids // _BLOCK_N, ids % _BLOCK_N
+        half = _BLOCK_N // 2
+        raw = self.packed.view(n // _BLOCK_N, k, half)[block, :, j % half]       # [T, K] bytes
+        q = (raw >> (4 * (j >= half)).to(torch.uint8)[:, None]) & 15
+        scale, zero = self.scales_zeros[:, ids].float().unbind(-1)              # [K / group, T]
+        q = q.float().view(-1, k // self.group, self.group) - 8
+        return (q * scale.t()[..., None] + zero.t()[..., None]).view(-1, k).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+@dataclass
+class Int8Weight:
+    q: Tensor                        # int8 [N, K]
+    scale: Tensor                    # bfloat16 [N]
+
+    @classmethod
+    def quantize(cls, w: Tensor) -> "Int8Weight":
+        """Symmetric per-row int8: scale = max|row| / 127."""
+        w = w.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(ACT_DTYPE)
+        q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q.contiguous(), scale.contiguous())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def mm(self, x: Tensor) -> Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.shape[1]).to(ACT_DTYPE).contiguous(),
+                                               self.q, self.scale)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """Embedding lookup: only the looked-up rows are dequantized."""
+        return F.embedding(ids, self.q).to(dtype) * self.scale[ids].to(dtype)[..., None]
+
+    def dequantize(self) -> Tensor:
+        return self.q.float() * self.scale.float()[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+
+QuantWeight = Int4Weight | Int8Weight
+
+
+def linear(x: Tensor, w: Tensor | QuantWeight) -> Tensor:
+    """x @ w.T for a plain or a quantized weight."""
+    return F.linear(x, w) if isinstance(w, Tensor) else w.mm(x)
+
+
+def embed(ids: Tensor, w: Tensor | QuantWeight, dtype: torch.dtype) -> Tensor:
+    if isinstance(w, Tensor):
+        return F.embedding(ids, w)
+    return w.rows(ids.flatten(), dtype).view(*ids.shape, w.shape[1])
+
+
+def weight_nbytes(w: Tensor | QuantWeight) -> int:
+    return w.nbytes if not isinstance(w, Tensor) else w.numel() * w.element_size()
+
+
+# ---------------------------------------------------------------------------- GGUF blocks
+
+@dataclass
+class Blocks:
+    """w[n, j] = q[n, j] * scale[n, j // group] + zero[n, j // group] (zero None: 0)."""
+    q: Tensor                        # [N, K] codes: uint8 0..15 (4 bits) or int8 (6 and 8 bits)
+    scale: Tensor                    # float32 [N, K / group]
+    zero: Tensor | None
+    group: int
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> Tensor:
+        n, k = self.q.shape
+        w = self.q.float().view(n, k // self.group, self.group) * self.scale[..., None]
+        if self.zero is not None:
+            w += self.zero[..., None]
+        return w.view(n, k)
+
+    def map_rows(self, fn) -> "Blocks":
+        """The same function (a row permutation) applied to codes, scales and zeros."""
+        zero = None if self.zero is None else fn(self.zero)
+        return Blocks(fn(self.q), fn(self.scale), zero, self.group, self.bits)
+
+    @staticmethod
+    def cat(parts: list["Blocks"]) -> "Blocks":
+        first = parts[0]
+        zeros = [p.zero if p.zero is not None else torch.zeros_like(p.scale) for p in parts]
+        return Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                      None if all(p.zero is None for p in parts) else torch.cat(zeros), first.group, first.bits)
+
+    @staticmethod
+    def compatible(parts: list["Blocks"]) -> bool:
+        return len({(p.bits, p.group, p.q.shape[1]) for p in parts}) == 1
+
+
+def pack_int4(b: Blocks) -> Int4Weight:
+    """Blocks of 4-bit codes -> aten's packed layout (torch's zero convention: w = (q - 8) * s + z)."""
+    n, k = b.q.shape
+    zero = b.zero if b.zero is not None else torch.zeros_like(b.scale)
+    sz = torch.stack([b.scale, zero + 8 * b.scale], dim=-1).transpose(0, 1).to(ACT_DTYPE).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(b.q.to(torch.int32).contiguous(), 1)
+    return Int4Weight(packed, sz, b.group, (n, k))
+
+
+def gguf_weight(b: Blocks, target: str, dtype: torch.dtype) -> Tensor | QuantWeight:
+    """What --quantization gguf holds for a GGUF matrix (target: our weight's name).
+
+    4-bit blocks run as they are (int4; per-row int8 where aten's packing cannot take the row count).
+    6- and 8-bit blocks (Q6_K, Q8_0) have no exact kernel: the vocabulary matrices (embedding,
+    lm_head) become per-row int8, which cost nothing measurable on Q8_0; the others are
+    dequantized to `dtype`, since per-row int8 of a whole Q8_0 model cost +0.45% perplexity
+    (float32 model) and +0.72% (bfloat16), over the 0.5% Q8_0 is allowed (BENCHMARKS.md).
+    """
+    vocab = target in ("embed_tokens", "lm_head")
+    if b.bits == 4 and b.group in INT4_GROUPS and b.q.shape[0] % 16 == 0:
+        if target != "embed_tokens" or b.q.shape[0] % _BLOCK_N == 0:   # rows() unpacks 64-row blocks
+            return pack_int4(b)
+    elif not (vocab or b.bits == 4):
+        return b.dequantize().to(dtype)
+    return Int8Weight.quantize(b.dequantize())
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16).astype(np.float32)[:, 0]
+
+
+def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
+    """[nb, bytes] -> [nb, bytes / chunk, 2, chunk]: low nibbles of a chunk of bytes, then high ones."""
+    q = qs.reshape(qs.shape[0], -1, 1, chunk) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return q & np.uint8(0x0F)
+
+
+def _parse(blocks: np.ndarray, qtype: QT) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
+    """codes [nb, block], scales [nb, groups], zeros or None, group, bits (layouts as in gguf.quants)."""
+    nb = blocks.shape[0]
+    if qtype == QT.Q8_0:
+        return blocks[:, 2:].copy().view(np.int8), _f16(blocks[:, :2])[:, None], None, 32, 8
+    if qtype in (QT.Q4_0, QT.Q4_1):
+        d = _f16(blocks[:, :2])[:, None]
+        zero = -8 * d if qtype == QT.Q4_0 else _f16(blocks[:, 2:4])[:, None]
+        qs = blocks[:, 2:] if qtype == QT.Q4_0 else blocks[:, 4:]
+        return _nibbles(qs, 16).reshape(nb, 32), d, zero, 32, 4
+    if qtype == QT.Q4_K:
+        d, dmin = _f16(blocks[:, :2])[:, None], _f16(blocks[:, 2:4])[:, None]
+        sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+        q = _nibbles(blocks[:, 16:], 32).reshape(nb, 256)
+        return q, d * sc.reshape(nb, 8), -dmin * m.reshape(nb, 8), 32, 4
+    if qtype == QT.Q6_K:
+        ql, qh = blocks[:, :128], blocks[:, 128:192]
+        sc, d = blocks[:, 192:208].copy().view(np.int8), _f16(blocks[:, 208:210])[:, None]
+        low = _nibbles(ql, 64).reshape(nb, -1, 32)
+        high = (qh.reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        q = (low | (high.reshape(nb, -1, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
+        return q.reshape(nb, 256), d * sc, None, 16, 6
+    raise NotImplementedError(qtype.name)
+
+
+KEPT_TYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K)
+
+
+def blocks_from_gguf(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> Blocks:
+    """A GGUF tensor's raw bytes ([N, bytes per row] uint8) as Blocks of the row-major `shape`."""
+    n, k = shape
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    q, scale, zero, group, bits = _parse(np.ascontiguousarray(raw).reshape(-1, block_bytes), qtype)
+    as_t = torch.from_numpy
+    return Blocks(as_t(np.ascontiguousarray(q)).reshape(n, k), as_t(scale.astype(np.float32)).reshape(n, -1),
+                  None if zero is None else as_t(zero.astype(np.float32)).reshape(n, -1), group, bits)
+
+
+def resident_bytes(qtype: QT, shape: tuple[int, int], quantization: str, dtype_bytes: int,
+                   vocab: bool = False) -> int:
+    """Bytes one weight matrix (vocab: the embedding or lm_head) takes in memory under
+    `quantization`, as gguf_weight decides (what `pagedkv plan` shows)."""
+    n, k = shape
+    eight_bit = qtype in (QT.Q8_0, QT.Q6_K)
+    if quantization == "int8" or (quantization == "gguf" and eight_bit and vocab):
+        return n * k + 2 * n
+    if quantization == "gguf" and qtype in KEPT_TYPES and not eight_bit:
+        return n * k // 2 + 2 * 2 * n * (k // 32)
+    return n * k * dtype_bytes
