@@ -136,3 +136,5 @@ def test_rope_and_cache_rejects_bad_indices() -> None:
     with pytest.raises(ValueError, match="slot 8 is outside the cache of 8 slots"):
         ops.rope_and_cache(qkv, 1, 1, torch.tensor([0, 1]), cos, sin, cache, cache.clone(), torch.tensor([8, 0]))
     assert torch.equal(cache, torch.zeros_like(cache)), "nothing is written when an index is bad"
+    with pytest.raises(TypeError, match="go together"):   # a K cache without its V cache and slots
+        ops.rope_and_cache(qkv, 1, 1, torch.tensor([0, 1]), cos, sin, cache)

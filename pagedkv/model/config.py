@@ -11,6 +11,7 @@ from torch import Tensor
 from pagedkv.config import ConfigError
 
 if TYPE_CHECKING:
+    from pagedkv.model.quant_linear import Blocks
     from pagedkv.model.tokenizer import Tokenizer
 
 # model_type values of config.json whose forward is exactly ours
@@ -92,6 +93,6 @@ class Checkpoint:
     """What a loader found in a model file or folder, before any tensor is built."""
     config: LlamaConfig
     tokenizer: "Tokenizer"
-    weights: Iterator[tuple[str, Tensor]]   # (HF name, tensor), produced lazily
+    weights: Iterator[tuple[str, Tensor | Blocks]]   # (HF name, tensor or GGUF blocks), lazily
     files: list[Path]                       # what the weights' identity is hashed from
     max_model_len: int

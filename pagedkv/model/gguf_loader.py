@@ -50,7 +50,7 @@ class _Reader(gguf.GGUFReader):
     opening a 49k-token GGUF take 3 s instead of 1 s.
     """
 
-    @property
+    @property  # type: ignore[override]  # the base declares a memmap; an ndarray is the point here
     def data(self) -> np.ndarray:
         return self._buffer
 
@@ -151,6 +151,7 @@ def iter_weights(reader: gguf.GGUFReader, config: LlamaConfig,
             name = _NAMES[t.name]
         else:
             raise ConfigError(f"unexpected tensor {t.name!r} in a Llama GGUF file")
+        w: Tensor | Blocks
         if keep_blocks and t.tensor_type in KEPT_TYPES and len(t.shape) == 2:
             shape = (int(t.shape[1]), int(t.shape[0]))
             w = blocks_from_gguf(t.data, t.tensor_type, shape)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -56,6 +57,9 @@ def rope_inv_freq(config: LlamaConfig) -> Tensor:
 class Rotary(nn.Module):
     """Precomputed cos/sin by position (float32, [P, D]); rotates the two halves of each head (HF layout)."""
 
+    cos: Tensor          # buffers (declared for mypy: nn.Module's __getattr__ types them loosely)
+    sin: Tensor
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
@@ -65,10 +69,11 @@ class Rotary(nn.Module):
         sign = torch.cat([-torch.ones(half), torch.ones(half)])
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin() * sign, persistent=False)
-        self.half = half
+        self.half_dim = half
 
-    def apply(self, qkv: Tensor, num_heads: int, num_kv_heads: int, positions: Tensor,
-              kv_cache: tuple[Cache, Cache], meta: AttentionMetadata) -> Tensor:
+    def rotate_and_store(self, qkv: Tensor, num_heads: int, num_kv_heads: int,
+                         positions: Tensor, kv_cache: tuple[Cache, Cache],
+                         meta: AttentionMetadata) -> Tensor:
         """Rotates q and k of the fused projection in place and stores the new k, v in the cache;
         returns q as [T, Hq, D]."""
         tokens, head_dim = qkv.shape[0], self.cos.shape[1]
@@ -83,7 +88,7 @@ class Rotary(nn.Module):
         heads = qkv.view(tokens, -1, head_dim)
         qk = heads[:, :num_heads + num_kv_heads]
         cos, sin = self.cos[positions].unsqueeze(1).to(qkv.dtype), self.sin[positions].unsqueeze(1).to(qkv.dtype)
-        qk = torch.addcmul(qk * cos, qk.roll(self.half, dims=-1), sin)
+        qk = torch.addcmul(qk * cos, qk.roll(self.half_dim, dims=-1), sin)
         write_kv(k_cache, v_cache, qk[:, num_heads:], heads[:, num_heads + num_kv_heads:], meta.slot_mapping)
         return qk[:, :num_heads]
 
@@ -100,6 +105,11 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # set by refresh_weights in __dict__ (declared for mypy): norm1, qkv, o, norm2, gate_up, down
+    _weights: tuple[Tensor, Tensor | QuantWeight, Tensor | QuantWeight,
+                    Tensor, Tensor | QuantWeight, Tensor | QuantWeight]
+    all_reduce: Callable[[Tensor], None] | None
+
     def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: str | None = None) -> None:
         super().__init__()
         c = config
@@ -135,7 +145,8 @@ class DecoderLayer(nn.Module):
         tokens = x.shape[0]
         h, residual = ops.rms_norm(x, norm1, self.eps, residual)
         qkv = linear(h, qkv_proj)
-        q = rotary.apply(qkv, self.num_heads, self.num_kv_heads, positions, kv_cache, meta)
+        q = rotary.rotate_and_store(qkv, self.num_heads, self.num_kv_heads, positions, kv_cache,
+                                    meta)
         attn = paged_attention(q, *kv_cache, meta, self.scale)
         o = linear(attn.reshape(tokens, self.q_size), o_proj)
         reduce = self.all_reduce
@@ -179,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
                         else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=late))
         self.rotary = Rotary(config)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Cache, Cache]],
                 meta: AttentionMetadata) -> Tensor:
         """Hidden states [T, hidden] (after the final norm) of the step's new tokens."""
         x, residual = embed(input_ids, self.embed_tokens, self.dtype), None
@@ -202,14 +213,15 @@ class LlamaForCausalLM(nn.Module):
                     found[id(w)] = w
         return sum(weight_nbytes(w) for w in found.values())
 
-    def load_weights(self, weights: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
+    def load_weights(self, weights: Mapping[str, Tensor | Blocks]
+                     | Iterable[tuple[str, Tensor | Blocks]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up.
 
         Takes a dict or a stream of (name, tensor) pairs; a fused weight is
         written as soon as all its parts have arrived, so a stream never needs
         more than about one layer in memory.
         """
-        pending: dict[tuple[int, str], list[Tensor | None]] = {}
+        pending: dict[tuple[int, str], list[Tensor | Blocks | None]] = {}
         done: set[str] = set()
         for name, tensor in (weights.items() if isinstance(weights, Mapping) else weights):
             m = _LAYER_WEIGHT.fullmatch(name)
@@ -219,9 +231,10 @@ class LlamaForCausalLM(nn.Module):
                     raise ConfigError(f"unexpected weight {name!r}: the model has {len(self.layers)} layers")
                 parts = pending.setdefault((layer, target), [None] * _PARTS.get(target, 1))
                 parts[index] = tensor
-                if all(p is not None for p in parts):
+                ready = [p for p in parts if p is not None]
+                if len(ready) == len(parts):
                     full = f"model.layers.{layer}.{target}"
-                    self._store(self.layers[layer], target, _join(parts), full)
+                    self._store(self.layers[layer], target, _join(ready), full)
                     done.add(full)
                     del pending[(layer, target)]
             elif name in _TOP:
@@ -239,8 +252,8 @@ class LlamaForCausalLM(nn.Module):
             raise ConfigError(f"missing weights: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
         if self.config.tie_word_embeddings and not isinstance(self.embed_tokens, nn.Parameter):
             _replace(self, "lm_head", self.embed_tokens)
-        for layer in self.layers:
-            layer.refresh_weights()
+        for decoder in self.layers:
+            cast(DecoderLayer, decoder).refresh_weights()
 
     def _store(self, owner: nn.Module, target: str, value: Tensor | Blocks, name: str) -> None:
         """Copy a weight in, or (quantized model, matmul weight) replace the parameter with its
@@ -282,6 +295,7 @@ def _join(parts: list[Tensor | Blocks]) -> Tensor | Blocks:
     different kinds (Q4_K_M files keep some v in Q6_K) meet dequantized."""
     if len(parts) == 1:
         return parts[0]
-    if all(isinstance(p, Blocks) for p in parts) and Blocks.compatible(parts):
-        return Blocks.cat(parts)
+    blocks = [p for p in parts if isinstance(p, Blocks)]
+    if len(blocks) == len(parts) and Blocks.compatible(blocks):
+        return Blocks.cat(blocks)
     return torch.cat([p.dequantize() if isinstance(p, Blocks) else p for p in parts])

@@ -69,21 +69,31 @@ def rope_and_cache(qkv: Tensor, num_heads: int, num_kv_heads: int, positions: Te
     cos / sin: float32 [max_positions, D], rotate_half's sign folded into sin. Returns False
     (having done nothing) where the library does not serve: the caller then rotates in torch.
     """
-    tokens = qkv.shape[0]
-    caching = k_cache is not None
-    lib = _lib(qkv, k_cache, v_cache) if caching else _lib(qkv)
-    if lib is None or (caching and not (k_cache.is_contiguous() and v_cache.is_contiguous())):
-        return False
-    head_dim = cos.shape[1]
+    slots_ptr: int | None
+    k_ptr: int | None
+    v_ptr: int | None
+    if k_cache is None:
+        lib = _lib(qkv)
+        if lib is None:
+            return False
+        slots_ptr = k_ptr = v_ptr = None
+        num_blocks, block_size = 0, 1
+    else:
+        if v_cache is None or slot_mapping is None:
+            raise TypeError("rope_and_cache: k_cache, v_cache and slot_mapping go together")
+        lib = _lib(qkv, k_cache, v_cache)
+        if lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return False
+        slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+        slots_ptr, k_ptr, v_ptr = slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+        num_blocks, block_size = k_cache.shape[0], k_cache.shape[2]
     positions = positions if positions.dtype == torch.int64 else positions.long()
-    slots = slot_mapping if slot_mapping is None or slot_mapping.dtype == torch.int64 else slot_mapping.long()
     err = native.error_buffer()
     rc = lib.pagedkv_rope_cache(
-        native.DTYPE_CODES[qkv.dtype], qkv.data_ptr(), tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim,
-        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
-        slots.data_ptr() if caching else None, k_cache.data_ptr() if caching else None,
-        v_cache.data_ptr() if caching else None, k_cache.shape[0] if caching else 0,
-        k_cache.shape[2] if caching else 1, torch.get_num_threads(), err, native.ERR_LEN)
+        native.DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.shape[0], qkv.stride(0),
+        num_heads, num_kv_heads, cos.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        cos.shape[0], slots_ptr, k_ptr, v_ptr, num_blocks, block_size, torch.get_num_threads(),
+        err, native.ERR_LEN)
     if rc:
         raise ValueError(err.value.decode())
     return True

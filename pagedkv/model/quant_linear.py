@@ -82,7 +82,8 @@ class Int8Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        n, k = self.q.shape
+        return n, k
 
     def mm(self, x: Tensor) -> Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.shape[1]).to(ACT_DTYPE).contiguous(),
@@ -132,7 +133,8 @@ class Blocks:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        n, k = self.q.shape
+        return n, k
 
     def dequantize(self) -> Tensor:
         n, k = self.q.shape

@@ -120,7 +120,7 @@ class Tokenizer:
         except TemplateError as e:   # the template's own raise_exception, or a broken template
             raise ConfigError(f"chat template: {e}") from None
         if continue_final_message:
-            last = messages[-1].get("content") if messages else None
+            last: str = (messages[-1].get("content") if messages else None) or ""
             at = rendered.rfind(last) if last else -1
             if at == -1:
                 raise ConfigError("continue_final_message needs a last message whose content the "
@@ -149,7 +149,7 @@ class Tokenizer:
             return tok.token_to_id(content) if isinstance(content, str) else None
 
         eos = token_id(cfg.get("eos_token"))
-        extra = set()
+        extra: set[int] = set()
         for ids in (config_eos, gen.get("eos_token_id")):
             extra.update([ids] if isinstance(ids, int) else ids or [])
         if eos is None and extra:
@@ -228,7 +228,7 @@ def _byte_level_pre(pre: str) -> pre_tokenizers.PreTokenizer:
 
 def _gguf_byte_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [(a, b) for a, b in (m.split(" ", 1) for m in merges)]
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
                                  ignore_merges=pre in _LLAMA3_NAMES))
     tok.pre_tokenizer = _byte_level_pre(pre)
