@@ -29,13 +29,12 @@ import time
 from pathlib import Path
 
 import gguf
-
 import torch
+from bench_kv_quant import PROMPTS, TEXT, measure  # same folder: one definition of the measures
 
-from bench_kv_quant import PROMPTS, TEXT, measure   # same folder: one definition of the measures
+from pagedkv.config import default_model_path
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import SamplingParams
-from pagedkv.config import default_model_path
 from pagedkv.model.loader import load_model
 
 QUALITY_SCHEMES = "none:float32,none:bfloat16,int8:float32,gguf:float32,gguf:bfloat16"

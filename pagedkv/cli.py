@@ -11,8 +11,18 @@ import importlib
 import sys
 from collections.abc import Mapping
 
-from pagedkv.config import (ALWAYS_ON, DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, QUANTIZATIONS,
-                            NOOP_OPTIONS, ConfigError, EngineConfig, note)
+from pagedkv.config import (
+    ALWAYS_ON,
+    DTYPE_ALIASES,
+    DTYPES,
+    KV_CACHE_DTYPE_ALIASES,
+    KV_CACHE_DTYPES,
+    NOOP_OPTIONS,
+    QUANTIZATIONS,
+    ConfigError,
+    EngineConfig,
+    note,
+)
 
 # subcommand -> module that implements it
 COMMANDS = {
@@ -126,7 +136,7 @@ def merge_model_tag(args: argparse.Namespace) -> None:
 def build_parser() -> Parser:
     parser = Parser(prog="pagedkv", description="Paged KV-cache LLM engine and OpenAI-compatible server.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         importlib.import_module(module).add_parser(sub)
     parser.commands = sub.choices   # name -> subparser, for errors found after parsing
     return parser

@@ -208,22 +208,27 @@ class EngineConfig:
         self.swap_space = parse_swap_space(self.swap_space)
         self.kv_offload_host_memory = parse_size(self.kv_offload_host_memory)
         self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size)
-        from pagedkv.engine.spec_decode import SpeculativeConfig   # late: config is imported first
+        from pagedkv.engine.spec_decode import SpeculativeConfig  # late: config is imported first
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.validate()
 
     def validate(self) -> None:
         need = require
-        need(isinstance(self.block_size, int) and self.block_size >= 1, f"--block-size must be a positive integer, got {self.block_size}")
-        need(0.0 < self.memory_utilization <= 1.0, f"--memory-utilization must be in (0, 1], got {self.memory_utilization}")
-        need(self.preemption_mode in PREEMPTION_MODES, f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}")
-        need(self.allocation_policy in ALLOCATION_POLICIES, f"--allocation-policy must be one of {', '.join(ALLOCATION_POLICIES)}")
+        need(isinstance(self.block_size, int) and self.block_size >= 1,
+             f"--block-size must be a positive integer, got {self.block_size}")
+        need(0.0 < self.memory_utilization <= 1.0,
+             f"--memory-utilization must be in (0, 1], got {self.memory_utilization}")
+        need(self.preemption_mode in PREEMPTION_MODES,
+             f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}")
+        need(self.allocation_policy in ALLOCATION_POLICIES,
+             f"--allocation-policy must be one of {', '.join(ALLOCATION_POLICIES)}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}")
         need(self.quantization is None or self.quantization in QUANTIZATIONS,
              f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be >= 1")
+        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+             "--max-num-batched-tokens must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 1, "--max-model-len must be >= 1")
         need(self.max_waiting >= 1, "--max-waiting must be >= 1")
         need(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
@@ -247,7 +252,7 @@ class EngineConfig:
         return [f.name for f in dataclasses.fields(cls) if f.init]
 
     @classmethod
-    def from_options(cls, **options) -> "EngineConfig":
+    def from_options(cls, **options) -> EngineConfig:
         """Build from keyword options (pagedkv's or vLLM's names), rejecting unknown names clearly."""
         options = {OPTION_ALIASES.get(k, k): v for k, v in options.items()}
         for name in [k for k in options if k in NOOP_OPTIONS]:

@@ -50,10 +50,10 @@ class RoutingPolicy(ABC):
     @abstractmethod
     def choose(self, hashes: Sequence[BlockHash], loads: Mapping[K, int]) -> K: ...
 
-    def record(self, hashes: Sequence[BlockHash], replica: Hashable) -> None:
+    def record(self, hashes: Sequence[BlockHash], replica: Hashable) -> None:  # noqa: B027 - optional hook
         """The request went to `replica` (which may not be the one chosen, if that one was full)."""
 
-    def forget(self, replica: Hashable) -> None:
+    def forget(self, replica: Hashable) -> None:  # noqa: B027 - optional hook
         """The replica is gone: stop counting on what it held."""
 
 

@@ -75,7 +75,7 @@ class ServerProcess:
         self.log.close()
         os.unlink(self.log.name)
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:

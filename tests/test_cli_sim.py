@@ -9,6 +9,7 @@ import pytest
 
 from pagedkv import cli
 
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     """`pagedkv ARGS` as a user runs it: its own process, exit code and stderr as they are."""
     return subprocess.run([sys.executable, "-m", "pagedkv.cli", *args], capture_output=True, text=True, timeout=120)

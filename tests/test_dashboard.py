@@ -12,7 +12,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from server_process import REPO, ServerProcess
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -42,7 +41,7 @@ class Traffic:
                         if self.stop.is_set():
                             break   # leaving the block closes the stream: the server aborts it
 
-    def __enter__(self) -> "Traffic":
+    def __enter__(self) -> Traffic:
         for t in self.threads:
             t.start()
         return self

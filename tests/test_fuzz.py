@@ -14,7 +14,6 @@ import json
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-
 from server_process import ServerProcess
 
 FUZZ = settings(derandomize=True, deadline=None, database=None, phases=[Phase.generate],

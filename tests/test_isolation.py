@@ -14,13 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from server_process import ServerProcess
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.request import RequestOutput, SamplingParams
-from server_process import ServerProcess
 
 SHARED = "Paged attention keeps the KV cache in blocks. Hello world! Serving a model means holding"
 BAD = SHARED + " BOOM the quick brown fox jumps over the lazy dog"

@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention.paged import AttentionMetadata, contiguous_attention, paged_attention, write_kv
@@ -13,7 +14,6 @@ from pagedkv.kv.quant import FP8, INT8, QuantizedCache, hadamard
 from pagedkv.kv.storage import KVStorage
 from pagedkv.sim.plan import kv_bytes_per_block
 from pagedkv.sim.shapes import KNOWN_SHAPES
-from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
 
 FORMATS = {"fp8": FP8, "int8": INT8}
 BS = 16

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
 
 from pagedkv import native
 from pagedkv.attention.paged import write_kv
 from pagedkv.model import ops
-from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # float32 agrees to rounding; the half types may differ by one unit in the last place where the

@@ -6,7 +6,6 @@ import re
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from server_process import REPO, ServerProcess
 
 DASHBOARD = REPO / "examples" / "grafana.json"

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_model import make_tiny_model
 
 from pagedkv.attention.paged import AttentionMetadata
-from pagedkv.kv.storage import KVStorage
 from pagedkv.config import default_model_path
+from pagedkv.kv.storage import KVStorage
 from pagedkv.model.loader import LoadedModel, load_model
-from tiny_model import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 

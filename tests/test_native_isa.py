@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from native_variants import ISAS
+
 from pagedkv import native
 
 HARNESS = Path(__file__).parent / "native_harness" / "harness.cpp"

@@ -16,10 +16,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ConfigError
-from pagedkv.kv.block_pool import hash_block_tokens
-from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.block_file import SUFFIX
+from pagedkv.kv.block_pool import hash_block_tokens
 from pagedkv.kv.disk_tier import DiskTier
+from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.offload import HostTier, KVOffload
 from pagedkv.kv.storage import KVStorage
 

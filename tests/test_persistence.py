@@ -18,13 +18,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from server_process import ServerProcess
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.kv.block_pool import hash_block_tokens
-from pagedkv.kv.block_file import SUFFIX, TMP_SUFFIX
 from pagedkv.kv import disk_tier
+from pagedkv.kv.block_file import SUFFIX, TMP_SUFFIX
+from pagedkv.kv.block_pool import hash_block_tokens
 from pagedkv.kv.disk_tier import DiskTier
-from server_process import ServerProcess
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

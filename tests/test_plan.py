@@ -5,9 +5,8 @@ import json
 
 import pytest
 
-from pagedkv.config import ConfigError
+from pagedkv.config import ConfigError, default_model_path
 from pagedkv.sim.plan import kv_bytes_per_block, plan_capacity
-from pagedkv.config import default_model_path
 from pagedkv.sim.shapes import KNOWN_SHAPES, resolve_shape
 from tests.test_cli_sim import assert_one_line_error, run_cli, run_main
 

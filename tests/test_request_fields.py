@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import openai
 import pytest
+from server_process import ServerProcess
 
 from pagedkv.engine.logits_processors import completing_tokens
 from pagedkv.engine.request import SamplingParams
 from pagedkv.model.tokenizer import Tokenizer
-from server_process import ServerProcess
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 

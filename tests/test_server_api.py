@@ -11,11 +11,11 @@ import json
 import httpx
 import openai
 import pytest
+from server_process import ServerProcess
 
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.sim.simulate import simulate
 from pagedkv.sim.trace import generate_trace
-from server_process import ServerProcess
 
 BLOCK = 4
 LONG_PROMPT = "Paged attention keeps the KV cache in blocks. " * 6

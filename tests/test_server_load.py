@@ -9,7 +9,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from server_process import ServerProcess
 
 CLIENTS = 64

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.config import ConfigError
 from pagedkv.sim.dynamic import Replay, arrival_steps, replay

@@ -14,9 +14,9 @@ import re
 import jsonschema
 import openai
 import pytest
+from server_process import ServerProcess
 
 from pagedkv.engine.request import SamplingParams, StructuredOutputsParams
-from server_process import ServerProcess
 
 PERSON = {
     "type": "object",

@@ -8,12 +8,12 @@ import time
 
 import pytest
 import torch
+from tiny_model import make_tiny_model
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ConfigError
 from pagedkv.distributed.group import TensorParallelError
 from pagedkv.distributed.shard import split_heads
-from tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

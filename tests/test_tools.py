@@ -12,11 +12,11 @@ import json
 import jsonschema
 import openai
 import pytest
+from server_process import ServerProcess
 
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.server.tool_parsers import HermesToolParser, ToolCallStream, final_tool_calls
 from pagedkv.server.tools import hermes_messages
-from server_process import ServerProcess
 
 WEATHER = {
     "type": "object",

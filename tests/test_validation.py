@@ -13,13 +13,20 @@ import json
 
 import openai
 import pytest
+from server_process import ServerProcess
 
 from pagedkv.engine.llm import LLM
-from pagedkv.engine.request import (GREEDY_BELOW, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                                    MIN_TEMPERATURE, TOP_P_FLOOR, ParamError, SamplingParams)
+from pagedkv.engine.request import (
+    GREEDY_BELOW,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MIN_TEMPERATURE,
+    TOP_P_FLOOR,
+    ParamError,
+    SamplingParams,
+)
 from pagedkv.server.middleware import MAX_BODY_BYTES
 from pagedkv.server.validation import MAX_MESSAGES, MAX_PROMPTS
-from server_process import ServerProcess
 
 HUGE = 10**20            # the reported top_k: past int64
 VOCAB = 512              # tests/tiny_model.py

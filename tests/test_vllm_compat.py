@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from server_process import REPO, ServerProcess
 
 from pagedkv import LLM, AsyncEngineArgs, AsyncLLMEngine, Logprob, SamplingParams
 from pagedkv.config import ConfigError, EngineConfig, default_model_path, model_display_name
-from server_process import REPO, ServerProcess
 
 CLI = [sys.executable, "-m", "pagedkv.cli"]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

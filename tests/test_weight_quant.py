@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
+from test_loaders import block_q4_0, block_q4_1, block_q4_k, block_q6_k, block_q8_0
+from test_model_vs_hf import PagedDriver, Seq
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ConfigError
 from pagedkv.model.loader import load_model
 from pagedkv.model.quant_linear import ACT_DTYPE, Int4Weight, Int8Weight, blocks_from_gguf, gguf_weight
-from test_loaders import block_q4_0, block_q4_1, block_q4_k, block_q6_k, block_q8_0
-from test_model_vs_hf import PagedDriver, Seq
 
 MAKERS = {QT.Q8_0: block_q8_0, QT.Q4_0: block_q4_0, QT.Q4_1: block_q4_1, QT.Q4_K: block_q4_k, QT.Q6_K: block_q6_k}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -38,14 +38,16 @@ def add_parser(subparsers) -> None:
     g = p.add_argument_group("online (through pagedkv serve)")
     g.add_argument("--online", action="store_true", help="start `pagedkv serve` and load it over HTTP")
     g.add_argument("--concurrency", type=int, default=None, help="at most N requests in flight (default: no limit)")
-    g.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals per second (default: all at once)")
     g.add_argument("--server-startup-timeout", type=float, default=600.0)
     g = p.add_argument_group("output")
     g.add_argument("--label", default=None, help="name of the configuration in the table (not with --suite)")
     g.add_argument("--out", default=None, help="write every figure, series and latency as JSON here")
     g.add_argument("--markdown", default=None, help="write the markdown report here too")
     g.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR")
-    g.add_argument("--peers-dir", default=None, help="peer result JSONs (default: $PEERS_RESULTS or /tmp/peers/results)")
+    g.add_argument("--peers-dir", default=None,
+                   help="peer result JSONs (default: $PEERS_RESULTS or /tmp/peers/results)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--from-json", default=None, metavar="FILE",
                    help="run nothing: render the report, ratios and plots of an earlier --out file again")
@@ -78,7 +80,8 @@ def _specs(args: argparse.Namespace, keys: list[str], base: dict, trace_key: str
 
     if args.suite:
         equal = trace_key or ("W1" if "W1" in keys else None)
-        return suite_specs(keys, equal_memory_workload=equal, pool_tokens=args.suite_pool_tokens, max_model_len=args.suite_max_model_len,
+        return suite_specs(keys, equal_memory_workload=equal, pool_tokens=args.suite_pool_tokens,
+                           max_model_len=args.suite_max_model_len,
                            block_size=args.block_size)
     prefix = "on" if base.get("enable_prefix_caching", True) else "off"
     label = args.label or f"{base.get('allocation_policy', 'paged')}, prefix {prefix}"
@@ -158,7 +161,7 @@ class _Session:
         self.results: list = []
 
     @classmethod
-    def from_document(cls, args: argparse.Namespace, path: str) -> "_Session":
+    def from_document(cls, args: argparse.Namespace, path: str) -> _Session:
         """The session an earlier --out file describes (its runs, peers and suite settings)."""
         from pagedkv.bench.peers import PeerFigures
         from pagedkv.bench.result import RunResult
@@ -223,4 +226,5 @@ class _Session:
 
 def _one_line(r) -> str:
     return (f"{r.workload} {r.label} ({r.mode}): {r.output_tok_s:.1f} out tok/s, {r.wall_s:.1f}s, "
-            f"peak running {r.peak_running}, preemptions {r.preemptions}" + (f", {r.errors} errors" if r.errors else ""))
+            f"peak running {r.peak_running}, preemptions {r.preemptions}"
+            + (f", {r.errors} errors" if r.errors else ""))

@@ -59,7 +59,7 @@ class CpuMeter:
     The cores are shared, so a figure measured next to other work is slower than the engine is;
     `other_load` (other processes' average busy cores) says how much to distrust it."""
 
-    def __enter__(self) -> "CpuMeter":
+    def __enter__(self) -> CpuMeter:
         self.other_cpu_s: float | None = None
         self._busy0: float | None
         try:
@@ -88,7 +88,8 @@ def machine_info() -> dict:
     """CPU model, core count, memory and software versions, for the report header."""
     import torch
 
-    info: dict[str, object] = {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+    info: dict[str, object] = {"python": platform.python_version(), "torch": torch.__version__,
+                               "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "platform": platform.platform()}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -83,7 +83,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         import httpx
 
         cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
@@ -209,7 +209,7 @@ async def _poll_metrics(client, t0: float, series: dict[str, list], stop: asynci
             series["kv_util"].append(round(m["kv_token_utilization"], 5) if m.get("kv_cache_usage_perc") else None)
         try:
             await asyncio.wait_for(stop.wait(), every)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 

@@ -44,7 +44,7 @@ class RunResult:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "RunResult":
+    def from_json(cls, d: dict) -> RunResult:
         return cls(**d)
 
 

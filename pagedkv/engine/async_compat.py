@@ -10,7 +10,8 @@ are RequestOutput with vLLM's shapes (logprobs decoded as list[dict[int, Logprob
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.async_engine import AsyncLLM
@@ -39,7 +40,7 @@ class AsyncLLMEngine:
         self._started = False
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, **_: Any) -> "AsyncLLMEngine":
+    def from_engine_args(cls, engine_args: EngineArgs, **_: Any) -> AsyncLLMEngine:
         return cls(engine_args.create_engine_config())
 
     async def get_tokenizer(self, *_: Any):
@@ -59,7 +60,8 @@ class AsyncLLMEngine:
         if not self._started:
             await self._llm.start()
             self._started = True
-        decoded: dict[int, list[dict[int, Logprob]] | None] = {}   # logprobs already decoded, per sample: each step adds one
+        # logprobs already decoded, per sample: each step adds one
+        decoded: dict[int, list[dict[int, Logprob]] | None] = {}
         stream = self._llm.generate(text_or_ids, sampling_params, request_id)
         try:
             async for out in stream:

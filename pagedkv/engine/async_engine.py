@@ -17,8 +17,8 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import AsyncGenerator
 
 from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.llm_engine import EngineStats, LLMEngine

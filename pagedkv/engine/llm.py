@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Any
 
 from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.chat import render_chat

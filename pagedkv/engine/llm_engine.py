@@ -15,20 +15,19 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.config import ConfigError, EngineConfig, format_size
-from pagedkv.engine.options import apply_engine_options
-from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
 from pagedkv.engine import prompt_logprobs
+from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
 from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.isolation import Failures, IsolatedForward
 from pagedkv.engine.logits_processors import bad_words_token_ids
-from pagedkv.engine.request import (ParamError, RequestOutput, SampleLogprob, SamplingParams, shown,
-                                    valid_text)
+from pagedkv.engine.options import apply_engine_options
+from pagedkv.engine.request import ParamError, RequestOutput, SampleLogprob, SamplingParams, shown, valid_text
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler
-from pagedkv.engine.step_stats import StepTokens
 from pagedkv.engine.sequence import Sequence, SequenceGroup
 from pagedkv.engine.spec_decode import NgramProposer, SpecDecodeStats
+from pagedkv.engine.step_stats import StepTokens
 from pagedkv.engine.structured import StructuredOutputs
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.offload import KVOffload

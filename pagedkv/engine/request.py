@@ -345,7 +345,7 @@ class RequestOutput:
     error: str | None = None          # why the engine failed this request (finish_reason "error")
     prompt_logprobs: list[SampleLogprob | None] | None = None   # the first prompt token has none
 
-    def decode_logprobs(self, decode) -> "RequestOutput":
+    def decode_logprobs(self, decode) -> RequestOutput:
         for o in self.outputs:
             o.decode_logprobs(decode)
         return self

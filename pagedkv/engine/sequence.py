@@ -11,8 +11,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from pagedkv.engine.request import (CompletionOutput, RequestMetrics, SampleLogprob,
-                                    RequestOutput, SamplingParams)
+from pagedkv.engine.request import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprob, SamplingParams
 
 
 class Status(enum.Enum):
@@ -26,7 +25,7 @@ class Status(enum.Enum):
 class Sequence:
     seq_id: str
     index: int                       # sample index within its request
-    group: "SequenceGroup"
+    group: SequenceGroup
     token_ids: list[int]             # prompt + output so far
     num_prompt_tokens: int
     rng: random.Random               # per sample, so a seed gives the same output alone or in a batch
@@ -77,7 +76,7 @@ class SequenceGroup:
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-               params: SamplingParams, max_tokens: int) -> "SequenceGroup":
+               params: SamplingParams, max_tokens: int) -> SequenceGroup:
         group = cls(request_id, prompt, list(prompt_token_ids), params, max_tokens)
         group.seqs.append(group.new_seq(0, list(prompt_token_ids)))
         return group

@@ -117,7 +117,8 @@ class HostTier:
         """Cached hashes, least recently used first."""
         return list(self._lru)
 
-    def insert(self, block_hash: BlockHash, token_ids: TokenIds) -> tuple[int, tuple[BlockHash, _HostEntry] | None] | None:
+    def insert(self, block_hash: BlockHash, token_ids: TokenIds
+               ) -> tuple[int, tuple[BlockHash, _HostEntry] | None] | None:
         """A slot for a new cached block: a free one, else the LRU block's, returned as the victim so the
         caller can move its data out first. None when every slot is lent or pinned."""
         victim = None

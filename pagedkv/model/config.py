@@ -48,7 +48,7 @@ class LlamaConfig:
                 self.rope_scaling = None
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         """From a Hugging Face config.json (old `rope_scaling` and new `rope_parameters` styles)."""
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -92,7 +92,7 @@ class LlamaConfig:
 class Checkpoint:
     """What a loader found in a model file or folder, before any tensor is built."""
     config: LlamaConfig
-    tokenizer: "Tokenizer"
+    tokenizer: Tokenizer
     weights: Iterator[tuple[str, Tensor | Blocks]]   # (HF name, tensor or GGUF blocks), lazily
     files: list[Path]                       # what the weights' identity is hashed from
     max_model_len: int

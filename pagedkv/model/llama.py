@@ -165,7 +165,8 @@ _FUSED = {
     "self_attn.q_proj": ("qkv_proj", 0), "self_attn.k_proj": ("qkv_proj", 1), "self_attn.v_proj": ("qkv_proj", 2),
     "mlp.gate_proj": ("gate_up_proj", 0), "mlp.up_proj": ("gate_up_proj", 1),
     "self_attn.o_proj": ("o_proj", 0), "mlp.down_proj": ("down_proj", 0),
-    "input_layernorm": ("input_layernorm.weight", 0), "post_attention_layernorm": ("post_attention_layernorm.weight", 0),
+    "input_layernorm": ("input_layernorm.weight", 0),
+    "post_attention_layernorm": ("post_attention_layernorm.weight", 0),
 }
 _TOP = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head"}
 _PARTS = {"qkv_proj": 3, "gate_up_proj": 2}

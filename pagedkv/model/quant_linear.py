@@ -73,7 +73,7 @@ class Int8Weight:
     scale: Tensor                    # bfloat16 [N]
 
     @classmethod
-    def quantize(cls, w: Tensor) -> "Int8Weight":
+    def quantize(cls, w: Tensor) -> Int8Weight:
         """Symmetric per-row int8: scale = max|row| / 127."""
         w = w.float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(ACT_DTYPE)
@@ -143,20 +143,20 @@ class Blocks:
             w += self.zero[..., None]
         return w.view(n, k)
 
-    def map_rows(self, fn) -> "Blocks":
+    def map_rows(self, fn) -> Blocks:
         """The same function (a row permutation) applied to codes, scales and zeros."""
         zero = None if self.zero is None else fn(self.zero)
         return Blocks(fn(self.q), fn(self.scale), zero, self.group, self.bits)
 
     @staticmethod
-    def cat(parts: list["Blocks"]) -> "Blocks":
+    def cat(parts: list[Blocks]) -> Blocks:
         first = parts[0]
         zeros = [p.zero if p.zero is not None else torch.zeros_like(p.scale) for p in parts]
         return Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                       None if all(p.zero is None for p in parts) else torch.cat(zeros), first.group, first.bits)
 
     @staticmethod
-    def compatible(parts: list["Blocks"]) -> bool:
+    def compatible(parts: list[Blocks]) -> bool:
         return len({(p.bits, p.group, p.q.shape[1]) for p in parts}) == 1
 
 

@@ -131,7 +131,7 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------------------------
 
     @classmethod
-    def from_hf_folder(cls, folder: str | Path, config_eos: int | list[int] | None = None) -> "Tokenizer":
+    def from_hf_folder(cls, folder: str | Path, config_eos: int | list[int] | None = None) -> Tokenizer:
         """tokenizer.json + tokenizer_config.json (+ chat_template.jinja, generation_config.json)."""
         folder = Path(folder)
         path = folder / "tokenizer.json"
@@ -159,7 +159,7 @@ class Tokenizer:
         return cls(tok, special, _hf_chat_template(folder, cfg))
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         """From the `tokenizer.*` keys of a GGUF file (values already decoded to Python)."""
         kind = meta.get("tokenizer.ggml.model")
         tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
@@ -167,7 +167,8 @@ class Tokenizer:
             raise ConfigError("GGUF file has no tokenizer vocabulary")
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         if kind == "gpt2":
-            tok = _gguf_byte_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre", "default"))
+            tok = _gguf_byte_bpe(tokens, meta.get("tokenizer.ggml.merges") or [],
+                                 meta.get("tokenizer.ggml.pre", "default"))
         elif kind == "llama":
             tok = _gguf_sentencepiece(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens),
                                       meta.get("tokenizer.ggml.unknown_token_id"),

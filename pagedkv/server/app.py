@@ -18,9 +18,9 @@ from typing import TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
@@ -130,7 +130,8 @@ def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_B
                                              max_length=128)) -> JSONResponse:
         """The seeds' experiment, computed exactly as `pagedkv simulate --json` does."""
         from pagedkv.sim.cli import load_requests
-        from pagedkv.sim.simulate import parse_policies, pool_tokens_for, simulate as run_simulation
+        from pagedkv.sim.simulate import parse_policies, pool_tokens_for
+        from pagedkv.sim.simulate import simulate as run_simulation
         checked("kv_memory", lambda v: pool_tokens_for(v, bytes_per_token), kv_memory)
         checked("policies", parse_policies, policies)
         args = argparse.Namespace(trace=None, requests=requests, seed=seed, max_output=max_output)

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             "allow_headers": json_list("--allowed-headers", args.allowed_headers),
             "allow_credentials": args.allow_credentials}
     config = engine_config_from_args(args)
-    from pagedkv.server.app import serve   # late: keeps `pagedkv --help` free of torch
+    from pagedkv.server.app import serve  # late: keeps `pagedkv --help` free of torch
     print(f"pagedkv: loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
     if config.data_parallel_size != 1 or args.ray_address:   # late: the default never imports Ray
         from pagedkv.server.ray_launch import serve_replicas

@@ -60,7 +60,11 @@ def error_response(err: APIError) -> JSONResponse:
 def to_api_error(exc: BaseException) -> APIError:
     """Map an exception raised while serving a request to its HTTP error."""
     from pagedkv.engine.async_engine import (  # late: keeps torch out of import time
-        EngineDeadError, QueueFullError, RequestFailedError, ShuttingDownError)
+        EngineDeadError,
+        QueueFullError,
+        RequestFailedError,
+        ShuttingDownError,
+    )
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ConfigError):
@@ -92,8 +96,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    from pagedkv.engine.async_engine import (
-        EngineDeadError, QueueFullError, RequestFailedError, ShuttingDownError)
+    from pagedkv.engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError, ShuttingDownError
 
     async def _known(_: Request, exc: Exception) -> JSONResponse:
         return error_response(to_api_error(exc))

@@ -13,17 +13,31 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, model_serializer,
-                      model_validator)
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 
 from pagedkv.config import ConfigError
-from pagedkv.engine.request import (INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
-                                    MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE,
-                                    ParamError, SamplingParams)
-from pagedkv.server.validation import (MAX_MESSAGES, MAX_PROMPTS, FiniteFloat, Int64, Name, SafeStr,
-                                       TokenId, check_text, documented as doc)
-from pagedkv.server.request_fields import (DeltaToolCall, NamedToolChoice, ResponseFormat, ToolCall,
-                                           ToolDefinition, reject_unsupported, structured_spec)
+from pagedkv.engine.request import (
+    INT64_MAX,
+    MAX_LOGPROBS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    REPETITION_PENALTY_RANGE,
+    ParamError,
+    SamplingParams,
+)
+from pagedkv.server.request_fields import (
+    DeltaToolCall,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolCall,
+    ToolDefinition,
+    reject_unsupported,
+    structured_spec,
+)
+from pagedkv.server.validation import MAX_MESSAGES, MAX_PROMPTS, FiniteFloat, Int64, Name, SafeStr, TokenId, check_text
+from pagedkv.server.validation import documented as doc
 
 Prompt = str | list[int]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]

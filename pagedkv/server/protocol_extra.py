@@ -25,7 +25,7 @@ class TokenizeRequest(_Strict):
     return_token_strs: bool = False
 
     @model_validator(mode="after")
-    def _one_form(self) -> "TokenizeRequest":
+    def _one_form(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if self.add_generation_prompt and self.continue_final_message:

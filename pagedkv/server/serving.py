@@ -14,10 +14,10 @@ import json
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncGenerator, Awaitable, Callable, TypeVar, cast
+from typing import TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -25,8 +25,13 @@ from pydantic import BaseModel
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.options import with_defaults
-from pagedkv.engine.request import (CompletionOutput, RequestOutput, SampleLogprob, SamplingParams,
-                                    StructuredOutputsParams)
+from pagedkv.engine.request import (
+    CompletionOutput,
+    RequestOutput,
+    SampleLogprob,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pagedkv.server import protocol as api
 from pagedkv.server.errors import APIError, error_body, to_api_error
 from pagedkv.server.metrics import ServerMetrics

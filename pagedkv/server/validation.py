@@ -10,7 +10,8 @@ be declared with these types so they get the same checks.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, Field
 from pydantic.fields import FieldInfo

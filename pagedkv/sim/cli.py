@@ -10,8 +10,15 @@ import json
 from typing import TYPE_CHECKING
 
 from pagedkv.config import format_size, parse_size
-from pagedkv.sim.simulate import (DEFAULT_POLICIES, SimResult, fit_ratio, parse_policies, pool_tokens_for, simulate,
-                                  validate_trace)
+from pagedkv.sim.simulate import (
+    DEFAULT_POLICIES,
+    SimResult,
+    fit_ratio,
+    parse_policies,
+    pool_tokens_for,
+    simulate,
+    validate_trace,
+)
 from pagedkv.sim.trace import OUTPUT_CAP, TraceRequest, generate_trace, load_trace
 
 if TYPE_CHECKING:
@@ -19,7 +26,8 @@ if TYPE_CHECKING:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("simulate", help="how many requests fit under reservation vs paging (the seeds' experiment)")
+    p = subparsers.add_parser("simulate",
+                              help="how many requests fit under reservation vs paging (the seeds' experiment)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", metavar="FILE.jsonl", help='JSON lines {"prompt_tokens": P, "output_tokens": O}')
     src.add_argument("--requests", type=int, default=200, help="generate this many requests (default 200)")
@@ -27,8 +35,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--kv-memory", default="64GiB", help="KV pool size, e.g. 64GiB")
     p.add_argument("--bytes-per-token", type=int, default=131072, help="KV bytes per token (Llama 3 8B bf16: 131072)")
     p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--max-output", type=int, default=2048, help="max tokens per answer (reserve-output reserves prompt + this)")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma list of reserve-max, reserve-output, paged:B")
+    p.add_argument("--max-output", type=int, default=2048,
+                   help="max tokens per answer (reserve-output reserves prompt + this)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help="comma list of reserve-max, reserve-output, paged:B")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="draw the result with matplotlib")
     dyn = p.add_argument_group("replay over time (--dynamic)")
@@ -81,7 +91,8 @@ def run_static(args: argparse.Namespace, trace: list[TraceRequest]) -> int:
 
 def format_dynamic(results: list[DynamicResult], args: argparse.Namespace, pool_tokens: int, num_requests: int) -> str:
     arrivals = f"Poisson, {args.arrival_rate:g} per step" if args.arrival_rate else "all at step 0"
-    lines = [f"replay through the block manager: {num_requests} requests ({arrivals}), pool {pool_tokens:,} token slots",
+    lines = [f"replay through the block manager: {num_requests} requests ({arrivals}), "
+             f"pool {pool_tokens:,} token slots",
              "(admission keeps the block manager's 1% watermark free, as the engine does)",
              f"{'policy':<16}{'peak running':>13}{'mean running':>13}{'steps':>8}{'preemptions':>12}"
              f"{'utilization mean / min':>24}{'prefix hits / queries':>26}"]

@@ -33,7 +33,8 @@ def format_count(n: int) -> str:
 def format_plan(plan: Plan) -> str:
     budget = int(plan.memory * plan.memory_utilization)
     lines = [f"model: {plan.model} ({plan.source}): {plan.num_layers} layers x {plan.num_kv_heads} KV heads x "
-             f"{plan.head_dim} head dim; weights {format_size(plan.weight_bytes)} ({format_count(plan.num_params)} params)",
+             f"{plan.head_dim} head dim; weights {format_size(plan.weight_bytes)} "
+             f"({format_count(plan.num_params)} params)",
              f"budget: {format_size(plan.memory)} x {plan.memory_utilization:g} = {format_size(budget)}; "
              f"KV cache after weights: {format_size(plan.kv_memory)} in blocks of {plan.block_size} tokens"]
     if plan.max_context is not None and plan.context > plan.max_context:
@@ -42,7 +43,8 @@ def format_plan(plan: Plan) -> str:
         lines.append("the weights alone exceed the budget: no room for a KV cache")
     lines.append(f"{'kv dtype':<10}{'bytes/token':>14}{'tokens that fit':>18}{f'requests at {plan.context:,}':>22}")
     for row in plan.dtypes:
-        per_token = f"{row.bytes_per_token:,}" if isinstance(row.bytes_per_token, int) else f"{row.bytes_per_token:,.2f}"
+        bpt = row.bytes_per_token
+        per_token = f"{bpt:,}" if isinstance(bpt, int) else f"{bpt:,.2f}"
         lines.append(f"{row.kv_cache_dtype:<10}{per_token:>14}{row.tokens:>18,}{row.requests_at_context:>22,}")
     return "\n".join(lines)
 

@@ -127,7 +127,8 @@ def shape_from_gguf(path: Path, quantization: str | None = None) -> ModelShape:
     kv_heads = meta(f"{arch}.attention.head_count_kv", heads)
     head_dim = meta(f"{arch}.attention.key_length", hidden // heads)
     return ModelShape(path.stem, "gguf", int(layers), int(kv_heads), int(head_dim),
-                      sum(int(t.n_elements) for t in reader.tensors), gguf_resident_bytes(reader, quantization or "gguf"),
+                      sum(int(t.n_elements) for t in reader.tensors),
+                      gguf_resident_bytes(reader, quantization or "gguf"),
                       int(meta(f"{arch}.context_length", 0)) or None)
 
 

@@ -87,7 +87,8 @@ def validate_trace(trace: Sequence[TraceRequest], max_model_len: int, max_output
         if req.output_tokens > max_output:
             raise ConfigError(f"request {i}: output_tokens {req.output_tokens} exceeds --max-output {max_output}")
         if req.total_tokens > max_model_len:
-            raise ConfigError(f"request {i}: prompt + output = {req.total_tokens} tokens exceeds --max-model-len {max_model_len}")
+            raise ConfigError(f"request {i}: prompt + output = {req.total_tokens} tokens exceeds "
+                              f"--max-model-len {max_model_len}")
 
 
 def fit_policy(trace: Sequence[TraceRequest], pool_tokens: int, policy: Policy,
