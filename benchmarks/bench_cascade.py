@@ -83,7 +83,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--group", type=int, default=64, help="sequences sharing one prefix")
     p.add_argument("--shared-prefix", type=int, default=384, help="tokens (rounded down to whole blocks)")
-    p.add_argument("--min-suffix", type=int, default=1)
+    p.add_argument("--min-suffix", type=int, default=16)
     p.add_argument("--max-suffix", type=int, default=128)
     p.add_argument("--q-heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)

@@ -55,23 +55,27 @@ def find_groups(block_tables: Tensor, seq_lens: list[int], block_size: int,
                 min_members: int = 2, min_blocks: int = 1) -> list[tuple[int, list[int]]]:
     """Groups of >= min_members sequences whose tables start with the same block ids, as
     (shared blocks, members): the longest run of identical leading ids in the group, kept
-    shorter than every member's keys (its last token's block is its own), >= min_blocks."""
+    shorter than every member's keys (its last token's block is its own), >= min_blocks.
+    A handful of tensor ops for the whole batch, whatever the number of groups."""
     by_first: dict[int, list[int]] = {}
-    firsts = block_tables[:, 0].tolist()
-    for b, (first, n) in enumerate(zip(firsts, seq_lens)):
+    for b, (first, n) in enumerate(zip(block_tables[:, 0].tolist(), seq_lens)):
         if n > block_size:           # at least one whole block before the last key
             by_first.setdefault(first, []).append(b)
-    groups = []
-    for members in by_first.values():
-        if len(members) < min_members:
-            continue
-        cap = min((seq_lens[b] - 1) // block_size for b in members)
-        rows = block_tables[members, :cap]
-        same = (rows == rows[:1]).all(dim=0)
-        shared = int(same.int().cumprod(0).sum()) if cap else 0
+    groups = [m for m in by_first.values() if len(m) >= min_members]
+    if not groups:
+        return []
+    seqs = [b for m in groups for b in m]
+    leaders = [m[0] for m in groups for _ in m]
+    # each member's run of leading ids equal to its group leader's, and its whole blocks before its last key
+    rows = block_tables[seqs]
+    runs = (rows == block_tables[leaders]).int().cumprod(1).sum(1).tolist()
+    found, i = [], 0
+    for members in groups:
+        shared = min(min(runs[i + j], (seq_lens[b] - 1) // block_size) for j, b in enumerate(members))
+        i += len(members)
         if shared >= min_blocks:
-            groups.append((shared, members))
-    return groups
+            found.append((shared, members))
+    return found
 
 
 def plan(block_tables: Tensor, seq_lens: list[int], block_size: int, forced: bool) -> CascadePlan | None:

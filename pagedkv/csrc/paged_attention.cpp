@@ -85,7 +85,9 @@ constexpr int kAhead = W >= 16 ? 1 : 2;
 constexpr int kRowBlock = kRegisters >= 32 ? 4 : 3;  // query rows whose accumulators stay in registers
 constexpr int kMaxRows = 32;    // query rows (tokens x group heads) per item, when G allows
 constexpr int kSplitMin = 128;
-constexpr int kSharedRows = 64;  // query rows (members x group heads) per shared-prefix item  // fewest keys worth a split-K part of their own
+// Most query rows (members x group heads) per shared-prefix item: larger items reuse each K/V
+// tile more while it is in L1 (measured on one core: 32 rows 1.17x plain, 64 1.22x, 96 1.31x).
+constexpr int kSharedRows = 128;  // fewest keys worth a split-K part of their own
 
 struct Problem {
   const void* q; const void* k; const void* v; void* out;
@@ -561,7 +563,17 @@ template <int NC, typename T, typename C>
 void run_cascade(const Problem& P, int threads) {
   const Attend<NC, T, C> attend(P);
   const int G = P.G();
-  const int rows_max = std::max(G, kSharedRows / G * G);
+  // Each group's members are cut into runs of equal size, enough of them for two items per
+  // thread over all groups and heads, of at most kSharedRows rows.
+  const int64_t want = (2 * int64_t(threads) + P.Hkv * std::max<int64_t>(P.ngroups, 1) - 1) /
+                       (P.Hkv * std::max<int64_t>(P.ngroups, 1));
+  int32_t per = 1;
+  for (int64_t g = 0; g < P.ngroups; ++g) {
+    const int64_t n = P.gstart[g + 1] - P.gstart[g];
+    const int64_t pieces = std::max<int64_t>(std::min(want, n), (n * G + kSharedRows - 1) / kSharedRows);
+    per = std::max<int32_t>(per, int32_t((n + pieces - 1) / pieces));
+  }
+  const int rows_max = per * G;
   const int dp = attend.nc * W;
   std::vector<Item> items;
   for (int32_t b = 0; b < int32_t(P.B); ++b)
@@ -570,12 +582,14 @@ void run_cascade(const Problem& P, int threads) {
       items.push_back({b, h, 0, 1, k0, k1, P.pre[b] ? 0 : -1, int64_t(k1 - k0) * G});
     }
   const size_t first_shared = items.size();
-  const int32_t per = rows_max / G;
   for (int64_t g = 0; g < P.ngroups; ++g) {
     const int32_t keys = int32_t(P.pre[P.members[P.gstart[g]]] * P.bs);
+    const int64_t n = P.gstart[g + 1] - P.gstart[g];
+    const int64_t pieces = std::max<int64_t>(std::min(want, n), (n * G + kSharedRows - 1) / kSharedRows);
+    const int32_t step = int32_t((n + pieces - 1) / pieces);
     for (int32_t h = 0; h < int32_t(P.Hkv); ++h)
-      for (int32_t m0 = P.gstart[g]; m0 < P.gstart[g + 1]; m0 += per) {
-        const int32_t m1 = std::min(P.gstart[g + 1], m0 + per);
+      for (int32_t m0 = P.gstart[g]; m0 < P.gstart[g + 1]; m0 += step) {
+        const int32_t m1 = std::min(P.gstart[g + 1], m0 + step);
         items.push_back({P.members[m0], h, m0, m1, 0, keys, 0, int64_t(keys) * (m1 - m0) * G, true});
       }
   }
