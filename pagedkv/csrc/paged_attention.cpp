@@ -518,10 +518,11 @@ std::vector<size_t> partial_slots(const std::vector<Item>& items, int G, int dp,
   return slot;
 }
 
-// Runs the items, longest first, on up to `threads` OpenMP threads.
-template <typename A>
+// Runs the items, longest first, on up to `threads` OpenMP threads; done(j, acc) after item j
+// (acc: dp floats of the thread's scratch).
+template <typename A, typename Done>
 void execute(const A& attend, const std::vector<Item>& items, float* partials, const std::vector<size_t>& slot,
-             int threads, int rows_max, int dp) {
+             int threads, int rows_max, int dp, const Done& done) {
   std::vector<size_t> order(items.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return items[a].cost > items[b].cost; });
@@ -533,6 +534,7 @@ void execute(const A& attend, const std::vector<Item>& items, float* partials, c
     for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < order.size();) {
       const size_t j = order[i];
       attend.run(items[j], ws, partials + slot[j]);
+      done(j, ws.qf.data());
     }
   }
 }
@@ -547,7 +549,7 @@ void run_problem(const Problem& P, int threads) {
   if (items.empty()) return;
   std::vector<float> partials;
   const std::vector<size_t> slot = partial_slots(items, G, dp, partials);
-  execute(attend, items, partials.data(), slot, threads, rows_max, dp);
+  execute(attend, items, partials.data(), slot, threads, rows_max, dp, [](size_t, float*) {});
   for (size_t i = 0; i < items.size(); ++i) {
     if (items[i].part != 0) continue;
     int n = 1;
@@ -558,7 +560,7 @@ void run_problem(const Problem& P, int threads) {
 
 // Cascade decode: one item per (sequence, KV head) for the keys after the sequence's shared
 // prefix, and per (group, KV head, run of members) one item reading the group's prefix once
-// for all of them. Items of grouped sequences leave partials, merged per sequence afterwards.
+// for all of them. Items of grouped sequences leave partials, merged per (sequence, head).
 template <int NC, typename T, typename C>
 void run_cascade(const Problem& P, int threads) {
   const Attend<NC, T, C> attend(P);
@@ -596,27 +598,30 @@ void run_cascade(const Problem& P, int threads) {
   if (items.empty()) return;
   std::vector<float> partials;
   const std::vector<size_t> slot = partial_slots(items, G, dp, partials);
-  execute(attend, items, partials.data(), slot, threads, rows_max, dp);
   // Each grouped (sequence, head): its suffix partial (item b * Hkv + h) and its rows in the
-  // shared item that served it.
+  // shared item that serves it. Whichever of the two items finishes last merges them, so the
+  // merge needs no second parallel region.
   std::vector<const float*> shared(size_t(P.B * P.Hkv), nullptr);
   for (size_t i = first_shared; i < items.size(); ++i)
     for (int32_t m = items[i].q0; m < items[i].q1; ++m)
       shared[size_t(P.members[m] * P.Hkv + items[i].h)] = partials.data() + slot[i] + size_t((m - items[i].q0) * G) * (dp + 2);
-  const int64_t pairs = P.B * P.Hkv;
-#pragma omp parallel num_threads(threads) if (threads > 1 && pairs > 16)
-  {
-    std::vector<float> acc(dp);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < pairs; ++i) {
-      if (!shared[i]) continue;
-      const int64_t b = i / P.Hkv, h = i % P.Hkv;
-      for (int g = 0; g < G; ++g) {
-        const float* src[2] = {partials.data() + slot[i] + size_t(g) * (dp + 2), shared[i] + size_t(g) * (dp + 2)};
-        attend.combine(src, 2, dp, acc.data(), static_cast<T*>(P.out) + b * P.out_stride + (h * G + g) * P.D);
-      }
+  std::vector<std::atomic<int>> pending(shared.size());
+  for (size_t i = 0; i < shared.size(); ++i) pending[i].store(shared[i] ? 2 : 0, std::memory_order_relaxed);
+  const auto merge_pair = [&](size_t i, float* acc) {
+    if (pending[i].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    const int64_t b = int64_t(i) / P.Hkv, h = int64_t(i) % P.Hkv;
+    for (int g = 0; g < G; ++g) {
+      const float* src[2] = {partials.data() + slot[i] + size_t(g) * (dp + 2), shared[i] + size_t(g) * (dp + 2)};
+      attend.combine(src, 2, dp, acc, static_cast<T*>(P.out) + b * P.out_stride + (h * G + g) * P.D);
     }
-  }
+  };
+  execute(attend, items, partials.data(), slot, threads, rows_max, dp, [&](size_t j, float* acc) {
+    if (j < first_shared) {
+      if (items[j].part == 0) merge_pair(j, acc);
+    } else {
+      for (int32_t m = items[j].q0; m < items[j].q1; ++m) merge_pair(size_t(P.members[m] * P.Hkv + items[j].h), acc);
+    }
+  });
 }
 
 template <typename T, typename C>
