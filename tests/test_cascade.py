@@ -189,3 +189,15 @@ def test_engine_outputs_are_unchanged_with_cascade_forced(tiny_model_dir, monkey
         used.clear()
     assert outputs["0"] == outputs["1"]
     assert len({tuple(t) for t in outputs["1"][1]}) > 1
+
+
+def test_auto_keeps_only_groups_that_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(4)
+    big, small_group, short = (cascade.MIN_GROUP, cascade.MIN_BLOCKS), (2, cascade.MIN_BLOCKS + 2), (6, 2)
+    tables, lens, _ = make_tables(gen, [big, small_group, short], singles=2, diverge=False)
+    plan = cascade.plan(tables, lens, BS, forced=False)
+    assert plan is not None and plan.num_groups == 1
+    assert sorted(set(plan.pre.tolist())) == [0, cascade.MIN_BLOCKS]
+    assert cascade.plan(tables, lens, BS, forced=True).num_groups == 3
+    monkeypatch.delenv("PAGEDKV_CASCADE", raising=False)
+    assert cascade.mode() == "0"

@@ -7,8 +7,9 @@ group's shared blocks once for all of its members' queries and attends each suff
 merging the two by log-sum-exp. The plan here is found per step from the block tables alone
 (the block manager already shares the ids), once per step and shared by all layers.
 
-PAGEDKV_CASCADE=0 never uses it, 1 uses it for every group found, auto (the default) only where
-measurement says it pays (see `pays` and BENCHMARKS.md).
+PAGEDKV_CASCADE=0 (the default) never uses it, 1 uses it for every group found, auto only where
+the kernel measured faster (see `pays` and BENCHMARKS.md). It stays off by default until an
+engine-level A/B on a quiet machine confirms the kernel-level gain (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import torch
 from torch import Tensor
 
 MODES = ("0", "1", "auto")
-# From benchmarks/bench_attention.py --shared-prefix (BENCHMARKS.md): the smallest group and
-# prefix (in blocks) for which the cascade beat the plain kernel.
+# From benchmarks/bench_cascade.py --sweep (BENCHMARKS.md): the smallest group and prefix (in
+# blocks) for which the cascade beat the plain kernel by 10% or more.
 MIN_GROUP = 4
 MIN_BLOCKS = 8
 
@@ -39,8 +40,8 @@ class CascadePlan:
 
 
 def mode() -> str:
-    """$PAGEDKV_CASCADE (0, 1 or auto; default auto), checked."""
-    value = os.environ.get("PAGEDKV_CASCADE", "auto").strip().lower() or "auto"
+    """$PAGEDKV_CASCADE (0, 1 or auto; default 0), checked."""
+    value = os.environ.get("PAGEDKV_CASCADE", "0").strip().lower() or "0"
     if value not in MODES:
         raise ValueError(f"PAGEDKV_CASCADE={value!r} is not one of {', '.join(MODES)}")
     return value
