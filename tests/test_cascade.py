@@ -200,4 +200,4 @@ def test_auto_keeps_only_groups_that_pay(monkeypatch: pytest.MonkeyPatch) -> Non
     assert sorted(set(plan.pre.tolist())) == [0, cascade.MIN_BLOCKS]
     assert cascade.plan(tables, lens, BS, forced=True).num_groups == 3
     monkeypatch.delenv("PAGEDKV_CASCADE", raising=False)
-    assert cascade.mode() == "0"
+    assert cascade.mode() == "auto"

@@ -7,9 +7,8 @@ group's shared blocks once for all of its members' queries and attends each suff
 merging the two by log-sum-exp. The plan here is found per step from the block tables alone
 (the block manager already shares the ids), once per step and shared by all layers.
 
-PAGEDKV_CASCADE=0 (the default) never uses it, 1 uses it for every group found, auto only where
-the kernel measured faster (see `pays` and BENCHMARKS.md). It stays off by default until an
-engine-level A/B on a quiet machine confirms the kernel-level gain (BENCHMARKS.md).
+PAGEDKV_CASCADE=0 never uses it, 1 uses it for every group found, auto (the default) only where
+the kernel measured faster (see `pays`; figures in BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -40,8 +39,8 @@ class CascadePlan:
 
 
 def mode() -> str:
-    """$PAGEDKV_CASCADE (0, 1 or auto; default 0), checked."""
-    value = os.environ.get("PAGEDKV_CASCADE", "0").strip().lower() or "0"
+    """$PAGEDKV_CASCADE (0, 1 or auto; default auto), checked."""
+    value = os.environ.get("PAGEDKV_CASCADE", "auto").strip().lower() or "auto"
     if value not in MODES:
         raise ValueError(f"PAGEDKV_CASCADE={value!r} is not one of {', '.join(MODES)}")
     return value
