@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
+
 from pagedkv import SamplingParams
 from pagedkv.attention import cascade, kernel
 

@@ -94,8 +94,7 @@ def plan(block_tables: Tensor, seq_lens: list[int], block_size: int, forced: boo
             pre[b] = shared
         members.extend(group)
         starts.append(len(members))
-    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    return CascadePlan(as_int(pre), as_int(starts), as_int(members))
+    return CascadePlan(*(torch.tensor(xs, dtype=torch.int32) for xs in (pre, starts, members)))
 
 
 def reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: list[int], block_tables: Tensor,
