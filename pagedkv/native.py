@@ -51,6 +51,8 @@ _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 # name -> argument types; every function returns an int status (0 = done)
 _SIGNATURES = {
     "pagedkv_paged_attention": [_INT, _INT, _P, _P] + [_P] * 7 + [_I64] * 10 + [_F32, _INT, ctypes.c_char_p, _INT],
+    "pagedkv_cascade_attention": ([_INT, _INT, _P, _P] + [_P] * 7 + [_I64] * 10 + [_F32, _P, _P, _P, _I64, _INT]
+                                  + [ctypes.c_char_p, _INT]),
     "pagedkv_rms_norm": [_INT, _P, _I64, _P, _P, _P, _I64, _I64, _F32, _INT],
     "pagedkv_silu_mul": [_INT, _P, _I64, _P, _I64, _I64, _INT],
     "pagedkv_rope_cache": ([_INT, _P] + [_I64] * 5 + [_P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _INT]

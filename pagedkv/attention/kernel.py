@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import native
+from pagedkv.attention.cascade import CascadePlan
 
 
 def available() -> bool:
@@ -29,13 +30,16 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    cascade: CascadePlan | None = None,
 ) -> torch.Tensor:
     """One query per sequence (q: [B, Hq, D]) at position seq_lens[b] - 1; returns [B, Hq, D].
 
     A quantized cache (int8 or float8_e4m3fn) comes with float32 scales [num_blocks, Hkv]: element
-    x of block b, head h stands for x * scales[b, h]. The kernel reads it in place.
+    x of block b, head h stands for x * scales[b, h]. The kernel reads it in place. With a
+    cascade plan (attention/cascade.py), each group's shared blocks are read once for all its
+    members (same result; the torch path ignores the plan).
     """
-    return _attend(q, k_cache, v_cache, None, seq_lens, block_tables, scale, out, k_scales, v_scales)
+    return _attend(q, k_cache, v_cache, None, seq_lens, block_tables, scale, out, k_scales, v_scales, cascade)
 
 
 def paged_attention_varlen(
@@ -67,6 +71,7 @@ def _attend(
     out: torch.Tensor | None,
     k_scales: torch.Tensor | None,
     v_scales: torch.Tensor | None,
+    cascade: CascadePlan | None = None,
 ) -> torch.Tensor:
     _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     kv_code = _check_scales(q, k_cache, v_cache, k_scales, v_scales)
@@ -89,13 +94,20 @@ def _attend(
     qsl = None if query_start_loc is None else _int32(query_start_loc)
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     err = native.error_buffer()
-    rc = lib.pagedkv_paged_attention(
+    plan: tuple = ()
+    if cascade is not None:
+        if cascade.pre.shape != seq_lens.shape:
+            raise ValueError(f"the cascade plan covers {cascade.pre.shape} sequences, the batch {seq_lens.shape}")
+        arrays = (_int32(cascade.pre), _int32(cascade.group_start), _int32(cascade.members))
+        plan = tuple(t.data_ptr() for t in arrays) + (cascade.num_groups,)
+    call = lib.pagedkv_paged_attention if cascade is None else lib.pagedkv_cascade_attention
+    rc = call(
         code, kv_code, None if k_scales is None else k_scales.data_ptr(),
         None if v_scales is None else v_scales.data_ptr(),
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         None if qsl is None else qsl.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
         q.shape[0], seq_lens.shape[0], block_tables.shape[1], num_blocks, q.shape[1], num_kv_heads,
-        block_size, head_dim, q.stride(0), out.stride(0), float(scale), torch.get_num_threads(),
+        block_size, head_dim, q.stride(0), out.stride(0), float(scale), *plan, torch.get_num_threads(),
         err, native.ERR_LEN,
     )
     if rc:

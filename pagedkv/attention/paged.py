@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedkv.attention import kernel
+from pagedkv.attention import cascade, kernel
 from pagedkv.kv.quant import QuantizedCache, SlotWrite
 
 Cache = Tensor | QuantizedCache
@@ -233,9 +233,19 @@ def _kernel_attend(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMet
         scales = {"k_scales": k_cache.scales, "v_scales": v_cache.scales}
         k_cache, v_cache = k_cache.data, v_cache.data
     if meta.is_decode:
-        return kernel.paged_attention_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, **scales)
+        return kernel.paged_attention_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
+                                             cascade=_cascade_plan(meta), **scales)
     return kernel.paged_attention_varlen(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                          meta.block_tables, scale, **scales)
+
+
+def _cascade_plan(meta: AttentionMetadata) -> cascade.CascadePlan | None:
+    """The decode step's shared-prefix groups (attention/cascade.py), found once per step."""
+    if "cascade" not in meta._cache:
+        which = cascade.mode()
+        meta._cache["cascade"] = None if which == "0" else cascade.plan(
+            meta.block_tables, meta.seq_lens_list, meta.block_size, forced=which == "1")
+    return meta._cache["cascade"]
 
 
 def paged_attention(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float) -> Tensor:
