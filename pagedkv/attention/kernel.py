@@ -86,6 +86,7 @@ def _attend(
     code = native.DTYPE_CODES.get(q.dtype)
     if lib is None or code is None:
         if kv_code >= 0:   # the reference: the whole cache dequantized
+            assert k_scales is not None and v_scales is not None   # a quantized cache has them
             k_cache = k_cache.float().mul_(k_scales[:, :, None, None]).to(q.dtype)
             v_cache = v_cache.float().mul_(v_scales[:, :, None, None]).to(q.dtype)
         return _torch_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out)

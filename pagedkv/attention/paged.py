@@ -24,6 +24,7 @@ way out.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +57,7 @@ def write_kv(k_cache: Cache, v_cache: Cache, k: Tensor, v: Tensor, slot_mapping:
     if isinstance(k_cache, QuantizedCache):
         where = None if k_cache.native_writer(k) else SlotWrite.of(slot_mapping, block_size)
         k_cache.write(k, slot_mapping, where)
-        v_cache.write(v, slot_mapping, where)
+        cast(QuantizedCache, v_cache).write(v, slot_mapping, where)   # K and V are of one kind
         return
     # As rows of the cache seen as [num_blocks * Hkv * block_size, D]: index_copy_ is ~200x faster
     # on CPU than advanced-index assignment (cache[blocks, :, offsets] = k), which took ~12 ms a call.
@@ -66,7 +67,8 @@ def write_kv(k_cache: Cache, v_cache: Cache, k: Tensor, v: Tensor, slot_mapping:
     heads = torch.arange(num_heads, device=slot_mapping.device)
     rows = ((blocks[:, None] * num_heads + heads[None, :]) * block_size + offsets[:, None]).reshape(-1)
     k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
-    v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_cache.dtype))
+    v_plain = cast(Tensor, v_cache)
+    v_plain.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_plain.dtype))
 
 
 def _kv_dtype(q: Tensor, cache: Cache) -> torch.dtype:
@@ -192,7 +194,8 @@ def _prefill_one(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         bias = torch.zeros(b - a, seen, dtype=k.dtype, device=q.device).masked_fill_(future, float("-inf"))
         rows = qg[:, :, a:b].reshape(num_kv_heads, group * (b - a), head_dim)
         o = _masked_attention(rows, k[:, :seen], v[:, :seen], bias, (num_kv_heads, group, b - a, seen))
-        out[a:b] = o.view(num_kv_heads, group, b - a, head_dim).permute(2, 0, 1, 3).reshape(b - a, num_q_heads, head_dim)
+        out[a:b] = (o.view(num_kv_heads, group, b - a, head_dim).permute(2, 0, 1, 3)
+                    .reshape(b - a, num_q_heads, head_dim))
     return out
 
 
@@ -228,14 +231,17 @@ def _kernel_attend(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMet
     """The whole step in one kernel call, reading blocks in place (quantized ones with their
     scales): 4x faster than gathering them for decode, and 1.5-4x faster than the GEMM path for
     prompts (bf16, 128-2048 tokens)."""
-    scales = {}
-    if isinstance(k_cache, QuantizedCache):
-        scales = {"k_scales": k_cache.scales, "v_scales": v_cache.scales}
-        k_cache, v_cache = k_cache.data, v_cache.data
+    scales: dict[str, Tensor] = {}
+    if isinstance(k_cache, QuantizedCache):   # K and V caches are always of one kind
+        v_quant = cast(QuantizedCache, v_cache)
+        scales = {"k_scales": k_cache.scales, "v_scales": v_quant.scales}
+        k, v = k_cache.data, v_quant.data
+    else:
+        k, v = k_cache, cast(Tensor, v_cache)
     if meta.is_decode:
-        return kernel.paged_attention_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
+        return kernel.paged_attention_decode(q, k, v, meta.seq_lens, meta.block_tables, scale,
                                              cascade=_cascade_plan(meta), **scales)
-    return kernel.paged_attention_varlen(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+    return kernel.paged_attention_varlen(q, k, v, meta.query_start_loc, meta.seq_lens,
                                          meta.block_tables, scale, **scales)
 
 
