@@ -132,7 +132,7 @@ def _stop(procs: list) -> None:
 
 def _worker_main(rank: int, world: int, init: str, config: EngineConfig) -> None:
     """A worker rank: build its shard and its KV storage as rank 0 does, then run what rank 0 sends until None."""
-    from pagedkv.engine.llm_engine import build_worker_runner  # late: the spawned child imports torch first
+    from pagedkv.engine.setup import build_worker_runner  # late: the spawned child imports torch first
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads()))
     device = torch.device("cpu")
     dist.init_process_group(backend(device), init_method=init, rank=rank, world_size=world, timeout=TIMEOUT)

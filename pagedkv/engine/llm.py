@@ -58,6 +58,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_args))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Write what the disk tier still has queued and stop any tensor-parallel workers."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
