@@ -48,3 +48,11 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def no_leaks(request):
+    """After the test: the module's `server` holds no block (skipped by tests without one)."""
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").wait_idle()

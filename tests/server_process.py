@@ -19,6 +19,8 @@ import openai
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE = [sys.executable, "-m", "pagedkv.cli", "serve"]
+# a small pool of small blocks, served as "tiny": the API tests' usual server
+TINY_SERVER = ("--block-size", "4", "--num-gpu-blocks-override", "512", "--served-model-name", "tiny")
 
 
 class ServerProcess:

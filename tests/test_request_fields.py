@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import TINY_SERVER, ServerProcess
 
 from pagedkv.engine.logits_processors import completing_tokens
 from pagedkv.engine.request import SamplingParams
@@ -15,27 +15,13 @@ from pagedkv.model.tokenizer import Tokenizer
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
 
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with ServerProcess(
-        tiny_model_dir,
-        "--block-size",
-        "4",
-        "--num-gpu-blocks-override",
-        "512",
-        "--max-model-len",
-        "1024",
-        "--served-model-name",
-        "tiny",
-    ) as srv:
+    with ServerProcess(tiny_model_dir, *TINY_SERVER, "--max-model-len", "1024") as srv:
         yield srv
-
-
-@pytest.fixture(autouse=True)
-def no_leaks(request):
-    yield
-    if "server" in request.fixturenames:
-        request.getfixturevalue("server").wait_idle()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import re
 import jsonschema
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import TINY_SERVER, ServerProcess
 
 from pagedkv.engine.request import SamplingParams, StructuredOutputsParams
 
@@ -32,26 +32,13 @@ PERSON = {
 SEEDS = range(4)
 
 
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with ServerProcess(
-        tiny_model_dir,
-        "--block-size",
-        "4",
-        "--num-gpu-blocks-override",
-        "512",
-        "--max-model-len",
-        "1024",
-        "--served-model-name",
-        "tiny",
-    ) as srv:
+    with ServerProcess(tiny_model_dir, *TINY_SERVER, "--max-model-len", "1024") as srv:
         yield srv
-
-
-@pytest.fixture(autouse=True)
-def no_leaks(server):
-    yield
-    server.wait_idle()
 
 
 @pytest.fixture(scope="module")

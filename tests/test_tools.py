@@ -12,7 +12,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import TINY_SERVER, ServerProcess
 
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.server.tool_parsers import HermesToolParser, ToolCallStream, final_tool_calls
@@ -127,31 +127,14 @@ def test_tools_and_history_reach_a_template_that_knows_no_tools(tiny_model_dir):
 
 # ---------------------------------------------------------------- through the server
 
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with ServerProcess(
-        tiny_model_dir,
-        "--block-size",
-        "4",
-        "--num-gpu-blocks-override",
-        "1024",
-        "--max-model-len",
-        "2048",
-        "--served-model-name",
-        "tiny",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-    ) as srv:
+    with ServerProcess(tiny_model_dir, *TINY_SERVER, "--num-gpu-blocks-override", "1024", "--max-model-len",
+                       "2048", "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as srv:
         yield srv
-
-
-@pytest.fixture(autouse=True)
-def no_leaks(request):
-    yield
-    if "server" in request.fixturenames:
-        request.getfixturevalue("server").wait_idle()
 
 
 @pytest.fixture(scope="module")
