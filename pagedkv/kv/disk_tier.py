@@ -26,10 +26,11 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from io import BufferedReader
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -39,6 +40,7 @@ from pagedkv.kv.block_file import SUFFIX, TMP_SUFFIX, BadFile, BlockFormat
 from pagedkv.kv.block_pool import BlockHash
 from pagedkv.kv.plan import TokenIds
 
+T = TypeVar("T")
 log = logging.getLogger("pagedkv.offload")
 
 TMP_MAX_AGE_S = 600                   # a temporary file this old is abandoned, whoever wrote it
@@ -149,27 +151,35 @@ class DiskTier:
             log.info("KV offload: %d blocks (%s) on disk from earlier runs in %s",
                      len(self._index), format_size(self.bytes_used), self.dir)
 
+    def _checked(self, path: Path, block_hash: BlockHash, load: Callable[[BufferedReader], T]) -> T | None:
+        """`load(file)`, or None when the file is gone (forgotten: a plain miss) or fails a check
+        (skipped: never crash, never use it)."""
+        try:
+            with open(path, "rb") as f:
+                return load(f)
+        except FileNotFoundError:          # deleted since: the size limit, or a sibling's
+            with self._lock:
+                self._forget(block_hash)
+        except BadFile as e:
+            self._skip(path, block_hash, e)
+        except OSError as e:
+            self._skip(path, block_hash, BadFile(f"unreadable: {e.strerror}", keep=True))
+        return None
+
     def _adopt(self, path: Path, block_hash: BlockHash) -> _DiskEntry | None:
         """Index a block file found on disk (an earlier run's, or a sibling replica's sharing this
         folder) after checking its header; None if it is missing or bad."""
-        try:
-            with open(path, "rb") as f:
-                head = self.format.read_head(f)
-                size = os.fstat(f.fileno()).st_size
-            header, _ = self.format.parse(head, size, block_hash)
-        except FileNotFoundError:
-            return None
-        except BadFile as e:
-            self._skip(path, None, e)
-            return None
-        except OSError as e:
-            self._skip(path, None, BadFile(f"unreadable: {e.strerror}", keep=True))
-            return None
-        entry = _DiskEntry(tuple(header["token_ids"]), size)
-        with self._lock:
-            if block_hash not in self._index:
-                self._index[block_hash] = entry
-                self.bytes_used += size
+        def header_entry(f: BufferedReader) -> _DiskEntry:
+            size = os.fstat(f.fileno()).st_size
+            header, _ = self.format.parse(self.format.read_head(f), size, block_hash)
+            return _DiskEntry(tuple(header["token_ids"]), size)
+
+        entry = self._checked(path, block_hash, header_entry)
+        if entry is not None:
+            with self._lock:
+                if block_hash not in self._index:
+                    self._index[block_hash] = entry
+                    self.bytes_used += entry.size
         return entry
 
     def _skip(self, path: Path, block_hash: BlockHash | None, err: BadFile) -> None:
@@ -218,21 +228,13 @@ class DiskTier:
             return queued.data if queued.token_ids == token_ids else None
         if entry is None or entry.token_ids != token_ids:
             return None
-        path = self._path(block_hash)
-        try:
-            with open(path, "rb") as f:
-                buf = bytearray(os.fstat(f.fileno()).st_size)
-                del buf[f.readinto(buf):]
-            data = self.format.decode(buf, block_hash, token_ids)
-        except FileNotFoundError:          # deleted for the size limit since: a plain miss
-            with self._lock:
-                self._forget(block_hash)
-            return None
-        except BadFile as e:
-            self._skip(path, block_hash, e)
-            return None
-        except OSError as e:
-            self._skip(path, block_hash, BadFile(f"unreadable: {e.strerror}", keep=True))
+        def whole_block(f: BufferedReader) -> Tensor:
+            buf = bytearray(os.fstat(f.fileno()).st_size)
+            del buf[f.readinto(buf):]
+            return self.format.decode(buf, block_hash, token_ids)
+
+        data = self._checked(self._path(block_hash), block_hash, whole_block)
+        if data is None:
             return None
         with self._lock:
             if block_hash in self._index:
