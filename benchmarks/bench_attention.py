@@ -41,7 +41,9 @@ class Batch:
 
 def make_batch(args: argparse.Namespace, dtype: torch.dtype, gen: torch.Generator) -> Batch:
     """Requests with their blocks drawn at random from a pool with 25% to spare."""
-    seq_lens = torch.randint(args.min_ctx, args.max_ctx + 1, (args.requests,), generator=gen, dtype=torch.int32)
+    seq_lens = torch.randint(
+        args.min_ctx, args.max_ctx + 1, (args.requests,), generator=gen, dtype=torch.int32
+    )
     blocks_each = (seq_lens + args.block_size - 1) // args.block_size
     max_blocks = int(blocks_each.max())
     num_blocks = int(int(blocks_each.sum()) * 1.25) + 1
@@ -52,8 +54,12 @@ def make_batch(args: argparse.Namespace, dtype: torch.dtype, gen: torch.Generato
         block_tables[b, :n] = pool[used : used + n]
         used += n
     shape = (num_blocks, args.kv_heads, args.block_size, args.head_dim)
-    layers = [Layer(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
-              for _ in range(args.layers)]
+    layers = [
+        Layer(
+            torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+        )
+        for _ in range(args.layers)
+    ]
     q = torch.randn(args.requests, args.q_heads, args.head_dim, generator=gen).to(dtype)
     return Batch(q, seq_lens, block_tables, layers, args.head_dim**-0.5)
 
@@ -68,19 +74,24 @@ def gather_sdpa(batch: Batch, layer: Layer) -> torch.Tensor:
 
     k, v = gather(layer.k), gather(layer.v)
     mask = (torch.arange(k.shape[2]) < batch.seq_lens.unsqueeze(1))[:, None, None, :]
-    out = F.scaled_dot_product_attention(batch.q.unsqueeze(2), k, v, attn_mask=mask, scale=batch.scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        batch.q.unsqueeze(2), k, v, attn_mask=mask, scale=batch.scale, enable_gqa=True
+    )
     return out.squeeze(2)
 
 
 def loop_sdpa(batch: Batch, layer: Layer) -> torch.Tensor:
     """The kernel module's torch path: per request, gather its blocks, then SDPA."""
     out = torch.empty_like(batch.q)
-    return kernel._torch_attention(batch.q, layer.k, layer.v, None, batch.seq_lens, batch.block_tables,
-                                   batch.scale, out)
+    return kernel._torch_attention(
+        batch.q, layer.k, layer.v, None, batch.seq_lens, batch.block_tables, batch.scale, out
+    )
 
 
 def paged_kernel(batch: Batch, layer: Layer) -> torch.Tensor:
-    return kernel.paged_attention_decode(batch.q, layer.k, layer.v, batch.seq_lens, batch.block_tables, batch.scale)
+    return kernel.paged_attention_decode(
+        batch.q, layer.k, layer.v, batch.seq_lens, batch.block_tables, batch.scale
+    )
 
 
 WAYS: dict[str, Callable[[Batch, Layer], torch.Tensor]] = {
@@ -90,7 +101,9 @@ WAYS: dict[str, Callable[[Batch, Layer], torch.Tensor]] = {
 }
 
 
-def time_per_layer(batch: Batch, rounds: int, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+def time_per_layer(
+    batch: Batch, rounds: int, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
     """Best milliseconds per layer of each way over `rounds` passes through all layers. The ways
     take turns within each round, so that load from elsewhere on the machine hits them alike."""
     best = dict.fromkeys(WAYS, float("inf"))
@@ -119,7 +132,9 @@ def read_bandwidth(gib: float = 1.0, clock: Callable[[], float] = time.perf_coun
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--min-ctx", type=int, default=100)
     p.add_argument("--max-ctx", type=int, default=900)
@@ -132,9 +147,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bandwidth", type=float, help="GB/s for the memory bound (default: measured here)")
-    p.add_argument("--cpu-time", action="store_true",
-                   help="one thread, timed by its CPU time: steadier while other work shares the machine")
+    p.add_argument(
+        "--bandwidth", type=float, help="GB/s for the memory bound (default: measured here)"
+    )
+    p.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="one thread, timed by its CPU time: steadier while other work shares the machine",
+    )
     args = p.parse_args()
     if args.cpu_time:
         args.threads = 1
@@ -144,28 +164,40 @@ def main() -> None:
 
     start = time.perf_counter()
     assert kernel.available(), "the C++ kernel did not build; see the warning above"
-    print(f"kernel ready in {time.perf_counter() - start:.1f} s "
-          f"(compiled now: {native.build_seconds is not None}), ISA={native.selected_isa()}, "
-          f"threads={torch.get_num_threads()}"
-          f"{', timed by CPU time' if args.cpu_time else ''}")
+    print(
+        f"kernel ready in {time.perf_counter() - start:.1f} s "
+        f"(compiled now: {native.build_seconds is not None}), ISA={native.selected_isa()}, "
+        f"threads={torch.get_num_threads()}"
+        f"{', timed by CPU time' if args.cpu_time else ''}"
+    )
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else read_bandwidth(clock=clock)
-    print(f"memory bound at {bandwidth / 1e9:.1f} GB/s ({'given' if args.bandwidth else 'measured: sum over 1 GiB'})")
-    print("| dtype | K/V read (MiB) | memory bound (ms) | kernel (ms) | per-request SDPA loop (ms) "
-          "| gather + SDPA (ms) | loop / kernel | gather / kernel | kernel / bound |")
+    print(
+        f"memory bound at {bandwidth / 1e9:.1f} GB/s ({'given' if args.bandwidth else 'measured: sum over 1 GiB'})"
+    )
+    print(
+        "| dtype | K/V read (MiB) | memory bound (ms) | kernel (ms) | per-request SDPA loop (ms) "
+        "| gather + SDPA (ms) | loop / kernel | gather / kernel | kernel / bound |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         batch = make_batch(args, dtype, torch.Generator().manual_seed(args.seed))
         layer = batch.layers[0]
-        torch.testing.assert_close(paged_kernel(batch, layer).float(), loop_sdpa(batch, layer).float(),
-                                   atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            paged_kernel(batch, layer).float(),
+            loop_sdpa(batch, layer).float(),
+            atol=2e-2,
+            rtol=2e-2,
+        )
         elem = layer.k.element_size()
         kv_bytes = int(batch.seq_lens.sum()) * args.kv_heads * args.head_dim * 2 * elem
         bound = kv_bytes / bandwidth * 1e3
         ms = time_per_layer(batch, args.rounds, clock)
         fast, loop, gather = ms["kernel"], ms["loop"], ms["gather"]
-        print(f"| {name} | {kv_bytes / 2**20:.1f} | {bound:.2f} | {fast:.2f} | {loop:.1f} | {gather:.1f} "
-              f"| {loop / fast:.0f}x | {gather / fast:.0f}x | {fast / bound:.2f} |")
+        print(
+            f"| {name} | {kv_bytes / 2**20:.1f} | {bound:.2f} | {fast:.2f} | {loop:.1f} | {gather:.1f} "
+            f"| {loop / fast:.0f}x | {gather / fast:.0f}x | {fast / bound:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ that K/V come from memory; medians of `--rounds`, the ways taking turns within e
     python benchmarks/bench_cascade.py [--batch 64 --group 64 --shared-prefix 384] [--cpu-time]
     python benchmarks/bench_cascade.py --sweep --cpu-time      # the grid behind cascade.pays()
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,38 +24,50 @@ from pagedkv import native
 from pagedkv.attention import cascade, kernel
 
 
-def make_case(args: argparse.Namespace, group: int, prefix: int, dtype: torch.dtype,
-              gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple]]:
+def make_case(
+    args: argparse.Namespace, group: int, prefix: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple]]:
     """q, seq_lens, block_tables and per-layer (k, v) caches for one shape."""
     bs = args.block_size
     pre_blocks = prefix // bs
-    suffix = torch.randint(args.min_suffix, args.max_suffix + 1, (args.batch,), generator=gen).tolist()
+    suffix = torch.randint(
+        args.min_suffix, args.max_suffix + 1, (args.batch,), generator=gen
+    ).tolist()
     lens = [pre_blocks * bs + n for n in suffix]
     groups = -(-args.batch // group)
     total = groups * pre_blocks + sum(-(-n // bs) for n in suffix)
     pool = torch.randperm(int(total * 1.25) + 1, generator=gen).to(torch.int32)
     tables = torch.zeros(args.batch, max(-(-n // bs) for n in lens), dtype=torch.int32)
-    shared = [pool[g * pre_blocks:(g + 1) * pre_blocks] for g in range(groups)]
+    shared = [pool[g * pre_blocks : (g + 1) * pre_blocks] for g in range(groups)]
     used = groups * pre_blocks
     for b, n in enumerate(suffix):
         tables[b, :pre_blocks] = shared[b // group]
         own = -(-n // bs)
-        tables[b, pre_blocks:pre_blocks + own] = pool[used:used + own]
+        tables[b, pre_blocks : pre_blocks + own] = pool[used : used + own]
         used += own
     shape = (pool.numel(), args.kv_heads, bs, args.head_dim)
-    layers = [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
-              for _ in range(args.layers)]
+    layers = [
+        (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+        for _ in range(args.layers)
+    ]
     q = torch.randn(args.batch, args.q_heads, args.head_dim, generator=gen).to(dtype)
     return q, torch.tensor(lens, dtype=torch.int32), tables, layers
 
 
-def measure(args: argparse.Namespace, group: int, prefix: int, dtype: torch.dtype,
-            clock: Callable[[], float]) -> tuple[float, ...]:
+def measure(
+    args: argparse.Namespace,
+    group: int,
+    prefix: int,
+    dtype: torch.dtype,
+    clock: Callable[[], float],
+) -> tuple[float, ...]:
     """Median ms per layer of the plain kernel and of the cascade, and of planning the cascade
     (once per step for all layers in the engine)."""
-    q, seq_lens, tables, layers = make_case(args, group, prefix, dtype, torch.Generator().manual_seed(args.seed))
+    q, seq_lens, tables, layers = make_case(
+        args, group, prefix, dtype, torch.Generator().manual_seed(args.seed)
+    )
     lens = seq_lens.tolist()
-    scale = args.head_dim ** -0.5
+    scale = args.head_dim**-0.5
 
     def plain(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel.paged_attention_decode(q, k, v, seq_lens, tables, scale)
@@ -64,7 +77,9 @@ def measure(args: argparse.Namespace, group: int, prefix: int, dtype: torch.dtyp
     def cascaded(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel.paged_attention_decode(q, k, v, seq_lens, tables, scale, cascade=plan)
 
-    torch.testing.assert_close(cascaded(*layers[0]).float(), plain(*layers[0]).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        cascaded(*layers[0]).float(), plain(*layers[0]).float(), atol=2e-2, rtol=2e-2
+    )
     times: dict[str, list[float]] = {"plain": [], "cascade": [], "plan": []}
     for _ in range(args.rounds):
         start = clock()
@@ -79,10 +94,14 @@ def measure(args: argparse.Namespace, group: int, prefix: int, dtype: torch.dtyp
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--group", type=int, default=64, help="sequences sharing one prefix")
-    p.add_argument("--shared-prefix", type=int, default=384, help="tokens (rounded down to whole blocks)")
+    p.add_argument(
+        "--shared-prefix", type=int, default=384, help="tokens (rounded down to whole blocks)"
+    )
     p.add_argument("--min-suffix", type=int, default=16)
     p.add_argument("--max-suffix", type=int, default=128)
     p.add_argument("--q-heads", type=int, default=9)
@@ -103,18 +122,28 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     assert kernel.available(), "the C++ kernel did not build"
-    print(f"ISA={native.selected_isa()} threads={torch.get_num_threads()} batch={args.batch} "
-          f"suffix {args.min_suffix}..{args.max_suffix}{' (CPU time)' if args.cpu_time else ''}")
-    shapes = ([(g, n) for g in (2, 4, 8, 64) for n in (32, 64, 128, 384)] if args.sweep
-              else [(args.group, args.shared_prefix)])
-    print("| dtype | group | shared prefix (tokens) | plain (ms) | cascade (ms) | plain / cascade "
-          "| plan, per step (ms) |")
+    print(
+        f"ISA={native.selected_isa()} threads={torch.get_num_threads()} batch={args.batch} "
+        f"suffix {args.min_suffix}..{args.max_suffix}{' (CPU time)' if args.cpu_time else ''}"
+    )
+    shapes = (
+        [(g, n) for g in (2, 4, 8, 64) for n in (32, 64, 128, 384)]
+        if args.sweep
+        else [(args.group, args.shared_prefix)]
+    )
+    print(
+        "| dtype | group | shared prefix (tokens) | plain (ms) | cascade (ms) | plain / cascade "
+        "| plan, per step (ms) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name in args.dtypes.split(","):
         for group, prefix in shapes:
             plain, casc, planning = measure(args, group, prefix, getattr(torch, name), clock)
-            print(f"| {name} | {group} | {prefix} | {plain:.3f} | {casc:.3f} | {plain / casc:.2f}x "
-                  f"| {planning:.3f} |", flush=True)
+            print(
+                f"| {name} | {group} | {prefix} | {plain:.3f} | {casc:.3f} | {plain / casc:.2f}x "
+                f"| {planning:.3f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Micro-benchmark of the KV block manager: microseconds per operation (best of several repeats).
 
-    python benchmarks/bench_kv.py [--block-size 16] [--repeats 5]
+python benchmarks/bench_kv.py [--block-size 16] [--repeats 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ def pool_alloc_free(n: int = 200_000) -> Callable[[], int]:
         for _ in range(n):
             free(get(1))
         return n
+
     return run
 
 
@@ -45,11 +47,13 @@ def request_alloc_free(bs: int, caching: bool, n: int = 100_000) -> Callable[[],
             alloc("r", tokens, bs - 1)
             free("r")
         return n
+
     return run
 
 
 def append_token(bs: int, caching: bool, n: int = 8192) -> Callable[[], int]:
     """Decode: one token per call, a new block every bs tokens, hashing each full block if caching."""
+
     def run() -> int:
         m = KVCacheManager(n // bs + 2, bs, enable_prefix_caching=caching, watermark=0.0)
         tokens = list(range(n + 1))
@@ -58,6 +62,7 @@ def append_token(bs: int, caching: bool, n: int = 8192) -> Callable[[], int]:
         for _ in range(n):
             alloc("r", tokens, 1)
         return n
+
     return run
 
 
@@ -72,6 +77,7 @@ def prefix_lookup(bs: int, num_blocks: int = 1024) -> Callable[[], int]:
     def run() -> int:
         m.lookup_prefix(tokens)
         return num_blocks
+
     return run
 
 
@@ -87,6 +93,7 @@ def prefix_admit(bs: int, num_blocks: int = 1024) -> Callable[[], int]:
         m.allocate_slots("r", tokens, len(tokens) - len(prefix) * bs, prefix_blocks=prefix)
         m.free("r")
         return num_blocks
+
     return run
 
 
@@ -102,10 +109,15 @@ def main() -> int:
         ("manager: append 1 token (prefix caching on)", best_us(append_token(bs, True), r)),
         ("manager: append 1 token (prefix caching off)", best_us(append_token(bs, False), r)),
         ("manager: lookup_prefix, per cached block", best_us(prefix_lookup(bs), r)),
-        ("manager: lookup + admit with full prefix hit + free, per block", best_us(prefix_admit(bs), r)),
+        (
+            "manager: lookup + admit with full prefix hit + free, per block",
+            best_us(prefix_admit(bs), r),
+        ),
     ]
-    print(f"# pagedkv KV block manager, block size {bs}, Python {platform.python_version()} "
-          f"({platform.machine()}), best of {r}")
+    print(
+        f"# pagedkv KV block manager, block size {bs}, Python {platform.python_version()} "
+        f"({platform.machine()}), best of {r}"
+    )
     width = max(len(name) for name, _ in rows)
     for name, us in rows:
         print(f"{name:<{width}}  {us:7.3f} µs/op")

@@ -26,6 +26,7 @@ cache through the C++ kernel, and each quantized cache through the torch path
 paged_attention takes (dequantize the blocks read into a compact cache, then
 the kernel).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,14 @@ class PagedDriver:
         mc = loaded.config
         self.model, self.block_size = loaded.model, block_size
         self.blocks_per_seq = -(-max_len // block_size)
-        self.storage = KVStorage(mc.num_hidden_layers, num_seqs * self.blocks_per_seq, mc.num_key_value_heads,
-                                 block_size, mc.head_dim, kv_dtype)
+        self.storage = KVStorage(
+            mc.num_hidden_layers,
+            num_seqs * self.blocks_per_seq,
+            mc.num_key_value_heads,
+            block_size,
+            mc.head_dim,
+            kv_dtype,
+        )
         self.lens = [0] * num_seqs
 
     def step(self, new: list[list[int]]) -> list[torch.Tensor]:
@@ -74,21 +81,31 @@ class PagedDriver:
         for i, ids in enumerate(new):
             pos = np.arange(self.lens[i], self.lens[i] + len(ids))
             positions.append(pos)
-            slots.append(i * width * bs + pos)      # sequence i owns blocks i*width .. (i+1)*width-1
+            slots.append(i * width * bs + pos)  # sequence i owns blocks i*width .. (i+1)*width-1
             tables.append(np.arange(i * width, (i + 1) * width))
         qlens = [len(ids) for ids in new]
         seq_lens = [self.lens[i] + n for i, n in enumerate(qlens)]
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots)),
-            query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(qlens)]), dtype=torch.int32),
+            query_start_loc=torch.tensor(
+                np.concatenate([[0], np.cumsum(qlens)]), dtype=torch.int32
+            ),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             block_tables=torch.from_numpy(np.stack(tables).astype(np.int32)),
-            query_lens=qlens, seq_lens_list=seq_lens, block_size=bs, is_decode=all(n == 1 for n in qlens))
+            query_lens=qlens,
+            seq_lens_list=seq_lens,
+            block_size=bs,
+            is_decode=all(n == 1 for n in qlens),
+        )
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(sum(new, [])), torch.from_numpy(np.concatenate(positions)),
-                                self.storage.kv_caches, meta)
+            hidden = self.model(
+                torch.tensor(sum(new, [])),
+                torch.from_numpy(np.concatenate(positions)),
+                self.storage.kv_caches,
+                meta,
+            )
             logits = self.model.compute_logits(hidden)
-        self.lens[:len(new)] = seq_lens
+        self.lens[: len(new)] = seq_lens
         return list(logits.split(qlens))
 
 
@@ -110,9 +127,9 @@ def perplexity(loaded, kv_dtype, ids: list[int], chunk: int) -> float:
     driver = PagedDriver(loaded, kv_dtype, 1, len(ids))
     nll, count = 0.0, 0
     for a in range(0, len(ids) - 1, chunk):
-        part = ids[a:min(a + chunk, len(ids) - 1)]
+        part = ids[a : min(a + chunk, len(ids) - 1)]
         logp = torch.log_softmax(driver.step([part])[0], dim=-1)
-        target = torch.tensor(ids[a + 1:a + 1 + len(part)])
+        target = torch.tensor(ids[a + 1 : a + 1 + len(part)])
         nll -= logp.gather(1, target[:, None]).sum().item()
         count += len(part)
     return math.exp(nll / count)
@@ -123,19 +140,29 @@ def measure(loaded, kv_dtype, prompts, steps, reference, text_ids, chunk) -> dic
     tokens, _ = decode(loaded, kv_dtype, prompts, steps, None)
     decode_s = time.perf_counter() - t0
     if reference is None:
-        reference = {"tokens": tokens, "logits": decode(loaded, kv_dtype, prompts, steps, tokens)[1]}
+        reference = {
+            "tokens": tokens,
+            "logits": decode(loaded, kv_dtype, prompts, steps, tokens)[1],
+        }
         forced = reference["logits"]
     else:
         forced = decode(loaded, kv_dtype, prompts, steps, reference["tokens"])[1]
-    prefix = [next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), steps)
-              for got, want in zip(tokens, reference["tokens"])]
-    row = {"kv_cache_dtype": kv_dtype,
-           "greedy_prefix_agreement": sum(prefix) / (steps * len(prompts)),
-           "greedy_exact_prompts": f"{sum(p == steps for p in prefix)}/{len(prompts)}",
-           "mean_abs_logit_diff": (forced - reference["logits"]).abs().mean().item(),
-           "forced_top1_agreement": (forced.argmax(-1) == reference["logits"].argmax(-1)).float().mean().item(),
-           "perplexity": perplexity(loaded, kv_dtype, text_ids, chunk),
-           "greedy_ms_per_step": 1000 * decode_s / (steps + 1)}
+    prefix = [
+        next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), steps)
+        for got, want in zip(tokens, reference["tokens"])
+    ]
+    row = {
+        "kv_cache_dtype": kv_dtype,
+        "greedy_prefix_agreement": sum(prefix) / (steps * len(prompts)),
+        "greedy_exact_prompts": f"{sum(p == steps for p in prefix)}/{len(prompts)}",
+        "mean_abs_logit_diff": (forced - reference["logits"]).abs().mean().item(),
+        "forced_top1_agreement": (forced.argmax(-1) == reference["logits"].argmax(-1))
+        .float()
+        .mean()
+        .item(),
+        "perplexity": perplexity(loaded, kv_dtype, text_ids, chunk),
+        "greedy_ms_per_step": 1000 * decode_s / (steps + 1),
+    }
     return row, reference
 
 
@@ -147,9 +174,15 @@ def attention_speed(rounds: int = 15) -> None:
     tables = torch.arange(len(lens) * width, dtype=torch.int32).view(len(lens), width)
     last = [int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens)]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(last), query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables, query_lens=[1] * len(lens),
-        seq_lens_list=lens, block_size=bs, is_decode=True)
+        slot_mapping=torch.tensor(last),
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=tables,
+        query_lens=[1] * len(lens),
+        seq_lens_list=lens,
+        block_size=bs,
+        is_decode=True,
+    )
     q = torch.randn(len(lens), q_heads, dim).bfloat16()
     x = torch.randn(tables.numel() * bs, kv_heads, dim)
 
@@ -162,8 +195,10 @@ def attention_speed(rounds: int = 15) -> None:
             times.append(time.perf_counter() - t)
         return 1000 * min(times)
 
-    print(f"decode attention, one layer, {len(lens)} sequences of {min(lens)}..{max(lens)} tokens "
-          f"({sum(lens)} in all), best of {rounds}, {torch.get_num_threads()} thread(s)")
+    print(
+        f"decode attention, one layer, {len(lens)} sequences of {min(lens)}..{max(lens)} tokens "
+        f"({sum(lens)} in all), best of {rounds}, {torch.get_num_threads()} thread(s)"
+    )
     for name in ("bfloat16", "fp8", "int8"):
         st = KVStorage(1, tables.numel(), kv_heads, bs, dim, name)
         k, v = st.layer(0)
@@ -175,16 +210,23 @@ def attention_speed(rounds: int = 15) -> None:
 
 def main() -> None:
     from pagedkv.model.loader import load_model
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="model dtype; float32 keeps the reference free of bfloat16 rounding noise")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="model dtype; float32 keeps the reference free of bfloat16 rounding noise",
+    )
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     ap.add_argument("--ppl-chunk", type=int, default=100)
     ap.add_argument("--kv-dtypes", default="auto,fp8,int8")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--attention", action="store_true", help="time decode attention instead (see above)")
+    ap.add_argument(
+        "--attention", action="store_true", help="time decode attention instead (see above)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.attention:
@@ -193,32 +235,57 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     loaded = load_model(args.model or default_model_path(), dtype, torch.device("cpu"))
     tok = loaded.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
-                          add_special_tokens=False) for p in PROMPTS]
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for p in PROMPTS
+    ]
     text_ids = tok.encode(TEXT.read_text())
     rows, reference = [], None
     for kv in args.kv_dtypes.split(","):
-        row, reference = measure(loaded, dtype if kv == "auto" else kv, prompts, args.tokens, reference,
-                                 text_ids, args.ppl_chunk)
+        row, reference = measure(
+            loaded,
+            dtype if kv == "auto" else kv,
+            prompts,
+            args.tokens,
+            reference,
+            text_ids,
+            args.ppl_chunk,
+        )
         row["kv_cache_dtype"] = kv
         rows.append(row)
     base = rows[0]["perplexity"]
     for row in rows:
         row["perplexity_vs_auto"] = row["perplexity"] / base - 1
-    info = {"model": loaded.name, "dtype": args.dtype, "prompts": len(prompts), "tokens": args.tokens,
-            "text_tokens": len(text_ids), "ppl_chunk": args.ppl_chunk, "cpu": platform.processor() or platform.machine(),
-            "rows": rows}
+    info = {
+        "model": loaded.name,
+        "dtype": args.dtype,
+        "prompts": len(prompts),
+        "tokens": args.tokens,
+        "text_tokens": len(text_ids),
+        "ppl_chunk": args.ppl_chunk,
+        "cpu": platform.processor() or platform.machine(),
+        "rows": rows,
+    }
     if args.json:
         print(json.dumps(info, indent=1))
         return
-    print(f"{info['model']} ({args.dtype}), {len(prompts)} prompts x {args.tokens} greedy tokens, "
-          f"perplexity on {len(text_ids)} tokens in chunks of {args.ppl_chunk}")
-    print(f"{'kv dtype':<9}{'greedy prefix':>15}{'exact':>8}{'forced top-1':>14}{'mean |dlogit|':>15}"
-          f"{'perplexity':>12}{'vs auto':>9}{'ms/step':>9}")
+    print(
+        f"{info['model']} ({args.dtype}), {len(prompts)} prompts x {args.tokens} greedy tokens, "
+        f"perplexity on {len(text_ids)} tokens in chunks of {args.ppl_chunk}"
+    )
+    print(
+        f"{'kv dtype':<9}{'greedy prefix':>15}{'exact':>8}{'forced top-1':>14}{'mean |dlogit|':>15}"
+        f"{'perplexity':>12}{'vs auto':>9}{'ms/step':>9}"
+    )
     for r in rows:
-        print(f"{r['kv_cache_dtype']:<9}{r['greedy_prefix_agreement']:>15.1%}{r['greedy_exact_prompts']:>8}"
-              f"{r['forced_top1_agreement']:>14.1%}{r['mean_abs_logit_diff']:>15.4f}{r['perplexity']:>12.3f}"
-              f"{r['perplexity_vs_auto']:>+9.2%}{r['greedy_ms_per_step']:>9.1f}")
+        print(
+            f"{r['kv_cache_dtype']:<9}{r['greedy_prefix_agreement']:>15.1%}{r['greedy_exact_prompts']:>8}"
+            f"{r['forced_top1_agreement']:>14.1%}{r['mean_abs_logit_diff']:>15.4f}{r['perplexity']:>12.3f}"
+            f"{r['perplexity_vs_auto']:>+9.2%}{r['greedy_ms_per_step']:>9.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Every layer all-reduces the o_proj and the down_proj outputs, [tokens, hidden] f
 2 x layers all-reduces a step, plus one broadcast of the step's inputs. This times those on
 `--world` local ranks and prints microseconds per all-reduce and milliseconds per step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,9 @@ import torch.multiprocessing as mp
 REPEATS = 50
 
 
-def _rank(rank: int, world: int, init: str, tokens: list[int], hidden: int, layers: int, out) -> None:
+def _rank(
+    rank: int, world: int, init: str, tokens: list[int], hidden: int, layers: int, out
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     rows = []
@@ -50,15 +53,21 @@ def main() -> None:
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         init = f"file://{os.path.join(d, 'rendezvous')}"
-        procs = [ctx.Process(target=_rank, args=(r, args.world, init, args.tokens, args.hidden,
-                                                 args.layers, out)) for r in range(args.world)]
+        procs = [
+            ctx.Process(
+                target=_rank, args=(r, args.world, init, args.tokens, args.hidden, args.layers, out)
+            )
+            for r in range(args.world)
+        ]
         for proc in procs:
             proc.start()
         rows = out.get()
         for proc in procs:
             proc.join()
-    print(f"gloo all-reduce, {args.world} ranks, float32 [tokens, {args.hidden}], "
-          f"{2 * args.layers} per step:")
+    print(
+        f"gloo all-reduce, {args.world} ranks, float32 [tokens, {args.hidden}], "
+        f"{2 * args.layers} per step:"
+    )
     print("| tokens in the step | us per all-reduce | ms per step |")
     print("|---:|---:|---:|")
     for n, us, ms in rows:

@@ -6,20 +6,28 @@
 Runs in the peer venv that `../shared/bench/peers/setup.sh vllm hf` builds (the model folder is its
 bf16 conversion of the GGUF). Greedy, EOS ignored, the same drafts settings as pagedkv's run.
 """
+
 import argparse
 import os
 import sys
 import time
 from pathlib import Path
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="/tmp/peers/models/smollm2-135m-instruct")
     p.add_argument("--workloads", default="W3,W3,W1")
-    p.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared" / "bench"))
+    p.add_argument(
+        "--shared", default=str(Path(__file__).resolve().parents[2] / "shared" / "bench")
+    )
     args = p.parse_args()
     sys.path.insert(0, args.shared)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -27,15 +35,26 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, tokenizer=args.model, dtype="bfloat16", max_model_len=2048, seed=0,
-              speculative_config=SPEC)
+    llm = LLM(
+        model=args.model,
+        tokenizer=args.model,
+        dtype="bfloat16",
+        max_model_len=2048,
+        seed=0,
+        speculative_config=SPEC,
+    )
 
     def run(reqs):
-        return llm.generate([TokensPrompt(prompt_token_ids=r.prompt) for r in reqs],
-                            [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
-                             for r in reqs], use_tqdm=False)
+        return llm.generate(
+            [TokensPrompt(prompt_token_ids=r.prompt) for r in reqs],
+            [
+                SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
+                for r in reqs
+            ],
+            use_tqdm=False,
+        )
 
-    run([wl.Request(list(range(45000, 45040 + i)), 8) for i in range(4)])   # warm-up
+    run([wl.Request(list(range(45000, 45040 + i)), 8) for i in range(4)])  # warm-up
     for key in args.workloads.split(","):
         reqs = wl.get(key).requests
         t = time.perf_counter()

@@ -11,6 +11,7 @@ count and in time (`--max-seconds`). It prints (and with `--json` writes) what
 came back: completed, vanished, rejected by status code, errors, the server's
 resident memory at start and end, and blocks still held at the end (must be 0).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,20 +39,25 @@ WORDS = "the a memory block cache token page table request prefix stream model t
 class SoakReport:
     requests: int = 0
     completed: int = 0
-    vanished: int = 0                    # clients that closed their stream early, on purpose
-    rejected: dict[str, int] = field(default_factory=dict)    # status code -> count (4xx by design)
-    errors: list[str] = field(default_factory=list)           # 5xx, broken streams, transport errors
+    vanished: int = 0  # clients that closed their stream early, on purpose
+    rejected: dict[str, int] = field(default_factory=dict)  # status code -> count (4xx by design)
+    errors: list[str] = field(default_factory=list)  # 5xx, broken streams, transport errors
     rss_start_mib: float | None = None
     rss_end_mib: float | None = None
     blocks_held_at_end: int = -1
     seconds: float = 0.0
 
     def summary(self) -> str:
-        rss = (f"{self.rss_start_mib:.0f} -> {self.rss_end_mib:.0f} MiB"
-               if self.rss_start_mib is not None and self.rss_end_mib is not None else "n/a")
-        return (f"{self.requests} requests in {self.seconds:.0f}s: {self.completed} completed, "
-                f"{self.vanished} vanished mid-stream, rejected {self.rejected or {}}, "
-                f"{len(self.errors)} errors; server RSS {rss}; blocks held at end: {self.blocks_held_at_end}")
+        rss = (
+            f"{self.rss_start_mib:.0f} -> {self.rss_end_mib:.0f} MiB"
+            if self.rss_start_mib is not None and self.rss_end_mib is not None
+            else "n/a"
+        )
+        return (
+            f"{self.requests} requests in {self.seconds:.0f}s: {self.completed} completed, "
+            f"{self.vanished} vanished mid-stream, rejected {self.rejected or {}}, "
+            f"{len(self.errors)} errors; server RSS {rss}; blocks held at end: {self.blocks_held_at_end}"
+        )
 
 
 def rss_mib(pid: int | None) -> float | None:
@@ -68,9 +74,14 @@ def rss_mib(pid: int | None) -> float | None:
 def random_body(rng: random.Random, model: str) -> tuple[str, dict]:
     """One valid request: the endpoint and its JSON body."""
     text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
-    body: dict = {"model": model, "max_tokens": rng.randint(1, 24), "n": rng.choice([1, 1, 1, 2, 3]),
-                  "temperature": rng.choice([0.0, 0.0, 0.7, 1.0, 1.3]), "seed": rng.randint(0, 2**31),
-                  "stream": rng.random() < 0.5}
+    body: dict = {
+        "model": model,
+        "max_tokens": rng.randint(1, 24),
+        "n": rng.choice([1, 1, 1, 2, 3]),
+        "temperature": rng.choice([0.0, 0.0, 0.7, 1.0, 1.3]),
+        "seed": rng.randint(0, 2**31),
+        "stream": rng.random() < 0.5,
+    }
     if rng.random() < 0.3:
         body["stop"] = rng.sample(STOPS, rng.randint(1, 3))
     if rng.random() < 0.3:
@@ -88,7 +99,9 @@ def random_body(rng: random.Random, model: str) -> tuple[str, dict]:
     return "/v1/chat/completions", body
 
 
-async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str, report: SoakReport) -> None:
+async def one_request(
+    client: httpx.AsyncClient, rng: random.Random, model: str, report: SoakReport
+) -> None:
     path, body = random_body(rng, model)
     vanish = body["stream"] and rng.random() < 0.2
     report.requests += 1
@@ -129,9 +142,9 @@ async def read_stream(r: httpx.Response, vanish: bool, report: SoakReport) -> No
         events += 1
         if vanish and events >= 2:
             report.vanished += 1
-            return                   # leaving the `async with` closes the connection mid-stream
+            return  # leaving the `async with` closes the connection mid-stream
     if vanish:
-        report.vanished += 1        # the answer was shorter than two events: gone at the end
+        report.vanished += 1  # the answer was shorter than two events: gone at the end
     else:
         report.errors.append("stream ended without [DONE]")
 
@@ -146,8 +159,17 @@ async def wait_idle(client: httpx.AsyncClient, timeout: float) -> int:
         await asyncio.sleep(0.1)
 
 
-async def soak(url: str, *, requests: int, concurrency: int, burst: int, burst_every: int,
-               max_seconds: float, seed: int, pid: int | None = None) -> SoakReport:
+async def soak(
+    url: str,
+    *,
+    requests: int,
+    concurrency: int,
+    burst: int,
+    burst_every: int,
+    max_seconds: float,
+    seed: int,
+    pid: int | None = None,
+) -> SoakReport:
     rng, report = random.Random(seed), SoakReport()
     limits = httpx.Limits(max_connections=concurrency + burst + 4)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
@@ -162,12 +184,16 @@ async def soak(url: str, *, requests: int, concurrency: int, burst: int, burst_e
         for i in range(requests):
             if time.monotonic() - start > max_seconds:
                 break
-            if burst and burst_every and i % burst_every == burst_every - 1:   # past --max-waiting
-                tasks += [asyncio.create_task(one_request(client, random.Random(rng.random()), model, report))
-                          for _ in range(burst)]
+            if burst and burst_every and i % burst_every == burst_every - 1:  # past --max-waiting
+                tasks += [
+                    asyncio.create_task(
+                        one_request(client, random.Random(rng.random()), model, report)
+                    )
+                    for _ in range(burst)
+                ]
             tasks.append(asyncio.create_task(gated()))
             await asyncio.sleep(0)
-            if len(tasks) > 4 * concurrency + burst:    # keep the pending set bounded
+            if len(tasks) > 4 * concurrency + burst:  # keep the pending set bounded
                 done = [t for t in tasks if t.done()]
                 tasks = [t for t in tasks if not t.done()]
                 if not done:
@@ -183,13 +209,21 @@ class SpawnedServer:
     """`pagedkv serve --port 0 ARGS` in a subprocess; the URL is read from uvicorn's start-up line."""
 
     def __init__(self, serve_args: list[str], timeout: float = 180.0) -> None:
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedkv-soak-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(
+            "w+", prefix="pagedkv-soak-", suffix=".log", delete=False
+        )
         repo = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": repo, "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--port", "0", *serve_args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=repo)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=repo
+        )
         deadline = time.monotonic() + timeout
-        while not (m := re.search(r"Uvicorn running on (http://[\d.]+:\d+)", Path(self.log.name).read_text())):
+        while not (
+            m := re.search(
+                r"Uvicorn running on (http://[\d.]+:\d+)", Path(self.log.name).read_text()
+            )
+        ):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 log = Path(self.log.name).read_text()
                 self.close()
@@ -209,12 +243,14 @@ class SpawnedServer:
         log = Path(self.log.name).read_text()
         self.log.close()
         os.unlink(self.log.name)
-        return self.proc.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in log
+        return (
+            self.proc.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in log
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    serve_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    serve_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", help="soak this server instead of starting one")
     p.add_argument("--requests", type=int, default=2000)
@@ -224,20 +260,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=1800)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the report here")
-    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     server = None if args.url else SpawnedServer(serve_args)
     try:
-        report = asyncio.run(soak(args.url or server.url, requests=args.requests,
-                                  concurrency=args.concurrency, burst=args.burst,
-                                  burst_every=args.burst_every, max_seconds=args.max_seconds,
-                                  seed=args.seed, pid=server.proc.pid if server else None))
+        report = asyncio.run(
+            soak(
+                args.url or server.url,
+                requests=args.requests,
+                concurrency=args.concurrency,
+                burst=args.burst,
+                burst_every=args.burst_every,
+                max_seconds=args.max_seconds,
+                seed=args.seed,
+                pid=server.proc.pid if server else None,
+            )
+        )
     finally:
         graceful = server.close() if server else True
     print(report.summary())
     for e in Counter(report.errors).most_common(5):
         print("  error:", *e)
     if args.json:
-        Path(args.json).write_text(json.dumps({**asdict(report), "server_exited_gracefully": graceful}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({**asdict(report), "server_exited_gracefully": graceful}, indent=1)
+        )
     return 0 if not report.errors and report.blocks_held_at_end == 0 and graceful else 1
 
 

@@ -3,19 +3,36 @@
 The Python API mirrors vLLM's: LLM, SamplingParams, RequestOutput, CompletionOutput,
 Logprob, AsyncLLMEngine, AsyncEngineArgs / EngineArgs, TextPrompt, TokensPrompt.
 """
+
 from __future__ import annotations
 
 from typing import TypedDict
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "AsyncLLMEngine",
-           "AsyncEngineArgs", "EngineArgs", "TextPrompt", "TokensPrompt"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "AsyncLLMEngine",
+    "AsyncEngineArgs",
+    "EngineArgs",
+    "TextPrompt",
+    "TokensPrompt",
+]
 
 # module that defines each lazily imported name
-_LAZY = {"LLM": "pagedkv.engine.llm", "SamplingParams": "pagedkv.engine.request",
-         "RequestOutput": "pagedkv.engine.request", "CompletionOutput": "pagedkv.engine.request",
-         "Logprob": "pagedkv.engine.request", "AsyncLLMEngine": "pagedkv.engine.async_compat",
-         "AsyncEngineArgs": "pagedkv.engine.async_compat", "EngineArgs": "pagedkv.engine.async_compat"}
+_LAZY = {
+    "LLM": "pagedkv.engine.llm",
+    "SamplingParams": "pagedkv.engine.request",
+    "RequestOutput": "pagedkv.engine.request",
+    "CompletionOutput": "pagedkv.engine.request",
+    "Logprob": "pagedkv.engine.request",
+    "AsyncLLMEngine": "pagedkv.engine.async_compat",
+    "AsyncEngineArgs": "pagedkv.engine.async_compat",
+    "EngineArgs": "pagedkv.engine.async_compat",
+}
 
 
 class TextPrompt(TypedDict):
@@ -30,5 +47,6 @@ def __getattr__(name: str):
     # Lazy, so `pagedkv simulate` and the kv package never import torch.
     if name in _LAZY:
         import importlib
+
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)

@@ -4,6 +4,7 @@ Each subcommand lives in its own module exposing `add_parser(subparsers)` and
 `run(args) -> int`. A user mistake (bad flag, bad file) prints one line on
 stderr and exits with code 2, never a traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,13 @@ COMMANDS = {
 
 class Parser(argparse.ArgumentParser):
     """argparse, but errors are one line and exit 2 (argparse prints usage first)."""
-    commands: Mapping[str, argparse.ArgumentParser]   # the top parser's subparsers, by name
+
+    commands: Mapping[str, argparse.ArgumentParser]  # the top parser's subparsers, by name
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"{self.prog}: error: {message}", file=sys.stderr)   # prog is "pagedkv" or "pagedkv CMD"
+        print(
+            f"{self.prog}: error: {message}", file=sys.stderr
+        )  # prog is "pagedkv" or "pagedkv CMD"
         raise SystemExit(2)
 
 
@@ -53,9 +57,17 @@ class NoteAction(argparse.Action):
         note(f"{option_string} has no effect: {NOOP_OPTIONS[name]}")
 
 
-_NOOP_BOOL = ("trust_remote_code", "enforce_eager", "enable_chunked_prefill", "enable_prompt_tokens_details",
-              "disable_log_requests", "enable_log_requests", "disable_log_stats",
-              "disable_frontend_multiprocessing", "disable_custom_all_reduce")
+_NOOP_BOOL = (
+    "trust_remote_code",
+    "enforce_eager",
+    "enable_chunked_prefill",
+    "enable_prompt_tokens_details",
+    "disable_log_requests",
+    "enable_log_requests",
+    "disable_log_stats",
+    "disable_frontend_multiprocessing",
+    "disable_custom_all_reduce",
+)
 
 
 def add_noop_args(p: argparse.ArgumentParser) -> None:
@@ -64,56 +76,140 @@ def add_noop_args(p: argparse.ArgumentParser) -> None:
     for name in NOOP_OPTIONS:
         flag = "--" + name.replace("_", "-")
         flags = [flag, "--no-" + flag[2:]] if name in ALWAYS_ON else [flag]
-        g.add_argument(*flags, dest=name, action=NoteAction, nargs=0 if name in _NOOP_BOOL else None,
-                       default=argparse.SUPPRESS, help=NOOP_OPTIONS[name])
+        g.add_argument(
+            *flags,
+            dest=name,
+            action=NoteAction,
+            nargs=0 if name in _NOOP_BOOL else None,
+            default=argparse.SUPPRESS,
+            help=NOOP_OPTIONS[name],
+        )
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Model and cache flags shared by serve, generate and bench: vLLM's names, units and defaults."""
     d = EngineConfig.__dataclass_fields__
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
-    p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="names the API answers to; the first is reported (default: the model's own name)")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it (same as --model)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="names the API answers to; the first is reported (default: the model's own name)",
+    )
     p.add_argument("--dtype", default="auto", choices=[*DTYPES, *DTYPE_ALIASES])
-    p.add_argument("--seed", type=int, default=d["seed"].default,
-                   help="seeds sampling for requests without their own seed")
-    p.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
-                   help="weights: none, int8 (per channel), gguf (the file's own blocks; default for a .gguf on CPU)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=d["seed"].default,
+        help="seeds sampling for requests without their own seed",
+    )
+    p.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="weights: none, int8 (per channel), gguf (the file's own blocks; default for a .gguf on CPU)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", default=None,
-                   help="KV pool size, e.g. 1GiB or bytes (wins over --gpu-memory-utilization)")
-    p.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization", type=float,
-                   default=d["memory_utilization"].default,
-                   help="fraction of free device memory after the weights to give the KV pool")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact KV pool size in blocks")
-    p.add_argument("--swap-space", default=d["swap_space"].default,
-                   help="host memory for swap-preempted blocks: GiB as in vLLM (4), or a size (512MiB)")
+    p.add_argument(
+        "--kv-cache-memory",
+        "--kv-cache-memory-bytes",
+        dest="kv_cache_memory",
+        default=None,
+        help="KV pool size, e.g. 1GiB or bytes (wins over --gpu-memory-utilization)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        "--memory-utilization",
+        dest="memory_utilization",
+        type=float,
+        default=d["memory_utilization"].default,
+        help="fraction of free device memory after the weights to give the KV pool",
+    )
+    p.add_argument(
+        "--num-gpu-blocks-override", type=int, default=None, help="exact KV pool size in blocks"
+    )
+    p.add_argument(
+        "--swap-space",
+        default=d["swap_space"].default,
+        help="host memory for swap-preempted blocks: GiB as in vLLM (4), or a size (512MiB)",
+    )
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES])
-    p.add_argument("--allocation-policy", default="paged", choices=["paged", "reserve-max", "reserve-output"])
-    p.add_argument("--kv-offload-host-memory", default=None, help="host tier for evicted prefix blocks, e.g. 4GiB")
-    p.add_argument("--kv-offload-dir", default=None, help="disk tier folder: every full prefix block is written "
-                   "through in the background, so a restart on it finds them")
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES]
+    )
+    p.add_argument(
+        "--allocation-policy", default="paged", choices=["paged", "reserve-max", "reserve-output"]
+    )
+    p.add_argument(
+        "--kv-offload-host-memory",
+        default=None,
+        help="host tier for evicted prefix blocks, e.g. 4GiB",
+    )
+    p.add_argument(
+        "--kv-offload-dir",
+        default=None,
+        help="disk tier folder: every full prefix block is written "
+        "through in the background, so a restart on it finds them",
+    )
     p.add_argument("--kv-offload-disk-size", default="10GiB")
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", default=None, help="context length: 4096, or 32k (32000), 32K (32768), 1M")
-    p.add_argument("--max-waiting", type=int, default=d["max_waiting"].default,
-                   help="queue length beyond which new requests get 429")
-    p.add_argument("--chat-template", default=None, help="a Jinja chat template, or its file, replacing the model's")
-    p.add_argument("--generation-config", default="auto",
-                   help="'auto': sampling defaults from the model folder's generation_config.json; 'vllm': none")
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                   help="split every layer over N processes (torch.distributed)")
+    p.add_argument(
+        "--max-model-len",
+        default=None,
+        help="context length: 4096, or 32k (32000), 32K (32768), 1M",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=d["max_waiting"].default,
+        help="queue length beyond which new requests get 429",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, or its file, replacing the model's",
+    )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="'auto': sampling defaults from the model folder's generation_config.json; 'vllm': none",
+    )
+    p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split every layer over N processes (torch.distributed)",
+    )
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, help="only 1")
-    p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
-                   help="serve: N engine replicas behind one endpoint on Ray Serve (pip install 'pagedkv[ray]')")
-    p.add_argument("--speculative-config", default=None,
-                   help='n-gram speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
+    p.add_argument(
+        "-dp",
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="serve: N engine replicas behind one endpoint on Ray Serve (pip install 'pagedkv[ray]')",
+    )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='n-gram speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+    )
     add_noop_args(p)
 
 
@@ -134,18 +230,20 @@ def merge_model_tag(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> Parser:
-    parser = Parser(prog="pagedkv", description="Paged KV-cache LLM engine and OpenAI-compatible server.")
+    parser = Parser(
+        prog="pagedkv", description="Paged KV-cache LLM engine and OpenAI-compatible server."
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for module in COMMANDS.values():
         importlib.import_module(module).add_parser(sub)
-    parser.commands = sub.choices   # name -> subparser, for errors found after parsing
+    parser.commands = sub.choices  # name -> subparser, for errors found after parsing
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown:   # reported by the subcommand they were given to
+    if unknown:  # reported by the subcommand they were given to
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         merge_model_tag(args)
@@ -155,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:   # `pagedkv simulate | head`
+    except BrokenPipeError:  # `pagedkv simulate | head`
         sys.stderr.close()
         return 0
 

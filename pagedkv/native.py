@@ -16,6 +16,7 @@ one (a lower one is built for that ISA's baseline, so an AVX-512 machine can
 test and time the AVX2 code). ``variant(isa)`` loads any runnable one beside
 the default, for tests.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,20 +45,34 @@ _MARCH = {"avx2": ("-march=x86-64-v3",), "portable": ()}
 _X86_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl"}, "avx2": {"avx2", "fma", "f16c"}}
 _LDFLAGS = ("-fopenmp",)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-QUANT_CODES = {torch.int8: 3, torch.float8_e4m3fn: 4}   # quantized KV caches (scales beside them)
+QUANT_CODES = {torch.int8: 3, torch.float8_e4m3fn: 4}  # quantized KV caches (scales beside them)
 ERR_LEN = 512
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # name -> argument types; every function returns an int status (0 = done)
 _SIGNATURES = {
-    "pagedkv_paged_attention": [_INT, _INT, _P, _P] + [_P] * 7 + [_I64] * 10 + [_F32, _INT, ctypes.c_char_p, _INT],
-    "pagedkv_cascade_attention": ([_INT, _INT, _P, _P] + [_P] * 7 + [_I64] * 10 + [_F32, _P, _P, _P, _I64, _INT]
-                                  + [ctypes.c_char_p, _INT]),
+    "pagedkv_paged_attention": [_INT, _INT, _P, _P]
+    + [_P] * 7
+    + [_I64] * 10
+    + [_F32, _INT, ctypes.c_char_p, _INT],
+    "pagedkv_cascade_attention": (
+        [_INT, _INT, _P, _P]
+        + [_P] * 7
+        + [_I64] * 10
+        + [_F32, _P, _P, _P, _I64, _INT]
+        + [ctypes.c_char_p, _INT]
+    ),
     "pagedkv_rms_norm": [_INT, _P, _I64, _P, _P, _P, _I64, _I64, _F32, _INT],
     "pagedkv_silu_mul": [_INT, _P, _I64, _P, _I64, _I64, _INT],
-    "pagedkv_rope_cache": ([_INT, _P] + [_I64] * 5 + [_P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _INT]
-                           + [ctypes.c_char_p, _INT]),
-    "pagedkv_quant_write": [_INT, _P] + [_I64] * 3 + [_P, _P, _P, _I64, _I64, ctypes.c_char_p, _INT],
+    "pagedkv_rope_cache": (
+        [_INT, _P]
+        + [_I64] * 5
+        + [_P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _INT]
+        + [ctypes.c_char_p, _INT]
+    ),
+    "pagedkv_quant_write": [_INT, _P]
+    + [_I64] * 3
+    + [_P, _P, _P, _I64, _I64, ctypes.c_char_p, _INT],
 }
 
 _lock = threading.Lock()
@@ -98,13 +113,17 @@ def library() -> ctypes.CDLL | None:
 
 def _open() -> ctypes.CDLL | None:
     if os.environ.get("PAGEDKV_KERNELS", "1") == "0":
-        logger.info("PAGEDKV_KERNELS=0: the C++ kernels are off; everything runs on the torch paths")
+        logger.info(
+            "PAGEDKV_KERNELS=0: the C++ kernels are off; everything runs on the torch paths"
+        )
         return None
     try:
         return _load(_build())
     except Exception as exc:  # noqa: BLE001 - any failure to build means the torch paths
-        logger.warning("the C++ kernels could not be built (%s); using the slower torch path",
-                       str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)
+        logger.warning(
+            "the C++ kernels could not be built (%s); using the slower torch path",
+            str(exc).strip().splitlines()[-1] if str(exc).strip() else exc,
+        )
         return None
 
 
@@ -203,12 +222,20 @@ def _build(isa: str | None = None) -> Path:
 
         start = time.perf_counter()
         # (load() appends to the flag lists it is given: hand it copies.)
-        cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=list(cflags),
-                           extra_ldflags=list(_LDFLAGS), build_directory=str(build_dir), is_python_module=False,
-                           verbose=False)
+        cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in _SOURCES],
+            extra_cflags=list(cflags),
+            extra_ldflags=list(_LDFLAGS),
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
         build_seconds = time.perf_counter() - start
         done.touch()
-        logger.info("compiled the C++ kernels (%s) in %.1f s into %s", isa, build_seconds, build_dir)
+        logger.info(
+            "compiled the C++ kernels (%s) in %.1f s into %s", isa, build_seconds, build_dir
+        )
     return library
 
 

@@ -1,4 +1,5 @@
 """matplotlib on demand: plots are an optional extra (`pip install "pagedkv[plot]"`), never the server's."""
+
 from __future__ import annotations
 
 from types import ModuleType
@@ -14,4 +15,5 @@ def pyplot() -> ModuleType:
         raise ConfigError('--plot needs matplotlib: pip install "pagedkv[plot]"') from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt

@@ -1,4 +1,5 @@
 """Shared fixtures. Tests run on CPU with few threads: the machine has two cores."""
+
 from __future__ import annotations
 
 import os
@@ -21,6 +22,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def decode_backend(request, monkeypatch):
     """Decodes through the torch path, or through the C++ kernel (over dequantized blocks when quantized)."""
     from pagedkv.attention import kernel, paged
+
     if request.param == "torch":
         monkeypatch.setattr(paged, "_use_kernel", lambda q, k_cache: False)
     elif not kernel.available():
@@ -32,6 +34,7 @@ def decode_backend(request, monkeypatch):
 def kernels(request, monkeypatch):
     """Runs with the C++ library (attention and the fused layer ops), or with all of it off."""
     from pagedkv import native
+
     if request.param == "torch":
         monkeypatch.setattr(native, "_loaded", True)
         monkeypatch.setattr(native, "_lib", None)
@@ -44,6 +47,7 @@ def kernels(request, monkeypatch):
 def one_torch_thread():
     """Two shared cores: one torch thread is faster than two fighting other processes."""
     import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

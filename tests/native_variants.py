@@ -1,5 +1,6 @@
 """A fixture that runs a kernel test once per vector ISA this CPU executes (native.runnable_isas():
 avx512 / avx2 / portable on x86, neon / portable on Arm), each through its own build of the library."""
+
 from __future__ import annotations
 
 import pytest

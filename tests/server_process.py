@@ -3,6 +3,7 @@
 The port is 0 (the OS picks a free one); the real port is read from uvicorn's
 start-up line, so parallel test runs never collide.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,18 +21,46 @@ import openai
 REPO = Path(__file__).resolve().parent.parent
 SERVE = [sys.executable, "-m", "pagedkv.cli", "serve"]
 # a small pool of small blocks, served as "tiny": the API tests' usual server
-TINY_SERVER = ("--block-size", "4", "--num-gpu-blocks-override", "512", "--served-model-name", "tiny")
+TINY_SERVER = (
+    "--block-size",
+    "4",
+    "--num-gpu-blocks-override",
+    "512",
+    "--served-model-name",
+    "tiny",
+)
 
 
 class ServerProcess:
-    def __init__(self, model: str | None, *args: str, api_key: str | None = None, start_timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        model: str | None,
+        *args: str,
+        api_key: str | None = None,
+        start_timeout: float = 120.0,
+    ) -> None:
         self.api_key = api_key
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedkv-serve-", suffix=".log", delete=False)
-        cmd = [*SERVE, *(["--model", model] if model else []), "--port", "0", *args]   # None: the default model
+        self.log = tempfile.NamedTemporaryFile(
+            "w+", prefix="pagedkv-serve-", suffix=".log", delete=False
+        )
+        cmd = [
+            *SERVE,
+            *(["--model", model] if model else []),
+            "--port",
+            "0",
+            *args,
+        ]  # None: the default model
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env
+        )
         self.url = self._wait_for_port(start_timeout)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=60)
@@ -114,6 +143,8 @@ class ServerProcess:
             if snap["used"] == 0 and not snap["requests"]:
                 return snap
             if time.monotonic() > deadline:
-                raise AssertionError(f"blocks still held after {timeout}s: used={snap['used']} "
-                                     f"requests={list(snap['requests'])}")
+                raise AssertionError(
+                    f"blocks still held after {timeout}s: used={snap['used']} "
+                    f"requests={list(snap['requests'])}"
+                )
             time.sleep(0.05)

@@ -1,4 +1,5 @@
 """Paged attention equals plain contiguous attention, wherever the blocks lie."""
+
 from __future__ import annotations
 
 import random
@@ -7,12 +8,15 @@ import pytest
 import torch
 
 from pagedkv.attention import paged
-from pagedkv.attention.paged import AttentionMetadata, contiguous_attention, paged_attention, write_kv
+from pagedkv.attention.paged import (
+    AttentionMetadata,
+    contiguous_attention,
+    paged_attention,
+    write_kv,
+)
 from pagedkv.kv.storage import KVStorage
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-
-
 
 
 def naive_attention(q, k, v, scale, offset):
@@ -29,8 +33,17 @@ def naive_attention(q, k, v, scale, offset):
 class PagedBatch:
     """Sequences of random K/V scattered over shuffled physical blocks, with the step's metadata."""
 
-    def __init__(self, ctx_lens: list[int], query_lens: list[int], block_size: int, num_q_heads: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> None:
+    def __init__(
+        self,
+        ctx_lens: list[int],
+        query_lens: list[int],
+        block_size: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        seed: int,
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
         rng = random.Random(seed)
         need = [-(-n // block_size) for n in ctx_lens]
@@ -46,22 +59,37 @@ class PagedBatch:
             self.ks.append(torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype))
             self.vs.append(torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype))
             self.qs.append(torch.randn(qlen, num_q_heads, head_dim, generator=gen).to(dtype))
-            slots.append(torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)]))
+            slots.append(
+                torch.tensor(
+                    [table[p // block_size] * block_size + p % block_size for p in range(n)]
+                )
+            )
             # the cached prefix is already in the cache; the new tokens are written by the step
             cached = n - qlen
-            write_kv(self.k_cache, self.v_cache, self.ks[-1][:cached], self.vs[-1][:cached], slots[-1][:cached])
-        self.new_k = torch.cat([k[n - q:] for k, n, q in zip(self.ks, ctx_lens, query_lens)])
-        self.new_v = torch.cat([v[n - q:] for v, n, q in zip(self.vs, ctx_lens, query_lens)])
+            write_kv(
+                self.k_cache,
+                self.v_cache,
+                self.ks[-1][:cached],
+                self.vs[-1][:cached],
+                slots[-1][:cached],
+            )
+        self.new_k = torch.cat([k[n - q :] for k, n, q in zip(self.ks, ctx_lens, query_lens)])
+        self.new_v = torch.cat([v[n - q :] for v, n, q in zip(self.vs, ctx_lens, query_lens)])
         width = max(len(t) for t in tables)
         qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         qsl[1:] = torch.tensor(query_lens).cumsum(0)
         self.meta = AttentionMetadata(
-            slot_mapping=torch.cat([s[n - q:] for s, n, q in zip(slots, ctx_lens, query_lens)]),
+            slot_mapping=torch.cat([s[n - q :] for s, n, q in zip(slots, ctx_lens, query_lens)]),
             query_start_loc=qsl,
             seq_lens=torch.tensor(ctx_lens, dtype=torch.int32),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            query_lens=list(query_lens), seq_lens_list=list(ctx_lens), block_size=block_size,
-            is_decode=all(q == 1 for q in query_lens))
+            block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32
+            ),
+            query_lens=list(query_lens),
+            seq_lens_list=list(ctx_lens),
+            block_size=block_size,
+            is_decode=all(q == 1 for q in query_lens),
+        )
         self.ctx_lens, self.query_lens = ctx_lens, query_lens
 
     def run(self, scale: float) -> torch.Tensor:
@@ -69,8 +97,12 @@ class PagedBatch:
         return paged_attention(torch.cat(self.qs), self.k_cache, self.v_cache, self.meta, scale)
 
     def reference(self, scale: float) -> torch.Tensor:
-        return torch.cat([contiguous_attention(q, k, v, scale, n - q.shape[0])
-                          for q, k, v, n in zip(self.qs, self.ks, self.vs, self.ctx_lens)])
+        return torch.cat(
+            [
+                contiguous_attention(q, k, v, scale, n - q.shape[0])
+                for q, k, v, n in zip(self.qs, self.ks, self.vs, self.ctx_lens)
+            ]
+        )
 
 
 def test_contiguous_attention_matches_naive_softmax():
@@ -79,7 +111,9 @@ def test_contiguous_attention_matches_naive_softmax():
         q = torch.randn(qlen, 6, 16, generator=gen)
         k, v = torch.randn(2, klen, 2, 16, generator=gen)
         got = contiguous_attention(q, k, v, 0.25, klen - qlen)
-        torch.testing.assert_close(got.double(), naive_attention(q, k, v, 0.25, klen - qlen), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            got.double(), naive_attention(q, k, v, 0.25, klen - qlen), atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -89,14 +123,22 @@ def test_paged_equals_contiguous(dtype, block_size, kind, decode_backend):
     rng = random.Random(block_size * 7 + len(kind))
     n = 5
     ctx = [rng.randint(1, 600) for _ in range(n)]
-    if kind == "prefill":      # some whole prompts, some with a cached prefix
+    if kind == "prefill":  # some whole prompts, some with a cached prefix
         qlens = [c if i % 2 else rng.randint(1, c) for i, c in enumerate(ctx)]
     elif kind == "decode":
         qlens = [1] * n
-    else:                      # prefill with cached prefix, fresh prefill and decodes in one step
+    else:  # prefill with cached prefix, fresh prefill and decodes in one step
         qlens = [rng.randint(1, c) if i == 0 else (c if i == 1 else 1) for i, c in enumerate(ctx)]
-    batch = PagedBatch(ctx, qlens, block_size, num_q_heads=8, num_kv_heads=2, head_dim=32, dtype=dtype,
-                       seed=block_size + n)
+    batch = PagedBatch(
+        ctx,
+        qlens,
+        block_size,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=dtype,
+        seed=block_size + n,
+    )
     got, want = batch.run(0.18), batch.reference(0.18)
     assert got.shape == want.shape == (sum(qlens), 8, 32)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
@@ -107,7 +149,9 @@ def test_gqa_and_partly_filled_blocks(num_q_heads, num_kv_heads, decode_backend)
     # lengths that end mid-block and exactly on block boundaries, decode and prefill
     for qlens_of in (lambda c: [1] * len(c), lambda c: c):
         ctx = [1, 15, 16, 17, 33, 48]
-        batch = PagedBatch(ctx, qlens_of(ctx), 16, num_q_heads, num_kv_heads, 64, torch.float32, seed=3)
+        batch = PagedBatch(
+            ctx, qlens_of(ctx), 16, num_q_heads, num_kv_heads, 64, torch.float32, seed=3
+        )
         torch.testing.assert_close(batch.run(0.125), batch.reference(0.125), atol=2e-5, rtol=2e-5)
 
 
@@ -127,7 +171,9 @@ def test_write_kv_puts_each_token_in_its_slot():
     for i, s in enumerate(slots.tolist()):
         assert torch.equal(k_cache[s // 8, :, s % 8], k[i])
         assert torch.equal(v_cache[s // 8, :, s % 8], -k[i])
-    assert k_cache.count_nonzero() == k.numel() and v_cache.count_nonzero() == k.numel()  # nothing else touched
+    assert (
+        k_cache.count_nonzero() == k.numel() and v_cache.count_nonzero() == k.numel()
+    )  # nothing else touched
 
 
 def test_decode_ignores_padding_and_stale_blocks(decode_backend):
@@ -140,23 +186,29 @@ def test_decode_ignores_padding_and_stale_blocks(decode_backend):
 
 
 def test_kv_storage_views_copy_and_block_io():
-    st = KVStorage(num_layers=3, num_blocks=6, num_kv_heads=2, block_size=4, head_dim=5, dtype=torch.float32)
+    st = KVStorage(
+        num_layers=3, num_blocks=6, num_kv_heads=2, block_size=4, head_dim=5, dtype=torch.float32
+    )
     st.data.copy_(torch.randn(st.data.shape))
     k1, v1 = st.layer(1)
     assert k1.shape == (6, 2, 4, 5) and k1.data_ptr() == st.kv_caches[1][0].data_ptr()
     assert torch.equal(v1, st.data[1, 1])
     before = st.data.clone()
     st.copy_blocks([(0, 3), (2, 5)])
-    assert torch.equal(st.data[:, :, 3], before[:, :, 0]) and torch.equal(st.data[:, :, 5], before[:, :, 2])
+    assert torch.equal(st.data[:, :, 3], before[:, :, 0]) and torch.equal(
+        st.data[:, :, 5], before[:, :, 2]
+    )
     assert torch.equal(st.data[:, :, [0, 1, 2, 4]], before[:, :, [0, 1, 2, 4]])
     blocks = st.read_blocks([4, 1])
     assert blocks.shape == (2, 3, 2, 2, 4, 5) and blocks.is_contiguous()
     assert torch.equal(blocks[0, 2, 1], st.data[2, 1, 4])
-    host = KVStorage(3, 2, 2, 4, 5, "float32")     # swap space: same layout on the CPU
+    host = KVStorage(3, 2, 2, 4, 5, "float32")  # swap space: same layout on the CPU
     host.write_blocks([1, 0], blocks)
     assert torch.equal(host.read_blocks([1, 0]), blocks)
     st.write_blocks([0, 2], host.read_blocks([0, 1]))
-    assert torch.equal(st.data[:, :, 0], before[:, :, 1]) and torch.equal(st.data[:, :, 2], before[:, :, 4])
+    assert torch.equal(st.data[:, :, 0], before[:, :, 1]) and torch.equal(
+        st.data[:, :, 2], before[:, :, 4]
+    )
     per_block = KVStorage.bytes_per_block(3, 2, 4, 5, torch.bfloat16)
     assert per_block == 2 * 3 * 2 * 4 * 5 * 2 == blocks[0].numel() * 2
     assert KVStorage.bytes_per_token(3, 2, 5, torch.bfloat16) * 4 == per_block

@@ -110,29 +110,54 @@ def test_kernel_is_built_here() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [1, 16, 256])
 @pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (4, 128), (3, 80)])
-def test_decode_matches_reference(dtype: torch.dtype, block_size: int, group: int, head_dim: int, kernel_isa) -> None:
+def test_decode_matches_reference(
+    dtype: torch.dtype, block_size: int, group: int, head_dim: int, kernel_isa
+) -> None:
     gen = torch.Generator().manual_seed(block_size * 1000 + group * 10 + head_dim)
     # Lengths 1 .. 1000, including exactly full blocks and one-past-full ones.
-    lens = [1, 2, 17, block_size, block_size + 1, 1000] + torch.randint(1, 1001, (4,), generator=gen).tolist()
-    c = make_case(gen, seq_lens=lens, query_lens=[1] * len(lens), block_size=block_size, kv_heads=2,
-                  group=group, head_dim=head_dim, dtype=dtype)
-    got = kernel.paged_attention_decode(c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
+    lens = [1, 2, 17, block_size, block_size + 1, 1000] + torch.randint(
+        1, 1001, (4,), generator=gen
+    ).tolist()
+    c = make_case(
+        gen,
+        seq_lens=lens,
+        query_lens=[1] * len(lens),
+        block_size=block_size,
+        kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    got = kernel.paged_attention_decode(
+        c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale
+    )
     assert_matches(got, c)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16, 256])
 @pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (4, 128), (3, 80)])
-def test_varlen_matches_reference(dtype: torch.dtype, block_size: int, group: int, head_dim: int, kernel_isa) -> None:
+def test_varlen_matches_reference(
+    dtype: torch.dtype, block_size: int, group: int, head_dim: int, kernel_isa
+) -> None:
     gen = torch.Generator().manual_seed(7 + block_size + group + head_dim)
     lens = [5, 40, 300, 999, 64]
     # A whole prompt as one chunk, chunks of a longer prompt, a decode, a speculative burst, and
     # a sequence with no queries in this step.
     queries = [5, 33, 12, 1, 0]
-    c = make_case(gen, seq_lens=lens, query_lens=queries, block_size=block_size, kv_heads=3, group=group,
-                  head_dim=head_dim, dtype=dtype)
-    got = kernel.paged_attention_varlen(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens,
-                                        c.block_tables, c.scale)
+    c = make_case(
+        gen,
+        seq_lens=lens,
+        query_lens=queries,
+        block_size=block_size,
+        kv_heads=3,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    got = kernel.paged_attention_varlen(
+        c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.block_tables, c.scale
+    )
     assert_matches(got, c)
 
 
@@ -145,16 +170,27 @@ def test_varlen_matches_reference(dtype: torch.dtype, block_size: int, group: in
     head_dim=st.sampled_from([16, 24, 64, 80, 128]),
     threads=st.integers(1, 3),
 )
-def test_random_batches(data, block_size: int, kv_heads: int, group: int, head_dim: int, threads: int) -> None:
+def test_random_batches(
+    data, block_size: int, kv_heads: int, group: int, head_dim: int, threads: int
+) -> None:
     lens = data.draw(st.lists(st.integers(1, 700), min_size=1, max_size=5))
     queries = [data.draw(st.integers(0, min(n, 40))) for n in lens]
-    c = make_case(torch.Generator().manual_seed(len(lens)), seq_lens=lens, query_lens=queries, block_size=block_size,
-                  kv_heads=kv_heads, group=group, head_dim=head_dim, dtype=torch.float32)
+    c = make_case(
+        torch.Generator().manual_seed(len(lens)),
+        seq_lens=lens,
+        query_lens=queries,
+        block_size=block_size,
+        kv_heads=kv_heads,
+        group=group,
+        head_dim=head_dim,
+        dtype=torch.float32,
+    )
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = kernel.paged_attention_varlen(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens,
-                                            c.block_tables, c.scale)
+        got = kernel.paged_attention_varlen(
+            c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.block_tables, c.scale
+        )
     finally:
         torch.set_num_threads(before)
     assert_matches(got, c)
@@ -163,10 +199,19 @@ def test_random_batches(data, block_size: int, kv_heads: int, group: int, head_d
 @pytest.mark.parametrize("head_dim", [8, 40, 72, 96, 100, 256])
 def test_unusual_head_dims(head_dim: int, kernel_isa) -> None:
     gen = torch.Generator().manual_seed(head_dim)
-    c = make_case(gen, seq_lens=[1, 50, 333], query_lens=[1, 3, 2], block_size=16, kv_heads=2, group=3,
-                  head_dim=head_dim, dtype=torch.float32)
-    got = kernel.paged_attention_varlen(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens,
-                                        c.block_tables, c.scale)
+    c = make_case(
+        gen,
+        seq_lens=[1, 50, 333],
+        query_lens=[1, 3, 2],
+        block_size=16,
+        kv_heads=2,
+        group=3,
+        head_dim=head_dim,
+        dtype=torch.float32,
+    )
+    got = kernel.paged_attention_varlen(
+        c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.block_tables, c.scale
+    )
     assert_matches(got, c)
 
 
@@ -175,16 +220,35 @@ def test_long_single_sequence_split_across_threads(threads: int, kernel_isa) -> 
     """One long sequence is cut into key ranges merged afterwards; the thread count must not
     change the result."""
     gen = torch.Generator().manual_seed(threads)
-    c = make_case(gen, seq_lens=[4000], query_lens=[1], block_size=16, kv_heads=1, group=4, head_dim=64,
-                  dtype=torch.float32)
+    c = make_case(
+        gen,
+        seq_lens=[4000],
+        query_lens=[1],
+        block_size=16,
+        kv_heads=1,
+        group=4,
+        head_dim=64,
+        dtype=torch.float32,
+    )
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = kernel.paged_attention_decode(c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
-        c2 = make_case(gen, seq_lens=[3000, 20], query_lens=[7, 2], block_size=32, kv_heads=2, group=3,
-                       head_dim=64, dtype=torch.float32)
-        got2 = kernel.paged_attention_varlen(c2.q, c2.k_cache, c2.v_cache, c2.query_start_loc, c2.seq_lens,
-                                             c2.block_tables, c2.scale)
+        got = kernel.paged_attention_decode(
+            c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale
+        )
+        c2 = make_case(
+            gen,
+            seq_lens=[3000, 20],
+            query_lens=[7, 2],
+            block_size=32,
+            kv_heads=2,
+            group=3,
+            head_dim=64,
+            dtype=torch.float32,
+        )
+        got2 = kernel.paged_attention_varlen(
+            c2.q, c2.k_cache, c2.v_cache, c2.query_start_loc, c2.seq_lens, c2.block_tables, c2.scale
+        )
     finally:
         torch.set_num_threads(before)
     assert_matches(got, c)
@@ -195,15 +259,25 @@ def test_out_buffer_and_strided_queries() -> None:
     """q may be a view into a fused QKV projection (rows further apart than Hq * D), and the
     result can go into a slice of a preallocated buffer."""
     gen = torch.Generator().manual_seed(3)
-    c = make_case(gen, seq_lens=[70, 9], query_lens=[1, 1], block_size=16, kv_heads=2, group=3, head_dim=64,
-                  dtype=torch.float32)
+    c = make_case(
+        gen,
+        seq_lens=[70, 9],
+        query_lens=[1, 1],
+        block_size=16,
+        kv_heads=2,
+        group=3,
+        head_dim=64,
+        dtype=torch.float32,
+    )
     fused = torch.randn(2, 10, 64, generator=gen)
     fused[:, :6] = c.q
     q_view = fused[:, :6]
     assert not q_view.is_contiguous()
     buffer = torch.full((2, 10, 64), 7.0)
     out = buffer[:, 2:8]
-    got = kernel.paged_attention_decode(q_view, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale, out=out)
+    got = kernel.paged_attention_decode(
+        q_view, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale, out=out
+    )
     assert got.data_ptr() == out.data_ptr()
     assert_matches(got, c)
     assert torch.all(buffer[:, :2] == 7.0) and torch.all(buffer[:, 8:] == 7.0)
@@ -212,20 +286,42 @@ def test_out_buffer_and_strided_queries() -> None:
 def test_empty_batches() -> None:
     """No sequences, or sequences without queries this step, leave nothing to do."""
     cache = torch.randn(4, 1, 16, 64)
-    none = kernel.paged_attention_decode(torch.empty(0, 2, 64), cache, cache, torch.empty(0, dtype=torch.int32),
-                                         torch.empty(0, 1, dtype=torch.int32), 0.125)
+    none = kernel.paged_attention_decode(
+        torch.empty(0, 2, 64),
+        cache,
+        cache,
+        torch.empty(0, dtype=torch.int32),
+        torch.empty(0, 1, dtype=torch.int32),
+        0.125,
+    )
     assert none.shape == (0, 2, 64)
-    idle = kernel.paged_attention_varlen(torch.empty(0, 2, 64), cache, cache, torch.zeros(3, dtype=torch.int32),
-                                         torch.tensor([5, 9], dtype=torch.int32),
-                                         torch.tensor([[0], [1]], dtype=torch.int32), 0.125)
+    idle = kernel.paged_attention_varlen(
+        torch.empty(0, 2, 64),
+        cache,
+        cache,
+        torch.zeros(3, dtype=torch.int32),
+        torch.tensor([5, 9], dtype=torch.int32),
+        torch.tensor([[0], [1]], dtype=torch.int32),
+        0.125,
+    )
     assert idle.shape == (0, 2, 64)
 
 
 def test_metadata_in_int64_is_accepted() -> None:
     gen = torch.Generator().manual_seed(4)
-    c = make_case(gen, seq_lens=[30], query_lens=[1], block_size=16, kv_heads=1, group=1, head_dim=64,
-                  dtype=torch.float32)
-    got = kernel.paged_attention_decode(c.q, c.k_cache, c.v_cache, c.seq_lens.long(), c.block_tables.long(), c.scale)
+    c = make_case(
+        gen,
+        seq_lens=[30],
+        query_lens=[1],
+        block_size=16,
+        kv_heads=1,
+        group=1,
+        head_dim=64,
+        dtype=torch.float32,
+    )
+    got = kernel.paged_attention_decode(
+        c.q, c.k_cache, c.v_cache, c.seq_lens.long(), c.block_tables.long(), c.scale
+    )
     assert_matches(got, c)
 
 
@@ -241,36 +337,79 @@ def test_metadata_in_int64_is_accepted() -> None:
 )
 def test_bad_metadata_is_refused_not_read(change, message: str) -> None:
     gen = torch.Generator().manual_seed(5)
-    c = make_case(gen, seq_lens=[20, 30], query_lens=[1, 3], block_size=16, kv_heads=1, group=2, head_dim=64,
-                  dtype=torch.float32)
+    c = make_case(
+        gen,
+        seq_lens=[20, 30],
+        query_lens=[1, 3],
+        block_size=16,
+        kv_heads=1,
+        group=2,
+        head_dim=64,
+        dtype=torch.float32,
+    )
     change(c)
     with pytest.raises(ValueError, match=message):
-        kernel.paged_attention_varlen(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.block_tables,
-                                      c.scale)
+        kernel.paged_attention_varlen(
+            c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.block_tables, c.scale
+        )
 
 
 def test_mismatched_shapes_are_refused() -> None:
     gen = torch.Generator().manual_seed(6)
-    c = make_case(gen, seq_lens=[20], query_lens=[1], block_size=16, kv_heads=2, group=1, head_dim=64,
-                  dtype=torch.float32)
+    c = make_case(
+        gen,
+        seq_lens=[20],
+        query_lens=[1],
+        block_size=16,
+        kv_heads=2,
+        group=1,
+        head_dim=64,
+        dtype=torch.float32,
+    )
     with pytest.raises(ValueError, match="multiple"):
-        kernel.paged_attention_decode(c.q[:, :1].expand(1, 3, 64), c.k_cache, c.v_cache, c.seq_lens,
-                                      c.block_tables, c.scale)
+        kernel.paged_attention_decode(
+            c.q[:, :1].expand(1, 3, 64), c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale
+        )
     with pytest.raises(ValueError, match="dtype"):
-        kernel.paged_attention_decode(c.q.double(), c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
+        kernel.paged_attention_decode(
+            c.q.double(), c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale
+        )
     with pytest.raises(ValueError, match="out must be"):
-        kernel.paged_attention_decode(c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale,
-                                      out=torch.empty(1, 2, 32))
+        kernel.paged_attention_decode(
+            c.q,
+            c.k_cache,
+            c.v_cache,
+            c.seq_lens,
+            c.block_tables,
+            c.scale,
+            out=torch.empty(1, 2, 32),
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_path_matches_reference(dtype: torch.dtype) -> None:
     """The path used when the kernel cannot be built gives the same answers."""
     gen = torch.Generator().manual_seed(8)
-    c = make_case(gen, seq_lens=[1, 100, 257], query_lens=[1, 4, 9], block_size=16, kv_heads=3, group=3,
-                  head_dim=64, dtype=dtype)
-    got = kernel._torch_attention(c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.block_tables,
-                                  c.scale, torch.empty_like(c.q))
+    c = make_case(
+        gen,
+        seq_lens=[1, 100, 257],
+        query_lens=[1, 4, 9],
+        block_size=16,
+        kv_heads=3,
+        group=3,
+        head_dim=64,
+        dtype=dtype,
+    )
+    got = kernel._torch_attention(
+        c.q,
+        c.k_cache,
+        c.v_cache,
+        c.query_start_loc,
+        c.seq_lens,
+        c.block_tables,
+        c.scale,
+        torch.empty_like(c.q),
+    )
     assert_matches(got, c)
 
 
@@ -282,12 +421,24 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(native, "_loaded", False)
     monkeypatch.setattr(native, "_lib", None)
     gen = torch.Generator().manual_seed(9)
-    c = make_case(gen, seq_lens=[40, 3], query_lens=[1, 1], block_size=16, kv_heads=1, group=3, head_dim=64,
-                  dtype=torch.float32)
+    c = make_case(
+        gen,
+        seq_lens=[40, 3],
+        query_lens=[1, 1],
+        block_size=16,
+        kv_heads=1,
+        group=3,
+        head_dim=64,
+        dtype=torch.float32,
+    )
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert not kernel.available()
-        got = kernel.paged_attention_decode(c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
-        kernel.paged_attention_decode(c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
+        got = kernel.paged_attention_decode(
+            c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale
+        )
+        kernel.paged_attention_decode(
+            c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale
+        )
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "torch path" in warnings[0].getMessage()
     assert_matches(got, c)
@@ -296,8 +447,16 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch
 def test_gil_is_released_during_the_call() -> None:
     """Another Python thread keeps running while the kernel works."""
     gen = torch.Generator().manual_seed(10)
-    c = make_case(gen, seq_lens=[1000] * 64, query_lens=[1] * 64, block_size=16, kv_heads=3, group=3,
-                  head_dim=64, dtype=torch.float32)
+    c = make_case(
+        gen,
+        seq_lens=[1000] * 64,
+        query_lens=[1] * 64,
+        block_size=16,
+        kv_heads=3,
+        group=3,
+        head_dim=64,
+        dtype=torch.float32,
+    )
     args = (c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
     kernel.paged_attention_decode(*args)
     start = time.perf_counter()
@@ -333,8 +492,16 @@ def test_concurrent_first_builds_share_one_compile(tmp_path: Path) -> None:
         "print(ok, n.build_seconds is not None, bool(torch.isfinite(o).all()))"
     )
     env = {**os.environ, "PAGEDKV_EXT_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     results = [p.communicate(timeout=300) for p in procs]
     lines = [out.strip() for out, _ in results]
     assert all(p.returncode == 0 for p in procs), [err for _, err in results]
@@ -348,8 +515,16 @@ def test_concurrent_first_builds_share_one_compile(tmp_path: Path) -> None:
 def test_quantized_cache_is_read_in_place_with_its_scales(cache_dtype, dtype, kernel_isa) -> None:
     """int8 / fp8 blocks with a scale per (block, KV head) give the attention of the values they stand for."""
     gen = torch.Generator().manual_seed(11)
-    c = make_case(gen, seq_lens=[1, 40, 300, 97], query_lens=[1, 1, 7, 97], block_size=16, kv_heads=2, group=3,
-                  head_dim=64, dtype=torch.float32)
+    c = make_case(
+        gen,
+        seq_lens=[1, 40, 300, 97],
+        query_lens=[1, 1, 7, 97],
+        block_size=16,
+        kv_heads=2,
+        group=3,
+        head_dim=64,
+        dtype=torch.float32,
+    )
     num_blocks, heads = c.k_cache.shape[:2]
     scales = {}
     stored = {}
@@ -358,33 +533,76 @@ def test_quantized_cache_is_read_in_place_with_its_scales(cache_dtype, dtype, ke
         scale = torch.rand(num_blocks, heads, generator=gen) * 0.05 + 0.001
         if cache_dtype == torch.int8:
             data = (values / scale[:, :, None, None]).round().clamp(-127, 127).to(torch.int8)
-        else:   # values / scale spans e4m3 from its subnormals to its saturation at 448
+        else:  # values / scale spans e4m3 from its subnormals to its saturation at 448
             data = (values / scale[:, :, None, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-            assert ((data.float().abs() > 0) & (data.float().abs() < 2.0 ** -6)).any() and (data.float().abs() == 448).any()
+            assert ((data.float().abs() > 0) & (data.float().abs() < 2.0**-6)).any() and (
+                data.float().abs() == 448
+            ).any()
         scales[f"{name}_scales"], stored[name] = scale, data
-        setattr(c, f"{name}_cache", (data.float() * scale[:, :, None, None]).to(dtype))   # what they stand for
+        setattr(
+            c, f"{name}_cache", (data.float() * scale[:, :, None, None]).to(dtype)
+        )  # what they stand for
     c.q = c.q.to(dtype)
-    got = kernel.paged_attention_varlen(c.q, stored["k"], stored["v"], c.query_start_loc, c.seq_lens,
-                                        c.block_tables, c.scale, **scales)
+    got = kernel.paged_attention_varlen(
+        c.q,
+        stored["k"],
+        stored["v"],
+        c.query_start_loc,
+        c.seq_lens,
+        c.block_tables,
+        c.scale,
+        **scales,
+    )
     assert_matches(got, c)
-    decode = make_case(gen, seq_lens=[5, 333], query_lens=[1, 1], block_size=16, kv_heads=2, group=3, head_dim=64,
-                       dtype=dtype)
+    decode = make_case(
+        gen,
+        seq_lens=[5, 333],
+        query_lens=[1, 1],
+        block_size=16,
+        kv_heads=2,
+        group=3,
+        head_dim=64,
+        dtype=dtype,
+    )
     tables = c.block_tables[[1, 2]]
-    want = kernel.paged_attention_decode(decode.q, c.k_cache, c.v_cache, torch.tensor([40, 300], dtype=torch.int32),
-                                         tables, c.scale)
-    got = kernel.paged_attention_decode(decode.q, stored["k"], stored["v"], torch.tensor([40, 300], dtype=torch.int32),
-                                        tables, c.scale, **scales)
-    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    want = kernel.paged_attention_decode(
+        decode.q, c.k_cache, c.v_cache, torch.tensor([40, 300], dtype=torch.int32), tables, c.scale
+    )
+    got = kernel.paged_attention_decode(
+        decode.q,
+        stored["k"],
+        stored["v"],
+        torch.tensor([40, 300], dtype=torch.int32),
+        tables,
+        c.scale,
+        **scales,
+    )
+    torch.testing.assert_close(
+        got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
 
 
 def test_quantized_cache_needs_matching_scales() -> None:
     cache = torch.zeros(4, 2, 16, 64, dtype=torch.int8)
     q = torch.randn(1, 2, 64)
-    args = (q, cache, cache, torch.tensor([3], dtype=torch.int32), torch.tensor([[1]], dtype=torch.int32), 0.125)
+    args = (
+        q,
+        cache,
+        cache,
+        torch.tensor([3], dtype=torch.int32),
+        torch.tensor([[1]], dtype=torch.int32),
+        0.125,
+    )
     with pytest.raises(ValueError, match="must be a contiguous float32 CPU tensor"):
         kernel.paged_attention_decode(*args, k_scales=torch.ones(4, 2), v_scales=torch.ones(4, 3))
     with pytest.raises(ValueError, match="share a dtype"):
         kernel.paged_attention_decode(*args)
     with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
-        kernel.paged_attention_decode(q, q.new_zeros(4, 2, 16, 64), q.new_zeros(4, 2, 16, 64), *args[3:],
-                                      k_scales=torch.ones(4, 2), v_scales=torch.ones(4, 2))
+        kernel.paged_attention_decode(
+            q,
+            q.new_zeros(4, 2, 16, 64),
+            q.new_zeros(4, 2, 16, 64),
+            *args[3:],
+            k_scales=torch.ones(4, 2),
+            v_scales=torch.ones(4, 2),
+        )

@@ -1,5 +1,6 @@
 """Cascade decode attention (attention/cascade.py, pagedkv_cascade_attention): groups of sequences
 sharing leading blocks give the same result as the plain kernel and the torch reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,9 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 needs_kernel = pytest.mark.skipif(not kernel.available(), reason="the C++ kernel did not build")
 
 
-def make_tables(gen: torch.Generator, groups: list[tuple[int, int]], singles: int,
-                diverge: bool = True) -> tuple[torch.Tensor, list[int], int]:
+def make_tables(
+    gen: torch.Generator, groups: list[tuple[int, int]], singles: int, diverge: bool = True
+) -> tuple[torch.Tensor, list[int], int]:
     """Block tables for groups of (members, shared blocks) plus singletons, rows shuffled; with
     `diverge`, two members of each group of 3+ also share one block past the group's prefix (so
     the longest common run is the group's). Returns tables, seq_lens, blocks in the pool."""
@@ -35,7 +37,11 @@ def make_tables(gen: torch.Generator, groups: list[tuple[int, int]], singles: in
         for m in range(members):
             own = int(torch.randint(1, 3 * BS, (1,), generator=gen))
             blocks = -(-own // BS)
-            tail = extra + fresh(blocks - 1) if diverge and members >= 3 and m < 2 and blocks > 1 else fresh(blocks)
+            tail = (
+                extra + fresh(blocks - 1)
+                if diverge and members >= 3 and m < 2 and blocks > 1
+                else fresh(blocks)
+            )
             rows.append(prefix + tail)
             lens.append(shared * BS + own)
     for _ in range(singles):
@@ -48,7 +54,7 @@ def make_tables(gen: torch.Generator, groups: list[tuple[int, int]], singles: in
     width = max(len(r) for r in rows)
     tables = torch.zeros(len(rows), width, dtype=torch.int32)
     for i, b in enumerate(order):
-        tables[i, :len(rows[b])] = pool[rows[b]].to(torch.int32)
+        tables[i, : len(rows[b])] = pool[rows[b]].to(torch.int32)
     return tables, [lens[b] for b in order], next_block + 5
 
 
@@ -113,28 +119,41 @@ def test_cascade_reads_quantized_blocks_with_their_scales(cache_dtype, dtype, ke
     for name, values in (("k", k), ("v", v)):
         scale = torch.rand(values.shape[:2], generator=gen) * 0.05 + 0.001
         scaled = values / scale[:, :, None, None]
-        stored[name] = (scaled.round().clamp(-127, 127) if cache_dtype == torch.int8
-                        else scaled.clamp(-448, 448)).to(cache_dtype)
+        stored[name] = (
+            scaled.round().clamp(-127, 127)
+            if cache_dtype == torch.int8
+            else scaled.clamp(-448, 448)
+        ).to(cache_dtype)
         scales[f"{name}_scales"] = scale
     plan = cascade.plan(tables, seq_lens.tolist(), BS, forced=True)
-    plain = kernel.paged_attention_decode(q, stored["k"], stored["v"], seq_lens, tables, 0.125, **scales)
-    got = kernel.paged_attention_decode(q, stored["k"], stored["v"], seq_lens, tables, 0.125, cascade=plan, **scales)
+    plain = kernel.paged_attention_decode(
+        q, stored["k"], stored["v"], seq_lens, tables, 0.125, **scales
+    )
+    got = kernel.paged_attention_decode(
+        q, stored["k"], stored["v"], seq_lens, tables, 0.125, cascade=plan, **scales
+    )
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), plain.float(), atol=tol, rtol=tol)
     # and the reference over the values the codes stand for
-    deq = {n: (stored[n].float() * scales[f"{n}_scales"][:, :, None, None]).to(dtype) for n in ("k", "v")}
+    deq = {
+        n: (stored[n].float() * scales[f"{n}_scales"][:, :, None, None]).to(dtype)
+        for n in ("k", "v")
+    }
     want = cascade.reference(q, deq["k"], deq["v"], seq_lens.tolist(), tables, 0.125, plan)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 @needs_kernel
-@pytest.mark.parametrize("change,message", [
-    (lambda p: p.pre.__setitem__(p.members[0], 0), "shared prefix"),
-    (lambda p: p.pre.__setitem__(p.members[0], 50), "shared prefix"),
-    (lambda p: p.members.__setitem__(1, p.members[0]), "twice"),
-    (lambda p: p.members.__setitem__(0, 999), "outside the batch"),
-    (lambda p: p.group_start.__setitem__(1, 0), "empty"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda p: p.pre.__setitem__(p.members[0], 0), "shared prefix"),
+        (lambda p: p.pre.__setitem__(p.members[0], 50), "shared prefix"),
+        (lambda p: p.members.__setitem__(1, p.members[0]), "twice"),
+        (lambda p: p.members.__setitem__(0, 999), "outside the batch"),
+        (lambda p: p.group_start.__setitem__(1, 0), "empty"),
+    ],
+)
 def test_bad_plans_are_refused_not_read(change, message: str) -> None:
     gen = torch.Generator().manual_seed(2)
     q, k, v, seq_lens, tables = _case(gen, torch.float32, 2, 2, 64)
@@ -168,9 +187,13 @@ def test_engine_outputs_are_unchanged_with_cascade_forced(tiny_model_dir, monkey
     cascade forced on and off, and the forced run does take the cascade."""
     from pagedkv import LLM
 
-    prompt = "Memory is cut into fixed-size blocks handed out on demand, mapped by a block table. " * 2
-    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-              SamplingParams(n=6, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)]
+    prompt = (
+        "Memory is cut into fixed-size blocks handed out on demand, mapped by a block table. " * 2
+    )
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+        SamplingParams(n=6, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True),
+    ]
     used = []
     plain_decode = kernel.paged_attention_decode
 
@@ -193,7 +216,11 @@ def test_engine_outputs_are_unchanged_with_cascade_forced(tiny_model_dir, monkey
 
 def test_auto_keeps_only_groups_that_pay(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(4)
-    big, small_group, short = (cascade.MIN_GROUP, cascade.MIN_BLOCKS), (2, cascade.MIN_BLOCKS + 2), (6, 2)
+    big, small_group, short = (
+        (cascade.MIN_GROUP, cascade.MIN_BLOCKS),
+        (2, cascade.MIN_BLOCKS + 2),
+        (6, 2),
+    )
     tables, lens, _ = make_tables(gen, [big, small_group, short], singles=2, diverge=False)
     plan = cascade.plan(tables, lens, BS, forced=False)
     assert plan is not None and plan.num_groups == 1

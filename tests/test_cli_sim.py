@@ -1,4 +1,5 @@
 """`pagedkv simulate` from the outside: output, JSON, plots, and one-line errors with exit 2."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,9 @@ from pagedkv import cli
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     """`pagedkv ARGS` as a user runs it: its own process, exit code and stderr as they are."""
-    return subprocess.run([sys.executable, "-m", "pagedkv.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def run_main(capsys, *args: str) -> tuple[int, str, str]:
@@ -40,25 +43,61 @@ def write_trace(tmp_path, lines: list[str], name="trace.jsonl"):
 def test_default_run_prints_the_seed_table_and_the_ratio():
     out = run_cli("simulate")
     assert out.returncode == 0, out.stderr
-    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if len(line.split()) == 6}
+    rows = {
+        line.split()[0]: line.split() for line in out.stdout.splitlines() if len(line.split()) == 6
+    }
     assert rows["reserve-max"][1] == "64" and rows["reserve-max"][5] == "84.5%"
     assert rows["paged:16"][4].startswith("99.")
     assert "paged:16 fits 2.3x as many requests as reserve-output" in out.stdout
 
 
 def test_json_from_a_trace_file_is_exact(tmp_path):
-    trace = write_trace(tmp_path, ['{"prompt_tokens": 100, "output_tokens": 50}', "",
-                                   '{"prompt_tokens": 10, "output_tokens": 5, "note": "ignored"}',
-                                   '{"prompt_tokens": 300, "output_tokens": 0}'])
+    trace = write_trace(
+        tmp_path,
+        [
+            '{"prompt_tokens": 100, "output_tokens": 50}',
+            "",
+            '{"prompt_tokens": 10, "output_tokens": 5, "note": "ignored"}',
+            '{"prompt_tokens": 300, "output_tokens": 0}',
+        ],
+    )
     # pool = 1000 * 16 // 16 = 1000 slots; numbers as in test_simulate (worked by hand)
-    out = run_cli("simulate", "--trace", trace, "--kv-memory", "16000", "--bytes-per-token", "16",
-                  "--max-model-len", "400", "--max-output", "100", "--policies", "reserve-max,paged:16", "--json")
+    out = run_cli(
+        "simulate",
+        "--trace",
+        trace,
+        "--kv-memory",
+        "16000",
+        "--bytes-per-token",
+        "16",
+        "--max-model-len",
+        "400",
+        "--max-output",
+        "100",
+        "--policies",
+        "reserve-max,paged:16",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == {"pool_tokens": 1000, "policies": [
-        {"policy": "reserve-max", "requests_fit": 2, "real_tokens": 165, "reserved_tokens": 800,
-         "token_utilization": 165 / 800},
-        {"policy": "paged:16", "requests_fit": 6, "real_tokens": 930, "reserved_tokens": 960,
-         "token_utilization": 930 / 960}]}
+    assert json.loads(out.stdout) == {
+        "pool_tokens": 1000,
+        "policies": [
+            {
+                "policy": "reserve-max",
+                "requests_fit": 2,
+                "real_tokens": 165,
+                "reserved_tokens": 800,
+                "token_utilization": 165 / 800,
+            },
+            {
+                "policy": "paged:16",
+                "requests_fit": 6,
+                "real_tokens": 930,
+                "reserved_tokens": 960,
+                "token_utilization": 930 / 960,
+            },
+        ],
+    }
 
 
 def test_plot_is_a_png(tmp_path, capsys):
@@ -82,30 +121,39 @@ BAD_TRACES = {
 
 @pytest.mark.parametrize("case", sorted(BAD_TRACES))
 def test_bad_trace_is_one_line_and_exit_2(tmp_path, capsys, case):
-    assert_one_line_error(*run_main(capsys, "simulate", "--trace", write_trace(tmp_path, BAD_TRACES[case])))
+    assert_one_line_error(
+        *run_main(capsys, "simulate", "--trace", write_trace(tmp_path, BAD_TRACES[case]))
+    )
 
 
 def test_malformed_trace_in_a_real_process(tmp_path):
-    out = run_cli("simulate", "--trace", write_trace(tmp_path, ['{"prompt_tokens": 5, "output_tokens": 1}', "oops"]))
+    out = run_cli(
+        "simulate",
+        "--trace",
+        write_trace(tmp_path, ['{"prompt_tokens": 5, "output_tokens": 1}', "oops"]),
+    )
     assert_one_line_error(out.returncode, out.stdout, out.stderr)
     assert "line 2" in out.stderr
 
 
-@pytest.mark.parametrize("args", [
-    ["--trace", "/nonexistent/trace.jsonl"],
-    ["--trace", "."],                                   # a folder, unreadable as a file
-    ["--policies", "paged:0"],
-    ["--policies", "reserve-everything"],
-    ["--kv-memory", "lots"],
-    ["--bytes-per-token", "0"],
-    ["--bytes-per-token", "x"],
-    ["--requests", "0"],
-    ["--max-output", "0"],
-    ["--max-model-len", "1000"],                        # generated prompt + output can exceed it
-    ["--trace", "t.jsonl", "--requests", "5"],
-    ["--unknown-flag"],
-    ["--plot", "/nonexistent/dir/fit.png"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--trace", "/nonexistent/trace.jsonl"],
+        ["--trace", "."],  # a folder, unreadable as a file
+        ["--policies", "paged:0"],
+        ["--policies", "reserve-everything"],
+        ["--kv-memory", "lots"],
+        ["--bytes-per-token", "0"],
+        ["--bytes-per-token", "x"],
+        ["--requests", "0"],
+        ["--max-output", "0"],
+        ["--max-model-len", "1000"],  # generated prompt + output can exceed it
+        ["--trace", "t.jsonl", "--requests", "5"],
+        ["--unknown-flag"],
+        ["--plot", "/nonexistent/dir/fit.png"],
+    ],
+)
 def test_bad_flags_are_one_line_and_exit_2(capsys, args):
     assert_one_line_error(*run_main(capsys, "simulate", *args))
 
@@ -117,15 +165,44 @@ def test_bad_flag_in_a_real_process():
 
 def test_dynamic_json_and_plot(tmp_path):
     png = tmp_path / "replay.png"
-    out = run_cli("simulate", "--dynamic", "--requests", "40", "--kv-memory", "2GiB",
-                  "--max-model-len", "4096", "--shared-prefix", "64",
-                  "--arrival-rate", "0.5", "--policies", "reserve-max,paged:16", "--json", "--plot", str(png))
+    out = run_cli(
+        "simulate",
+        "--dynamic",
+        "--requests",
+        "40",
+        "--kv-memory",
+        "2GiB",
+        "--max-model-len",
+        "4096",
+        "--shared-prefix",
+        "64",
+        "--arrival-rate",
+        "0.5",
+        "--policies",
+        "reserve-max,paged:16",
+        "--json",
+        "--plot",
+        str(png),
+    )
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
-    assert d["pool_tokens"] == 16384 and [p["policy"] for p in d["policies"]] == ["reserve-max", "paged:16"]
-    assert set(d["policies"][1]) == {"policy", "block_size", "steps", "completed", "peak_running", "mean_running",
-                                     "preemptions", "token_utilization_mean", "token_utilization_min",
-                                     "prefix_queries", "prefix_hits"}
+    assert d["pool_tokens"] == 16384 and [p["policy"] for p in d["policies"]] == [
+        "reserve-max",
+        "paged:16",
+    ]
+    assert set(d["policies"][1]) == {
+        "policy",
+        "block_size",
+        "steps",
+        "completed",
+        "peak_running",
+        "mean_running",
+        "preemptions",
+        "token_utilization_mean",
+        "token_utilization_min",
+        "prefix_queries",
+        "prefix_hits",
+    }
     rmax, paged = d["policies"]
     assert rmax["completed"] == paged["completed"] == 40
     # 1024 blocks, 256 per reservation, 10 kept free; the shared 4-block prefix is held once:
@@ -136,17 +213,29 @@ def test_dynamic_json_and_plot(tmp_path):
 
 
 def test_dynamic_table(capsys):
-    rc, out, err = run_main(capsys, "simulate", "--dynamic", "--requests", "30", "--kv-memory", "2GiB")
+    rc, out, err = run_main(
+        capsys, "simulate", "--dynamic", "--requests", "30", "--kv-memory", "2GiB"
+    )
     assert rc == 0, err
     assert "replay through the block manager: 30 requests" in out
-    assert sum(line.startswith(("reserve-max", "reserve-output", "paged:16", "paged:256"))
-               for line in out.splitlines()) == 4
+    assert (
+        sum(
+            line.startswith(("reserve-max", "reserve-output", "paged:16", "paged:256"))
+            for line in out.splitlines()
+        )
+        == 4
+    )
 
 
-@pytest.mark.parametrize("args", [
-    ["--arrival-rate", "-1"], ["--arrival-rate", "nan"], ["--shared-prefix", "-3"],
-    ["--kv-memory", "64MiB"],                           # 512 token slots: a generated request needs more
-    ["--plot", "/nonexistent/dir/replay.png"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--arrival-rate", "-1"],
+        ["--arrival-rate", "nan"],
+        ["--shared-prefix", "-3"],
+        ["--kv-memory", "64MiB"],  # 512 token slots: a generated request needs more
+        ["--plot", "/nonexistent/dir/replay.png"],
+    ],
+)
 def test_dynamic_bad_flags_are_one_line_and_exit_2(capsys, args):
     assert_one_line_error(*run_main(capsys, "simulate", "--dynamic", "--requests", "5", *args))

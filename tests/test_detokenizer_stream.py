@@ -4,6 +4,7 @@ Also records why it does not use `tokenizers.decoders.DecodeStream`: at equal
 speed (about 3 us a token either way), a DecodeStream prefilled with a prompt
 whose text ends mid-character emits the prompt's text again.
 """
+
 from __future__ import annotations
 
 import random
@@ -16,8 +17,13 @@ from pagedkv.engine.request import SamplingParams
 from pagedkv.engine.sequence import SequenceGroup
 from pagedkv.model.loader import read_checkpoint
 
-TEXTS = ["Émigré café naïve — 東京 😀 numbers 0123", "Hello world! The quick brown fox", " 😀😀 東京 x",
-         "\n\n  a  b {}[]()<>", "Paged attention keeps the KV cache in blocks."]
+TEXTS = [
+    "Émigré café naïve — 東京 😀 numbers 0123",
+    "Hello world! The quick brown fox",
+    " 😀😀 東京 x",
+    "\n\n  a  b {}[]()<>",
+    "Paged attention keeps the KV cache in blocks.",
+]
 
 
 @pytest.fixture(scope="module", params=["tiny", "default"])
@@ -26,7 +32,9 @@ def tokenizer(request, tiny_model_dir):
 
 
 def stream_text(tokenizer, prompt: list[int], output: list[int], skip: bool = True) -> str:
-    group = SequenceGroup.create("r", None, prompt, SamplingParams(skip_special_tokens=skip), len(output))
+    group = SequenceGroup.create(
+        "r", None, prompt, SamplingParams(skip_special_tokens=skip), len(output)
+    )
     seq = group.seqs[0]
     init_offsets(seq)
     detok = Detokenizer(tokenizer)
@@ -47,13 +55,18 @@ def test_stream_equals_full_decode(tokenizer):
 
 def test_multibyte_characters_split_over_tokens(tokenizer):
     output = tokenizer.encode("😀東京😀", add_special_tokens=False)
-    assert len(output) > 3     # byte-level pieces: the characters arrive in parts
-    assert stream_text(tokenizer, tokenizer.encode("Hi", add_special_tokens=False), output) == "😀東京😀"
+    assert len(output) > 3  # byte-level pieces: the characters arrive in parts
+    assert (
+        stream_text(tokenizer, tokenizer.encode("Hi", add_special_tokens=False), output)
+        == "😀東京😀"
+    )
 
 
 def test_decode_stream_repeats_a_prompt_ending_mid_character(tokenizer):
     """Why detokenizer.py keeps its own window: DecodeStream's output is not the output's text here."""
-    ids = tokenizer.encode("ab 🦀 cd", add_special_tokens=False)   # 🦀: in no vocabulary, so split in bytes
+    ids = tokenizer.encode(
+        "ab 🦀 cd", add_special_tokens=False
+    )  # 🦀: in no vocabulary, so split in bytes
     cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
     prompt, output = ids[:cut], ids[cut:]
     try:

@@ -1,4 +1,5 @@
 """`--dtype auto` on CPU is measured: the faster dtype for this model's matmuls, cached per CPU and shape."""
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,22 @@ from pagedkv.model import dtype_choice
 from pagedkv.model.config import LlamaConfig
 from pagedkv.model.loader import resolve_dtype
 
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-             rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
-             tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 
 
 def small_config() -> LlamaConfig:
@@ -22,8 +35,14 @@ def small_config() -> LlamaConfig:
 
 def test_pick_is_the_lower_geometric_mean_over_batch_sizes():
     # bf16 wins batch 1 by 2x but loses batched steps by 3x: float32 over both
-    assert dtype_choice.pick({"float32": {"1": 2.0, "32": 1.0}, "bfloat16": {"1": 1.0, "32": 3.0}}) == "float32"
-    assert dtype_choice.pick({"float32": {"1": 2.0, "32": 1.0}, "bfloat16": {"1": 1.0, "32": 1.5}}) == "bfloat16"
+    assert (
+        dtype_choice.pick({"float32": {"1": 2.0, "32": 1.0}, "bfloat16": {"1": 1.0, "32": 3.0}})
+        == "float32"
+    )
+    assert (
+        dtype_choice.pick({"float32": {"1": 2.0, "32": 1.0}, "bfloat16": {"1": 1.0, "32": 1.5}})
+        == "bfloat16"
+    )
 
 
 def test_layer_shapes_follow_the_model():
@@ -33,7 +52,7 @@ def test_layer_shapes_follow_the_model():
 
 def test_auto_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDKV_EXT_DIR", str(tmp_path))
-    monkeypatch.setattr(dtype_choice, "MIN_BYTES", 1 << 20)      # a small trial keeps the test quick
+    monkeypatch.setattr(dtype_choice, "MIN_BYTES", 1 << 20)  # a small trial keeps the test quick
     cfg = small_config()
     first = resolve_dtype("auto", "cpu", cfg)
     assert first in (torch.float32, torch.bfloat16)
@@ -50,8 +69,11 @@ def test_auto_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert resolve_dtype("auto", "cpu", cfg) == getattr(torch, other)
     # a damaged cache file is measured again, not trusted
     (tmp_path / "dtype.json").write_text("{not json")
-    monkeypatch.setattr(dtype_choice, "measure",
-                        lambda shapes: {"float32": {"1": 1.0, "32": 1.0}, "bfloat16": {"1": 2.0, "32": 2.0}})
+    monkeypatch.setattr(
+        dtype_choice,
+        "measure",
+        lambda shapes: {"float32": {"1": 1.0, "32": 1.0}, "bfloat16": {"1": 2.0, "32": 2.0}},
+    )
     assert resolve_dtype("auto", "cpu", cfg) == torch.float32
 
 

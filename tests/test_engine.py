@@ -1,4 +1,5 @@
 """The engine on a tiny random-weight Llama: batching, preemption, sampling, forks, aborts."""
+
 from __future__ import annotations
 
 import pytest
@@ -52,22 +53,35 @@ def test_batch_equals_one_at_a_time(tiny_model_dir, reference):
 
 def test_greedy_equals_transformers(tiny_model_dir, reference):
     from transformers import LlamaForCausalLM
+
     hf = LlamaForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     llm = make_llm(tiny_model_dir)
     tok = llm.get_tokenizer()
     for prompt, ours in zip(PROMPTS, reference):
         ids = torch.tensor([tok.encode(prompt)])
         with torch.no_grad():
-            gen = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None,
-                              pad_token_id=0, min_new_tokens=24)
-        assert gen[0, ids.shape[1]:].tolist() == ours
+            gen = hf.generate(
+                ids,
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                min_new_tokens=24,
+            )
+        assert gen[0, ids.shape[1] :].tolist() == ours
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_never_changes_outputs(tiny_model_dir, reference, mode):
     # 24 blocks of 4 tokens: far too few for four requests at once, enough for any one of them.
-    llm = make_llm(tiny_model_dir, num_gpu_blocks_override=24, block_size=4, preemption_mode=mode,
-                   swap_space="64MiB", max_num_batched_tokens=32)
+    llm = make_llm(
+        tiny_model_dir,
+        num_gpu_blocks_override=24,
+        block_size=4,
+        preemption_mode=mode,
+        swap_space="64MiB",
+        max_num_batched_tokens=32,
+    )
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert token_ids(outs) == reference
@@ -77,7 +91,7 @@ def test_preemption_never_changes_outputs(tiny_model_dir, reference, mode):
 def test_chunked_prefill_and_prefix_cache_keep_outputs(tiny_model_dir, reference):
     llm = make_llm(tiny_model_dir, max_num_batched_tokens=7, block_size=4)
     first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)       # now served from the prefix cache
+    again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # now served from the prefix cache
     assert token_ids(first) == reference and token_ids(again) == reference
     assert again[3].num_cached_tokens > 0
     assert again[3].num_cached_tokens % 4 == 0
@@ -98,31 +112,38 @@ def test_n_samples_share_prompt_blocks(tiny_model_dir):
     prompt = PROMPTS[1]
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     group = engine.add_request("fork", prompt, params)
-    engine.step()                                   # prefill, then fork into 4 samples
+    engine.step()  # prefill, then fork into 4 samples
     assert len(group.seqs) == 4
     n_prompt = len(group.prompt_token_ids)
     full = n_prompt // 4
     tables = [engine.kv.block_table(s.seq_id) for s in group.seqs]
-    assert all(t[:full] == tables[0][:full] for t in tables)   # the prompt's full blocks are held once
+    assert all(
+        t[:full] == tables[0][:full] for t in tables
+    )  # the prompt's full blocks are held once
     stats = engine.kv.stats()
     assert stats.shared >= full
     while engine.has_unfinished():
         engine.step()
     outs = [s.output_token_ids for s in group.seqs]
     assert all(len(o) == 8 for o in outs)
-    assert len({tuple(o) for o in outs}) > 1                    # different samples
+    assert len({tuple(o) for o in outs}) > 1  # different samples
     assert_pool_clean(engine)
 
 
 def test_seed_gives_same_output_alone_or_in_batch(tiny_model_dir):
     llm = make_llm(tiny_model_dir)
-    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    p = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True
+    )
     alone = llm.generate(PROMPTS[0], p, use_tqdm=False)[0].outputs[0].token_ids
     other = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
     batch = llm.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], [other, p, other], use_tqdm=False)
     assert batch[1].outputs[0].token_ids == alone
     unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
-    runs = {tuple(llm.generate(PROMPTS[0], unseeded, use_tqdm=False)[0].outputs[0].token_ids) for _ in range(3)}
+    runs = {
+        tuple(llm.generate(PROMPTS[0], unseeded, use_tqdm=False)[0].outputs[0].token_ids)
+        for _ in range(3)
+    }
     assert len(runs) > 1
 
 
@@ -132,29 +153,47 @@ def test_stop_strings_and_tokens(tiny_model_dir, reference):
     full_text = tok.decode(reference[0])
     stop = full_text[5:8]
     assert stop and stop in full_text
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        PROMPTS[0],
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert stop not in out.text and full_text.startswith(out.text)
     stop_tok = reference[0][5]
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                                                  stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        PROMPTS[0],
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0].outputs[0]
     first = reference[0].index(stop_tok)
-    assert out.token_ids == reference[0][:first + 1] and out.stop_reason == stop_tok
+    assert out.token_ids == reference[0][: first + 1] and out.stop_reason == stop_tok
     assert_pool_clean(llm.engine)
 
 
 def test_min_tokens_and_logprobs(tiny_model_dir, reference):
     llm = make_llm(tiny_model_dir)
     eos = next(iter(llm.get_tokenizer().eos_token_ids))
-    p = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10, stop_token_ids=[reference[0][0]], logprobs=3)
+    p = SamplingParams(
+        temperature=0.0, max_tokens=10, min_tokens=10, stop_token_ids=[reference[0][0]], logprobs=3
+    )
     out = llm.generate(PROMPTS[0], p, use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) == 10 and reference[0][0] not in out.token_ids and eos not in out.token_ids
-    assert len(out.logprobs) == 10   # vLLM's shape: per position, token id -> Logprob(logprob, rank, decoded_token)
+    assert (
+        len(out.token_ids) == 10
+        and reference[0][0] not in out.token_ids
+        and eos not in out.token_ids
+    )
+    assert (
+        len(out.logprobs) == 10
+    )  # vLLM's shape: per position, token id -> Logprob(logprob, rank, decoded_token)
     for lp, t in zip(out.logprobs, out.token_ids):
         assert t in lp and lp[t].logprob <= 0 and len(lp) == 3
-        assert lp[t].rank == 1 and max(e.logprob for e in lp.values()) == pytest.approx(lp[t].logprob, abs=1e-4)
-    assert out.cumulative_logprob == pytest.approx(sum(lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)))
+        assert lp[t].rank == 1 and max(e.logprob for e in lp.values()) == pytest.approx(
+            lp[t].logprob, abs=1e-4
+        )
+    assert out.cumulative_logprob == pytest.approx(
+        sum(lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids))
+    )
 
 
 def test_penalties_change_output(tiny_model_dir):
@@ -165,8 +204,10 @@ def test_penalties_change_output(tiny_model_dir):
     assert seen & set(ref.outputs[0].token_ids) or len(set(ref.outputs[0].token_ids)) < 24
     p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1e4)
     out = llm.generate(PROMPTS[3], p, use_tqdm=False)[0].outputs[0].token_ids
-    assert not seen & set(out) and len(set(out)) == len(out)     # nothing seen before is repeated
-    p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0)
+    assert not seen & set(out) and len(set(out)) == len(out)  # nothing seen before is repeated
+    p = SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0
+    )
     out = llm.generate(PROMPTS[3], p, use_tqdm=False)[0].outputs[0].token_ids
     assert len(set(out)) >= len(set(ref.outputs[0].token_ids))
 
@@ -180,25 +221,32 @@ def test_fcfs_order(tiny_model_dir):
 
 
 def test_request_larger_than_pool_is_rejected(tiny_model_dir, reference):
-    llm = make_llm(tiny_model_dir, num_gpu_blocks_override=8, block_size=4)   # 32 tokens
+    llm = make_llm(tiny_model_dir, num_gpu_blocks_override=8, block_size=4)  # 32 tokens
     engine = llm.engine
     with pytest.raises(ConfigError, match="KV pool"):
         engine.add_request("big", PROMPTS[3], SamplingParams(max_tokens=8))
     assert not engine.has_unfinished()
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
     assert out[0].outputs[0].token_ids == reference[0][:8]
     assert_pool_clean(engine)
 
 
-@pytest.mark.parametrize("bad", [
-    dict(prompt=[[]], msg="empty"),
-    dict(prompt=[10**9], msg="vocabulary"),
-    dict(prompt="x", max_tokens=10**6, msg="max_model_len"),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(prompt=[[]], msg="empty"),
+        dict(prompt=[10**9], msg="vocabulary"),
+        dict(prompt="x", max_tokens=10**6, msg="max_model_len"),
+    ],
+)
 def test_bad_requests_leave_nothing_behind(tiny_model_dir, bad):
     llm = make_llm(tiny_model_dir)
     with pytest.raises(ConfigError, match=bad["msg"]):
-        llm.generate(bad["prompt"], SamplingParams(max_tokens=bad.get("max_tokens", 4)), use_tqdm=False)
+        llm.generate(
+            bad["prompt"], SamplingParams(max_tokens=bad.get("max_tokens", 4)), use_tqdm=False
+        )
     assert not llm.engine.has_unfinished()
     assert_pool_clean(llm.engine)
 
@@ -207,20 +255,29 @@ def test_abort_returns_every_block(tiny_model_dir):
     llm = make_llm(tiny_model_dir)
     engine = llm.engine
     for i, p in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", p, SamplingParams(n=2 if i == 1 else 1, max_tokens=50, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", p, SamplingParams(n=2 if i == 1 else 1, max_tokens=50, ignore_eos=True)
+        )
     for _ in range(3):
         engine.step()
     assert engine.kv.stats().used > 0
     for i in range(len(PROMPTS)):
         out = engine.abort(f"r{i}")
-        assert out.finished and all(c.finish_reason in ("abort", "length", "stop") for c in out.outputs)
+        assert out.finished and all(
+            c.finish_reason in ("abort", "length", "stop") for c in out.outputs
+        )
     assert_pool_clean(engine)
 
 
 @pytest.mark.parametrize("policy", ["reserve-max", "reserve-output"])
 def test_reservation_policies_keep_outputs(tiny_model_dir, reference, policy):
-    llm = make_llm(tiny_model_dir, allocation_policy=policy, max_model_len=256, num_gpu_blocks_override=64,
-                   block_size=16)
+    llm = make_llm(
+        tiny_model_dir,
+        allocation_policy=policy,
+        max_model_len=256,
+        num_gpu_blocks_override=64,
+        block_size=16,
+    )
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert token_ids(outs) == reference
     assert_pool_clean(llm.engine)
@@ -228,11 +285,15 @@ def test_reservation_policies_keep_outputs(tiny_model_dir, reference, policy):
 
 def test_chat(tiny_model_dir):
     llm = make_llm(tiny_model_dir)
-    out = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                   use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "Hello"}],
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     tok = llm.get_tokenizer()
-    assert out.prompt_token_ids == tok.encode("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
-                                              add_special_tokens=False)
+    assert out.prompt_token_ids == tok.encode(
+        "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
     assert len(out.outputs[0].token_ids) == 4
 
 
@@ -246,6 +307,7 @@ def test_cpu_engine_keeps_freed_memory_for_reuse():
     import platform
 
     from pagedkv.engine.setup import keep_freed_memory
+
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")
     assert keep_freed_memory() and keep_freed_memory()

@@ -4,6 +4,7 @@ stops it loudly (errors to every client, /health 503, exit code 1), never silent
 Faults are injected with `pagedkv.engine.faults` (a request whose prompt holds a marker raises at a
 chosen stage), and every other request is compared with a clean run of the same schedule.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,14 +26,23 @@ from pagedkv.engine.request import RequestOutput, SamplingParams
 SHARED = "Paged attention keeps the KV cache in blocks. Hello world! Serving a model means holding"
 BAD = SHARED + " BOOM the quick brown fox jumps over the lazy dog"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-SAMPLED = SamplingParams(n=2, temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True,
-                         repetition_penalty=1.3, frequency_penalty=0.5, logprobs=1)
+SAMPLED = SamplingParams(
+    n=2,
+    temperature=0.9,
+    top_p=0.9,
+    seed=7,
+    max_tokens=12,
+    ignore_eos=True,
+    repetition_penalty=1.3,
+    frequency_penalty=0.5,
+    logprobs=1,
+)
 STOPPED = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=["o"])
 
 # (request id, prompt, params, step at which it is added)
 SCHEDULE = [
     ("early", "The quick brown fox", GREEDY, 0),
-    ("bad", BAD, GREEDY, 2),                           # joins a running batch
+    ("bad", BAD, GREEDY, 2),  # joins a running batch
     ("sibling", SHARED + " each request's cache while it grows", GREEDY, 2),  # bad's prefix
     ("forked", "Memory is cut into fixed-size blocks", SAMPLED, 2),
     ("stopped", "Hello world! Serving", STOPPED, 2),
@@ -41,8 +51,11 @@ STAGES = ["forward", "after-forward", "sample", "detokenize"]
 
 
 def make_engine(tiny_model_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_options(model=tiny_model_dir, dtype="float32", block_size=4,
-                                               num_gpu_blocks_override=256))
+    return LLMEngine(
+        EngineConfig.from_options(
+            model=tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks_override=256
+        )
+    )
 
 
 def run(engine: LLMEngine, schedule=SCHEDULE) -> dict[str, RequestOutput]:
@@ -70,13 +83,23 @@ def assert_no_leak(engine: LLMEngine) -> None:
 def comparable(out: RequestOutput) -> list[tuple]:
     """Everything but the logprob values, which move in the last float bits with the batch's makeup
     (the failed request leaves the batch), as they do when a request is aborted."""
-    return [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason,
-             [(lp.token_id, sorted(lp.top)) for lp in c.logprobs or ()]) for c in out.outputs]
+    return [
+        (
+            c.index,
+            c.text,
+            c.token_ids,
+            c.finish_reason,
+            c.stop_reason,
+            [(lp.token_id, sorted(lp.top)) for lp in c.logprobs or ()],
+        )
+        for c in out.outputs
+    ]
 
 
 def logprobs(out: RequestOutput) -> list[float]:
-    return [v for c in out.outputs for lp in c.logprobs or ()
-            for v in (lp.logprob, *lp.top.values())]
+    return [
+        v for c in out.outputs for lp in c.logprobs or () for v in (lp.logprob, *lp.top.values())
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +122,7 @@ def test_a_failing_request_ends_alone(tiny_model_dir, clean, stage, after):
     bad = finals.pop("bad")
     assert bad.finished and bad.error is not None and "injected" in bad.error
     assert all(c.finish_reason == "error" for c in bad.outputs)
-    made = max(after, 1) if stage == "detokenize" else after   # its failing token is appended
+    made = max(after, 1) if stage == "detokenize" else after  # its failing token is appended
     assert len(bad.outputs[0].token_ids) == made
     for rid, out in finals.items():
         assert out.error is None, rid
@@ -110,20 +133,21 @@ def test_a_failing_request_ends_alone(tiny_model_dir, clean, stage, after):
     # Whatever the failed step left half written is not served from the prefix cache later.
     engine.faults = None
     again = run(engine, [("bad-again", BAD, GREEDY, 0)])["bad-again"]
-    assert again.num_cached_tokens > 0   # the shared prefix, which the sibling computed
+    assert again.num_cached_tokens > 0  # the shared prefix, which the sibling computed
     assert comparable(again) == comparable(clean["bad"])
     assert_no_leak(engine)
 
 
 def test_every_request_failing_leaves_nothing_behind(tiny_model_dir, one_torch_thread):
     engine = make_engine(tiny_model_dir)
-    engine.faults = FaultInjector("after-forward", "o", engine.tokenizer)   # all prompts have one
+    engine.faults = FaultInjector("after-forward", "o", engine.tokenizer)  # all prompts have one
     finals = run(engine)
     assert all(out.error is not None for out in finals.values()) and len(finals) == len(SCHEDULE)
     assert_no_leak(engine)
 
 
 # ---------------------------------------------------------------- AsyncLLM, in process
+
 
 def test_async_llm_starts_itself_and_isolates(tiny_model_dir, one_torch_thread):
     async def main() -> None:
@@ -132,15 +156,21 @@ def test_async_llm_starts_itself_and_isolates(tiny_model_dir, one_torch_thread):
 
         async def final(prompt: str, rid: str) -> RequestOutput:
             out = None
-            async for out in llm.generate(prompt, GREEDY, rid):   # no start(): it starts itself
+            async for out in llm.generate(prompt, GREEDY, rid):  # no start(): it starts itself
                 pass
             return out
-        good, bad = await asyncio.wait_for(asyncio.gather(
-            final("The quick brown fox", "good"), final(BAD, "bad"), return_exceptions=True), 120)
+
+        good, bad = await asyncio.wait_for(
+            asyncio.gather(
+                final("The quick brown fox", "good"), final(BAD, "bad"), return_exceptions=True
+            ),
+            120,
+        )
         assert isinstance(bad, RequestFailedError) and "injected" in str(bad)
         assert isinstance(good, RequestOutput) and len(good.outputs[0].token_ids) == 12
         assert llm.error is None
         await llm.shutdown()
+
     asyncio.run(main())
 
 
@@ -155,28 +185,47 @@ def test_async_llm_loop_failure_reaches_every_client(tiny_model_dir, one_torch_t
             async for _ in llm.generate(prompt, long, rid):
                 if prompt != "DIE":
                     await asyncio.sleep(0)
+
         waiting = [asyncio.ensure_future(consume("The quick brown fox", f"w{i}")) for i in range(3)]
         await asyncio.sleep(0.2)
-        results = await asyncio.wait_for(asyncio.gather(consume("DIE", "die"), *waiting,
-                                                        return_exceptions=True), 60)
+        results = await asyncio.wait_for(
+            asyncio.gather(consume("DIE", "die"), *waiting, return_exceptions=True), 60
+        )
         assert all(isinstance(r, EngineDeadError) for r in results), results
         assert llm.error is not None
-        with pytest.raises(EngineDeadError):   # and every later request, at once
+        with pytest.raises(EngineDeadError):  # and every later request, at once
             await anext(llm.generate("Hi", long, "late"))
         await llm.shutdown()
+
     asyncio.run(main())
 
 
 # ---------------------------------------------------------------- over HTTP, a real server process
 
-SERVER_ARGS = ("--dtype", "float32", "--block-size", "4", "--num-gpu-blocks-override", "512",
-               "--max-model-len", "1024", "--served-model-name", "tiny")
-LONG = 900   # tokens of the well-behaved requests: still running when the faulty ones fail
+SERVER_ARGS = (
+    "--dtype",
+    "float32",
+    "--block-size",
+    "4",
+    "--num-gpu-blocks-override",
+    "512",
+    "--max-model-len",
+    "1024",
+    "--served-model-name",
+    "tiny",
+)
+LONG = 900  # tokens of the well-behaved requests: still running when the faulty ones fail
 
 
 def body(prompt: str, stream: bool, max_tokens: int = LONG) -> dict:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream}
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
 
 def post(srv: ServerProcess, payload: dict) -> tuple[int, dict, float]:
@@ -185,12 +234,15 @@ def post(srv: ServerProcess, payload: dict) -> tuple[int, dict, float]:
     return r.status_code, r.json(), time.monotonic()
 
 
-def stream(srv: ServerProcess, payload: dict,
-           started: threading.Event | None = None) -> tuple[int, str, list[dict], float]:
+def stream(
+    srv: ServerProcess, payload: dict, started: threading.Event | None = None
+) -> tuple[int, str, list[dict], float]:
     """(status, text, error events, time the stream ended); sets `started` at the first token."""
     text, errors = "", []
-    with httpx.Client(base_url=srv.url, timeout=300) as http, \
-            http.stream("POST", "/v1/completions", json=payload) as r:
+    with (
+        httpx.Client(base_url=srv.url, timeout=300) as http,
+        http.stream("POST", "/v1/completions", json=payload) as r,
+    ):
         if r.status_code != 200:
             return r.status_code, "", [json.loads(r.read())], time.monotonic()
         for line in r.iter_lines():
@@ -214,7 +266,7 @@ def assert_openai_error(payload: dict, status: int) -> None:
 
 
 def test_http_a_failing_request_ends_alone(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("PAGEDKV_INJECT_FAULT", "sample:BOOM:5")   # fail at the 6th token
+    monkeypatch.setenv("PAGEDKV_INJECT_FAULT", "sample:BOOM:5")  # fail at the 6th token
     with ServerProcess(tiny_model_dir, *SERVER_ARGS) as srv, ThreadPoolExecutor(4) as pool:
         good_stream = body("The quick brown fox", True)
         good_json = body("Hello world! Serving", False)
@@ -233,7 +285,7 @@ def test_http_a_failing_request_ends_alone(tiny_model_dir, monkeypatch):
         assert_openai_error(payload, 500)
         assert "injected sample fault" in payload["error"]["message"]
         status, text, errors, bad_stream_at = bad_stream.result()
-        assert status == 200 and text   # five tokens streamed, then the error event
+        assert status == 200 and text  # five tokens streamed, then the error event
         assert len(errors) == 1
         assert_openai_error(errors[0], 500)
 
@@ -243,20 +295,20 @@ def test_http_a_failing_request_ends_alone(tiny_model_dir, monkeypatch):
         assert status == 200 and payload["choices"][0]["text"] == clean_json["choices"][0]["text"]
         assert max(bad_json_at, bad_stream_at) < min(stream_done, json_done), "no overlap"
 
-        srv.wait_idle()   # every block back, no request left
+        srv.wait_idle()  # every block back, no request left
         assert srv.http.get("/health").status_code == 200
         assert srv.proc.poll() is None
 
 
 def test_http_an_engine_failure_fails_everyone_and_exits(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("PAGEDKV_INJECT_FAULT", "step:DIE")   # not isolated: stops the engine loop
+    monkeypatch.setenv("PAGEDKV_INJECT_FAULT", "step:DIE")  # not isolated: stops the engine loop
     with ServerProcess(tiny_model_dir, *SERVER_ARGS) as srv, ThreadPoolExecutor(3) as pool:
         started = threading.Event()
         running_stream = pool.submit(stream, srv, body("The quick brown fox", True), started)
         assert started.wait(120)
         running_json = pool.submit(post, srv, body("Hello world! Serving", False))
         deadline = time.monotonic() + 60
-        while len(srv.kv()["requests"]) < 2 and time.monotonic() < deadline:   # both in the engine
+        while len(srv.kv()["requests"]) < 2 and time.monotonic() < deadline:  # both in the engine
             time.sleep(0.01)
         status, payload, _ = post(srv, body("DIE now", False, 5))
         assert status == 503
@@ -269,7 +321,7 @@ def test_http_an_engine_failure_fails_everyone_and_exits(tiny_model_dir, monkeyp
         assert status == 503
         assert_openai_error(payload, 503)
 
-        try:   # unhealthy until it is gone
+        try:  # unhealthy until it is gone
             assert srv.http.get("/health").status_code == 503
         except httpx.TransportError:
             pass
@@ -284,9 +336,10 @@ def test_a_failing_admission_ends_alone(tiny_model_dir, clean, monkeypatch):
     lookup = engine.kv.lookup_offloaded
 
     def flaky_lookup(token_ids, num_prefix_blocks):
-        if list(token_ids[:len(bad_ids)]) == bad_ids:
+        if list(token_ids[: len(bad_ids)]) == bad_ids:
             raise OSError("injected: the disk tier went away")
         return lookup(token_ids, num_prefix_blocks)
+
     monkeypatch.setattr(engine.kv, "lookup_offloaded", flaky_lookup)
     finals = run(engine)
     bad = finals.pop("bad")

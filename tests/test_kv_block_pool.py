@@ -1,4 +1,5 @@
 """BlockPool and FreeBlockQueue: exact ids, ref counts, queue order, eviction, audit."""
+
 import subprocess
 import sys
 
@@ -25,8 +26,8 @@ def test_free_queue_popleft_append_remove_keep_order():
     q.append(blocks[2])
     q.append(blocks[0])
     assert ids(q) == [1, 3, 4, 2, 0] and len(q) == 5
-    q.remove(blocks[0])          # tail end
-    q.remove(blocks[1])          # head end
+    q.remove(blocks[0])  # tail end
+    q.remove(blocks[1])  # head end
     assert ids(q) == [3, 4, 2] and len(q) == 3
 
 
@@ -79,7 +80,7 @@ def test_touch_revives_cached_free_block_from_middle_of_queue():
     assert hit is blocks[2]
     pool.touch([hit])
     assert hit.ref_count == 1 and queue_ids(pool) == [0, 1, 3, 4]
-    assert pool.cached[h] is hit            # still cached while in use
+    assert pool.cached[h] is hit  # still cached while in use
     pool.check_integrity()
 
 
@@ -90,7 +91,7 @@ def test_eviction_pops_lru_head_drops_hash_and_calls_hook():
     hashes = [hash_block_tokens(None, [i], b"") for i in range(3)]
     for block, h, t in zip(blocks, hashes, range(3)):
         pool.cache_full_block(block, h, (t,))
-    pool.free_blocks([blocks[1], blocks[2], blocks[0]])     # LRU: 1, 2, 0
+    pool.free_blocks([blocks[1], blocks[2], blocks[0]])  # LRU: 1, 2, 0
     got = pool.get_new_blocks(2)
     assert ids(got) == [1, 2]
     assert evicted == [(1, hashes[1]), (2, hashes[2])]
@@ -106,7 +107,7 @@ def test_get_cached_block_compares_token_ids():
     h = hash_block_tokens(None, [5, 6], b"")
     pool.cache_full_block(b, h, (5, 6))
     assert pool.get_cached_block(h, (5, 6)) is b
-    assert pool.get_cached_block(h, (5, 7)) is None      # a forged collision never hands out wrong K/V
+    assert pool.get_cached_block(h, (5, 7)) is None  # a forged collision never hands out wrong K/V
 
 
 def test_duplicate_content_keeps_first_block_findable():
@@ -143,16 +144,16 @@ def test_reset_prefix_cache_refused_while_in_use():
 def test_check_integrity_catches_corruption():
     pool = BlockPool(3)
     (b,) = pool.get_new_blocks(1)
-    b.ref_count = 0                         # neither free nor referenced
+    b.ref_count = 0  # neither free nor referenced
     with pytest.raises(AssertionError, match="neither free nor referenced"):
         pool.check_integrity()
     pool = BlockPool(3)
-    pool.blocks[1].ref_count = 2            # in the queue yet referenced
+    pool.blocks[1].ref_count = 2  # in the queue yet referenced
     with pytest.raises(AssertionError, match="free block 1"):
         pool.check_integrity()
     pool = BlockPool(3)
     (b,) = pool.get_new_blocks(1)
-    pool.cached[hash_block_tokens(None, [1], b"")] = b   # map entry with wrong hash
+    pool.cached[hash_block_tokens(None, [1], b"")] = b  # map entry with wrong hash
     with pytest.raises(AssertionError, match="another hash"):
         pool.check_integrity()
 
@@ -167,13 +168,19 @@ def test_hash_is_chained_and_keyed():
     other = hash_block_tokens(None, [9], b"")
     assert hash_block_tokens(h0, [4], b"") != hash_block_tokens(other, [4], b"")
     # token/extra boundary is unambiguous
-    assert hash_block_tokens(None, [1], b"") != hash_block_tokens(None, [], (1).to_bytes(8, "little"))
+    assert hash_block_tokens(None, [1], b"") != hash_block_tokens(
+        None, [], (1).to_bytes(8, "little")
+    )
 
 
 def test_hash_is_stable_across_processes():
     code = "from pagedkv.kv.block_pool import hash_block_tokens as h; print(h(h(None,[1,2],b'x'),[3],b'x').hex())"
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-            for _ in range(2)}
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for _ in range(2)
+    }
     here = hash_block_tokens(hash_block_tokens(None, [1, 2], b"x"), [3], b"x").hex()
     assert outs == {here}
     # pinned: a change of layout would orphan every file of a disk tier

@@ -1,4 +1,5 @@
 """KVCacheManager rules, one test each: exact block ids, ref counts, LRU order, CoW, reservations, swap."""
+
 import json
 
 import pytest
@@ -24,6 +25,7 @@ class Checked:
             out = attr(*args, **kwargs)
             self.m.check_integrity()
             return out
+
         return call
 
 
@@ -87,7 +89,7 @@ def test_common_three_block_prefix_is_held_once():
     st = m.stats()
     assert st.used == 5 and st.shared == 3
     assert st.prefix_queries == 14 + 13 and st.prefix_hits == 12
-    assert st.tokens_held == 14 + 1          # the shared 12 tokens count once
+    assert st.tokens_held == 14 + 1  # the shared 12 tokens count once
 
 
 def test_lookup_never_covers_the_last_token():
@@ -96,8 +98,8 @@ def test_lookup_never_covers_the_last_token():
     m.allocate_slots("a", t, len(t))
     assert m.lookup_prefix(t) == [0, 1]
     assert m.lookup_prefix(t + [99]) == [0, 1, 2]
-    assert m.lookup_prefix(toks(2 * B) + [7] * B + [1]) == [0, 1]    # stops at the first mismatch
-    assert m.lookup_prefix([5] + t[1:]) == []                          # chained: no match after a change
+    assert m.lookup_prefix(toks(2 * B) + [7] * B + [1]) == [0, 1]  # stops at the first mismatch
+    assert m.lookup_prefix([5] + t[1:]) == []  # chained: no match after a change
     assert m.lookup_prefix([]) == []
 
 
@@ -125,33 +127,35 @@ def test_stale_prefix_blocks_are_revalidated():
     m = make(num_blocks=4)
     t = toks(2 * B + 1)
     m.allocate_slots("a", t, len(t))
-    m.free("a")                                 # queue: 3, 2, 1, 0 (tail first)
+    m.free("a")  # queue: 3, 2, 1, 0 (tail first)
     prefix = m.lookup_prefix(t)
     assert prefix == [0, 1] and queue(m) == [3, 2, 1, 0]
-    m.allocate_slots("x", toks(3 * B, 500), 3 * B)     # evicts 3, 2, 1
+    m.allocate_slots("x", toks(3 * B, 500), 3 * B)  # evicts 3, 2, 1
     assert m.block_table("x") == [3, 2, 1]
-    m.free("x")                                 # queue: 0, 1, 2, 3
+    m.free("x")  # queue: 0, 1, 2, 3
     assert m.allocate_slots("b", t, len(t) - 2 * B, prefix_blocks=prefix) == []
-    assert m.num_cached_tokens("b") == B          # only block 0 still matched
-    assert m.num_computed_tokens("b") == B + 1    # num_new_tokens counts from the valid prefix
+    assert m.num_cached_tokens("b") == B  # only block 0 still matched
+    assert m.num_computed_tokens("b") == B + 1  # num_new_tokens counts from the valid prefix
     assert m.block_table("b") == [0, 1]
-    assert m.allocate_slots("c", toks(5, 900), 5, prefix_blocks=[7, 8]) == []   # bogus ids are ignored
+    assert (
+        m.allocate_slots("c", toks(5, 900), 5, prefix_blocks=[7, 8]) == []
+    )  # bogus ids are ignored
     assert m.num_cached_tokens("c") == 0 and m.block_table("c") == [2, 3]
 
 
 def test_free_is_tail_first_and_eviction_is_lru():
     m = make(num_blocks=8)
-    m.allocate_slots("a", toks(3 * B), 3 * B)    # blocks 0 1 2
-    m.allocate_slots("b", toks(2 * B, 100), 2 * B)   # blocks 3 4
+    m.allocate_slots("a", toks(3 * B), 3 * B)  # blocks 0 1 2
+    m.allocate_slots("b", toks(2 * B, 100), 2 * B)  # blocks 3 4
     m.free("b")
     m.free("a")
     assert queue(m) == [5, 6, 7, 4, 3, 2, 1, 0]
     m.allocate_slots("c", toks(5 * B, 200), 5 * B)
-    assert m.block_table("c") == [5, 6, 7, 4, 3]   # b's blocks evicted before a's
+    assert m.block_table("c") == [5, 6, 7, 4, 3]  # b's blocks evicted before a's
     assert m.lookup_prefix(toks(2 * B, 100) + [0]) == []
     assert m.lookup_prefix(toks(3 * B) + [0]) == [0, 1, 2]
     m.allocate_slots("d", toks(B, 300), B)
-    assert m.block_table("d") == [2]               # a's tail block goes first, its prefix lives on
+    assert m.block_table("d") == [2]  # a's tail block goes first, its prefix lives on
     assert m.lookup_prefix(toks(3 * B) + [0]) == [0, 1]
 
 
@@ -160,16 +164,16 @@ def test_hit_moves_block_to_most_recently_used():
     m.allocate_slots("a", toks(B), B)
     m.allocate_slots("b", toks(B, 100), B)
     m.free("a")
-    m.free("b")                                    # queue 2 3 0 1
-    admit(m, "c", toks(B) + [1])                   # hits block 0
-    m.free("c")                                    # c frees 2 then 0 -> tail
+    m.free("b")  # queue 2 3 0 1
+    admit(m, "c", toks(B) + [1])  # hits block 0
+    m.free("c")  # c frees 2 then 0 -> tail
     assert queue(m) == [3, 1, 2, 0]
 
 
 def test_fork_copies_the_half_full_last_block_once():
     m = make()
     t = toks(2 * B + 2)
-    m.allocate_slots("p", t, len(t))              # [0 full][1 full][2 half]
+    m.allocate_slots("p", t, len(t))  # [0 full][1 full][2 half]
     m.fork("p", "c")
     assert m.block_table("c") == [0, 1, 2] and refs(m, [0, 1, 2]) == [2, 2, 2]
     assert m.num_computed_tokens("c") == len(t)
@@ -177,8 +181,8 @@ def test_fork_copies_the_half_full_last_block_once():
     assert m.allocate_slots("c", ct, 1) == [BlockCopy(src=2, dst=3)]
     assert m.block_table("c") == [0, 1, 3] and refs(m, [0, 1, 2, 3]) == [2, 2, 1, 1]
     ct.append(51)
-    assert m.allocate_slots("c", ct, 1) == []      # private now: no second copy
-    assert m.allocate_slots("p", t + [60], 1) == []    # parent's block is no longer shared
+    assert m.allocate_slots("c", ct, 1) == []  # private now: no second copy
+    assert m.allocate_slots("p", t + [60], 1) == []  # parent's block is no longer shared
     assert m.block_table("p") == [0, 1, 2]
 
 
@@ -220,36 +224,38 @@ def test_reserve_max_takes_max_model_len_at_admission():
     assert m.block_table("a") == [0, 1, 2, 3, 4, 5]
     st = m.stats()
     assert st.used == 6 and st.tokens_held == 6 * B
-    assert m.can_fit(1) and not make(num_blocks=5, allocation_policy="reserve-max", max_model_len=6 * B).can_fit(1)
+    assert m.can_fit(1) and not make(
+        num_blocks=5, allocation_policy="reserve-max", max_model_len=6 * B
+    ).can_fit(1)
 
 
 def test_reserve_output_takes_prompt_plus_max_tokens():
     m = make(num_blocks=16, allocation_policy="reserve-output")
     assert m.allocate_slots("a", toks(5), 5, max_tokens=6) == []
-    assert m.block_table("a") == [0, 1, 2]           # ceil(11 / 4)
+    assert m.block_table("a") == [0, 1, 2]  # ceil(11 / 4)
     st = m.stats()
     assert st.tokens_held == 5 and st.token_slots == 12
     assert st.token_utilization == pytest.approx(5 / 12)
-    m.allocate_slots("a", toks(13), 8)               # past the reservation: paged growth
+    m.allocate_slots("a", toks(13), 8)  # past the reservation: paged growth
     assert m.block_table("a") == [0, 1, 2, 3]
 
 
 def test_fork_under_reservation_takes_fresh_block_for_empty_shared_one():
     m = make(allocation_policy="reserve-output")
-    m.allocate_slots("p", toks(B), B, max_tokens=B)   # [0 full][1 empty reserved]
+    m.allocate_slots("p", toks(B), B, max_tokens=B)  # [0 full][1 empty reserved]
     m.fork("p", "c")
-    assert m.allocate_slots("c", toks(B + 1), 1) == []   # nothing to copy into the fresh block
+    assert m.allocate_slots("c", toks(B + 1), 1) == []  # nothing to copy into the fresh block
     assert m.block_table("c") == [0, 2] and m.block_table("p") == [0, 1]
 
 
 def test_watermark_applies_to_admission_only():
-    m = make(num_blocks=20, watermark=0.1)             # keep 2 blocks free at admission
+    m = make(num_blocks=20, watermark=0.1)  # keep 2 blocks free at admission
     assert m.allocate_slots("a", toks(17 * B), 17 * B) == []
-    assert m.can_allocate(toks(B, 100), B)                     # 3 free: 1 taken, 2 left
+    assert m.can_allocate(toks(B, 100), B)  # 3 free: 1 taken, 2 left
     assert m.allocate_slots("a", toks(18 * B), B) == []
-    assert m.allocate_slots("b", toks(B, 100), B) is None      # would leave 1 free, under the watermark
+    assert m.allocate_slots("b", toks(B, 100), B) is None  # would leave 1 free, under the watermark
     assert not m.can_allocate(toks(B, 100), B)
-    assert m.allocate_slots("a", toks(20 * B), 2 * B) == []    # running requests may use it
+    assert m.allocate_slots("a", toks(20 * B), 2 * B) == []  # running requests may use it
     assert m.num_free_blocks() == 0
     assert not m.can_fit(19 * B) and m.can_fit(18 * B)
 
@@ -266,20 +272,20 @@ def test_request_larger_than_pool_gets_none_and_nothing_changes():
     assert not m.has_request("big")
     m.allocate_slots("x", toks(B), B)
     with pytest.raises(ValueError):
-        m.allocate_slots("x", toks(B), 1)              # needs more token ids than given
+        m.allocate_slots("x", toks(B), 1)  # needs more token ids than given
 
 
 def test_swap_out_and_in_reuse_cached_blocks():
     m = make(num_blocks=8, num_host_blocks=4)
     t = toks(2 * B + 1)
-    m.allocate_slots("a", t, len(t))                   # [0 full][1 full][2 1/4]
+    m.allocate_slots("a", t, len(t))  # [0 full][1 full][2 1/4]
     assert m.can_swap_out("a")
     assert m.swap_out("a") == [BlockCopy(0, 0), BlockCopy(1, 1), BlockCopy(2, 2)]
     assert m.is_swapped("a") and m.block_table("a") == [] and m.num_computed_tokens("a") == len(t)
     assert m.stats().host_free == 1 and m.usage() == 0
-    assert m.lookup_prefix(t) == [0, 1]                # hashes kept while swapped
+    assert m.lookup_prefix(t) == [0, 1]  # hashes kept while swapped
     plan = m.swap_in("a")
-    assert plan == [BlockCopy(src=2, dst=3)]           # only the unhashed block comes from host
+    assert plan == [BlockCopy(src=2, dst=3)]  # only the unhashed block comes from host
     assert m.block_table("a") == [0, 1, 3] and not m.is_swapped("a")
     assert m.stats().host_free == 4
 
@@ -288,13 +294,13 @@ def test_swap_in_copies_blocks_evicted_meanwhile_and_rehashes_them():
     m = make(num_blocks=4, num_host_blocks=4)
     t = toks(2 * B + 1)
     m.allocate_slots("a", t, len(t))
-    m.swap_out("a")                                    # host 0 1 2; queue: 3, 2, 1, 0
-    m.allocate_slots("x", toks(3 * B, 500), 3 * B)     # evicts hashed block 1, keeps 0
-    m.free("x")                                        # queue: 0, 1, 2, 3
+    m.swap_out("a")  # host 0 1 2; queue: 3, 2, 1, 0
+    m.allocate_slots("x", toks(3 * B, 500), 3 * B)  # evicts hashed block 1, keeps 0
+    m.free("x")  # queue: 0, 1, 2, 3
     assert m.lookup_prefix(t) == [0]
     assert m.swap_in("a") == [BlockCopy(src=1, dst=1), BlockCopy(src=2, dst=2)]
     assert m.block_table("a") == [0, 1, 2]
-    assert m.lookup_prefix(t) == [0, 1]                # the copied full block is findable again
+    assert m.lookup_prefix(t) == [0, 1]  # the copied full block is findable again
 
 
 def test_swap_without_room_changes_nothing():
@@ -312,7 +318,7 @@ def test_swap_without_room_changes_nothing():
     assert m2.snapshot() == before and m2.is_swapped("a")
     with pytest.raises(ValueError):
         m2.allocate_slots("a", toks(2 * B + 2), 1)
-    m2.free("a")                                       # a swapped request gives back its host blocks
+    m2.free("a")  # a swapped request gives back its host blocks
     assert m2.stats().host_free == 4
 
 
@@ -352,13 +358,29 @@ def test_stats_and_snapshot():
     m.free("c")
     snap = m.snapshot()
     json.dumps(snap)
-    assert (snap["num_blocks"], snap["free"], snap["cached"], snap["used"], snap["shared"]) == (6, 4, 1, 2, 2)
+    assert (snap["num_blocks"], snap["free"], snap["cached"], snap["used"], snap["shared"]) == (
+        6,
+        4,
+        1,
+        2,
+        2,
+    )
     assert snap["tokens_held"] == B + 2 and snap["token_slots"] == 2 * B
     assert snap["num_requests"] == 2 and snap["host_free"] == 2
-    assert snap["blocks"][1] == {"id": 1, "state": "used", "ref_count": 2, "fill": 2, "owners": ["a", "b"]}
+    assert snap["blocks"][1] == {
+        "id": 1,
+        "state": "used",
+        "ref_count": 2,
+        "fill": 2,
+        "owners": ["a", "b"],
+    }
     assert snap["blocks"][2]["state"] == "cached" and snap["blocks"][3]["state"] == "free"
-    assert snap["requests"]["b"] == {"block_table": [0, 1], "num_tokens": B + 2, "num_cached_tokens": 0,
-                                     "swapped": False}
+    assert snap["requests"]["b"] == {
+        "block_table": [0, 1],
+        "num_tokens": B + 2,
+        "num_cached_tokens": 0,
+        "swapped": False,
+    }
 
 
 def test_free_unknown_is_noop_and_queries_raise():
@@ -369,8 +391,15 @@ def test_free_unknown_is_noop_and_queries_raise():
         m.num_computed_tokens("ghost")
 
 
-@pytest.mark.parametrize("kw", [dict(allocation_policy="nope"), dict(allocation_policy="reserve-max"),
-                                dict(watermark=1.0), dict(num_host_blocks=-1)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(allocation_policy="nope"),
+        dict(allocation_policy="reserve-max"),
+        dict(watermark=1.0),
+        dict(num_host_blocks=-1),
+    ],
+)
 def test_bad_configuration_is_a_config_error(kw):
     with pytest.raises(ConfigError):
         KVCacheManager(8, B, **kw)

@@ -7,6 +7,7 @@ slot and applies every BlockCopy plan. After each step each running request's
 table must read back exactly its tokens, so a wrong CoW, a bad prefix hit, a
 block reused while still held or a wrong swap plan shows up as wrong data.
 """
+
 import random
 
 from hypothesis import HealthCheck, event, settings
@@ -33,14 +34,21 @@ class KVMachine(RuleBasedStateMachine):
     def setup(self, block_size, num_blocks, num_host, caching, policy, watermark, seed):
         self.bs = block_size
         self.m = KVCacheManager(
-            num_blocks, block_size, num_host_blocks=num_host, enable_prefix_caching=caching,
-            allocation_policy=policy, max_model_len=block_size * 6, watermark=watermark,
-            hash_extra=b"test", on_evict=self._on_evict)
+            num_blocks,
+            block_size,
+            num_host_blocks=num_host,
+            enable_prefix_caching=caching,
+            allocation_policy=policy,
+            max_model_len=block_size * 6,
+            watermark=watermark,
+            hash_extra=b"test",
+            on_evict=self._on_evict,
+        )
         self.dev = [[None] * block_size for _ in range(num_blocks)]
         self.host = [[None] * block_size for _ in range(num_host)]
-        self.known: dict[str, list[int]] = {}      # every request's known tokens (prompt + generated)
+        self.known: dict[str, list[int]] = {}  # every request's known tokens (prompt + generated)
         self.computed: dict[str, int] = {}
-        self.waiting: list[list[int]] = []         # preempted for recompute
+        self.waiting: list[list[int]] = []  # preempted for recompute
         rnd = random.Random(seed)
         self.bases = [[rnd.randrange(50) for _ in range(8 * block_size)] for _ in range(3)]
         self.next_id = 0
@@ -78,16 +86,20 @@ class KVMachine(RuleBasedStateMachine):
         else:
             base = self.bases[data.draw(st.integers(0, 2))]
             cut = data.draw(st.integers(0, len(base)))
-            tail = data.draw(st.lists(st.integers(0, 49), min_size=0 if cut else 1, max_size=3 * self.bs))
+            tail = data.draw(
+                st.lists(st.integers(0, 49), min_size=0 if cut else 1, max_size=3 * self.bs)
+            )
             prompt = base[:cut] + tail
         prefix = self.m.lookup_prefix(prompt)
         remaining = len(prompt) - len(prefix) * self.bs
-        num_new = data.draw(st.integers(1, remaining))          # chunked prefill when < remaining
+        num_new = data.draw(st.integers(1, remaining))  # chunked prefill when < remaining
         max_tokens = data.draw(st.integers(1, 3 * self.bs))
         rid = f"r{self.next_id}"
         self.next_id += 1
         before = self.m.snapshot()
-        out = self.m.allocate_slots(rid, prompt, num_new, prefix_blocks=prefix, max_tokens=max_tokens)
+        out = self.m.allocate_slots(
+            rid, prompt, num_new, prefix_blocks=prefix, max_tokens=max_tokens
+        )
         if out is None:
             assert self.m.snapshot() == before and not self.m.has_request(rid)
             event("admit refused")
@@ -175,7 +187,11 @@ class KVMachine(RuleBasedStateMachine):
             assert self.m.snapshot() == before and self.m.is_swapped(rid)
             event("swap in refused")
             return
-        event("swap in reusing cached blocks" if len(out) < -(-self.computed[rid] // self.bs) else "swap in")
+        event(
+            "swap in reusing cached blocks"
+            if len(out) < -(-self.computed[rid] // self.bs)
+            else "swap in"
+        )
         self._apply(out, self.host, self.dev)
 
     @precondition(lambda self: self.m is not None)
@@ -183,13 +199,15 @@ class KVMachine(RuleBasedStateMachine):
     def lookup(self, data):
         """A prefix hit must point at blocks that really hold those tokens; the lookup changes nothing."""
         base = self.bases[data.draw(st.integers(0, 2))]
-        prompt = base[:data.draw(st.integers(0, len(base)))] + data.draw(st.lists(st.integers(0, 49), max_size=4))
+        prompt = base[: data.draw(st.integers(0, len(base)))] + data.draw(
+            st.lists(st.integers(0, 49), max_size=4)
+        )
         before = self.m.snapshot()
         hit = self.m.lookup_prefix(prompt)
         assert self.m.snapshot() == before
         assert len(hit) * self.bs < max(len(prompt), 1)
         for i, bid in enumerate(hit):
-            assert self.dev[bid] == prompt[i * self.bs:(i + 1) * self.bs]
+            assert self.dev[bid] == prompt[i * self.bs : (i + 1) * self.bs]
 
     @precondition(lambda self: self.m is not None)
     @rule()
@@ -226,6 +244,10 @@ class KVMachine(RuleBasedStateMachine):
         assert st_.free == st_.num_blocks and st_.used == 0 and st_.host_free == st_.host_blocks
 
 
-KVMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=80, deadline=None,
-                                       suppress_health_check=[HealthCheck.too_slow])
+KVMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestKVStateful = KVMachine.TestCase

@@ -1,4 +1,5 @@
 """The fused C++ layer ops (csrc/layer_ops.cpp) against their torch paths in model/ops.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,10 +24,12 @@ def _need_library() -> None:
 @pytest.fixture
 def torch_path(monkeypatch: pytest.MonkeyPatch):
     """Runs a call on the torch path of model/ops.py."""
+
     def run(fn, *args, **kwargs):
         with monkeypatch.context() as m:
             m.setattr(ops, "_lib", lambda *tensors: None)
             return fn(*args, **kwargs)
+
     return run
 
 
@@ -42,7 +45,7 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 def test_rms_norm_with_and_without_residual(dtype, rows, n, torch_path, kernel_isa) -> None:
     gen = torch.Generator().manual_seed(rows * n)
     wide = torch.randn(rows, n + 8, generator=gen).to(dtype)
-    x = wide[:, 3:3 + n]                   # rows of a wider tensor: the C++ path reads strided rows
+    x = wide[:, 3 : 3 + n]  # rows of a wider tensor: the C++ path reads strided rows
     weight = (torch.rand(n, generator=gen) + 0.5).to(dtype)
     residual = torch.randn(rows, n, generator=gen).to(dtype)
 
@@ -73,7 +76,7 @@ def test_rms_norm_matches_the_formula_in_float64() -> None:
 @pytest.mark.parametrize("rows,n", [(1, 1536), (9, 40), (200, 256)])
 def test_silu_mul(dtype, rows, n, torch_path, kernel_isa) -> None:
     gen = torch.Generator().manual_seed(n)
-    gate_up = (torch.randn(rows, 2 * n, generator=gen) * 6).to(dtype)   # both tails of the sigmoid
+    gate_up = (torch.randn(rows, 2 * n, generator=gen) * 6).to(dtype)  # both tails of the sigmoid
     got = ops.silu_mul(gate_up)
     want = torch_path(ops.silu_mul, gate_up)
     close(got, want, dtype)
@@ -98,8 +101,12 @@ def _rotary_tables(max_pos: int, head_dim: int) -> tuple[torch.Tensor, torch.Ten
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (50, 4, 2, 40), (7, 2, 2, 128)])
-def test_rope_and_cache_equals_torch_rotation_and_write(dtype, tokens, heads, kv_heads, head_dim, torch_path, kernel_isa) -> None:
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (50, 4, 2, 40), (7, 2, 2, 128)]
+)
+def test_rope_and_cache_equals_torch_rotation_and_write(
+    dtype, tokens, heads, kv_heads, head_dim, torch_path, kernel_isa
+) -> None:
     gen = torch.Generator().manual_seed(tokens + head_dim)
     cos, sin = _rotary_tables(256, head_dim)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
@@ -113,18 +120,27 @@ def test_rope_and_cache_equals_torch_rotation_and_write(dtype, tokens, heads, kv
     assert ops.rope_and_cache(mine, heads, kv_heads, positions, cos, sin, k_cache, v_cache, slots)
 
     # the reference: HF's rotation in float32, then the torch cache write
-    x = qkv.float().view(tokens, -1, head_dim)[:, :heads + kv_heads]
+    x = qkv.float().view(tokens, -1, head_dim)[:, : heads + kv_heads]
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     rotated = (x * c + x.roll(head_dim // 2, dims=-1) * s).to(dtype)
-    close(mine.view(tokens, -1, head_dim)[:, :heads + kv_heads], rotated, dtype)
-    assert torch.equal(mine[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:]), "v untouched"
+    close(mine.view(tokens, -1, head_dim)[:, : heads + kv_heads], rotated, dtype)
+    assert torch.equal(
+        mine[:, (heads + kv_heads) * head_dim :], qkv[:, (heads + kv_heads) * head_dim :]
+    ), "v untouched"
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     heads_view = mine.view(tokens, -1, head_dim)
-    write_kv(want_k, want_v, heads_view[:, heads:heads + kv_heads], heads_view[:, heads + kv_heads:], slots)
+    write_kv(
+        want_k,
+        want_v,
+        heads_view[:, heads : heads + kv_heads],
+        heads_view[:, heads + kv_heads :],
+        slots,
+    )
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
-    assert not torch_path(ops.rope_and_cache, qkv.clone(), heads, kv_heads, positions, cos, sin), \
+    assert not torch_path(ops.rope_and_cache, qkv.clone(), heads, kv_heads, positions, cos, sin), (
         "without the library the caller is told to rotate in torch"
+    )
 
 
 def test_rope_and_cache_rejects_bad_indices() -> None:
@@ -134,7 +150,9 @@ def test_rope_and_cache_rejects_bad_indices() -> None:
     with pytest.raises(ValueError, match="position 16 is outside the rotary table of 16"):
         ops.rope_and_cache(qkv, 1, 1, torch.tensor([0, 16]), cos, sin)
     with pytest.raises(ValueError, match="slot 8 is outside the cache of 8 slots"):
-        ops.rope_and_cache(qkv, 1, 1, torch.tensor([0, 1]), cos, sin, cache, cache.clone(), torch.tensor([8, 0]))
+        ops.rope_and_cache(
+            qkv, 1, 1, torch.tensor([0, 1]), cos, sin, cache, cache.clone(), torch.tensor([8, 0])
+        )
     assert torch.equal(cache, torch.zeros_like(cache)), "nothing is written when an index is bad"
-    with pytest.raises(TypeError, match="go together"):   # a K cache without its V cache and slots
+    with pytest.raises(TypeError, match="go together"):  # a K cache without its V cache and slots
         ops.rope_and_cache(qkv, 1, 1, torch.tensor([0, 1]), cos, sin, cache)

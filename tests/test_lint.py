@@ -1,4 +1,5 @@
 """The package passes its linter and its type checker (configured in pyproject.toml)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -9,7 +10,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *cmd], cwd=REPO, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", *cmd], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
 
 
 def test_ruff_is_clean():

@@ -1,4 +1,5 @@
 """Loading: bad inputs give one-line ConfigErrors; GGUF dequantization and layout are exact."""
+
 from __future__ import annotations
 
 import json
@@ -40,6 +41,7 @@ def read_back(path: Path) -> np.ndarray:
 
 # ---- one-line errors ------------------------------------------------------------------------------
 
+
 def test_missing_path(tmp_path):
     with pytest.raises(ConfigError, match="model not found"):
         load_model(tmp_path / "nope.gguf", torch.float32)
@@ -57,9 +59,11 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_truncated_gguf(tmp_path):
-    path = write_gguf(tmp_path / "t.gguf", tensors={"token_embd.weight": np.ones((64, 32), np.float32)})
+    path = write_gguf(
+        tmp_path / "t.gguf", tensors={"token_embd.weight": np.ones((64, 32), np.float32)}
+    )
     data = path.read_bytes()
-    for cut in (len(data) - 1000, 40):    # the tensor data, then the header itself cut short
+    for cut in (len(data) - 1000, 40):  # the tensor data, then the header itself cut short
         path.write_bytes(data[:cut])
         with pytest.raises(ConfigError, match="corrupt or truncated GGUF file"):
             load_model(path, torch.float32)
@@ -75,7 +79,9 @@ def test_unsupported_hf_architecture_and_broken_folders(tiny_model_dir, tmp_path
     folder = tmp_path / "m"
     shutil.copytree(tiny_model_dir, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (folder / "config.json").write_text(
+        json.dumps({**cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     with pytest.raises(ConfigError, match="unsupported architecture 'GPT2LMHeadModel'"):
         load_model(folder, torch.float32)
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -94,16 +100,21 @@ def test_unsupported_hf_architecture_and_broken_folders(tiny_model_dir, tmp_path
 
 def test_sharded_hf_folder_loads_like_a_single_file(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file, save_file
+
     folder = tmp_path / "sharded"
     shutil.copytree(tiny_model_dir, folder)
     state = load_file(folder / "model.safetensors")
     (folder / "model.safetensors").unlink()
     names = sorted(state)
-    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    halves = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
     for file, part in halves.items():
         save_file({n: state[n] for n in part}, folder / file)
-    (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {n: f for f, part in halves.items() for n in part}}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: f for f, part in halves.items() for n in part}})
+    )
     single, sharded = load_model(tiny_model_dir, torch.float32), load_model(folder, torch.float32)
     for a, b in zip(single.model.state_dict().values(), sharded.model.state_dict().values()):
         assert torch.equal(a, b)
@@ -115,6 +126,7 @@ def test_sharded_hf_folder_loads_like_a_single_file(tiny_model_dir, tmp_path):
 
 def test_missing_weight_is_named(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file, save_file
+
     folder = tmp_path / "m"
     shutil.copytree(tiny_model_dir, folder)
     state = load_file(folder / "model.safetensors")
@@ -126,18 +138,19 @@ def test_missing_weight_is_named(tiny_model_dir, tmp_path):
 
 def test_resolve_dtype_and_fingerprint(tmp_path):
     assert resolve_dtype("float32") == torch.float32 and resolve_dtype("bfloat16") == torch.bfloat16
-    assert resolve_dtype("auto") == torch.float32     # no model to measure: the exact dtype
+    assert resolve_dtype("auto") == torch.float32  # no model to measure: the exact dtype
     with pytest.raises(ConfigError, match="unknown dtype"):
         resolve_dtype("int4")
     a = tmp_path / "a.bin"
     a.write_bytes(b"x" * 3_000_000)
     first = fingerprint([a])
     assert fingerprint([a]) == first
-    a.write_bytes(b"x" * 2_999_999 + b"y")    # the tail changed
+    a.write_bytes(b"x" * 2_999_999 + b"y")  # the tail changed
     assert fingerprint([a]) != first
 
 
 # ---- dequantization against the formats' definitions ----------------------------------------------
+
 
 def f16_bytes(x: float) -> np.ndarray:
     return np.frombuffer(np.float16(x).tobytes(), np.uint8)
@@ -155,30 +168,41 @@ def block_q8_0(rng):
 
 def block_q4_0(rng):
     d, qs = rng.uniform(0.01, 1), rng.integers(0, 256, 16).astype(np.uint8)
-    lo, hi = nibbles(qs)   # element i < 16 in the low nibble of byte i, element 16 + i in its high nibble
-    return np.concatenate([f16_bytes(d), qs]), np.float16(d).astype(np.float32) * (np.concatenate([lo, hi]) - 8)
+    lo, hi = nibbles(
+        qs
+    )  # element i < 16 in the low nibble of byte i, element 16 + i in its high nibble
+    return np.concatenate([f16_bytes(d), qs]), np.float16(d).astype(np.float32) * (
+        np.concatenate([lo, hi]) - 8
+    )
 
 
 def block_q4_1(rng):
     d, m, qs = rng.uniform(0.01, 1), rng.uniform(-1, 1), rng.integers(0, 256, 16).astype(np.uint8)
     lo, hi = nibbles(qs)
-    want = np.float16(d).astype(np.float32) * np.concatenate([lo, hi]) + np.float16(m).astype(np.float32)
+    want = np.float16(d).astype(np.float32) * np.concatenate([lo, hi]) + np.float16(m).astype(
+        np.float32
+    )
     return np.concatenate([f16_bytes(d), f16_bytes(m), qs]), want
 
 
 def block_q4_k(rng):
     d, dmin = rng.uniform(0.001, 0.1), rng.uniform(0.001, 0.1)
-    scales, qs = rng.integers(0, 256, 12).astype(np.uint8), rng.integers(0, 256, 128).astype(np.uint8)
+    scales, qs = (
+        rng.integers(0, 256, 12).astype(np.uint8),
+        rng.integers(0, 256, 128).astype(np.uint8),
+    )
     want = np.empty(256, np.float32)
-    for j in range(8):   # 6-bit scale and min of sub-block j, packed into 12 bytes
+    for j in range(8):  # 6-bit scale and min of sub-block j, packed into 12 bytes
         if j < 4:
             sc, mn = scales[j] & 63, scales[j + 4] & 63
         else:
             sc = (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4)
             mn = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4)
-        chunk = qs[32 * (j // 2):32 * (j // 2) + 32]
+        chunk = qs[32 * (j // 2) : 32 * (j // 2) + 32]
         q = nibbles(chunk)[j % 2]
-        want[32 * j:32 * j + 32] = np.float16(d).astype(np.float32) * sc * q - np.float16(dmin).astype(np.float32) * mn
+        want[32 * j : 32 * j + 32] = (
+            np.float16(d).astype(np.float32) * sc * q - np.float16(dmin).astype(np.float32) * mn
+        )
     return np.concatenate([f16_bytes(d), f16_bytes(dmin), scales, qs]), want
 
 
@@ -189,18 +213,30 @@ def block_q6_k(rng):
     want = np.empty(256, np.float32)
     df = np.float16(d).astype(np.float32)
     for half in range(2):
-        l_, h_, s_, y = ql[64 * half:], qh[32 * half:], sc[8 * half:], 128 * half
+        l_, h_, s_, y = ql[64 * half :], qh[32 * half :], sc[8 * half :], 128 * half
         for i in range(32):
-            q = [(l_[i] & 0xF) | (((h_[i] >> 0) & 3) << 4), (l_[i + 32] & 0xF) | (((h_[i] >> 2) & 3) << 4),
-                 (l_[i] >> 4) | (((h_[i] >> 4) & 3) << 4), (l_[i + 32] >> 4) | (((h_[i] >> 6) & 3) << 4)]
+            q = [
+                (l_[i] & 0xF) | (((h_[i] >> 0) & 3) << 4),
+                (l_[i + 32] & 0xF) | (((h_[i] >> 2) & 3) << 4),
+                (l_[i] >> 4) | (((h_[i] >> 4) & 3) << 4),
+                (l_[i + 32] >> 4) | (((h_[i] >> 6) & 3) << 4),
+            ]
             for k in range(4):
                 want[y + i + 32 * k] = df * s_[i // 16 + 2 * k] * (int(q[k]) - 32)
     return np.concatenate([ql, qh, sc.view(np.uint8), f16_bytes(d)]), want
 
 
-@pytest.mark.parametrize("qtype,make", [(QT.Q8_0, block_q8_0), (QT.Q4_0, block_q4_0), (QT.Q4_1, block_q4_1),
-                                        (QT.Q4_K, block_q4_k), (QT.Q6_K, block_q6_k)],
-                         ids=["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize(
+    "qtype,make",
+    [
+        (QT.Q8_0, block_q8_0),
+        (QT.Q4_0, block_q4_0),
+        (QT.Q4_1, block_q4_1),
+        (QT.Q4_K, block_q4_k),
+        (QT.Q6_K, block_q6_k),
+    ],
+    ids=["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"],
+)
 def test_dequantize_hand_built_blocks(tmp_path, qtype, make):
     rng = np.random.default_rng(int(qtype))
     rows, cols = 3, 512
@@ -223,8 +259,10 @@ def test_float_tensors_keep_their_values_and_shape(tmp_path, dtype):
 
 def test_bf16_tensor(tmp_path):
     x = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
-    bf16 = (x.view(np.uint32) >> 16).astype(np.uint16)          # truncate to bfloat16
-    got = read_back(write_gguf(tmp_path / "b.gguf", tensors={"w.weight": (bf16.view(np.uint8), QT.BF16)}))
+    bf16 = (x.view(np.uint32) >> 16).astype(np.uint16)  # truncate to bfloat16
+    got = read_back(
+        write_gguf(tmp_path / "b.gguf", tensors={"w.weight": (bf16.view(np.uint8), QT.BF16)})
+    )
     assert np.array_equal(got, (bf16.astype(np.uint32) << 16).view(np.float32))
 
 
@@ -233,26 +271,34 @@ def test_reference_quantizer_round_trip(tmp_path):
     x = np.random.default_rng(2).standard_normal((4, 256)).astype(np.float32)
     for qtype, tol in [(QT.Q8_0, 0.02), (QT.Q4_0, 0.3), (QT.Q4_1, 0.3)]:
         packed = gguf.quants.quantize(x, qtype)
-        got = read_back(write_gguf(tmp_path / f"{qtype.name}.gguf", tensors={"w.weight": (packed, qtype)}))
+        got = read_back(
+            write_gguf(tmp_path / f"{qtype.name}.gguf", tensors={"w.weight": (packed, qtype)})
+        )
         assert np.abs(got - x).max() < tol, qtype.name
 
 
 # ---- a whole model through GGUF -------------------------------------------------------------------
 
+
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """What llama.cpp's converter does to q/k rows (interleave the two RoPE halves of each head)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def hf_to_gguf(folder: Path, out: Path, qtype: QT | None = None) -> Path:
     """The tiny HF model as llama.cpp would convert it (float32, permuted q/k, GPT-2 BPE vocab);
     with qtype, its matrices quantized by gguf's own quantizer."""
     from safetensors.numpy import load_file
+
     cfg = json.loads((folder / "config.json").read_text())
     tok = json.loads((folder / "tokenizer.json").read_text())
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.get)
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])]   # as llama.cpp pads the vocab
+    tokens += [
+        f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])
+    ]  # as llama.cpp pads the vocab
     specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -270,17 +316,32 @@ def hf_to_gguf(folder: Path, out: Path, qtype: QT | None = None) -> Path:
         w.add_tokenizer_pre("default")
         w.add_token_list(tokens)
         w.add_token_merges(merges)
-        w.add_token_types([3 if t in specials else 5 if t.startswith("[PAD") else 1 for t in tokens])
+        w.add_token_types(
+            [3 if t in specials else 5 if t.startswith("[PAD") else 1 for t in tokens]
+        )
         w.add_bos_token_id(cfg["bos_token_id"])
         w.add_eos_token_id(cfg["eos_token_id"])
         w.add_add_bos_token(False)
-        w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+        w.add_chat_template(
+            "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+        )
 
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    parts = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     tensors = {}
     for name, w in load_file(folder / "model.safetensors").items():
         if name in names:
@@ -294,7 +355,10 @@ def hf_to_gguf(folder: Path, out: Path, qtype: QT | None = None) -> Path:
             w = llama_cpp_permute(w, kv_heads)
         tensors[f"blk.{layer}.{part}.weight"] = w
     if qtype is not None:
-        tensors = {k: (gguf.quants.quantize(w, qtype), qtype) if w.ndim == 2 else w for k, w in tensors.items()}
+        tensors = {
+            k: (gguf.quants.quantize(w, qtype), qtype) if w.ndim == 2 else w
+            for k, w in tensors.items()
+        }
     return write_gguf(out, tensors=tensors, meta=meta)
 
 
@@ -303,35 +367,67 @@ def test_gguf_model_equals_hf_model(tiny_model_dir, tmp_path):
     from_gguf = load_model(hf_to_gguf(folder, tmp_path / "tiny.gguf"), torch.float32)
     from_hf = load_model(folder, torch.float32)
     assert from_gguf.config.num_key_value_heads == 2 and not from_gguf.config.tie_word_embeddings
-    for (name, a), b in zip(from_hf.model.state_dict().items(), from_gguf.model.state_dict().values()):
+    for (name, a), b in zip(
+        from_hf.model.state_dict().items(), from_gguf.model.state_dict().values()
+    ):
         assert torch.equal(a, b), name
     text = "Hello world! Émigré café 😀 <|im_start|>blocks<|im_end|>"
     assert from_gguf.tokenizer.encode(text) == from_hf.tokenizer.encode(text)
     ids = from_gguf.tokenizer.encode(text)
     assert from_gguf.tokenizer.decode(ids) == from_hf.tokenizer.decode(ids)
     assert from_gguf.tokenizer.eos_token_ids == {2} and from_gguf.name == "tiny"
-    assert from_gguf.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "<|im_start|>x<|im_end|>"
+    assert (
+        from_gguf.tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
+        == "<|im_start|>x<|im_end|>"
+    )
 
 
 # ---- tokenizers -----------------------------------------------------------------------------------
 
+
 def test_sentencepiece_gguf_vocabulary():
     # A SentencePiece ("llama") vocabulary: pieces ranked by score, byte fallback for the rest.
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    words = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello", "▁hello", "▁w", "or", "▁wor",
-             "ld", "▁world"]
+    words = [
+        "▁",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "he",
+        "ll",
+        "hell",
+        "hello",
+        "▁hello",
+        "▁w",
+        "or",
+        "▁wor",
+        "ld",
+        "▁world",
+    ]
     tokens = pieces + words
     scores = [0.0] * len(pieces) + [-float(i) for i in range(len(words))][::-1]
     types = [2, 3, 3] + [6] * 256 + [1] * len(words)
-    tok = Tokenizer.from_gguf_metadata({
-        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
-        "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_bos_token": True})
+    tok = Tokenizer.from_gguf_metadata(
+        {
+            "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.unknown_token_id": 0,
+            "tokenizer.ggml.add_bos_token": True,
+        }
+    )
     ids = tok.encode("hello world!")
     assert ids == [1, tokens.index("▁hello"), tokens.index("▁world"), 3 + ord("!")]
     assert tok.decode(ids) == "hello world!"
     assert tok.encode("hello", add_special_tokens=False) == [tokens.index("▁hello")]
-    assert tok.decode(tok.encode("wé")) == "wé"      # é only exists as bytes
+    assert tok.decode(tok.encode("wé")) == "wé"  # é only exists as bytes
 
 
 def _with_tokenizer_config(src, dst: Path, **changes) -> Path:
@@ -343,27 +439,45 @@ def _with_tokenizer_config(src, dst: Path, **changes) -> Path:
 
 def test_chat_template_helpers_and_errors(tiny_model_dir, tmp_path):
     tok = Tokenizer.from_hf_folder(tiny_model_dir)
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == \
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False).endswith("<|im_end|>\n")
-    template = ("{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
-                "{{ strftime_now('%Y') | length }} {{ messages | tojson }} {{ bos_token }}")
-    strict = Tokenizer.from_hf_folder(_with_tokenizer_config(tiny_model_dir, tmp_path / "a", chat_template=template))
-    assert strict.apply_chat_template([{"role": "user", "content": "é"}]) == \
-        '4 [{"role": "user", "content": "é"}] <|endoftext|>'
+    assert (
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=False
+    ).endswith("<|im_end|>\n")
+    template = (
+        "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+        "{{ strftime_now('%Y') | length }} {{ messages | tojson }} {{ bos_token }}"
+    )
+    strict = Tokenizer.from_hf_folder(
+        _with_tokenizer_config(tiny_model_dir, tmp_path / "a", chat_template=template)
+    )
+    assert (
+        strict.apply_chat_template([{"role": "user", "content": "é"}])
+        == '4 [{"role": "user", "content": "é"}] <|endoftext|>'
+    )
     with pytest.raises(ConfigError, match="one message only"):
-        strict.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
-    broken = Tokenizer.from_hf_folder(_with_tokenizer_config(tiny_model_dir, tmp_path / "c", chat_template="{% for %}"))
-    assert broken.encode("hi") == tok.encode("hi")           # still loads for plain prompts
+        strict.apply_chat_template(
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+        )
+    broken = Tokenizer.from_hf_folder(
+        _with_tokenizer_config(tiny_model_dir, tmp_path / "c", chat_template="{% for %}")
+    )
+    assert broken.encode("hi") == tok.encode("hi")  # still loads for plain prompts
     with pytest.raises(ConfigError, match="chat template"):
         broken.apply_chat_template([{"role": "user", "content": "a"}])
-    bare = Tokenizer.from_hf_folder(_with_tokenizer_config(tiny_model_dir, tmp_path / "b", chat_template=None))
+    bare = Tokenizer.from_hf_folder(
+        _with_tokenizer_config(tiny_model_dir, tmp_path / "b", chat_template=None)
+    )
     with pytest.raises(ConfigError, match="no chat template"):
         bare.apply_chat_template([{"role": "user", "content": "a"}])
 
 
 def test_add_bos_from_tokenizer_config(tiny_model_dir, tmp_path):
-    tok = Tokenizer.from_hf_folder(_with_tokenizer_config(tiny_model_dir, tmp_path / "m", add_bos_token=True))
+    tok = Tokenizer.from_hf_folder(
+        _with_tokenizer_config(tiny_model_dir, tmp_path / "m", add_bos_token=True)
+    )
     assert tok.encode("Hello")[0] == tok.bos_token_id == 0
     assert tok.encode("Hello", add_special_tokens=False)[0] != 0
     assert tok.decode(tok.encode("Hello")) == "Hello"

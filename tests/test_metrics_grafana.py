@@ -1,4 +1,5 @@
 """examples/grafana.json reads only series a running `pagedkv serve` exports, with vLLM's meanings."""
+
 from __future__ import annotations
 
 import json
@@ -11,12 +12,24 @@ from server_process import REPO, ServerProcess
 DASHBOARD = REPO / "examples" / "grafana.json"
 # what vLLM's reference dashboard reads, under pagedkv's prefix
 VLLM_DASHBOARD_SERIES = {
-    "e2e_request_latency_seconds_bucket", "prompt_tokens_total", "generation_tokens_total",
-    "inter_token_latency_seconds_bucket", "num_requests_running", "num_requests_waiting",
-    "time_to_first_token_seconds_bucket", "kv_cache_usage_perc", "request_prompt_tokens_bucket",
-    "request_generation_tokens_bucket", "request_success_total", "request_queue_time_seconds_sum",
-    "request_prefill_time_seconds_sum", "request_decode_time_seconds_sum", "request_inference_time_seconds_sum",
-    "request_max_num_generation_tokens_sum", "iteration_tokens_total_bucket", "cache_config_info",
+    "e2e_request_latency_seconds_bucket",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "inter_token_latency_seconds_bucket",
+    "num_requests_running",
+    "num_requests_waiting",
+    "time_to_first_token_seconds_bucket",
+    "kv_cache_usage_perc",
+    "request_prompt_tokens_bucket",
+    "request_generation_tokens_bucket",
+    "request_success_total",
+    "request_queue_time_seconds_sum",
+    "request_prefill_time_seconds_sum",
+    "request_decode_time_seconds_sum",
+    "request_inference_time_seconds_sum",
+    "request_max_num_generation_tokens_sum",
+    "iteration_tokens_total_bucket",
+    "cache_config_info",
 }
 
 
@@ -35,14 +48,24 @@ def scrape(server) -> dict[str, list]:
 
 
 def total(samples: dict[str, list], name: str, **labels: str) -> float:
-    return sum(s.value for s in samples.get("pagedkv:" + name, [])
-               if all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for s in samples.get("pagedkv:" + name, [])
+        if all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with ServerProcess(tiny_model_dir, "--num-gpu-blocks-override", "128", "--max-model-len", "512",
-                       "--served-model-name", "tiny") as srv:
+    with ServerProcess(
+        tiny_model_dir,
+        "--num-gpu-blocks-override",
+        "128",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+    ) as srv:
         yield srv
 
 
@@ -50,9 +73,17 @@ def send_two(server) -> None:
     """One request of 4 tokens, one of n=2 samples of 3 tokens (short prompts: no cached block)."""
     client = server.openai()
     no_eos = {"ignore_eos": True}
-    client.completions.create(model="tiny", prompt="Hello world", max_tokens=4, temperature=0, extra_body=no_eos)
-    client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=3, n=2, temperature=1,
-                              extra_body=no_eos)
+    client.completions.create(
+        model="tiny", prompt="Hello world", max_tokens=4, temperature=0, extra_body=no_eos
+    )
+    client.completions.create(
+        model="tiny",
+        prompt="The quick brown fox",
+        max_tokens=3,
+        n=2,
+        temperature=1,
+        extra_body=no_eos,
+    )
     server.wait_idle()
 
 
@@ -60,7 +91,7 @@ def test_dashboard_reads_only_exported_series(server):
     send_two(server)
     samples = scrape(server)
     wanted = dashboard_series()
-    assert VLLM_DASHBOARD_SERIES <= wanted                  # every panel of vLLM's has its series here
+    assert VLLM_DASHBOARD_SERIES <= wanted  # every panel of vLLM's has its series here
     missing = sorted(n for n in wanted if "pagedkv:" + n not in samples)
     assert not missing, f"the dashboard reads series /metrics does not export: {missing}"
 
@@ -72,15 +103,18 @@ def test_request_metrics_have_vllms_meaning(server):
 
     def delta(name: str, **labels: str) -> float:
         return total(after, name, **labels) - total(before, name, **labels)
+
     # requests, not choices: the n=2 request counts once, with vLLM's finished_reason label
     assert delta("request_success_total") == 2
     assert delta("request_success_total", finished_reason="length") == 2
-    prompt_tokens = [len(server.http.post("/tokenize", json={"prompt": p}).json()["tokens"])
-                     for p in ("Hello world", "The quick brown fox")]
+    prompt_tokens = [
+        len(server.http.post("/tokenize", json={"prompt": p}).json()["tokens"])
+        for p in ("Hello world", "The quick brown fox")
+    ]
     assert delta("request_prompt_tokens_sum") == sum(prompt_tokens)
     assert delta("request_prompt_tokens_count") == 2
-    assert delta("request_generation_tokens_sum") == 4 + 2 * 3           # all samples
-    assert delta("request_max_num_generation_tokens_sum") == 4 + 3       # the longest sample
+    assert delta("request_generation_tokens_sum") == 4 + 2 * 3  # all samples
+    assert delta("request_max_num_generation_tokens_sum") == 4 + 3  # the longest sample
     for phase in ("queue", "prefill", "decode", "inference"):
         assert delta(f"request_{phase}_time_seconds_count") == 2
         assert delta(f"request_{phase}_time_seconds_sum") >= 0
@@ -89,4 +123,8 @@ def test_request_metrics_have_vllms_meaning(server):
     steps_tokens = delta("iteration_tokens_total_sum")
     assert sum(prompt_tokens) <= steps_tokens <= sum(prompt_tokens) + 4 + 2 * 3
     info = after["pagedkv:cache_config_info"][0]
-    assert info.value == 1 and info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "128"
+    assert (
+        info.value == 1
+        and info.labels["block_size"] == "16"
+        and info.labels["num_gpu_blocks"] == "128"
+    )

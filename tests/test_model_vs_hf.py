@@ -5,6 +5,7 @@ physical blocks, one forward for all prompts' prefills, one per decode step)
 and must match transformers token for token; a cached prefix must not change
 a single token.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,12 @@ from pagedkv.model.loader import LoadedModel, load_model
 
 transformers = pytest.importorskip("transformers")
 
-PROMPTS = ["Hello world!", "The quick brown fox jumps over the lazy dog. Paged attention",
-           "Émigré café 東京 😀 0123", "Memory is cut into fixed-size blocks handed out on demand, mapped by"]
+PROMPTS = [
+    "Hello world!",
+    "The quick brown fox jumps over the lazy dog. Paged attention",
+    "Émigré café 東京 😀 0123",
+    "Memory is cut into fixed-size blocks handed out on demand, mapped by",
+]
 
 
 @dataclass
@@ -38,11 +43,19 @@ class Seq:
 class PagedDriver:
     """The smallest engine: allocates shuffled blocks, builds metadata, runs steps."""
 
-    def __init__(self, lm: LoadedModel, block_size: int, num_blocks: int = 64, seed: int = 0) -> None:
+    def __init__(
+        self, lm: LoadedModel, block_size: int, num_blocks: int = 64, seed: int = 0
+    ) -> None:
         c = lm.config
         self.lm, self.block_size = lm, block_size
-        self.storage = KVStorage(c.num_hidden_layers, num_blocks, c.num_key_value_heads, block_size, c.head_dim,
-                                 lm.model.dtype)
+        self.storage = KVStorage(
+            c.num_hidden_layers,
+            num_blocks,
+            c.num_key_value_heads,
+            block_size,
+            c.head_dim,
+            lm.model.dtype,
+        )
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
 
@@ -55,24 +68,37 @@ class PagedDriver:
             end = seq.computed + n
             while len(seq.table) * bs < end:
                 seq.table.append(self.free.pop())
-            ids += seq.tokens[seq.computed:end]
+            ids += seq.tokens[seq.computed : end]
             positions += range(seq.computed, end)
             slots += [seq.table[p // bs] * bs + p % bs for p in range(seq.computed, end)]
             seq.computed = end
         qlens = [n for _, n in work]
         width = max(len(s.table) for s, _ in work)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0, *qlens], dtype=torch.int32).cumsum(0).int(),
+            slot_mapping=torch.tensor(slots),
+            query_start_loc=torch.tensor([0, *qlens], dtype=torch.int32).cumsum(0).int(),
             seq_lens=torch.tensor([s.computed for s, _ in work], dtype=torch.int32),
-            block_tables=torch.tensor([s.table + [0] * (width - len(s.table)) for s, _ in work], dtype=torch.int32),
-            query_lens=qlens, seq_lens_list=[s.computed for s, _ in work], block_size=bs,
-            is_decode=all(n == 1 for n in qlens))
-        hidden = self.lm.model(torch.tensor(ids), torch.tensor(positions), self.storage.kv_caches, meta)
+            block_tables=torch.tensor(
+                [s.table + [0] * (width - len(s.table)) for s, _ in work], dtype=torch.int32
+            ),
+            query_lens=qlens,
+            seq_lens_list=[s.computed for s, _ in work],
+            block_size=bs,
+            is_decode=all(n == 1 for n in qlens),
+        )
+        hidden = self.lm.model(
+            torch.tensor(ids), torch.tensor(positions), self.storage.kv_caches, meta
+        )
         last = torch.tensor(qlens).cumsum(0) - 1
         return self.lm.model.compute_logits(hidden[last])
 
-    def greedy(self, seqs: list[Seq], max_new: int, first_chunk: int | None = None,
-               eos: set[int] = frozenset()) -> list[list[int]]:
+    def greedy(
+        self,
+        seqs: list[Seq],
+        max_new: int,
+        first_chunk: int | None = None,
+        eos: set[int] = frozenset(),
+    ) -> list[list[int]]:
         """All prompts prefilled together (optionally in two chunks), then decoded together."""
         if first_chunk is not None:
             self.step([(s, min(first_chunk, len(s.tokens) - 1)) for s in seqs])
@@ -98,12 +124,14 @@ def hf_greedy(hf, ids: list[int], max_new: int, eos: set[int] = frozenset()) -> 
             out.append(int(step.logits[0, -1].argmax()))
             if len(out) == max_new or out[-1] in eos:
                 return out
-            key = "cache" if "cache" in step else "past_key_values"   # renamed in transformers 5
+            key = "cache" if "cache" in step else "past_key_values"  # renamed in transformers 5
             step = hf(torch.tensor([[out[-1]]]), use_cache=True, **{key: step[key]})
 
 
 def load_hf(folder) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +146,12 @@ def test_prefill_logits_match_transformers(tiny, kernels):
     seq = Seq(list(ids))
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0]
-        hidden = lm.model(torch.tensor(ids), torch.arange(len(ids)), driver.storage.kv_caches,
-                          _single_meta(driver, seq, len(ids)))
+        hidden = lm.model(
+            torch.tensor(ids),
+            torch.arange(len(ids)),
+            driver.storage.kv_caches,
+            _single_meta(driver, seq, len(ids)),
+        )
         ours = lm.model.compute_logits(hidden)
     assert ours.dtype == torch.float32 and ours.shape == ref.shape
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
@@ -130,9 +162,14 @@ def _single_meta(driver: PagedDriver, seq: Seq, n: int) -> AttentionMetadata:
     seq.table = [driver.free.pop() for _ in range(-(-n // bs))]
     return AttentionMetadata(
         slot_mapping=torch.tensor([seq.table[p // bs] * bs + p % bs for p in range(n)]),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.tensor([seq.table], dtype=torch.int32), query_lens=[n], seq_lens_list=[n],
-        block_size=bs, is_decode=False)
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.tensor([seq.table], dtype=torch.int32),
+        query_lens=[n],
+        seq_lens_list=[n],
+        block_size=bs,
+        is_decode=False,
+    )
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -142,14 +179,16 @@ def test_batched_greedy_matches_transformers(tiny, block_size, kernels):
     want = [hf_greedy(hf, p, 12) for p in prompts]
     got = PagedDriver(lm, block_size, num_blocks=256).greedy([Seq(list(p)) for p in prompts], 12)
     assert got == want
-    assert len({tuple(w) for w in want}) > 1   # the model is not degenerate
+    assert len({tuple(w) for w in want}) > 1  # the model is not degenerate
 
 
 def test_two_chunk_prefill_gives_the_same_tokens(tiny):
     lm, _ = tiny
     prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
     whole = PagedDriver(lm, 4, 128).greedy([Seq(list(p)) for p in prompts], 10)
-    chunked = PagedDriver(lm, 4, 128, seed=1).greedy([Seq(list(p)) for p in prompts], 10, first_chunk=8)
+    chunked = PagedDriver(lm, 4, 128, seed=1).greedy(
+        [Seq(list(p)) for p in prompts], 10, first_chunk=8
+    )
     assert chunked == whole
 
 
@@ -166,7 +205,11 @@ def test_decodes_and_prefills_in_one_step_give_the_same_tokens(tiny):
         for i, token in zip(range(len(work)), driver.step(work).argmax(-1).tolist()):
             outs[i].append(token)
             seqs[i].tokens.append(token)
-        work = [(seqs[0], 1)] + [(s, len(s.tokens)) for s in seqs[1:]] if step == 0 else [(s, 1) for s in seqs]
+        work = (
+            [(seqs[0], 1)] + [(s, len(s.tokens)) for s in seqs[1:]]
+            if step == 0
+            else [(s, 1) for s in seqs]
+        )
     assert outs[0] == want[0] and outs[1:] == [w[:6] for w in want[1:]]
 
 
@@ -174,7 +217,7 @@ def test_shared_prefix_blocks_give_the_same_tokens(tiny):
     # B reuses A's first two blocks (as a prefix cache hit would) and computes only its own suffix.
     lm, _ = tiny
     bs = 4
-    prefix = lm.tokenizer.encode(PROMPTS[3])[:2 * bs]
+    prefix = lm.tokenizer.encode(PROMPTS[3])[: 2 * bs]
     a_ids, b_ids = prefix + lm.tokenizer.encode(" blocks"), prefix + lm.tokenizer.encode(" a table")
     driver = PagedDriver(lm, bs, 64)
     a = Seq(list(a_ids))
@@ -194,13 +237,35 @@ def _variant(src, dst: Path, **changes) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("tie,changes", [
-    # the pre-transformers-5 style: rope_theta and rope_scaling at the top
-    (False, {"rope_parameters": None, "rope_theta": 20000.0, "rope_scaling": {"type": "linear", "factor": 4.0}}),
-    (False, {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
-    (True, {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}),
-], ids=["linear", "llama3", "tied"])
+@pytest.mark.parametrize(
+    "tie,changes",
+    [
+        # the pre-transformers-5 style: rope_theta and rope_scaling at the top
+        (
+            False,
+            {
+                "rope_parameters": None,
+                "rope_theta": 20000.0,
+                "rope_scaling": {"type": "linear", "factor": 4.0},
+            },
+        ),
+        (
+            False,
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 10000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                }
+            },
+        ),
+        (True, {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}),
+    ],
+    ids=["linear", "llama3", "tied"],
+)
 def test_rope_scaling_and_tied_embeddings_match(tiny_model_dir, tmp_path, tie, changes):
     src = make_tiny_model(tmp_path / "tied", tie=True) if tie else tiny_model_dir
     folder = _variant(src, tmp_path / "m", **changes)
@@ -226,8 +291,13 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_model_dir, tiny):
 
 # ---- the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) -----------------------------------------
 
-CHATS = ["What is the capital of France?", "Write a haiku about memory.", "List three prime numbers.",
-         "Explain paged attention in one sentence.", "Hi! 😀 Wie geht's?"]
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about memory.",
+    "List three prime numbers.",
+    "Explain paged attention in one sentence.",
+    "Hi! 😀 Wie geht's?",
+]
 
 
 @pytest.fixture(scope="module")
@@ -235,15 +305,18 @@ def smol():
     """Ours from the GGUF, and transformers built from the same GGUF by its own dequantizer and
     Q/K un-permutation (transformers' GGUF path needs accelerate, so we call its converter directly)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
     path = default_model_path()
     ours = load_model(None, torch.float32)
-    hf_cfg = {k: v for k, v in load_gguf_checkpoint(str(path))["config"].items() if not k.startswith("_")}
-    with torch.device("meta"):   # no random init: every weight comes from the file
+    hf_cfg = {
+        k: v for k, v in load_gguf_checkpoint(str(path))["config"].items() if not k.startswith("_")
+    }
+    with torch.device("meta"):  # no random init: every weight comes from the file
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg))
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
     hf.load_state_dict(tensors, strict=False, assign=True)
     hf.tie_weights()
-    hf.model.rotary_emb = type(hf.model.rotary_emb)(hf.config)   # its buffers were on meta
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(hf.config)  # its buffers were on meta
     return ours, hf.eval(), tensors
 
 
@@ -256,7 +329,9 @@ def test_default_model_weights_equal_transformers_dequantization(smol):
     torch.testing.assert_close(q, tensors["model.layers.7.self_attn.q_proj.weight"], atol=0, rtol=0)
     torch.testing.assert_close(k, tensors["model.layers.7.self_attn.k_proj.weight"], atol=0, rtol=0)
     torch.testing.assert_close(v, tensors["model.layers.7.self_attn.v_proj.weight"], atol=0, rtol=0)
-    torch.testing.assert_close(ours.model.embed_tokens, tensors["model.embed_tokens.weight"], atol=0, rtol=0)
+    torch.testing.assert_close(
+        ours.model.embed_tokens, tensors["model.embed_tokens.weight"], atol=0, rtol=0
+    )
 
 
 @pytest.mark.slow
@@ -265,7 +340,9 @@ def test_default_model_greedy_matches_transformers(smol):
     tok = ours.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in CHATS]
     want = [hf_greedy(hf, p, 32, tok.eos_token_ids) for p in prompts]
-    got = PagedDriver(ours, 16, 128).greedy([Seq(list(p)) for p in prompts], 32, eos=tok.eos_token_ids)
+    got = PagedDriver(ours, 16, 128).greedy(
+        [Seq(list(p)) for p in prompts], 32, eos=tok.eos_token_ids
+    )
     assert got == want
     assert "Paris" in tok.decode(got[0])
 
@@ -275,15 +352,24 @@ def test_default_tokenizer_matches_transformers(smol):
     path = default_model_path()
     ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     ours = smol[0].tokenizer
-    texts = ["Hello world!", "  leading spaces and\ttabs\n\nnew lines", "numbers 1234567 and 3.14159",
-             "Émigré café naïve — 東京 😀👍🏽 ünïcödé", "<|im_start|>user\nhi<|im_end|>", "don't I'll we've",
-             "def f(x):\n    return x**2  # code"]
+    texts = [
+        "Hello world!",
+        "  leading spaces and\ttabs\n\nnew lines",
+        "numbers 1234567 and 3.14159",
+        "Émigré café naïve — 東京 😀👍🏽 ünïcödé",
+        "<|im_start|>user\nhi<|im_end|>",
+        "don't I'll we've",
+        "def f(x):\n    return x**2  # code",
+    ]
     for text in texts:
         assert ours.encode(text) == ref.encode(text), text
         ids = ours.encode(text)
-        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(
+            ids, skip_special_tokens=False
+        )
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    assert ours.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False,
-                                                                         add_generation_prompt=True)
+    assert ours.apply_chat_template(messages) == ref.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert ours.eos_token_ids == {ref.eos_token_id} and ours.bos_token_id == ref.bos_token_id

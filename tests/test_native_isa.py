@@ -2,6 +2,7 @@
 build per ISA side by side, and the C++ harness (tests/native_harness/harness.cpp) comparing every
 kernel with a scalar reference, natively for each x86 variant and for AArch64 NEON under qemu-user.
 The torch-level comparisons per variant are the kernel tests that take the kernel_isa fixture."""
+
 from __future__ import annotations
 
 import os
@@ -30,7 +31,7 @@ def test_each_variant_is_its_own_library(isa: str) -> None:
     lib = native.variant(isa)
     assert lib.pagedkv_isa().decode() == isa
     assert lib.pagedkv_vector_width() == LANES[isa]
-    assert f"pagedkv_kernels_{isa}_" in lib._name   # one file per ISA: variants coexist in the cache
+    assert f"pagedkv_kernels_{isa}_" in lib._name  # one file per ISA: variants coexist in the cache
 
 
 def test_the_environment_chooses_the_variant(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,20 +55,54 @@ def test_harness_against_each_native_variant(isa: str, tmp_path: Path) -> None:
     """The harness linked against the very library that variant(isa) loads."""
     lib = Path(native.variant(isa)._name)
     exe = tmp_path / "harness"
-    subprocess.run(["g++", "-O1", "-std=c++17", "-Wno-psabi", str(HARNESS), f"-L{lib.parent}", f"-l:{lib.name}",
-                    f"-Wl,-rpath,{lib.parent}", "-o", str(exe)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            "g++",
+            "-O1",
+            "-std=c++17",
+            "-Wno-psabi",
+            str(HARNESS),
+            f"-L{lib.parent}",
+            f"-l:{lib.name}",
+            f"-Wl,-rpath,{lib.parent}",
+            "-o",
+            str(exe),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert f"ISA {isa}" in run_harness([str(exe)])
 
 
 @pytest.mark.skipif(os.uname().machine == "aarch64", reason="on Arm the native variants cover NEON")
-@pytest.mark.skipif(not (shutil.which(CROSS_CXX) and shutil.which(QEMU)),
-                    reason=f"needs {CROSS_CXX} and {QEMU} (scripts/install.sh --test installs them: "
-                           "apt-get install g++-aarch64-linux-gnu qemu-user)")
+@pytest.mark.skipif(
+    not (shutil.which(CROSS_CXX) and shutil.which(QEMU)),
+    reason=f"needs {CROSS_CXX} and {QEMU} (scripts/install.sh --test installs them: "
+    "apt-get install g++-aarch64-linux-gnu qemu-user)",
+)
 def test_harness_on_aarch64_neon_under_qemu(tmp_path: Path) -> None:
     """The kernels cross-compiled for AArch64 (vec.h picks NEON there) and run under qemu-user."""
     csrc = Path(native.__file__).parent / "csrc"
     exe = tmp_path / "harness"
-    sources = [str(HARNESS)] + [str(csrc / f"{name}.cpp") for name in ("paged_attention", "layer_ops", "kv_quant")]
-    subprocess.run([CROSS_CXX, "-O2", "-std=c++17", "-fopenmp", "-static", "-Wno-psabi", f"-I{csrc}", *sources,
-                    "-o", str(exe)], check=True, capture_output=True, timeout=600)
+    sources = [str(HARNESS)] + [
+        str(csrc / f"{name}.cpp") for name in ("paged_attention", "layer_ops", "kv_quant")
+    ]
+    subprocess.run(
+        [
+            CROSS_CXX,
+            "-O2",
+            "-std=c++17",
+            "-fopenmp",
+            "-static",
+            "-Wno-psabi",
+            f"-I{csrc}",
+            *sources,
+            "-o",
+            str(exe),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     assert "ISA neon" in run_harness([QEMU, str(exe)])

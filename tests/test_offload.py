@@ -1,4 +1,5 @@
 """Tiered KV offload: the host and disk tiers alone, with the manager, and in the engine on a tiny model."""
+
 from __future__ import annotations
 
 import logging
@@ -63,15 +64,15 @@ def test_host_tier_evicts_least_recently_used_and_skips_pinned():
     assert tier.insert(h(1), tokens(1)) == (0, None)
     assert tier.insert(h(2), tokens(2)) == (1, None)
     assert tier.touch(h(1)) and tier.order() == [h(2), h(1)]
-    slot, (victim, entry) = tier.insert(h(3), tokens(3))     # h2 is the LRU block
+    slot, (victim, entry) = tier.insert(h(3), tokens(3))  # h2 is the LRU block
     assert victim == h(2) and slot == entry.slot == 1 and tier.order() == [h(1), h(3)]
-    tier.pin(h(1))                                            # a load reads it this step
+    tier.pin(h(1))  # a load reads it this step
     slot, (victim, _) = tier.insert(h(4), tokens(4))
     assert victim == h(3) and slot == 1 and tier.order() == [h(1), h(4)]
     assert tier.find(h(1), tokens(1)) == 0
-    assert tier.find(h(1), (9, 9)) is None                    # same hash, other tokens: no hit
+    assert tier.find(h(1), (9, 9)) is None  # same hash, other tokens: no hit
     tier.pin(h(4))
-    assert tier.insert(h(5), tokens(5)) is None               # everything pinned
+    assert tier.insert(h(5), tokens(5)) is None  # everything pinned
     tier.unpin_all()
     tier.check_integrity([])
 
@@ -81,7 +82,7 @@ def test_host_tier_lends_slots_to_swap_free_ones_first_then_lru():
     tier.insert(h(1), tokens(1))
     tier.insert(h(2), tokens(2))
     tier.pin(h(2))
-    assert tier.num_free() == 2                               # one free slot + unpinned h1
+    assert tier.num_free() == 2  # one free slot + unpinned h1
     lent = tier.take(2)
     assert lent == [2, 0] and [v for v, _ in tier.displaced] == [h(1)] and tier.order() == [h(2)]
     with pytest.raises(ValueError):
@@ -101,11 +102,11 @@ def test_disk_tier_round_trip_survives_a_restart_and_leaves_no_temp_files(tmp_pa
     assert tier.write(h(1), tokens(1), block(1.5)) and tier.write(h(2), tokens(2), block(2.5))
     assert [p.name for p in files(tier)] == sorted(f"{h(i).hex()}{SUFFIX}" for i in (1, 2))
     assert torch.equal(tier.read(h(1), tokens(1)), block(1.5))
-    assert tier.read(h(1), (7, 7)) is None                    # token ids are compared too
-    again = disk_tier(tmp_path)                               # a new engine on the same folder
+    assert tier.read(h(1), (7, 7)) is None  # token ids are compared too
+    again = disk_tier(tmp_path)  # a new engine on the same folder
     assert again.num_blocks == 2 and again.bytes_used == tier.bytes_used
     assert torch.equal(again.read(h(2), tokens(2)), block(2.5))
-    other = DiskTier(tmp_path, KEY, (2, 2, 1, 4, 3), torch.float32, 1 << 20)   # another block size
+    other = DiskTier(tmp_path, KEY, (2, 2, 1, 4, 3), torch.float32, 1 << 20)  # another block size
     assert other.dir != tier.dir and other.num_blocks == 0
 
 
@@ -114,12 +115,14 @@ def test_disk_tier_checksum_mismatch_is_skipped_with_a_warning_and_deleted(tmp_p
     tier.write(h(1), tokens(1), block(1.0))
     path = files(tier)[0]
     raw = bytearray(path.read_bytes())
-    raw[-5] ^= 0x40                                           # one flipped payload bit
+    raw[-5] ^= 0x40  # one flipped payload bit
     path.write_bytes(raw)
     with caplog.at_level(logging.WARNING, logger="pagedkv.offload"):
         assert tier.read(h(1), tokens(1)) is None
     assert "checksum mismatch" in caplog.text
-    assert not path.exists() and tier.num_blocks == 0 and tier.bytes_used == 0 and tier.bad_files == 1
+    assert (
+        not path.exists() and tier.num_blocks == 0 and tier.bytes_used == 0 and tier.bad_files == 1
+    )
 
 
 def test_disk_tier_start_up_skips_truncated_foreign_and_stray_files(tmp_path, caplog):
@@ -127,17 +130,21 @@ def test_disk_tier_start_up_skips_truncated_foreign_and_stray_files(tmp_path, ca
     for i in range(4):
         tier.write(h(i), tokens(i), block(float(i)))
     path = {i: tier.dir / f"{h(i).hex()}{SUFFIX}" for i in range(4)}
-    path[0].write_bytes(path[0].read_bytes()[:-7])            # truncated
+    path[0].write_bytes(path[0].read_bytes()[:-7])  # truncated
     stranger = disk_tier(tmp_path / "other", key=b"another-model:torch.float32")
     stranger.write(h(1), tokens(1), block(9.0))
-    os.replace(files(stranger)[0], path[1])                   # another model's file, same name
+    os.replace(files(stranger)[0], path[1])  # another model's file, same name
     path[2].write_bytes(b"garbage, not a block file")
     (tier.dir / f"{h(7).hex()}{SUFFIX}.999999999.tmp").write_bytes(b"half a write")
     with caplog.at_level(logging.WARNING, logger="pagedkv.offload"):
         again = disk_tier(tmp_path)
-    assert "truncated" in caplog.text and "another-model" in caplog.text and "not a pagedkv block file" in caplog.text
+    assert (
+        "truncated" in caplog.text
+        and "another-model" in caplog.text
+        and "not a pagedkv block file" in caplog.text
+    )
     assert again.bad_files == 3 and again.num_blocks == 1
-    assert files(again) == sorted([path[1], path[3]])         # the foreign file is left alone
+    assert files(again) == sorted([path[1], path[3]])  # the foreign file is left alone
     assert again.read(h(1), tokens(1)) is None
     assert torch.equal(again.read(h(3), tokens(3)), block(3.0))
 
@@ -149,11 +156,18 @@ def test_disk_tier_keeps_under_its_size_limit_dropping_least_recently_used(tmp_p
     tier = disk_tier(tmp_path, max_bytes=2 * size + size // 2)
     tier.write(h(1), tokens(1), block(1.0))
     tier.write(h(2), tokens(2), block(2.0))
-    tier.read(h(1), tokens(1))                                # h2 is now the LRU block
+    tier.read(h(1), tokens(1))  # h2 is now the LRU block
     tier.write(h(3), tokens(3), block(3.0))
-    assert not tier.contains(h(2), tokens(2)) and tier.contains(h(1), tokens(1)) and tier.contains(h(3), tokens(3))
-    assert sum(p.stat().st_size for p in files(tier)) == tier.bytes_used <= tier.max_bytes and tier.dropped == 1
-    smaller = disk_tier(tmp_path, max_bytes=size)              # restart with a lower limit
+    assert (
+        not tier.contains(h(2), tokens(2))
+        and tier.contains(h(1), tokens(1))
+        and tier.contains(h(3), tokens(3))
+    )
+    assert (
+        sum(p.stat().st_size for p in files(tier)) == tier.bytes_used <= tier.max_bytes
+        and tier.dropped == 1
+    )
+    smaller = disk_tier(tmp_path, max_bytes=size)  # restart with a lower limit
     assert smaller.num_blocks == 1 and len(files(smaller)) == 1
 
 
@@ -164,20 +178,20 @@ def test_evicted_block_is_saved_before_overwrite_and_loaded_back():
     device = KVStorage(num_blocks=3, device="cpu", **SHAPE)
     offload = KVOffload(host_tier(4), None)
     m = KVCacheManager(3, 2, offload=offload, watermark=0.0)
-    prompt = [1, 2, 3, 4, 5]                                   # 2 full blocks + 1 token
+    prompt = [1, 2, 3, 4, 5]  # 2 full blocks + 1 token
 
     def step(writes: dict[int, float]):
         saves, loads, _ = m.take_offload_plan()
         staged = offload.stage(device, saves, loads)
         offload.commit(device, staged)
-        for bid, value in writes.items():                      # what the forward pass writes
+        for bid, value in writes.items():  # what the forward pass writes
             device.write_blocks([bid], block(value)[None])
         return saves, loads
 
     m.allocate_slots("a", prompt, 5)
     step({0: 10.0, 1: 11.0, 2: 12.0})
     m.free("a")
-    m.allocate_slots("b", [7] * 6, 6)                          # evicts a's two cached blocks
+    m.allocate_slots("b", [7] * 6, 6)  # evicts a's two cached blocks
     saves, loads = step({0: 20.0, 1: 21.0, 2: 22.0})
     assert sorted(s.block_id for s in saves) == [0, 1] and loads == []
     m.free("b")
@@ -206,19 +220,34 @@ class OffloadMachine(RuleBasedStateMachine):
         super().__init__()
         self.m: KVCacheManager | None = None
 
-    @initialize(bs=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 16), host=st.integers(0, 8),
-                disk=st.booleans(), seed=st.integers(0, 2**16))
+    @initialize(
+        bs=st.sampled_from([1, 2, 4]),
+        num_blocks=st.integers(4, 16),
+        host=st.integers(0, 8),
+        disk=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
     def setup(self, bs, num_blocks, host, disk, seed):
         shape = dict(num_layers=1, num_kv_heads=1, block_size=bs, head_dim=1, dtype="float32")
         self.bs = bs
         self.dev = KVStorage(num_blocks=num_blocks, **shape)
         tier = HostTier(KVStorage(num_blocks=host, **shape)) if host else None
         self.dir = tempfile.mkdtemp() if disk or not host else None
-        files = DiskTier(self.dir, b"k", self.dev.block_shape, torch.float32, 12 * (600 + 8 * bs)) if self.dir else None
+        files = (
+            DiskTier(self.dir, b"k", self.dev.block_shape, torch.float32, 12 * (600 + 8 * bs))
+            if self.dir
+            else None
+        )
         self.offload = KVOffload(tier, files)
         self.swap = tier.storage if tier is not None else KVStorage(num_blocks=4, **shape)
-        self.m = KVCacheManager(num_blocks, bs, num_host_blocks=0 if tier is not None else 4, watermark=0.0, hash_extra=b"k",
-                                offload=self.offload)
+        self.m = KVCacheManager(
+            num_blocks,
+            bs,
+            num_host_blocks=0 if tier is not None else 4,
+            watermark=0.0,
+            hash_extra=b"k",
+            offload=self.offload,
+        )
         rnd = random.Random(seed)
         self.bases = [[rnd.randrange(20) for _ in range(6 * bs)] for _ in range(2)]
         self.known: dict[str, list[int]] = {}
@@ -235,7 +264,7 @@ class OffloadMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(self._running()))
         if data.draw(st.booleans()) and self.m.can_swap_out(rid):
             swap_out += self.m.swap_out(rid)
-        else:                                          # recompute: it comes back as a new prompt
+        else:  # recompute: it comes back as a new prompt
             self.m.free(rid)
             del self.known[rid], self.computed[rid]
 
@@ -253,14 +282,18 @@ class OffloadMachine(RuleBasedStateMachine):
 
     def _admit(self, data, writes: list) -> None:
         base = self.bases[data.draw(st.integers(0, 1))]
-        prompt = base[:data.draw(st.integers(0, len(base)))] + data.draw(st.lists(st.integers(0, 19), min_size=1,
-                                                                                   max_size=2 * self.bs))
+        prompt = base[: data.draw(st.integers(0, len(base)))] + data.draw(
+            st.lists(st.integers(0, 19), min_size=1, max_size=2 * self.bs)
+        )
         prefix = self.m.lookup_prefix(prompt)
         offloaded = self.m.lookup_offloaded(prompt, len(prefix))
         n = data.draw(st.integers(1, len(prompt) - (len(prefix) + offloaded) * self.bs))
         rid = f"r{self.next_id}"
         self.next_id += 1
-        if self.m.allocate_slots(rid, prompt, n, prefix_blocks=prefix, num_offloaded=offloaded) is None:
+        if (
+            self.m.allocate_slots(rid, prompt, n, prefix_blocks=prefix, num_offloaded=offloaded)
+            is None
+        ):
             return
         cached = self.m.num_cached_tokens(rid)
         assert cached <= (len(prefix) + offloaded) * self.bs
@@ -285,18 +318,22 @@ class OffloadMachine(RuleBasedStateMachine):
         saves, loads, through = self.m.take_offload_plan()
         staged = self.offload.stage(self.dev, saves, loads)
         if swap_out:
-            self.swap.write_blocks([c.dst for c in swap_out], self.dev.read_blocks([c.src for c in swap_out]))
+            self.swap.write_blocks(
+                [c.dst for c in swap_out], self.dev.read_blocks([c.src for c in swap_out])
+            )
         self.dev.copy_blocks([(c.src, c.dst) for c in cow])
         if swap_in:
-            self.dev.write_blocks([c.dst for c in swap_in], self.swap.read_blocks([c.src for c in swap_in]))
+            self.dev.write_blocks(
+                [c.dst for c in swap_in], self.swap.read_blocks([c.src for c in swap_in])
+            )
         self.offload.commit(self.dev, staged)
-        for rid, start, end in writes:                 # the forward pass stores each token's K and V
+        for rid, start, end in writes:  # the forward pass stores each token's K and V
             table = self.m.block_table(rid)
             for p in range(start, end):
                 self.dev.data[0, :, table[p // self.bs], 0, p % self.bs, 0] = self.known[rid][p]
-        if through:                                    # blocks just filled go to disk too
+        if through:  # blocks just filled go to disk too
             self.offload.write_through(self.dev, through)
-        self.offload.flush()                           # the disk as the next step finds it: no race
+        self.offload.flush()  # the disk as the next step finds it: no race
 
     @precondition(lambda self: self.m is not None and self.dir and self.offload.disk.num_blocks)
     @rule(data=st.data())
@@ -321,9 +358,13 @@ class OffloadMachine(RuleBasedStateMachine):
         self.m.check_integrity()
         for rid in self._running():
             table = self.m.block_table(rid)
-            got = [self.dev.data[0, :, table[p // self.bs], 0, p % self.bs, 0].tolist()
-                   for p in range(self.computed[rid])]
-            assert got == [[t, t] for t in self.known[rid][:self.computed[rid]]], f"{rid} reads back wrong K/V"
+            got = [
+                self.dev.data[0, :, table[p // self.bs], 0, p % self.bs, 0].tolist()
+                for p in range(self.computed[rid])
+            ]
+            assert got == [[t, t] for t in self.known[rid][: self.computed[rid]]], (
+                f"{rid} reads back wrong K/V"
+            )
 
     def teardown(self):
         if self.m is None:
@@ -336,8 +377,12 @@ class OffloadMachine(RuleBasedStateMachine):
             shutil.rmtree(self.dir)
 
 
-OffloadMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
-                                            suppress_health_check=[HealthCheck.too_slow])
+OffloadMachine.TestCase.settings = settings(
+    max_examples=80,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestOffloadStateful = OffloadMachine.TestCase
 
 
@@ -346,10 +391,14 @@ TestOffloadStateful = OffloadMachine.TestCase
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 _TEXT = "Memory is cut into fixed-size blocks handed out on demand, mapped by a block table. "
 CONVERSATIONS = [f"{name}: " + _TEXT * 2 for name in ("Ann", "Bob", "Cy", "Di")]
-OTHERS = [f"{i} Hello world! Serving a model means holding each request's cache. {i}" for i in range(4)]
+OTHERS = [
+    f"{i} Hello world! Serving a model means holding each request's cache. {i}" for i in range(4)
+]
 
 
-TINY_BLOCK_BYTES = 2048        # the tiny model's block of 4 tokens: 2 layers x K,V x 2 heads x 4 x 16 x fp32
+TINY_BLOCK_BYTES = (
+    2048  # the tiny model's block of 4 tokens: 2 layers x K,V x 2 heads x 4 x 16 x fp32
+)
 
 
 def make_llm(model_dir, **options) -> LLM:
@@ -387,13 +436,17 @@ def test_host_tier_serves_evicted_prefixes_without_changing_outputs(tiny_model_d
     assert outputs == reference[0]
     st = llm.engine.offload.stats()
     assert st.saved > 0 and st.loaded_host > 0 and st.loaded_disk == 0
-    assert cached > reference[1]                               # fewer prompt tokens computed
+    assert cached > reference[1]  # fewer prompt tokens computed
     assert llm.engine.kv.stats().offload_hits == 4 * st.loaded_host
     assert_clean(llm)
 
 
-def test_full_host_tier_spills_to_disk_and_disk_hits_keep_outputs(tiny_model_dir, reference, tmp_path):
-    llm = make_llm(tiny_model_dir, kv_offload_host_memory=8 * TINY_BLOCK_BYTES, kv_offload_dir=str(tmp_path))
+def test_full_host_tier_spills_to_disk_and_disk_hits_keep_outputs(
+    tiny_model_dir, reference, tmp_path
+):
+    llm = make_llm(
+        tiny_model_dir, kv_offload_host_memory=8 * TINY_BLOCK_BYTES, kv_offload_dir=str(tmp_path)
+    )
     assert llm.engine.offload.host.num_slots == 8
     outputs, cached = workload(llm)
     assert outputs == reference[0]
@@ -418,18 +471,25 @@ def test_restart_finds_the_blocks_the_last_engine_wrote(tiny_model_dir, referenc
     assert second.engine.offload.stats().loaded_disk > 0 and cached > 0
 
 
-def test_bad_files_are_skipped_with_a_warning_and_outputs_stay_equal(tiny_model_dir, reference, tmp_path, caplog):
+def test_bad_files_are_skipped_with_a_warning_and_outputs_stay_equal(
+    tiny_model_dir, reference, tmp_path, caplog
+):
     first = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
     run(first, CONVERSATIONS + OTHERS)
     first.engine.close()
     paths = sorted(first.engine.offload.disk.dir.iterdir())
     assert len(paths) >= 6
-    paths[0].write_bytes(paths[0].read_bytes()[:100])                          # truncated
-    foreign = DiskTier(tmp_path / "x", b"another-model:torch.float32", first.engine.storage.block_shape,
-                       torch.float32, 1 << 20)
+    paths[0].write_bytes(paths[0].read_bytes()[:100])  # truncated
+    foreign = DiskTier(
+        tmp_path / "x",
+        b"another-model:torch.float32",
+        first.engine.storage.block_shape,
+        torch.float32,
+        1 << 20,
+    )
     foreign.write(h(1), tokens(1), torch.zeros(first.engine.storage.block_shape))
-    os.replace(next(foreign.dir.iterdir()), paths[1])                            # foreign
-    for path in paths[2::2]:                                                    # corrupt payloads
+    os.replace(next(foreign.dir.iterdir()), paths[1])  # foreign
+    for path in paths[2::2]:  # corrupt payloads
         raw = bytearray(path.read_bytes())
         raw[-1] ^= 0xFF
         path.write_bytes(raw)
@@ -437,7 +497,11 @@ def test_bad_files_are_skipped_with_a_warning_and_outputs_stay_equal(tiny_model_
         second = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
         outputs, _ = run(second, CONVERSATIONS)
     assert outputs == reference[0][:4]
-    assert "truncated" in caplog.text and "another-model" in caplog.text and "checksum mismatch" in caplog.text
+    assert (
+        "truncated" in caplog.text
+        and "another-model" in caplog.text
+        and "checksum mismatch" in caplog.text
+    )
     assert second.engine.offload.stats().bad_files >= 3
     assert_clean(second)
 
@@ -446,8 +510,12 @@ def test_disk_size_limit_is_respected(tiny_model_dir, reference, tmp_path):
     probe = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path / "probe"))
     run(probe, CONVERSATIONS)
     probe.engine.close()
-    limit = 10 * probe.engine.offload.stats().disk_bytes // probe.engine.offload.disk.num_blocks   # ten files
-    llm = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path / "limited"), kv_offload_disk_size=limit)
+    limit = (
+        10 * probe.engine.offload.stats().disk_bytes // probe.engine.offload.disk.num_blocks
+    )  # ten files
+    llm = make_llm(
+        tiny_model_dir, kv_offload_dir=str(tmp_path / "limited"), kv_offload_disk_size=limit
+    )
     outputs, _ = workload(llm)
     assert outputs == reference[0]
     llm.engine.close()
@@ -460,10 +528,17 @@ def test_swap_preemption_borrows_the_host_tier(tiny_model_dir, tmp_path, monkeyp
     long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     roomy = make_llm(tiny_model_dir, num_gpu_blocks_override=256)
     expected = [o.outputs[0].token_ids for o in roomy.generate(CONVERSATIONS, long, use_tqdm=False)]
-    llm = make_llm(tiny_model_dir, preemption_mode="swap", kv_offload_host_memory=24 * TINY_BLOCK_BYTES,
-                   kv_offload_dir=str(tmp_path))
+    llm = make_llm(
+        tiny_model_dir,
+        preemption_mode="swap",
+        kv_offload_host_memory=24 * TINY_BLOCK_BYTES,
+        kv_offload_dir=str(tmp_path),
+    )
     offload = llm.engine.offload
-    assert llm.engine.kv.num_host_blocks == 24 and llm.engine.runner.host_storage is offload.host.storage
+    assert (
+        llm.engine.kv.num_host_blocks == 24
+        and llm.engine.runner.host_storage is offload.host.storage
+    )
     displaced = []
     take = offload.host.take
 
@@ -473,13 +548,15 @@ def test_swap_preemption_borrows_the_host_tier(tiny_model_dir, tmp_path, monkeyp
         return slots
 
     monkeypatch.setattr(offload.host, "take", recording_take)
-    for _ in range(2):                       # the second round finds the first one's blocks in the tiers
+    for _ in range(2):  # the second round finds the first one's blocks in the tiers
         outs = llm.generate(CONVERSATIONS, long, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
     offload.flush()
     st = offload.stats()
     assert llm.engine.scheduler.num_preemptions > 0 and st.loaded_host + st.loaded_disk > 0
-    assert displaced and all(offload.disk.contains(bh, e.token_ids) for bh, e in displaced)   # pushed to disk
+    assert displaced and all(
+        offload.disk.contains(bh, e.token_ids) for bh, e in displaced
+    )  # pushed to disk
     assert_clean(llm)
     assert llm.engine.kv.stats().host_free == 24
 

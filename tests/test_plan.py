@@ -1,4 +1,5 @@
 """`pagedkv plan`: KV bytes per token and capacity, checked against hand arithmetic."""
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,9 @@ def test_known_parameter_counts_match_the_published_ones():
 
 def test_capacity_after_weights_in_whole_blocks():
     s = KNOWN_SHAPES["llama3-8b"]
-    p = plan_capacity(s, memory=80 * 10**9, memory_utilization=0.9, context=128000, kv_dtypes=("auto",))
+    p = plan_capacity(
+        s, memory=80 * 10**9, memory_utilization=0.9, context=128000, kv_dtypes=("auto",)
+    )
     kv = 72 * 10**9 - 16_060_522_496  # 55,939,477,504 bytes
     assert p.kv_memory == kv
     (row,) = p.dtypes
@@ -56,24 +59,47 @@ def test_gguf_metadata_of_the_default_model():
     assert s.source == "gguf" and s.name == "SmolLM2-135M-Instruct.Q4_1"
     assert (s.num_layers, s.num_kv_heads, s.head_dim, s.max_context) == (30, 3, 64, 8192)
     assert s.num_params == 134_515_008
-    assert 80 * 2**20 < s.weight_bytes < default_model_path().stat().st_size  # Q4_1 tensors, not bf16
+    assert (
+        80 * 2**20 < s.weight_bytes < default_model_path().stat().st_size
+    )  # Q4_1 tensors, not bf16
     assert per_token(s, "auto") == 23040
 
 
 def test_config_json_folder(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-        "hidden_size": 256, "intermediate_size": 512, "vocab_size": 1000, "torch_dtype": "float32"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "vocab_size": 1000,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     s = resolve_shape(str(tmp_path))
     assert (s.num_layers, s.num_kv_heads, s.head_dim) == (4, 2, 32)
     # 1000*256*2 + 4 * (256*32*(16+4) + 3*256*512 + 512) + 256, float32 weights
-    assert s.num_params == 512000 + 4 * (163840 + 393216 + 512) + 256 and s.weight_bytes == 4 * s.num_params
+    assert (
+        s.num_params == 512000 + 4 * (163840 + 393216 + 512) + 256
+        and s.weight_bytes == 4 * s.num_params
+    )
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 1234)
     assert resolve_shape(str(tmp_path / "config.json")).weight_bytes == 1234  # real file sizes win
 
 
-@pytest.mark.parametrize("content", ["{", "[]", '{"num_hidden_layers": 4}', '{"num_hidden_layers": 0, '
-                                     '"num_attention_heads": 8, "hidden_size": 256}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{",
+        "[]",
+        '{"num_hidden_layers": 4}',
+        '{"num_hidden_layers": 0, "num_attention_heads": 8, "hidden_size": 256}',
+    ],
+)
 def test_bad_config_json_is_a_config_error(tmp_path, content):
     (tmp_path / "config.json").write_text(content)
     with pytest.raises(ConfigError):
@@ -85,21 +111,50 @@ def test_plan_cli_table_and_json(capsys):
     assert rc == 0, err
     rows = {line.split()[0]: line.split() for line in out.splitlines()}
     assert rows["auto"][1:] == ["131,072", "426,784", "3"] and rows["fp8"][1] == "65,664"
-    out = run_cli("plan", "--shape", "smollm2-135m", "--kv-cache-dtype", "fp8", "--memory", "1GiB",
-                  "--memory-utilization", "0.5", "--context", "4096", "--json")
+    out = run_cli(
+        "plan",
+        "--shape",
+        "smollm2-135m",
+        "--kv-cache-dtype",
+        "fp8",
+        "--memory",
+        "1GiB",
+        "--memory-utilization",
+        "0.5",
+        "--context",
+        "4096",
+        "--json",
+    )
     d = json.loads(out.stdout)
     # 512 MiB - 269,030,016 bytes of bf16 weights = 267,840,896; a block is 16 * 11520 bytes of fp8
     # plus 30 layers * 2 * 3 heads * 4 bytes of scales = 185,040 bytes
     assert d["kv_memory"] == 2**29 - 2 * 134_515_008 == 267_840_896
-    assert d["dtypes"] == [{"kv_cache_dtype": "fp8", "bytes_per_token": 11565, "bytes_per_block": 185040,
-                            "blocks": 1447, "tokens": 23152, "requests_at_context": 5}]
+    assert d["dtypes"] == [
+        {
+            "kv_cache_dtype": "fp8",
+            "bytes_per_token": 11565,
+            "bytes_per_block": 185040,
+            "blocks": 1447,
+            "tokens": 23152,
+            "requests_at_context": 5,
+        }
+    ]
 
 
-@pytest.mark.parametrize("args", [
-    ["--shape", "gpt5"], ["--model", "/nonexistent"], ["--model", "/etc/hostname"], ["--memory", "lots"],
-    ["--memory-utilization", "1.5"], ["--context", "0"], ["--block-size", "0"], ["--kv-cache-dtype", "int4"],
-    ["--shape", "llama3-8b", "--model", "x.gguf"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--shape", "gpt5"],
+        ["--model", "/nonexistent"],
+        ["--model", "/etc/hostname"],
+        ["--memory", "lots"],
+        ["--memory-utilization", "1.5"],
+        ["--context", "0"],
+        ["--block-size", "0"],
+        ["--kv-cache-dtype", "int4"],
+        ["--shape", "llama3-8b", "--model", "x.gguf"],
+    ],
+)
 def test_plan_bad_flags_are_one_line_and_exit_2(capsys, args):
     assert_one_line_error(*run_main(capsys, "plan", *args))
 

@@ -148,7 +148,10 @@ def test_simulate_replicas_cli():
         (["--replicas", "0"], "--replicas must be >= 1"),
         (["--replicas", "2", "--routing", "random"], "unknown routing"),
         (["--replicas", "2", "--trace", "x.jsonl"], "--trace is not supported"),
-    (["--replicas", "2", "--dynamic", "--requests", "5"], "--requests, --dynamic does not apply"),
+        (
+            ["--replicas", "2", "--dynamic", "--requests", "5"],
+            "--requests, --dynamic does not apply",
+        ),
     ],
 )
 def test_simulate_replicas_bad_flags_are_one_line_exit_2(args, message):
@@ -175,6 +178,7 @@ def test_default_paths_never_import_ray_and_a_missing_ray_is_one_line():
 
 def test_routing_without_replicas_is_one_line_exit_2(capsys):
     from pagedkv.cli import main
+
     assert main(["serve", "--routing", "round-robin"]) == 2
     err = capsys.readouterr().err
     assert "--data-parallel-size" in err and len(err.strip().splitlines()) == 1
@@ -182,10 +186,13 @@ def test_routing_without_replicas_is_one_line_exit_2(capsys):
 
 def test_replica_metrics_merge_sums_counts_and_averages_ratios():
     from pagedkv.server.aggregate import merge_metrics
-    one = ('# HELP pagedkv:prompt_tokens_total p\n# TYPE pagedkv:prompt_tokens_total counter\n'
-           'pagedkv:prompt_tokens_total{model_name="m"} 2.0\n'
-           '# HELP pagedkv:kv_cache_usage_perc u\n# TYPE pagedkv:kv_cache_usage_perc gauge\n'
-           'pagedkv:kv_cache_usage_perc{model_name="m"} 0.5\n')
+
+    one = (
+        "# HELP pagedkv:prompt_tokens_total p\n# TYPE pagedkv:prompt_tokens_total counter\n"
+        'pagedkv:prompt_tokens_total{model_name="m"} 2.0\n'
+        "# HELP pagedkv:kv_cache_usage_perc u\n# TYPE pagedkv:kv_cache_usage_perc gauge\n"
+        'pagedkv:kv_cache_usage_perc{model_name="m"} 0.5\n'
+    )
     two = one.replace("} 2.0", "} 3.0").replace("} 0.5", "} 0.1")
     text = merge_metrics([one, two]).decode()
     assert 'pagedkv:prompt_tokens_total{model_name="m"} 5.0' in text

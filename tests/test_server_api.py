@@ -4,6 +4,7 @@ One server (tiny random model, small blocks) serves the whole module; after
 every test no block may still be held, so a leak in any path fails the test
 that caused it.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,17 @@ LONG_PROMPT = "Paged attention keeps the KV cache in blocks. " * 6
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with ServerProcess(tiny_model_dir, "--block-size", str(BLOCK), "--num-gpu-blocks-override", "256",
-                       "--max-model-len", "1024", "--served-model-name", "tiny") as srv:
+    with ServerProcess(
+        tiny_model_dir,
+        "--block-size",
+        str(BLOCK),
+        "--num-gpu-blocks-override",
+        "256",
+        "--max-model-len",
+        "1024",
+        "--served-model-name",
+        "tiny",
+    ) as srv:
         yield srv
 
 
@@ -44,7 +54,14 @@ def tokenizer(tiny_model_dir) -> Tokenizer:
     return Tokenizer.from_hf_folder(tiny_model_dir)
 
 
-EXTRA = {"ignore_eos", "top_k", "min_p", "min_tokens", "repetition_penalty", "stop_token_ids"}  # beyond OpenAI's
+EXTRA = {
+    "ignore_eos",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "repetition_penalty",
+    "stop_token_ids",
+}  # beyond OpenAI's
 
 
 def complete(client, prompt="Hello world", **kw):
@@ -55,6 +72,7 @@ def complete(client, prompt="Hello world", **kw):
 
 
 # ---------------------------------------------------------------- basics
+
 
 def test_health_and_models(server, client):
     assert server.http.get("/health").json() == {"status": "ok"}
@@ -76,17 +94,28 @@ def test_completion_string_and_token_ids_agree(client, tokenizer):
 
 def test_streamed_completion_equals_the_plain_one(client):
     plain = complete(client, "The quick brown fox", max_tokens=12)
-    chunks = list(complete(client, "The quick brown fox", max_tokens=12, stream=True,
-                           stream_options={"include_usage": True}))
+    chunks = list(
+        complete(
+            client,
+            "The quick brown fox",
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == plain.choices[0].text
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
 def test_sse_wire_format_ends_with_done(server):
-    with server.http.stream("POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "stream": True}) as r:
+    with server.http.stream(
+        "POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "stream": True}
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert all(e.startswith("data: ") for e in events)
@@ -95,24 +124,41 @@ def test_sse_wire_format_ends_with_done(server):
 
 
 def test_chat_streamed_and_not(client):
-    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
-    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say hello."},
+    ]
+    plain = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0
+    )
     assert plain.object == "chat.completion" and plain.choices[0].message.role == "assistant"
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain.choices[0].message.content
     assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     # max_completion_tokens is the newer name of max_tokens
-    short = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=3, temperature=0)
+    short = client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=3, temperature=0
+    )
     assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
 
 
 def test_chat_applies_the_template(client, tokenizer):
     messages = [{"role": "user", "content": "hi"}]
-    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, temperature=0)
+    out = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=1, temperature=0
+    )
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert out.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
 
@@ -124,11 +170,18 @@ def test_n_samples_and_prompt_batches_are_indexed(client):
     batch = complete(client, ["Hello", "The fox"], n=2, max_tokens=4)
     assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
     # greedy: both samples of one prompt agree, and each prompt answers as it does alone
-    assert batch.choices[0].text == batch.choices[1].text == complete(client, "Hello", max_tokens=4).choices[0].text
+    assert (
+        batch.choices[0].text
+        == batch.choices[1].text
+        == complete(client, "Hello", max_tokens=4).choices[0].text
+    )
     assert batch.choices[2].text == complete(client, "The fox", max_tokens=4).choices[0].text
     streamed = list(complete(client, ["Hello", "The fox"], n=2, max_tokens=4, stream=True))
     for i in range(4):
-        assert "".join(c.choices[0].text for c in streamed if c.choices[0].index == i) == batch.choices[i].text
+        assert (
+            "".join(c.choices[0].text for c in streamed if c.choices[0].index == i)
+            == batch.choices[i].text
+        )
 
 
 def test_seed_reproduces_a_sample(client):
@@ -139,11 +192,11 @@ def test_seed_reproduces_a_sample(client):
 
 def test_stop_string_ends_the_answer(client):
     full = complete(client, "Hello world", max_tokens=24, ignore_eos=True).choices[0].text
-    stop = full[len(full) // 2:len(full) // 2 + 2]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
     assert stop.strip(), f"pick a visible stop string from {full!r}"
     out = complete(client, "Hello world", max_tokens=24, ignore_eos=True, stop=[stop]).choices[0]
     assert out.finish_reason == "stop"
-    assert out.text == full[:full.index(stop)]
+    assert out.text == full[: full.index(stop)]
 
 
 def test_logprobs_completions_and_chat(client):
@@ -152,8 +205,14 @@ def test_logprobs_completions_and_chat(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
     # greedy: the chosen token is the most likely one
@@ -166,27 +225,45 @@ def test_cached_tokens_are_reported(server, client):
     prompt = second.usage.prompt_tokens
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens_details.cached_tokens < cached
-    assert cached % BLOCK == 0 and prompt - BLOCK <= cached < prompt   # all full blocks but the last token
+    assert (
+        cached % BLOCK == 0 and prompt - BLOCK <= cached < prompt
+    )  # all full blocks but the last token
     snap = server.wait_idle()
-    assert [b for b in snap["blocks"] if b["ref_count"] != 0] == []   # a prefix hit must not double-free
+    assert [
+        b for b in snap["blocks"] if b["ref_count"] != 0
+    ] == []  # a prefix hit must not double-free
 
 
 # ---------------------------------------------------------------- metrics, /v1/kv, /v1/simulate
+
 
 def test_metrics_mirror_the_engine(server, client):
     before = server.metrics()
     out = complete(client, "Counting tokens", max_tokens=6)
     after = server.metrics()
-    names = ["kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "prefix_cache_queries_total",
-             "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
-             "kv_cache_capacity_tokens", "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
-             "e2e_request_latency_seconds_count"]
+    names = [
+        "kv_cache_usage_perc",
+        "num_requests_running",
+        "num_requests_waiting",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "kv_cache_capacity_tokens",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count",
+    ]
     assert all(f"pagedkv:{n}" in after for n in names), sorted(after)
     delta = {n: after[f"pagedkv:{n}"] - before.get(f"pagedkv:{n}", 0.0) for n in names}
     assert delta["generation_tokens_total"] == 6
     assert delta["prompt_tokens_total"] == out.usage.prompt_tokens
     assert delta["prefix_cache_queries_total"] >= out.usage.prompt_tokens - 1
-    assert delta["time_to_first_token_seconds_count"] == 1 and delta["e2e_request_latency_seconds_count"] == 1
+    assert (
+        delta["time_to_first_token_seconds_count"] == 1
+        and delta["e2e_request_latency_seconds_count"] == 1
+    )
     assert delta["inter_token_latency_seconds_count"] == 5
     assert after["pagedkv:kv_cache_capacity_tokens"] == 256 * BLOCK
     assert after["pagedkv:num_requests_running"] == 0
@@ -201,14 +278,31 @@ def test_kv_snapshot_shape(server):
 
 
 def test_simulate_endpoint_is_the_cli_arithmetic(server):
-    q = {"kv_memory": "1GiB", "bytes_per_token": 65536, "max_model_len": 4096, "max_output": 1024,
-         "requests": 50, "seed": 3, "policies": "reserve-max,reserve-output,paged:16"}
+    q = {
+        "kv_memory": "1GiB",
+        "bytes_per_token": 65536,
+        "max_model_len": 4096,
+        "max_output": 1024,
+        "requests": 50,
+        "seed": 3,
+        "policies": "reserve-max,reserve-output,paged:16",
+    }
     got = server.http.get("/v1/simulate", params=q).json()
     trace = generate_trace(50, 3, output_cap=1024)
-    want = simulate(trace, kv_memory="1GiB", bytes_per_token=65536, max_model_len=4096, max_output=1024,
-                    policies="reserve-max,reserve-output,paged:16").to_dict()
+    want = simulate(
+        trace,
+        kv_memory="1GiB",
+        bytes_per_token=65536,
+        max_model_len=4096,
+        max_output=1024,
+        policies="reserve-max,reserve-output,paged:16",
+    ).to_dict()
     assert got == want
-    assert got["policies"][2]["requests_fit"] > got["policies"][1]["requests_fit"] > got["policies"][0]["requests_fit"]
+    assert (
+        got["policies"][2]["requests_fit"]
+        > got["policies"][1]["requests_fit"]
+        > got["policies"][0]["requests_fit"]
+    )
     bad = server.http.get("/v1/simulate", params={"policies": "paged:0"})
     assert bad.status_code == 400 and "policy" in bad.json()["error"]["message"]
 
@@ -217,33 +311,44 @@ def test_simulate_endpoint_is_the_cli_arithmetic(server):
 
 TOO_LONG = "word " * 2000
 BAD_INPUTS = [
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ', 400),                       # malformed JSON
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ', 400),  # malformed JSON
     ("/v1/completions", b'["not", "an", "object"]', 400),
-    ("/v1/completions", b'\xff\xfe', 400),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400),                    # wrong types
+    ("/v1/completions", b"\xff\xfe", 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400),  # wrong types
     ("/v1/completions", {"prompt": 42}, 400),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404),                       # unknown model
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404),  # unknown model
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400),                     # beyond the context
-    ("/v1/completions", {"prompt": TOO_LONG, "max_tokens": 1}, 400),                    # prompt > max_model_len
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400),  # beyond the context
+    ("/v1/completions", {"prompt": TOO_LONG, "max_tokens": 1}, 400),  # prompt > max_model_len
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.01}, 400),
-    ("/v1/completions", {"prompt": "hi", "n": 100000}, 400),                            # n too large
-    ("/v1/completions", {"prompt": [1, 2, 999999]}, 400),                               # outside the vocab
+    ("/v1/completions", {"prompt": "hi", "n": 100000}, 400),  # n too large
+    ("/v1/completions", {"prompt": [1, 2, 999999]}, 400),  # outside the vocab
     ("/v1/completions", {"prompt": [1, -1]}, 400),
-    ("/v1/completions", {"prompt": ""}, 400),                                           # empty prompt
+    ("/v1/completions", {"prompt": ""}, 400),  # empty prompt
     ("/v1/completions", {"prompt": []}, 400),
-    ("/v1/completions", {"prompt": "hi", "stream": True, "max_tokens": 0}, 400),        # before the stream
+    (
+        "/v1/completions",
+        {"prompt": "hi", "stream": True, "max_tokens": 0},
+        400,
+    ),  # before the stream
     ("/v1/chat/completions", {"messages": []}, 400),
     ("/v1/chat/completions", {"messages": "hello"}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": -1}, 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "model": "nope"},
+        404,
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": TOO_LONG}]}, 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -2,
-                              "stream": True}, 400),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "temperature": -2, "stream": True},
+        400,
+    ),
     ("/v1/nothing-here", {}, 404),
 ]
 
@@ -273,21 +378,28 @@ def test_the_openai_client_sees_typed_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="hi", max_tokens=1)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], top_p=2.0,
-                                       stream=True)
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], top_p=2.0, stream=True
+        )
 
 
 def test_oversized_body_is_413(server):
     body = b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}'
-    r = server.http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    r = server.http.post(
+        "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    chunked = server.http.post("/v1/completions", content=iter([body[:2**20]] * 9),
-                               headers={"Content-Type": "application/json"})
+    chunked = server.http.post(
+        "/v1/completions",
+        content=iter([body[: 2**20]] * 9),
+        headers={"Content-Type": "application/json"},
+    )
     assert chunked.status_code == 413
     assert complete(server.openai(), "still serving", max_tokens=2).usage.completion_tokens == 2
 
 
 # ---------------------------------------------------------------- clients that go away
+
 
 def test_disconnect_mid_stream_frees_the_request(server):
     body = {"prompt": LONG_PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}
@@ -313,21 +425,32 @@ def test_disconnect_while_waiting_for_a_plain_answer_frees_the_request(server):
 
 # ---------------------------------------------------------------- API key
 
+
 def test_api_key_is_required_on_v1_routes(tiny_model_dir):
     with ServerProcess(tiny_model_dir, "--num-gpu-blocks-override", "64", api_key="s3cret") as srv:
         bare = httpx.Client(base_url=srv.url)
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
-                        {"Authorization": "Basic s3cret"}):
-            r = bare.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers)
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "s3cret"},
+            {"Authorization": "Basic s3cret"},
+        ):
+            r = bare.post(
+                "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers
+            )
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
             assert bare.get("/v1/kv", headers=headers).status_code == 401
         assert bare.get("/health").status_code == 200 and bare.get("/metrics").status_code == 200
-        assert bare.get("/").status_code == 200   # the page asks for the key itself
+        assert bare.get("/").status_code == 200  # the page asks for the key itself
         with pytest.raises(openai.AuthenticationError):
             srv.openai(api_key="wrong").models.list()
         good = srv.openai()
-        assert good.completions.create(model=good.models.list().data[0].id, prompt="hi",
-                                       max_tokens=2).usage.completion_tokens == 2
+        assert (
+            good.completions.create(
+                model=good.models.list().data[0].id, prompt="hi", max_tokens=2
+            ).usage.completion_tokens
+            == 2
+        )
 
 
 @pytest.mark.slow
@@ -337,12 +460,31 @@ def test_default_model_answers_a_chat():
         client = srv.openai()
         model = client.models.list().data[0].id
         out = client.chat.completions.create(
-            model=model, temperature=0, max_tokens=24,
-            messages=[{"role": "user", "content": "What is the capital of France? Answer in one word."}])
+            model=model,
+            temperature=0,
+            max_tokens=24,
+            messages=[
+                {"role": "user", "content": "What is the capital of France? Answer in one word."}
+            ],
+        )
         assert "Paris" in out.choices[0].message.content
         assert out.choices[0].finish_reason in ("stop", "length")
-        chunks = list(client.chat.completions.create(
-            model=model, temperature=0, max_tokens=24, stream=True,
-            messages=[{"role": "user", "content": "What is the capital of France? Answer in one word."}]))
-        assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
+        chunks = list(
+            client.chat.completions.create(
+                model=model,
+                temperature=0,
+                max_tokens=24,
+                stream=True,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": "What is the capital of France? Answer in one word.",
+                    }
+                ],
+            )
+        )
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in chunks)
+            == out.choices[0].message.content
+        )
         srv.wait_idle()

@@ -1,4 +1,5 @@
 """The seeds' static arithmetic, checked against numbers worked out by hand."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,13 @@ TRACE = [TraceRequest(100, 50), TraceRequest(10, 5), TraceRequest(300, 0)]
 
 
 def run(trace, pool, policy, max_model_len=400, max_output=100):
-    (r,) = simulate(trace, pool_tokens=pool, max_model_len=max_model_len,
-                    max_output=max_output, policies=[policy]).policies
+    (r,) = simulate(
+        trace,
+        pool_tokens=pool,
+        max_model_len=max_model_len,
+        max_output=max_output,
+        policies=[policy],
+    ).policies
     return r.requests_fit, r.real_tokens, r.reserved_tokens, r.token_utilization
 
 
@@ -55,21 +61,36 @@ def test_nothing_fits_gives_zero_utilization_not_a_division_error():
 
 
 def test_pool_comes_from_memory_divided_by_bytes_per_token_rounded_down():
-    result = simulate(TRACE, kv_memory="1MiB", bytes_per_token=1000, max_model_len=400,
-                      max_output=100, policies="reserve-max")
+    result = simulate(
+        TRACE,
+        kv_memory="1MiB",
+        bytes_per_token=1000,
+        max_model_len=400,
+        max_output=100,
+        policies="reserve-max",
+    )
     assert result.pool_tokens == 1048  # 1048576 // 1000
     assert result.policies[0].requests_fit == 2  # 3 * 400 = 1200 > 1048
 
 
 def test_many_passes_match_one_request_at_a_time():
     # 2**20 slots, paged:16 reserves 480 a pass: 2184 passes (1048320), 256 left: 160 + 16 fit, 304 not
-    r = simulate(TRACE, pool_tokens=2**20, max_model_len=400, max_output=100, policies="paged:16").policies[0]
-    assert (r.requests_fit, r.real_tokens, r.reserved_tokens) == (2184 * 3 + 2, 2184 * 465 + 165, 2184 * 480 + 176)
+    r = simulate(
+        TRACE, pool_tokens=2**20, max_model_len=400, max_output=100, policies="paged:16"
+    ).policies[0]
+    assert (r.requests_fit, r.real_tokens, r.reserved_tokens) == (
+        2184 * 3 + 2,
+        2184 * 465 + 165,
+        2184 * 480 + 176,
+    )
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 100)), min_size=1, max_size=8),
-       st.integers(0, 5000), st.sampled_from(["reserve-max", "reserve-output", "paged:1", "paged:7", "paged:64"]))
+@given(
+    st.lists(st.tuples(st.integers(1, 300), st.integers(0, 100)), min_size=1, max_size=8),
+    st.integers(0, 5000),
+    st.sampled_from(["reserve-max", "reserve-output", "paged:1", "paged:7", "paged:64"]),
+)
 def test_agrees_with_admitting_one_request_at_a_time(lengths, pool, policy):
     trace = [TraceRequest(p, o) for p, o in lengths]
     block = int(policy.split(":")[1]) if policy.startswith("paged") else 0
@@ -96,18 +117,23 @@ def test_policies_parse_and_name_themselves():
     assert parse_policies([Policy("paged", 32)])[0].name == "paged:32"
 
 
-@pytest.mark.parametrize("bad", ["paged", "paged:0", "paged:-4", "paged:x", "reserve", "", "reserve-max,,paged:16"])
+@pytest.mark.parametrize(
+    "bad", ["paged", "paged:0", "paged:-4", "paged:x", "reserve", "", "reserve-max,,paged:16"]
+)
 def test_bad_policies_are_config_errors(bad):
     with pytest.raises(ConfigError):
         parse_policies(bad)
 
 
-@pytest.mark.parametrize("trace, message", [
-    ([], "no requests"),
-    ([TraceRequest(100, 101)], "--max-output"),
-    ([TraceRequest(350, 60)], "--max-model-len"),
-    ([TraceRequest(0, 5)], "prompt_tokens"),
-])
+@pytest.mark.parametrize(
+    "trace, message",
+    [
+        ([], "no requests"),
+        ([TraceRequest(100, 101)], "--max-output"),
+        ([TraceRequest(350, 60)], "--max-model-len"),
+        ([TraceRequest(0, 5)], "prompt_tokens"),
+    ],
+)
 def test_requests_outside_the_limits_are_rejected(trace, message):
     with pytest.raises(ConfigError, match=message):
         simulate(trace, pool_tokens=1000, max_model_len=400, max_output=100)
@@ -125,31 +151,61 @@ def test_generated_trace_is_deterministic_and_within_bounds():
     assert trace != generate_trace(200, 1)
     assert all(200 <= r.prompt_tokens <= 1500 and 1 <= r.output_tokens <= 2048 for r in trace)
     assert sum(r.output_tokens <= 300 for r in trace) > 120  # mostly short answers
-    assert max(generate_trace(500, 3, output_cap=700), key=lambda r: r.output_tokens).output_tokens == 700
+    assert (
+        max(generate_trace(500, 3, output_cap=700), key=lambda r: r.output_tokens).output_tokens
+        == 700
+    )
 
 
 def test_default_run_lands_on_the_seeds_table():
     result = simulate(generate_trace(200, 0))
-    rmax, rout, p16, p256 = (result.get(p) for p in ("reserve-max", "reserve-output", "paged:16", "paged:256"))
+    rmax, rout, p16, p256 = (
+        result.get(p) for p in ("reserve-max", "reserve-output", "paged:16", "paged:256")
+    )
     assert result.pool_tokens == 2**19  # 64 GiB / 128 KiB
-    assert rmax.requests_fit == 64 and 0.84 <= 1 - rmax.token_utilization <= 0.855  # seeds: 84.5% empty
+    assert (
+        rmax.requests_fit == 64 and 0.84 <= 1 - rmax.token_utilization <= 0.855
+    )  # seeds: 84.5% empty
     assert 0.42 <= rout.token_utilization <= 0.44  # seeds: 42.8%
-    assert 0.99 <= p16.token_utilization <= 0.997 and 400 <= p16.requests_fit <= 420  # seeds: 99.4%, 411
-    assert 0.905 <= p256.token_utilization <= 0.915 and 370 <= p256.requests_fit <= 390  # seeds: 91.0%, 376
+    assert (
+        0.99 <= p16.token_utilization <= 0.997 and 400 <= p16.requests_fit <= 420
+    )  # seeds: 99.4%, 411
+    assert (
+        0.905 <= p256.token_utilization <= 0.915 and 370 <= p256.requests_fit <= 390
+    )  # seeds: 91.0%, 376
     assert round(fit_ratio(result), 1) == 2.3  # seeds: 2.3x
 
 
 def test_json_shape_is_the_one_design_md_fixes():
-    d = simulate(TRACE, pool_tokens=1000, max_model_len=400, max_output=100, policies="paged:16").to_dict()
-    assert d == {"pool_tokens": 1000, "policies": [{"policy": "paged:16", "requests_fit": 6, "real_tokens": 930,
-                                                   "reserved_tokens": 960, "token_utilization": 930 / 960}]}
+    d = simulate(
+        TRACE, pool_tokens=1000, max_model_len=400, max_output=100, policies="paged:16"
+    ).to_dict()
+    assert d == {
+        "pool_tokens": 1000,
+        "policies": [
+            {
+                "policy": "paged:16",
+                "requests_fit": 6,
+                "real_tokens": 930,
+                "reserved_tokens": 960,
+                "token_utilization": 930 / 960,
+            }
+        ],
+    }
 
 
 # ---- replay through the block manager (--dynamic) ------------------------------------------------
 
+
 def replay_one(trace, policy, pool, *, max_model_len=64, max_output=16, **kw):
-    (r,) = replay(trace, parse_policies(policy), pool_tokens=pool, max_model_len=max_model_len,
-                  max_output=max_output, **kw)
+    (r,) = replay(
+        trace,
+        parse_policies(policy),
+        pool_tokens=pool,
+        max_model_len=max_model_len,
+        max_output=max_output,
+        **kw,
+    )
     return r
 
 
@@ -187,7 +243,9 @@ def test_replay_counts_prefix_hits_and_shared_blocks_once():
     r = replay_one([TraceRequest(10, 1)] * 2, "paged:4", 64, shared_prefix=8)
     assert (r.prefix_queries, r.prefix_hits) == (20, 8)
     assert r.utilization == [12 / 16, 14 / 16]
-    off = replay_one([TraceRequest(10, 1)] * 2, "paged:4", 64, shared_prefix=8, enable_prefix_caching=False)
+    off = replay_one(
+        [TraceRequest(10, 1)] * 2, "paged:4", 64, shared_prefix=8, enable_prefix_caching=False
+    )
     assert (off.prefix_hits, off.utilization) == (0, [20 / 24, 22 / 24])
 
 
@@ -205,13 +263,26 @@ def test_replay_poisson_arrivals_are_deterministic_and_ordered():
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 16)), min_size=1, max_size=12),
-       st.sampled_from(["paged:1", "paged:4", "paged:16", "reserve-output", "reserve-max"]),
-       st.integers(64, 160), st.integers(0, 24), st.one_of(st.just(0.0), st.floats(0.001, 2)))
-def test_replay_utilization_matches_the_manager_stats_every_step(lengths, policy, pool, shared, rate):
+@given(
+    st.lists(st.tuples(st.integers(1, 40), st.integers(0, 16)), min_size=1, max_size=12),
+    st.sampled_from(["paged:1", "paged:4", "paged:16", "reserve-output", "reserve-max"]),
+    st.integers(64, 160),
+    st.integers(0, 24),
+    st.one_of(st.just(0.0), st.floats(0.001, 2)),
+)
+def test_replay_utilization_matches_the_manager_stats_every_step(
+    lengths, policy, pool, shared, rate
+):
     trace = [TraceRequest(p, o) for p, o in lengths]
-    rp = Replay(trace, parse_policies(policy)[0], pool_tokens=pool, max_model_len=64, max_output=16,
-                arrivals=arrival_steps(len(trace), rate, 0), shared_prefix=shared)
+    rp = Replay(
+        trace,
+        parse_policies(policy)[0],
+        pool_tokens=pool,
+        max_model_len=64,
+        max_output=16,
+        arrivals=arrival_steps(len(trace), rate, 0),
+        shared_prefix=shared,
+    )
     while not rp.done():
         rp.step()
         stats = rp.kv.stats()

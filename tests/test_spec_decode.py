@@ -1,5 +1,6 @@
 """n-gram speculative decoding: the same tokens as plain decoding (greedy and seeded), under preemption,
 swap, prefix caching, forks and quantized KV; drafts never reach the prefix cache; no block leaks."""
+
 from __future__ import annotations
 
 import random
@@ -17,7 +18,12 @@ from pagedkv.kv.manager import KVCacheManager
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
 
 
 def prompts(seed: int = 0, n: int = 8) -> list[list[int]]:
@@ -26,7 +32,11 @@ def prompts(seed: int = 0, n: int = 8) -> list[list[int]]:
     out = []
     for _ in range(n):
         motif = [rng.randrange(3, 500) for _ in range(rng.randint(2, 6))]
-        out.append((motif * rng.randint(2, 5) + [rng.randrange(3, 500) for _ in range(rng.randint(0, 6))])[:40])
+        out.append(
+            (motif * rng.randint(2, 5) + [rng.randrange(3, 500) for _ in range(rng.randint(0, 6))])[
+                :40
+            ]
+        )
     return out
 
 
@@ -48,27 +58,42 @@ def check_equal(path: str, sp: SamplingParams, **options) -> LLM:
 
 def test_proposer_takes_the_longest_latest_suffix_match():
     p = NgramProposer(SpeculativeConfig(3, prompt_lookup_max=3, prompt_lookup_min=1))
-    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 10) == [7, 1, 2]     # latest match of [1, 2, 3]
-    assert p.propose([5, 6, 7, 8, 6], 10) == [7, 8, 6]                     # only the 1-gram [6] matches
+    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 10) == [
+        7,
+        1,
+        2,
+    ]  # latest match of [1, 2, 3]
+    assert p.propose([5, 6, 7, 8, 6], 10) == [7, 8, 6]  # only the 1-gram [6] matches
     assert p.propose([1, 2, 3, 4], 10) == []
-    assert p.propose([1, 2, 1, 2], 1) == [1]                                # bounded by room
+    assert p.propose([1, 2, 1, 2], 1) == [1]  # bounded by room
     assert p.propose([1, 2, 1, 2], 0) == []
     strict = NgramProposer(SpeculativeConfig(2, prompt_lookup_max=4, prompt_lookup_min=2))
-    assert strict.propose([5, 6, 7, 8, 6], 10) == []                      # a 1-gram is too short
+    assert strict.propose([5, 6, 7, 8, 6], 10) == []  # a 1-gram is too short
 
 
-@pytest.mark.parametrize("bad", ['{"method": "eagle", "num_speculative_tokens": 2}', "[1]", "{bad",
-                                 '{"num_speculative_tokens": 0}', '{"num_speculative_tokens": 99}',
-                                 '{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
-                                 '{"num_speculative_tokens": 2, "draft_model": "x"}'])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '{"method": "eagle", "num_speculative_tokens": 2}',
+        "[1]",
+        "{bad",
+        '{"num_speculative_tokens": 0}',
+        '{"num_speculative_tokens": 99}',
+        '{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
+        '{"num_speculative_tokens": 2, "draft_model": "x"}',
+    ],
+)
 def test_bad_speculative_config_is_a_clear_error(bad):
     with pytest.raises(ConfigError, match="speculative-config"):
         SpeculativeConfig.parse(bad)
 
 
 def test_greedy_equals_plain_decoding(tiny_model_dir):
-    check_equal(tiny_model_dir, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-                num_gpu_blocks_override=256)
+    check_equal(
+        tiny_model_dir,
+        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+        num_gpu_blocks_override=256,
+    )
 
 
 def test_greedy_equal_under_preemption_and_swap(tiny_model_dir):
@@ -76,16 +101,25 @@ def test_greedy_equal_under_preemption_and_swap(tiny_model_dir):
     # 40 blocks of 4 tokens for 8 prompts growing to ~70 tokens: preemption all along
     llm = check_equal(tiny_model_dir, sp, num_gpu_blocks_override=40, preemption_mode="recompute")
     assert llm.engine.scheduler.num_preemptions > 0
-    llm = check_equal(tiny_model_dir, sp, num_gpu_blocks_override=40, preemption_mode="swap", swap_space="64MiB")
+    llm = check_equal(
+        tiny_model_dir, sp, num_gpu_blocks_override=40, preemption_mode="swap", swap_space="64MiB"
+    )
     assert llm.engine.scheduler.num_preemptions > 0
 
 
 def test_forks_and_quantized_kv_are_unchanged(tiny_model_dir):
-    check_equal(tiny_model_dir, SamplingParams(temperature=0, max_tokens=24, n=2, ignore_eos=True),
-                num_gpu_blocks_override=256)
+    check_equal(
+        tiny_model_dir,
+        SamplingParams(temperature=0, max_tokens=24, n=2, ignore_eos=True),
+        num_gpu_blocks_override=256,
+    )
     # fp8 scales are powers of two: a block's scale grown by a rejected draft stores the same values
-    check_equal(tiny_model_dir, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                num_gpu_blocks_override=256, kv_cache_dtype="fp8")
+    check_equal(
+        tiny_model_dir,
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        num_gpu_blocks_override=256,
+        kv_cache_dtype="fp8",
+    )
 
 
 def test_int8_kv_mostly_agrees(tiny_model_dir):
@@ -111,23 +145,23 @@ def test_sampling_with_speculation_runs_clean(tiny_model_dir):
 
 def test_no_draft_is_hashed_into_the_prefix_cache():
     kv = KVCacheManager(16, 4, enable_prefix_caching=True)
-    tokens = list(range(10, 17))                     # 7 tokens: one full block
+    tokens = list(range(10, 17))  # 7 tokens: one full block
     assert kv.allocate_slots("a", tokens, 7) == []
-    tokens.append(50)                                # a sampled token; drafts 51..54 follow it
+    tokens.append(50)  # a sampled token; drafts 51..54 follow it
     assert kv.allocate_slots("a", tokens, 1, num_lookahead=4) == []
-    assert len(kv.block_table("a")) == 3             # 8 held + 4 lookahead slots = 3 blocks
-    assert len(kv._get("a").hashes) == 2             # blocks of held tokens only
-    tokens += [51, 60]                               # draft 51 accepted, 60 sampled
+    assert len(kv.block_table("a")) == 3  # 8 held + 4 lookahead slots = 3 blocks
+    assert len(kv._get("a").hashes) == 2  # blocks of held tokens only
+    tokens += [51, 60]  # draft 51 accepted, 60 sampled
     kv.accept_lookahead("a", tokens, 1)
     assert len(kv.block_table("a")) == 3 and kv._get("a").num_tokens == 9
     tokens2 = list(range(10, 18))
     kv.allocate_slots("b", tokens2, 1, num_lookahead=0)
     kv2 = KVCacheManager(16, 4, enable_prefix_caching=True)
     kv2.allocate_slots("a", list(range(8)), 8)
-    kv2.allocate_slots("a", list(range(9)), 1, num_lookahead=7)     # lookahead past two more blocks
+    kv2.allocate_slots("a", list(range(9)), 1, num_lookahead=7)  # lookahead past two more blocks
     assert len(kv2.block_table("a")) == 4
-    kv2.accept_lookahead("a", list(range(10)), 0)                     # every draft rejected
-    assert len(kv2.block_table("a")) == 3                             # the draft-only block went back
+    kv2.accept_lookahead("a", list(range(10)), 0)  # every draft rejected
+    assert len(kv2.block_table("a")) == 3  # the draft-only block went back
     assert kv2.num_free_blocks() == 16 - 3
 
 
@@ -138,13 +172,15 @@ def test_rejection_rule_keeps_the_target_distribution():
     logits = probs.log()[None, :]
     sampler = Sampler(eos_token_ids=set())
     draft, trials = 1, 4000
-    group = SequenceGroup.create("r", None, [0], SamplingParams(temperature=1.0, seed=3, max_tokens=8), 8)
+    group = SequenceGroup.create(
+        "r", None, [0], SamplingParams(temperature=1.0, seed=3, max_tokens=8), 8
+    )
     seq = group.seqs[0]
     drawn = Counter(sampler(logits, [seq], [seq.rng.random()]).token_ids[0] for _ in range(trials))
     accept = drawn[draft] / trials
     assert abs(accept - 0.3) < 0.03
     rejected = trials - drawn[draft]
-    for t in (0, 2, 3):       # p(t) / (1 - p(draft)) among the rejections
+    for t in (0, 2, 3):  # p(t) / (1 - p(draft)) among the rejections
         assert abs(drawn[t] / rejected - probs[t].item() / 0.7) < 0.04
 
 
@@ -152,22 +188,53 @@ def test_server_counts_drafts_in_metrics(tiny_model_dir):
     import json
 
     from server_process import ServerProcess
-    with ServerProcess(tiny_model_dir, "--dtype", "float32", "--block-size", "4",
-                       "--num-gpu-blocks-override", "128", "--speculative-config", json.dumps(SPEC)) as srv:
+
+    with ServerProcess(
+        tiny_model_dir,
+        "--dtype",
+        "float32",
+        "--block-size",
+        "4",
+        "--num-gpu-blocks-override",
+        "128",
+        "--speculative-config",
+        json.dumps(SPEC),
+    ) as srv:
         client = srv.openai()
         prompt = [int(t) for t in prompts()[0]]
-        done = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=24,
-                                         temperature=0, extra_body={"ignore_eos": True})
+        done = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert done.usage.completion_tokens == 24
         m = srv.metrics()
-        assert m["pagedkv:spec_decode_num_draft_tokens_total"] >= m["pagedkv:spec_decode_num_accepted_tokens_total"]
+        assert (
+            m["pagedkv:spec_decode_num_draft_tokens_total"]
+            >= m["pagedkv:spec_decode_num_accepted_tokens_total"]
+        )
         assert m["pagedkv:spec_decode_num_drafts_total"] > 0
         srv.wait_idle()
 
 
 def test_cli_rejects_a_bad_speculative_config(tiny_model_dir, capsys):
     from pagedkv.cli import main
-    assert main(["generate", "--model", tiny_model_dir, "--prompt", "hi",
-                 "--speculative-config", '{"method": "medusa"}']) == 2
+
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                tiny_model_dir,
+                "--prompt",
+                "hi",
+                "--speculative-config",
+                '{"method": "medusa"}',
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "speculative-config" in err and len(err.strip().splitlines()) == 1

@@ -1,5 +1,6 @@
 """Tensor parallelism: outputs equal -tp 1, with preemption, swap, prefix caching and quantized KV;
 a rank that dies stops the engine with a clear error instead of a hang."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,14 @@ from pagedkv.distributed.shard import split_heads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-PROMPTS = ["hello world", "the cache is paged", "a b c d e f g", "once upon a time there was a block",
-           "the cache is paged and shared", "hello world again"]
+PROMPTS = [
+    "hello world",
+    "the cache is paged",
+    "a b c d e f g",
+    "once upon a time there was a block",
+    "the cache is paged and shared",
+    "hello world again",
+]
 
 
 def greedy(llm: LLM, n: int = 1, max_tokens: int = 24) -> list[list[list[int]]]:
@@ -31,14 +38,16 @@ def compare(path: str, world: int, **options) -> None:
     llm = LLM(path, dtype="float32", tensor_parallel_size=world, **options)
     try:
         assert greedy(llm) == ref
-        assert llm.engine.kv_snapshot()["used"] == 0      # every block came back
+        assert llm.engine.kv_snapshot()["used"] == 0  # every block came back
     finally:
         llm.engine.close()
 
 
 def test_split_heads_as_vllm():
     assert [split_heads(9, 3, r, 3) for r in range(3)] == [
-        split_heads(9, 3, 0, 3).__class__(range(3 * r, 3 * r + 3), range(r, r + 1)) for r in range(3)]
+        split_heads(9, 3, 0, 3).__class__(range(3 * r, 3 * r + 3), range(r, r + 1))
+        for r in range(3)
+    ]
     # fewer KV heads than ranks: each rank keeps the one its query heads read
     assert [tuple(split_heads(4, 1, r, 2).kv_heads) for r in range(2)] == [(0,), (0,)]
     assert [tuple(split_heads(8, 2, r, 4).kv_heads) for r in range(4)] == [(0,), (0,), (1,), (1,)]
@@ -54,7 +63,14 @@ def test_tp2_equals_tp1(tmp_path_factory):
 def test_tp2_under_preemption_swap_and_quantized_kv(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("tp") / "m", heads=4, kv_heads=2)
     # 12 blocks of 4 tokens for 6 prompts of ~10 + 24 tokens: requests are preempted and resumed
-    compare(path, 2, num_gpu_blocks_override=12, block_size=4, preemption_mode="swap", swap_space="64MiB")
+    compare(
+        path,
+        2,
+        num_gpu_blocks_override=12,
+        block_size=4,
+        preemption_mode="swap",
+        swap_space="64MiB",
+    )
     compare(path, 2, num_gpu_blocks_override=12, block_size=4, preemption_mode="recompute")
     compare(path, 2, num_gpu_blocks_override=64, block_size=4, kv_cache_dtype="int8")
 
@@ -91,7 +107,9 @@ def test_default_model_tp3_equals_tp1():
     """SmolLM2-135M: 9 query heads and 3 KV heads, one KV head per rank."""
     prompts = ["The capital of France is", "Paged attention splits the KV cache into"]
     sp = SamplingParams(temperature=0, max_tokens=16)
-    ref = [o.outputs[0].token_ids for o in LLM(dtype="float32").generate(prompts, sp, use_tqdm=False)]
+    ref = [
+        o.outputs[0].token_ids for o in LLM(dtype="float32").generate(prompts, sp, use_tqdm=False)
+    ]
     llm = LLM(dtype="float32", tensor_parallel_size=3)
     try:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref

@@ -132,8 +132,17 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with ServerProcess(tiny_model_dir, *TINY_SERVER, "--num-gpu-blocks-override", "1024", "--max-model-len",
-                       "2048", "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as srv:
+    with ServerProcess(
+        tiny_model_dir,
+        *TINY_SERVER,
+        "--num-gpu-blocks-override",
+        "1024",
+        "--max-model-len",
+        "2048",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ) as srv:
         yield srv
 
 

@@ -6,6 +6,7 @@ with `param` set, a bad request never disturbs one already streaming, and
 values that mean something (a temperature of 1e-38, seed -1, top_k 0) are
 normalised the way vLLM does, not rejected.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,36 +29,68 @@ from pagedkv.engine.request import (
 from pagedkv.server.middleware import MAX_BODY_BYTES
 from pagedkv.server.validation import MAX_MESSAGES, MAX_PROMPTS
 
-HUGE = 10**20            # the reported top_k: past int64
-VOCAB = 512              # tests/tiny_model.py
+HUGE = 10**20  # the reported top_k: past int64
+VOCAB = 512  # tests/tiny_model.py
 CHAT = [{"role": "user", "content": "hi"}]
 
 
 # ---------------------------------------------------------------- offline: SamplingParams and LLM
 
-@pytest.mark.parametrize("field, value", [
-    ("n", 0), ("n", True), ("n", 2**63), ("n", 1.0),
-    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", -0.1),
-    ("temperature", 2.5),
-    ("temperature", "1"), ("temperature", 10**400),
-    pytest.param("top_k", 10**5000, id="top_k-5000-digits"),
-    ("seed", [1]),
-    ("top_p", 0.0), ("top_p", float("nan")), ("top_p", 1.5),
-    ("top_k", HUGE), ("top_k", -2), ("top_k", 2.0), ("top_k", None),
-    ("min_p", float("nan")), ("min_p", 1.1),
-    ("seed", 2**63), ("seed", -2**63 - 1), ("seed", "7"),
-    ("max_tokens", 0), ("max_tokens", 2**63), ("min_tokens", -1), ("min_tokens", 2**64),
-    ("presence_penalty", float("inf")), ("frequency_penalty", -2.5),
-    ("repetition_penalty", 0.0), ("repetition_penalty", 1e-300), ("repetition_penalty", 1e300),
-    ("logprobs", 21), ("logprobs", -1), ("logprobs", HUGE),
-    ("stop", [""]), ("stop", ["\ud800"]), ("stop", ["x" * 257]),
-    ("stop", ["s"] * (MAX_STOP_STRINGS + 1)),
-    ("stop", 5), ("stop", [5]),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [2**63]), ("stop_token_ids", [True]),
-    ("stop_token_ids", "1"),
-    ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1))),
-    ("ignore_eos", "yes"), ("skip_special_tokens", 1),
-])
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n", 0),
+        ("n", True),
+        ("n", 2**63),
+        ("n", 1.0),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", -0.1),
+        ("temperature", 2.5),
+        ("temperature", "1"),
+        ("temperature", 10**400),
+        pytest.param("top_k", 10**5000, id="top_k-5000-digits"),
+        ("seed", [1]),
+        ("top_p", 0.0),
+        ("top_p", float("nan")),
+        ("top_p", 1.5),
+        ("top_k", HUGE),
+        ("top_k", -2),
+        ("top_k", 2.0),
+        ("top_k", None),
+        ("min_p", float("nan")),
+        ("min_p", 1.1),
+        ("seed", 2**63),
+        ("seed", -(2**63) - 1),
+        ("seed", "7"),
+        ("max_tokens", 0),
+        ("max_tokens", 2**63),
+        ("min_tokens", -1),
+        ("min_tokens", 2**64),
+        ("presence_penalty", float("inf")),
+        ("frequency_penalty", -2.5),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 1e300),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("logprobs", HUGE),
+        ("stop", [""]),
+        ("stop", ["\ud800"]),
+        ("stop", ["x" * 257]),
+        ("stop", ["s"] * (MAX_STOP_STRINGS + 1)),
+        ("stop", 5),
+        ("stop", [5]),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [2**63]),
+        ("stop_token_ids", [True]),
+        ("stop_token_ids", "1"),
+        ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1))),
+        ("ignore_eos", "yes"),
+        ("skip_special_tokens", 1),
+    ],
+)
 def test_bad_sampling_params_are_rejected_naming_the_field(field, value):
     with pytest.raises(ParamError) as err:
         SamplingParams(**{field: value})
@@ -75,7 +108,7 @@ def test_values_that_mean_something_are_normalised_like_vllm():
     assert (tiny.temperature, tiny.top_p, tiny.top_k, tiny.min_p) == (0.0, 1.0, -1, 0.0)
     assert tiny.greedy
     assert SamplingParams(temperature=GREEDY_BELOW / 2).greedy
-    assert SamplingParams(temperature=GREEDY_BELOW).temperature == MIN_TEMPERATURE   # no overflow
+    assert SamplingParams(temperature=GREEDY_BELOW).temperature == MIN_TEMPERATURE  # no overflow
     assert SamplingParams(temperature=0.5).temperature == 0.5
     assert SamplingParams(seed=-1).seed is None
     assert SamplingParams(top_k=0).top_k == -1
@@ -113,22 +146,25 @@ def test_offline_tiny_temperature_is_greedy(llm):
     prompts = ["The quick brown fox", "Paged attention"]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, tiny, use_tqdm=False)] == expected
-    assert len(set(expected[0])) > 1   # not one token repeated (what NaN probabilities gave)
+    assert len(set(expected[0])) > 1  # not one token repeated (what NaN probabilities gave)
 
 
-@pytest.mark.parametrize("prompt, change, param", [
-    ("hi", {"top_k": HUGE}, "top_k"),
-    ("hi", {"stop_token_ids": [VOCAB]}, "stop_token_ids"),
-    ([VOCAB], {}, "prompt"),
-    ([-1], {}, "prompt"),
-    ([True], {}, "prompt"),
-    ("a\ud800", {}, "prompt"),
-    (5, {}, "prompt"),
-    pytest.param([10**5000], {}, "prompt", id="token-id-of-5000-digits"),
-])
+@pytest.mark.parametrize(
+    "prompt, change, param",
+    [
+        ("hi", {"top_k": HUGE}, "top_k"),
+        ("hi", {"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+        ([VOCAB], {}, "prompt"),
+        ([-1], {}, "prompt"),
+        ([True], {}, "prompt"),
+        ("a\ud800", {}, "prompt"),
+        (5, {}, "prompt"),
+        pytest.param([10**5000], {}, "prompt", id="token-id-of-5000-digits"),
+    ],
+)
 def test_offline_generate_rejects_before_any_work(llm, prompt, change, param):
     params = SamplingParams(max_tokens=4)
-    for field, value in change.items():   # after construction, as a caller might
+    for field, value in change.items():  # after construction, as a caller might
         setattr(params, field, value)
     with pytest.raises(ParamError) as err:
         llm.generate(["fine", prompt], params, use_tqdm=False)
@@ -138,18 +174,27 @@ def test_offline_generate_rejects_before_any_work(llm, prompt, change, param):
 
 def test_offline_chat_rejects_a_lone_surrogate(llm):
     with pytest.raises(ParamError) as err:
-        llm.chat([{"role": "user", "content": "\udfff"}], SamplingParams(max_tokens=2),
-                 use_tqdm=False)
+        llm.chat(
+            [{"role": "user", "content": "\udfff"}], SamplingParams(max_tokens=2), use_tqdm=False
+        )
     assert err.value.param == "prompt"
     assert_engine_idle(llm)
 
 
 # ---------------------------------------------------------------- over HTTP, against a real server
 
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with ServerProcess(tiny_model_dir, "--dtype", "float32", "--num-gpu-blocks-override", "128",
-                       "--served-model-name", "tiny") as srv:
+    with ServerProcess(
+        tiny_model_dir,
+        "--dtype",
+        "float32",
+        "--num-gpu-blocks-override",
+        "128",
+        "--served-model-name",
+        "tiny",
+    ) as srv:
         yield srv
         assert srv.http.get("/health").status_code == 200
         assert srv.wait_idle()["used"] == 0
@@ -177,59 +222,81 @@ def chat(**fields) -> dict:
     return {"model": "tiny", "messages": CHAT, "max_tokens": 2, **fields}
 
 
-@pytest.mark.parametrize("body, param", [
-    # overflow: integers past int64
-    (completion(top_k=HUGE, temperature=1), "top_k"), (completion(seed=2**63), "seed"),
-    (completion(seed=-2**63 - 1), "seed"), (completion(max_tokens=HUGE), "max_tokens"),
-    (completion(n=HUGE), "n"),
-    (completion(logprobs=HUGE), "logprobs"), (completion(min_tokens=HUGE), "min_tokens"),
-    (completion(best_of=HUGE), "best_of"), (completion(stop_token_ids=[HUGE]), "stop_token_ids.0"),
-    (chat(top_logprobs=HUGE, logprobs=True), "top_logprobs"),
-    (chat(max_completion_tokens=HUGE), "max_completion_tokens"),
-    # ranges (SamplingParams.validate), named as the request spelled them
-    (completion(temperature=2.5), "temperature"), (completion(top_p=0), "top_p"),
-    (completion(top_k=-2), "top_k"),
-    (completion(min_p=1.5), "min_p"), (completion(presence_penalty=3), "presence_penalty"),
-    (completion(repetition_penalty=1e-300), "repetition_penalty"),
-    (completion(logprobs=21), "logprobs"),
-    (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
-    (chat(max_completion_tokens=0), "max_completion_tokens"),
-    (completion(max_tokens=5000), "max_tokens"), (completion(n=1000), "n"),
-    (completion(echo=True, logprobs=1, stream=True), "echo"), (completion(suffix="x"), "suffix"),
-    (completion(logit_bias={"5": 101}), "logit_bias"), (completion(logit_bias={"-1": 1}), "logit_bias"),
-    (completion(logit_bias={str(VOCAB): 1}), "logit_bias"), (completion(allowed_token_ids=[]), "allowed_token_ids"),
-    (completion(allowed_token_ids=[VOCAB]), "allowed_token_ids"), (completion(bad_words=[""]), "bad_words"),
-    (completion(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
-    (completion(prompt_logprobs=21), "prompt_logprobs"),
-    (completion(best_of=2), "best_of"),
-    (chat(top_logprobs=2), "top_logprobs"),
-    # token ids: negative, outside the vocabulary
-    (completion(prompt=[-1]), "prompt"), (completion(prompt=[VOCAB]), "prompt"),
-    (completion(prompt=[[1], [HUGE]]), "prompt"),
-    (completion(stop_token_ids=[-5]), "stop_token_ids.0"),
-    (completion(stop_token_ids=[VOCAB]), "stop_token_ids"),
-    # non-finite floats (1e400 reads as inf)
-    (completion(temperature=float("inf")), None), (completion(top_p=float("nan")), None),
-    (completion(presence_penalty=float("-inf")), None),
-    # lone surrogates in every kind of string
-    (completion(prompt="a\ud800b"), "prompt"), (completion(prompt=["ok", "\udfff"]), "prompt"),
-    (completion(stop="\ud800"), "stop"), (completion(stop=["ok", "\ud800"]), "stop"),
-    (completion(model="\ud800"), "model"), (completion(user="\ud800"), "user"),
-    (completion(suffix="\ud800"), "suffix"),
-    (chat(messages=[{"role": "user", "content": "\ud800"}]), "messages.0.content"),
-    (chat(messages=[{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]),
-     "messages.0.content"),
-    (chat(messages=[{"role": "user", "content": "hi", "name": "\ud800"}]), "messages.0.name"),
-    # list sizes
-    (completion(prompt=["hi"] * (MAX_PROMPTS + 1)), "prompt"),
-    (chat(messages=CHAT * (MAX_MESSAGES + 1)), "messages"),
-    (completion(stop=["s"] * (MAX_STOP_STRINGS + 1)), "stop"),
-    (completion(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
-    (completion(model="m" * 1000), "model"),
-    # types
-    (completion(top_k=1.5), "top_k"), (completion(temperature="1"), "temperature"),
-    (completion(n=True), "n"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        # overflow: integers past int64
+        (completion(top_k=HUGE, temperature=1), "top_k"),
+        (completion(seed=2**63), "seed"),
+        (completion(seed=-(2**63) - 1), "seed"),
+        (completion(max_tokens=HUGE), "max_tokens"),
+        (completion(n=HUGE), "n"),
+        (completion(logprobs=HUGE), "logprobs"),
+        (completion(min_tokens=HUGE), "min_tokens"),
+        (completion(best_of=HUGE), "best_of"),
+        (completion(stop_token_ids=[HUGE]), "stop_token_ids.0"),
+        (chat(top_logprobs=HUGE, logprobs=True), "top_logprobs"),
+        (chat(max_completion_tokens=HUGE), "max_completion_tokens"),
+        # ranges (SamplingParams.validate), named as the request spelled them
+        (completion(temperature=2.5), "temperature"),
+        (completion(top_p=0), "top_p"),
+        (completion(top_k=-2), "top_k"),
+        (completion(min_p=1.5), "min_p"),
+        (completion(presence_penalty=3), "presence_penalty"),
+        (completion(repetition_penalty=1e-300), "repetition_penalty"),
+        (completion(logprobs=21), "logprobs"),
+        (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (chat(max_completion_tokens=0), "max_completion_tokens"),
+        (completion(max_tokens=5000), "max_tokens"),
+        (completion(n=1000), "n"),
+        (completion(echo=True, logprobs=1, stream=True), "echo"),
+        (completion(suffix="x"), "suffix"),
+        (completion(logit_bias={"5": 101}), "logit_bias"),
+        (completion(logit_bias={"-1": 1}), "logit_bias"),
+        (completion(logit_bias={str(VOCAB): 1}), "logit_bias"),
+        (completion(allowed_token_ids=[]), "allowed_token_ids"),
+        (completion(allowed_token_ids=[VOCAB]), "allowed_token_ids"),
+        (completion(bad_words=[""]), "bad_words"),
+        (completion(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        (completion(prompt_logprobs=21), "prompt_logprobs"),
+        (completion(best_of=2), "best_of"),
+        (chat(top_logprobs=2), "top_logprobs"),
+        # token ids: negative, outside the vocabulary
+        (completion(prompt=[-1]), "prompt"),
+        (completion(prompt=[VOCAB]), "prompt"),
+        (completion(prompt=[[1], [HUGE]]), "prompt"),
+        (completion(stop_token_ids=[-5]), "stop_token_ids.0"),
+        (completion(stop_token_ids=[VOCAB]), "stop_token_ids"),
+        # non-finite floats (1e400 reads as inf)
+        (completion(temperature=float("inf")), None),
+        (completion(top_p=float("nan")), None),
+        (completion(presence_penalty=float("-inf")), None),
+        # lone surrogates in every kind of string
+        (completion(prompt="a\ud800b"), "prompt"),
+        (completion(prompt=["ok", "\udfff"]), "prompt"),
+        (completion(stop="\ud800"), "stop"),
+        (completion(stop=["ok", "\ud800"]), "stop"),
+        (completion(model="\ud800"), "model"),
+        (completion(user="\ud800"), "user"),
+        (completion(suffix="\ud800"), "suffix"),
+        (chat(messages=[{"role": "user", "content": "\ud800"}]), "messages.0.content"),
+        (
+            chat(messages=[{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]),
+            "messages.0.content",
+        ),
+        (chat(messages=[{"role": "user", "content": "hi", "name": "\ud800"}]), "messages.0.name"),
+        # list sizes
+        (completion(prompt=["hi"] * (MAX_PROMPTS + 1)), "prompt"),
+        (chat(messages=CHAT * (MAX_MESSAGES + 1)), "messages"),
+        (completion(stop=["s"] * (MAX_STOP_STRINGS + 1)), "stop"),
+        (completion(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
+        (completion(model="m" * 1000), "model"),
+        # types
+        (completion(top_k=1.5), "top_k"),
+        (completion(temperature="1"), "temperature"),
+        (completion(n=True), "n"),
+    ],
+)
 def test_bad_values_are_400s_naming_the_param(server, body, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     error = assert_400(post(server, path, body), param)
@@ -237,16 +304,25 @@ def test_bad_values_are_400s_naming_the_param(server, body, param):
         assert "not valid JSON" in error["message"]
 
 
-@pytest.mark.parametrize("raw, param", [
-    (b'{"prompt": "hi", "temperature": NaN}', None),
-    (b'{"prompt": "hi", "temperature": Infinity}', None),
-    (b'{"prompt": "hi", "top_p": -Infinity}', None),
-    (b'{"prompt": "hi", "temperature": 1e400}', "temperature"),
-    (b'{"prompt": "hi", "top_k": 1' + b"0" * 5000 + b"}", None),   # past Python's 4300-digit limit
-    (b"[" * 100_000, None), (b'{"prompt": "\xff\xfe"}', None),
-    (b'{"prompt": "\xed\xa0\x80"}', None),   # a surrogate encoded in UTF-8: not valid UTF-8
-    (b'"just a string"', None), (b"", None), (b'{"prompt": "hi"', None),
-])
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b'{"prompt": "hi", "temperature": NaN}', None),
+        (b'{"prompt": "hi", "temperature": Infinity}', None),
+        (b'{"prompt": "hi", "top_p": -Infinity}', None),
+        (b'{"prompt": "hi", "temperature": 1e400}', "temperature"),
+        (
+            b'{"prompt": "hi", "top_k": 1' + b"0" * 5000 + b"}",
+            None,
+        ),  # past Python's 4300-digit limit
+        (b"[" * 100_000, None),
+        (b'{"prompt": "\xff\xfe"}', None),
+        (b'{"prompt": "\xed\xa0\x80"}', None),  # a surrogate encoded in UTF-8: not valid UTF-8
+        (b'"just a string"', None),
+        (b"", None),
+        (b'{"prompt": "hi"', None),
+    ],
+)
 def test_bodies_that_are_not_strict_json_objects_are_400s(server, raw, param):
     assert_400(post(server, "/v1/completions", raw), param)
 
@@ -257,23 +333,38 @@ def test_a_body_over_the_size_limit_is_a_413(server):
     assert response.json()["error"]["code"] == "request_too_large"
 
 
-@pytest.mark.parametrize("query, param", [
-    ("seed=" + "9" * 30, "seed"), ("bytes_per_token=" + "9" * 30, "bytes_per_token"),
-    ("max_model_len=0", "max_model_len"), ("requests=100001", "requests"),
-    ("kv_memory=" + "9" * 40, "kv_memory"),
-    ("kv_memory=nan", "kv_memory"), ("kv_memory=0", "kv_memory"), ("policies=paged:0", "policies"),
-    ("policies=" + "paged:1," * 40, "policies"), ("max_output=x", "max_output"),
-])
+@pytest.mark.parametrize(
+    "query, param",
+    [
+        ("seed=" + "9" * 30, "seed"),
+        ("bytes_per_token=" + "9" * 30, "bytes_per_token"),
+        ("max_model_len=0", "max_model_len"),
+        ("requests=100001", "requests"),
+        ("kv_memory=" + "9" * 40, "kv_memory"),
+        ("kv_memory=nan", "kv_memory"),
+        ("kv_memory=0", "kv_memory"),
+        ("policies=paged:0", "policies"),
+        ("policies=" + "paged:1," * 40, "policies"),
+        ("max_output=x", "max_output"),
+    ],
+)
 def test_bad_simulate_query_params_are_400s(server, query, param):
-    assert_400(server.http.get(f"/v1/simulate?{query}&requests=5" if "requests" not in query
-                               else f"/v1/simulate?{query}"), param)
+    assert_400(
+        server.http.get(
+            f"/v1/simulate?{query}&requests=5"
+            if "requests" not in query
+            else f"/v1/simulate?{query}"
+        ),
+        param,
+    )
 
 
 def test_the_openai_client_sees_the_param(server):
     client = server.openai()
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=1,
-                                  extra_body={"top_k": HUGE})
+        client.completions.create(
+            model="tiny", prompt="hi", max_tokens=2, temperature=1, extra_body={"top_k": HUGE}
+        )
     assert err.value.param == "top_k" and err.value.status_code == 400
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, seed=2**64)
@@ -282,8 +373,13 @@ def test_the_openai_client_sees_the_param(server):
 
 def test_a_huge_top_k_does_not_disturb_a_running_stream(server):
     """The reported case: the bad request crashed the engine step, failing every request in it."""
-    args = dict(model="tiny", prompt="The quick brown fox", max_tokens=48, temperature=0,
-                extra_body={"ignore_eos": True})
+    args = dict(
+        model="tiny",
+        prompt="The quick brown fox",
+        max_tokens=48,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     alone = server.openai().completions.create(**args).choices[0].text
 
     async def scenario() -> tuple[str, str | None]:
@@ -294,10 +390,15 @@ def test_a_huge_top_k_does_not_disturb_a_running_stream(server):
             text += chunk.choices[0].text
             finish = chunk.choices[0].finish_reason or finish
             chunks += 1
-            if chunks == 2:   # mid-stream: the engine is busy with it
+            if chunks == 2:  # mid-stream: the engine is busy with it
                 with pytest.raises(openai.BadRequestError) as err:
-                    await client.completions.create(model="tiny", prompt="hi", max_tokens=2,
-                                                    temperature=1, extra_body={"top_k": HUGE})
+                    await client.completions.create(
+                        model="tiny",
+                        prompt="hi",
+                        max_tokens=2,
+                        temperature=1,
+                        extra_body={"top_k": HUGE},
+                    )
                 assert err.value.param == "top_k"
         return text, finish
 
@@ -311,8 +412,9 @@ def test_a_tiny_temperature_over_http_is_greedy(server, endpoint):
     client = server.openai()
 
     def run(temperature: float) -> str:
-        args = dict(model="tiny", max_tokens=12, temperature=temperature,
-                    extra_body={"ignore_eos": True})
+        args = dict(
+            model="tiny", max_tokens=12, temperature=temperature, extra_body={"ignore_eos": True}
+        )
         if endpoint == "chat":
             return client.chat.completions.create(messages=CHAT, **args).choices[0].message.content
         return client.completions.create(prompt="hi", **args).choices[0].text
@@ -320,12 +422,21 @@ def test_a_tiny_temperature_over_http_is_greedy(server, endpoint):
     assert run(1e-38) == run(0.0)
 
 
-@pytest.mark.parametrize("fields", [
-    {"seed": -1}, {"top_k": 0}, {"top_k": -1}, {"top_k": 2**63 - 1}, {"top_p": 1e-300},
-    {"temperature": 1e-3},
-    {"seed": 2**63 - 1}, {"seed": -2**63}, {"stop": ["é", "東京"]},
-    {"prompt": "\U0001f600 emoji"},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"seed": -1},
+        {"top_k": 0},
+        {"top_k": -1},
+        {"top_k": 2**63 - 1},
+        {"top_p": 1e-300},
+        {"temperature": 1e-3},
+        {"seed": 2**63 - 1},
+        {"seed": -(2**63)},
+        {"stop": ["é", "東京"]},
+        {"prompt": "\U0001f600 emoji"},
+    ],
+)
 def test_values_at_the_edges_of_the_valid_range_are_served(server, fields):
     response = post(server, "/v1/completions", completion(**{"temperature": 1, **fields}))
     assert response.status_code == 200, response.text

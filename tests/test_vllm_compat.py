@@ -5,6 +5,7 @@ endpoints run against a real `pagedkv serve` with the openai client and httpx;
 the Python API runs the tiny random model. The README's examples are checked
 against the default model's served name.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,27 +26,68 @@ from pagedkv.config import ConfigError, EngineConfig, default_model_path, model_
 
 CLI = [sys.executable, "-m", "pagedkv.cli"]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
-           "{% if add_generation_prompt %}<assistant>{% endif %}{% if shout %}!{% endif %}"
-NOOP_FLAGS = ["--trust-remote-code", "--enforce-eager", "--enable-chunked-prefill", "--disable-log-requests",
-              "--enable-prompt-tokens-details"]
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}{% if shout %}!{% endif %}"
+)
+NOOP_FLAGS = [
+    "--trust-remote-code",
+    "--enforce-eager",
+    "--enable-chunked-prefill",
+    "--disable-log-requests",
+    "--enable-prompt-tokens-details",
+]
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=timeout)
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=timeout
+    )
 
 
 # ---- command line ---------------------------------------------------------------------------------
+
 
 def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
     """The issue's rejected command line now runs; each flag without meaning here says so on stderr."""
     template = tmp_path / "t.jinja"
     template.write_text(TEMPLATE)
-    r = cli("generate", tiny_model_dir, "--prompt", "hi", "--chat", "--max-tokens", "2", "--json",
-            "--gpu-memory-utilization", "0.5", "--kv-cache-memory-bytes", "8MiB", "--seed", "1", *NOOP_FLAGS,
-            "-tp", "1", "--served-model-name", "a", "b", "--kv-cache-dtype", "fp8_e4m3", "--dtype", "half",
-            "--max-model-len", "1k", "--swap-space", "1", "--chat-template", str(template),
-            "--generation-config", "vllm", "--max-num-seqs", "8")
+    r = cli(
+        "generate",
+        tiny_model_dir,
+        "--prompt",
+        "hi",
+        "--chat",
+        "--max-tokens",
+        "2",
+        "--json",
+        "--gpu-memory-utilization",
+        "0.5",
+        "--kv-cache-memory-bytes",
+        "8MiB",
+        "--seed",
+        "1",
+        *NOOP_FLAGS,
+        "-tp",
+        "1",
+        "--served-model-name",
+        "a",
+        "b",
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+        "--dtype",
+        "half",
+        "--max-model-len",
+        "1k",
+        "--swap-space",
+        "1",
+        "--chat-template",
+        str(template),
+        "--generation-config",
+        "vllm",
+        "--max-num-seqs",
+        "8",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["output_token_ids"]) == 2
@@ -54,24 +96,27 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
     assert all("no effect" in n for n in notes)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["-tp", "0"], "--tensor-parallel-size must be a positive integer"),
-    (["--pipeline-parallel-size", "4"], "--pipeline-parallel-size 4"),
-    (["--max-model-len", "1.0001k"], "--max-model-len"),
-    (["--max-model-len", "lots"], "--max-model-len"),
-    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype"),
-    (["--dtype", "float64"], "--dtype"),
-    (["--swap-space", "-1"], "--swap-space"),
-    (["--swap-space", "4 parsecs"], "size"),
-    (["--allowed-origins", "*"], "--allowed-origins must be a JSON list"),
-    (["--allowed-methods", '["GET", 1]'], "--allowed-methods"),
-    (["--chat-template", "missing.jinja"], "--chat-template"),
-    (["--generation-config", "/no/such/folder"], "--generation-config"),
-    (["--no-enable-chunked-prefill"], "chunked prefill is always on"),
-    (["--served-model-name"], "--served-model-name"),
-    (["--model", "/a.gguf", "/b.gguf"], "two models"),
-    (["--uvicorn-log-level", "loud"], "--uvicorn-log-level"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["-tp", "0"], "--tensor-parallel-size must be a positive integer"),
+        (["--pipeline-parallel-size", "4"], "--pipeline-parallel-size 4"),
+        (["--max-model-len", "1.0001k"], "--max-model-len"),
+        (["--max-model-len", "lots"], "--max-model-len"),
+        (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype"),
+        (["--dtype", "float64"], "--dtype"),
+        (["--swap-space", "-1"], "--swap-space"),
+        (["--swap-space", "4 parsecs"], "size"),
+        (["--allowed-origins", "*"], "--allowed-origins must be a JSON list"),
+        (["--allowed-methods", '["GET", 1]'], "--allowed-methods"),
+        (["--chat-template", "missing.jinja"], "--chat-template"),
+        (["--generation-config", "/no/such/folder"], "--generation-config"),
+        (["--no-enable-chunked-prefill"], "chunked prefill is always on"),
+        (["--served-model-name"], "--served-model-name"),
+        (["--model", "/a.gguf", "/b.gguf"], "two models"),
+        (["--uvicorn-log-level", "loud"], "--uvicorn-log-level"),
+    ],
+)
 def test_bad_values_exit_2(args, message):
     r = cli("serve", *args)
     assert r.returncode == 2, r.stderr
@@ -82,28 +127,60 @@ def test_bad_values_exit_2(args, message):
 def test_help_shows_vllm_names():
     r = cli("serve", "--help")
     assert r.returncode == 0
-    for flag in ("--gpu-memory-utilization", "--kv-cache-memory-bytes", "--served-model-name NAME [NAME ...]",
-                 "-tp", "--chat-template", "--generation-config", "--allowed-origins", "--trust-remote-code",
-                 "MODEL"):
+    for flag in (
+        "--gpu-memory-utilization",
+        "--kv-cache-memory-bytes",
+        "--served-model-name NAME [NAME ...]",
+        "-tp",
+        "--chat-template",
+        "--generation-config",
+        "--allowed-origins",
+        "--trust-remote-code",
+        "MODEL",
+    ):
         assert flag in r.stdout, flag
 
 
 def test_other_subcommands_keep_the_shared_flags(tiny_model_dir):
     r = cli("bench", "--help")
-    assert r.returncode == 0 and "--gpu-memory-utilization" in r.stdout and "--kv-cache-memory" in r.stdout
-    r = cli("generate", "--model", tiny_model_dir, "--prompt", "hi", "--max-tokens", "1",
-            "--kv-cache-memory", "8MiB", "--memory-utilization", "0.5", "--swap-space", "64MiB")
+    assert (
+        r.returncode == 0
+        and "--gpu-memory-utilization" in r.stdout
+        and "--kv-cache-memory" in r.stdout
+    )
+    r = cli(
+        "generate",
+        "--model",
+        tiny_model_dir,
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "1",
+        "--kv-cache-memory",
+        "8MiB",
+        "--memory-utilization",
+        "0.5",
+        "--swap-space",
+        "64MiB",
+    )
     assert r.returncode == 0, r.stderr
 
 
 def test_units_and_aliases():
-    c = EngineConfig(model="x.gguf", swap_space=4, max_model_len="32k", dtype="half", kv_cache_dtype="fp8_e4m3")
-    assert (c.swap_space, c.max_model_len, c.dtype, c.kv_cache_dtype) == (4 * 2**30, 32000, "float16", "fp8")
+    c = EngineConfig(
+        model="x.gguf", swap_space=4, max_model_len="32k", dtype="half", kv_cache_dtype="fp8_e4m3"
+    )
+    assert (c.swap_space, c.max_model_len, c.dtype, c.kv_cache_dtype) == (
+        4 * 2**30,
+        32000,
+        "float16",
+        "fp8",
+    )
     assert EngineConfig(max_model_len="32K").max_model_len == 32768
     assert EngineConfig(max_model_len="1M").max_model_len == 2**20
     assert EngineConfig(max_model_len="25.6k").max_model_len == 25600
     assert EngineConfig(swap_space="512MiB").swap_space == 2**29
-    assert EngineConfig().swap_space == 4 * 2**30            # vLLM's default
+    assert EngineConfig().swap_space == 4 * 2**30  # vLLM's default
     c = EngineConfig.from_options(gpu_memory_utilization=0.5, kv_cache_memory_bytes="1GiB")
     assert (c.memory_utilization, c.kv_cache_memory) == (0.5, 2**30)
     with pytest.raises(ConfigError, match="enable_chunked_prefill=False"):
@@ -114,7 +191,9 @@ def test_default_served_name():
     assert model_display_name(None) == "SmolLM2-135M-Instruct"
     assert EngineConfig().served_model_names == ["SmolLM2-135M-Instruct"]
     assert model_display_name(str(default_model_path())) == "SmolLM2-135M-Instruct"
-    assert model_display_name("/m/Meta-Llama-3-8B-Instruct-Q4_K_M.gguf") == "Meta-Llama-3-8B-Instruct"
+    assert (
+        model_display_name("/m/Meta-Llama-3-8B-Instruct-Q4_K_M.gguf") == "Meta-Llama-3-8B-Instruct"
+    )
     assert model_display_name("/m/tinyllama-1.1b.f16.gguf") == "tinyllama-1.1b"
     assert model_display_name("/models/SmolLM2-135M") == "SmolLM2-135M"
     c = EngineConfig(served_model_name=["a", "b"])
@@ -123,14 +202,29 @@ def test_default_served_name():
 
 # ---- the server: names, utility endpoints, CORS ---------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
     template.write_text(TEMPLATE)
-    with ServerProcess(None, tiny_model_dir, "--num-gpu-blocks-override", "128", "--max-model-len", "512",
-                       "--served-model-name", "tiny", "tiny-alias", "--chat-template", str(template),
-                       "--allowed-origins", '["https://ok.example"]', "--allowed-methods", '["GET", "POST"]',
-                       "--disable-log-requests") as srv:
+    with ServerProcess(
+        None,
+        tiny_model_dir,
+        "--num-gpu-blocks-override",
+        "128",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "tiny-alias",
+        "--chat-template",
+        str(template),
+        "--allowed-origins",
+        '["https://ok.example"]',
+        "--allowed-methods",
+        '["GET", "POST"]',
+        "--disable-log-requests",
+    ) as srv:
         yield srv
 
 
@@ -157,22 +251,40 @@ def test_tokenize_detokenize(server):
     r = http.post("/tokenize", json={"messages": msgs, "chat_template_kwargs": {"shout": True}})
     text = http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
     assert text == "<user>Hi\n<assistant>!"
-    r = http.post("/tokenize", json={"messages": [*msgs, {"role": "assistant", "content": "Par"}],
-                                     "add_generation_prompt": False, "continue_final_message": True})
-    assert http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"] == \
-        "<user>Hi\n<assistant>Par"
+    r = http.post(
+        "/tokenize",
+        json={
+            "messages": [*msgs, {"role": "assistant", "content": "Par"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+    )
+    assert (
+        http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+        == "<user>Hi\n<assistant>Par"
+    )
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, None),
-    ("/tokenize", {}, None),
-    ("/tokenize", {"prompt": 5}, "prompt"),
-    ("/tokenize", {"messages": [{"role": "wizard", "content": "b"}]}, None),
-    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "chat_template_kwargs": {"messages": []}}, None),
-    ("/detokenize", {"tokens": "abc"}, "tokens"),
-    ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
-    ("/detokenize", {}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, None),
+        ("/tokenize", {}, None),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "wizard", "content": "b"}]}, None),
+        (
+            "/tokenize",
+            {
+                "messages": [{"role": "user", "content": "b"}],
+                "chat_template_kwargs": {"messages": []},
+            },
+            None,
+        ),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+        ("/detokenize", {}, "tokens"),
+    ],
+)
 def test_bad_input_is_a_400(server, path, body, param):
     r = server.http.post(path, json=body)
     assert r.status_code == 400, r.text
@@ -193,11 +305,16 @@ def test_version_ping_health(server):
 
 
 def test_cors(server):
-    preflight = {"Origin": "https://ok.example", "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "content-type"}
+    preflight = {
+        "Origin": "https://ok.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type",
+    }
     r = server.http.options("/v1/chat/completions", headers=preflight)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ok.example"
-    r = server.http.options("/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
+    r = server.http.options(
+        "/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"}
+    )
     assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
     r = server.http.get("/v1/models", headers={"Origin": "https://ok.example"})
     assert r.headers["access-control-allow-origin"] == "https://ok.example"
@@ -205,9 +322,14 @@ def test_cors(server):
 
 def test_chat_uses_the_given_template(server):
     client = server.openai()
-    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                                         max_tokens=2, temperature=0)
-    want = len(server.http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()["tokens"])
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0
+    )
+    want = len(
+        server.http.post(
+            "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}
+        ).json()["tokens"]
+    )
     assert out.usage.prompt_tokens == want
 
 
@@ -215,16 +337,30 @@ def test_chat_uses_the_given_template(server):
 def test_readme_examples_work_as_written():
     """The README's curl and openai examples, against `pagedkv serve` with the default model."""
     readme = (REPO / "README.md").read_text()
-    names = set(re.findall(r'"model": "([^"]+)"', readme)) | set(re.findall(r'model="([^"]+)"', readme))
+    names = set(re.findall(r'"model": "([^"]+)"', readme)) | set(
+        re.findall(r'model="([^"]+)"', readme)
+    )
     assert names == {"SmolLM2-135M-Instruct"}
     with ServerProcess(None, "--kv-cache-memory", "64MiB") as srv:
         client = srv.openai()
         assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
-        chat = client.chat.completions.create(model="SmolLM2-135M-Instruct",
-                                              messages=[{"role": "user", "content": "Say hello"}], max_tokens=8)
-        assert chat.choices[0].message.content and chat.usage.prompt_tokens_details.cached_tokens >= 0
-        r = httpx.post(f"{srv.url}/v1/completions", json={
-            "model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+        chat = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "Say hello"}],
+            max_tokens=8,
+        )
+        assert (
+            chat.choices[0].message.content and chat.usage.prompt_tokens_details.cached_tokens >= 0
+        )
+        r = httpx.post(
+            f"{srv.url}/v1/completions",
+            json={
+                "model": "SmolLM2-135M-Instruct",
+                "prompt": "Once upon a time",
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
 
 
@@ -235,9 +371,22 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(model=tiny_model_dir, gpu_memory_utilization=0.5, seed=0, max_model_len="1k", dtype="float32",
-               kv_cache_dtype="auto", swap_space=1, enable_prefix_caching=True, block_size=16, max_num_seqs=8,
-               tensor_parallel_size=1, enforce_eager=True, trust_remote_code=True, num_gpu_blocks_override=128)
+    return LLM(
+        model=tiny_model_dir,
+        gpu_memory_utilization=0.5,
+        seed=0,
+        max_model_len="1k",
+        dtype="float32",
+        kv_cache_dtype="auto",
+        swap_space=1,
+        enable_prefix_caching=True,
+        block_size=16,
+        max_num_seqs=8,
+        tensor_parallel_size=1,
+        enforce_eager=True,
+        trust_remote_code=True,
+        num_gpu_blocks_override=128,
+    )
 
 
 def test_llm_engine_args(llm, tiny_model_dir):
@@ -251,8 +400,11 @@ def test_llm_engine_args(llm, tiny_model_dir):
 def test_generate_prompt_forms(llm):
     ids = llm.get_tokenizer().encode("The quick brown fox")
     by_text = llm.generate("The quick brown fox", sampling_params=GREEDY, use_tqdm=False)[0]
-    forms = llm.generate([{"prompt": "The quick brown fox"}, {"prompt_token_ids": ids}, ids],
-                         sampling_params=[GREEDY, GREEDY, GREEDY], use_tqdm=False)
+    forms = llm.generate(
+        [{"prompt": "The quick brown fox"}, {"prompt_token_ids": ids}, ids],
+        sampling_params=[GREEDY, GREEDY, GREEDY],
+        use_tqdm=False,
+    )
     assert by_text.prompt_token_ids == ids and by_text.prompt == "The quick brown fox"
     assert all(o.outputs[0].token_ids == by_text.outputs[0].token_ids for o in forms)
     assert forms[1].prompt_token_ids == ids
@@ -264,7 +416,9 @@ def test_generate_prompt_forms(llm):
         llm.generate(["x"], [GREEDY, GREEDY])
     with pytest.raises(ConfigError, match="lora_request"):
         llm.generate("x", GREEDY, lora_request=object())
-    assert llm.generate("x", GREEDY, use_tqdm=False, lora_request=None)[0].finished   # None: not used
+    assert llm.generate("x", GREEDY, use_tqdm=False, lora_request=None)[
+        0
+    ].finished  # None: not used
 
 
 def test_output_shapes(llm):
@@ -276,9 +430,17 @@ def test_output_shapes(llm):
     assert isinstance(c.logprobs, list) and len(c.logprobs) == 5
     tok = llm.get_tokenizer()
     for step, t in zip(c.logprobs, c.token_ids):
-        assert isinstance(step, dict) and t in step and all(isinstance(v, Logprob) for v in step.values())
-        assert step[t].rank == 1 and step[t].decoded_token == tok.decode([t], skip_special_tokens=False)
-    assert c.cumulative_logprob == pytest.approx(sum(s[t].logprob for s, t in zip(c.logprobs, c.token_ids)))
+        assert (
+            isinstance(step, dict)
+            and t in step
+            and all(isinstance(v, Logprob) for v in step.values())
+        )
+        assert step[t].rank == 1 and step[t].decoded_token == tok.decode(
+            [t], skip_special_tokens=False
+        )
+    assert c.cumulative_logprob == pytest.approx(
+        sum(s[t].logprob for s, t in zip(c.logprobs, c.token_ids))
+    )
     plain = llm.generate("Hello world", GREEDY, use_tqdm=False)[0].outputs[0]
     assert plain.logprobs is None and plain.cumulative_logprob is None
 
@@ -288,17 +450,29 @@ def test_seed_seeds_sampling(tiny_model_dir):
 
     def run(seed: int) -> list[list[int]]:
         llm = LLM(model=tiny_model_dir, seed=seed, num_gpu_blocks_override=64, dtype="float32")
-        return [o.outputs[0].token_ids for o in llm.generate(["Hello", "Hi"], sample, use_tqdm=False)]
+        return [
+            o.outputs[0].token_ids for o in llm.generate(["Hello", "Hi"], sample, use_tqdm=False)
+        ]
+
     assert run(1) == run(1)
     assert run(1) != run(2)
 
 
 def test_chat_options(llm):
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Par"}]
-    cont = llm.chat(msgs, sampling_params=GREEDY, add_generation_prompt=False, continue_final_message=True,
-                    use_tqdm=False)[0]
-    assert llm.get_tokenizer().decode(cont.prompt_token_ids, skip_special_tokens=False).endswith("Par")
-    normal = llm.chat(msgs[:1], sampling_params=GREEDY, use_tqdm=False, chat_template_kwargs={"unused": 1})[0]
+    cont = llm.chat(
+        msgs,
+        sampling_params=GREEDY,
+        add_generation_prompt=False,
+        continue_final_message=True,
+        use_tqdm=False,
+    )[0]
+    assert (
+        llm.get_tokenizer().decode(cont.prompt_token_ids, skip_special_tokens=False).endswith("Par")
+    )
+    normal = llm.chat(
+        msgs[:1], sampling_params=GREEDY, use_tqdm=False, chat_template_kwargs={"unused": 1}
+    )[0]
     assert normal.outputs[0].token_ids
     with pytest.raises(ConfigError, match="cannot both be true"):
         llm.chat(msgs, GREEDY, continue_final_message=True)
@@ -314,8 +488,9 @@ def model_with_generation_config(tiny_model_dir: str, folder: Path, config: dict
 
 
 def test_generation_config_defaults(tiny_model_dir, tmp_path):
-    folder = model_with_generation_config(tiny_model_dir, tmp_path / "model",
-                                          {"temperature": 0.0, "max_new_tokens": 3})
+    folder = model_with_generation_config(
+        tiny_model_dir, tmp_path / "model", {"temperature": 0.0, "max_new_tokens": 3}
+    )
     auto = LLM(model=str(folder), num_gpu_blocks_override=64)
     p = auto.get_default_sampling_params()
     assert (p.temperature, p.max_tokens) == (0.0, 3)
@@ -325,26 +500,34 @@ def test_generation_config_defaults(tiny_model_dir, tmp_path):
 
 
 def test_server_applies_generation_config_to_what_requests_leave_out(tiny_model_dir, tmp_path):
-    folder = model_with_generation_config(tiny_model_dir, tmp_path / "model",
-                                          {"temperature": 0.0, "max_new_tokens": 3})
+    folder = model_with_generation_config(
+        tiny_model_dir, tmp_path / "model", {"temperature": 0.0, "max_new_tokens": 3}
+    )
     with ServerProcess(folder, "--num-gpu-blocks-override", "64") as srv:
         client = srv.openai()
         msgs = [{"role": "user", "content": "Hi"}]
         no_eos = {"ignore_eos": True}
-        runs = [client.chat.completions.create(model="model", messages=msgs, extra_body=no_eos)
-                for _ in range(2)]
-        assert [r.usage.completion_tokens for r in runs] == [3, 3]           # max_new_tokens
-        assert runs[0].choices[0].message.content == runs[1].choices[0].message.content   # temperature 0
-        longer = client.chat.completions.create(model="model", messages=msgs, max_tokens=5, extra_body=no_eos)
-        assert longer.usage.completion_tokens == 5                           # the request's own value wins
+        runs = [
+            client.chat.completions.create(model="model", messages=msgs, extra_body=no_eos)
+            for _ in range(2)
+        ]
+        assert [r.usage.completion_tokens for r in runs] == [3, 3]  # max_new_tokens
+        assert (
+            runs[0].choices[0].message.content == runs[1].choices[0].message.content
+        )  # temperature 0
+        longer = client.chat.completions.create(
+            model="model", messages=msgs, max_tokens=5, extra_body=no_eos
+        )
+        assert longer.usage.completion_tokens == 5  # the request's own value wins
 
 
 def test_async_engine(tiny_model_dir, llm):
     want = llm.generate("The quick brown fox", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
     async def main() -> list:
-        engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_model_dir, dtype="float32",
-                                                                 num_gpu_blocks_override=64))
+        engine = AsyncLLMEngine.from_engine_args(
+            AsyncEngineArgs(model=tiny_model_dir, dtype="float32", num_gpu_blocks_override=64)
+        )
         outs = []
         p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
         async for out in engine.generate({"prompt": "The quick brown fox"}, p, request_id="r1"):
@@ -354,13 +537,18 @@ def test_async_engine(tiny_model_dir, llm):
                 pass
         await engine.shutdown()
         return outs
+
     outs = asyncio.run(main())
     last = outs[-1]
     assert last.finished and not outs[0].finished and last.outputs[0].token_ids == want
-    assert len(last.outputs[0].logprobs) == 6 and all(isinstance(d, dict) for d in last.outputs[0].logprobs)
+    assert len(last.outputs[0].logprobs) == 6 and all(
+        isinstance(d, dict) for d in last.outputs[0].logprobs
+    )
 
 
 def test_tensor_parallel_size_that_does_not_divide_the_heads_exits_2():
-    r = cli("serve", "-tp", "2")     # the default model has 9 attention heads
+    r = cli("serve", "-tp", "2")  # the default model has 9 attention heads
     assert r.returncode == 2, r.stderr
-    assert "does not divide the model's 9 attention heads" in r.stderr and "Traceback" not in r.stderr
+    assert (
+        "does not divide the model's 9 attention heads" in r.stderr and "Traceback" not in r.stderr
+    )

@@ -4,6 +4,7 @@ The folder has everything a real one has: config.json, model.safetensors,
 tokenizer.json (byte-level BPE trained here on a fixed text), and
 tokenizer_config.json with a ChatML template like SmolLM2's.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,18 +27,33 @@ _CORPUS = (
 
 def _train_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([_CORPUS] * 20, trainer=trainer)
     return tok
 
 
-def make_tiny_model(path: str | Path, *, num_layers: int = 2, hidden: int = 64, heads: int = 4,
-                    kv_heads: int = 2, intermediate: int = 128, vocab_size: int = 512,
-                    max_len: int = 2048, seed: int = 0, tie: bool = False) -> str:
+def make_tiny_model(
+    path: str | Path,
+    *,
+    num_layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab_size: int = 512,
+    max_len: int = 2048,
+    seed: int = 0,
+    tie: bool = False,
+) -> str:
     """Write the folder (once) and return its path."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -49,10 +65,20 @@ def make_tiny_model(path: str | Path, *, num_layers: int = 2, hidden: int = 64, 
     tok = _train_tokenizer(vocab_size)
     tok.save(str(path / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
-                      num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=max_len, rope_theta=10000.0, rms_norm_eps=1e-5,
-                      tie_word_embeddings=tie, bos_token_id=tok.token_to_id("<|endoftext|>"), eos_token_id=eos)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_len,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=tok.token_to_id("<|endoftext|>"),
+        eos_token_id=eos,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # larger weights than the default init, so outputs depend on the input
@@ -60,7 +86,15 @@ def make_tiny_model(path: str | Path, *, num_layers: int = 2, hidden: int = 64, 
             if p.dim() == 2:
                 p.normal_(0.0, 0.15)
     model.save_pretrained(str(path), safe_serialization=True)
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHAT_TEMPLATE, "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
-        "add_bos_token": False, "model_max_length": max_len}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": CHAT_TEMPLATE,
+                "bos_token": "<|endoftext|>",
+                "eos_token": "<|im_end|>",
+                "add_bos_token": False,
+                "model_max_length": max_len,
+            }
+        )
+    )
     return str(path)

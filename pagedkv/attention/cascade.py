@@ -10,6 +10,7 @@ merging the two by log-sum-exp. The plan here is found per step from the block t
 PAGEDKV_CASCADE=0 never uses it, 1 uses it for every group found, auto (the default) only where
 the kernel measured faster (see `pays`; figures in BENCHMARKS.md).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,9 +30,10 @@ MIN_BLOCKS = 8
 @dataclass(frozen=True, slots=True)
 class CascadePlan:
     """Which sequences of a decode batch share how many leading blocks (kernel arguments)."""
-    pre: Tensor            # [B] int32 shared leading blocks of each sequence (0: not in a group)
-    group_start: Tensor    # [num_groups + 1] int32 offsets into members
-    members: Tensor        # [sum of group sizes] int32 sequence indices, group by group
+
+    pre: Tensor  # [B] int32 shared leading blocks of each sequence (0: not in a group)
+    group_start: Tensor  # [num_groups + 1] int32 offsets into members
+    members: Tensor  # [sum of group sizes] int32 sequence indices, group by group
 
     @property
     def num_groups(self) -> int:
@@ -51,40 +53,53 @@ def pays(members: int, blocks: int) -> bool:
     return members >= MIN_GROUP and blocks >= MIN_BLOCKS
 
 
-def find_groups(block_tables: Tensor, seq_lens: list[int], block_size: int,
-                min_members: int = 2, min_blocks: int = 1) -> list[tuple[int, list[int]]]:
+def find_groups(
+    block_tables: Tensor,
+    seq_lens: list[int],
+    block_size: int,
+    min_members: int = 2,
+    min_blocks: int = 1,
+) -> list[tuple[int, list[int]]]:
     """Groups of >= min_members sequences whose tables start with the same block ids, as
     (shared blocks, members): the longest run of identical leading ids in the group, kept
     shorter than every member's keys (its last token's block is its own), >= min_blocks.
     A handful of tensor ops for the whole batch, whatever the number of groups."""
     by_first: dict[int, list[int]] = {}
     for b, (first, n) in enumerate(zip(block_tables[:, 0].tolist(), seq_lens)):
-        if n > block_size:           # at least one whole block before the last key
+        if n > block_size:  # at least one whole block before the last key
             by_first.setdefault(first, []).append(b)
     groups = [m for m in by_first.values() if len(m) >= min_members]
     if not groups:
         return []
     seqs = [b for m in groups for b in m]
     leaders = [m[0] for m in groups for _ in m]
-    # each member's run of leading ids equal to its group leader's, and its whole blocks before its last key
+    # each member's run of leading ids equal to its group leader's, and its whole blocks before its
+    # last key
     rows = block_tables[seqs]
     runs = (rows == block_tables[leaders]).int().cumprod(1).sum(1).tolist()
     found, i = [], 0
     for members in groups:
-        shared = min(min(runs[i + j], (seq_lens[b] - 1) // block_size) for j, b in enumerate(members))
+        shared = min(
+            min(runs[i + j], (seq_lens[b] - 1) // block_size) for j, b in enumerate(members)
+        )
         i += len(members)
         if shared >= min_blocks:
             found.append((shared, members))
     return found
 
 
-def plan(block_tables: Tensor, seq_lens: list[int], block_size: int, forced: bool) -> CascadePlan | None:
+def plan(
+    block_tables: Tensor, seq_lens: list[int], block_size: int, forced: bool
+) -> CascadePlan | None:
     """The step's plan: every group found when `forced`, else those that pay; None when none."""
     if forced:
         groups = find_groups(block_tables, seq_lens, block_size)
     else:
-        groups = [g for g in find_groups(block_tables, seq_lens, block_size, MIN_GROUP, MIN_BLOCKS)
-                  if pays(len(g[1]), g[0])]
+        groups = [
+            g
+            for g in find_groups(block_tables, seq_lens, block_size, MIN_GROUP, MIN_BLOCKS)
+            if pays(len(g[1]), g[0])
+        ]
     if not groups:
         return None
     pre = [0] * len(seq_lens)
@@ -97,8 +112,15 @@ def plan(block_tables: Tensor, seq_lens: list[int], block_size: int, forced: boo
     return CascadePlan(*(torch.tensor(xs, dtype=torch.int32) for xs in (pre, starts, members)))
 
 
-def reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: list[int], block_tables: Tensor,
-              scale: float, cascade: CascadePlan) -> Tensor:
+def reference(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    seq_lens: list[int],
+    block_tables: Tensor,
+    scale: float,
+    cascade: CascadePlan,
+) -> Tensor:
     """The cascade in float64 torch (for tests): each group's queries against its shared blocks
     in one product, each sequence's suffix alone, merged by log-sum-exp. q [B, Hq, D]; a float
     cache [num_blocks, Hkv, block_size, D]."""
@@ -107,10 +129,10 @@ def reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: list[int], 
     group = num_q_heads // num_kv_heads
     qd = q.double().view(num_seqs, num_kv_heads, group, head_dim) * scale
 
-    def keys(cache: Tensor, blocks: Tensor) -> Tensor:          # [Hkv, L, D]
+    def keys(cache: Tensor, blocks: Tensor) -> Tensor:  # [Hkv, L, D]
         return cache[blocks.long()].double().transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
 
-    def partial(qs: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:   # qs [n, Hkv, G, D]
+    def partial(qs: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:  # qs [n, Hkv, G, D]
         s = torch.einsum("nhgd,hld->nhgl", qs, k)
         lse = torch.logsumexp(s, dim=-1)
         return torch.einsum("nhgl,hld->nhgd", torch.exp(s - lse[..., None]), v), lse
@@ -119,19 +141,22 @@ def reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: list[int], 
     starts, members = cascade.group_start.tolist(), cascade.members.tolist()
     shared: dict[int, tuple[Tensor, Tensor]] = {}
     for g in range(cascade.num_groups):
-        idx = members[starts[g]:starts[g + 1]]
-        blocks = block_tables[idx[0], :pre[idx[0]]]
+        idx = members[starts[g] : starts[g + 1]]
+        blocks = block_tables[idx[0], : pre[idx[0]]]
         out, lse = partial(qd[idx], keys(k_cache, blocks), keys(v_cache, blocks))
         shared.update({b: (out[i], lse[i]) for i, b in enumerate(idx)})
     result = torch.empty(num_seqs, num_kv_heads, group, head_dim, dtype=torch.float64)
     for b, n in enumerate(seq_lens):
-        blocks = block_tables[b, pre[b]:math.ceil(n / block_size)]
+        blocks = block_tables[b, pre[b] : math.ceil(n / block_size)]
         length = n - pre[b] * block_size
         k, v = keys(k_cache, blocks)[:, :length], keys(v_cache, blocks)[:, :length]
-        out, lse = partial(qd[b:b + 1], k, v)
+        out, lse = partial(qd[b : b + 1], k, v)
         if b in shared:
             o2, l2 = shared[b]
             total = torch.logaddexp(lse[0], l2)
-            out = (out[0] * torch.exp(lse[0] - total)[..., None] + o2 * torch.exp(l2 - total)[..., None])[None]
+            out = (
+                out[0] * torch.exp(lse[0] - total)[..., None]
+                + o2 * torch.exp(l2 - total)[..., None]
+            )[None]
         result[b] = out[0]
     return result.view(num_seqs, num_q_heads, head_dim).to(q.dtype)

@@ -39,7 +39,9 @@ def paged_attention_decode(
     cascade plan (attention/cascade.py), each group's shared blocks are read once for all its
     members (same result; the torch path ignores the plan).
     """
-    return _attend(q, k_cache, v_cache, None, seq_lens, block_tables, scale, out, k_scales, v_scales, cascade)
+    return _attend(
+        q, k_cache, v_cache, None, seq_lens, block_tables, scale, out, k_scales, v_scales, cascade
+    )
 
 
 def paged_attention_varlen(
@@ -57,7 +59,9 @@ def paged_attention_varlen(
     """Queries q[query_start_loc[b]:query_start_loc[b+1]] of sequence b are its last tokens and
     attend causally to its seq_lens[b] keys in the cache (chunked prefill, speculative decode).
     Quantized caches as in paged_attention_decode."""
-    return _attend(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, k_scales, v_scales)
+    return _attend(
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, k_scales, v_scales
+    )
 
 
 def _attend(
@@ -79,17 +83,26 @@ def _attend(
         q = q.contiguous()
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1 or out.stride(1) != q.shape[2]:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with contiguous heads, got "
-                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    elif (
+        out.shape != q.shape
+        or out.dtype != q.dtype
+        or out.stride(2) != 1
+        or out.stride(1) != q.shape[2]
+    ):
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype} with contiguous heads, got "
+            f"{tuple(out.shape)} {out.dtype} strides {out.stride()}"
+        )
     lib = native.library()
     code = native.DTYPE_CODES.get(q.dtype)
     if lib is None or code is None:
-        if kv_code >= 0:   # the reference: the whole cache dequantized
-            assert k_scales is not None and v_scales is not None   # a quantized cache has them
+        if kv_code >= 0:  # the reference: the whole cache dequantized
+            assert k_scales is not None and v_scales is not None  # a quantized cache has them
             k_cache = k_cache.float().mul_(k_scales[:, :, None, None]).to(q.dtype)
             v_cache = v_cache.float().mul_(v_scales[:, :, None, None]).to(q.dtype)
-        return _torch_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out)
+        return _torch_attention(
+            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out
+        )
     seq_lens = _int32(seq_lens)
     block_tables = _int32(block_tables)
     qsl = None if query_start_loc is None else _int32(query_start_loc)
@@ -98,18 +111,39 @@ def _attend(
     plan: tuple = ()
     if cascade is not None:
         if cascade.pre.shape != seq_lens.shape:
-            raise ValueError(f"the cascade plan covers {cascade.pre.shape} sequences, the batch {seq_lens.shape}")
+            raise ValueError(
+                f"the cascade plan covers {cascade.pre.shape} sequences, the batch {seq_lens.shape}"
+            )
         arrays = (_int32(cascade.pre), _int32(cascade.group_start), _int32(cascade.members))
         plan = tuple(t.data_ptr() for t in arrays) + (cascade.num_groups,)
     call = lib.pagedkv_paged_attention if cascade is None else lib.pagedkv_cascade_attention
     rc = call(
-        code, kv_code, None if k_scales is None else k_scales.data_ptr(),
+        code,
+        kv_code,
+        None if k_scales is None else k_scales.data_ptr(),
         None if v_scales is None else v_scales.data_ptr(),
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        None if qsl is None else qsl.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
-        q.shape[0], seq_lens.shape[0], block_tables.shape[1], num_blocks, q.shape[1], num_kv_heads,
-        block_size, head_dim, q.stride(0), out.stride(0), float(scale), *plan, torch.get_num_threads(),
-        err, native.ERR_LEN,
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        None if qsl is None else qsl.data_ptr(),
+        seq_lens.data_ptr(),
+        block_tables.data_ptr(),
+        q.shape[0],
+        seq_lens.shape[0],
+        block_tables.shape[1],
+        num_blocks,
+        q.shape[1],
+        num_kv_heads,
+        block_size,
+        head_dim,
+        q.stride(0),
+        out.stride(0),
+        float(scale),
+        *plan,
+        torch.get_num_threads(),
+        err,
+        native.ERR_LEN,
     )
     if rc:
         raise ValueError(err.value.decode())
@@ -126,38 +160,67 @@ def _check_shapes(
 ) -> None:
     """Checks what the kernel cannot see for itself; it checks every index it reads."""
     if q.dim() != 3 or k_cache.dim() != 4:
-        raise ValueError(f"q must be [T, Hq, D] and the caches [blocks, Hkv, block_size, D], got "
-                         f"{tuple(q.shape)} and {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"q must be [T, Hq, D] and the caches [blocks, Hkv, block_size, D], got "
+            f"{tuple(q.shape)} and {tuple(k_cache.shape)}"
+        )
     if v_cache.shape != k_cache.shape or q.shape[2] != k_cache.shape[3]:
-        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"shapes disagree: q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}"
+        )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and seq_lens.is_cpu and block_tables.is_cpu):
+    if not (
+        q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and seq_lens.is_cpu and block_tables.is_cpu
+    ):
         raise ValueError("paged attention here runs on CPU tensors only")
     batch = seq_lens.shape[0]
     if seq_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"seq_lens must be [B] and block_tables [B, max_blocks], got "
-                         f"{tuple(seq_lens.shape)} and {tuple(block_tables.shape)}")
-    if query_start_loc is not None and (query_start_loc.dim() != 1 or query_start_loc.shape[0] != batch + 1):
-        raise ValueError(f"query_start_loc must be [B + 1] = [{batch + 1}], got {tuple(query_start_loc.shape)}")
+        raise ValueError(
+            f"seq_lens must be [B] and block_tables [B, max_blocks], got "
+            f"{tuple(seq_lens.shape)} and {tuple(block_tables.shape)}"
+        )
+    if query_start_loc is not None and (
+        query_start_loc.dim() != 1 or query_start_loc.shape[0] != batch + 1
+    ):
+        raise ValueError(
+            f"query_start_loc must be [B + 1] = [{batch + 1}], got {tuple(query_start_loc.shape)}"
+        )
 
 
-def _check_scales(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> int:
+def _check_scales(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+) -> int:
     """The kernel's code for the cache's type: -1 for q's own, else that of a quantized cache."""
     if k_scales is None and v_scales is None:
         if not (q.dtype == k_cache.dtype == v_cache.dtype):
-            raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
-                             f"{v_cache.dtype} (or come quantized with scales)")
+            raise ValueError(
+                f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
+                f"{v_cache.dtype} (or come quantized with scales)"
+            )
         return -1
     code = native.QUANT_CODES.get(k_cache.dtype)
     if code is None or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"scales go with an int8 or float8_e4m3fn cache, got {k_cache.dtype} and {v_cache.dtype}")
+        raise ValueError(
+            f"scales go with an int8 or float8_e4m3fn cache, got {k_cache.dtype} and {v_cache.dtype}"
+        )
     want = tuple(k_cache.shape[:2])
     for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
-        if t is None or tuple(t.shape) != want or t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor {want}, got "
-                             f"{None if t is None else (tuple(t.shape), t.dtype)}")
+        if (
+            t is None
+            or tuple(t.shape) != want
+            or t.dtype != torch.float32
+            or not t.is_contiguous()
+            or not t.is_cpu
+        ):
+            raise ValueError(
+                f"{name} must be a contiguous float32 CPU tensor {want}, got "
+                f"{None if t is None else (tuple(t.shape), t.dtype)}"
+            )
     return code
 
 
@@ -193,7 +256,8 @@ def _torch_attention(
         if qlen > 1:
             query_pos = torch.arange(ctx - qlen, ctx).unsqueeze(1)
             mask = torch.arange(ctx).unsqueeze(0) <= query_pos
-        o = F.scaled_dot_product_attention(q[first:last].transpose(0, 1), k, v, attn_mask=mask,
-                                           scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q[first:last].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
         out[first:last] = o.transpose(0, 1)
     return out

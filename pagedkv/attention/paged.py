@@ -21,6 +21,7 @@ dequantizing the blocks it gathers into the query's dtype. Quantized caches
 hold K/V rotated, so q is rotated on the way in and the output back on the
 way out.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -39,14 +40,15 @@ Cache = Tensor | QuantizedCache
 @dataclass(slots=True)
 class AttentionMetadata:
     """Where each new token's K/V goes and which blocks each sequence reads."""
-    slot_mapping: Tensor      # [T] int64 flat slot of each new token
-    query_start_loc: Tensor   # [B+1] int32 cumsum of query lengths
-    seq_lens: Tensor          # [B] int32 context length after this step
-    block_tables: Tensor      # [B, max_blocks] int32, padded with 0
-    query_lens: list[int]     # python copies: loops need no tensor syncs
+
+    slot_mapping: Tensor  # [T] int64 flat slot of each new token
+    query_start_loc: Tensor  # [B+1] int32 cumsum of query lengths
+    seq_lens: Tensor  # [B] int32 context length after this step
+    block_tables: Tensor  # [B, max_blocks] int32, padded with 0
+    query_lens: list[int]  # python copies: loops need no tensor syncs
     seq_lens_list: list[int]
     block_size: int
-    is_decode: bool           # every query_len == 1
+    is_decode: bool  # every query_len == 1
     # Derived index tensors, built once per step and shared by every layer.
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -57,15 +59,18 @@ def write_kv(k_cache: Cache, v_cache: Cache, k: Tensor, v: Tensor, slot_mapping:
     if isinstance(k_cache, QuantizedCache):
         where = None if k_cache.native_writer(k) else SlotWrite.of(slot_mapping, block_size)
         k_cache.write(k, slot_mapping, where)
-        cast(QuantizedCache, v_cache).write(v, slot_mapping, where)   # K and V are of one kind
+        cast(QuantizedCache, v_cache).write(v, slot_mapping, where)  # K and V are of one kind
         return
     # As rows of the cache seen as [num_blocks * Hkv * block_size, D]: index_copy_ is ~200x faster
-    # on CPU than advanced-index assignment (cache[blocks, :, offsets] = k), which took ~12 ms a call.
+    # on CPU than advanced-index assignment (cache[blocks, :, offsets] = k), which took ~12 ms a
+    # call.
     num_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size
     heads = torch.arange(num_heads, device=slot_mapping.device)
-    rows = ((blocks[:, None] * num_heads + heads[None, :]) * block_size + offsets[:, None]).reshape(-1)
+    rows = ((blocks[:, None] * num_heads + heads[None, :]) * block_size + offsets[:, None]).reshape(
+        -1
+    )
     k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
     v_plain = cast(Tensor, v_cache)
     v_plain.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_plain.dtype))
@@ -79,7 +84,11 @@ def _kv_dtype(q: Tensor, cache: Cache) -> torch.dtype:
 def _gather(cache: Cache, blocks: Tensor, length: int, dtype: torch.dtype) -> Tensor:
     """One sequence's first `length` cached tokens as [Hkv, length, D] (dtype: see _kv_dtype)."""
     num_heads, block_size, head_dim = cache.shape[1:]
-    picked = cache.dequantize(blocks, dtype) if isinstance(cache, QuantizedCache) else cache.index_select(0, blocks)
+    picked = (
+        cache.dequantize(blocks, dtype)
+        if isinstance(cache, QuantizedCache)
+        else cache.index_select(0, blocks)
+    )
     kv = picked.transpose(0, 1)
     return kv.reshape(num_heads, blocks.numel() * block_size, head_dim)[:, :length]
 
@@ -95,7 +104,9 @@ class _Workspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple, Tensor] = {}
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    def get(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
         # a buffer made in inference mode cannot be written outside it (and the engine runs in it)
         key = (name, dtype, device, torch.is_inference_mode_enabled())
         numel = 1
@@ -109,11 +120,12 @@ class _Workspace:
 
 
 _workspace = _Workspace()
-_SCORE_BYTES = 16 << 20   # scores of one prefill chunk, counted at 4 bytes each
+_SCORE_BYTES = 16 << 20  # scores of one prefill chunk, counted at 4 bytes each
 
 
-def _decode_indices(meta: AttentionMetadata, num_kv_heads: int, dtype: torch.dtype,
-                    device: torch.device) -> tuple[Tensor, Tensor, int]:
+def _decode_indices(
+    meta: AttentionMetadata, num_kv_heads: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor, int]:
     """Flat (block, head) rows to gather for a decode batch, and the additive padding mask."""
     key = ("decode", num_kv_heads, device, dtype)
     if key not in meta._cache:
@@ -123,7 +135,7 @@ def _decode_indices(meta: AttentionMetadata, num_kv_heads: int, dtype: torch.dty
         rows = (tables[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
         length = max_blocks * meta.block_size
         pos = torch.arange(length, device=device)
-        pad = pos[None, :] >= meta.seq_lens.to(device)[:, None]           # [B, L]
+        pad = pos[None, :] >= meta.seq_lens.to(device)[:, None]  # [B, L]
         bias = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill_(pad, float("-inf"))
         meta._cache[key] = (rows, bias[:, None, None, :], length)
     return meta._cache[key]
@@ -136,10 +148,14 @@ def _gather_rows(cache: Cache, rows: Tensor, name: str, dtype: torch.dtype) -> T
         return cache.dequantize_rows(rows, dtype)
     num_blocks, num_kv_heads, block_size, head_dim = cache.shape
     out = _workspace.get(name, (rows.numel(), block_size, head_dim), dtype, rows.device)
-    return torch.index_select(cache.view(num_blocks * num_kv_heads, block_size, head_dim), 0, rows, out=out)
+    return torch.index_select(
+        cache.view(num_blocks * num_kv_heads, block_size, head_dim), 0, rows, out=out
+    )
 
 
-def _decode(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float) -> Tensor:
+def _decode(
+    q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float
+) -> Tensor:
     """All sequences at once: gather their blocks padded to the longest, mask the padding."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -156,7 +172,9 @@ def _decode(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, 
     return out.view(num_seqs, num_q_heads, head_dim).to(q.dtype)
 
 
-def _masked_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, grouped: tuple[int, ...]) -> Tensor:
+def _masked_attention(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, grouped: tuple[int, ...]
+) -> Tensor:
     """softmax(q k^T + bias) v, with q already scaled.
 
     Everything runs in the cache dtype: bf16 GEMMs are 2-3x faster than
@@ -181,7 +199,8 @@ def _prefill_one(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     num_kv_heads, klen, _ = k.shape
     group = num_q_heads // num_kv_heads
     offset = klen - qlen
-    # [Hkv, G, Lq, D]: each KV head's query heads and tokens become its rows (no K/V expansion for GQA)
+    # [Hkv, G, Lq, D]: each KV head's query heads and tokens become its rows (no K/V expansion for
+    # GQA)
     qg = (q * scale).to(k.dtype).view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     out = torch.empty(qlen, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     chunk = max(1, _SCORE_BYTES // (4 * num_q_heads * klen))
@@ -191,11 +210,18 @@ def _prefill_one(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         seen = offset + b
         qpos = torch.arange(offset + a, seen, device=q.device)
         future = keys[None, :seen] > qpos[:, None]
-        bias = torch.zeros(b - a, seen, dtype=k.dtype, device=q.device).masked_fill_(future, float("-inf"))
+        bias = torch.zeros(b - a, seen, dtype=k.dtype, device=q.device).masked_fill_(
+            future, float("-inf")
+        )
         rows = qg[:, :, a:b].reshape(num_kv_heads, group * (b - a), head_dim)
-        o = _masked_attention(rows, k[:, :seen], v[:, :seen], bias, (num_kv_heads, group, b - a, seen))
-        out[a:b] = (o.view(num_kv_heads, group, b - a, head_dim).permute(2, 0, 1, 3)
-                    .reshape(b - a, num_q_heads, head_dim))
+        o = _masked_attention(
+            rows, k[:, :seen], v[:, :seen], bias, (num_kv_heads, group, b - a, seen)
+        )
+        out[a:b] = (
+            o.view(num_kv_heads, group, b - a, head_dim)
+            .permute(2, 0, 1, 3)
+            .reshape(b - a, num_q_heads, head_dim)
+        )
     return out
 
 
@@ -213,9 +239,13 @@ def _decode_part(meta: AttentionMetadata) -> tuple[AttentionMetadata, Tensor, fr
         sub = AttentionMetadata(
             slot_mapping=meta.slot_mapping[rows],
             query_start_loc=torch.arange(len(seqs) + 1, dtype=torch.int32, device=device),
-            seq_lens=meta.seq_lens[index], block_tables=meta.block_tables[index],
-            query_lens=[1] * len(seqs), seq_lens_list=[meta.seq_lens_list[b] for b in seqs],
-            block_size=meta.block_size, is_decode=True)
+            seq_lens=meta.seq_lens[index],
+            block_tables=meta.block_tables[index],
+            query_lens=[1] * len(seqs),
+            seq_lens_list=[meta.seq_lens_list[b] for b in seqs],
+            block_size=meta.block_size,
+            is_decode=True,
+        )
         meta._cache["decode_part"] = (sub, rows, frozenset(seqs))
     return meta._cache["decode_part"]
 
@@ -223,38 +253,52 @@ def _decode_part(meta: AttentionMetadata) -> tuple[AttentionMetadata, Tensor, fr
 def _use_kernel(q: Tensor, k_cache: Cache) -> bool:
     """The C++ kernel (kernel.py) serves CPU attention when it is built: for a float cache of q's
     dtype, and for a quantized cache (read in place with its scales)."""
-    return (q.device.type == "cpu" and (isinstance(k_cache, QuantizedCache) or q.dtype == k_cache.dtype)
-            and kernel.available())
+    return (
+        q.device.type == "cpu"
+        and (isinstance(k_cache, QuantizedCache) or q.dtype == k_cache.dtype)
+        and kernel.available()
+    )
 
 
-def _kernel_attend(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float) -> Tensor:
+def _kernel_attend(
+    q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float
+) -> Tensor:
     """The whole step in one kernel call, reading blocks in place (quantized ones with their
     scales): 4x faster than gathering them for decode, and 1.5-4x faster than the GEMM path for
     prompts (bf16, 128-2048 tokens)."""
     scales: dict[str, Tensor] = {}
-    if isinstance(k_cache, QuantizedCache):   # K and V caches are always of one kind
+    if isinstance(k_cache, QuantizedCache):  # K and V caches are always of one kind
         v_quant = cast(QuantizedCache, v_cache)
         scales = {"k_scales": k_cache.scales, "v_scales": v_quant.scales}
         k, v = k_cache.data, v_quant.data
     else:
         k, v = k_cache, cast(Tensor, v_cache)
     if meta.is_decode:
-        return kernel.paged_attention_decode(q, k, v, meta.seq_lens, meta.block_tables, scale,
-                                             cascade=_cascade_plan(meta), **scales)
-    return kernel.paged_attention_varlen(q, k, v, meta.query_start_loc, meta.seq_lens,
-                                         meta.block_tables, scale, **scales)
+        return kernel.paged_attention_decode(
+            q, k, v, meta.seq_lens, meta.block_tables, scale, cascade=_cascade_plan(meta), **scales
+        )
+    return kernel.paged_attention_varlen(
+        q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, **scales
+    )
 
 
 def _cascade_plan(meta: AttentionMetadata) -> cascade.CascadePlan | None:
     """The decode step's shared-prefix groups (attention/cascade.py), found once per step."""
     if "cascade" not in meta._cache:
         which = cascade.mode()
-        meta._cache["cascade"] = None if which == "0" else cascade.plan(
-            meta.block_tables, meta.seq_lens_list, meta.block_size, forced=which == "1")
+        meta._cache["cascade"] = (
+            None
+            if which == "0"
+            else cascade.plan(
+                meta.block_tables, meta.seq_lens_list, meta.block_size, forced=which == "1"
+            )
+        )
     return meta._cache["cascade"]
 
 
-def paged_attention(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float) -> Tensor:
+def paged_attention(
+    q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float
+) -> Tensor:
     """Attention of the step's new tokens over their sequences' cached context: [T, Hq, D].
 
     Through the C++ kernel when it serves (see _use_kernel), else in torch:
@@ -269,7 +313,9 @@ def paged_attention(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMe
     return (out.float() @ rotation.T).to(q.dtype)
 
 
-def _attend(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float) -> Tensor:
+def _attend(
+    q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float
+) -> Tensor:
     if _use_kernel(q, k_cache):
         return _kernel_attend(q, k_cache, v_cache, meta, scale)
     if meta.is_decode:
@@ -281,16 +327,20 @@ def _attend(q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, 
     start = 0
     for b, (qlen, slen) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
         if b not in decodes:
-            blocks = meta.block_tables[b, :-(-slen // meta.block_size)].to(device=q.device, dtype=torch.int64)
+            blocks = meta.block_tables[b, : -(-slen // meta.block_size)].to(
+                device=q.device, dtype=torch.int64
+            )
             dtype = _kv_dtype(q, k_cache)
             k = _gather(k_cache, blocks, slen, dtype)
             v = _gather(v_cache, blocks, slen, dtype)
-            out[start:start + qlen] = _prefill_one(q[start:start + qlen], k, v, scale)
+            out[start : start + qlen] = _prefill_one(q[start : start + qlen], k, v, scale)
         start += qlen
     return out
 
 
-def contiguous_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal_offset: int) -> Tensor:
+def contiguous_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal_offset: int
+) -> Tensor:
     """Plain causal attention (the reference): q [Lq, Hq, D], k/v [L, Hkv, D] with L = Lq + offset.
 
     Query i sits at position causal_offset + i and sees keys 0..causal_offset + i.
@@ -301,9 +351,13 @@ def contiguous_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal_o
     kh, vh = k.transpose(0, 1), v.transpose(0, 1)
     gqa = num_q_heads != num_kv_heads
     if causal_offset == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa
+        )
     else:
         qpos = torch.arange(causal_offset, causal_offset + qlen, device=q.device)
         mask = torch.arange(klen, device=q.device)[None, :] <= qpos[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
     return out.transpose(0, 1).to(q.dtype)

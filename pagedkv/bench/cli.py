@@ -1,10 +1,11 @@
 """`pagedkv bench`: W1/W2/W3 (and traces) through the offline engine or the server, one table out.
 
-    pagedkv bench                              # W1, W2, W3 offline with the flags given
-    pagedkv bench --suite --out r.json --plot plots/   # prefix on/off + allocation policies at equal memory
-    pagedkv bench --online --concurrency 16 --workloads W1
-    pagedkv bench --trace my.jsonl --shared-prefix 256
+pagedkv bench                              # W1, W2, W3 offline with the flags given
+pagedkv bench --suite --out r.json --plot plots/   # prefix on/off + allocation policies at equal memory
+pagedkv bench --online --concurrency 16 --workloads W1
+pagedkv bench --trace my.jsonl --shared-prefix 256
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,38 +20,84 @@ from pagedkv.config import ConfigError, EngineConfig
 def add_parser(subparsers) -> None:
     from pagedkv.cli import add_engine_args
 
-    p = subparsers.add_parser("bench", help="benchmark the engine or the server on the shared workloads")
+    p = subparsers.add_parser(
+        "bench", help="benchmark the engine or the server on the shared workloads"
+    )
     add_engine_args(p)
     g = p.add_argument_group("workloads")
-    g.add_argument("--workloads", default=None,
-                   help="comma-separated subset of W1,W2,W3 (default: all three, or none when --trace is given)")
-    g.add_argument("--workloads-file", default=None,
-                   help="the shared workloads.py (default: ../shared/bench/workloads.py beside the repository)")
-    g.add_argument("--trace", default=None, help="JSON lines {\"prompt_tokens\": P, \"output_tokens\": O}")
-    g.add_argument("--shared-prefix", type=int, default=0, help="tokens every trace prompt starts with")
-    g.add_argument("--trace-seed", type=int, default=20261129, help="seed for the trace's random prompts")
+    g.add_argument(
+        "--workloads",
+        default=None,
+        help="comma-separated subset of W1,W2,W3 (default: all three, or none when --trace is given)",
+    )
+    g.add_argument(
+        "--workloads-file",
+        default=None,
+        help="the shared workloads.py (default: ../shared/bench/workloads.py beside the repository)",
+    )
+    g.add_argument(
+        "--trace", default=None, help='JSON lines {"prompt_tokens": P, "output_tokens": O}'
+    )
+    g.add_argument(
+        "--shared-prefix", type=int, default=0, help="tokens every trace prompt starts with"
+    )
+    g.add_argument(
+        "--trace-seed", type=int, default=20261129, help="seed for the trace's random prompts"
+    )
     g = p.add_argument_group("comparison suite")
-    g.add_argument("--suite", action="store_true",
-                   help="prefix caching on/off on every workload, and paged vs reserve-output vs reserve-max on W1 "
-                        "(or the trace) at one small KV budget")
-    g.add_argument("--suite-pool-tokens", type=int, default=24576, help="the equal KV budget, in tokens")
-    g.add_argument("--suite-max-model-len", type=int, default=2048, help="max_model_len of the equal-memory runs")
+    g.add_argument(
+        "--suite",
+        action="store_true",
+        help="prefix caching on/off on every workload, and paged vs reserve-output vs reserve-max on W1 "
+        "(or the trace) at one small KV budget",
+    )
+    g.add_argument(
+        "--suite-pool-tokens", type=int, default=24576, help="the equal KV budget, in tokens"
+    )
+    g.add_argument(
+        "--suite-max-model-len",
+        type=int,
+        default=2048,
+        help="max_model_len of the equal-memory runs",
+    )
     g = p.add_argument_group("online (through pagedkv serve)")
-    g.add_argument("--online", action="store_true", help="start `pagedkv serve` and load it over HTTP")
-    g.add_argument("--concurrency", type=int, default=None, help="at most N requests in flight (default: no limit)")
-    g.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrivals per second (default: all at once)")
+    g.add_argument(
+        "--online", action="store_true", help="start `pagedkv serve` and load it over HTTP"
+    )
+    g.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="at most N requests in flight (default: no limit)",
+    )
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second (default: all at once)",
+    )
     g.add_argument("--server-startup-timeout", type=float, default=600.0)
     g = p.add_argument_group("output")
-    g.add_argument("--label", default=None, help="name of the configuration in the table (not with --suite)")
-    g.add_argument("--out", default=None, help="write every figure, series and latency as JSON here")
+    g.add_argument(
+        "--label", default=None, help="name of the configuration in the table (not with --suite)"
+    )
+    g.add_argument(
+        "--out", default=None, help="write every figure, series and latency as JSON here"
+    )
     g.add_argument("--markdown", default=None, help="write the markdown report here too")
     g.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR")
-    g.add_argument("--peers-dir", default=None,
-                   help="peer result JSONs (default: $PEERS_RESULTS or /tmp/peers/results)")
+    g.add_argument(
+        "--peers-dir",
+        default=None,
+        help="peer result JSONs (default: $PEERS_RESULTS or /tmp/peers/results)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
-    g.add_argument("--from-json", default=None, metavar="FILE",
-                   help="run nothing: render the report, ratios and plots of an earlier --out file again")
+    g.add_argument(
+        "--from-json",
+        default=None,
+        metavar="FILE",
+        help="run nothing: render the report, ratios and plots of an earlier --out file again",
+    )
     p.set_defaults(func=run)
 
 
@@ -64,14 +111,16 @@ def _check(args: argparse.Namespace) -> None:
     if args.suite and args.label:
         raise ConfigError("--label names a single configuration; --suite names its own")
     if args.suite_pool_tokens < args.block_size:
-        raise ConfigError(f"--suite-pool-tokens must hold at least one block, got {args.suite_pool_tokens}")
+        raise ConfigError(
+            f"--suite-pool-tokens must hold at least one block, got {args.suite_pool_tokens}"
+        )
 
 
 def _base_options(args: argparse.Namespace) -> dict:
     """The engine options the command line set (defaults left out, so labels and flags stay short)."""
     defaults = {f: EngineConfig.__dataclass_fields__[f].default for f in EngineConfig.field_names()}
     opts = {k: v for k, v in vars(args).items() if k in defaults and v != defaults[k]}
-    EngineConfig.from_options(**opts)   # a bad flag fails here, before anything loads
+    EngineConfig.from_options(**opts)  # a bad flag fails here, before anything loads
     return opts
 
 
@@ -80,16 +129,21 @@ def _specs(args: argparse.Namespace, keys: list[str], base: dict, trace_key: str
 
     if args.suite:
         equal = trace_key or ("W1" if "W1" in keys else None)
-        return suite_specs(keys, equal_memory_workload=equal, pool_tokens=args.suite_pool_tokens,
-                           max_model_len=args.suite_max_model_len,
-                           block_size=args.block_size)
+        return suite_specs(
+            keys,
+            equal_memory_workload=equal,
+            pool_tokens=args.suite_pool_tokens,
+            max_model_len=args.suite_max_model_len,
+            block_size=args.block_size,
+        )
     prefix = "on" if base.get("enable_prefix_caching", True) else "off"
     label = args.label or f"{base.get('allocation_policy', 'paged')}, prefix {prefix}"
     return [RunSpec(label, {}, tuple(keys))]
 
 
 def run(args: argparse.Namespace) -> int:
-    # everything the report needs is imported now: a long run must not pick up files edited meanwhile
+    # everything the report needs is imported now: a long run must not pick up files edited
+    # meanwhile
     from pagedkv.bench import plot, report  # noqa: F401
     from pagedkv.bench.workloads import load_workloads, read_trace
 
@@ -106,10 +160,14 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         from pagedkv.bench.online import model_vocab_size
 
-        trace = read_trace(args.trace, args.shared_prefix, args.trace_seed)   # checked before the model loads
+        trace = read_trace(
+            args.trace, args.shared_prefix, args.trace_seed
+        )  # checked before the model loads
         wl = trace.workload(model_vocab_size(base.get("model")))
         if wl.key in workloads:
-            raise ConfigError(f"the trace's name {wl.key!r} clashes with a built-in workload; rename the file")
+            raise ConfigError(
+                f"the trace's name {wl.key!r} clashes with a built-in workload; rename the file"
+            )
         workloads[wl.key], trace_key = wl, wl.key
     if not workloads:
         raise ConfigError("no workload to run: give --workloads or --trace")
@@ -128,7 +186,9 @@ def _run_offline(args, base: dict, specs, workloads: dict, on_result) -> None:
     for spec in specs:
         for key in spec.workloads:
             engine = factory.build(**spec.overrides)
-            result = run_offline(engine, workloads[key], spec.label, spec.overrides, progress=not args.no_progress)
+            result = run_offline(
+                engine, workloads[key], spec.label, spec.overrides, progress=not args.no_progress
+            )
             result.extra["model_load_s"] = factory.load_s
             on_result(result)
             del engine
@@ -143,8 +203,17 @@ def _run_online(args, base: dict, specs, workloads: dict, on_result) -> None:
     for spec in specs:
         with ServerProcess({**base, **spec.overrides}, args.server_startup_timeout) as server:
             for key in spec.workloads:
-                on_result(run_online(server, workloads[key], spec.label, spec.overrides, load, vocab,
-                                     progress=not args.no_progress))
+                on_result(
+                    run_online(
+                        server,
+                        workloads[key],
+                        spec.label,
+                        spec.overrides,
+                        load,
+                        vocab,
+                        progress=not args.no_progress,
+                    )
+                )
 
 
 class _Session:
@@ -175,11 +244,19 @@ class _Session:
             session.commit, session.command = doc["commit"], doc["command"]
             session.peers = [PeerFigures(**p) for p in doc["peers"]]
             session.results = [RunResult.from_json(r) for r in doc["runs"]]
-            for key in ("suite", "suite_pool_tokens", "suite_max_model_len", "online", "concurrency"):
+            for key in (
+                "suite",
+                "suite_pool_tokens",
+                "suite_max_model_len",
+                "online",
+                "concurrency",
+            ):
                 setattr(args, key, doc["settings"][key])
             args.request_rate = doc["settings"]["request_rate"] or math.inf
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"--from-json {path}: not a pagedkv bench result ({type(e).__name__}: {e})") from None
+            raise ConfigError(
+                f"--from-json {path}: not a pagedkv bench result ({type(e).__name__}: {e})"
+            ) from None
         return session
 
     def add(self, result) -> None:
@@ -202,29 +279,49 @@ class _Session:
             self._write_json(complete=True)
         if self.args.plot:
             from pagedkv.bench.plot import plot_all
+
             for path in plot_all(self.results, self.args.plot):
                 print(f"wrote {path}", file=sys.stderr)
 
     def _ratios(self) -> list:
         from pagedkv.bench.suite import suite_ratios
 
-        return suite_ratios(self.results, self.peers, self.args.suite_pool_tokens) if self.args.suite else []
+        return (
+            suite_ratios(self.results, self.peers, self.args.suite_pool_tokens)
+            if self.args.suite
+            else []
+        )
 
     def _write_json(self, complete: bool) -> None:
         from pagedkv.bench import report
 
         a = self.args
-        settings = {"engine_options": self.base, "online": a.online, "concurrency": a.concurrency,
-                    "request_rate": None if math.isinf(a.request_rate) else a.request_rate, "suite": a.suite,
-                    "suite_pool_tokens": a.suite_pool_tokens, "suite_max_model_len": a.suite_max_model_len}
-        doc = report.build_document(command=self.command, machine=self.machine, commit=self.commit,
-                                    workloads=self.summaries, results=self.results, peers=self.peers,
-                                    ratios=self._ratios(), settings=settings)
+        settings = {
+            "engine_options": self.base,
+            "online": a.online,
+            "concurrency": a.concurrency,
+            "request_rate": None if math.isinf(a.request_rate) else a.request_rate,
+            "suite": a.suite,
+            "suite_pool_tokens": a.suite_pool_tokens,
+            "suite_max_model_len": a.suite_max_model_len,
+        }
+        doc = report.build_document(
+            command=self.command,
+            machine=self.machine,
+            commit=self.commit,
+            workloads=self.summaries,
+            results=self.results,
+            peers=self.peers,
+            ratios=self._ratios(),
+            settings=settings,
+        )
         doc["complete"] = complete
         report.write_json(doc, a.out)
 
 
 def _one_line(r) -> str:
-    return (f"{r.workload} {r.label} ({r.mode}): {r.output_tok_s:.1f} out tok/s, {r.wall_s:.1f}s, "
-            f"peak running {r.peak_running}, preemptions {r.preemptions}"
-            + (f", {r.errors} errors" if r.errors else ""))
+    return (
+        f"{r.workload} {r.label} ({r.mode}): {r.output_tok_s:.1f} out tok/s, {r.wall_s:.1f}s, "
+        f"peak running {r.peak_running}, preemptions {r.preemptions}"
+        + (f", {r.errors} errors" if r.errors else "")
+    )

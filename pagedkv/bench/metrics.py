@@ -1,4 +1,5 @@
 """Small measurement helpers shared by the offline and online runners."""
+
 from __future__ import annotations
 
 import os
@@ -34,7 +35,7 @@ def rss_mb() -> float:
 def _busy_cpu_s() -> float:
     """Non-idle CPU seconds of the whole machine since boot (/proc/stat)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)     # idle + iowait
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
@@ -88,9 +89,13 @@ def machine_info() -> dict:
     """CPU model, core count, memory and software versions, for the report header."""
     import torch
 
-    info: dict[str, object] = {"python": platform.python_version(), "torch": torch.__version__,
-                               "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "platform": platform.platform()}
+    info: dict[str, object] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -108,10 +113,21 @@ def git_commit() -> str | None:
     """The repository's HEAD (with '+dirty' when our own files changed), or None outside a checkout."""
     repo = Path(__file__).resolve().parents[2]
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "pagedkv"], cwd=repo,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "pagedkv"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("+dirty" if dirty else "")

@@ -4,6 +4,7 @@ All requests arrive at once (as in `LLM.generate`); the clock runs from the
 first add_request to the last finished request. A tiny warm-up request runs
 first and is not counted; the prefix cache is emptied after it.
 """
+
 from __future__ import annotations
 
 import gc
@@ -19,7 +20,8 @@ from pagedkv.config import EngineConfig
 @dataclass
 class EngineFactory:
     """Builds one engine per run, loading the model once and sharing it (runs differ only in cache options)."""
-    base: dict                               # EngineConfig options common to every run
+
+    base: dict  # EngineConfig options common to every run
     _loaded: object = field(default=None, repr=False)
     load_s: float | None = None
 
@@ -97,16 +99,28 @@ def latencies(outputs) -> dict[str, list[float]]:
     return {"ttft": ttft, "itl": itl, "e2e": e2e}
 
 
-def run_offline(engine, workload: Workload, label: str, options: dict, progress: bool = True) -> RunResult:
+def run_offline(
+    engine, workload: Workload, label: str, options: dict, progress: bool = True
+) -> RunResult:
     """Run the whole workload through `engine` and measure it."""
     from tqdm import tqdm
 
     warm_up(engine)
     gc.collect()
-    kv0, pre0, gen0 = engine.kv.stats(), engine.scheduler.num_preemptions, engine.generation_tokens_total
+    kv0, pre0, gen0 = (
+        engine.kv.stats(),
+        engine.scheduler.num_preemptions,
+        engine.generation_tokens_total,
+    )
     timeline = _Timeline()
-    bar = tqdm(total=workload.output_tokens, desc=f"{workload.key} {label}", unit="tok",
-               disable=not progress, dynamic_ncols=True, leave=False)
+    bar = tqdm(
+        total=workload.output_tokens,
+        desc=f"{workload.key} {label}",
+        unit="tok",
+        disable=not progress,
+        dynamic_ncols=True,
+        leave=False,
+    )
     finals = {}
     with CpuMeter() as cpu:
         t0 = time.monotonic()
@@ -128,20 +142,42 @@ def run_offline(engine, workload: Workload, label: str, options: dict, progress:
     queries = kv1.prefix_queries - kv0.prefix_queries
     lat = latencies(outputs)
     return RunResult(
-        label=label, mode="offline", workload=workload.key, options=options, requests=len(outputs),
-        prompt_tokens=workload.prompt_tokens, output_tokens=out_tokens, wall_s=round(wall, 4),
-        output_tok_s=rate(out_tokens, wall), total_tok_s=rate(workload.prompt_tokens + out_tokens, wall),
+        label=label,
+        mode="offline",
+        workload=workload.key,
+        options=options,
+        requests=len(outputs),
+        prompt_tokens=workload.prompt_tokens,
+        output_tokens=out_tokens,
+        wall_s=round(wall, 4),
+        output_tok_s=rate(out_tokens, wall),
+        total_tok_s=rate(workload.prompt_tokens + out_tokens, wall),
         requests_per_s=rate(len(outputs), wall),
-        ttft=summarize(lat["ttft"]), itl=summarize(lat["itl"]), e2e=summarize(lat["e2e"]),
-        peak_running=max(timeline.running), kv_util_mean=timeline.util_mean(),
+        ttft=summarize(lat["ttft"]),
+        itl=summarize(lat["itl"]),
+        e2e=summarize(lat["e2e"]),
+        peak_running=max(timeline.running),
+        kv_util_mean=timeline.util_mean(),
         kv_usage_peak=max(timeline.kv_usage),
         prefix_hit_rate=round((kv1.prefix_hits - kv0.prefix_hits) / queries, 4) if queries else 0.0,
-        cached_tokens=cached, prompt_tokens_computed=workload.prompt_tokens - cached,
-        preemptions=engine.scheduler.num_preemptions - pre0, peak_rss_mb=round(timeline.rss_peak, 1),
+        cached_tokens=cached,
+        prompt_tokens_computed=workload.prompt_tokens - cached,
+        preemptions=engine.scheduler.num_preemptions - pre0,
+        peak_rss_mb=round(timeline.rss_peak, 1),
         other_load=cpu.other_load,
-        extra={"steps": len(timeline.t) - 1, "kv_blocks": kv1.num_blocks, "block_size": engine.kv.block_size,
-               "kv_token_capacity": kv1.num_blocks * engine.kv.block_size, "max_model_len": engine.max_model_len},
-        timeline={"t": timeline.t, "running": timeline.running, "waiting": timeline.waiting,
-                  "kv_usage": timeline.kv_usage, "kv_util": timeline.kv_util},
+        extra={
+            "steps": len(timeline.t) - 1,
+            "kv_blocks": kv1.num_blocks,
+            "block_size": engine.kv.block_size,
+            "kv_token_capacity": kv1.num_blocks * engine.kv.block_size,
+            "max_model_len": engine.max_model_len,
+        },
+        timeline={
+            "t": timeline.t,
+            "running": timeline.running,
+            "waiting": timeline.waiting,
+            "kv_usage": timeline.kv_usage,
+            "kv_util": timeline.kv_util,
+        },
         latencies={k: [round(x, 5) for x in v] for k, v in lat.items()},
     )

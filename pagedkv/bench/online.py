@@ -7,6 +7,7 @@ token count comes from the stream's usage chunk. The server's /metrics is
 scraped during the run for running requests and KV usage over time, and
 before and after it for prefix-cache and preemption counters.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,8 @@ METRIC = "pagedkv:"
 
 @dataclass
 class LoadSpec:
-    concurrency: int | None = None      # at most this many requests in flight (None: no limit)
-    request_rate: float = math.inf      # Poisson arrivals per second (inf: all at once)
+    concurrency: int | None = None  # at most this many requests in flight (None: no limit)
+    request_rate: float = math.inf  # Poisson arrivals per second (inf: all at once)
     seed: int = 0
 
 
@@ -49,6 +50,7 @@ class RequestRecord:
 
 # ---------------------------------------------------------------- the server process
 
+
 def engine_flags(options: dict) -> list[str]:
     """EngineConfig options -> `pagedkv serve` flags (booleans become --x / --no-x)."""
     flags: list[str] = []
@@ -58,7 +60,7 @@ def engine_flags(options: dict) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, list):   # --served-model-name a b
+        elif isinstance(value, list):  # --served-model-name a b
             flags += [flag, *map(str, value)]
         else:
             flags += [flag, str(value)]
@@ -86,15 +88,28 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         import httpx
 
-        cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               *engine_flags(self.options)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagedkv.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *engine_flags(self.options),
+        ]
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         while time.monotonic() - t0 < self.startup_timeout:
             if self.proc.poll() is not None:
-                raise ConfigError(f"pagedkv serve exited with code {self.proc.returncode} before it was ready: "
-                                  f"{self._last_log_line()} (log: {self.log_path})")
+                raise ConfigError(
+                    f"pagedkv serve exited with code {self.proc.returncode} before it was ready: "
+                    f"{self._last_log_line()} (log: {self.log_path})"
+                )
             try:
                 if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
                     self.startup_s = round(time.monotonic() - t0, 2)
@@ -103,7 +118,9 @@ class ServerProcess:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise ConfigError(f"pagedkv serve was not ready after {self.startup_timeout:.0f}s (log: {self.log_path})")
+        raise ConfigError(
+            f"pagedkv serve was not ready after {self.startup_timeout:.0f}s (log: {self.log_path})"
+        )
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -130,7 +147,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     for line in text.splitlines():
         if not line.startswith(METRIC):
             continue
-        name = line.split("{", 1)[0].split(" ", 1)[0][len(METRIC):]
+        name = line.split("{", 1)[0].split(" ", 1)[0][len(METRIC) :]
         try:
             values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
         except (IndexError, ValueError):
@@ -140,12 +157,22 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 # ---------------------------------------------------------------- the load generator
 
-async def _stream_one(client, model: str, req: BenchRequest, sem: asyncio.Semaphore | None) -> RequestRecord:
+
+async def _stream_one(
+    client, model: str, req: BenchRequest, sem: asyncio.Semaphore | None
+) -> RequestRecord:
     if sem is not None:
         await sem.acquire()
     rec = RequestRecord(start=time.perf_counter())
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -176,11 +203,14 @@ def _read_chunk(obj: dict, rec: RequestRecord, now: float) -> None:
     usage = obj.get("usage")
     if usage:
         rec.output_tokens = int(usage.get("completion_tokens", 0))
-        rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        rec.cached_tokens = int(
+            (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        )
 
 
-async def generate_load(client, model: str, requests: list[BenchRequest], load: LoadSpec,
-                        on_done=None) -> list[RequestRecord]:
+async def generate_load(
+    client, model: str, requests: list[BenchRequest], load: LoadSpec, on_done=None
+) -> list[RequestRecord]:
     """Send every request (Poisson arrivals or all at once, at most `concurrency` in flight)."""
     sem = asyncio.Semaphore(load.concurrency) if load.concurrency else None
     rng = random.Random(load.seed)
@@ -195,7 +225,9 @@ async def generate_load(client, model: str, requests: list[BenchRequest], load: 
     return list(await asyncio.gather(*tasks))
 
 
-async def _poll_metrics(client, t0: float, series: dict[str, list], stop: asyncio.Event, every: float) -> None:
+async def _poll_metrics(
+    client, t0: float, series: dict[str, list], stop: asyncio.Event, every: float
+) -> None:
     while not stop.is_set():
         try:
             m = parse_metrics((await client.get("/metrics")).text)
@@ -206,30 +238,53 @@ async def _poll_metrics(client, t0: float, series: dict[str, list], stop: asynci
             series["running"].append(int(m.get("num_requests_running", 0)))
             series["waiting"].append(int(m.get("num_requests_waiting", 0)))
             series["kv_usage"].append(round(m.get("kv_cache_usage_perc", 0.0), 5))
-            series["kv_util"].append(round(m["kv_token_utilization"], 5) if m.get("kv_cache_usage_perc") else None)
+            series["kv_util"].append(
+                round(m["kv_token_utilization"], 5) if m.get("kv_cache_usage_perc") else None
+            )
         try:
             await asyncio.wait_for(stop.wait(), every)
         except TimeoutError:
             pass
 
 
-async def _run_async(base_url: str, workload: Workload, load: LoadSpec, progress: bool, label: str,
-                     vocab_size: int, poll_every: float):
+async def _run_async(
+    base_url: str,
+    workload: Workload,
+    load: LoadSpec,
+    progress: bool,
+    label: str,
+    vocab_size: int,
+    poll_every: float,
+):
     import httpx
     from tqdm import tqdm
 
     limits = httpx.Limits(max_connections=max(len(workload.requests), 1) + 4)
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(None), limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=httpx.Timeout(None), limits=limits
+    ) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         lo, _ = token_range(vocab_size)
         warm = await _stream_one(client, model, BenchRequest(list(range(lo, lo + 8)), 2), None)
         if warm.error:
             raise ConfigError(f"the warm-up request failed: {warm.error}")
         before = parse_metrics((await client.get("/metrics")).text)
-        series: dict[str, list] = {"t": [], "running": [], "waiting": [], "kv_usage": [], "kv_util": []}
+        series: dict[str, list] = {
+            "t": [],
+            "running": [],
+            "waiting": [],
+            "kv_usage": [],
+            "kv_util": [],
+        }
         stop = asyncio.Event()
-        bar = tqdm(total=len(workload.requests), desc=f"{workload.key} {label}", unit="req",
-                   disable=not progress, dynamic_ncols=True, leave=False)
+        bar = tqdm(
+            total=len(workload.requests),
+            desc=f"{workload.key} {label}",
+            unit="req",
+            disable=not progress,
+            dynamic_ncols=True,
+            leave=False,
+        )
         t0 = time.perf_counter()
         poller = asyncio.create_task(_poll_metrics(client, t0, series, stop, poll_every))
         records = await generate_load(client, model, workload.requests, load, lambda: bar.update(1))
@@ -241,33 +296,57 @@ async def _run_async(base_url: str, workload: Workload, load: LoadSpec, progress
     return records, wall, series, before, after
 
 
-def records_result(records: list[RequestRecord], wall: float, workload: Workload, label: str, options: dict,
-                   series: dict, before: dict, after: dict, extra: dict) -> RunResult:
+def records_result(
+    records: list[RequestRecord],
+    wall: float,
+    workload: Workload,
+    label: str,
+    options: dict,
+    series: dict,
+    before: dict,
+    after: dict,
+    extra: dict,
+) -> RunResult:
     """Aggregate the per-request records and the server's counters into a RunResult."""
     ok = [r for r in records if r.error is None]
     ttft = [r.chunk_times[0] - r.start for r in ok if r.chunk_times]
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-    e2e = [r.end - r.start for r in ok if r.end is not None]   # set for every returned record
+    e2e = [r.end - r.start for r in ok if r.end is not None]  # set for every returned record
     out_tokens = sum(r.output_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
+
     queries = delta("prefix_cache_queries_total")
     errors = [r.error for r in records if r.error]
     return RunResult(
-        label=label, mode="online", workload=workload.key, options=options, requests=len(ok),
-        prompt_tokens=workload.prompt_tokens, output_tokens=out_tokens, wall_s=round(wall, 4),
-        output_tok_s=rate(out_tokens, wall), total_tok_s=rate(workload.prompt_tokens + out_tokens, wall),
-        requests_per_s=rate(len(ok), wall), ttft=summarize(ttft), itl=summarize(itl), e2e=summarize(e2e),
+        label=label,
+        mode="online",
+        workload=workload.key,
+        options=options,
+        requests=len(ok),
+        prompt_tokens=workload.prompt_tokens,
+        output_tokens=out_tokens,
+        wall_s=round(wall, 4),
+        output_tok_s=rate(out_tokens, wall),
+        total_tok_s=rate(workload.prompt_tokens + out_tokens, wall),
+        requests_per_s=rate(len(ok), wall),
+        ttft=summarize(ttft),
+        itl=summarize(itl),
+        e2e=summarize(e2e),
         peak_running=max(series["running"], default=None),
         kv_util_mean=_mean([u for u in series["kv_util"] if u is not None]),
         kv_usage_peak=max(series["kv_usage"], default=None),
         prefix_hit_rate=round(delta("prefix_cache_hits_total") / queries, 4) if queries else 0.0,
-        cached_tokens=cached, prompt_tokens_computed=workload.prompt_tokens - cached,
-        preemptions=int(delta("num_preemptions_total")), errors=len(errors),
-        extra={**extra, **({"first_error": errors[0]} if errors else {})}, timeline=series,
-        latencies={"ttft": _r(ttft), "itl": _r(itl), "e2e": _r(e2e)})
+        cached_tokens=cached,
+        prompt_tokens_computed=workload.prompt_tokens - cached,
+        preemptions=int(delta("num_preemptions_total")),
+        errors=len(errors),
+        extra={**extra, **({"first_error": errors[0]} if errors else {})},
+        timeline=series,
+        latencies={"ttft": _r(ttft), "itl": _r(itl), "e2e": _r(e2e)},
+    )
 
 
 def _mean(values: list[float]) -> float | None:
@@ -278,14 +357,26 @@ def _r(values: list[float]) -> list[float]:
     return [round(v, 5) for v in values]
 
 
-def run_online(server: ServerProcess, workload: Workload, label: str, options: dict, load: LoadSpec,
-               vocab_size: int, progress: bool = True, poll_every: float = 0.5) -> RunResult:
+def run_online(
+    server: ServerProcess,
+    workload: Workload,
+    label: str,
+    options: dict,
+    load: LoadSpec,
+    vocab_size: int,
+    progress: bool = True,
+    poll_every: float = 0.5,
+) -> RunResult:
     """Run the workload against a started server and measure it from the client's side."""
-    with CpuMeter() as cpu:   # the server is our child: its CPU counts as our own
+    with CpuMeter() as cpu:  # the server is our child: its CPU counts as our own
         records, wall, series, before, after = asyncio.run(
-            _run_async(server.base_url, workload, load, progress, label, vocab_size, poll_every))
-    extra = {"concurrency": load.concurrency, "request_rate": None if math.isinf(load.request_rate)
-             else load.request_rate, "server_startup_s": server.startup_s}
+            _run_async(server.base_url, workload, load, progress, label, vocab_size, poll_every)
+        )
+    extra = {
+        "concurrency": load.concurrency,
+        "request_rate": None if math.isinf(load.request_rate) else load.request_rate,
+        "server_startup_s": server.startup_s,
+    }
     result = records_result(records, wall, workload, label, options, series, before, after, extra)
     result.peak_rss_mb = _server_rss_mb(server)
     result.other_load = cpu.other_load
@@ -310,4 +401,3 @@ def model_vocab_size(model: str | None) -> int:
     from pagedkv.model.loader import read_checkpoint
 
     return read_checkpoint(model)[0].config.vocab_size
-

@@ -5,6 +5,7 @@ $PEERS_RESULTS): {"peer": name, "results": [{"workload": "W1-mixed",
 "output_tok_s": ...}, ...]}. Without them the figures come from
 shared/bench/README.md, labelled as not measured in this run.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,9 @@ _NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 @dataclass
 class PeerFigures:
     peer: str
-    tok_s: dict[str, float | None]     # workload key -> best output tok/s
-    cells: dict[str, str]              # workload key -> what to print (the README's text, or the number)
-    source: str                        # "measured <path>" or "README (earlier runs, not this one)"
+    tok_s: dict[str, float | None]  # workload key -> best output tok/s
+    cells: dict[str, str]  # workload key -> what to print (the README's text, or the number)
+    source: str  # "measured <path>" or "README (earlier runs, not this one)"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -84,7 +85,9 @@ def _best(cell: str) -> float | None:
     return max(numbers) if numbers else None
 
 
-def load_peers(results_dir: str | None = None, readme: str | Path | None = None) -> list[PeerFigures]:
+def load_peers(
+    results_dir: str | None = None, readme: str | Path | None = None
+) -> list[PeerFigures]:
     """Measured results when any exist, else the README's figures (empty when neither is found)."""
     results_dir = results_dir or os.environ.get("PEERS_RESULTS", DEFAULT_RESULTS_DIR)
     peers = from_results(results_dir) if Path(results_dir).is_dir() else []
@@ -92,13 +95,22 @@ def load_peers(results_dir: str | None = None, readme: str | Path | None = None)
         return peers
     if readme is None:
         repo = Path(__file__).resolve().parents[2]
-        readme = next((p for p in (repo.parent / "shared/bench/README.md", repo / "shared/bench/README.md")
-                       if p.is_file()), None)
+        readme = next(
+            (
+                p
+                for p in (repo.parent / "shared/bench/README.md", repo / "shared/bench/README.md")
+                if p.is_file()
+            ),
+            None,
+        )
     return from_readme(readme) if readme else []
 
 
 def best_of(peers: list[PeerFigures], match: str, key: str) -> tuple[float, str] | None:
     """The best figure on workload `key` among peers whose name contains `match` (case-insensitive)."""
-    found = [(tok_s, p.peer) for p in peers
-             if match.lower() in p.peer.lower() and (tok_s := p.tok_s.get(key))]
+    found = [
+        (tok_s, p.peer)
+        for p in peers
+        if match.lower() in p.peer.lower() and (tok_s := p.tok_s.get(key))
+    ]
     return max(found) if found else None

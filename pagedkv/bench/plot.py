@@ -1,4 +1,5 @@
 """PNG charts of a bench run (matplotlib, Agg backend): throughput, latency distributions, KV over time."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,8 +17,11 @@ def plot_all(results: list[RunResult], out_dir: str | Path) -> list[Path]:
     plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [_throughput(plt, results, out / "throughput.png"), _latency(plt, results, out / "latency.png"),
-             _kv(plt, results, out / "kv.png")]
+    paths = [
+        _throughput(plt, results, out / "throughput.png"),
+        _latency(plt, results, out / "latency.png"),
+        _kv(plt, results, out / "kv.png"),
+    ]
     return [p for p in paths if p is not None]
 
 
@@ -37,7 +41,11 @@ def _throughput(plt, results: list[RunResult], path: Path) -> Path:
 
 
 def _latency(plt, results: list[RunResult], path: Path) -> Path | None:
-    kinds = [("ttft", "time to first token (s)"), ("itl", "inter-token latency (ms)"), ("e2e", "end-to-end (s)")]
+    kinds = [
+        ("ttft", "time to first token (s)"),
+        ("itl", "inter-token latency (ms)"),
+        ("e2e", "end-to-end (s)"),
+    ]
     with_data = [r for r in results if r.latencies.get("e2e")]
     if not with_data:
         return None
@@ -63,7 +71,7 @@ def _kv(plt, results: list[RunResult], path: Path) -> Path | None:
     fig, (top, mid, bottom) = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
     for r in with_data:
         t = r.timeline["t"]
-        line, = top.plot(t, r.timeline["kv_usage"], label=_name(r))
+        (line,) = top.plot(t, r.timeline["kv_usage"], label=_name(r))
         util = [(x, u) for x, u in zip(t, r.timeline["kv_util"]) if u is not None]
         if util:
             mid.plot(*zip(*util), color=line.get_color())

@@ -1,4 +1,5 @@
 """What one benchmark run reports, the same shape offline and online (online leaves engine-internal fields None)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -6,29 +7,29 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class RunResult:
-    label: str                      # the configuration, e.g. "paged, prefix on"
-    mode: str                       # "offline" | "online"
-    workload: str                   # "W1", "W2", "W3" or a trace's stem
-    options: dict                   # engine options that differ from the defaults
+    label: str  # the configuration, e.g. "paged, prefix on"
+    mode: str  # "offline" | "online"
+    workload: str  # "W1", "W2", "W3" or a trace's stem
+    options: dict  # engine options that differ from the defaults
     requests: int
-    prompt_tokens: int              # sent
-    output_tokens: int              # received
+    prompt_tokens: int  # sent
+    output_tokens: int  # received
     wall_s: float
     output_tok_s: float
     total_tok_s: float
     requests_per_s: float
-    ttft: dict                      # metrics.summarize() of seconds
+    ttft: dict  # metrics.summarize() of seconds
     itl: dict
     e2e: dict
     peak_running: int | None = None
-    kv_util_mean: float | None = None     # mean over steps of tokens held / slots allocated
-    kv_usage_peak: float | None = None    # peak share of the pool's blocks in use
+    kv_util_mean: float | None = None  # mean over steps of tokens held / slots allocated
+    kv_usage_peak: float | None = None  # peak share of the pool's blocks in use
     prefix_hit_rate: float | None = None  # prompt tokens served from the cache / looked up
     cached_tokens: int | None = None
-    prompt_tokens_computed: int | None = None   # sent - cached
+    prompt_tokens_computed: int | None = None  # sent - cached
     preemptions: int | None = None
     peak_rss_mb: float | None = None
-    other_load: float | None = None       # cores other processes kept busy on average (noise)
+    other_load: float | None = None  # cores other processes kept busy on average (noise)
     errors: int = 0
     extra: dict = field(default_factory=dict)
     # series for the plots: {"t": [...], "running": [...], "kv_usage": [...], "kv_util": [...]}

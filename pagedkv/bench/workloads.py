@@ -6,6 +6,7 @@ copy of its generator below, which draws the same numbers in the same order
 (same checksums). Requests are greedy with EOS ignored, so each yields exactly
 its max_tokens.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,7 +21,7 @@ from pathlib import Path
 from pagedkv.config import ConfigError
 
 SEED = 20261129
-VOCAB_LO, VOCAB_HI = 1000, 40000   # the shared workloads draw token ids from [VOCAB_LO, VOCAB_HI)
+VOCAB_LO, VOCAB_HI = 1000, 40000  # the shared workloads draw token ids from [VOCAB_LO, VOCAB_HI)
 WORKLOAD_KEYS = ("W1", "W2", "W3")
 
 
@@ -32,11 +33,11 @@ class BenchRequest:
 
 @dataclass
 class Workload:
-    key: str                  # "W1", or the trace file's stem
-    name: str                 # "W1-mixed"
+    key: str  # "W1", or the trace file's stem
+    name: str  # "W1-mixed"
     requests: list[BenchRequest]
     shared_prefix_len: int = 0
-    source: str = "builtin"   # "shared:<path>", "builtin" or "trace:<path>"
+    source: str = "builtin"  # "shared:<path>", "builtin" or "trace:<path>"
 
     @property
     def prompt_tokens(self) -> int:
@@ -58,12 +59,21 @@ class Workload:
         return h.hexdigest()[:16]
 
     def summary(self) -> dict:
-        return {"key": self.key, "name": self.name, "requests": len(self.requests),
-                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
-                "shared_prefix_len": self.shared_prefix_len, "checksum": self.checksum(), "source": self.source}
+        return {
+            "key": self.key,
+            "name": self.name,
+            "requests": len(self.requests),
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "shared_prefix_len": self.shared_prefix_len,
+            "checksum": self.checksum(),
+            "source": self.source,
+        }
 
 
-# ---------------------------------------------------------------- built-in copy of the shared generator
+# ---------------------------------------------------------------- built-in copy of the shared
+# generator
+
 
 def _draw(rng: random.Random, n: int, lo: int = VOCAB_LO, hi: int = VOCAB_HI) -> list[int]:
     return [rng.randrange(lo, hi) for _ in range(n)]
@@ -72,7 +82,7 @@ def _draw(rng: random.Random, n: int, lo: int = VOCAB_LO, hi: int = VOCAB_HI) ->
 def _w1(seed: int) -> Workload:
     rng = random.Random(seed + 1)
     sigma = 0.8
-    mu = math.log(128) - sigma * sigma / 2      # lognormal with mean 128
+    mu = math.log(128) - sigma * sigma / 2  # lognormal with mean 128
     reqs = []
     for _ in range(64):
         plen = rng.randint(64, 512)
@@ -102,6 +112,7 @@ def builtin_workload(key: str, seed: int = SEED) -> Workload:
 
 # ---------------------------------------------------------------- the shared file
 
+
 def find_shared_file(explicit: str | None = None) -> Path | None:
     """`--workloads-file`, else ../shared/bench/workloads.py beside the repository, else None."""
     if explicit:
@@ -120,9 +131,9 @@ def find_shared_file(explicit: str | None = None) -> Path | None:
 def _shared_workload(path: Path, key: str) -> Workload:
     name = "pagedkv_shared_workloads"
     spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None   # a .py file always gets both
+    assert spec is not None and spec.loader is not None  # a .py file always gets both
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module     # its dataclasses look their module up while being defined
+    sys.modules[name] = module  # its dataclasses look their module up while being defined
     try:
         spec.loader.exec_module(module)
         wl = module.get(key)
@@ -136,12 +147,15 @@ def load_workloads(keys: list[str], workloads_file: str | None = None) -> list[W
     """W1/W2/W3 by key, from the shared file when there is one."""
     unknown = [k for k in keys if k not in WORKLOAD_KEYS]
     if unknown:
-        raise ConfigError(f"unknown workload {unknown[0]!r} (choose from {', '.join(WORKLOAD_KEYS)})")
+        raise ConfigError(
+            f"unknown workload {unknown[0]!r} (choose from {', '.join(WORKLOAD_KEYS)})"
+        )
     path = find_shared_file(workloads_file)
     return [_shared_workload(path, k) if path else builtin_workload(k) for k in keys]
 
 
 # ---------------------------------------------------------------- traces
+
 
 def token_range(vocab_size: int) -> tuple[int, int]:
     """Where random prompt ids come from: the shared range, shrunk to fit a small vocabulary."""
@@ -155,6 +169,7 @@ class Trace:
 
     Prompts are drawn once the model's vocabulary is known. With shared_prefix N every prompt starts
     with the same N tokens (or is all prefix when shorter): requests that share a system prompt."""
+
     path: str
     lines: list
     shared_prefix: int = 0
@@ -170,9 +185,15 @@ class Trace:
         prefix = _draw(rng, self.shared_prefix, lo, hi)
         reqs = []
         for t in self.lines:
-            head = prefix[:t.prompt_tokens]
-            reqs.append(BenchRequest(head + _draw(rng, t.prompt_tokens - len(head), lo, hi), t.output_tokens))
-        return Workload(self.key, f"trace-{self.key}", reqs, self.shared_prefix, f"trace:{self.path}")
+            head = prefix[: t.prompt_tokens]
+            reqs.append(
+                BenchRequest(
+                    head + _draw(rng, t.prompt_tokens - len(head), lo, hi), t.output_tokens
+                )
+            )
+        return Workload(
+            self.key, f"trace-{self.key}", reqs, self.shared_prefix, f"trace:{self.path}"
+        )
 
 
 def read_trace(path: str, shared_prefix: int = 0, seed: int = SEED) -> Trace:

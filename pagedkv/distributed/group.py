@@ -7,6 +7,7 @@ the forward, and the two all-reduces per layer keep every rank's hidden states
 equal. A worker that dies makes rank 0's next collective fail: the error names
 the rank and its exit code, and the engine stops (the server exits non-zero).
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,11 +26,14 @@ from torch import Tensor
 from pagedkv.config import ConfigError, EngineConfig
 
 log = logging.getLogger("pagedkv")
-TIMEOUT = datetime.timedelta(minutes=10)   # one collective may wait out a long prefill on a slow rank
+TIMEOUT = datetime.timedelta(
+    minutes=10
+)  # one collective may wait out a long prefill on a slow rank
 
 
 class TensorParallelError(RuntimeError):
     """A rank is gone: the engine cannot run another step (fatal, not one request's fault)."""
+
     fatal = True
 
 
@@ -60,22 +64,33 @@ class TensorParallelGroup:
     def __init__(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.world = config.tensor_parallel_size
         if config.kv_offload_host_memory or config.kv_offload_dir:
-            raise ConfigError("--tensor-parallel-size > 1 does not support the KV offload tiers yet "
-                              "(--kv-offload-host-memory, --kv-offload-dir)")
+            raise ConfigError(
+                "--tensor-parallel-size > 1 does not support the KV offload tiers yet "
+                "(--kv-offload-host-memory, --kv-offload-dir)"
+            )
         if dist.is_initialized():
             raise ConfigError("one tensor-parallel engine per process: close the other first")
         self._dir = tempfile.TemporaryDirectory(prefix="pagedkv-tp-")
         init = f"file://{os.path.join(self._dir.name, 'rendezvous')}"
         ctx = mp.get_context("spawn")
-        worker_config = copy.copy(config)      # not dataclasses.replace: parsing sizes again would rescale them
+        worker_config = copy.copy(
+            config
+        )  # not dataclasses.replace: parsing sizes again would rescale them
         worker_config.dtype = str(dtype).removeprefix("torch.")
-        self.procs = [ctx.Process(target=_worker_main, name=f"pagedkv-tp-rank{r}", daemon=True,
-                                  args=(r, self.world, init, worker_config))
-                      for r in range(1, self.world)]
+        self.procs = [
+            ctx.Process(
+                target=_worker_main,
+                name=f"pagedkv-tp-rank{r}",
+                daemon=True,
+                args=(r, self.world, init, worker_config),
+            )
+            for r in range(1, self.world)
+        ]
         for p in self.procs:
             p.start()
-        dist.init_process_group(backend(device), init_method=init, rank=0, world_size=self.world,
-                                timeout=TIMEOUT)
+        dist.init_process_group(
+            backend(device), init_method=init, rank=0, world_size=self.world, timeout=TIMEOUT
+        )
         self.closed = False
         self._finalizer = weakref.finalize(self, _stop, self.procs)
         threading.Thread(target=self._watch, name="pagedkv-tp-watch", daemon=True).start()
@@ -91,7 +106,9 @@ class TensorParallelGroup:
         while not self.closed:
             dead = self.dead_rank()
             if dead is not None and not self.closed:
-                log.error("tensor-parallel rank %d exited (code %s): the engine cannot go on", *dead)
+                log.error(
+                    "tensor-parallel rank %d exited (code %s): the engine cannot go on", *dead
+                )
                 return
             threading.Event().wait(0.5)
 
@@ -104,7 +121,11 @@ class TensorParallelGroup:
 
     def error(self, cause: BaseException) -> TensorParallelError:
         dead = self.dead_rank()
-        what = f"rank {dead[0]} exited with code {dead[1]}" if dead else f"{type(cause).__name__}: {cause}"
+        what = (
+            f"rank {dead[0]} exited with code {dead[1]}"
+            if dead
+            else f"{type(cause).__name__}: {cause}"
+        )
         return TensorParallelError(f"tensor parallelism failed: {what}")
 
     def close(self) -> None:
@@ -132,16 +153,23 @@ def _stop(procs: list) -> None:
 
 def _worker_main(rank: int, world: int, init: str, config: EngineConfig) -> None:
     """A worker rank: build its shard and its KV storage as rank 0 does, then run what rank 0 sends until None."""
-    from pagedkv.engine.setup import build_worker_runner  # late: the spawned child imports torch first
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads()))
+    from pagedkv.engine.setup import (
+        build_worker_runner,
+    )  # late: the spawned child imports torch first
+
+    torch.set_num_threads(
+        max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
+    )
     device = torch.device("cpu")
-    dist.init_process_group(backend(device), init_method=init, rank=rank, world_size=world, timeout=TIMEOUT)
+    dist.init_process_group(
+        backend(device), init_method=init, rank=rank, world_size=world, timeout=TIMEOUT
+    )
     runner = build_worker_runner(config, rank, world, device)
     while True:
         box: list = [None]
         try:
             dist.broadcast_object_list(box, src=0)
-        except RuntimeError:       # rank 0 is gone: nothing left to serve
+        except RuntimeError:  # rank 0 is gone: nothing left to serve
             break
         if box[0] is None:
             break

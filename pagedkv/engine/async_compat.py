@@ -8,6 +8,7 @@
 The engine thread starts on the first request, on that event loop. Outputs
 are RequestOutput with vLLM's shapes (logprobs decoded as list[dict[int, Logprob]]).
 """
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -50,8 +51,13 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._started
 
-    async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
-                       request_id: str, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int] | dict,
+        sampling_params: SamplingParams,
+        request_id: str,
+        **kwargs: Any,
+    ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs as tokens arrive; the last has finished=True. Closing it aborts the request."""
         reject_unsupported("AsyncLLMEngine.generate", kwargs)
         if not isinstance(sampling_params, SamplingParams):
@@ -66,7 +72,9 @@ class AsyncLLMEngine:
         try:
             async for out in stream:
                 for o in out.outputs:
-                    o.logprobs = list(decoded.get(o.index) or []) if o.sample_logprobs is not None else None
+                    o.logprobs = (
+                        list(decoded.get(o.index) or []) if o.sample_logprobs is not None else None
+                    )
                     o.decode_logprobs(self._decode)
                     decoded[o.index] = o.logprobs
                 yield out

@@ -11,6 +11,7 @@ to its client). Anything else that escapes the loop stops it for good: every cli
 waiting, and every later one, gets EngineDeadError at once, and `error` says why, so
 the server can report unhealthy and exit for its supervisor to restart it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +28,7 @@ from pagedkv.engine.request import RequestOutput, SamplingParams
 log = logging.getLogger("pagedkv")
 
 
-STATS_INTERVAL_S = 0.2   # stats walk the whole pool: not after every step of a busy engine
+STATS_INTERVAL_S = 0.2  # stats walk the whole pool: not after every step of a busy engine
 FAILED = "the request failed inside the engine"
 
 
@@ -71,12 +72,12 @@ class AsyncLLM:
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
-        self._engine_lock = threading.Lock()   # held by a step; snapshots wait for it
-        self._wake = threading.Condition()     # guards the inbox and what follows; not held long
-        self._stats = self.engine.stats()      # refreshed between steps, read without waiting
+        self._engine_lock = threading.Lock()  # held by a step; snapshots wait for it
+        self._wake = threading.Condition()  # guards the inbox and what follows; not held long
+        self._stats = self.engine.stats()  # refreshed between steps, read without waiting
         self._stats_time = 0.0
         self._inbox: list[Command] = []
-        self._num_waiting = 0                  # in the scheduler's queue or the inbox
+        self._num_waiting = 0  # in the scheduler's queue or the inbox
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -112,8 +113,13 @@ class AsyncLLM:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt_token_ids, params)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       add_special_tokens: bool = True) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        add_special_tokens: bool = True,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Cumulative outputs as tokens arrive; the last has finished=True. Closing the iterator aborts."""
         self._check_accepting()
         self._ensure_started()
@@ -123,7 +129,9 @@ class AsyncLLM:
         with self._wake:
             self._check_accepting()
             if self._num_waiting >= self.config.max_waiting:
-                raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+                raise QueueFullError(
+                    f"the waiting queue is full ({self.config.max_waiting} requests)"
+                )
             if request_id in self._queues:
                 raise ConfigError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = queue
@@ -172,7 +180,7 @@ class AsyncLLM:
             item = RequestFailedError(f"{FAILED}: {item.error}")
         queue = self._queues.get(request_id)
         if queue is not None:
-            assert self._loop is not None             # set before any request is queued
+            assert self._loop is not None  # set before any request is queued
             self._loop.call_soon_threadsafe(queue.put_nowait, item)
             if isinstance(item, Exception) or item.finished:
                 self._queues.pop(request_id, None)
@@ -210,9 +218,9 @@ class AsyncLLM:
                 if stopping:
                     for rid in list(self.engine.groups):
                         out = self.engine.abort(rid)
-                        assert out is not None    # rid is one of the engine's groups
+                        assert out is not None  # rid is one of the engine's groups
                         self._deliver(rid, out)
-                    self.engine.close()          # drains the disk tier's write queue
+                    self.engine.close()  # drains the disk tier's write queue
                     self._stats = self.engine.stats()
                     return
                 outputs = self.engine.step() if self.engine.has_unfinished() else []
@@ -233,12 +241,14 @@ class AsyncLLM:
             queues, self._queues = self._queues, {}
             self._inbox.clear()
         for queue in queues.values():
-            assert self._loop is not None             # set before any request is queued
+            assert self._loop is not None  # set before any request is queued
             try:
                 self._loop.call_soon_threadsafe(queue.put_nowait, self._dead())
-            except RuntimeError:   # the event loop is closed: nobody is waiting
+            except RuntimeError:  # the event loop is closed: nobody is waiting
                 pass
 
     def _dead(self) -> EngineDeadError:
-        return EngineDeadError(f"the engine stopped after an internal error "
-                               f"({type(self._error).__name__}); the server is restarting")
+        return EngineDeadError(
+            f"the engine stopped after an internal error "
+            f"({type(self._error).__name__}); the server is restarting"
+        )

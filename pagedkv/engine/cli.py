@@ -1,4 +1,5 @@
 """`pagedkv generate`: one prompt through the offline engine, printed as text or JSON."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,16 +9,21 @@ import time
 
 def add_parser(sub) -> None:
     from pagedkv.cli import add_engine_args
+
     p = sub.add_parser("generate", help="generate a completion for one prompt")
     add_engine_args(p)
     p.add_argument("--prompt", required=True)
-    p.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
+    p.add_argument(
+        "--chat", action="store_true", help="render the prompt with the model's chat template"
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", action="store_true", help="print one JSON object with ids, timings and KV stats")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object with ids, timings and KV stats"
+    )
     p.set_defaults(func=run)
 
 
@@ -26,15 +32,22 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.engine.request import SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        ignore_eos=args.ignore_eos,
+    )
     config = engine_config_from_args(args)
     t0 = time.monotonic()
     engine = LLMEngine(config)
     t_load = time.monotonic() - t0
     tok = engine.tokenizer
     if args.chat:
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+        )
         ids = tok.encode(text, add_special_tokens=False)
     else:
         ids = tok.encode(args.prompt)
@@ -46,31 +59,38 @@ def run(args: argparse.Namespace) -> int:
         peak_tokens, peak_slots = max(peak_tokens, s.tokens_held), max(peak_slots, s.token_slots)
         for o in engine.step():
             out = o
-    assert out is not None                          # the loop ran until the request finished
+    assert out is not None  # the loop ran until the request finished
     comp = out.outputs[0]
     if not args.json:
         print(comp.text)
         return 0
     m = group.metrics
-    assert m.first_token_time is not None and m.finished_time is not None   # a finished request
-    print(json.dumps({
-        "text": comp.text,
-        "prompt_token_ids": out.prompt_token_ids,
-        "output_token_ids": comp.token_ids,
-        "finish_reason": comp.finish_reason,
-        "timings": {
-            "load_s": round(t_load, 3),
-            "ttft_s": round(m.first_token_time - m.arrival_time, 4),
-            "e2e_s": round(m.finished_time - m.arrival_time, 4),
-            "decode_tok_per_s": round((len(comp.token_ids) - 1) / max(m.finished_time - m.first_token_time, 1e-9), 2),
-        },
-        "kv": {
-            "block_size": engine.kv.block_size,
-            "num_blocks": engine.kv.num_blocks,
-            "blocks_used_peak": -(-peak_slots // engine.kv.block_size),
-            "tokens_held_peak": peak_tokens,
-            "token_utilization": round(peak_tokens / peak_slots, 4) if peak_slots else 1.0,
-            "num_cached_tokens": out.num_cached_tokens,
-        },
-    }))
+    assert m.first_token_time is not None and m.finished_time is not None  # a finished request
+    print(
+        json.dumps(
+            {
+                "text": comp.text,
+                "prompt_token_ids": out.prompt_token_ids,
+                "output_token_ids": comp.token_ids,
+                "finish_reason": comp.finish_reason,
+                "timings": {
+                    "load_s": round(t_load, 3),
+                    "ttft_s": round(m.first_token_time - m.arrival_time, 4),
+                    "e2e_s": round(m.finished_time - m.arrival_time, 4),
+                    "decode_tok_per_s": round(
+                        (len(comp.token_ids) - 1) / max(m.finished_time - m.first_token_time, 1e-9),
+                        2,
+                    ),
+                },
+                "kv": {
+                    "block_size": engine.kv.block_size,
+                    "num_blocks": engine.kv.num_blocks,
+                    "blocks_used_peak": -(-peak_slots // engine.kv.block_size),
+                    "tokens_held_peak": peak_tokens,
+                    "token_utilization": round(peak_tokens / peak_slots, 4) if peak_slots else 1.0,
+                    "num_cached_tokens": out.num_cached_tokens,
+                },
+            }
+        )
+    )
     return 0

@@ -5,11 +5,12 @@ over several byte-level tokens) and lose the spacing some tokenizers derive
 from context. So each step decodes a short window of recent tokens twice and
 keeps only the new, complete suffix (the scheme vLLM uses).
 """
+
 from __future__ import annotations
 
 from pagedkv.engine.sequence import Sequence
 
-_CONTEXT = 5   # tokens of left context kept in the decode window
+_CONTEXT = 5  # tokens of left context kept in the decode window
 
 
 def init_offsets(seq: Sequence) -> None:
@@ -25,23 +26,25 @@ class Detokenizer:
         """Append the new token's text to seq.text; True if a stop string now ends the output."""
         skip = seq.params.skip_special_tokens
         ids = seq.token_ids
-        prefix = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
-        full = self.tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+        prefix = self.tokenizer.decode(
+            ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip
+        )
+        full = self.tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return False   # an incomplete character: wait for the next token
+            return False  # an incomplete character: wait for the next token
         old_len = len(seq.text)
-        seq.text += full[len(prefix):]
+        seq.text += full[len(prefix) :]
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
         return self._check_stop(seq, old_len)
 
     @staticmethod
     def _check_stop(seq: Sequence, old_len: int) -> bool:
-        for stop in seq.params.stop or ():          # a list once validated
-            start = max(old_len - len(stop) + 1, 0)   # only where the new text could complete it
+        for stop in seq.params.stop or ():  # a list once validated
+            start = max(old_len - len(stop) + 1, 0)  # only where the new text could complete it
             at = seq.text.find(stop, start)
             if at != -1:
                 keep = len(stop) if seq.params.include_stop_str_in_output else 0
-                seq.text = seq.text[:at + keep]        # the stop string is shown only if asked for
+                seq.text = seq.text[: at + keep]  # the stop string is shown only if asked for
                 seq.stop_reason = stop
                 return True
         return False
@@ -58,4 +61,4 @@ def visible_text(seq: Sequence) -> str:
             if text.endswith(stop[:k]):
                 hold = k
                 break
-    return text[:len(text) - hold]
+    return text[: len(text) - hold]

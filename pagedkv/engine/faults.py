@@ -15,6 +15,7 @@ raises `InjectedFault` at STAGE, once it has AFTER output tokens (default 0):
 
 Unset (the default), the engine pays one `is None` test per stage.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,8 @@ class FaultInjector:
     stage: str
     marker: str
     tokenizer: Tokenizer
-    after: int = 0                 # output tokens the request makes before it fails
-    _matches: dict[str, bool] = field(default_factory=dict)   # request id -> has the marker
+    after: int = 0  # output tokens the request makes before it fails
+    _matches: dict[str, bool] = field(default_factory=dict)  # request id -> has the marker
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES or not self.marker:

@@ -14,6 +14,7 @@ computes in this same forward. If that sequence fails, those blocks were never
 itself, and when the failed request is freed, its unwritten blocks leave the
 cache (`KVCacheManager.uncache_uncomputed`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,6 +35,7 @@ FaultCheck = Callable[[str, Iterable[SequenceGroup]], None]
 @dataclass
 class Failures:
     """The requests failed in this step, with the cause, and the blocks left unwritten."""
+
     errors: dict[SequenceGroup, BaseException] = field(default_factory=dict)
     stale_blocks: set[int] = field(default_factory=set)
 
@@ -55,8 +57,9 @@ class IsolatedForward:
     runner: ModelRunner
     check_faults: FaultCheck | None = None
 
-    def __call__(self, scheduled: list[ScheduledSeq],
-                 failures: Failures) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
+    def __call__(
+        self, scheduled: list[ScheduledSeq], failures: Failures
+    ) -> tuple[list[ScheduledSeq], torch.Tensor | None]:
         """The sequences that sample and their logits rows, in batch order. Those that failed are
         left out, but not a sibling sample of theirs that ran before they failed."""
         try:
@@ -64,8 +67,12 @@ class IsolatedForward:
         except Exception as e:  # noqa: BLE001 - found and charged to its request below
             if device_broken(e):
                 raise
-            log.warning("a forward of %d sequences failed (%s: %s); running it in parts",
-                        len(scheduled), type(e).__name__, e)
+            log.warning(
+                "a forward of %d sequences failed (%s: %s); running it in parts",
+                len(scheduled),
+                type(e).__name__,
+                e,
+            )
         done: list[tuple[list[ScheduledSeq], torch.Tensor | None]] = []
         self._halve(scheduled, scheduled, failures, done)
         seqs = [seq for part, _ in done for seq in part]
@@ -81,13 +88,18 @@ class IsolatedForward:
             self.check_faults("after-forward", (s.seq.group for s in part))
         return sampling, logits
 
-    def _halve(self, part: list[ScheduledSeq], scheduled: list[ScheduledSeq], failures: Failures,
-               done: list[tuple[list[ScheduledSeq], torch.Tensor | None]]) -> None:
+    def _halve(
+        self,
+        part: list[ScheduledSeq],
+        scheduled: list[ScheduledSeq],
+        failures: Failures,
+        done: list[tuple[list[ScheduledSeq], torch.Tensor | None]],
+    ) -> None:
         """`part` failed as a whole: run each half (in order, so a block's writer runs before its
         readers), halving again a half that fails; a sequence that fails alone fails its request."""
         mid = len(part) // 2
         for half in (part[:mid], part[mid:]):
-            half = [s for s in half if s.seq.group not in failures]   # a sibling sample failed
+            half = [s for s in half if s.seq.group not in failures]  # a sibling sample failed
             if not half:
                 continue
             self._rewind(half, failures.stale_blocks)
@@ -108,12 +120,12 @@ class IsolatedForward:
     def _written_by(self, group: SequenceGroup, scheduled: list[ScheduledSeq]) -> set[int]:
         """The blocks this step writes for the request's sequences."""
         bs, kv, blocks = self.runner.block_size, self.runner.kv, set[int]()
-        assert kv is not None                          # the engine's runner (rank 0) holds it
+        assert kv is not None  # the engine's runner (rank 0) holds it
         for s in scheduled:
             if s.seq.group is group:
                 start = s.seq.num_computed_tokens
                 table = kv.block_table(s.seq.seq_id)
-                blocks.update(table[start // bs:(start + s.num_new_tokens - 1) // bs + 1])
+                blocks.update(table[start // bs : (start + s.num_new_tokens - 1) // bs + 1])
         return blocks
 
     def _rewind(self, part: list[ScheduledSeq], stale: set[int]) -> None:

@@ -6,6 +6,7 @@ or a list of those. Outputs carry vLLM's fields and shapes (logprobs as
 list[dict[int, Logprob]]). What vLLM accepts but this engine cannot do raises
 a ConfigError naming it; nothing is silently ignored.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,13 +30,20 @@ def to_prompt(p: Any) -> str | list[int]:
     if isinstance(p, dict):
         unknown = sorted(set(p) - _PROMPT_KEYS)
         if unknown:
-            raise ParamError("prompt", f"prompt dict keys {unknown} are not supported "
-                             "(use 'prompt' or 'prompt_token_ids')")
+            raise ParamError(
+                "prompt",
+                f"prompt dict keys {unknown} are not supported "
+                "(use 'prompt' or 'prompt_token_ids')",
+            )
         if len(p) != 1:
-            raise ParamError("prompt", "a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+            raise ParamError(
+                "prompt", "a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'"
+            )
         return to_prompt(p.get("prompt", p.get("prompt_token_ids")))
-    raise ParamError("prompt", "a prompt must be a string, a list of token ids or a prompt dict, "
-                               f"got {type(p).__name__}")
+    raise ParamError(
+        "prompt",
+        f"a prompt must be a string, a list of token ids or a prompt dict, got {type(p).__name__}",
+    )
 
 
 def reject_unsupported(method: str, kwargs: dict[str, Any]) -> None:
@@ -48,7 +56,8 @@ def reject_unsupported(method: str, kwargs: dict[str, Any]) -> None:
 def to_prompts(prompts: Any) -> list[str | list[int]]:
     """A single prompt or a sequence of them -> a list."""
     single = isinstance(prompts, (str, dict)) or (
-        isinstance(prompts, list) and bool(prompts) and all(type(t) is int for t in prompts))
+        isinstance(prompts, list) and bool(prompts) and all(type(t) is int for t in prompts)
+    )
     return [to_prompt(prompts)] if single else [to_prompt(p) for p in prompts]
 
 
@@ -75,44 +84,70 @@ class LLM:
         """SamplingParams() with the model's generation_config.json defaults (--generation-config auto)."""
         return SamplingParams(**self.engine.generation_defaults)
 
-    def generate(self, prompts: Prompt | Seq[Prompt],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, **kwargs: Any) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. A single prompt may be passed bare."""
-        if "params" in kwargs:   # pagedkv's earlier name for sampling_params
+        if "params" in kwargs:  # pagedkv's earlier name for sampling_params
             sampling_params = kwargs.pop("params")
         reject_unsupported("generate", kwargs)
         prompt_list = to_prompts(prompts)
-        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        plist: list[Any] = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompt_list)
+        params = (
+            sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        )
+        plist: list[Any] = (
+            list(params) if isinstance(params, (list, tuple)) else [params] * len(prompt_list)
+        )
         if len(plist) != len(prompt_list):
             raise ConfigError(f"got {len(plist)} SamplingParams for {len(prompt_list)} prompts")
         if not all(isinstance(p, SamplingParams) for p in plist):
             raise ConfigError("sampling_params must be a SamplingParams or a list of them")
         return self._run(prompt_list, plist, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             **kwargs: Any) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate."""
         if "params" in kwargs:
             sampling_params = kwargs.pop("params")
         reject_unsupported("chat", kwargs)
         if chat_template is not None:
-            raise ConfigError("chat(chat_template=...) is not supported: "
-                              "start the LLM with chat_template=...")
+            raise ConfigError(
+                "chat(chat_template=...) is not supported: start the LLM with chat_template=..."
+            )
         convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        ids = [self.engine.tokenize(render_chat(tok, c, add_generation_prompt=add_generation_prompt,
-                                                continue_final_message=continue_final_message,
-                                                chat_template_kwargs=chat_template_kwargs),
-                                    add_special_tokens=False)
-               for c in convs]
+        ids = [
+            self.engine.tokenize(
+                render_chat(
+                    tok,
+                    c,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template_kwargs=chat_template_kwargs,
+                ),
+                add_special_tokens=False,
+            )
+            for c in convs
+        ]
         return self.generate(ids, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[str | list[int]], plist: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[str | list[int]], plist: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.engine
         order: dict[str, int] = {}
         try:
@@ -121,13 +156,14 @@ class LLM:
                 engine.add_request(rid, prompt, p)
                 order[rid] = len(order)
         except ConfigError:
-            for rid in order:   # nothing half-submitted stays behind
+            for rid in order:  # nothing half-submitted stays behind
                 engine.abort(rid)
             raise
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = None
         if use_tqdm and len(prompts) > 1:
             from tqdm import tqdm
+
             bar = tqdm(total=len(prompts), desc="generate", unit="req", dynamic_ncols=True)
         decode = token_text(engine.tokenizer)
         while engine.has_unfinished():
@@ -143,5 +179,6 @@ class LLM:
 
 def token_text(tokenizer):
     """A token's text for Logprob.decoded_token (special tokens shown), cached per id."""
-    return functools.lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
-
+    return functools.lru_cache(maxsize=65536)(
+        lambda t: tokenizer.decode([t], skip_special_tokens=False)
+    )

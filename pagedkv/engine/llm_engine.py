@@ -5,6 +5,7 @@ text -> tokenizer -> scheduler (asks the KV manager for blocks) -> runner
 A request that fails at any of these stages ends alone (isolation.py); the
 others in its batch go on as if it had finished.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,7 +22,14 @@ from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.isolation import Failures, IsolatedForward
 from pagedkv.engine.logits_processors import bad_words_token_ids
 from pagedkv.engine.options import apply_engine_options
-from pagedkv.engine.request import ParamError, RequestOutput, SampleLogprob, SamplingParams, shown, valid_text
+from pagedkv.engine.request import (
+    ParamError,
+    RequestOutput,
+    SampleLogprob,
+    SamplingParams,
+    shown,
+    valid_text,
+)
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler
@@ -58,136 +66,193 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
-    offload_hits: int              # prompt tokens loaded back from the host / disk tiers
-    offload_saved_blocks: int      # evicted device blocks kept in a tier
-    offload_disk_writes_dropped: int = 0   # blocks the disk tier's full write queue turned away
-    spec_num_drafts: int = 0       # speculative decoding (spec_decode.py): steps that drafted,
-    spec_num_draft_tokens: int = 0     # tokens drafted,
+    offload_hits: int  # prompt tokens loaded back from the host / disk tiers
+    offload_saved_blocks: int  # evicted device blocks kept in a tier
+    offload_disk_writes_dropped: int = 0  # blocks the disk tier's full write queue turned away
+    spec_num_drafts: int = 0  # speculative decoding (spec_decode.py): steps that drafted,
+    spec_num_draft_tokens: int = 0  # tokens drafted,
     spec_num_accepted_tokens: int = 0  # and drafts accepted
-    model_weight_bytes: int = 0    # resident weights (after --quantization)
+    model_weight_bytes: int = 0  # resident weights (after --quantization)
 
 
 class LLMEngine:
-    generation_defaults: dict   # SamplingParams fields from generation_config.json (options.py)
+    generation_defaults: dict  # SamplingParams fields from generation_config.json (options.py)
 
     def __init__(self, config: EngineConfig, loaded=None) -> None:
         from pagedkv.model.loader import load_model
 
         if config.data_parallel_size != 1:
-            raise ConfigError("--data-parallel-size N runs N engine replicas under `pagedkv serve`; "
-                              "this is one engine")
+            raise ConfigError(
+                "--data-parallel-size N runs N engine replicas under `pagedkv serve`; "
+                "this is one engine"
+            )
         self.config = config
         self.device = pick_device()
         if self.device.type == "cpu":
             keep_freed_memory()
         t0 = time.monotonic()
         quantization = config.quantization
-        if config.tensor_parallel_size > 1:    # shards are cut from dense weights
+        if config.tensor_parallel_size > 1:  # shards are cut from dense weights
             if quantization not in (None, "none"):
-                raise ConfigError(f"--tensor-parallel-size > 1 does not support --quantization {quantization} yet")
+                raise ConfigError(
+                    f"--tensor-parallel-size > 1 does not support --quantization {quantization} yet"
+                )
             quantization = "none"
         self.loaded = loaded or load_model(config.model, config.dtype, self.device, quantization)
-        dtype = self.loaded.model.dtype    # 'auto' was resolved for this model and device
+        dtype = self.loaded.model.dtype  # 'auto' was resolved for this model and device
         self.weight_bytes = self.loaded.model.weight_bytes()
-        log.info("loaded %s in %.1fs: weights %s (quantization %s)", self.loaded.name, time.monotonic() - t0,
-                 format_size(self.weight_bytes), self.loaded.quantization)
+        log.info(
+            "loaded %s in %.1fs: weights %s (quantization %s)",
+            self.loaded.name,
+            time.monotonic() - t0,
+            format_size(self.weight_bytes),
+            self.loaded.quantization,
+        )
         self.tokenizer = self.loaded.tokenizer
-        apply_engine_options(self, config)   # seed, chat template, generation defaults
+        apply_engine_options(self, config)  # seed, chat template, generation defaults
         mc = self.loaded.config
         self.vocab_size = mc.vocab_size
         self.model_name = config.served_model_name or self.loaded.name
-        self.max_model_len: int = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
+        self.max_model_len: int = min(
+            config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len
+        )
         self.tp = None
         num_kv_heads = mc.num_key_value_heads
         if config.tensor_parallel_size > 1:
             from pagedkv.distributed.group import TensorParallelGroup, all_reduce
             from pagedkv.distributed.shard import check_shardable, shard_model
+
             check_shardable(mc, config.tensor_parallel_size)
             self.tp = TensorParallelGroup(config, dtype, self.device)
             num_kv_heads = shard_model(self.loaded.model, 0, self.tp.world, all_reduce).num_kv_heads
-        self.storage, host, bytes_per_block = build_kv_storage(config, mc, num_kv_heads, dtype, self.device)
+        self.storage, host, bytes_per_block = build_kv_storage(
+            config, mc, num_kv_heads, dtype, self.device
+        )
         num_blocks = self.storage.num_blocks
         kv_dtype = kv_cache_dtype(config, dtype)
         hash_extra = f"{self.loaded.fingerprint}:{kv_dtype}".encode()
         self.offload = KVOffload.from_config(config, self.storage, hash_extra)
         num_host = host.num_blocks if host is not None else 0
-        if self.offload is not None and self.offload.host is not None:   # swap borrows the host tier's slots
+        if (
+            self.offload is not None and self.offload.host is not None
+        ):  # swap borrows the host tier's slots
             host, num_host = self.offload.host.storage, 0
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, num_host_blocks=num_host,
-            enable_prefix_caching=config.enable_prefix_caching, allocation_policy=config.allocation_policy,
-            max_model_len=self.max_model_len, hash_extra=hash_extra, offload=self.offload)
+            num_blocks,
+            config.block_size,
+            num_host_blocks=num_host,
+            enable_prefix_caching=config.enable_prefix_caching,
+            allocation_policy=config.allocation_policy,
+            max_model_len=self.max_model_len,
+            hash_extra=hash_extra,
+            offload=self.offload,
+        )
         proposer = NgramProposer(config.speculative_config) if config.speculative_config else None
         self.spec_stats = SpecDecodeStats()
-        self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS,
-                                   preemption_mode=config.preemption_mode, proposer=proposer)
-        self.runner = ModelRunner(self.loaded.model, self.storage, host, self.device, self.kv, self.offload, self.tp)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS,
+            preemption_mode=config.preemption_mode,
+            proposer=proposer,
+        )
+        self.runner = ModelRunner(
+            self.loaded.model, self.storage, host, self.device, self.kv, self.offload, self.tp
+        )
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, self.structured)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.faults = FaultInjector.from_env(self.tokenizer)   # tests only: see faults.py
+        self.faults = FaultInjector.from_env(self.tokenizer)  # tests only: see faults.py
         self._forward = IsolatedForward(self.runner, self._check_faults)
         self.groups: dict[str, SequenceGroup] = {}
-        self.step_tokens = StepTokens()   # tokens per step, for /metrics' iteration_tokens_total
+        self.step_tokens = StepTokens()  # tokens per step, for /metrics' iteration_tokens_total
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        log.info("KV pool: %d blocks of %d tokens (%s, %d tokens), max_model_len %d",
-                 num_blocks, config.block_size, format_size(num_blocks * bytes_per_block),
-                 num_blocks * config.block_size, self.max_model_len)
+        log.info(
+            "KV pool: %d blocks of %d tokens (%s, %d tokens), max_model_len %d",
+            num_blocks,
+            config.block_size,
+            format_size(num_blocks * bytes_per_block),
+            num_blocks * config.block_size,
+            self.max_model_len,
+        )
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if not valid_text(prompt):
-                raise ParamError("prompt", "prompt must be valid Unicode text (it holds a lone "
-                                           "surrogate)")
+                raise ParamError(
+                    "prompt", "prompt must be valid Unicode text (it holds a lone surrogate)"
+                )
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if not isinstance(prompt, (list, tuple)):
-            raise ParamError("prompt", "prompt must be a string or a list of token ids, got "
-                                       f"{type(prompt).__name__}")
+            raise ParamError(
+                "prompt",
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+            )
         return list(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Reject what can never run, with the reason; returns max_tokens resolved."""
-        params.validate(self.vocab_size)   # again: offline callers may have changed fields since
+        params.validate(self.vocab_size)  # again: offline callers may have changed fields since
         n_prompt = len(prompt_ids)
         if n_prompt == 0:
             raise ParamError("prompt", "the prompt is empty")
         bad = [t for t in prompt_ids if type(t) is not int or not 0 <= t < self.vocab_size]
         if bad:
-            raise ParamError("prompt", f"token id {shown(bad[0])} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+            raise ParamError(
+                "prompt",
+                f"token id {shown(bad[0])} is outside the vocabulary [0, {self.vocab_size})",
+            )
         if params.structured_outputs is not None:
-            self.structured.compile(params.structured_outputs)   # cached: the server compiled it
+            self.structured.compile(params.structured_outputs)  # cached: the server compiled it
         if n_prompt >= self.max_model_len:
-            raise ParamError("prompt", f"the prompt has {n_prompt} tokens, but max_model_len is "
-                             f"{self.max_model_len}: no room is left for output")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+            raise ParamError(
+                "prompt",
+                f"the prompt has {n_prompt} tokens, but max_model_len is "
+                f"{self.max_model_len}: no room is left for output",
+            )
+        max_tokens = (
+            params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        )
         if n_prompt + max_tokens > self.max_model_len:
-            raise ParamError("max_tokens", f"max_tokens={max_tokens} plus the prompt's {n_prompt} "
-                             f"tokens exceeds max_model_len={self.max_model_len}")
+            raise ParamError(
+                "max_tokens",
+                f"max_tokens={max_tokens} plus the prompt's {n_prompt} "
+                f"tokens exceeds max_model_len={self.max_model_len}",
+            )
         if params.n > self.config.max_num_seqs:
             raise ParamError("n", f"n={params.n} exceeds --max-num-seqs={self.config.max_num_seqs}")
         bs = self.config.block_size
         need = math.ceil(n_prompt / bs) + params.n * math.ceil((max_tokens + 1) / bs)
-        if not self.kv.can_fit(n_prompt + max_tokens) or (params.n > 1 and need > self.kv.num_blocks):
+        if not self.kv.can_fit(n_prompt + max_tokens) or (
+            params.n > 1 and need > self.kv.num_blocks
+        ):
             cap = self.kv.num_blocks * bs
-            raise ParamError("max_tokens", f"the request needs KV for {n_prompt} prompt + {max_tokens} "
-                             f"output tokens x n={params.n}, more than the KV pool holds "
-                             f"({cap} tokens); lower max_tokens or n, or give the pool more memory")
+            raise ParamError(
+                "max_tokens",
+                f"the request needs KV for {n_prompt} prompt + {max_tokens} "
+                f"output tokens x n={params.n}, more than the KV pool holds "
+                f"({cap} tokens); lower max_tokens or n, or give the pool more memory",
+            )
         return max_tokens
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    add_special_tokens: bool = True) -> SequenceGroup:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+    ) -> SequenceGroup:
         if request_id in self.groups:
             raise ConfigError(f"request id {request_id!r} is already in use")
         prompt_ids = params.truncate(self.tokenize(prompt, add_special_tokens), self.max_model_len)
         max_tokens = self.validate(prompt_ids, params)
         if params.bad_words and not params.bad_words_token_ids:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
-        group = SequenceGroup.create(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
-                                     params, max_tokens)
+        group = SequenceGroup.create(
+            request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params, max_tokens
+        )
         init_offsets(group.seqs[0])
         self.groups[request_id] = group
         self.scheduler.add(group.seqs[0])
@@ -222,8 +287,10 @@ class LLMEngine:
         failures = Failures()
         for seq, error in out.failed:
             failures.add(seq.group, error)
-        sampling, logits = self._forward(out.scheduled, failures)   # the sampling rows, in order
-        prompt_logprobs.record(self.runner.model, [s for s in out.scheduled if s.seq.group not in failures])
+        sampling, logits = self._forward(out.scheduled, failures)  # the sampling rows, in order
+        prompt_logprobs.record(
+            self.runner.model, [s for s in out.scheduled if s.seq.group not in failures]
+        )
         self.runner.write_through(out.offload_writes, failures.stale_blocks)
         for s in out.scheduled:
             if s.seq.group not in failures:
@@ -232,7 +299,7 @@ class LLMEngine:
         plain_rows: list[int] = []
         speculative: list[tuple[ScheduledSeq, int]] = []
         row = 0
-        for s in sampling:          # a speculating sequence has 1 + len(drafts) consecutive rows
+        for s in sampling:  # a speculating sequence has 1 + len(drafts) consecutive rows
             if s.seq.group not in failures:
                 if s.drafts:
                     speculative.append((s, row))
@@ -242,45 +309,58 @@ class LLMEngine:
             row += 1 + len(s.drafts)
         drawn = []
         if plain:
-            assert logits is not None                  # plain rows are sampling rows
+            assert logits is not None  # plain rows are sampling rows
             rows, seqs = self._expand_forks(plain)
             picked = [plain_rows[r] for r in rows]
-            drawn = self._sample(logits if picked == list(range(row)) else logits[picked], seqs, failures)
+            drawn = self._sample(
+                logits if picked == list(range(row)) else logits[picked], seqs, failures
+            )
         return self._finish_step(drawn, failures, speculative, logits)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
-                failures: Failures) -> list[Drawn]:
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], failures: Failures
+    ) -> list[Drawn]:
         """Sample the batch; if that raises, sample each request alone so only the culprit fails.
         Each sample's uniform is drawn once, before, so a retry draws what the batch would have."""
         uniforms = [seq.rng.random() for seq in seqs]
         try:
             return self._sample_rows(logits, seqs, uniforms)
         except Exception as e:  # noqa: BLE001 - charged to its request below
-            log.warning("sampling %d sequences failed (%s: %s); sampling each request alone",
-                        len(seqs), type(e).__name__, e)
+            log.warning(
+                "sampling %d sequences failed (%s: %s); sampling each request alone",
+                len(seqs),
+                type(e).__name__,
+                e,
+            )
         by_group: dict[SequenceGroup, list[int]] = {}
         for i, seq in enumerate(seqs):
             by_group.setdefault(seq.group, []).append(i)
         drawn = []
         for group, rows in by_group.items():
             try:
-                drawn += self._sample_rows(logits[rows], [seqs[i] for i in rows],
-                                           [uniforms[i] for i in rows])
+                drawn += self._sample_rows(
+                    logits[rows], [seqs[i] for i in rows], [uniforms[i] for i in rows]
+                )
             except Exception as e:  # noqa: BLE001
                 failures.add(group, e)
         return drawn
 
-    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence],
-                     uniforms: list[float]) -> list[Drawn]:
+    def _sample_rows(
+        self, logits: torch.Tensor, seqs: list[Sequence], uniforms: list[float]
+    ) -> list[Drawn]:
         if self.faults is not None:
             self.faults.check("sample", (seq.group for seq in seqs))
         result = self.sampler(logits, seqs, uniforms)
         done = result.grammar_done or [False] * len(seqs)
         return list(zip(seqs, result.token_ids, result.logprobs, done))
 
-    def _finish_step(self, drawn: list[Drawn], failures: Failures,
-                     speculative: list[tuple[ScheduledSeq, int]], logits: torch.Tensor | None
-                     ) -> list[RequestOutput]:
+    def _finish_step(
+        self,
+        drawn: list[Drawn],
+        failures: Failures,
+        speculative: list[tuple[ScheduledSeq, int]],
+        logits: torch.Tensor | None,
+    ) -> list[RequestOutput]:
         """Append each drawn token (detokenize, stop checks) and verify each speculating sequence's
         drafts from its rows of `logits`; the outputs, failed requests too."""
         now = time.monotonic()
@@ -294,9 +374,9 @@ class LLMEngine:
                 failures.add(seq.group, e)
             touched[seq.group.request_id] = seq.group
         for s, row in speculative:
-            assert logits is not None                  # its rows are sampling rows
+            assert logits is not None  # its rows are sampling rows
             try:
-                self._verify(s.seq, s.drafts, logits[row:row + 1 + len(s.drafts)], now)
+                self._verify(s.seq, s.drafts, logits[row : row + 1 + len(s.drafts)], now)
             except Exception as e:  # noqa: BLE001
                 failures.add(s.seq.group, e)
             touched[s.seq.group.request_id] = s.seq.group
@@ -318,7 +398,9 @@ class LLMEngine:
         """Sample row by row as plain decoding would; keep the drafts up to the first that differs."""
         accepted = 0
         for i in range(len(drafts) + 1):
-            ((_, token, lp, grammar_done),) = self._sample_rows(logits[i:i + 1], [seq], [seq.rng.random()])
+            ((_, token, lp, grammar_done),) = self._sample_rows(
+                logits[i : i + 1], [seq], [seq.rng.random()]
+            )
             self._append(seq, token, lp, now, grammar_done)
             if seq.finished or i == len(drafts) or token != drafts[i]:
                 break
@@ -326,14 +408,19 @@ class LLMEngine:
         self.spec_stats.num_drafts += 1
         self.spec_stats.num_draft_tokens += len(drafts)
         self.spec_stats.num_accepted_tokens += accepted
-        if not seq.finished:       # the accepted drafts' K/V was written by this step
+        if not seq.finished:  # the accepted drafts' K/V was written by this step
             seq.num_computed_tokens += accepted
             self.kv.accept_lookahead(seq.seq_id, seq.token_ids, accepted)
 
     def _fail(self, group: SequenceGroup, error: BaseException) -> RequestOutput:
         """End a request that failed in a step: free its blocks, keep every other request going."""
-        log.error("request %s failed: %s: %s", group.request_id, type(error).__name__, error,
-                  exc_info=error)
+        log.error(
+            "request %s failed: %s: %s",
+            group.request_id,
+            type(error).__name__,
+            error,
+            exc_info=error,
+        )
         for seq in group.seqs:
             if not seq.finished:
                 seq.finish_reason = "error"
@@ -367,11 +454,12 @@ class LLMEngine:
         if self.faults is not None:
             self.faults.check(stage, groups)
 
-    def _append(self, seq: Sequence, token: int, logprob, now: float,
-                grammar_done: bool = False) -> None:
+    def _append(
+        self, seq: Sequence, token: int, logprob, now: float, grammar_done: bool = False
+    ) -> None:
         seq.token_ids.append(token)
         if logprob is not None:
-            assert seq.logprobs is not None            # a list when params.logprobs asks
+            assert seq.logprobs is not None  # a list when params.logprobs asks
             seq.logprobs.append(logprob)
         self.generation_tokens_total += 1
         m = seq.group.metrics
@@ -386,13 +474,16 @@ class LLMEngine:
         p = seq.params
         if stopped:
             seq.finish_reason = "stop"
-        elif token in (p.stop_token_ids or ()):      # a list once validated
+        elif token in (p.stop_token_ids or ()):  # a list once validated
             seq.finish_reason, seq.stop_reason = "stop", token
         elif not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             seq.finish_reason = "stop"
-        elif grammar_done:   # the structured output is complete: nothing else may follow
+        elif grammar_done:  # the structured output is complete: nothing else may follow
             seq.finish_reason = "stop"
-        elif seq.num_output_tokens >= seq.group.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        elif (
+            seq.num_output_tokens >= seq.group.max_tokens
+            or len(seq.token_ids) >= self.max_model_len
+        ):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
@@ -402,18 +493,29 @@ class LLMEngine:
         s = self.kv.stats()
         sch = self.scheduler
         return EngineStats(
-            num_running=len(sch.running), num_waiting=len(sch.waiting), num_swapped=len(sch.swapped),
-            kv_usage=s.usage, token_utilization=s.token_utilization, num_blocks=s.num_blocks,
-            num_free_blocks=s.free, num_cached_blocks=s.cached, block_size=self.kv.block_size,
-            token_capacity=s.num_blocks * self.kv.block_size, prefix_queries=s.prefix_queries,
-            prefix_hits=s.prefix_hits, num_preemptions=sch.num_preemptions,
-            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+            num_running=len(sch.running),
+            num_waiting=len(sch.waiting),
+            num_swapped=len(sch.swapped),
+            kv_usage=s.usage,
+            token_utilization=s.token_utilization,
+            num_blocks=s.num_blocks,
+            num_free_blocks=s.free,
+            num_cached_blocks=s.cached,
+            block_size=self.kv.block_size,
+            token_capacity=s.num_blocks * self.kv.block_size,
+            prefix_queries=s.prefix_queries,
+            prefix_hits=s.prefix_hits,
+            num_preemptions=sch.num_preemptions,
+            prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total,
             offload_hits=s.offload_hits,
             offload_saved_blocks=self.offload.stats().saved if self.offload else 0,
             offload_disk_writes_dropped=self.offload.stats().writes_dropped if self.offload else 0,
-            spec_num_drafts=self.spec_stats.num_drafts, spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
-            model_weight_bytes=self.weight_bytes)
+            model_weight_bytes=self.weight_bytes,
+        )
 
     def kv_snapshot(self) -> dict:
         return self.kv.snapshot()

@@ -5,6 +5,7 @@ process's generators as vLLM does, and each request without a seed of its own
 draws its random stream from them, so a fresh engine given the same requests
 in the same order samples the same tokens.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,14 @@ from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.request import SamplingParams
 
 # generation_config.json key -> SamplingParams field
-_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def generation_defaults(config: EngineConfig) -> dict:
@@ -29,13 +36,15 @@ def generation_defaults(config: EngineConfig) -> dict:
     folder = config.model if config.generation_config == "auto" else config.generation_config
     path = Path(folder) / "generation_config.json" if folder and Path(folder).is_dir() else None
     if path is None or not path.is_file():
-        return {}   # a GGUF carries no generation config
+        return {}  # a GGUF carries no generation config
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: unreadable ({e})") from None
-    defaults = {field: data[key] for key, field in _GENERATION_KEYS.items() if data.get(key) is not None}
-    SamplingParams(**defaults)   # a bad value fails at start-up, naming the field
+    defaults = {
+        field: data[key] for key, field in _GENERATION_KEYS.items() if data.get(key) is not None
+    }
+    SamplingParams(**defaults)  # a bad value fails at start-up, naming the field
     return defaults
 
 
@@ -50,5 +59,7 @@ def apply_engine_options(engine, config: EngineConfig) -> None:
     torch.manual_seed(config.seed)
     if config.chat_template is not None:
         engine.tokenizer.chat_template = config.chat_template
-        engine.tokenizer.__dict__.pop("_compiled_template", None)   # compiled lazily from the new one
+        engine.tokenizer.__dict__.pop(
+            "_compiled_template", None
+        )  # compiled lazily from the new one
     engine.generation_defaults = generation_defaults(config)

@@ -2,6 +2,7 @@
 
 Shaped like vLLM's classes of the same names so code can move between the two.
 """
+
 from __future__ import annotations
 
 import math
@@ -11,17 +12,17 @@ from typing import Any
 from pagedkv.config import ConfigError
 
 # Limits on what one request may ask for; the server's request models reuse them.
-INT64_MIN, INT64_MAX = -2**63, 2**63 - 1   # what torch and numpy can hold: seeds, top_k, counts
-GREEDY_BELOW = 1e-5        # vLLM's _SAMPLING_EPS: a lower temperature means greedy
-MIN_TEMPERATURE = 1e-2     # vLLM's _MAX_TEMP: lower ones (not greedy) are raised to it
-MAX_TEMPERATURE = 2.0      # as OpenAI and vLLM
-TOP_P_FLOOR = 1e-8         # smaller ones keep just the top token too, but float32 rounds them to 0
-REPETITION_PENALTY_RANGE = (1e-6, 1e6)   # far past any use; beyond, float32 logits overflow
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch and numpy can hold: seeds, top_k, counts
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature means greedy
+MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: lower ones (not greedy) are raised to it
+MAX_TEMPERATURE = 2.0  # as OpenAI and vLLM
+TOP_P_FLOOR = 1e-8  # smaller ones keep just the top token too, but float32 rounds them to 0
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)  # far past any use; beyond, float32 logits overflow
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 32
-MAX_STOP_CHARS = 256       # each step scans every stop string's prefixes against the text's tail
+MAX_STOP_CHARS = 256  # each step scans every stop string's prefixes against the text's tail
 MAX_STOP_TOKEN_IDS = 256
-MAX_TOKEN_LIST = 4096     # logit_bias / allowed_token_ids entries
+MAX_TOKEN_LIST = 4096  # logit_bias / allowed_token_ids entries
 MAX_BAD_WORDS = 128
 
 
@@ -64,10 +65,16 @@ def _check_int(param: str, value: Any, lo: int, hi: int = INT64_MAX) -> None:
 
 
 def _check_float(param: str, value: Any, lo: float, hi: float) -> None:
-    _need(isinstance(value, (int, float)) and not isinstance(value, bool), param,
-          f"{param} must be a number, got {shown(value)}")
-    _need(isinstance(value, int) or math.isfinite(value), param,
-          f"{param} must be a finite number, got {value}")
+    _need(
+        isinstance(value, (int, float)) and not isinstance(value, bool),
+        param,
+        f"{param} must be a number, got {shown(value)}",
+    )
+    _need(
+        isinstance(value, int) or math.isfinite(value),
+        param,
+        f"{param} must be a finite number, got {value}",
+    )
     _need(lo <= value <= hi, param, f"{param} must be in [{lo:g}, {hi:g}], got {shown(value)}")
 
 
@@ -81,8 +88,11 @@ def _as_list(param: str, value: Any, one: type) -> list:
         return []
     if isinstance(value, one):
         return [value]
-    _need(isinstance(value, (list, tuple)), param,
-          f"{param} must be a list, got {type(value).__name__}")
+    _need(
+        isinstance(value, (list, tuple)),
+        param,
+        f"{param} must be a list, got {type(value).__name__}",
+    )
     return list(value)
 
 
@@ -93,6 +103,7 @@ class StructuredOutputsParams:
     `grammar` is a Lark grammar as llguidance takes it (GBNF is converted); `json_object` means
     any JSON object.
     """
+
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -102,29 +113,42 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         kinds = ("json", "regex", "choice", "grammar", "json_object")
         given = [k for k in kinds if getattr(self, k)]
-        _need(len(given) == 1, "structured_outputs", "structured_outputs needs exactly one of "
-              f"{', '.join(kinds)}; got {', '.join(given) or 'none'}")
-        _need(self.choice is None or (isinstance(self.choice, list) and bool(self.choice)
-                                      and all(isinstance(c, str) for c in self.choice)),
-              "structured_outputs", "structured_outputs.choice must be a non-empty list of strings")
+        _need(
+            len(given) == 1,
+            "structured_outputs",
+            "structured_outputs needs exactly one of "
+            f"{', '.join(kinds)}; got {', '.join(given) or 'none'}",
+        )
+        _need(
+            self.choice is None
+            or (
+                isinstance(self.choice, list)
+                and bool(self.choice)
+                and all(isinstance(c, str) for c in self.choice)
+            ),
+            "structured_outputs",
+            "structured_outputs.choice must be a non-empty list of strings",
+        )
 
     @property
     def key(self) -> str:
         """A stable identity for the grammar cache."""
         import json as _json
-        return _json.dumps([self.json, self.regex, self.choice, self.grammar, self.json_object],
-                           sort_keys=True)
+
+        return _json.dumps(
+            [self.json, self.regex, self.choice, self.grammar, self.json_object], sort_keys=True
+        )
 
 
 @dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0          # 0 (or below GREEDY_BELOW) = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0
-    top_k: int = -1                   # -1 or 0 = off
+    top_k: int = -1  # -1 or 0 = off
     min_p: float = 0.0
-    seed: int | None = None           # -1 = None (random), as in vLLM
-    max_tokens: int | None = 16       # None: up to max_model_len
+    seed: int | None = None  # -1 = None (random), as in vLLM
+    max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -132,17 +156,17 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logprobs: int | None = None       # number of top alternatives to return per token
+    logprobs: int | None = None  # number of top alternatives to return per token
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True   # as vLLM with a fast tokenizer: no effect
+    spaces_between_special_tokens: bool = True  # as vLLM with a fast tokenizer: no effect
     include_stop_str_in_output: bool = False
-    logit_bias: dict[int, float] | None = None       # token id -> added to its logit, [-100, 100]
-    allowed_token_ids: list[int] | None = None       # only these may be drawn
-    bad_words: list[str] | None = None               # never completed (vLLM's semantics)
-    prompt_logprobs: int | None = None               # top alternatives per prompt token
-    truncate_prompt_tokens: int | None = None        # keep the last N prompt tokens (-1: all fit)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be drawn
+    bad_words: list[str] | None = None  # never completed (vLLM's semantics)
+    prompt_logprobs: int | None = None  # top alternatives per prompt token
+    truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens (-1: all fit)
     structured_outputs: StructuredOutputsParams | None = None
-    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)   # by the engine
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)  # by the engine
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -159,8 +183,12 @@ class SamplingParams:
         self._check_numbers()
         self._check_stops(vocab_size)
         self._check_token_fields(vocab_size)
-        for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-                     "include_stop_str_in_output"):
+        for flag in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+        ):
             _check_bool(flag, getattr(self, flag))
         self._normalise()
 
@@ -176,8 +204,11 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0)
-        _need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _need(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+        )
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_float("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
@@ -187,27 +218,43 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1)
-            _need(self.truncate_prompt_tokens != 0, "truncate_prompt_tokens",
-                  "truncate_prompt_tokens must be -1 (all that fit) or >= 1")
+            _need(
+                self.truncate_prompt_tokens != 0,
+                "truncate_prompt_tokens",
+                "truncate_prompt_tokens must be -1 (all that fit) or >= 1",
+            )
 
     def _check_stops(self, vocab_size: int | None) -> None:
         self.stop = _as_list("stop", self.stop, str)
-        _need(len(self.stop) <= MAX_STOP_STRINGS, "stop",
-              f"stop takes at most {MAX_STOP_STRINGS} strings")
+        _need(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"stop takes at most {MAX_STOP_STRINGS} strings",
+        )
         for s in self.stop:
             _need(isinstance(s, str) and s != "", "stop", "stop must be non-empty strings")
-            _need(len(s) <= MAX_STOP_CHARS, "stop",
-                  f"each stop string must be at most {MAX_STOP_CHARS} characters")
+            _need(
+                len(s) <= MAX_STOP_CHARS,
+                "stop",
+                f"each stop string must be at most {MAX_STOP_CHARS} characters",
+            )
             _need(valid_text(s), "stop", "stop must be valid Unicode (it holds a lone surrogate)")
         ids = _as_list("stop_token_ids", self.stop_token_ids, int)
-        _need(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
-              f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
+        _need(
+            len(ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids",
+        )
         top = INT64_MAX if vocab_size is None else vocab_size - 1
         for t in ids:
-            _need(type(t) is int and 0 <= t <= top, "stop_token_ids",
-                  f"stop token id {shown(t)} is outside the vocabulary [0, {top + 1})" if vocab_size
-                  else f"stop_token_ids must be integers >= 0, got {shown(t)}")
-        ids = list(dict.fromkeys(ids))   # deduplicated, as vLLM does
+            _need(
+                type(t) is int and 0 <= t <= top,
+                "stop_token_ids",
+                f"stop token id {shown(t)} is outside the vocabulary [0, {top + 1})"
+                if vocab_size
+                else f"stop_token_ids must be integers >= 0, got {shown(t)}",
+            )
+        ids = list(dict.fromkeys(ids))  # deduplicated, as vLLM does
         self.stop_token_ids = ids
 
     def _check_token_fields(self, vocab_size: int | None) -> None:
@@ -215,17 +262,24 @@ class SamplingParams:
         top = INT64_MAX if vocab_size is None else vocab_size - 1
 
         def token_id(param: str, t: Any) -> int:
-            if isinstance(t, str) and t.isdigit() and len(t) <= 19:   # JSON object keys are strings
+            if isinstance(t, str) and t.isdigit() and len(t) <= 19:  # JSON object keys are strings
                 t = int(t)
-            _need(type(t) is int and 0 <= t <= top, param,
-                  f"{param}: token id {shown(t)} is outside the vocabulary [0, {top + 1})" if vocab_size
-                  else f"{param}: token ids must be integers >= 0, got {shown(t)}")
+            _need(
+                type(t) is int and 0 <= t <= top,
+                param,
+                f"{param}: token id {shown(t)} is outside the vocabulary [0, {top + 1})"
+                if vocab_size
+                else f"{param}: token ids must be integers >= 0, got {shown(t)}",
+            )
             return t
 
         if self.logit_bias is not None:
             _need(isinstance(self.logit_bias, dict), "logit_bias", "logit_bias must be an object")
-            _need(len(self.logit_bias) <= MAX_TOKEN_LIST, "logit_bias",
-                  f"logit_bias takes at most {MAX_TOKEN_LIST} tokens")
+            _need(
+                len(self.logit_bias) <= MAX_TOKEN_LIST,
+                "logit_bias",
+                f"logit_bias takes at most {MAX_TOKEN_LIST} tokens",
+            )
             bias = {}
             for t, v in self.logit_bias.items():
                 _check_float("logit_bias", v, -100.0, 100.0)
@@ -233,15 +287,29 @@ class SamplingParams:
             self.logit_bias = bias or None
         if self.allowed_token_ids is not None:
             ids = _as_list("allowed_token_ids", self.allowed_token_ids, int)
-            _need(0 < len(ids) <= MAX_TOKEN_LIST, "allowed_token_ids",
-                  f"allowed_token_ids must hold 1 to {MAX_TOKEN_LIST} token ids")
+            _need(
+                0 < len(ids) <= MAX_TOKEN_LIST,
+                "allowed_token_ids",
+                f"allowed_token_ids must hold 1 to {MAX_TOKEN_LIST} token ids",
+            )
             self.allowed_token_ids = [token_id("allowed_token_ids", t) for t in ids]
         words = _as_list("bad_words", self.bad_words, str)
-        _need(len(words) <= MAX_BAD_WORDS, "bad_words", f"bad_words takes at most {MAX_BAD_WORDS} words")
+        _need(
+            len(words) <= MAX_BAD_WORDS,
+            "bad_words",
+            f"bad_words takes at most {MAX_BAD_WORDS} words",
+        )
         for w in words:
-            _need(isinstance(w, str) and w.strip() != "" and len(w) <= MAX_STOP_CHARS, "bad_words",
-                  f"bad_words must be non-empty strings of at most {MAX_STOP_CHARS} characters")
-            _need(valid_text(w), "bad_words", "bad_words must be valid Unicode (it holds a lone surrogate)")
+            _need(
+                isinstance(w, str) and w.strip() != "" and len(w) <= MAX_STOP_CHARS,
+                "bad_words",
+                f"bad_words must be non-empty strings of at most {MAX_STOP_CHARS} characters",
+            )
+            _need(
+                valid_text(w),
+                "bad_words",
+                "bad_words must be valid Unicode (it holds a lone surrogate)",
+            )
         self.bad_words = words or None
 
     def truncate(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
@@ -249,12 +317,15 @@ class SamplingParams:
         n = self.truncate_prompt_tokens
         if n is None:
             return prompt_ids
-        return prompt_ids[-(max_model_len if n == -1 else n):]
+        return prompt_ids[-(max_model_len if n == -1 else n) :]
 
     def token_ids_used(self) -> list[int]:
         """Every token id the parameters name (checked against the vocabulary by the engine)."""
-        return [*(self.stop_token_ids or []), *(self.logit_bias or {}),
-                *(self.allowed_token_ids or [])]
+        return [
+            *(self.stop_token_ids or []),
+            *(self.logit_bias or {}),
+            *(self.allowed_token_ids or []),
+        ]
 
     def _normalise(self) -> None:
         """vLLM's meanings: seed -1 is no seed, top_k 0 is off, a tiny temperature is greedy."""
@@ -276,15 +347,17 @@ class SamplingParams:
 @dataclass
 class SampleLogprob:
     """The sampler's record for one token: its logprob and rank, with the top alternatives (id -> logprob)."""
+
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
-    rank: int | None = None                   # 1 = the most likely token
+    rank: int | None = None  # 1 = the most likely token
 
 
 @dataclass
 class Logprob:
     """vLLM's per-token entry in CompletionOutput.logprobs (a dict token id -> Logprob per position)."""
+
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
@@ -293,13 +366,16 @@ class Logprob:
 @dataclass
 class CompletionOutput:
     """One sample, with vLLM's fields. `logprobs` is filled (decoded) where outputs leave the engine."""
+
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None          # None while running; "stop" | "length" | "abort"
-    sample_logprobs: list[SampleLogprob] | None = None   # the engine's records (the server reads these)
-    stop_reason: str | int | None = None      # the stop string or token id that ended it
-    cumulative_logprob: float | None = None   # set when logprobs were asked for
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort"
+    sample_logprobs: list[SampleLogprob] | None = (
+        None  # the engine's records (the server reads these)
+    )
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    cumulative_logprob: float | None = None  # set when logprobs were asked for
     logprobs: list[dict[int, Logprob]] | None = None
 
     def __post_init__(self) -> None:
@@ -314,7 +390,7 @@ class CompletionOutput:
         if self.sample_logprobs is None:
             return
         done = self.logprobs or []
-        for lp in self.sample_logprobs[len(done):]:
+        for lp in self.sample_logprobs[len(done) :]:
             ranked = {t: Logprob(v, r, decode(t)) for r, (t, v) in enumerate(lp.top.items(), 1)}
             if lp.token_id not in ranked:
                 ranked[lp.token_id] = Logprob(lp.logprob, lp.rank, decode(lp.token_id))
@@ -325,6 +401,7 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     """Wall-clock timestamps (time.monotonic()) for TTFT, inter-token latency and end-to-end."""
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -342,8 +419,8 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    error: str | None = None          # why the engine failed this request (finish_reason "error")
-    prompt_logprobs: list[SampleLogprob | None] | None = None   # the first prompt token has none
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
+    prompt_logprobs: list[SampleLogprob | None] | None = None  # the first prompt token has none
 
     def decode_logprobs(self, decode) -> RequestOutput:
         for o in self.outputs:

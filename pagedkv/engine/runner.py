@@ -11,6 +11,7 @@ the blocks a step filled are written through to its disk tier after the step.
 With tensor parallelism, rank 0 sends the block moves and each forward's inputs
 to the other ranks; every rank moves its own blocks and runs its shard.
 """
+
 from __future__ import annotations
 
 from collections.abc import Set
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 @dataclass
 class BlockMoves:
     """A step's block copies (src, dst), applied in this order before its forward."""
+
     swap_out: list[tuple[int, int]]
     copies: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
@@ -42,6 +44,7 @@ class BlockMoves:
 @dataclass
 class ForwardInputs:
     """One forward's inputs: what every tensor-parallel rank needs besides its own weights and K/V."""
+
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
@@ -50,9 +53,16 @@ class ForwardInputs:
 class ModelRunner:
     """`kv` (the block manager) and `offload` live in rank 0 only; `tp` is rank 0's link to the other ranks."""
 
-    def __init__(self, model, storage: KVStorage, host_storage: KVStorage | None, device: torch.device,
-                 kv: KVCacheManager | None = None, offload: KVOffload | None = None,
-                 tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        storage: KVStorage,
+        host_storage: KVStorage | None,
+        device: torch.device,
+        kv: KVCacheManager | None = None,
+        offload: KVOffload | None = None,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         self.model = model
         self.storage = storage
         self.host_storage = host_storage
@@ -63,8 +73,11 @@ class ModelRunner:
         self.tp = tp
 
     def apply_copies(self, out: SchedulerOutput) -> None:
-        moves = BlockMoves([(c.src, c.dst) for c in out.swap_out], [(c.src, c.dst) for c in out.copies],
-                           [(c.src, c.dst) for c in out.swap_in])
+        moves = BlockMoves(
+            [(c.src, c.dst) for c in out.swap_out],
+            [(c.src, c.dst) for c in out.copies],
+            [(c.src, c.dst) for c in out.swap_in],
+        )
         if self.tp is not None and (moves.swap_out or moves.copies or moves.swap_in):
             self.tp.send(moves)
         offload = self.offload
@@ -76,7 +89,7 @@ class ModelRunner:
             offload.commit(self.storage, staged)
 
     def move_blocks(self, moves: BlockMoves) -> None:
-        host = self.host_storage                       # the scheduler swaps only with host blocks
+        host = self.host_storage  # the scheduler swaps only with host blocks
         if moves.swap_out:
             assert host is not None
             data = self.storage.read_blocks([src for src, _ in moves.swap_out])
@@ -98,8 +111,9 @@ class ModelRunner:
         else:
             self.run_model(item)
 
-    def prepare(self, scheduled: list[ScheduledSeq]
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Inputs for one forward; also the rows whose logits are sampled (last row of each sampling seq)."""
         bs = self.block_size
         tokens: list[int] = []
@@ -110,12 +124,12 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         kv = self.kv
-        assert kv is not None                          # rank 0 prepares the inputs
+        assert kv is not None  # rank 0 prepares the inputs
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens + len(s.drafts)
             start = seq.num_computed_tokens
             table = kv.block_table(seq.seq_id)
-            tokens.extend(seq.token_ids[start:start + s.num_new_tokens])
+            tokens.extend(seq.token_ids[start : start + s.num_new_tokens])
             tokens.extend(s.drafts)
             pos = np.arange(start, start + n, dtype=np.int64)
             positions.append(pos)
@@ -123,12 +137,12 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)
-            if s.samples:   # the last known token's row, then one row per draft
+            if s.samples:  # the last known token's row, then one row per draft
                 sample_rows.extend(range(len(tokens) - 1 - len(s.drafts), len(tokens)))
         width = max(len(t) for t in tables)
         block_tables = np.zeros((len(tables), width), dtype=np.int32)
         for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = t
+            block_tables[i, : len(t)] = t
         qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=qsl[1:])
         dev = self.device
@@ -156,7 +170,7 @@ class ModelRunner:
                 first = max(start, len(seq.group.prompt_logprobs))
                 last = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
                 if first < last:
-                    s.prompt_hidden = (first, hidden[row + first - start:row + last - start])
+                    s.prompt_hidden = (first, hidden[row + first - start : row + last - start])
             row += s.num_new_tokens + len(s.drafts)
 
     def write_through(self, writes: list[BlockSave], skip: Set[int] = frozenset()) -> None:
@@ -164,7 +178,7 @@ class ModelRunner:
         unwritten (`skip`)."""
         writes = [w for w in writes if w.block_id not in skip]
         if writes:
-            assert self.offload is not None            # writes come only from a disk tier
+            assert self.offload is not None  # writes come only from a disk tier
             self.offload.write_through(self.storage, writes)
 
     def forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor | None:

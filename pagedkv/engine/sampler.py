@@ -5,6 +5,7 @@ small index tensors. Each sample draws from its own random stream (one
 uniform number per token, inverse-CDF), so a seeded request gives the same
 tokens alone or in any batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,14 +21,19 @@ from pagedkv.engine.sequence import Sequence
 class SampleResult:
     token_ids: list[int]
     logprobs: list[Logprob | None]
-    grammar_done: list[bool] | None = None   # per row: its structured-output grammar is complete
+    grammar_done: list[bool] | None = None  # per row: its structured-output grammar is complete
 
 
 def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Repetition (prompt + output), presence and frequency (output) penalties, on a copy: the
     engine samples the same logits again, request by request, when a batch fails."""
-    rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
-            or s.params.presence_penalty or s.params.frequency_penalty]
+    rows = [
+        i
+        for i, s in enumerate(seqs)
+        if s.params.repetition_penalty != 1.0
+        or s.params.presence_penalty
+        or s.params.frequency_penalty
+    ]
     if not rows:
         return logits
     logits = logits.clone()
@@ -39,10 +45,14 @@ def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             seen = torch.tensor(sorted(set(seqs[i].token_ids)), dtype=torch.long)
             seen = seen[seen < vocab]
             vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            row[seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
         out = seqs[i].output_token_ids
         if out and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab].to(row.dtype)
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[
+                :vocab
+            ].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return logits
 
@@ -57,7 +67,9 @@ def _block_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[
                 logits[i, sorted(t for t in banned if t < logits.shape[1])] = float("-inf")
 
 
-def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def _truncate(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """Mask tokens outside top-k / top-p / min-p with -inf (rows with the filters off are unchanged)."""
     vocab = logits.shape[1]
     if bool((min_p > 0).any()):
@@ -75,7 +87,9 @@ def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, mi
         drop |= torch.arange(vocab)[None, :] >= k[:, None]
     if need_p:
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-        before = probs.cumsum(-1) - probs          # mass strictly before each token: keep the first over top_p
+        before = (
+            probs.cumsum(-1) - probs
+        )  # mass strictly before each token: keep the first over top_p
         drop |= before >= top_p[:, None]
     mask = torch.zeros_like(drop).scatter_(1, order, drop)
     return logits.masked_fill(mask, float("-inf"))
@@ -84,10 +98,11 @@ def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, mi
 class Sampler:
     def __init__(self, eos_token_ids: set[int], structured=None) -> None:
         self.eos_token_ids = eos_token_ids
-        self.structured = structured   # engine.structured.StructuredOutputs: grammar masks
+        self.structured = structured  # engine.structured.StructuredOutputs: grammar masks
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
-                 uniforms: list[float]) -> SampleResult:
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], uniforms: list[float]
+    ) -> SampleResult:
         """logits: [B, vocab] float32, row i for seqs[i]; uniforms[i] in [0, 1) draws its token
         if it samples. Changes in place only what a second call would change the same way."""
         logits = _penalize(logits.float(), seqs)
@@ -106,14 +121,20 @@ class Sampler:
             probs = _truncate(logits / temp[:, None], top_k, top_p, min_p).softmax(-1)
             u = torch.tensor(uniforms, dtype=torch.float64)
             cdf = probs.double().cumsum(-1)
-            drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp(max=logits.shape[1] - 1)
+            drawn = (
+                torch.searchsorted(cdf, (u * cdf[:, -1])[:, None])
+                .squeeze(1)
+                .clamp(max=logits.shape[1] - 1)
+            )
             tokens = torch.where(greedy, tokens, drawn)
         token_list = tokens.tolist()
         done = self.structured.accept(seqs, token_list) if self.structured is not None else None
         return SampleResult(token_list, self._logprobs(logits, seqs, token_list), done)
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[Logprob | None]:
+    def _logprobs(
+        logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]
+    ) -> list[Logprob | None]:
         want = [s.params.logprobs for s in seqs]
         if all(w is None for w in want):
             return [None] * len(seqs)
@@ -129,5 +150,7 @@ class Sampler:
             if w and top is not None:
                 alts = dict(zip(top.indices[i, :w].tolist(), top.values[i, :w].tolist()))
             chosen = logp[i, tokens[i]]
-            result.append(Logprob(tokens[i], float(chosen), alts, int((logp[i] > chosen).sum()) + 1))
+            result.append(
+                Logprob(tokens[i], float(chosen), alts, int((logp[i] > chosen).sum()) + 1)
+            )
         return result

@@ -8,6 +8,7 @@ admitted sequence is preempted (recompute: free and requeue at the head;
 swap: move its blocks to host memory). The scheduler decides; it never
 touches tensors: block copies go to the runner as plans.
 """
+
 from __future__ import annotations
 
 import time
@@ -23,8 +24,10 @@ from pagedkv.kv.manager import BlockCopy, BlockLoad, BlockSave, KVCacheManager
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
-    drafts: list[int] = field(default_factory=list)   # speculative tokens after them (spec_decode.py)
-    prompt_hidden: tuple | None = None   # (first position, hidden rows) for prompt_logprobs
+    drafts: list[int] = field(
+        default_factory=list
+    )  # speculative tokens after them (spec_decode.py)
+    prompt_hidden: tuple | None = None  # (first position, hidden rows) for prompt_logprobs
 
     @property
     def samples(self) -> bool:
@@ -35,14 +38,18 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    swap_out: list[BlockCopy] = field(default_factory=list)   # device -> host, done first
-    copies: list[BlockCopy] = field(default_factory=list)     # device -> device (copy-on-write)
-    swap_in: list[BlockCopy] = field(default_factory=list)    # host -> device
-    offload_saves: list[BlockSave] = field(default_factory=list)   # evicted device blocks -> offload tier, read first
-    offload_loads: list[BlockLoad] = field(default_factory=list)   # offload tier -> device, before the forward
+    swap_out: list[BlockCopy] = field(default_factory=list)  # device -> host, done first
+    copies: list[BlockCopy] = field(default_factory=list)  # device -> device (copy-on-write)
+    swap_in: list[BlockCopy] = field(default_factory=list)  # host -> device
+    offload_saves: list[BlockSave] = field(
+        default_factory=list
+    )  # evicted device blocks -> offload tier, read first
+    offload_loads: list[BlockLoad] = field(
+        default_factory=list
+    )  # offload tier -> device, before the forward
     offload_writes: list[BlockSave] = field(default_factory=list)  # filled -> disk, after forward
     preempted: list[Sequence] = field(default_factory=list)
-    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)   # admission raised
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # admission raised
 
     @property
     def num_batched_tokens(self) -> int:
@@ -50,15 +57,22 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute", proposer: NgramProposer | None = None) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        preemption_mode: str = "recompute",
+        proposer: NgramProposer | None = None,
+    ) -> None:
         self.kv = kv
         self.proposer = proposer
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []      # admission order: the last one is preempted first
+        self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
 
@@ -103,8 +117,11 @@ class Scheduler:
         """Drafts for a decoding sequence and the slots for them, or ([], None) to schedule it plainly."""
         if self.proposer is None or n != 1 or seq.num_uncomputed_tokens != 1:
             return [], None
-        room = min(seq.group.max_tokens - seq.num_output_tokens - 1, budget - 1,
-                   (self.kv.max_model_len or len(seq.token_ids)) - len(seq.token_ids))
+        room = min(
+            seq.group.max_tokens - seq.num_output_tokens - 1,
+            budget - 1,
+            (self.kv.max_model_len or len(seq.token_ids)) - len(seq.token_ids),
+        )
         drafts = self.proposer.propose(seq.token_ids, room)
         if not drafts:
             return [], None
@@ -123,7 +140,7 @@ class Scheduler:
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n)
-            if copies is not None:   # else it waits in running for the next step
+            if copies is not None:  # else it waits in running for the next step
                 out.copies.extend(copies)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
@@ -133,22 +150,32 @@ class Scheduler:
         bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            every_position = seq.params.prompt_logprobs is not None   # cached blocks have no logits
-            try:   # reads the offload tiers: a failure there is this request's, not the engine's
+            every_position = seq.params.prompt_logprobs is not None  # cached blocks have no logits
+            try:  # reads the offload tiers: a failure there is this request's, not the engine's
                 prefix = [] if every_position else self.kv.lookup_prefix(seq.token_ids)
-                offloaded = 0 if every_position else self.kv.lookup_offloaded(seq.token_ids, len(prefix))
+                offloaded = (
+                    0 if every_position else self.kv.lookup_offloaded(seq.token_ids, len(prefix))
+                )
                 n = min(len(seq.token_ids) - (len(prefix) + offloaded) * bs, budget)
                 remaining = seq.group.max_tokens - seq.num_output_tokens
-                copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n, prefix_blocks=prefix,
-                                                num_offloaded=offloaded, max_tokens=remaining)
+                copies = self.kv.allocate_slots(
+                    seq.seq_id,
+                    seq.token_ids,
+                    n,
+                    prefix_blocks=prefix,
+                    num_offloaded=offloaded,
+                    max_tokens=remaining,
+                )
             except Exception as e:  # noqa: BLE001 - the engine fails the request, still at the head
                 out.failed.append((seq, e))
                 break
             if copies is None:
-                break     # first come, first served: nobody overtakes the head of the queue
+                break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             out.copies.extend(copies)
-            computed = self.kv.num_cached_tokens(seq.seq_id)   # less than planned if a tier block failed its check
+            computed = self.kv.num_cached_tokens(
+                seq.seq_id
+            )  # less than planned if a tier block failed its check
             seq.num_computed_tokens = computed
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -167,7 +194,9 @@ class Scheduler:
             if plan is not None:
                 out.swap_out.extend(plan)
                 seq.status = Status.SWAPPED
-                self.swapped.appendleft(seq)   # victims leave latest-first, so this keeps admission order
+                self.swapped.appendleft(
+                    seq
+                )  # victims leave latest-first, so this keeps admission order
                 return
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0

@@ -4,6 +4,7 @@ The scheduler schedules sequences, not requests: with n > 1 the request is
 prefilled once as sample 0, then forked so all samples share the prompt's
 blocks (copy-on-write), and each sample can be preempted on its own.
 """
+
 from __future__ import annotations
 
 import enum
@@ -11,7 +12,13 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from pagedkv.engine.request import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprob, SamplingParams
+from pagedkv.engine.request import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprob,
+    SamplingParams,
+)
 
 
 class Status(enum.Enum):
@@ -24,15 +31,15 @@ class Status(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     seq_id: str
-    index: int                       # sample index within its request
+    index: int  # sample index within its request
     group: SequenceGroup
-    token_ids: list[int]             # prompt + output so far
+    token_ids: list[int]  # prompt + output so far
     num_prompt_tokens: int
-    rng: random.Random               # per sample, so a seed gives the same output alone or in a batch
+    rng: random.Random  # per sample, so a seed gives the same output alone or in a batch
     status: Status = Status.WAITING
-    num_computed_tokens: int = 0     # tokens whose K/V are in the cache
-    text: str = ""                   # detokenized output
-    prefix_offset: int = 0           # incremental detokenizer state (see detokenizer.py)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    text: str = ""  # detokenized output
+    prefix_offset: int = 0  # incremental detokenizer state (see detokenizer.py)
     read_offset: int = 0
     logprobs: list[SampleLogprob] | None = None
     finish_reason: str | None = None
@@ -40,7 +47,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -63,20 +70,31 @@ class Sequence:
 @dataclass(eq=False)
 class SequenceGroup:
     """A request: its prompt, parameters, samples and timings."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int                  # params.max_tokens resolved against max_model_len
+    max_tokens: int  # params.max_tokens resolved against max_model_len
     seqs: list[Sequence] = field(default_factory=list)
-    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+    metrics: RequestMetrics = field(
+        default_factory=lambda: RequestMetrics(arrival_time=time.monotonic())
+    )
     num_cached_tokens: int = 0
     aborted: bool = False
-    prompt_logprobs: list[SampleLogprob] = field(default_factory=list)   # prompt tokens 1.. (if asked)
+    prompt_logprobs: list[SampleLogprob] = field(
+        default_factory=list
+    )  # prompt tokens 1.. (if asked)
 
     @classmethod
-    def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-               params: SamplingParams, max_tokens: int) -> SequenceGroup:
+    def create(
+        cls,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+    ) -> SequenceGroup:
         group = cls(request_id, prompt, list(prompt_token_ids), params, max_tokens)
         group.seqs.append(group.new_seq(0, list(prompt_token_ids)))
         return group
@@ -85,20 +103,45 @@ class SequenceGroup:
         seed = self.params.seed
         # unseeded: drawn from the engine's seeded generator (--seed), as vLLM does
         rng = random.Random(random.getrandbits(64) if seed is None else f"{seed}:{index}")
-        return Sequence(f"{self.request_id}#{index}", index, self, token_ids, len(self.prompt_token_ids), rng,
-                        logprobs=[] if self.params.logprobs is not None else None)
+        return Sequence(
+            f"{self.request_id}#{index}",
+            index,
+            self,
+            token_ids,
+            len(self.prompt_token_ids),
+            rng,
+            logprobs=[] if self.params.logprobs is not None else None,
+        )
 
     @property
     def finished(self) -> bool:
-        forked = len(self.seqs) == self.params.n or self.aborted   # an abort before the fork ends it too
+        forked = (
+            len(self.seqs) == self.params.n or self.aborted
+        )  # an abort before the fork ends it too
         return forked and all(s.finished for s in self.seqs)
 
     def to_output(self, text_of) -> RequestOutput:
         """`text_of(seq)` gives the text to show (stop-string prefixes held back while running)."""
-        outs = [CompletionOutput(s.index, text_of(s), list(s.output_token_ids), s.finish_reason,
-                                 list(s.logprobs) if s.logprobs is not None else None, s.stop_reason)
-                for s in self.seqs]
+        outs = [
+            CompletionOutput(
+                s.index,
+                text_of(s),
+                list(s.output_token_ids),
+                s.finish_reason,
+                list(s.logprobs) if s.logprobs is not None else None,
+                s.stop_reason,
+            )
+            for s in self.seqs
+        ]
         wants = self.params.prompt_logprobs is not None
         prompt_lps = [None, *self.prompt_logprobs] if wants else None
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             self.num_cached_tokens, self.metrics, prompt_logprobs=prompt_lps)
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outs,
+            self.finished,
+            self.num_cached_tokens,
+            self.metrics,
+            prompt_logprobs=prompt_lps,
+        )

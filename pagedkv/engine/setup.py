@@ -1,6 +1,7 @@
 """What an engine is built from: the device, the KV pool's size and tensors, a tensor-parallel
 worker's model shard. Rank 0 (LLMEngine) and the worker ranks build theirs with the same functions,
 in the same order, so their pools match block for block."""
+
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,8 @@ from pagedkv.kv.storage import KVStorage
 
 log = logging.getLogger("pagedkv")
 
-CPU_DEFAULT_KV_CAP = 4 * 2**30   # on CPU, --memory-utilization alone never takes more than this
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # glibc's mallopt parameters
+CPU_DEFAULT_KV_CAP = 4 * 2**30  # on CPU, --memory-utilization alone never takes more than this
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
 def pick_device() -> torch.device:
@@ -30,10 +31,11 @@ def keep_freed_memory() -> bool:
     """
     import ctypes
     import ctypes.util
+
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
-    except (OSError, AttributeError):   # not glibc
+    except (OSError, AttributeError):  # not glibc
         return False
     return bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30) and mallopt(_M_MMAP_THRESHOLD, 32 << 20))
 
@@ -42,6 +44,7 @@ def free_device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     import psutil
+
     return psutil.virtual_memory().available
 
 
@@ -54,11 +57,16 @@ def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.devi
     else:
         budget = int(free_device_memory(device) * config.memory_utilization)
         if device.type == "cpu" and budget > CPU_DEFAULT_KV_CAP:
-            log.info("KV pool capped at %s on CPU; pass --kv-cache-memory for more", format_size(CPU_DEFAULT_KV_CAP))
+            log.info(
+                "KV pool capped at %s on CPU; pass --kv-cache-memory for more",
+                format_size(CPU_DEFAULT_KV_CAP),
+            )
             budget = CPU_DEFAULT_KV_CAP
         n = budget // bytes_per_block
     if n < 1:
-        raise ConfigError(f"the KV cache memory holds no block of {bytes_per_block} bytes; give it more memory")
+        raise ConfigError(
+            f"the KV cache memory holds no block of {bytes_per_block} bytes; give it more memory"
+        )
     return int(n)
 
 
@@ -66,31 +74,48 @@ def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype | st
     return dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
 
 
-def build_kv_storage(config: EngineConfig, mc, num_kv_heads: int, dtype: torch.dtype,
-                     device: torch.device) -> tuple[KVStorage, KVStorage | None, int]:
+def build_kv_storage(
+    config: EngineConfig, mc, num_kv_heads: int, dtype: torch.dtype, device: torch.device
+) -> tuple[KVStorage, KVStorage | None, int]:
     """The KV pool, the swap space (unless swap borrows the host tier's slots) and the bytes per block:
     the same on every tensor-parallel rank, sized by the smallest rank."""
-    shape = dict(num_layers=mc.num_hidden_layers, num_kv_heads=num_kv_heads, block_size=config.block_size,
-                 head_dim=mc.head_dim, dtype=kv_cache_dtype(config, dtype))
+    shape = dict(
+        num_layers=mc.num_hidden_layers,
+        num_kv_heads=num_kv_heads,
+        block_size=config.block_size,
+        head_dim=mc.head_dim,
+        dtype=kv_cache_dtype(config, dtype),
+    )
     bytes_per_block = KVStorage.bytes_per_block(**shape)
     num_blocks = num_kv_blocks(config, bytes_per_block, device)
     if config.tensor_parallel_size > 1:
         from pagedkv.distributed.group import min_over_ranks
+
         num_blocks = min_over_ranks(num_blocks)
     storage = KVStorage(num_blocks=num_blocks, device=device, **shape)
     host = None
-    if config.preemption_mode == "swap" and not config.kv_offload_host_memory:   # else the host tier's slots
-        host = KVStorage(num_blocks=max(config.swap_space // bytes_per_block, 1), device=torch.device("cpu"),
-                         **shape)
+    if (
+        config.preemption_mode == "swap" and not config.kv_offload_host_memory
+    ):  # else the host tier's slots
+        host = KVStorage(
+            num_blocks=max(config.swap_space // bytes_per_block, 1),
+            device=torch.device("cpu"),
+            **shape,
+        )
     return storage, host, bytes_per_block
 
 
-def build_worker_runner(config: EngineConfig, rank: int, world: int, device: torch.device) -> ModelRunner:
+def build_worker_runner(
+    config: EngineConfig, rank: int, world: int, device: torch.device
+) -> ModelRunner:
     """A tensor-parallel worker's model shard, KV pool and swap space, built in rank 0's order."""
     from pagedkv.distributed.group import all_reduce
     from pagedkv.distributed.shard import shard_model
     from pagedkv.model.loader import load_model
+
     loaded = load_model(config.model, config.dtype, device)
     split = shard_model(loaded.model, rank, world, all_reduce)
-    storage, host, _ = build_kv_storage(config, loaded.config, split.num_kv_heads, loaded.model.dtype, device)
+    storage, host, _ = build_kv_storage(
+        config, loaded.config, split.num_kv_heads, loaded.model.dtype, device
+    )
     return ModelRunner(loaded.model, storage, host, device)

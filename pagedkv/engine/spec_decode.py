@@ -11,6 +11,7 @@ this is rejection sampling (accept with probability p(draft), else draw from p
 without it), so the output distribution is the target's, and a greedy or seeded
 request gives the same tokens with or without speculation.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,18 +43,29 @@ class SpeculativeConfig:
                 raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ConfigError("--speculative-config must be a JSON object")
-        unknown = set(value) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = set(value) - {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+        }
         if unknown:
             raise ConfigError(f"--speculative-config: unsupported keys {sorted(unknown)}")
         if value.get("method", "ngram") != "ngram":
-            raise ConfigError(f"--speculative-config: method {value.get('method')!r} is not supported (only ngram)")
+            raise ConfigError(
+                f"--speculative-config: method {value.get('method')!r} is not supported (only ngram)"
+            )
         k = _positive_int("num_speculative_tokens", value.get("num_speculative_tokens"))
         hi = _positive_int("prompt_lookup_max", value.get("prompt_lookup_max", 4))
         lo = _positive_int("prompt_lookup_min", value.get("prompt_lookup_min", 1))
         if k > MAX_SPECULATIVE_TOKENS:
-            raise ConfigError(f"--speculative-config: num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}")
+            raise ConfigError(
+                f"--speculative-config: num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}"
+            )
         if lo > hi:
-            raise ConfigError("--speculative-config: prompt_lookup_min must be <= prompt_lookup_max")
+            raise ConfigError(
+                "--speculative-config: prompt_lookup_min must be <= prompt_lookup_max"
+            )
         return cls(k, hi, lo)
 
 
@@ -74,18 +86,23 @@ class NgramProposer:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
         n_tokens = len(tokens)
-        for n in range(min(self.config.prompt_lookup_max, n_tokens - 1), self.config.prompt_lookup_min - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)   # every start before the suffix
+        for n in range(
+            min(self.config.prompt_lookup_max, n_tokens - 1), self.config.prompt_lookup_min - 1, -1
+        ):
+            windows = np.lib.stride_tricks.sliding_window_view(
+                tokens[:-1], n
+            )  # every start before the suffix
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if len(hits):
                 start = int(hits[-1]) + n
-                return tokens[start:start + k].tolist()
+                return tokens[start : start + k].tolist()
         return []
 
 
 @dataclass
 class SpecDecodeStats:
     """vLLM's counters: steps that drafted, tokens drafted, drafts accepted."""
+
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

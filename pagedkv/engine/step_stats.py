@@ -3,6 +3,7 @@
 Written by the engine thread, read by /metrics: plain integer updates, so a
 scrape sees a consistent-enough snapshot without a lock on the step.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -14,7 +15,9 @@ ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16
 @dataclass
 class StepTokens:
     buckets: tuple[int, ...] = ITERATION_BUCKETS
-    counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_BUCKETS) + 1))   # last: +Inf
+    counts: list[int] = field(
+        default_factory=lambda: [0] * (len(ITERATION_BUCKETS) + 1)
+    )  # last: +Inf
     total: int = 0
 
     def observe(self, tokens: int) -> None:

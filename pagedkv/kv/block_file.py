@@ -7,6 +7,7 @@ The JSON header holds the key (model fingerprint and KV dtype), the block hash
 of the payload. A file that fails a check raises BadFile; nothing here touches
 the file system, so the disk tier decides what to delete.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +28,8 @@ MAGIC = b"PKVB"
 VERSION = 1
 SUFFIX = ".kvb"
 TMP_SUFFIX = ".tmp"
-_PREFIX = struct.Struct("<4sHI")      # magic, format version, header length
-_ALIGN = 64                           # the payload starts at a multiple of this
+_PREFIX = struct.Struct("<4sHI")  # magic, format version, header length
+_ALIGN = 64  # the payload starts at a multiple of this
 _MAX_HEADER = 1 << 20
 
 
@@ -48,6 +49,7 @@ def checksum(payload) -> str:
 @dataclass(frozen=True, slots=True)
 class BlockFormat:
     """Files of one model, KV dtype and block layout."""
+
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -64,10 +66,17 @@ class BlockFormat:
 
     def encode(self, block_hash: BlockHash, token_ids: TokenIds, payload: np.ndarray) -> bytes:
         """Everything before the payload: prefix and padded header."""
-        header = json.dumps({
-            "key": self.key, "hash": block_hash.hex(), "token_ids": list(token_ids),
-            "dtype": str(self.dtype), "shape": list(self.shape), "nbytes": payload.nbytes,
-            "blake2b": checksum(payload)}).encode()
+        header = json.dumps(
+            {
+                "key": self.key,
+                "hash": block_hash.hex(),
+                "token_ids": list(token_ids),
+                "dtype": str(self.dtype),
+                "shape": list(self.shape),
+                "nbytes": payload.nbytes,
+                "blake2b": checksum(payload),
+            }
+        ).encode()
         header += b" " * (-(_PREFIX.size + len(header)) % _ALIGN)
         return _PREFIX.pack(MAGIC, VERSION, len(header)) + header
 
@@ -79,8 +88,9 @@ class BlockFormat:
             head += f.read(min(_PREFIX.unpack(head)[2], _MAX_HEADER))
         return head
 
-    def parse(self, head: bytes | bytearray, file_size: int,
-              block_hash: BlockHash) -> tuple[dict, int]:
+    def parse(
+        self, head: bytes | bytearray, file_size: int, block_hash: BlockHash
+    ) -> tuple[dict, int]:
         """Check a file's header against this format and its name; returns (header, payload start)."""
         if len(head) < _PREFIX.size:
             raise BadFile("truncated header")
@@ -93,7 +103,7 @@ class BlockFormat:
         if header_len > _MAX_HEADER or len(head) < offset:
             raise BadFile("truncated header")
         try:
-            header = json.loads(bytes(head[_PREFIX.size:offset]))
+            header = json.loads(bytes(head[_PREFIX.size : offset]))
         except ValueError:
             raise BadFile("unreadable header") from None
         if not isinstance(header, dict):
@@ -111,8 +121,9 @@ class BlockFormat:
             raise BadFile("wrong payload size")
         want = offset + self.payload_size
         if file_size != want:
-            raise BadFile(f"truncated ({file_size} of {want} bytes)" if file_size < want
-                          else "trailing bytes")
+            raise BadFile(
+                f"truncated ({file_size} of {want} bytes)" if file_size < want else "trailing bytes"
+            )
         return header, offset
 
     def decode(self, buf: bytearray, block_hash: BlockHash, token_ids: TokenIds) -> Tensor:

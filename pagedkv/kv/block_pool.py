@@ -14,6 +14,7 @@ A freed block keeps its hash and stays findable through `cached` until
 of the middle of the queue in O(1) (`touch`), because each block carries its
 own prev/next pointers: no scan, no allocation on the hot path.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,7 +28,9 @@ BlockHash = NewType("BlockHash", bytes)
 HASH_SIZE = 32
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
+def hash_block_tokens(
+    parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b""
+) -> BlockHash:
     """Chained hash of one full block: blake2b over parent hash, token ids and extra keys.
 
     Stable across processes and machines (explicit little-endian layout, no
@@ -43,6 +46,7 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra:
 @dataclass(slots=True, eq=False)
 class Block:
     """One physical block. `token_ids` is set only while the block is in the prefix cache."""
+
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
@@ -110,7 +114,9 @@ class BlockPool:
     about to be reused, so an offload tier can save its contents first.
     """
 
-    def __init__(self, num_blocks: int, on_evict: Callable[[int, BlockHash], None] | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, on_evict: Callable[[int, BlockHash], None] | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -158,7 +164,9 @@ class BlockPool:
             return None
         return block
 
-    def cache_full_block(self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+    def cache_full_block(
+        self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...]
+    ) -> None:
         """Make a full, referenced block findable. A second block with the same content stays unhashed."""
         if block.block_hash is not None or block_hash in self.cached:
             return
@@ -198,26 +206,35 @@ class BlockPool:
         for block in self.free_queue:
             assert block.block_id not in seen, f"block {block.block_id} twice in the free queue"
             assert block.prev is prev, f"broken back link at block {block.block_id}"
-            assert block.ref_count == 0, f"free block {block.block_id} has ref_count {block.ref_count}"
+            assert block.ref_count == 0, (
+                f"free block {block.block_id} has ref_count {block.ref_count}"
+            )
             seen.add(block.block_id)
             prev = block
         assert self.free_queue.tail.prev is prev, "broken tail link"
-        assert len(seen) == self.free_queue.num_free, \
+        assert len(seen) == self.free_queue.num_free, (
             f"queue holds {len(seen)}, counter says {self.free_queue.num_free}"
+        )
         used = 0
         for block in self.blocks:
             if block.block_id in seen:
                 continue
-            assert block.prev is None and block.next is None, f"block {block.block_id} linked but not in queue"
+            assert block.prev is None and block.next is None, (
+                f"block {block.block_id} linked but not in queue"
+            )
             assert block.ref_count > 0, f"block {block.block_id} neither free nor referenced"
             used += 1
         assert len(seen) + used == self.num_blocks, "free + used != total"
         for block_hash, block in self.cached.items():
-            assert block.block_hash == block_hash, f"map entry points to block {block.block_id} with another hash"
+            assert block.block_hash == block_hash, (
+                f"map entry points to block {block.block_id} with another hash"
+            )
             assert block.token_ids is not None, f"cached block {block.block_id} has no token ids"
         for block in self.blocks:
             if block.block_hash is not None:
-                assert self.cached.get(block.block_hash) is block, f"block {block.block_id} hashed but not findable"
+                assert self.cached.get(block.block_hash) is block, (
+                    f"block {block.block_id} hashed but not findable"
+                )
             else:
                 assert block.token_ids is None, f"unhashed block {block.block_id} keeps token ids"
 
@@ -228,17 +245,16 @@ class HostPool(Protocol):
     `HostBlockPool` is plain swap space; the offload host tier (`pagedkv.kv.offload.HostTier`) is the
     other kind: it lends its slots to swap and evicts cached blocks to make room.
     """
+
     num_slots: int
 
     def num_free(self) -> int:
         """Slots `take` can hand out now."""
         ...
 
-    def take(self, n: int) -> list[int]:
-        ...
+    def take(self, n: int) -> list[int]: ...
 
-    def release(self, slots: Iterable[int]) -> None:
-        ...
+    def release(self, slots: Iterable[int]) -> None: ...
 
     def check_integrity(self, held: Sequence[int]) -> None:
         """Audit, given the slots that swapped requests hold."""
@@ -252,7 +268,7 @@ class HostBlockPool:
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))    # pop() hands out 0 first
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out 0 first
 
     def num_free(self) -> int:
         return len(self._free)
@@ -266,4 +282,6 @@ class HostBlockPool:
         self._free.extend(slots)
 
     def check_integrity(self, held: Sequence[int]) -> None:
-        assert sorted([*self._free, *held]) == list(range(self.num_slots)), "host blocks lost or held twice"
+        assert sorted([*self._free, *held]) == list(range(self.num_slots)), (
+            "host blocks lost or held twice"
+        )

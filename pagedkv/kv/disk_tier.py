@@ -17,6 +17,7 @@ start deletes (unless its writer, another engine on the same folder, still
 runs). Every read checks the header and the payload's checksum.
 `close` drains the queue: a graceful shutdown loses nothing queued.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -43,9 +44,9 @@ from pagedkv.kv.plan import TokenIds
 T = TypeVar("T")
 log = logging.getLogger("pagedkv.offload")
 
-TMP_MAX_AGE_S = 600                   # a temporary file this old is abandoned, whoever wrote it
-WRITE_QUEUE_BYTES = 256 << 20         # block copies waiting for the writer, at most
-DRAIN_TIMEOUT_S = 25.0                # inside the server's 30 s wait for the engine thread
+TMP_MAX_AGE_S = 600  # a temporary file this old is abandoned, whoever wrote it
+WRITE_QUEUE_BYTES = 256 << 20  # block copies waiting for the writer, at most
+DRAIN_TIMEOUT_S = 25.0  # inside the server's 30 s wait for the engine thread
 
 
 @dataclass(slots=True)
@@ -64,11 +65,11 @@ def _abandoned(tmp: Path) -> bool:
     """A temporary file whose writer is gone: its pid (in the name) is not running, or it is old.
     Another engine sharing the folder may be writing the others right now."""
     try:
-        pid = int(tmp.name[:-len(TMP_SUFFIX)].rsplit(".", 1)[1])
+        pid = int(tmp.name[: -len(TMP_SUFFIX)].rsplit(".", 1)[1])
         os.kill(pid, 0)
     except (ValueError, IndexError, ProcessLookupError):
         return True
-    except PermissionError:              # alive, someone else's
+    except PermissionError:  # alive, someone else's
         pass
     try:
         return time.time() - tmp.stat().st_mtime > TMP_MAX_AGE_S
@@ -92,8 +93,15 @@ class DiskTier:
     the byte count and the set of queued hashes, and is never held during file I/O.
     """
 
-    def __init__(self, root: str | Path, key: bytes, block_shape: Sequence[int], dtype: torch.dtype,
-                 max_bytes: int, queue_blocks: int | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        key: bytes,
+        block_shape: Sequence[int],
+        dtype: torch.dtype,
+        max_bytes: int,
+        queue_blocks: int | None = None,
+    ) -> None:
         self.format = BlockFormat(key.decode("utf-8", "replace"), tuple(block_shape), dtype)
         self.dir = Path(root) / self.format.folder
         try:
@@ -103,11 +111,11 @@ class DiskTier:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockHash, _DiskEntry] = OrderedDict()
-        self.bytes_used = 0          # files indexed, plus the one being written
+        self.bytes_used = 0  # files indexed, plus the one being written
         self.bad_files = 0
-        self.dropped = 0             # files deleted for the size limit, and writes that failed
-        self.written = 0             # files written
-        self.writes_dropped = 0      # blocks never written: the queue was full (or closed)
+        self.dropped = 0  # files deleted for the size limit, and writes that failed
+        self.written = 0  # files written
+        self.writes_dropped = 0  # blocks never written: the queue was full (or closed)
         self._queued: dict[BlockHash, _Write] = {}
         if queue_blocks is None:
             queue_blocks = max(8, WRITE_QUEUE_BYTES // self.format.payload_size)
@@ -148,16 +156,22 @@ class DiskTier:
         for victim in self._make_room(0):
             _unlink(victim)
         if self._index:
-            log.info("KV offload: %d blocks (%s) on disk from earlier runs in %s",
-                     len(self._index), format_size(self.bytes_used), self.dir)
+            log.info(
+                "KV offload: %d blocks (%s) on disk from earlier runs in %s",
+                len(self._index),
+                format_size(self.bytes_used),
+                self.dir,
+            )
 
-    def _checked(self, path: Path, block_hash: BlockHash, load: Callable[[BufferedReader], T]) -> T | None:
+    def _checked(
+        self, path: Path, block_hash: BlockHash, load: Callable[[BufferedReader], T]
+    ) -> T | None:
         """`load(file)`, or None when the file is gone (forgotten: a plain miss) or fails a check
         (skipped: never crash, never use it)."""
         try:
             with open(path, "rb") as f:
                 return load(f)
-        except FileNotFoundError:          # deleted since: the size limit, or a sibling's
+        except FileNotFoundError:  # deleted since: the size limit, or a sibling's
             with self._lock:
                 self._forget(block_hash)
         except BadFile as e:
@@ -169,6 +183,7 @@ class DiskTier:
     def _adopt(self, path: Path, block_hash: BlockHash) -> _DiskEntry | None:
         """Index a block file found on disk (an earlier run's, or a sibling replica's sharing this
         folder) after checking its header; None if it is missing or bad."""
+
         def header_entry(f: BufferedReader) -> _DiskEntry:
             size = os.fstat(f.fileno()).st_size
             header, _ = self.format.parse(self.format.read_head(f), size, block_hash)
@@ -228,9 +243,10 @@ class DiskTier:
             return queued.data if queued.token_ids == token_ids else None
         if entry is None or entry.token_ids != token_ids:
             return None
+
         def whole_block(f: BufferedReader) -> Tensor:
             buf = bytearray(os.fstat(f.fileno()).st_size)
-            del buf[f.readinto(buf):]
+            del buf[f.readinto(buf) :]
             return self.format.decode(buf, block_hash, token_ids)
 
         data = self._checked(self._path(block_hash), block_hash, whole_block)
@@ -274,7 +290,7 @@ class DiskTier:
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="pagedkv-kv-disk", daemon=True)
         self._thread.start()
-        atexit.register(self.close)          # a script that never calls close still loses nothing
+        atexit.register(self.close)  # a script that never calls close still loses nothing
 
     def _run(self) -> None:
         while True:
@@ -283,7 +299,7 @@ class DiskTier:
                 if item is None:
                     return
                 self.write(*item)
-            except Exception:                # never let one block stop the writer
+            except Exception:  # never let one block stop the writer
                 log.exception("KV offload: writing a block failed")
             finally:
                 if item is not None:
@@ -341,7 +357,7 @@ class DiskTier:
                 self.dropped += 1
                 return False
             victims = self._make_room(size)
-            self.bytes_used += size              # reserved while the file is written
+            self.bytes_used += size  # reserved while the file is written
         for victim in victims:
             _unlink(victim)
         path = self._path(block_hash)
@@ -349,7 +365,7 @@ class DiskTier:
         try:
             with open(tmp, "wb") as f:
                 f.write(head)
-                f.write(payload.data)                # the array's buffer, no copy
+                f.write(payload.data)  # the array's buffer, no copy
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)

@@ -40,6 +40,7 @@ The host tier is also the swap space: swap-out takes free slots first, then
 the slots of the least recently used cached blocks (which go to disk), so one
 budget, `--kv-offload-host-memory`, holds both; live requests come first.
 """
+
 from __future__ import annotations
 
 import logging
@@ -80,11 +81,13 @@ class HostTier:
     def __init__(self, storage: KVStorage) -> None:
         self.storage = storage
         self.num_slots = storage.num_blocks
-        self._free = list(range(self.num_slots - 1, -1, -1))     # pop() hands out 0 first
+        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out 0 first
         self._lru: OrderedDict[BlockHash, _HostEntry] = OrderedDict()
-        self._pinned: set[BlockHash] = set()                      # read by a load this step
+        self._pinned: set[BlockHash] = set()  # read by a load this step
         self._lent: set[int] = set()
-        self.displaced: list[tuple[BlockHash, _HostEntry]] = []   # evicted for swap, data not yet moved
+        self.displaced: list[
+            tuple[BlockHash, _HostEntry]
+        ] = []  # evicted for swap, data not yet moved
 
     @property
     def num_cached(self) -> int:
@@ -117,8 +120,9 @@ class HostTier:
         """Cached hashes, least recently used first."""
         return list(self._lru)
 
-    def insert(self, block_hash: BlockHash, token_ids: TokenIds
-               ) -> tuple[int, tuple[BlockHash, _HostEntry] | None] | None:
+    def insert(
+        self, block_hash: BlockHash, token_ids: TokenIds
+    ) -> tuple[int, tuple[BlockHash, _HostEntry] | None] | None:
         """A slot for a new cached block: a free one, else the LRU block's, returned as the victim so the
         caller can move its data out first. None when every slot is lent or pinned."""
         victim = None
@@ -154,7 +158,7 @@ class HostTier:
                 slots.append(self._free.pop())
             else:
                 victim = self._evict_lru()
-                assert victim is not None     # num_free() counted an unpinned cached block
+                assert victim is not None  # num_free() counted an unpinned cached block
                 self.displaced.append(victim)
                 slots.append(victim[1].slot)
         self._lent.update(slots)
@@ -168,8 +172,9 @@ class HostTier:
     def check_integrity(self, held: Sequence[int]) -> None:
         assert sorted(held) == sorted(self._lent), "swap holds other host slots than the tier lent"
         cached = [entry.slot for entry in self._lru.values()]
-        assert sorted([*self._free, *cached, *self._lent]) == list(range(self.num_slots)), \
+        assert sorted([*self._free, *cached, *self._lent]) == list(range(self.num_slots)), (
             "host slots lost or held twice"
+        )
         assert self._pinned <= self._lru.keys(), "a pinned block is not cached"
 
 
@@ -178,14 +183,14 @@ class HostTier:
 
 @dataclass(slots=True)
 class OffloadStats:
-    saved: int             # evicted device blocks put into a tier
-    loaded_host: int       # prefix blocks loaded back from host memory
-    loaded_disk: int       # ... and from disk
-    spilled: int           # blocks sent to disk on leaving host memory (host tier full, or none)
-    written: int           # block files written (write-through and spills)
-    writes_dropped: int    # blocks never written: the disk queue was full
-    dropped: int           # blocks that fell off the last tier
-    bad_files: int         # corrupt, truncated or foreign files skipped
+    saved: int  # evicted device blocks put into a tier
+    loaded_host: int  # prefix blocks loaded back from host memory
+    loaded_disk: int  # ... and from disk
+    spilled: int  # blocks sent to disk on leaving host memory (host tier full, or none)
+    written: int  # block files written (write-through and spills)
+    writes_dropped: int  # blocks never written: the disk queue was full
+    dropped: int  # blocks that fell off the last tier
+    bad_files: int  # corrupt, truncated or foreign files skipped
     host_slots: int
     host_cached: int
     disk_blocks: int
@@ -194,7 +199,7 @@ class OffloadStats:
 
 class _Staged(NamedTuple):
     saves: list[BlockSave]
-    saved: Tensor | None         # their data, read before any write of the step
+    saved: Tensor | None  # their data, read before any write of the step
     load_dst: list[int]
     loaded: Tensor | None
 
@@ -209,7 +214,9 @@ class KVOffload:
         self.host = host
         self.disk = disk
         self.writes_through = disk is not None
-        self._staged: dict[BlockHash, Tensor] = {}    # disk blocks read at admission, loaded this step
+        self._staged: dict[
+            BlockHash, Tensor
+        ] = {}  # disk blocks read at admission, loaded this step
         self.saved = self.loaded_host = self.loaded_disk = self.spilled = 0
         self._dropped = 0
 
@@ -226,26 +233,46 @@ class KVOffload:
         if host_bytes:
             n = host_bytes // per_block
             if n < 1:
-                raise ConfigError(f"--kv-offload-host-memory {format_size(host_bytes)} holds no KV block "
-                                  f"({format_size(per_block)} each)")
-            host = HostTier(KVStorage(storage.num_layers, n, storage.num_kv_heads, storage.block_size,
-                                      storage.head_dim, storage.dtype, "cpu"))
-            log.info("KV offload host tier: %d blocks (%s), shared with swap", n, format_size(n * per_block))
+                raise ConfigError(
+                    f"--kv-offload-host-memory {format_size(host_bytes)} holds no KV block "
+                    f"({format_size(per_block)} each)"
+                )
+            host = HostTier(
+                KVStorage(
+                    storage.num_layers,
+                    n,
+                    storage.num_kv_heads,
+                    storage.block_size,
+                    storage.head_dim,
+                    storage.dtype,
+                    "cpu",
+                )
+            )
+            log.info(
+                "KV offload host tier: %d blocks (%s), shared with swap",
+                n,
+                format_size(n * per_block),
+            )
         if folder:
             if disk_bytes < per_block:
-                raise ConfigError(f"--kv-offload-disk-size {format_size(disk_bytes)} holds no "
-                                  f"KV block ({format_size(per_block)} each)")
+                raise ConfigError(
+                    f"--kv-offload-disk-size {format_size(disk_bytes)} holds no "
+                    f"KV block ({format_size(per_block)} each)"
+                )
             disk = DiskTier(folder, key, storage.block_shape, storage.dtype, disk_bytes)
             log.info("KV offload disk tier: %s, up to %s", disk.dir, format_size(disk_bytes))
         if not config.enable_prefix_caching:
-            log.warning("KV offload keeps prefix-cache blocks: with prefix caching off it only holds swap")
+            log.warning(
+                "KV offload keeps prefix-cache blocks: with prefix caching off it only holds swap"
+            )
         return cls(host, disk)
 
     # ---- scheduling side ----------------------------------------------------------------------
 
     def contains(self, block_hash: BlockHash, token_ids: TokenIds) -> bool:
-        return ((self.host is not None and self.host.find(block_hash, token_ids) is not None)
-                or (self.disk is not None and self.disk.contains(block_hash, token_ids)))
+        return (self.host is not None and self.host.find(block_hash, token_ids) is not None) or (
+            self.disk is not None and self.disk.contains(block_hash, token_ids)
+        )
 
     def reserve(self, blocks: Sequence[tuple[BlockHash, TokenIds]]) -> int:
         """Make the leading run of these blocks loadable this step: pin host slots, read and check disk
@@ -266,7 +293,7 @@ class KVOffload:
         """Reads only, before the step's block copies: device blocks to save, tier blocks to load, and
         cached host blocks whose slots swap-out is about to overwrite (they go to disk now)."""
         disk = self.disk
-        if self.host is None and disk is not None and saves:   # disk only: written through, no copy
+        if self.host is None and disk is not None and saves:  # disk only: written through, no copy
             kept = [s for s in saves if disk.needs(s.block_hash)]
             self.saved += len(saves) - len(kept)
             self.spilled += len(saves) - len(kept)
@@ -287,7 +314,7 @@ class KVOffload:
             self.loaded_disk += 1
             return data
         self.loaded_host += 1
-        assert self.host is not None                   # reserve() pinned it in the host tier
+        assert self.host is not None  # reserve() pinned it in the host tier
         return self.host.storage.read_blocks([self.host.slot(block_hash)])[0]
 
     def commit(self, storage: KVStorage, staged: _Staged) -> None:
@@ -305,10 +332,10 @@ class KVOffload:
         if self.host is None:
             self._spill(block_hash, token_ids, data)
             return
-        if self.host.touch(block_hash):               # loaded from here earlier: same data
+        if self.host.touch(block_hash):  # loaded from here earlier: same data
             return
         got = self.host.insert(block_hash, token_ids)
-        if got is None:                                # every slot lent to swap
+        if got is None:  # every slot lent to swap
             self._spill(block_hash, token_ids, data)
             return
         slot, victim = got
@@ -322,7 +349,7 @@ class KVOffload:
         Usually written through already, so nothing is queued."""
         if self.disk is None:
             self._dropped += 1
-        elif self.disk.put(block_hash, token_ids, data):      # a drop counts in disk.writes_dropped
+        elif self.disk.put(block_hash, token_ids, data):  # a drop counts in disk.writes_dropped
             self.spilled += 1
 
     def _spill_slot(self, block_hash: BlockHash, token_ids: TokenIds, slot: int) -> None:
@@ -330,7 +357,7 @@ class KVOffload:
         if self.disk is not None and not self.disk.needs(block_hash):
             self.spilled += 1
         elif self.disk is not None:
-            assert self.host is not None               # a slot is a host-tier slot
+            assert self.host is not None  # a slot is a host-tier slot
             self._spill(block_hash, token_ids, self.host.storage.read_blocks([slot])[0])
         else:
             self._dropped += 1
@@ -339,7 +366,7 @@ class KVOffload:
         """After the forward that filled them: copy the blocks the disk lacks off the device (as
         many as its queue takes; the rest are dropped and counted) and queue them. Never waits."""
         disk = self.disk
-        assert disk is not None                        # writes through only to a disk tier
+        assert disk is not None  # writes through only to a disk tier
         todo = [w for w in writes if disk.needs(w.block_hash)]
         room = disk.room()
         if len(todo) > room:
@@ -364,7 +391,10 @@ class KVOffload:
     def stats(self) -> OffloadStats:
         host, disk = self.host, self.disk
         return OffloadStats(
-            saved=self.saved, loaded_host=self.loaded_host, loaded_disk=self.loaded_disk, spilled=self.spilled,
+            saved=self.saved,
+            loaded_host=self.loaded_host,
+            loaded_disk=self.loaded_disk,
+            spilled=self.spilled,
             written=disk.written if disk is not None else 0,
             writes_dropped=disk.writes_dropped if disk is not None else 0,
             dropped=self._dropped + (disk.dropped if disk is not None else 0),
@@ -372,4 +402,5 @@ class KVOffload:
             host_slots=host.num_slots if host is not None else 0,
             host_cached=host.num_cached if host is not None else 0,
             disk_blocks=disk.num_blocks if disk is not None else 0,
-            disk_bytes=disk.bytes_used if disk is not None else 0)
+            disk_bytes=disk.bytes_used if disk is not None else 0,
+        )

@@ -31,6 +31,7 @@ and the output back with R^T (paged.py). On SmolLM2 this takes fp8's
 perplexity cost from about 1.4% to about 0.4% and cuts int8's mean logit
 error by a third (BENCHMARKS.md).
 """
+
 from __future__ import annotations
 
 import math
@@ -42,15 +43,17 @@ from torch import Tensor
 from pagedkv import native
 
 SCALE_DTYPE = torch.float32
-_MIN_SCALE = 2.0 ** -64     # scale of an all-zero block (keeps divisions finite)
-_BF16_FROM_E4M3 = -0x7810   # int16 0x87F0: the sign bit and the 7 exponent/mantissa bits, shifted left 4
-_E4M3_IN_BF16 = 2.0 ** 120  # what those bits, read as bfloat16, are divided by
+_MIN_SCALE = 2.0**-64  # scale of an all-zero block (keeps divisions finite)
+_BF16_FROM_E4M3 = (
+    -0x7810
+)  # int16 0x87F0: the sign bit and the 7 exponent/mantissa bits, shifted left 4
+_E4M3_IN_BF16 = 2.0**120  # what those bits, read as bfloat16, are divided by
 
 
 @dataclass(frozen=True, slots=True)
 class QuantFormat:
     dtype: torch.dtype
-    qmax: float          # largest stored magnitude
+    qmax: float  # largest stored magnitude
     pow2_scales: bool
     max_scale: float = math.inf
 
@@ -67,9 +70,12 @@ class QuantFormat:
             return q.to(dtype).mul_(scale.to(dtype))
         # torch converts float8 element by element on CPU (~4 ns each); these integer ops are
         # vectorised (~0.3 ns) and exact for every e4m3 value: its sign, exponent and mantissa bits
-        # moved to bfloat16's places read as value * 2^-120 (subnormals included). Times a power-of-two
+        # moved to bfloat16's places read as value * 2^-120 (subnormals included). Times a power-of-
+        # two
         # scale * 2^120 (at most 2^127) the product is exact in bfloat16.
-        bits = q.view(torch.int8).to(torch.int16).bitwise_left_shift_(4).bitwise_and_(_BF16_FROM_E4M3)
+        bits = (
+            q.view(torch.int8).to(torch.int16).bitwise_left_shift_(4).bitwise_and_(_BF16_FROM_E4M3)
+        )
         return bits.view(torch.bfloat16).mul_((scale * _E4M3_IN_BF16).to(torch.bfloat16)).to(dtype)
 
     def quantize(self, x: Tensor, scale: Tensor | float) -> Tensor:
@@ -80,8 +86,12 @@ class QuantFormat:
         return y.to(self.dtype)
 
 
-FP8 = QuantFormat(torch.float8_e4m3fn, float(torch.finfo(torch.float8_e4m3fn).max), pow2_scales=True,
-                  max_scale=2.0 ** 7)
+FP8 = QuantFormat(
+    torch.float8_e4m3fn,
+    float(torch.finfo(torch.float8_e4m3fn).max),
+    pow2_scales=True,
+    max_scale=2.0**7,
+)
 INT8 = QuantFormat(torch.int8, 127.0, pow2_scales=False)
 FORMATS: dict[torch.dtype, QuantFormat] = {FP8.dtype: FP8, INT8.dtype: INT8}
 
@@ -99,11 +109,12 @@ def hadamard(dim: int) -> Tensor:
 @dataclass(slots=True)
 class SlotWrite:
     """Where a step's new tokens go, by block (computed once per write_kv, shared by K and V)."""
-    blocks: Tensor     # [T] block of each token
-    offsets: Tensor    # [T] offset inside it
-    touched: Tensor    # [U] distinct blocks written
-    which: Tensor      # [T] index of each token's block in `touched`
-    fresh: Tensor      # [U] bool: written at offset 0, so its old contents are not kept
+
+    blocks: Tensor  # [T] block of each token
+    offsets: Tensor  # [T] offset inside it
+    touched: Tensor  # [U] distinct blocks written
+    which: Tensor  # [T] index of each token's block in `touched`
+    fresh: Tensor  # [U] bool: written at offset 0, so its old contents are not kept
 
     @classmethod
     def of(cls, slot_mapping: Tensor, block_size: int) -> SlotWrite:
@@ -118,10 +129,11 @@ class SlotWrite:
 @dataclass(slots=True)
 class QuantizedCache:
     """One layer's K or V blocks, quantized, with their scales (views into KVStorage)."""
-    data: Tensor       # [num_blocks, num_kv_heads, block_size, head_dim]
-    scales: Tensor     # [num_blocks, num_kv_heads] float32
+
+    data: Tensor  # [num_blocks, num_kv_heads, block_size, head_dim]
+    scales: Tensor  # [num_blocks, num_kv_heads] float32
     fmt: QuantFormat
-    rotation: Tensor   # [head_dim, head_dim] float32: data holds (x R) / scale
+    rotation: Tensor  # [head_dim, head_dim] float32: data holds (x R) / scale
 
     @property
     def shape(self) -> torch.Size:
@@ -129,7 +141,12 @@ class QuantizedCache:
 
     def native_writer(self, x: Tensor):
         """The C++ write (csrc/kv_quant.cpp) when it serves this cache, else None."""
-        if not (x.is_cpu and self.data.is_cpu and self.data.is_contiguous() and self.scales.is_contiguous()):
+        if not (
+            x.is_cpu
+            and self.data.is_cpu
+            and self.data.is_contiguous()
+            and self.scales.is_contiguous()
+        ):
             return None
         return native.library()
 
@@ -145,15 +162,28 @@ class QuantizedCache:
             slots = slot_mapping.to(torch.int64).contiguous()
             num_blocks, num_heads, block_size, head_dim = self.data.shape
             err = native.error_buffer()
-            if lib.pagedkv_quant_write(native.QUANT_CODES[self.fmt.dtype], x.contiguous().data_ptr(), x.shape[0],
-                                       num_heads, head_dim, slots.data_ptr(), self.data.data_ptr(),
-                                       self.scales.data_ptr(), num_blocks, block_size, err, native.ERR_LEN):
+            if lib.pagedkv_quant_write(
+                native.QUANT_CODES[self.fmt.dtype],
+                x.contiguous().data_ptr(),
+                x.shape[0],
+                num_heads,
+                head_dim,
+                slots.data_ptr(),
+                self.data.data_ptr(),
+                self.scales.data_ptr(),
+                num_blocks,
+                block_size,
+                err,
+                native.ERR_LEN,
+            ):
                 raise ValueError(err.value.decode())
             return
         where = where or SlotWrite.of(slot_mapping, self.data.shape[2])
         num_heads = x.shape[1]
         amax = torch.zeros(where.touched.numel(), num_heads, dtype=SCALE_DTYPE, device=x.device)
-        amax.scatter_reduce_(0, where.which[:, None].expand(-1, num_heads), x.abs().amax(-1), "amax")
+        amax.scatter_reduce_(
+            0, where.which[:, None].expand(-1, num_heads), x.abs().amax(-1), "amax"
+        )
         old = self.scales[where.touched].masked_fill_(where.fresh[:, None], 0.0)
         scale = torch.maximum(old, self.fmt.scale_for(amax))
         grown = (scale > old) & (old > 0)
@@ -161,9 +191,13 @@ class QuantizedCache:
             u, h = grown.nonzero(as_tuple=True)
             b = where.touched[u]
             ratio = (old[u, h] / scale[u, h])[:, None, None]
-            self.data[b, h] = self.fmt.quantize(self.fmt.dequantize(self.data[b, h], ratio, SCALE_DTYPE), 1.0)
+            self.data[b, h] = self.fmt.quantize(
+                self.fmt.dequantize(self.data[b, h], ratio, SCALE_DTYPE), 1.0
+            )
         self.scales[where.touched] = scale
-        self.data[where.blocks, :, where.offsets] = self.fmt.quantize(x, scale[where.which][:, :, None])
+        self.data[where.blocks, :, where.offsets] = self.fmt.quantize(
+            x, scale[where.which][:, :, None]
+        )
 
     def dequantize(self, blocks: Tensor, dtype: torch.dtype) -> Tensor:
         """Blocks [n] as [n, Hkv, block_size, D] values in `dtype` (rotated: x R)."""
@@ -174,4 +208,6 @@ class QuantizedCache:
     def dequantize_rows(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
         """Flat (block * Hkv + head) rows [R] as [R, block_size, D] values in `dtype`."""
         picked = self.data.view(-1, *self.data.shape[2:]).index_select(0, rows)
-        return self.fmt.dequantize(picked, self.scales.view(-1).index_select(0, rows)[:, None, None], dtype)
+        return self.fmt.dequantize(
+            picked, self.scales.view(-1).index_select(0, rows)[:, None, None], dtype
+        )

@@ -22,6 +22,7 @@ unit a host or disk tier stores:
 Swap space is simply another KVStorage on the CPU (`read_blocks` of one feeds
 `write_blocks` of the other), so callers never look inside a block.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,13 @@ from torch import Tensor
 from pagedkv.config import ConfigError
 from pagedkv.kv.quant import FORMATS, SCALE_DTYPE, QuantizedCache, hadamard
 
-_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "int8": torch.int8,
+}
 
 
 def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -39,7 +45,9 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPE_NAMES:
-        raise ConfigError(f"KV cache dtype {dtype!r} is not supported (use {', '.join(_DTYPE_NAMES)})")
+        raise ConfigError(
+            f"KV cache dtype {dtype!r} is not supported (use {', '.join(_DTYPE_NAMES)})"
+        )
     return _DTYPE_NAMES[dtype]
 
 
@@ -50,8 +58,16 @@ def _ids(ids: list[int] | Tensor, device: torch.device) -> Tensor:
 class KVStorage:
     """Device tensors of the paged KV cache."""
 
-    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
-                 head_dim: int, dtype: torch.dtype | str, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        dtype: torch.dtype | str,
+        device: str | torch.device = "cpu",
+    ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.num_kv_heads = num_kv_heads
@@ -60,14 +76,24 @@ class KVStorage:
         self.dtype = as_dtype(dtype)
         self.device = torch.device(device)
         self.quant = FORMATS.get(self.dtype)
-        self.data = torch.zeros(num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim,
-                                dtype=self.dtype, device=self.device)
+        self.data = torch.zeros(
+            num_layers,
+            2,
+            num_blocks,
+            num_kv_heads,
+            block_size,
+            head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         self.scales: Tensor | None = None
         self.rotation: Tensor | None = None
         # Block moves are byte copies: float8 has no index_copy_ on CPU, its uint8 view does.
         self._raw = self.data
         if self.quant is not None:
-            self.scales = torch.zeros(num_layers, 2, num_blocks, num_kv_heads, dtype=SCALE_DTYPE, device=self.device)
+            self.scales = torch.zeros(
+                num_layers, 2, num_blocks, num_kv_heads, dtype=SCALE_DTYPE, device=self.device
+            )
             self._raw = self.data.view(torch.uint8)
             self.rotation = hadamard(head_dim).to(self.device)
         self.kv_caches: list[tuple] = [self.layer(i) for i in range(num_layers)]
@@ -77,15 +103,20 @@ class KVStorage:
         if self.quant is None:
             return self.data[i, 0], self.data[i, 1]
         assert self.scales is not None and self.rotation is not None  # set with self.quant
-        return (QuantizedCache(self.data[i, 0], self.scales[i, 0], self.quant, self.rotation),
-                QuantizedCache(self.data[i, 1], self.scales[i, 1], self.quant, self.rotation))
+        return (
+            QuantizedCache(self.data[i, 0], self.scales[i, 0], self.quant, self.rotation),
+            QuantizedCache(self.data[i, 1], self.scales[i, 1], self.quant, self.rotation),
+        )
 
     @property
     def block_shape(self) -> tuple[int, ...]:
         """Shape of one block as `read_blocks` returns it (without the leading n)."""
         if self.quant is not None:
-            return (self.bytes_per_block(self.num_layers, self.num_kv_heads, self.block_size, self.head_dim,
-                                         self.dtype),)
+            return (
+                self.bytes_per_block(
+                    self.num_layers, self.num_kv_heads, self.block_size, self.head_dim, self.dtype
+                ),
+            )
         return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -116,25 +147,37 @@ class KVStorage:
             self.data.index_copy_(2, ids, src)
             return
         if blocks.dtype != self.dtype or tuple(blocks.shape[1:]) != self.block_shape:
-            raise ValueError(f"expected packed {self.dtype} blocks of shape [n, {self.block_shape[0]}], "
-                             f"got {blocks.dtype} {list(blocks.shape)}")
+            raise ValueError(
+                f"expected packed {self.dtype} blocks of shape [n, {self.block_shape[0]}], "
+                f"got {blocks.dtype} {list(blocks.shape)}"
+            )
         packed = blocks.to(self.device).view(torch.uint8)
-        n, split = packed.shape[0], self.data[:, :, 0].numel()     # data bytes of one block
-        data = packed[:, :split].reshape(n, self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+        n, split = packed.shape[0], self.data[:, :, 0].numel()  # data bytes of one block
+        data = packed[:, :split].reshape(
+            n, self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim
+        )
         self._raw.index_copy_(2, ids, data.permute(1, 2, 0, 3, 4, 5))
-        scales = packed[:, split:].contiguous().view(SCALE_DTYPE).view(n, self.num_layers, 2, self.num_kv_heads)
+        scales = (
+            packed[:, split:]
+            .contiguous()
+            .view(SCALE_DTYPE)
+            .view(n, self.num_layers, 2, self.num_kv_heads)
+        )
         self.scales.index_copy_(2, ids, scales.permute(1, 2, 0, 3))
 
     @staticmethod
-    def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int,
-                        dtype: torch.dtype | str) -> int:
+    def bytes_per_block(
+        num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype | str
+    ) -> int:
         """K and V of one block across all layers, with their scales for fp8 / int8."""
         dtype = as_dtype(dtype)
-        rows = 2 * num_layers * num_kv_heads                      # (layer, K/V, head) of one block
+        rows = 2 * num_layers * num_kv_heads  # (layer, K/V, head) of one block
         scales = rows * SCALE_DTYPE.itemsize if dtype in FORMATS else 0
         return rows * block_size * head_dim * dtype.itemsize + scales
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str) -> int:
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str
+    ) -> int:
         """Bytes of one token's K and V elements (fp8 / int8 scales are per block: see bytes_per_block)."""
         return 2 * num_layers * num_kv_heads * head_dim * as_dtype(dtype).itemsize

@@ -1,4 +1,5 @@
 """The shape of a Llama-family model, whatever file it came from."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -30,7 +31,9 @@ class LlamaConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None          # {"rope_type": "linear"|"llama3"|"freq_factors", ...}; None = plain RoPE
+    rope_scaling: (
+        dict | None
+    )  # {"rope_type": "linear"|"llama3"|"freq_factors", ...}; None = plain RoPE
     max_position_embeddings: int
     tie_word_embeddings: bool
     bos_token_id: int | None
@@ -38,12 +41,16 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                              f"num_key_value_heads ({self.num_key_value_heads})")
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", "default")
             if kind not in ROPE_TYPES:
-                raise ConfigError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+                raise ConfigError(
+                    f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})"
+                )
             if kind == "default":
                 self.rope_scaling = None
 
@@ -53,14 +60,17 @@ class LlamaConfig:
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = ", ".join(d.get("architectures") or []) or model_type
-            raise ConfigError(f"unsupported architecture {archs!r}: pagedkv runs Llama-family models "
-                              f"(model_type {' or '.join(SUPPORTED_MODEL_TYPES)})")
+            raise ConfigError(
+                f"unsupported architecture {archs!r}: pagedkv runs Llama-family models "
+                f"(model_type {' or '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         for flag in ("attention_bias", "mlp_bias"):
             if d.get(flag):
                 raise ConfigError(f"unsupported model option {flag}=true")
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"unsupported activation {d['hidden_act']!r} (Llama uses silu)")
-        # transformers 5 keeps RoPE in `rope_parameters`; older files have rope_theta + rope_scaling,
+        # transformers 5 keeps RoPE in `rope_parameters`; older files have rope_theta +
+        # rope_scaling,
         # and a legacy rope_scaling wins where both appear (as in transformers)
         rope = {**(d.get("rope_parameters") or {}), **(d.get("rope_scaling") or {})}
         if "type" in rope:
@@ -91,8 +101,9 @@ class LlamaConfig:
 @dataclass
 class Checkpoint:
     """What a loader found in a model file or folder, before any tensor is built."""
+
     config: LlamaConfig
     tokenizer: Tokenizer
-    weights: Iterator[tuple[str, Tensor | Blocks]]   # (HF name, tensor or GGUF blocks), lazily
-    files: list[Path]                       # what the weights' identity is hashed from
+    weights: Iterator[tuple[str, Tensor | Blocks]]  # (HF name, tensor or GGUF blocks), lazily
+    files: list[Path]  # what the weights' identity is hashed from
     max_model_len: int

@@ -10,6 +10,7 @@ mean of per-token time over the two. It costs about a second, once: the
 verdict is cached per CPU, torch build, thread count and model shape in
 $PAGEDKV_EXT_DIR (or ~/.cache/pagedkv) as dtype.json.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,8 @@ from pagedkv.model.config import LlamaConfig
 log = logging.getLogger("pagedkv")
 
 CANDIDATES = (torch.float32, torch.bfloat16)
-BATCHED = 32             # a busy decode step's batch
-MIN_BYTES = 64 << 20     # float32 weights timed per trial: past the last-level cache of a server CPU
+BATCHED = 32  # a busy decode step's batch
+MIN_BYTES = 64 << 20  # float32 weights timed per trial: past the last-level cache of a server CPU
 REPEATS = 3
 
 
@@ -43,8 +44,11 @@ def layer_shapes(cfg: LlamaConfig) -> list[tuple[int, int]]:
 
 def _cpu_identity() -> str:
     """The CPU, plus the variables that cap which instructions torch's matmuls may use."""
-    model = platform.processor() + os.environ.get("ONEDNN_MAX_CPU_ISA", "") + os.environ.get(
-        "ATEN_CPU_CAPABILITY", "")
+    model = (
+        platform.processor()
+        + os.environ.get("ONEDNN_MAX_CPU_ISA", "")
+        + os.environ.get("ATEN_CPU_CAPABILITY", "")
+    )
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("model name", "flags", "Features")):
@@ -56,7 +60,9 @@ def _cpu_identity() -> str:
 
 def _cache_file() -> Path:
     base = os.environ.get("PAGEDKV_EXT_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pagedkv")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "pagedkv",
+    )
     return Path(base) / "dtype.json"
 
 
@@ -64,10 +70,12 @@ def _time_per_token(shapes: list[tuple[int, int]], dtype: torch.dtype, batch: in
     """Seconds per token of one pass over enough distinct weights of these shapes (best of REPEATS)."""
     per_layer = sum(o * i for o, i in shapes) * 4
     layers = max(1, math.ceil(MIN_BYTES / per_layer))
-    weights = [torch.empty(s, dtype=dtype).uniform_(-0.05, 0.05) for _ in range(layers) for s in shapes]
+    weights = [
+        torch.empty(s, dtype=dtype).uniform_(-0.05, 0.05) for _ in range(layers) for s in shapes
+    ]
     inputs = {i: torch.randn(batch, i).to(dtype) for _, i in shapes}
     best = math.inf
-    for _ in range(REPEATS + 1):    # the first pass warms up the matmul library
+    for _ in range(REPEATS + 1):  # the first pass warms up the matmul library
         t0 = time.perf_counter()
         for w in weights:
             F.linear(inputs[w.shape[1]], w)
@@ -77,8 +85,12 @@ def _time_per_token(shapes: list[tuple[int, int]], dtype: torch.dtype, batch: in
 
 def measure(shapes: list[tuple[int, int]]) -> dict[str, dict[str, float]]:
     """{dtype: {"1": s/token, "32": s/token}} for each candidate."""
-    return {str(dt).removeprefix("torch."): {str(b): _time_per_token(shapes, dt, b) for b in (1, BATCHED)}
-            for dt in CANDIDATES}
+    return {
+        str(dt).removeprefix("torch."): {
+            str(b): _time_per_token(shapes, dt, b) for b in (1, BATCHED)
+        }
+        for dt in CANDIDATES
+    }
 
 
 def pick(timings: dict[str, dict[str, float]]) -> str:
@@ -102,19 +114,25 @@ def choose_cpu_dtype(cfg: LlamaConfig) -> torch.dtype:
         t0 = time.monotonic()
         timings = measure(shapes)
         entry = {"dtype": pick(timings), "timings": timings}
-        log.info("--dtype auto: measured %s in %.1fs -> %s", _describe(timings), time.monotonic() - t0,
-                 entry["dtype"])
+        log.info(
+            "--dtype auto: measured %s in %.1fs -> %s",
+            _describe(timings),
+            time.monotonic() - t0,
+            entry["dtype"],
+        )
         cache[key] = entry
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(cache, indent=1))
             tmp.replace(path)
-        except OSError as e:            # a read-only cache only costs a second per start
+        except OSError as e:  # a read-only cache only costs a second per start
             log.warning("cannot cache the dtype calibration in %s: %s", path, e)
     return getattr(torch, entry["dtype"])
 
 
 def _describe(timings: dict[str, dict[str, float]]) -> str:
-    return ", ".join(f"{dt} " + "/".join(f"{v * 1e6:.0f}" for v in t.values()) + " us/token (batch 1/32)"
-                     for dt, t in timings.items())
+    return ", ".join(
+        f"{dt} " + "/".join(f"{v * 1e6:.0f}" for v in t.values()) + " us/token (batch 1/32)"
+        for dt, t in timings.items()
+    )

@@ -7,6 +7,7 @@ converter interleaves the two RoPE halves of every q/k head
 (rows h*D + 2i + j  <-  HF rows h*D + j*D/2 + i); we undo that so the
 weights match the HF layout the forward expects.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,10 +35,15 @@ _NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
@@ -56,7 +62,7 @@ class _Reader(gguf.GGUFReader):
 
     @data.setter
     def data(self, value: np.ndarray) -> None:
-        self._buffer = np.asarray(value)   # same memory, base ndarray class
+        self._buffer = np.asarray(value)  # same memory, base ndarray class
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
@@ -66,20 +72,28 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
             raise ConfigError(f"{path}: not a GGUF file (bad magic)")
     try:
         return _Reader(path)
-    except Exception as e:  # ValueError/IndexError/struct errors from a damaged header or short data
-        raise ConfigError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+    except (
+        Exception
+    ) as e:  # ValueError/IndexError/struct errors from a damaged header or short data
+        raise ConfigError(
+            f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})"
+        ) from None
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     """All key/value fields as plain Python values."""
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    return {
+        key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")
+    }
 
 
 def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> LlamaConfig:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ConfigError(f"unsupported architecture {arch!r}: pagedkv runs Llama-family GGUF models "
-                          f"(general.architecture {' or '.join(ARCHITECTURES)})")
+        raise ConfigError(
+            f"unsupported architecture {arch!r}: pagedkv runs Llama-family GGUF models "
+            f"(general.architecture {' or '.join(ARCHITECTURES)})"
+        )
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -93,13 +107,18 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
         raise ConfigError("GGUF file has no token_embd.weight tensor")
     rope_scaling = None
     if "rope_freqs.weight" in tensors:
-        rope_scaling = {"rope_type": "freq_factors", "factors": dequantize(tensors["rope_freqs.weight"]).tolist()}
+        rope_scaling = {
+            "rope_type": "freq_factors",
+            "factors": dequantize(tensors["rope_freqs.weight"]).tolist(),
+        }
     elif meta.get(f"{arch}.rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     elif meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
         raise ConfigError(f"unsupported GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r}")
     return LlamaConfig(
-        vocab_size=int(tensors["token_embd.weight"].shape[1]),   # GGUF shapes list the fastest dim first
+        vocab_size=int(
+            tensors["token_embd.weight"].shape[1]
+        ),  # GGUF shapes list the fastest dim first
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
         num_hidden_layers=get("block_count"),
@@ -121,9 +140,13 @@ def dequantize(t: gguf.ReaderTensor) -> np.ndarray:
     try:
         values = gguf.quants.dequantize(t.data, t.tensor_type)
     except NotImplementedError:
-        raise ConfigError(f"tensor {t.name}: GGUF type {t.tensor_type.name} is not supported") from None
+        raise ConfigError(
+            f"tensor {t.name}: GGUF type {t.tensor_type.name} is not supported"
+        ) from None
     shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-    if not values.flags.writeable:   # a view of the read-only file map (F32): torch wants its own copy
+    if (
+        not values.flags.writeable
+    ):  # a view of the read-only file map (F32): torch wants its own copy
         values = values.copy()
     return values.reshape(shape)
 
@@ -134,8 +157,9 @@ def unpermute_rope(w: Tensor, num_heads: int) -> Tensor:
     return w.reshape(num_heads, out_dim // num_heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
-def iter_weights(reader: gguf.GGUFReader, config: LlamaConfig,
-                 keep_blocks: bool = False) -> Iterator[tuple[str, Tensor | Blocks]]:
+def iter_weights(
+    reader: gguf.GGUFReader, config: LlamaConfig, keep_blocks: bool = False
+) -> Iterator[tuple[str, Tensor | Blocks]]:
     """(HF name, float32 tensor) one at a time, so a big model never sits dequantized all at once.
 
     keep_blocks (--quantization gguf): tensors of the types quant_linear runs come as Blocks
@@ -172,6 +196,10 @@ def load_gguf(path: Path, keep_blocks: bool = False) -> Checkpoint:
     reader = open_gguf(path)
     meta = read_metadata(reader)
     config = config_from_metadata(meta, reader)
-    return Checkpoint(config=config, tokenizer=Tokenizer.from_gguf_metadata(meta),
-                      weights=iter_weights(reader, config, keep_blocks), files=[path],
-                      max_model_len=config.max_position_embeddings)
+    return Checkpoint(
+        config=config,
+        tokenizer=Tokenizer.from_gguf_metadata(meta),
+        weights=iter_weights(reader, config, keep_blocks),
+        files=[path],
+        max_model_len=config.max_position_embeddings,
+    )

@@ -1,5 +1,6 @@
 """Llama-family models from Hugging Face folders: config.json, *.safetensors
 (one file or shards listed by model.safetensors.index.json), tokenizer.json."""
+
 from __future__ import annotations
 
 import json
@@ -70,7 +71,14 @@ def load_hf(folder: Path) -> Checkpoint:
     for path in files:
         _open(path)  # fail on a damaged file now, before building anything
     max_len = config.max_position_embeddings
-    if raw.get("sliding_window"):   # Mistral-style window: we attend to everything, so stay within it
+    if raw.get(
+        "sliding_window"
+    ):  # Mistral-style window: we attend to everything, so stay within it
         max_len = min(max_len, raw["sliding_window"])
-    return Checkpoint(config=config, tokenizer=Tokenizer.from_hf_folder(folder, config.eos_token_id),
-                      weights=iter_weights(files), files=files, max_model_len=max_len)
+    return Checkpoint(
+        config=config,
+        tokenizer=Tokenizer.from_hf_folder(folder, config.eos_token_id),
+        weights=iter_weights(files),
+        files=files,
+        max_model_len=max_len,
+    )

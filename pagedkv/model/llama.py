@@ -9,6 +9,7 @@ matmuls is one call each (ops.py): the residual add with RMSNorm, RoPE with
 the K/V store, SiLU with the up projection's product. The matmul weights may
 be quantized (--quantization, quant_linear.py): `linear` takes either form.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,15 @@ from pagedkv.attention.paged import AttentionMetadata, Cache, paged_attention, w
 from pagedkv.config import QUANTIZATIONS, ConfigError
 from pagedkv.model import ops
 from pagedkv.model.config import LlamaConfig
-from pagedkv.model.quant_linear import Blocks, Int8Weight, QuantWeight, embed, gguf_weight, linear, weight_nbytes
+from pagedkv.model.quant_linear import (
+    Blocks,
+    Int8Weight,
+    QuantWeight,
+    embed,
+    gguf_weight,
+    linear,
+    weight_nbytes,
+)
 
 MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
 
@@ -36,12 +45,14 @@ def _param(*shape: int, dtype: torch.dtype, device: str | None = None) -> nn.Par
 def rope_inv_freq(config: LlamaConfig) -> Tensor:
     """Per-pair rotation frequencies [head_dim / 2], with the model's scaling applied."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         return inv_freq / scaling["factor"]
-    if kind == "freq_factors":           # GGUF's rope_freqs tensor (how llama.cpp stores llama3 scaling)
+    if kind == "freq_factors":  # GGUF's rope_freqs tensor (how llama.cpp stores llama3 scaling)
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "llama3":
         factor = scaling["factor"]
@@ -57,39 +68,65 @@ def rope_inv_freq(config: LlamaConfig) -> Tensor:
 class Rotary(nn.Module):
     """Precomputed cos/sin by position (float32, [P, D]); rotates the two halves of each head (HF layout)."""
 
-    cos: Tensor          # buffers (declared for mypy: nn.Module's __getattr__ types them loosely)
+    cos: Tensor  # buffers (declared for mypy: nn.Module's __getattr__ types them loosely)
     sin: Tensor
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))
-        angles = torch.cat([freqs, freqs], dim=-1)                 # [P, D]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         half = config.head_dim // 2
         sign = torch.cat([-torch.ones(half), torch.ones(half)])
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin() * sign, persistent=False)
         self.half_dim = half
 
-    def rotate_and_store(self, qkv: Tensor, num_heads: int, num_kv_heads: int,
-                         positions: Tensor, kv_cache: tuple[Cache, Cache],
-                         meta: AttentionMetadata) -> Tensor:
+    def rotate_and_store(
+        self,
+        qkv: Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        positions: Tensor,
+        kv_cache: tuple[Cache, Cache],
+        meta: AttentionMetadata,
+    ) -> Tensor:
         """Rotates q and k of the fused projection in place and stores the new k, v in the cache;
         returns q as [T, Hq, D]."""
         tokens, head_dim = qkv.shape[0], self.cos.shape[1]
         k_cache, v_cache = kv_cache
         plain = isinstance(k_cache, Tensor)
-        if ops.rope_and_cache(qkv, num_heads, num_kv_heads, positions, self.cos, self.sin,
-                              *((k_cache, v_cache, meta.slot_mapping) if plain else ())):
+        if ops.rope_and_cache(
+            qkv,
+            num_heads,
+            num_kv_heads,
+            positions,
+            self.cos,
+            self.sin,
+            *((k_cache, v_cache, meta.slot_mapping) if plain else ()),
+        ):
             if not plain:
-                k, v = qkv[:, num_heads * head_dim:].view(tokens, 2 * num_kv_heads, head_dim).split(num_kv_heads, 1)
+                k, v = (
+                    qkv[:, num_heads * head_dim :]
+                    .view(tokens, 2 * num_kv_heads, head_dim)
+                    .split(num_kv_heads, 1)
+                )
                 write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            return qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim)
+            return qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
         heads = qkv.view(tokens, -1, head_dim)
-        qk = heads[:, :num_heads + num_kv_heads]
-        cos, sin = self.cos[positions].unsqueeze(1).to(qkv.dtype), self.sin[positions].unsqueeze(1).to(qkv.dtype)
+        qk = heads[:, : num_heads + num_kv_heads]
+        cos, sin = (
+            self.cos[positions].unsqueeze(1).to(qkv.dtype),
+            self.sin[positions].unsqueeze(1).to(qkv.dtype),
+        )
         qk = torch.addcmul(qk * cos, qk.roll(self.half_dim, dims=-1), sin)
-        write_kv(k_cache, v_cache, qk[:, num_heads:], heads[:, num_heads + num_kv_heads:], meta.slot_mapping)
+        write_kv(
+            k_cache,
+            v_cache,
+            qk[:, num_heads:],
+            heads[:, num_heads + num_kv_heads :],
+            meta.slot_mapping,
+        )
         return qk[:, :num_heads]
 
 
@@ -106,22 +143,36 @@ class RMSNorm(nn.Module):
 
 class DecoderLayer(nn.Module):
     # set by refresh_weights in __dict__ (declared for mypy): norm1, qkv, o, norm2, gate_up, down
-    _weights: tuple[Tensor, Tensor | QuantWeight, Tensor | QuantWeight,
-                    Tensor, Tensor | QuantWeight, Tensor | QuantWeight]
+    _weights: tuple[
+        Tensor,
+        Tensor | QuantWeight,
+        Tensor | QuantWeight,
+        Tensor,
+        Tensor | QuantWeight,
+        Tensor | QuantWeight,
+    ]
     all_reduce: Callable[[Tensor], None] | None
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: str | None = None) -> None:
         super().__init__()
         c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
-        self.scale = c.head_dim ** -0.5
+        self.scale = c.head_dim**-0.5
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, c.hidden_size, dtype=dtype, device=device)
+        self.qkv_proj = _param(
+            self.q_size + 2 * self.kv_size, c.hidden_size, dtype=dtype, device=device
+        )
         self.o_proj = _param(c.hidden_size, self.q_size, dtype=dtype, device=device)
-        self.gate_up_proj = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype, device=device)
+        self.gate_up_proj = _param(
+            2 * c.intermediate_size, c.hidden_size, dtype=dtype, device=device
+        )
         self.down_proj = _param(c.hidden_size, c.intermediate_size, dtype=dtype, device=device)
         self.eps = c.rms_norm_eps
         self.refresh_weights()
@@ -131,22 +182,36 @@ class DecoderLayer(nn.Module):
         cost paid ~10 times per layer per step. (Parameter objects stay the same when weights are
         loaded or the module is moved: their data changes in place; a quantized weight replaces
         its parameter, so loading calls this again.)"""
-        self.__dict__["_weights"] = (self.input_layernorm.weight, self.qkv_proj, self.o_proj,
-                                     self.post_attention_layernorm.weight, self.gate_up_proj, self.down_proj)
+        self.__dict__["_weights"] = (
+            self.input_layernorm.weight,
+            self.qkv_proj,
+            self.o_proj,
+            self.post_attention_layernorm.weight,
+            self.gate_up_proj,
+            self.down_proj,
+        )
         # Tensor parallelism (distributed/shard.py) sets this: it sums the ranks' partial outputs
         # of o_proj and down_proj in place.
         self.__dict__["all_reduce"] = None
 
-    def forward(self, x: Tensor, residual: Tensor | None, rotary: Rotary, positions: Tensor,
-                kv_cache: tuple[Cache, Cache], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+    def forward(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        rotary: Rotary,
+        positions: Tensor,
+        kv_cache: tuple[Cache, Cache],
+        meta: AttentionMetadata,
+    ) -> tuple[Tensor, Tensor]:
         """The layer's output still to be added to the residual stream, and that stream so far
         (vLLM's layout: the add is fused into the next norm)."""
         norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj = self._weights
         tokens = x.shape[0]
         h, residual = ops.rms_norm(x, norm1, self.eps, residual)
         qkv = linear(h, qkv_proj)
-        q = rotary.rotate_and_store(qkv, self.num_heads, self.num_kv_heads, positions, kv_cache,
-                                    meta)
+        q = rotary.rotate_and_store(
+            qkv, self.num_heads, self.num_kv_heads, positions, kv_cache, meta
+        )
         attn = paged_attention(q, *kv_cache, meta, self.scale)
         o = linear(attn.reshape(tokens, self.q_size), o_proj)
         reduce = self.all_reduce
@@ -162,42 +227,65 @@ class DecoderLayer(nn.Module):
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
 # HF sub-names of one layer -> (our fused parameter, its part index)
 _FUSED = {
-    "self_attn.q_proj": ("qkv_proj", 0), "self_attn.k_proj": ("qkv_proj", 1), "self_attn.v_proj": ("qkv_proj", 2),
-    "mlp.gate_proj": ("gate_up_proj", 0), "mlp.up_proj": ("gate_up_proj", 1),
-    "self_attn.o_proj": ("o_proj", 0), "mlp.down_proj": ("down_proj", 0),
+    "self_attn.q_proj": ("qkv_proj", 0),
+    "self_attn.k_proj": ("qkv_proj", 1),
+    "self_attn.v_proj": ("qkv_proj", 2),
+    "mlp.gate_proj": ("gate_up_proj", 0),
+    "mlp.up_proj": ("gate_up_proj", 1),
+    "self_attn.o_proj": ("o_proj", 0),
+    "mlp.down_proj": ("down_proj", 0),
     "input_layernorm": ("input_layernorm.weight", 0),
     "post_attention_layernorm": ("post_attention_layernorm.weight", 0),
 }
-_TOP = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head"}
+_TOP = {
+    "model.embed_tokens.weight": "embed_tokens",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head",
+}
 _PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
-                 quantization: str = "none") -> None:
+    def __init__(
+        self, config: LlamaConfig, dtype: torch.dtype = torch.float32, quantization: str = "none"
+    ) -> None:
         """quantization: "none", "int8" (per-row int8 of any float weights) or "gguf" (the GGUF
         file's own blocks, which load_weights then receives as quant_linear.Blocks)."""
         super().__init__()
         if quantization not in QUANTIZATIONS:
-            raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+            raise ConfigError(
+                f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+            )
         self.config = config
         self.dtype = dtype
         self.quantization = quantization
         late = None if quantization == "none" else "meta"
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=late)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, late) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype, late) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = (self.embed_tokens if config.tie_word_embeddings
-                        else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=late))
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=late)
+        )
         self.rotary = Rotary(config)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Cache, Cache]],
-                meta: AttentionMetadata) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[tuple[Cache, Cache]],
+        meta: AttentionMetadata,
+    ) -> Tensor:
         """Hidden states [T, hidden] (after the final norm) of the step's new tokens."""
         x, residual = embed(input_ids, self.embed_tokens, self.dtype), None
         rotary = self.rotary
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer.forward(x, residual, rotary, positions, kv_cache, meta)   # (no hooks: saves ~2 us)
+            x, residual = layer.forward(
+                x, residual, rotary, positions, kv_cache, meta
+            )  # (no hooks: saves ~2 us)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
@@ -214,8 +302,9 @@ class LlamaForCausalLM(nn.Module):
                     found[id(w)] = w
         return sum(weight_nbytes(w) for w in found.values())
 
-    def load_weights(self, weights: Mapping[str, Tensor | Blocks]
-                     | Iterable[tuple[str, Tensor | Blocks]]) -> None:
+    def load_weights(
+        self, weights: Mapping[str, Tensor | Blocks] | Iterable[tuple[str, Tensor | Blocks]]
+    ) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up.
 
         Takes a dict or a stream of (name, tensor) pairs; a fused weight is
@@ -224,12 +313,14 @@ class LlamaForCausalLM(nn.Module):
         """
         pending: dict[tuple[int, str], list[Tensor | Blocks | None]] = {}
         done: set[str] = set()
-        for name, tensor in (weights.items() if isinstance(weights, Mapping) else weights):
+        for name, tensor in weights.items() if isinstance(weights, Mapping) else weights:
             m = _LAYER_WEIGHT.fullmatch(name)
             if m and m.group(2) in _FUSED:
                 layer, (target, index) = int(m.group(1)), _FUSED[m.group(2)]
                 if layer >= len(self.layers):
-                    raise ConfigError(f"unexpected weight {name!r}: the model has {len(self.layers)} layers")
+                    raise ConfigError(
+                        f"unexpected weight {name!r}: the model has {len(self.layers)} layers"
+                    )
                 parts = pending.setdefault((layer, target), [None] * _PARTS.get(target, 1))
                 parts[index] = tensor
                 ready = [p for p in parts if p is not None]
@@ -247,10 +338,14 @@ class LlamaForCausalLM(nn.Module):
         required = {"model.embed_tokens.weight", "model.norm.weight"}
         if not self.config.tie_word_embeddings:
             required.add("lm_head.weight")
-        required.update(f"model.layers.{i}.{t}" for i in range(len(self.layers)) for t, _ in _FUSED.values())
+        required.update(
+            f"model.layers.{i}.{t}" for i in range(len(self.layers)) for t, _ in _FUSED.values()
+        )
         missing = sorted(required - done)
         if missing:
-            raise ConfigError(f"missing weights: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+            raise ConfigError(
+                f"missing weights: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+            )
         if self.config.tie_word_embeddings and not isinstance(self.embed_tokens, nn.Parameter):
             _replace(self, "lm_head", self.embed_tokens)
         for decoder in self.layers:
@@ -270,14 +365,20 @@ class LlamaForCausalLM(nn.Module):
             weight = gguf_weight(value, target, self.dtype)
         elif self.quantization == "int8":
             weight = Int8Weight.quantize(value)
-        else:   # gguf: a float tensor in the file stays float
+        else:  # gguf: a float tensor in the file stays float
             weight = value.to(self.dtype)
-        _replace(owner, target, nn.Parameter(weight, requires_grad=False) if isinstance(weight, Tensor) else weight)
+        _replace(
+            owner,
+            target,
+            nn.Parameter(weight, requires_grad=False) if isinstance(weight, Tensor) else weight,
+        )
 
     @staticmethod
     def _copy(param: nn.Parameter, tensor: Tensor, name: str) -> None:
         if tuple(param.shape) != tuple(tensor.shape):
-            raise ConfigError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            raise ConfigError(
+                f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+            )
         with torch.no_grad():
             param.copy_(tensor)
 

@@ -5,6 +5,7 @@ path None -> the default model (SmolLM2-135M-Instruct, the GGUF that the
 Every user mistake (missing file, foreign architecture, damaged file)
 comes back as a one-line ConfigError.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,7 +22,7 @@ from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SAMPLE = 1 << 20   # bytes hashed from each end of every weight file
+_SAMPLE = 1 << 20  # bytes hashed from each end of every weight file
 
 
 @dataclass
@@ -29,14 +30,17 @@ class LoadedModel:
     model: LlamaForCausalLM
     config: LlamaConfig
     tokenizer: Tokenizer
-    fingerprint: str      # identity of the weights (keys persistent KV, e.g. the disk offload tier)
+    fingerprint: str  # identity of the weights (keys persistent KV, e.g. the disk offload tier)
     name: str
     max_model_len: int
     quantization: str = "none"
 
 
-def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu",
-                  model_config: LlamaConfig | None = None) -> torch.dtype:
+def resolve_dtype(
+    name: str | torch.dtype,
+    device: str | torch.device = "cpu",
+    model_config: LlamaConfig | None = None,
+) -> torch.dtype:
     """'auto': bfloat16 on CUDA (float16 where bf16 is missing); on CPU the faster of float32 and
     bfloat16 for this model's matmuls, measured once (`dtype_choice`); float32 without a model."""
     if isinstance(name, torch.dtype):
@@ -47,6 +51,7 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu",
         if model_config is None:
             return torch.float32
         from pagedkv.model.dtype_choice import choose_cpu_dtype
+
         return choose_cpu_dtype(model_config)
     if name not in _DTYPES:
         raise ConfigError(f"unknown dtype {name!r} (use auto, {', '.join(_DTYPES)})")
@@ -70,8 +75,9 @@ def model_path(path: str | Path | None) -> Path:
     return default_model_path() if path is None else Path(path).expanduser()
 
 
-def resolve_quantization(quantization: str | None, path: str | Path | None,
-                         device: str | torch.device = "cpu") -> str:
+def resolve_quantization(
+    quantization: str | None, path: str | Path | None, device: str | torch.device = "cpu"
+) -> str:
     """None (the default) -> "gguf" for a GGUF file on CPU, else "none". The packed kernels are
     CPU ops, and a GGUF's own blocks are the fastest form whose quality holds (BENCHMARKS.md)."""
     gguf_file = model_path(path).suffix.lower() == ".gguf"
@@ -79,11 +85,17 @@ def resolve_quantization(quantization: str | None, path: str | Path | None,
     if quantization is None:
         return "gguf" if gguf_file and cpu else "none"
     if quantization not in QUANTIZATIONS:
-        raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        raise ConfigError(
+            f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
     if quantization != "none" and not cpu:
-        raise ConfigError(f"--quantization {quantization} runs on CPU only (torch's packed CPU kernels)")
+        raise ConfigError(
+            f"--quantization {quantization} runs on CPU only (torch's packed CPU kernels)"
+        )
     if quantization == "gguf" and not gguf_file:
-        raise ConfigError("--quantization gguf needs a .gguf model (use int8 for a Hugging Face folder)")
+        raise ConfigError(
+            "--quantization gguf needs a .gguf model (use int8 for a Hugging Face folder)"
+        )
     return quantization
 
 
@@ -100,8 +112,12 @@ def read_checkpoint(path: str | Path | None, keep_blocks: bool = False) -> tuple
     return load_gguf(p, keep_blocks), p.stem
 
 
-def load_model(path: str | Path | None, dtype: torch.dtype | str, device: str | torch.device = "cpu",
-               quantization: str | None = "none") -> LoadedModel:
+def load_model(
+    path: str | Path | None,
+    dtype: torch.dtype | str,
+    device: str | torch.device = "cpu",
+    quantization: str | None = "none",
+) -> LoadedModel:
     """Read a checkpoint and build the model on `device` in `dtype` ('auto' and names are resolved).
     quantization: "none", "int8", "gguf", or None for the default (resolve_quantization)."""
     quantization = resolve_quantization(quantization, path, device)
@@ -113,5 +129,12 @@ def load_model(path: str | Path | None, dtype: torch.dtype | str, device: str | 
     model.eval()
     # quantized weights give other K/V: a persistent KV tier must not mix them up
     key = fingerprint(ckpt.files) + ("" if quantization == "none" else f":{quantization}")
-    return LoadedModel(model=model, config=ckpt.config, tokenizer=ckpt.tokenizer, fingerprint=key,
-                       name=name, max_model_len=ckpt.max_model_len, quantization=quantization)
+    return LoadedModel(
+        model=model,
+        config=ckpt.config,
+        tokenizer=ckpt.tokenizer,
+        fingerprint=key,
+        name=name,
+        max_model_len=ckpt.max_model_len,
+        quantization=quantization,
+    )

@@ -5,6 +5,7 @@ plain torch (the reference the C++ is tested against).
 Fusing them takes a decode step of SmolLM2-135M from about 40 torch ops per layer to 8 calls,
 and a 2048-token prompt chunk from several slow bf16 passes over memory to one.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -26,7 +27,9 @@ def _lib(first: Tensor, *others: Tensor) -> ctypes.CDLL | None:
     return native.library()
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """RMSNorm of x, or of x + residual when a residual is given (vLLM's fused add).
 
     Returns (normed, the new residual); the residual tensor given is updated in place. With no
@@ -41,9 +44,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype), x
     out = torch.empty((rows, n), dtype=x.dtype)
-    lib.pagedkv_rms_norm(native.DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0),
-                         None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                         rows, n, eps, torch.get_num_threads())
+    lib.pagedkv_rms_norm(
+        native.DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        n,
+        eps,
+        torch.get_num_threads(),
+    )
     return out, (x if residual is None else residual)
 
 
@@ -55,14 +67,29 @@ def silu_mul(gate_up: Tensor) -> Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     out = torch.empty((rows, n), dtype=gate_up.dtype)
-    lib.pagedkv_silu_mul(native.DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(),
-                         rows, n, torch.get_num_threads())
+    lib.pagedkv_silu_mul(
+        native.DTYPE_CODES[gate_up.dtype],
+        gate_up.data_ptr(),
+        gate_up.stride(0),
+        out.data_ptr(),
+        rows,
+        n,
+        torch.get_num_threads(),
+    )
     return out
 
 
-def rope_and_cache(qkv: Tensor, num_heads: int, num_kv_heads: int, positions: Tensor, cos: Tensor, sin: Tensor,
-                   k_cache: Tensor | None = None, v_cache: Tensor | None = None,
-                   slot_mapping: Tensor | None = None) -> bool:
+def rope_and_cache(
+    qkv: Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor | None = None,
+    v_cache: Tensor | None = None,
+    slot_mapping: Tensor | None = None,
+) -> bool:
     """Rotates q and k of a fused [T, (Hq + 2 Hkv) * D] projection in place for their positions,
     and, given caches of qkv's dtype, stores k and v at their slots.
 
@@ -90,10 +117,26 @@ def rope_and_cache(qkv: Tensor, num_heads: int, num_kv_heads: int, positions: Te
     positions = positions if positions.dtype == torch.int64 else positions.long()
     err = native.error_buffer()
     rc = lib.pagedkv_rope_cache(
-        native.DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.shape[0], qkv.stride(0),
-        num_heads, num_kv_heads, cos.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        cos.shape[0], slots_ptr, k_ptr, v_ptr, num_blocks, block_size, torch.get_num_threads(),
-        err, native.ERR_LEN)
+        native.DTYPE_CODES[qkv.dtype],
+        qkv.data_ptr(),
+        qkv.shape[0],
+        qkv.stride(0),
+        num_heads,
+        num_kv_heads,
+        cos.shape[1],
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.shape[0],
+        slots_ptr,
+        k_ptr,
+        v_ptr,
+        num_blocks,
+        block_size,
+        torch.get_num_threads(),
+        err,
+        native.ERR_LEN,
+    )
     if rc:
         raise ValueError(err.value.decode())
     return True

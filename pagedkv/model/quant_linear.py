@@ -23,6 +23,7 @@ measured), and plain tensors:
 chosen: codes, scales and zeros per group, so q/k rows can be permuted and
 q/k/v parts concatenated before packing (the packed layout cannot be cut).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,21 +35,25 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from torch import Tensor
 
-ACT_DTYPE = torch.bfloat16          # what the packed kernels take and return
-INT4_GROUPS = (32, 64, 128)         # group sizes aten's int4 CPU kernel accepts
-_BLOCK_N = 64                       # aten's CPU int4 layout: [N/64, K, 32] bytes; low nibbles rows 0-31
+ACT_DTYPE = torch.bfloat16  # what the packed kernels take and return
+INT4_GROUPS = (32, 64, 128)  # group sizes aten's int4 CPU kernel accepts
+_BLOCK_N = 64  # aten's CPU int4 layout: [N/64, K, 32] bytes; low nibbles rows 0-31
 
 
 @dataclass
 class Int4Weight:
-    packed: Tensor                   # uint8 [N, K/2], aten's CPU int4 layout
-    scales_zeros: Tensor             # bfloat16 [K/group, N, 2]
+    packed: Tensor  # uint8 [N, K/2], aten's CPU int4 layout
+    scales_zeros: Tensor  # bfloat16 [K/group, N, 2]
     group: int
-    shape: tuple[int, int]           # (N, K)
+    shape: tuple[int, int]  # (N, K)
 
     def mm(self, x: Tensor) -> Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, self.shape[1]).to(ACT_DTYPE).contiguous(), self.packed, self.group, self.scales_zeros)
+            x.reshape(-1, self.shape[1]).to(ACT_DTYPE).contiguous(),
+            self.packed,
+            self.group,
+            self.scales_zeros,
+        )
         return y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
@@ -56,9 +61,9 @@ class Int4Weight:
         n, k = self.shape
         block, j = ids // _BLOCK_N, ids % _BLOCK_N
         half = _BLOCK_N // 2
-        raw = self.packed.view(n // _BLOCK_N, k, half)[block, :, j % half]       # [T, K] bytes
+        raw = self.packed.view(n // _BLOCK_N, k, half)[block, :, j % half]  # [T, K] bytes
         q = (raw >> (4 * (j >= half)).to(torch.uint8)[:, None]) & 15
-        scale, zero = self.scales_zeros[:, ids].float().unbind(-1)              # [K / group, T]
+        scale, zero = self.scales_zeros[:, ids].float().unbind(-1)  # [K / group, T]
         q = q.float().view(-1, k // self.group, self.group) - 8
         return (q * scale.t()[..., None] + zero.t()[..., None]).view(-1, k).to(dtype)
 
@@ -69,8 +74,8 @@ class Int4Weight:
 
 @dataclass
 class Int8Weight:
-    q: Tensor                        # int8 [N, K]
-    scale: Tensor                    # bfloat16 [N]
+    q: Tensor  # int8 [N, K]
+    scale: Tensor  # bfloat16 [N]
 
     @classmethod
     def quantize(cls, w: Tensor) -> Int8Weight:
@@ -86,8 +91,9 @@ class Int8Weight:
         return n, k
 
     def mm(self, x: Tensor) -> Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.shape[1]).to(ACT_DTYPE).contiguous(),
-                                               self.q, self.scale)
+        y = torch.ops.aten._weight_int8pack_mm(
+            x.reshape(-1, self.shape[1]).to(ACT_DTYPE).contiguous(), self.q, self.scale
+        )
         return y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
@@ -122,11 +128,13 @@ def weight_nbytes(w: Tensor | QuantWeight) -> int:
 
 # ---------------------------------------------------------------------------- GGUF blocks
 
+
 @dataclass
 class Blocks:
     """w[n, j] = q[n, j] * scale[n, j // group] + zero[n, j // group] (zero None: 0)."""
-    q: Tensor                        # [N, K] codes: uint8 0..15 (4 bits) or int8 (6 and 8 bits)
-    scale: Tensor                    # float32 [N, K / group]
+
+    q: Tensor  # [N, K] codes: uint8 0..15 (4 bits) or int8 (6 and 8 bits)
+    scale: Tensor  # float32 [N, K / group]
     zero: Tensor | None
     group: int
     bits: int
@@ -152,8 +160,13 @@ class Blocks:
     def cat(parts: list[Blocks]) -> Blocks:
         first = parts[0]
         zeros = [p.zero if p.zero is not None else torch.zeros_like(p.scale) for p in parts]
-        return Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                      None if all(p.zero is None for p in parts) else torch.cat(zeros), first.group, first.bits)
+        return Blocks(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            None if all(p.zero is None for p in parts) else torch.cat(zeros),
+            first.group,
+            first.bits,
+        )
 
     @staticmethod
     def compatible(parts: list[Blocks]) -> bool:
@@ -164,7 +177,12 @@ def pack_int4(b: Blocks) -> Int4Weight:
     """Blocks of 4-bit codes -> aten's packed layout (torch's zero convention: w = (q - 8) * s + z)."""
     n, k = b.q.shape
     zero = b.zero if b.zero is not None else torch.zeros_like(b.scale)
-    sz = torch.stack([b.scale, zero + 8 * b.scale], dim=-1).transpose(0, 1).to(ACT_DTYPE).contiguous()
+    sz = (
+        torch.stack([b.scale, zero + 8 * b.scale], dim=-1)
+        .transpose(0, 1)
+        .to(ACT_DTYPE)
+        .contiguous()
+    )
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(b.q.to(torch.int32).contiguous(), 1)
     return Int4Weight(packed, sz, b.group, (n, k))
 
@@ -180,7 +198,7 @@ def gguf_weight(b: Blocks, target: str, dtype: torch.dtype) -> Tensor | QuantWei
     """
     vocab = target in ("embed_tokens", "lm_head")
     if b.bits == 4 and b.group in INT4_GROUPS and b.q.shape[0] % 16 == 0:
-        if target != "embed_tokens" or b.q.shape[0] % _BLOCK_N == 0:   # rows() unpacks 64-row blocks
+        if target != "embed_tokens" or b.q.shape[0] % _BLOCK_N == 0:  # rows() unpacks 64-row blocks
             return pack_int4(b)
     elif not (vocab or b.bits == 4):
         return b.dequantize().to(dtype)
@@ -193,11 +211,15 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
     """[nb, bytes] -> [nb, bytes / chunk, 2, chunk]: low nibbles of a chunk of bytes, then high ones."""
-    q = qs.reshape(qs.shape[0], -1, 1, chunk) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = qs.reshape(qs.shape[0], -1, 1, chunk) >> np.array([0, 4], dtype=np.uint8).reshape(
+        1, 1, 2, 1
+    )
     return q & np.uint8(0x0F)
 
 
-def _parse(blocks: np.ndarray, qtype: QT) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
+def _parse(
+    blocks: np.ndarray, qtype: QT
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
     """codes [nb, block], scales [nb, groups], zeros or None, group, bits (layouts as in gguf.quants)."""
     nb = blocks.shape[0]
     if qtype == QT.Q8_0:
@@ -216,7 +238,9 @@ def _parse(blocks: np.ndarray, qtype: QT) -> tuple[np.ndarray, np.ndarray, np.nd
         ql, qh = blocks[:, :128], blocks[:, 128:192]
         sc, d = blocks[:, 192:208].copy().view(np.int8), _f16(blocks[:, 208:210])[:, None]
         low = _nibbles(ql, 64).reshape(nb, -1, 32)
-        high = (qh.reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        high = (
+            qh.reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        ) & 3
         q = (low | (high.reshape(nb, -1, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
         return q.reshape(nb, 256), d * sc, None, 16, 6
     raise NotImplementedError(qtype.name)
@@ -231,12 +255,18 @@ def blocks_from_gguf(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> Bloc
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     q, scale, zero, group, bits = _parse(np.ascontiguousarray(raw).reshape(-1, block_bytes), qtype)
     as_t = torch.from_numpy
-    return Blocks(as_t(np.ascontiguousarray(q)).reshape(n, k), as_t(scale.astype(np.float32)).reshape(n, -1),
-                  None if zero is None else as_t(zero.astype(np.float32)).reshape(n, -1), group, bits)
+    return Blocks(
+        as_t(np.ascontiguousarray(q)).reshape(n, k),
+        as_t(scale.astype(np.float32)).reshape(n, -1),
+        None if zero is None else as_t(zero.astype(np.float32)).reshape(n, -1),
+        group,
+        bits,
+    )
 
 
-def resident_bytes(qtype: QT, shape: tuple[int, int], quantization: str, dtype_bytes: int,
-                   vocab: bool = False) -> int:
+def resident_bytes(
+    qtype: QT, shape: tuple[int, int], quantization: str, dtype_bytes: int, vocab: bool = False
+) -> int:
     """Bytes one weight matrix (vocab: the embedding or lm_head) takes in memory under
     `quantization`, as gguf_weight decides (what `pagedkv plan` shows)."""
     n, k = shape

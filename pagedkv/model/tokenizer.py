@@ -6,6 +6,7 @@ file carries in its metadata: GPT-2 style byte-level BPE ("gpt2") with the
 pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`, or SentencePiece BPE
 ("llama"), rebuilt the way Hugging Face converts them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,9 +32,16 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -47,7 +55,9 @@ def _compile_template(source: str) -> Template:
 
 def _template_env() -> ImmutableSandboxedEnvironment:
     """The sandboxed Jinja set-up HF uses for chat templates, with its helpers."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -57,15 +67,17 @@ def _template_env() -> ImmutableSandboxedEnvironment:
 @dataclass(frozen=True)
 class SpecialTokens:
     bos_token_id: int | None
-    eos_token_id: int | None                 # the one templates call eos_token
+    eos_token_id: int | None  # the one templates call eos_token
     add_bos: bool
-    extra_eos_ids: frozenset[int] = field(default_factory=frozenset)   # e.g. <|eot_id|>
+    extra_eos_ids: frozenset[int] = field(default_factory=frozenset)  # e.g. <|eot_id|>
 
 
 class Tokenizer:
     """A model's tokenizer: encode/decode, special tokens and chat template."""
 
-    def __init__(self, tokenizer: HFTokenizer, special: SpecialTokens, chat_template: str | None) -> None:
+    def __init__(
+        self, tokenizer: HFTokenizer, special: SpecialTokens, chat_template: str | None
+    ) -> None:
         self._tok = tokenizer
         self.bos_token_id = special.bos_token_id
         self.eos_token_id = special.eos_token_id
@@ -76,8 +88,10 @@ class Tokenizer:
         if special.add_bos and self.bos_token_id is not None and not self._adds_bos():
             bos = self._tok.id_to_token(self.bos_token_id)
             self._tok.post_processor = processors.TemplateProcessing(
-                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-                special_tokens=[(bos, self.bos_token_id)])
+                single=f"{bos}:0 $A:0",
+                pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                special_tokens=[(bos, self.bos_token_id)],
+            )
 
     def _adds_bos(self) -> bool:
         ids = self._tok.encode("a", add_special_tokens=True).ids
@@ -98,9 +112,15 @@ class Tokenizer:
         """The tokenizer as Hugging Face's tokenizer.json (what llguidance reads)."""
         return self._tok.to_str()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                            chat_template: str | None = None, continue_final_message: bool = False,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str:
         """Render messages with the model's template, or `chat_template`; kwargs (tools, documents,
         chat_template_kwargs) become template variables. With continue_final_message the text ends
         inside the last message, for the model to go on with it. Template errors: ConfigError."""
@@ -108,30 +128,40 @@ class Tokenizer:
         if not template:
             raise ConfigError("this model has no chat template")
         if continue_final_message and add_generation_prompt:
-            raise ConfigError("continue_final_message and add_generation_prompt cannot both be "
-                              "true")
+            raise ConfigError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
 
         def text(token_id: int | None) -> str:
             return (self._tok.id_to_token(token_id) or "") if token_id is not None else ""
+
         try:
             rendered = _compile_template(template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=text(self.bos_token_id), eos_token=text(self.eos_token_id), **kwargs)
-        except TemplateError as e:   # the template's own raise_exception, or a broken template
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=text(self.bos_token_id),
+                eos_token=text(self.eos_token_id),
+                **kwargs,
+            )
+        except TemplateError as e:  # the template's own raise_exception, or a broken template
             raise ConfigError(f"chat template: {e}") from None
         if continue_final_message:
             last: str = (messages[-1].get("content") if messages else None) or ""
             at = rendered.rfind(last) if last else -1
             if at == -1:
-                raise ConfigError("continue_final_message needs a last message whose content the "
-                                  "template shows")
-            rendered = rendered[:at + len(last)]
+                raise ConfigError(
+                    "continue_final_message needs a last message whose content the template shows"
+                )
+            rendered = rendered[: at + len(last)]
         return rendered
 
-    # ---- construction -------------------------------------------------------------------------------
+    # ---- construction
+    # -------------------------------------------------------------------------------
 
     @classmethod
-    def from_hf_folder(cls, folder: str | Path, config_eos: int | list[int] | None = None) -> Tokenizer:
+    def from_hf_folder(
+        cls, folder: str | Path, config_eos: int | list[int] | None = None
+    ) -> Tokenizer:
         """tokenizer.json + tokenizer_config.json (+ chat_template.jinja, generation_config.json)."""
         folder = Path(folder)
         path = folder / "tokenizer.json"
@@ -154,8 +184,12 @@ class Tokenizer:
             extra.update([ids] if isinstance(ids, int) else ids or [])
         if eos is None and extra:
             eos = min(extra)
-        special = SpecialTokens(bos_token_id=token_id(cfg.get("bos_token")), eos_token_id=eos,
-                                add_bos=bool(cfg.get("add_bos_token", False)), extra_eos_ids=frozenset(extra))
+        special = SpecialTokens(
+            bos_token_id=token_id(cfg.get("bos_token")),
+            eos_token_id=eos,
+            add_bos=bool(cfg.get("add_bos_token", False)),
+            extra_eos_ids=frozenset(extra),
+        )
         return cls(tok, special, _hf_chat_template(folder, cfg))
 
     @classmethod
@@ -167,25 +201,46 @@ class Tokenizer:
             raise ConfigError("GGUF file has no tokenizer vocabulary")
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         if kind == "gpt2":
-            tok = _gguf_byte_bpe(tokens, meta.get("tokenizer.ggml.merges") or [],
-                                 meta.get("tokenizer.ggml.pre", "default"))
+            tok = _gguf_byte_bpe(
+                tokens,
+                meta.get("tokenizer.ggml.merges") or [],
+                meta.get("tokenizer.ggml.pre", "default"),
+            )
         elif kind == "llama":
-            tok = _gguf_sentencepiece(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens),
-                                      meta.get("tokenizer.ggml.unknown_token_id"),
-                                      meta.get("tokenizer.ggml.add_space_prefix", True))
+            tok = _gguf_sentencepiece(
+                tokens,
+                meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens),
+                meta.get("tokenizer.ggml.unknown_token_id"),
+                meta.get("tokenizer.ggml.add_space_prefix", True),
+            )
         else:
             raise ConfigError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
         # control (3) and user-defined (4) tokens are matched whole, before the model sees the text
-        tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                for i, t in enumerate(types) if t == 3])
-        tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                        for i, t in enumerate(types) if t == 4])
-        extra = {meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta}
+        tok.add_special_tokens(
+            [
+                AddedToken(tokens[i], special=True, normalized=False)
+                for i, t in enumerate(types)
+                if t == 3
+            ]
+        )
+        tok.add_tokens(
+            [
+                AddedToken(tokens[i], special=False, normalized=False)
+                for i, t in enumerate(types)
+                if t == 4
+            ]
+        )
+        extra = {
+            meta[k]
+            for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+            if k in meta
+        }
         special = SpecialTokens(
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
-            extra_eos_ids=frozenset(extra))
+            extra_eos_ids=frozenset(extra),
+        )
         return cls(tok, special, meta.get("tokenizer.chat_template"))
 
 
@@ -210,17 +265,21 @@ def _hf_chat_template(folder: Path, cfg: dict) -> str | None:
 
 
 # llama.cpp's pre-tokenizer names -> the regex split before byte-level BPE
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _LLAMA3_NAMES = ("llama3", "llama-bpe", "llama-v3")
 
 
 def _byte_level_pre(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre in _LLAMA3_NAMES:
         split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
-        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)   # GPT-2's own split
-    if pre == "smollm":   # digits one by one, then GPT-2's split
+        return pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's own split
+    if pre == "smollm":  # digits one by one, then GPT-2's split
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
     if pre not in ("default", "gpt2"):
         log.warning("GGUF pre-tokenizer %r is not known to pagedkv; using GPT-2's", pre)
@@ -230,8 +289,9 @@ def _byte_level_pre(pre: str) -> pre_tokenizers.PreTokenizer:
 def _gguf_byte_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [(a, b) for a, b in (m.split(" ", 1) for m in merges)]
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
-                                 ignore_merges=pre in _LLAMA3_NAMES))
+    tok = HFTokenizer(
+        models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=pre in _LLAMA3_NAMES)
+    )
     tok.pre_tokenizer = _byte_level_pre(pre)
     tok.decoder = decoders.ByteLevel()
     return tok
@@ -250,14 +310,24 @@ def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]
     return [(left, right) for *_, left, right in ranked]
 
 
-def _gguf_sentencepiece(tokens: list[str], scores: list[float], unk_id: int | None,
-                        add_space_prefix: bool) -> HFTokenizer:
+def _gguf_sentencepiece(
+    tokens: list[str], scores: list[float], unk_id: int | None, add_space_prefix: bool
+) -> HFTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     unk = tokens[unk_id] if unk_id is not None else None
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores), unk_token=unk,
-                                 fuse_unk=True, byte_fallback=True))
+    tok = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_spm_merges(tokens, scores),
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
     steps = [normalizers.Prepend("▁")] if add_space_prefix else []
     tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
     tail = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *tail])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *tail]
+    )
     return tok

@@ -37,7 +37,7 @@ def merge_metrics(texts: list[str]) -> bytes:
     for name, fam in families.items():
         average = fam.type == "gauge" and any(w in name for w in RATIO_WORDS)
         for (sample, labels), vals in values[name].items():
-            if sample.endswith("_created"):   # a start time: the earliest replica's
+            if sample.endswith("_created"):  # a start time: the earliest replica's
                 value = min(vals)
             else:
                 value = sum(vals) / len(vals) if average else sum(vals)

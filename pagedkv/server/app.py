@@ -6,6 +6,7 @@ graceful shutdown: on SIGTERM new connections are refused, running requests
 get `shutdown_timeout` seconds to finish, and whatever is still running is
 then aborted, its client told with a 503 error (an error event if streaming).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,12 @@ log = logging.getLogger("pagedkv.server")
 STATIC = Path(__file__).parent / "static"
 MAX_SIM_REQUESTS = 100_000
 M = TypeVar("M", bound=BaseModel)
-CORS_DEFAULTS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False}
+CORS_DEFAULTS = {
+    "allow_origins": ["*"],
+    "allow_methods": ["*"],
+    "allow_headers": ["*"],
+    "allow_credentials": False,
+}
 
 
 async def read_json(request: Request, model: type[M]) -> M:
@@ -51,8 +57,13 @@ async def read_json(request: Request, model: type[M]) -> M:
         raise RequestValidationError(e.errors()) from None
 
 
-def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-              cors: dict | None = None) -> FastAPI:
+def build_app(
+    engine,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    cors: dict | None = None,
+) -> FastAPI:
     """The app over a constructed (not yet started) AsyncLLM; the lifespan starts and stops it.
 
     `api_key` defaults to `engine.config.api_key`; `cors` holds CORSMiddleware's options
@@ -79,7 +90,9 @@ def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_B
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
-    app.add_middleware(CORSMiddleware, **{**CORS_DEFAULTS, **(cors or {})})   # added last = runs first
+    app.add_middleware(
+        CORSMiddleware, **{**CORS_DEFAULTS, **(cors or {})}
+    )  # added last = runs first
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/", include_in_schema=False)
@@ -94,11 +107,15 @@ def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_B
 
     @app.get("/v1/models")
     async def models() -> Response:
-        cards = [api.ModelCard(id=name, max_model_len=engine.max_model_len)
-                 for name in engine.config.served_model_names]
+        cards = [
+            api.ModelCard(id=name, max_model_len=engine.max_model_len)
+            for name in engine.config.served_model_names
+        ]
         return Response(api.ModelList(data=cards).model_dump_json(), media_type="application/json")
 
-    add_vllm_routes(app, engine, read_json, serving.check_model)   # /tokenize, /detokenize, /version, /ping
+    add_vllm_routes(
+        app, engine, read_json, serving.check_model
+    )  # /tokenize, /detokenize, /version, /ping
 
     @app.post("/v1/completions", openapi_extra=json_body(api.CompletionRequest))
     async def completions(request: Request) -> Response:
@@ -115,31 +132,40 @@ def build_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_B
 
     @app.get("/v1/kv")
     async def kv() -> JSONResponse:
-        snapshot = await asyncio.to_thread(engine.kv_snapshot)   # waits for the step in flight
+        snapshot = await asyncio.to_thread(engine.kv_snapshot)  # waits for the step in flight
         snapshot["model"] = engine.model_name
         return JSONResponse(snapshot)
 
     @app.get("/v1/simulate")
-    async def simulate(kv_memory: str = Query("64GiB", max_length=32),
-                       bytes_per_token: int = Query(131072, ge=1, le=INT64_MAX),
-                       max_model_len: int = Query(8192, ge=1, le=INT64_MAX),
-                       max_output: int = Query(2048, ge=1, le=INT64_MAX),
-                       requests: int = Query(200, ge=1, le=MAX_SIM_REQUESTS),
-                       seed: int = Query(0, ge=INT64_MIN, le=INT64_MAX),
-                       policies: str = Query("reserve-max,reserve-output,paged:16,paged:256",
-                                             max_length=128)) -> JSONResponse:
+    async def simulate(
+        kv_memory: str = Query("64GiB", max_length=32),
+        bytes_per_token: int = Query(131072, ge=1, le=INT64_MAX),
+        max_model_len: int = Query(8192, ge=1, le=INT64_MAX),
+        max_output: int = Query(2048, ge=1, le=INT64_MAX),
+        requests: int = Query(200, ge=1, le=MAX_SIM_REQUESTS),
+        seed: int = Query(0, ge=INT64_MIN, le=INT64_MAX),
+        policies: str = Query("reserve-max,reserve-output,paged:16,paged:256", max_length=128),
+    ) -> JSONResponse:
         """The seeds' experiment, computed exactly as `pagedkv simulate --json` does."""
         from pagedkv.sim.cli import load_requests
         from pagedkv.sim.simulate import parse_policies, pool_tokens_for
         from pagedkv.sim.simulate import simulate as run_simulation
+
         checked("kv_memory", lambda v: pool_tokens_for(v, bytes_per_token), kv_memory)
         checked("policies", parse_policies, policies)
         args = argparse.Namespace(trace=None, requests=requests, seed=seed, max_output=max_output)
 
-        def run() -> dict:   # 100k requests take a while: off the event loop
+        def run() -> dict:  # 100k requests take a while: off the event loop
             trace = load_requests(args)
-            return run_simulation(trace, kv_memory=kv_memory, bytes_per_token=bytes_per_token,
-                                  max_model_len=max_model_len, max_output=max_output, policies=policies).to_dict()
+            return run_simulation(
+                trace,
+                kv_memory=kv_memory,
+                bytes_per_token=bytes_per_token,
+                max_model_len=max_model_len,
+                max_output=max_output,
+                policies=policies,
+            ).to_dict()
+
         return JSONResponse(await asyncio.to_thread(run))
 
     return app
@@ -162,7 +188,12 @@ class GracefulServer(uvicorn.Server):
                 host, port = sock.getsockname()[:2]
                 log.info(
                     "pagedkv serves %s: OpenAI API at http://%s:%d/v1, dashboard at http://%s:%d/",
-                    self.engine.model_name, host, port, host, port)
+                    self.engine.model_name,
+                    host,
+                    port,
+                    host,
+                    port,
+                )
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
@@ -179,7 +210,7 @@ class GracefulServer(uvicorn.Server):
         await self.engine.shutdown()
 
     async def on_tick(self, counter: int) -> bool:
-        if self.engine.error is not None and not self.should_exit:   # exit non-zero: see serve()
+        if self.engine.error is not None and not self.should_exit:  # exit non-zero: see serve()
             log.critical("the engine stopped after an internal error: exiting for a restart")
             self.should_exit = True
         return await super().on_tick(counter)
@@ -190,19 +221,38 @@ class GracefulServer(uvicorn.Server):
             self._drain.cancel()
 
 
-def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
-          cors: dict | None = None, log_level: str = "info", access_log: bool = True) -> int:
+def serve(
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    shutdown_timeout: float = 30.0,
+    cors: dict | None = None,
+    log_level: str = "info",
+    access_log: bool = True,
+) -> int:
     """Load the model, then serve until SIGINT/SIGTERM (exit code 0) or until the engine loop
     stops on an error (exit code 1, for a supervisor to restart the server)."""
     from pagedkv.engine.async_engine import AsyncLLM
+
     engine = AsyncLLM(config)
     app = build_app(engine, cors=cors)
-    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)   # pagedkv's messages look like uvicorn's
-    log_config["loggers"]["pagedkv"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    log_config = copy.deepcopy(
+        uvicorn.config.LOGGING_CONFIG
+    )  # pagedkv's messages look like uvicorn's
+    log_config["loggers"]["pagedkv"] = {
+        "handlers": ["default"],
+        "level": "INFO",
+        "propagate": False,
+    }
     uv_config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, log_config=log_config,
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        log_config=log_config,
         access_log=access_log,
         # annotated int, but uvicorn only hands it to asyncio.wait_for, which takes a float
-        timeout_graceful_shutdown=shutdown_timeout + 10)  # type: ignore[arg-type]
+        timeout_graceful_shutdown=shutdown_timeout + 10,  # type: ignore[arg-type]
+    )
     GracefulServer(uv_config, engine, shutdown_timeout).run()
     return 1 if engine.error is not None else 0

@@ -3,6 +3,7 @@
 Takes `vllm serve`'s flags (see pagedkv.cli.add_engine_args): the model may be
 positional, and the CORS and uvicorn flags have vLLM's names and defaults.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,27 +18,47 @@ UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with a live KV-cache dashboard")
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server with a live KV-cache dashboard"
+    )
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds running requests get to finish after SIGTERM before they are aborted")
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes"
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM before they are aborted",
+    )
     p.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
-    p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per request")
+    p.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no log line per request"
+    )
     g = p.add_argument_group("CORS (as vLLM: JSON lists)")
-    g.add_argument("--allowed-origins", default='["*"]', help='JSON list, e.g. \'["https://a.example"]\'')
+    g.add_argument(
+        "--allowed-origins", default='["*"]', help="JSON list, e.g. '[\"https://a.example\"]'"
+    )
     g.add_argument("--allowed-methods", default='["*"]', help="JSON list of HTTP methods")
     g.add_argument("--allowed-headers", default='["*"]', help="JSON list of request headers")
     g.add_argument("--allow-credentials", action="store_true", help="allow cookies and credentials")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='allow tool_choice "auto"')
-    p.add_argument("--tool-call-parser", default=None,
-                   help="how tool calls are read from the output: hermes")
-    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
-    p.add_argument("--routing", default=None, choices=["prefix-aware", "least-loaded", "round-robin"],
-                   help="how --data-parallel-size picks a replica (default prefix-aware)")
+    p.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"'
+    )
+    p.add_argument(
+        "--tool-call-parser", default=None, help="how tool calls are read from the output: hermes"
+    )
+    p.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster (default: start a local one)"
+    )
+    p.add_argument(
+        "--routing",
+        default=None,
+        choices=["prefix-aware", "least-loaded", "round-robin"],
+        help="how --data-parallel-size picks a replica (default prefix-aware)",
+    )
     p.set_defaults(func=run)
 
 
@@ -59,19 +80,39 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.routing and args.data_parallel_size == 1 and not args.ray_address:
         raise ConfigError("--routing chooses among replicas: give --data-parallel-size N (N > 1)")
-    cors = {"allow_origins": json_list("--allowed-origins", args.allowed_origins),
-            "allow_methods": json_list("--allowed-methods", args.allowed_methods),
-            "allow_headers": json_list("--allowed-headers", args.allowed_headers),
-            "allow_credentials": args.allow_credentials}
+    cors = {
+        "allow_origins": json_list("--allowed-origins", args.allowed_origins),
+        "allow_methods": json_list("--allowed-methods", args.allowed_methods),
+        "allow_headers": json_list("--allowed-headers", args.allowed_headers),
+        "allow_credentials": args.allow_credentials,
+    }
     config = engine_config_from_args(args)
     from pagedkv.server.app import serve  # late: keeps `pagedkv --help` free of torch
-    print(f"pagedkv: loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
-    if config.data_parallel_size != 1 or args.ray_address:   # late: the default never imports Ray
+
+    print(
+        f"pagedkv: loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True
+    )
+    if config.data_parallel_size != 1 or args.ray_address:  # late: the default never imports Ray
         from pagedkv.server.ray_launch import serve_replicas
-        replica = copy.copy(config)           # each replica is one engine
+
+        replica = copy.copy(config)  # each replica is one engine
         replica.data_parallel_size = 1
-        serve_replicas(replica, args.host, args.port, config.data_parallel_size, args.ray_address,
-                       args.shutdown_timeout, args.routing or "prefix-aware")
+        serve_replicas(
+            replica,
+            args.host,
+            args.port,
+            config.data_parallel_size,
+            args.ray_address,
+            args.shutdown_timeout,
+            args.routing or "prefix-aware",
+        )
         return 0
-    return serve(config, args.host, args.port, shutdown_timeout=args.shutdown_timeout, cors=cors,
-                 log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log)
+    return serve(
+        config,
+        args.host,
+        args.port,
+        shutdown_timeout=args.shutdown_timeout,
+        cors=cors,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+    )

@@ -4,6 +4,7 @@ Clients written for OpenAI read `error.message` and branch on the status, so a
 client's mistake must always be a 4xx with that body, never a bare 500 or a
 FastAPI `{"detail": ...}`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,10 +35,23 @@ _TYPES = {
 class APIError(Exception):
     """An error with an HTTP status, raised anywhere in a handler."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.status, self.message, self.param, self.code, self.headers = (
+            status,
+            message,
+            param,
+            code,
+            headers,
+        )
 
 
 def _printable(text: str | None) -> str | None:
@@ -45,16 +59,29 @@ def _printable(text: str | None) -> str | None:
     return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict:
     """The OpenAI error object; `code` defaults to one that names the status."""
-    kind, default_code = _TYPES.get(status, ("invalid_request_error" if status < 500 else "server_error", None))
-    return {"error": {"message": _printable(message), "type": kind, "param": _printable(param),
-                      "code": code if code is not None else default_code}}
+    kind, default_code = _TYPES.get(
+        status, ("invalid_request_error" if status < 500 else "server_error", None)
+    )
+    return {
+        "error": {
+            "message": _printable(message),
+            "type": kind,
+            "param": _printable(param),
+            "code": code if code is not None else default_code,
+        }
+    }
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code),
-                        status_code=err.status, headers=err.headers)
+    return JSONResponse(
+        error_body(err.status, err.message, err.param, err.code),
+        status_code=err.status,
+        headers=err.headers,
+    )
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -65,17 +92,20 @@ def to_api_error(exc: BaseException) -> APIError:
         RequestFailedError,
         ShuttingDownError,
     )
+
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ConfigError):
-        return APIError(400, str(exc), param=getattr(exc, "param", None))   # ParamError names it
+        return APIError(400, str(exc), param=getattr(exc, "param", None))  # ParamError names it
     if isinstance(exc, jinja2.TemplateError):
         return APIError(400, f"chat template error: {exc}")
     if isinstance(exc, QueueFullError):
-        return APIError(429, str(exc) or "the waiting queue is full; retry later", headers={"Retry-After": "1"})
+        return APIError(
+            429, str(exc) or "the waiting queue is full; retry later", headers={"Retry-After": "1"}
+        )
     if isinstance(exc, (ShuttingDownError, EngineDeadError)):
         return APIError(503, str(exc))
-    if isinstance(exc, RequestFailedError):   # logged with its traceback by the engine
+    if isinstance(exc, RequestFailedError):  # logged with its traceback by the engine
         return APIError(500, str(exc), code="request_failed")
     log.exception("internal error", exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}")
@@ -91,18 +121,30 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
     if param is None or (first.get("type") == "value_error" and msg.startswith(loc[0])):
-        return msg, param   # our own validators name the field already
+        return msg, param  # our own validators name the field already
     return f"{param}: {msg}", param
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    from pagedkv.engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError, ShuttingDownError
+    from pagedkv.engine.async_engine import (
+        EngineDeadError,
+        QueueFullError,
+        RequestFailedError,
+        ShuttingDownError,
+    )
 
     async def _known(_: Request, exc: Exception) -> JSONResponse:
         return error_response(to_api_error(exc))
 
-    for kind in (APIError, ConfigError, jinja2.TemplateError, QueueFullError, ShuttingDownError,
-                 RequestFailedError, EngineDeadError):
+    for kind in (
+        APIError,
+        ConfigError,
+        jinja2.TemplateError,
+        QueueFullError,
+        ShuttingDownError,
+        RequestFailedError,
+        EngineDeadError,
+    ):
         app.add_exception_handler(kind, _known)
 
     @app.exception_handler(RequestValidationError)
@@ -112,7 +154,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
+        return error_response(
+            APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        )
 
     @app.exception_handler(Exception)
     async def _other(_: Request, exc: Exception) -> JSONResponse:

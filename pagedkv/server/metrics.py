@@ -7,12 +7,24 @@ so they can never drift from what the engine did; the per-request histograms
 are kept here, fed from each finished request's timestamps and token counts.
 A private registry keeps several apps in one process (tests) apart.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from pagedkv.engine.request import RequestMetrics, RequestOutput
@@ -20,12 +32,76 @@ from pagedkv.engine.request import RequestMetrics, RequestOutput
 P = "pagedkv:"
 
 # buckets follow vLLM's, so existing dashboards read them the same way
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-               240.0, 480.0, 960.0, 1920.0, 7680.0)   # also the queue / prefill / decode / inference times
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)  # also the queue / prefill / decode / inference times
 
 
 def tokens_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -39,10 +115,15 @@ def tokens_buckets(max_model_len: int) -> tuple[int, ...]:
             out.append(m * scale)
         scale *= 10
 
+
 # (metric name, EngineStats field, help)
 _GAUGES = (
     ("kv_cache_usage_perc", "kv_usage", "Fraction of KV-cache blocks in use (0..1)."),
-    ("kv_token_utilization", "token_utilization", "Fraction of the token slots of used blocks that hold real tokens."),
+    (
+        "kv_token_utilization",
+        "token_utilization",
+        "Fraction of the token slots of used blocks that hold real tokens.",
+    ),
     ("num_requests_running", "num_running", "Requests in the running batch."),
     ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
     ("num_requests_swapped", "num_swapped", "Requests whose blocks are swapped to host memory."),
@@ -50,7 +131,11 @@ _GAUGES = (
     ("kv_cache_free_blocks", "num_free_blocks", "Free blocks in the KV pool (cached or not)."),
     ("kv_cache_cached_blocks", "num_cached_blocks", "Blocks holding a reusable prefix."),
     ("kv_cache_capacity_tokens", "token_capacity", "Tokens the KV pool can hold."),
-    ("model_weight_bytes", "model_weight_bytes", "Resident bytes of the model weights (after --quantization)."),
+    (
+        "model_weight_bytes",
+        "model_weight_bytes",
+        "Resident bytes of the model weights (after --quantization).",
+    ),
 )
 _COUNTERS = (
     ("prefix_cache_queries", "prefix_queries", "Prompt tokens looked up in the prefix cache."),
@@ -58,13 +143,28 @@ _COUNTERS = (
     ("num_preemptions", "num_preemptions", "Requests preempted (recompute or swap)."),
     ("prompt_tokens", "prompt_tokens", "Prompt tokens processed (prefilled)."),
     ("generation_tokens", "generation_tokens", "Tokens generated."),
-    ("kv_offload_hits", "offload_hits", "Prompt tokens loaded back from the host-memory or disk KV tiers."),
-    ("kv_offload_saved_blocks", "offload_saved_blocks", "Evicted KV blocks kept in the host-memory or disk tiers."),
-    ("spec_decode_num_drafts", "spec_num_drafts", "Speculative steps of a sequence (each with its drafts)."),
+    (
+        "kv_offload_hits",
+        "offload_hits",
+        "Prompt tokens loaded back from the host-memory or disk KV tiers.",
+    ),
+    (
+        "kv_offload_saved_blocks",
+        "offload_saved_blocks",
+        "Evicted KV blocks kept in the host-memory or disk tiers.",
+    ),
+    (
+        "spec_decode_num_drafts",
+        "spec_num_drafts",
+        "Speculative steps of a sequence (each with its drafts).",
+    ),
     ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Speculative tokens proposed."),
     ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Speculative tokens accepted."),
-    ("kv_offload_disk_writes_dropped", "offload_disk_writes_dropped",
-     "KV blocks not written through to the disk tier because its write queue was full."),
+    (
+        "kv_offload_disk_writes_dropped",
+        "offload_disk_writes_dropped",
+        "KV blocks not written through to the disk tier because its write queue was full.",
+    ),
 )
 
 
@@ -83,22 +183,33 @@ class _EngineCollector(Collector):
             c.add_metric([self.model_name], float(getattr(stats, field)))
             yield c
         steps = self.engine.engine.step_tokens
-        h = HistogramMetricFamily(P + "iteration_tokens_total", "Tokens scheduled per engine step.",
-                                  labels=["model_name"])
-        h.add_metric([self.model_name], [(le, float(n)) for le, n in steps.cumulative()], float(steps.total))
+        h = HistogramMetricFamily(
+            P + "iteration_tokens_total", "Tokens scheduled per engine step.", labels=["model_name"]
+        )
+        h.add_metric(
+            [self.model_name], [(le, float(n)) for le, n in steps.cumulative()], float(steps.total)
+        )
         yield h
         labels = self.cache_labels(stats.num_blocks)
-        info = GaugeMetricFamily(P + "cache_config_info", "The KV cache's configuration (value is 1).",
-                                 labels=list(labels))
+        info = GaugeMetricFamily(
+            P + "cache_config_info",
+            "The KV cache's configuration (value is 1).",
+            labels=list(labels),
+        )
         info.add_metric(list(labels.values()), 1.0)
         yield info
 
     def cache_labels(self, num_blocks: int) -> dict[str, str]:
         c = self.engine.config
-        return {"block_size": str(c.block_size), "cache_dtype": c.kv_cache_dtype,
-                "enable_prefix_caching": str(c.enable_prefix_caching),
-                "gpu_memory_utilization": str(c.memory_utilization), "num_gpu_blocks": str(num_blocks),
-                "swap_space_bytes": str(c.swap_space), "preemption_mode": c.preemption_mode}
+        return {
+            "block_size": str(c.block_size),
+            "cache_dtype": c.kv_cache_dtype,
+            "enable_prefix_caching": str(c.enable_prefix_caching),
+            "gpu_memory_utilization": str(c.memory_utilization),
+            "num_gpu_blocks": str(num_blocks),
+            "swap_space_bytes": str(c.swap_space),
+            "preemption_mode": c.preemption_mode,
+        }
 
 
 class ServerMetrics:
@@ -110,22 +221,45 @@ class ServerMetrics:
         labels = ["model_name"]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(P + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+            return Histogram(P + name, doc, labels, buckets=buckets, registry=self.registry).labels(
+                model_name
+            )
+
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish of a request.", E2E_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled (waiting).", E2E_BUCKETS)
-        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token.", E2E_BUCKETS)
+        self.itl = hist(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS
+        )
+        self.e2e = hist(
+            "e2e_request_latency_seconds", "Arrival to finish of a request.", E2E_BUCKETS
+        )
+        self.queue = hist(
+            "request_queue_time_seconds", "Arrival to first scheduled (waiting).", E2E_BUCKETS
+        )
+        self.prefill = hist(
+            "request_prefill_time_seconds", "First scheduled to first token.", E2E_BUCKETS
+        )
         self.decode = hist("request_decode_time_seconds", "First token to last token.", E2E_BUCKETS)
-        self.inference = hist("request_inference_time_seconds", "First scheduled to last token (running).",
-                              E2E_BUCKETS)
+        self.inference = hist(
+            "request_inference_time_seconds",
+            "First scheduled to last token (running).",
+            E2E_BUCKETS,
+        )
         lengths = tokens_buckets(engine.max_model_len)
         self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per request.", lengths)
-        self.gen_len = hist("request_generation_tokens", "Generated tokens per request (all samples).", lengths)
-        self.max_gen = hist("request_max_num_generation_tokens", "Generated tokens of a request's longest sample.",
-                            lengths)
-        self._success = Counter(P + "request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)
+        self.gen_len = hist(
+            "request_generation_tokens", "Generated tokens per request (all samples).", lengths
+        )
+        self.max_gen = hist(
+            "request_max_num_generation_tokens",
+            "Generated tokens of a request's longest sample.",
+            lengths,
+        )
+        self._success = Counter(
+            P + "request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         self.model_name = model_name
 
     def observe(self, out: RequestOutput) -> None:

@@ -4,6 +4,7 @@ Both are plain ASGI so they run before FastAPI parses anything: an oversized
 body is refused without being held in memory, a request without the key never
 reaches the engine.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -41,7 +42,7 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise self._too_large()   # FastAPI's handler for APIError answers 413
+                    raise self._too_large()  # FastAPI's handler for APIError answers 413
             return message
 
         await self.app(scope, limited, send)
@@ -62,9 +63,16 @@ class BearerAuth:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.prefix) and not self._authorized(scope):
-            err = APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                           headers={"WWW-Authenticate": "Bearer"})
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith(self.prefix)
+            and not self._authorized(scope)
+        ):
+            err = APIError(
+                401,
+                "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             await error_response(err)(scope, receive, send)
             return
         await self.app(scope, receive, send)

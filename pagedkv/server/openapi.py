@@ -6,6 +6,7 @@ The generation routes parse their body by hand (any Content-Type, since
 `install_openapi` adds the models' schemas to the document's components.
 That is what a schema-driven fuzzer (tests/test_fuzz.py) works from.
 """
+
 from __future__ import annotations
 
 from fastapi import FastAPI
@@ -24,6 +25,7 @@ def json_body(model: type[BaseModel]) -> dict:
 
 def install_openapi(app: FastAPI, bodies: list[type[BaseModel]]) -> None:
     """Build the document once, on first request, with `bodies` among its component schemas."""
+
     def openapi() -> dict:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)

@@ -7,13 +7,21 @@ without lone surrogates, bounded lists); range checks live in one place,
 `SamplingParams.validate`, so the server, the offline API and the CLI reject
 exactly the same values.
 """
+
 from __future__ import annotations
 
 import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_serializer,
+    model_validator,
+)
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.request import (
@@ -36,21 +44,31 @@ from pagedkv.server.request_fields import (
     reject_unsupported,
     structured_spec,
 )
-from pagedkv.server.validation import MAX_MESSAGES, MAX_PROMPTS, FiniteFloat, Int64, Name, SafeStr, TokenId, check_text
+from pagedkv.server.validation import (
+    MAX_MESSAGES,
+    MAX_PROMPTS,
+    FiniteFloat,
+    Int64,
+    Name,
+    SafeStr,
+    TokenId,
+    check_text,
+)
 from pagedkv.server.validation import documented as doc
 
 Prompt = str | list[int]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 PromptText = Annotated[SafeStr, Field(min_length=1)]
 PromptBatch = Annotated[list[PromptText | TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
-PromptInput = PromptText | TokenIds | PromptBatch   # for the schema; _check_prompt reads it
+PromptInput = PromptText | TokenIds | PromptBatch  # for the schema; _check_prompt reads it
 StopText = Annotated[SafeStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 StopInput = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None
 Count = Annotated[Int64, doc(minimum=1)]
 Penalty = Annotated[FiniteFloat, doc(minimum=-2, maximum=2)]
 NumLogprobs = Annotated[Int64, doc(minimum=0, maximum=MAX_LOGPROBS)]
-RepetitionPenalty = Annotated[FiniteFloat, doc(minimum=REPETITION_PENALTY_RANGE[0],
-                                               maximum=REPETITION_PENALTY_RANGE[1])]
+RepetitionPenalty = Annotated[
+    FiniteFloat, doc(minimum=REPETITION_PENALTY_RANGE[0], maximum=REPETITION_PENALTY_RANGE[1])
+]
 
 
 def _is_token_ids(v: Any) -> bool:
@@ -87,8 +105,9 @@ def _check_stop(v: Any) -> list[str] | None:
     return stops
 
 
-StopField = Annotated[list[str] | None,
-                      BeforeValidator(_check_stop, json_schema_input_type=StopInput)]
+StopField = Annotated[
+    list[str] | None, BeforeValidator(_check_stop, json_schema_input_type=StopInput)
+]
 
 
 def _check_content(v: Any) -> str | None:
@@ -96,8 +115,14 @@ def _check_content(v: Any) -> str | None:
     if isinstance(v, list):
         texts = []
         for part in v:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                raise ValueError(
+                    "only text content parts ({'type': 'text', 'text': ...}) are supported"
+                )
             texts.append(part["text"])
         v = "".join(texts)
     elif v is not None and not isinstance(v, str):
@@ -108,6 +133,7 @@ def _check_content(v: Any) -> str | None:
 
 class TextPart(BaseModel):
     """Only for the schema: what a content part looks like."""
+
     type: Literal["text"]
     text: SafeStr
 
@@ -121,11 +147,12 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False   # vLLM's; not implemented: a 400 when true
+    continuous_usage_stats: bool = False  # vLLM's; not implemented: a 400 when true
 
 
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
     model: Name | None = None
     n: Count = 1
     temperature: Annotated[FiniteFloat, doc(minimum=0, maximum=MAX_TEMPERATURE)] | None = None
@@ -142,7 +169,7 @@ class _SamplingRequest(_Strict):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
-    logit_bias: dict[Name, FiniteFloat] | None = None   # token id (as a string) -> bias
+    logit_bias: dict[Name, FiniteFloat] | None = None  # token id (as a string) -> bias
     user: Name | None = None
     # ---- vLLM's extensions (request_fields.py): honoured, or a 400 naming the field;
     # ranges and sizes are checked by SamplingParams.validate, as for every other field
@@ -171,34 +198,53 @@ class _SamplingRequest(_Strict):
 
     def _extension_params(self) -> dict:
         if self.stream_options and self.stream_options.continuous_usage_stats:
-            raise ParamError("stream_options", "stream_options.continuous_usage_stats is not supported")
+            raise ParamError(
+                "stream_options", "stream_options.continuous_usage_stats is not supported"
+            )
         if self.stream and self.prompt_logprobs is not None:
-            raise ParamError("prompt_logprobs", "prompt_logprobs is not available when stream is true")
-        return dict(logit_bias=self.logit_bias, skip_special_tokens=self.skip_special_tokens,
-                    spaces_between_special_tokens=self.spaces_between_special_tokens,
-                    include_stop_str_in_output=self.include_stop_str_in_output,
-                    allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-                    prompt_logprobs=self.prompt_logprobs,
-                    truncate_prompt_tokens=self.truncate_prompt_tokens,
-                    structured_outputs=structured_spec(self))
+            raise ParamError(
+                "prompt_logprobs", "prompt_logprobs is not available when stream is true"
+            )
+        return dict(
+            logit_bias=self.logit_bias,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            prompt_logprobs=self.prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=structured_spec(self),
+        )
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         def pick(value, default):
             return default if value is None else value
+
         return SamplingParams(
-            n=self.n, temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
-            top_k=pick(self.top_k, -1), min_p=pick(self.min_p, 0.0), seed=self.seed,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            n=self.n,
+            temperature=pick(self.temperature, 1.0),
+            top_p=pick(self.top_p, 1.0),
+            top_k=pick(self.top_k, -1),
+            min_p=pick(self.min_p, 0.0),
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
             presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0),
-            repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
-            **self._extension_params())
+            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            logprobs=logprobs,
+            **self._extension_params(),
+        )
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Annotated[list[Prompt], BeforeValidator(_check_prompt,
-                                                    json_schema_input_type=PromptInput)]
+    prompt: Annotated[
+        list[Prompt], BeforeValidator(_check_prompt, json_schema_input_type=PromptInput)
+    ]
     max_tokens: Count | None = 16
     logprobs: NumLogprobs | None = None
     best_of: Count | None = None
@@ -213,15 +259,16 @@ class CompletionRequest(_SamplingRequest):
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of", "best_of other than n is not supported")
         params = self._params(self.max_tokens, self.logprobs)
-        if self.echo and self.logprobs is not None:   # the echoed prompt's tokens get logprobs too
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens get logprobs too
             params.prompt_logprobs = max(params.prompt_logprobs or 0, self.logprobs)
         return params
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | None,
-                       BeforeValidator(_check_content, json_schema_input_type=ContentInput)] = None
+    content: Annotated[
+        str | None, BeforeValidator(_check_content, json_schema_input_type=ContentInput)
+    ] = None
     name: Name | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Name | None = None
@@ -234,9 +281,17 @@ class ChatMessage(_Strict):
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
-                for c in self.tool_calls]
+            msg["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _arguments_object(c.function.arguments),
+                    },
+                }
+                for c in self.tool_calls
+            ]
         return msg
 
 
@@ -263,7 +318,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    include_reasoning: bool = True   # no reasoning parser here: there is never reasoning to drop
+    include_reasoning: bool = True  # no reasoning parser here: there is never reasoning to drop
     best_of: Count | None = None
 
     def sampling_params(self) -> SamplingParams:
@@ -271,17 +326,26 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of", "best_of other than n is not supported")
-        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        limit = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
         try:
             return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None)
-        except ParamError as e:   # name the field as this request spelled it
-            wire = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
-                    if self.max_completion_tokens is not None else "max_tokens"}
+        except ParamError as e:  # name the field as this request spelled it
+            wire = {
+                "logprobs": "top_logprobs",
+                "max_tokens": "max_completion_tokens"
+                if self.max_completion_tokens is not None
+                else "max_tokens",
+            }
             e.param = wire.get(e.param, e.param)
             raise
 
 
 # ---- responses -------------------------------------------------------------------------------
+
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
@@ -296,7 +360,7 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float | None] = []            # None: the first prompt token under echo
+    token_logprobs: list[float | None] = []  # None: the first prompt token under echo
     top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 

@@ -4,6 +4,7 @@ Validated as strictly as the generation endpoints (protocol.py): a wrong type
 is a 400 naming the field, and a tokenize request is either a prompt or a
 conversation, never both.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,10 +16,11 @@ from pagedkv.server.protocol import ChatMessage, _Strict
 
 class TokenizeRequest(_Strict):
     """vLLM's two forms: {"prompt": ...} or {"messages": [...]} (rendered with the chat template)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool | None = None         # default: True for a prompt, False for messages
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -42,13 +42,18 @@ def serve_replicas(
     from pagedkv.server.ray_app import build
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the replicas Ray starts here
-    if ray_address is None:   # a local instance sized for the replicas; no dashboard here
-        ray.init(address="local", num_cpus=num_replicas, include_dashboard=False,
-                 logging_level=logging.WARNING, log_to_driver=True)
+    if ray_address is None:  # a local instance sized for the replicas; no dashboard here
+        ray.init(
+            address="local",
+            num_cpus=num_replicas,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+        )
     else:
         try:
             ray.init(address=ray_address, logging_level=logging.WARNING)
-        except ConnectionError as e:   # wrong address, or a cluster whose auth token we lack
+        except ConnectionError as e:  # wrong address, or a cluster whose auth token we lack
             raise ConfigError(f"--ray-address {ray_address}: cannot join: {e}") from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -59,13 +64,16 @@ def serve_replicas(
             build(config, num_replicas, shutdown_timeout, routing), name=APP_NAME, route_prefix="/"
         )
         replicas = f"{num_replicas} Ray Serve replica{'s' if num_replicas > 1 else ''}"
-        print(f"pagedkv serves {config.model or 'the default model'} on {replicas}: OpenAI API "
-              f"at http://{host}:{port}/v1, dashboard at http://{host}:{port}/",
-              file=sys.stderr, flush=True)
+        print(
+            f"pagedkv serves {config.model or 'the default model'} on {replicas}: OpenAI API "
+            f"at http://{host}:{port}/v1, dashboard at http://{host}:{port}/",
+            file=sys.stderr,
+            flush=True,
+        )
         stop.wait()
     finally:
         if ray_address is None:
             serve.shutdown()
-        else:   # a shared cluster keeps its Serve and other applications
+        else:  # a shared cluster keeps its Serve and other applications
             serve.delete(APP_NAME)
         ray.shutdown()

@@ -69,7 +69,7 @@ class PagedKVRouter(RequestRouter):
         self.in_flight[replica_id] += 1
         self._sent[pending_request.metadata.internal_request_id] = replica_id
         key: Any = pending_request.args[0] if pending_request.args else None
-        if getattr(key, "hashes", None) and key.replica is None:   # where the prefix really went
+        if getattr(key, "hashes", None) and key.replica is None:  # where the prefix really went
             self.policy.record(key.hashes, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

@@ -3,6 +3,7 @@
 Kept apart from app.py so the generation routes and these stay small; each
 validates its body like the OpenAI routes (400 with the field named).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,17 +29,27 @@ def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
         req = await read_json(request, api.TokenizeRequest)
         check_model(req.model)
         if req.messages is not None:
-            text = render_chat(tok, [m.as_template_input() for m in req.messages],
-                               add_generation_prompt=req.add_generation_prompt,
-                               continue_final_message=req.continue_final_message,
-                               chat_template_kwargs=req.chat_template_kwargs)
-            special = bool(req.add_special_tokens)            # the template already has BOS and the like
+            text = render_chat(
+                tok,
+                [m.as_template_input() for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
+            special = bool(req.add_special_tokens)  # the template already has BOS and the like
         else:
             text, special = req.prompt, req.add_special_tokens is not False
         ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=special)
-        strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
-        return json_response(api.TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len,
-                                                  tokens=ids, token_strs=strs))
+        strs = (
+            [tok.decode([t], skip_special_tokens=False) for t in ids]
+            if req.return_token_strs
+            else None
+        )
+        return json_response(
+            api.TokenizeResponse(
+                count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs
+            )
+        )
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
@@ -46,8 +57,11 @@ def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
         check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < engine.vocab_size]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})",
-                           param="tokens")
+            raise APIError(
+                400,
+                f"token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})",
+                param="tokens",
+            )
         text = await asyncio.to_thread(tok.decode, req.tokens, skip_special_tokens=False)
         return json_response(api.DetokenizeResponse(prompt=text))
 
@@ -64,4 +78,3 @@ def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
     @app.head("/health", include_in_schema=False)
     async def health_head(request: Request) -> Response:
         return Response(status_code=200 if request.app.state.ready else 503)
-

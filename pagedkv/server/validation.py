@@ -7,6 +7,7 @@ vocabulary) is decided in one place, `SamplingParams.validate` and the
 engine, so the server and the offline API agree. New request fields should
 be declared with these types so they get the same checks.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,9 @@ from pagedkv.config import ConfigError
 from pagedkv.engine.request import INT64_MAX, INT64_MIN, valid_text
 from pagedkv.server.errors import APIError
 
-MAX_PROMPTS = 1024        # prompts in one /v1/completions batch (each is its own engine request)
-MAX_MESSAGES = 2048       # messages in one chat
-MAX_NAME_CHARS = 256      # model, user, message name
+MAX_PROMPTS = 1024  # prompts in one /v1/completions batch (each is its own engine request)
+MAX_MESSAGES = 2048  # messages in one chat
+MAX_NAME_CHARS = 256  # model, user, message name
 T = TypeVar("T")
 
 
@@ -73,7 +74,7 @@ def load_json_object(body: bytes) -> dict:
         data = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
     except RecursionError:
         raise APIError(400, "request body is not valid JSON: nested too deeply") from None
-    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, too many digits, NaN
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, too many digits, NaN
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")

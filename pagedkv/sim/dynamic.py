@@ -9,6 +9,7 @@ preempted). A request holding prompt + output tokens finishes and frees its
 blocks. Reservation policies go through the same manager, so the comparison
 with paging is like for like.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,23 +23,28 @@ from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sim.simulate import Policy
 from pagedkv.sim.trace import TraceRequest
 
-RESERVATION_BLOCK_SIZE = 16   # reservation policies still allocate in the engine's default blocks
-SHARED_TOKEN_BASE = 1         # ids of the shared system prompt: 1 .. shared_prefix
-UNIQUE_TOKEN_STRIDE = 10**7   # request i's own tokens start at (i + 1) * stride, so they never collide
-MIN_ARRIVAL_RATE = 1e-9       # below this, arrival steps overflow
+RESERVATION_BLOCK_SIZE = 16  # reservation policies still allocate in the engine's default blocks
+SHARED_TOKEN_BASE = 1  # ids of the shared system prompt: 1 .. shared_prefix
+UNIQUE_TOKEN_STRIDE = (
+    10**7
+)  # request i's own tokens start at (i + 1) * stride, so they never collide
+MIN_ARRIVAL_RATE = 1e-9  # below this, arrival steps overflow
 
 
 @dataclass(slots=True, eq=False)
 class _Live:
     """A trace request while it is replayed."""
+
     req_id: str
     arrival: int
     prompt: int
-    total: int                 # prompt + output: it finishes when it holds this many tokens
+    total: int  # prompt + output: it finishes when it holds this many tokens
     token_ids: list[int]
-    resume: int                # tokens to prefill at the next admission (prompt, or more after preemption)
+    resume: int  # tokens to prefill at the next admission (prompt, or more after preemption)
     held: int = 0
-    full_blocks: list[int] = field(default_factory=list)   # blocks full at admission: the shareable ones
+    full_blocks: list[int] = field(
+        default_factory=list
+    )  # blocks full at admission: the shareable ones
 
 
 @dataclass(slots=True)
@@ -54,26 +60,34 @@ class DynamicResult:
     token_utilization_min: float
     prefix_queries: int
     prefix_hits: int
-    times: list[int]           # the steps sampled below: every step except idle gaps between arrivals
-    utilization: list[float]   # tokens held / token slots allocated
-    running: list[int]         # requests holding blocks
+    times: list[int]  # the steps sampled below: every step except idle gaps between arrivals
+    utilization: list[float]  # tokens held / token slots allocated
+    running: list[int]  # requests holding blocks
 
     def summary(self) -> dict:
         """JSON-able figures, without the per-step series."""
-        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("times", "utilization", "running")}
+        return {
+            k: getattr(self, k)
+            for k in self.__dataclass_fields__
+            if k not in ("times", "utilization", "running")
+        }
 
 
 def token_ids_for(index: int, req: TraceRequest, shared_prefix: int) -> list[int]:
     """A common system prompt of `shared_prefix` tokens, then tokens no other request has."""
     shared = min(shared_prefix, req.prompt_tokens)
     base = (index + 1) * UNIQUE_TOKEN_STRIDE
-    return [SHARED_TOKEN_BASE + j for j in range(shared)] + list(range(base, base + req.total_tokens - shared))
+    return [SHARED_TOKEN_BASE + j for j in range(shared)] + list(
+        range(base, base + req.total_tokens - shared)
+    )
 
 
 def arrival_steps(n: int, rate: float, seed: int) -> list[int]:
     """Poisson arrivals at `rate` requests per step; rate 0 puts every request at step 0."""
     if not (rate == 0 or MIN_ARRIVAL_RATE <= rate < math.inf):
-        raise ConfigError(f"--arrival-rate must be 0 or between {MIN_ARRIVAL_RATE:g} and infinity, got {rate}")
+        raise ConfigError(
+            f"--arrival-rate must be 0 or between {MIN_ARRIVAL_RATE:g} and infinity, got {rate}"
+        )
     if rate == 0:
         return [0] * n
     rng, t, steps = random.Random(seed), 0.0, []
@@ -86,26 +100,54 @@ def arrival_steps(n: int, rate: float, seed: int) -> list[int]:
 class Replay:
     """One policy's replay; `step()` advances one scheduler step, `run()` goes to the end."""
 
-    def __init__(self, trace: Sequence[TraceRequest], policy: Policy, *, pool_tokens: int, max_model_len: int,
-                 max_output: int, arrivals: Sequence[int], shared_prefix: int = 0,
-                 enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        trace: Sequence[TraceRequest],
+        policy: Policy,
+        *,
+        pool_tokens: int,
+        max_model_len: int,
+        max_output: int,
+        arrivals: Sequence[int],
+        shared_prefix: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
         self.policy = policy
         self.block_size = policy.block_size if policy.kind == "paged" else RESERVATION_BLOCK_SIZE
         self.max_output = max_output
-        self.kv = KVCacheManager(max(pool_tokens // self.block_size, 1), self.block_size,
-                                 enable_prefix_caching=enable_prefix_caching, allocation_policy=policy.kind,
-                                 max_model_len=max_model_len)
-        self.pending = deque(sorted(
-            (_Live(f"r{i}", arrivals[i], req.prompt_tokens, req.total_tokens,
-                   token_ids_for(i, req, shared_prefix), req.prompt_tokens) for i, req in enumerate(trace)),
-            key=lambda r: r.arrival))
+        self.kv = KVCacheManager(
+            max(pool_tokens // self.block_size, 1),
+            self.block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            allocation_policy=policy.kind,
+            max_model_len=max_model_len,
+        )
+        self.pending = deque(
+            sorted(
+                (
+                    _Live(
+                        f"r{i}",
+                        arrivals[i],
+                        req.prompt_tokens,
+                        req.total_tokens,
+                        token_ids_for(i, req, shared_prefix),
+                        req.prompt_tokens,
+                    )
+                    for i, req in enumerate(trace)
+                ),
+                key=lambda r: r.arrival,
+            )
+        )
         for i, r in enumerate(trace, 1):
-            # the manager caps a reservation at max_model_len; paged sizes round up to blocks either way
+            # the manager caps a reservation at max_model_len; paged sizes round up to blocks either
+            # way
             need = min(policy.reservation(r, max_model_len, max_output), max_model_len)
             if not self.kv.can_fit(need):
-                raise ConfigError(f"request {i} needs {need} token slots under {policy.name} (plus the 1% "
-                                  f"watermark) but the pool holds {self.kv.num_blocks * self.block_size}; "
-                                  f"raise --kv-memory")
+                raise ConfigError(
+                    f"request {i} needs {need} token slots under {policy.name} (plus the 1% "
+                    f"watermark) but the pool holds {self.kv.num_blocks * self.block_size}; "
+                    f"raise --kv-memory"
+                )
         self.waiting: deque[_Live] = deque()
         self.running: list[_Live] = []
         self.t = 0
@@ -132,7 +174,9 @@ class Replay:
 
     def step(self) -> None:
         if not (self.running or self.waiting) and self.pending:
-            self.t = max(self.t, self.pending[0].arrival)   # skip idle steps: a slow arrival rate costs nothing
+            self.t = max(
+                self.t, self.pending[0].arrival
+            )  # skip idle steps: a slow arrival rate costs nothing
         while self.pending and self.pending[0].arrival <= self.t:
             self.waiting.append(self.pending.popleft())
         preempted = self._grow_running()
@@ -153,10 +197,21 @@ class Replay:
             self.step()
         busy = [u for u, n in zip(self.utilization, self.running_series) if n]
         return DynamicResult(
-            self.policy.name, self.block_size, self.t, self.completed,
-            max(self.running_series, default=0), sum(self.running_series) / self.t if self.t else 0.0,
-            self.preemptions, sum(busy) / len(busy) if busy else 0.0, min(busy, default=0.0),
-            self.kv.prefix_queries, self.kv.prefix_hits, self.times, self.utilization, self.running_series)
+            self.policy.name,
+            self.block_size,
+            self.t,
+            self.completed,
+            max(self.running_series, default=0),
+            sum(self.running_series) / self.t if self.t else 0.0,
+            self.preemptions,
+            sum(busy) / len(busy) if busy else 0.0,
+            min(busy, default=0.0),
+            self.kv.prefix_queries,
+            self.kv.prefix_hits,
+            self.times,
+            self.utilization,
+            self.running_series,
+        )
 
     def _grow_running(self) -> bool:
         """One token for each running request, oldest first; preempt the youngest when one cannot grow."""
@@ -168,7 +223,7 @@ class Replay:
                 self.tokens += 1
                 i += 1
                 continue
-            victim = self.running.pop()          # may be r itself, which ends the loop
+            victim = self.running.pop()  # may be r itself, which ends the loop
             self._release(victim)
             victim.resume = victim.held
             victim.held = 0
@@ -180,18 +235,26 @@ class Replay:
     def _admit_waiting(self) -> None:
         while self.waiting:
             r = self.waiting[0]
-            known = r.token_ids[:r.resume]
+            known = r.token_ids[: r.resume]
             prefix = self.kv.lookup_prefix(known)
             new = r.resume - len(prefix) * self.block_size
-            budget = self.max_output - (r.resume - r.prompt)   # reserve-output: the rest of the answer
-            if self.kv.allocate_slots(r.req_id, known, new, prefix_blocks=prefix, max_tokens=budget) is None:
+            budget = self.max_output - (
+                r.resume - r.prompt
+            )  # reserve-output: the rest of the answer
+            if (
+                self.kv.allocate_slots(
+                    r.req_id, known, new, prefix_blocks=prefix, max_tokens=budget
+                )
+                is None
+            ):
                 return
             self.waiting.popleft()
             self.running.append(r)
             r.held = r.resume
             self.tokens += r.held
-            # only blocks full at admission can be shared: later blocks hold this request's own tokens
-            r.full_blocks = self.kv.block_table(r.req_id)[:r.held // self.block_size]
+            # only blocks full at admission can be shared: later blocks hold this request's own
+            # tokens
+            r.full_blocks = self.kv.block_table(r.req_id)[: r.held // self.block_size]
             for block in r.full_blocks:
                 self.holders[block] += 1
                 if self.holders[block] > 1:
@@ -207,13 +270,32 @@ class Replay:
         r.full_blocks = []
 
 
-def replay(trace: Sequence[TraceRequest], policies: Sequence[Policy], *, pool_tokens: int, max_model_len: int,
-           max_output: int, arrival_rate: float = 0.0, seed: int = 0, shared_prefix: int = 0,
-           enable_prefix_caching: bool = True) -> list[DynamicResult]:
+def replay(
+    trace: Sequence[TraceRequest],
+    policies: Sequence[Policy],
+    *,
+    pool_tokens: int,
+    max_model_len: int,
+    max_output: int,
+    arrival_rate: float = 0.0,
+    seed: int = 0,
+    shared_prefix: int = 0,
+    enable_prefix_caching: bool = True,
+) -> list[DynamicResult]:
     """Replay the trace under each policy with the same arrivals."""
     if shared_prefix < 0:
         raise ConfigError(f"--shared-prefix must be >= 0, got {shared_prefix}")
     arrivals = arrival_steps(len(trace), arrival_rate, seed)
-    return [Replay(trace, p, pool_tokens=pool_tokens, max_model_len=max_model_len, max_output=max_output,
-                   arrivals=arrivals, shared_prefix=shared_prefix,
-                   enable_prefix_caching=enable_prefix_caching).run() for p in policies]
+    return [
+        Replay(
+            trace,
+            p,
+            pool_tokens=pool_tokens,
+            max_model_len=max_model_len,
+            max_output=max_output,
+            arrivals=arrivals,
+            shared_prefix=shared_prefix,
+            enable_prefix_caching=enable_prefix_caching,
+        ).run()
+        for p in policies
+    ]

@@ -5,6 +5,7 @@ The pool is whole blocks, so capacity is counted in blocks first. fp8 and
 int8 keep one float32 scale per (layer, K or V, block, KV head) beside the
 blocks (kv/quant.py), counted in each block's bytes as the engine's pool does.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -14,14 +15,16 @@ from pagedkv.sim.shapes import ModelShape
 
 # bytes per K or V element; "auto" is the model's bf16
 KV_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "int8": 1}
-SCALE_BYTES = 4     # per (layer, K or V, block, KV head) of a quantized dtype
+SCALE_BYTES = 4  # per (layer, K or V, block, KV head) of a quantized dtype
 QUANTIZED = ("fp8", "int8")
 
 
 def kv_bytes_per_block(shape: ModelShape, kv_dtype: str, block_size: int) -> int:
     """Bytes one block of `block_size` tokens takes across all layers, K and V, scales included."""
     if kv_dtype not in KV_DTYPE_BYTES:
-        raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_DTYPE_BYTES)}, got {kv_dtype!r}")
+        raise ConfigError(
+            f"--kv-cache-dtype must be one of {', '.join(KV_DTYPE_BYTES)}, got {kv_dtype!r}"
+        )
     heads = shape.num_layers * shape.num_kv_heads * 2  # K and V
     data = heads * shape.head_dim * KV_DTYPE_BYTES[kv_dtype] * block_size
     return data + (heads * SCALE_BYTES if kv_dtype in QUANTIZED else 0)
@@ -70,8 +73,15 @@ def check_budget(memory: int, memory_utilization: float, context: int, block_siz
         raise ConfigError(f"--block-size must be >= 1, got {block_size}")
 
 
-def plan_capacity(shape: ModelShape, *, memory: int, memory_utilization: float = 0.9, context: int = 128000,
-                  block_size: int = 16, kv_dtypes: tuple[str, ...] = KV_CACHE_DTYPES) -> Plan:
+def plan_capacity(
+    shape: ModelShape,
+    *,
+    memory: int,
+    memory_utilization: float = 0.9,
+    context: int = 128000,
+    block_size: int = 16,
+    kv_dtypes: tuple[str, ...] = KV_CACHE_DTYPES,
+) -> Plan:
     """Tokens that fit in memory x utilization after the weights, and requests of `context` tokens."""
     check_budget(memory, memory_utilization, context, block_size)
     kv_memory = max(0, int(memory * memory_utilization) - shape.weight_bytes)
@@ -81,8 +91,29 @@ def plan_capacity(shape: ModelShape, *, memory: int, memory_utilization: float =
         per_block = kv_bytes_per_block(shape, dtype, block_size)
         blocks = kv_memory // per_block
         per_token = per_block / block_size
-        rows.append(DtypeCapacity(dtype, int(per_token) if per_token.is_integer() else per_token, per_block,
-                                  blocks, blocks * block_size, blocks // blocks_per_request))
-    return Plan(shape.name, shape.source, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.max_context,
-                shape.num_params,
-                shape.weight_bytes, memory, memory_utilization, kv_memory, block_size, context, rows)
+        rows.append(
+            DtypeCapacity(
+                dtype,
+                int(per_token) if per_token.is_integer() else per_token,
+                per_block,
+                blocks,
+                blocks * block_size,
+                blocks // blocks_per_request,
+            )
+        )
+    return Plan(
+        shape.name,
+        shape.source,
+        shape.num_layers,
+        shape.num_kv_heads,
+        shape.head_dim,
+        shape.max_context,
+        shape.num_params,
+        shape.weight_bytes,
+        memory,
+        memory_utilization,
+        kv_memory,
+        block_size,
+        context,
+        rows,
+    )

@@ -1,4 +1,5 @@
 """PNG charts for `pagedkv simulate --plot` (matplotlib, Agg backend: no display needed)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -32,7 +33,13 @@ def plot_static(result: SimResult, path: str) -> None:
     fig, (ax_mem, ax_fit) = plt.subplots(1, 2, figsize=(11, 0.7 * len(names) + 2.6))
     ax_mem.barh(names, real, color="#2a9d8f", label="real tokens")
     ax_mem.barh(names, empty, left=real, color="#e76f51", label="reserved, empty")
-    ax_mem.barh(names, free, left=[a + b for a, b in zip(real, empty)], color="#d9d9d9", label="not reserved")
+    ax_mem.barh(
+        names,
+        free,
+        left=[a + b for a, b in zip(real, empty)],
+        color="#d9d9d9",
+        label="not reserved",
+    )
     ax_mem.set_xlim(0, 100)
     ax_mem.set_xlabel(f"% of KV pool ({result.pool_tokens:,} token slots)")
     ax_mem.invert_yaxis()

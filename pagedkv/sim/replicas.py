@@ -24,9 +24,15 @@ SYSTEM_PROMPT_RANGE = (500, 1000)  # tokens per tenant system prompt
 USER_RANGE = (20, 200)  # the user's own part of the prompt
 OUTPUT_MEDIAN, OUTPUT_SIGMA, OUTPUT_CAP = 60, 0.8, 256
 # flags of the other simulate modes at their defaults: any other value with --replicas is an error
-NOT_WITH_REPLICAS = {"requests": 200, "max_output": 2048, "plot": None, "dynamic": False,
-                     "shared_prefix": 0, "no_prefix_caching": False,
-                     "policies": ",".join(DEFAULT_POLICIES)}
+NOT_WITH_REPLICAS = {
+    "requests": 200,
+    "max_output": 2048,
+    "plot": None,
+    "dynamic": False,
+    "shared_prefix": 0,
+    "no_prefix_caching": False,
+    "policies": ",".join(DEFAULT_POLICIES),
+}
 REPLICA_BLOCK_SIZE = 16  # the engine's default block size
 
 
@@ -203,8 +209,11 @@ def run_cli(args) -> int:
         raise ConfigError(
             "--replicas generates its own multi-tenant trace; --trace is not supported with it"
         )
-    ignored = [f"--{name.replace('_', '-')}" for name, value in NOT_WITH_REPLICAS.items()
-               if getattr(args, name) != value]
+    ignored = [
+        f"--{name.replace('_', '-')}"
+        for name, value in NOT_WITH_REPLICAS.items()
+        if getattr(args, name) != value
+    ]
     if ignored:
         raise ConfigError(f"{', '.join(ignored)} does not apply to --replicas")
     counts, routings = parse_counts(args.replicas), [s.strip() for s in args.routing.split(",")]

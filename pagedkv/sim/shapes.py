@@ -4,6 +4,7 @@ A shape comes from a known name, a Hugging Face folder's config.json, or a
 GGUF's metadata. Only the numbers the planner needs are read, so any
 decoder-only model with standard multi-head / grouped-query attention works.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +20,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     name: str
-    source: str           # "known shape", "config.json" or "gguf"
+    source: str  # "known shape", "config.json" or "gguf"
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -28,26 +29,49 @@ class ModelShape:
     max_context: int | None = None
 
 
-def llama_param_count(vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
-                      kv_heads: int, head_dim: int, tied: bool) -> int:
+def llama_param_count(
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    tied: bool,
+) -> int:
     """Parameters of a Llama-family decoder (no biases): embeddings, attention, SwiGLU MLP, RMSNorms."""
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)    # q, o and k, v projections
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v projections
     per_layer = attention + 3 * hidden * intermediate + 2 * hidden
     return vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
 
 
-def _known(name: str, vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
-           kv_heads: int, head_dim: int, tied: bool, context: int) -> ModelShape:
+def _known(
+    name: str,
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    tied: bool,
+    context: int,
+) -> ModelShape:
     params = llama_param_count(vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, tied)
-    return ModelShape(name, "known shape", layers, kv_heads, head_dim, params, 2 * params, context)  # bf16 weights
+    return ModelShape(
+        name, "known shape", layers, kv_heads, head_dim, params, 2 * params, context
+    )  # bf16 weights
 
 
-KNOWN_SHAPES = {s.name: s for s in (
-    _known("llama3-8b", 128256, 4096, 14336, 32, 32, 8, 128, False, 8192),
-    _known("llama3-70b", 128256, 8192, 28672, 80, 64, 8, 128, False, 8192),
-    _known("mistral-7b", 32000, 4096, 14336, 32, 32, 8, 128, False, 32768),
-    _known("smollm2-135m", 49152, 576, 1536, 30, 9, 3, 64, True, 8192),
-)}
+KNOWN_SHAPES = {
+    s.name: s
+    for s in (
+        _known("llama3-8b", 128256, 4096, 14336, 32, 32, 8, 128, False, 8192),
+        _known("llama3-70b", 128256, 8192, 28672, 80, 64, 8, 128, False, 8192),
+        _known("mistral-7b", 32000, 4096, 14336, 32, 32, 8, 128, False, 32768),
+        _known("smollm2-135m", 49152, 576, 1536, 30, 9, 3, 64, True, 8192),
+    )
+}
 
 
 def shape_by_name(name: str) -> ModelShape:
@@ -79,20 +103,42 @@ def shape_from_config(folder: Path) -> ModelShape:
         hidden = _positive_int(cfg["hidden_size"], "hidden_size", str(path))
     except KeyError as e:
         raise ConfigError(f"{path} lacks {e.args[0]!r}") from None
-    kv_heads = _positive_int(cfg.get("num_key_value_heads") or heads, "num_key_value_heads", str(path))
+    kv_heads = _positive_int(
+        cfg.get("num_key_value_heads") or heads, "num_key_value_heads", str(path)
+    )
     head_dim = _positive_int(cfg.get("head_dim") or hidden // heads, "head_dim", str(path))
-    params = llama_param_count(cfg.get("vocab_size", 0), hidden, cfg.get("intermediate_size", 4 * hidden),
-                               layers, heads, kv_heads, head_dim, bool(cfg.get("tie_word_embeddings")))
+    params = llama_param_count(
+        cfg.get("vocab_size", 0),
+        hidden,
+        cfg.get("intermediate_size", 4 * hidden),
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        bool(cfg.get("tie_word_embeddings")),
+    )
     files = sorted(folder.glob("*.safetensors"))
-    weights = (sum(f.stat().st_size for f in files) if files
-               else params * DTYPE_BYTES.get(cfg.get("torch_dtype", "bfloat16"), 2))
-    return ModelShape(folder.name, "config.json", layers, kv_heads, head_dim, params, weights,
-                      cfg.get("max_position_embeddings"))
+    weights = (
+        sum(f.stat().st_size for f in files)
+        if files
+        else params * DTYPE_BYTES.get(cfg.get("torch_dtype", "bfloat16"), 2)
+    )
+    return ModelShape(
+        folder.name,
+        "config.json",
+        layers,
+        kv_heads,
+        head_dim,
+        params,
+        weights,
+        cfg.get("max_position_embeddings"),
+    )
 
 
 def gguf_resident_bytes(reader, quantization: str) -> int:
     """Bytes the weights take once loaded under --quantization (bfloat16 for dequantized ones)."""
     from pagedkv.model.quant_linear import resident_bytes
+
     total = 0
     for t in reader.tensors:
         dims = [int(n) for n in t.shape.tolist()]
@@ -126,10 +172,16 @@ def shape_from_gguf(path: Path, quantization: str | None = None) -> ModelShape:
     hidden = meta(f"{arch}.embedding_length")
     kv_heads = meta(f"{arch}.attention.head_count_kv", heads)
     head_dim = meta(f"{arch}.attention.key_length", hidden // heads)
-    return ModelShape(path.stem, "gguf", int(layers), int(kv_heads), int(head_dim),
-                      sum(int(t.n_elements) for t in reader.tensors),
-                      gguf_resident_bytes(reader, quantization or "gguf"),
-                      int(meta(f"{arch}.context_length", 0)) or None)
+    return ModelShape(
+        path.stem,
+        "gguf",
+        int(layers),
+        int(kv_heads),
+        int(head_dim),
+        sum(int(t.n_elements) for t in reader.tensors),
+        gguf_resident_bytes(reader, quantization or "gguf"),
+        int(meta(f"{arch}.context_length", 0)) or None,
+    )
 
 
 def quantized(s: ModelShape, quantization: str | None) -> ModelShape:
@@ -139,8 +191,9 @@ def quantized(s: ModelShape, quantization: str | None) -> ModelShape:
     return dataclasses.replace(s, weight_bytes=s.num_params) if quantization == "int8" else s
 
 
-def resolve_shape(model: str | None = None, shape: str | None = None,
-                  quantization: str | None = None) -> ModelShape:
+def resolve_shape(
+    model: str | None = None, shape: str | None = None, quantization: str | None = None
+) -> ModelShape:
     """--shape NAME, --model PATH (folder, config.json or .gguf), or the default model."""
     if shape is not None:
         return quantized(shape_by_name(shape), quantization)
@@ -153,4 +206,6 @@ def resolve_shape(model: str | None = None, shape: str | None = None,
         return shape_from_gguf(path, quantization)
     if not path.exists():
         raise ConfigError(f"model not found: {path}")
-    raise ConfigError(f"--model must be a Hugging Face folder with config.json or a .gguf file, got {path}")
+    raise ConfigError(
+        f"--model must be a Hugging Face folder with config.json or a .gguf file, got {path}"
+    )

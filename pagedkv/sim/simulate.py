@@ -5,6 +5,7 @@ call `simulate` on every slider move. Requests are admitted in trace order,
 cycling back to the first after the last, until the next reservation no
 longer fits in the pool of floor(kv_memory / bytes_per_token) token slots.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -20,6 +21,7 @@ RESERVATION_KINDS = ("reserve-max", "reserve-output")
 @dataclass(frozen=True, slots=True)
 class Policy:
     """`reserve-max`, `reserve-output`, or `paged` with a block size."""
+
     kind: str
     block_size: int = 0
 
@@ -43,7 +45,9 @@ def parse_policy(text: str) -> Policy:
     kind, _, size = name.partition(":")
     if kind == "paged" and size.isdigit() and int(size) >= 1:
         return Policy("paged", int(size))
-    raise ConfigError(f"unknown policy {text!r} (use reserve-max, reserve-output or paged:B with B >= 1)")
+    raise ConfigError(
+        f"unknown policy {text!r} (use reserve-max, reserve-output or paged:B with B >= 1)"
+    )
 
 
 def parse_policies(policies: str | Iterable[str | Policy]) -> list[Policy]:
@@ -85,14 +89,23 @@ def validate_trace(trace: Sequence[TraceRequest], max_model_len: int, max_output
         if req.prompt_tokens < 1 or req.output_tokens < 0:
             raise ConfigError(f"request {i}: prompt_tokens must be >= 1 and output_tokens >= 0")
         if req.output_tokens > max_output:
-            raise ConfigError(f"request {i}: output_tokens {req.output_tokens} exceeds --max-output {max_output}")
+            raise ConfigError(
+                f"request {i}: output_tokens {req.output_tokens} exceeds --max-output {max_output}"
+            )
         if req.total_tokens > max_model_len:
-            raise ConfigError(f"request {i}: prompt + output = {req.total_tokens} tokens exceeds "
-                              f"--max-model-len {max_model_len}")
+            raise ConfigError(
+                f"request {i}: prompt + output = {req.total_tokens} tokens exceeds "
+                f"--max-model-len {max_model_len}"
+            )
 
 
-def fit_policy(trace: Sequence[TraceRequest], pool_tokens: int, policy: Policy,
-               max_model_len: int, max_output: int) -> PolicyResult:
+def fit_policy(
+    trace: Sequence[TraceRequest],
+    pool_tokens: int,
+    policy: Policy,
+    max_model_len: int,
+    max_output: int,
+) -> PolicyResult:
     """Admit in trace order, cycling, until the next reservation does not fit.
 
     Whole passes over the trace are counted in one division, so the cost is
@@ -119,15 +132,25 @@ def pool_tokens_for(kv_memory: int | str, bytes_per_token: int) -> int:
     memory = parse_size(kv_memory)
     if memory is None or memory < 1:
         raise ConfigError(f"--kv-memory must be a positive size, got {kv_memory!r}")
-    if isinstance(bytes_per_token, bool) or not isinstance(bytes_per_token, int) or bytes_per_token < 1:
+    if (
+        isinstance(bytes_per_token, bool)
+        or not isinstance(bytes_per_token, int)
+        or bytes_per_token < 1
+    ):
         raise ConfigError(f"--bytes-per-token must be a positive integer, got {bytes_per_token!r}")
     return memory // bytes_per_token
 
 
-def simulate(trace: Sequence[TraceRequest], *, pool_tokens: int | None = None,
-             kv_memory: int | str = "64GiB", bytes_per_token: int = 131072,
-             max_model_len: int = 8192, max_output: int = 2048,
-             policies: str | Iterable[str | Policy] = DEFAULT_POLICIES) -> SimResult:
+def simulate(
+    trace: Sequence[TraceRequest],
+    *,
+    pool_tokens: int | None = None,
+    kv_memory: int | str = "64GiB",
+    bytes_per_token: int = 131072,
+    max_model_len: int = 8192,
+    max_output: int = 2048,
+    policies: str | Iterable[str | Policy] = DEFAULT_POLICIES,
+) -> SimResult:
     """Requests that fit, real and reserved tokens per policy (pool from `pool_tokens` or memory)."""
     if max_model_len < 1 or max_output < 1:
         raise ConfigError("--max-model-len and --max-output must be >= 1")
@@ -137,10 +160,14 @@ def simulate(trace: Sequence[TraceRequest], *, pool_tokens: int | None = None,
         raise ConfigError(f"pool_tokens must be >= 0, got {pool_tokens}")
     validate_trace(trace, max_model_len, max_output)
     parsed = parse_policies(policies)
-    return SimResult(pool_tokens, [fit_policy(trace, pool_tokens, p, max_model_len, max_output) for p in parsed])
+    return SimResult(
+        pool_tokens, [fit_policy(trace, pool_tokens, p, max_model_len, max_output) for p in parsed]
+    )
 
 
-def fit_ratio(result: SimResult, numerator: str = "paged:16", denominator: str = "reserve-output") -> float | None:
+def fit_ratio(
+    result: SimResult, numerator: str = "paged:16", denominator: str = "reserve-output"
+) -> float | None:
     """How many times as many requests fit under one policy as under another (None if absent or zero)."""
     a, b = result.get(numerator), result.get(denominator)
     if a is None or b is None or b.requests_fit == 0:

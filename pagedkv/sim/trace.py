@@ -3,6 +3,7 @@
 A trace line is `{"prompt_tokens": P, "output_tokens": O}`; the request's final
 length is P + O. Other keys are ignored so traces from other tools still load.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,9 @@ class TraceRequest:
         return self.prompt_tokens + self.output_tokens
 
 
-def generate_trace(num_requests: int = 200, seed: int = 0, output_cap: int = OUTPUT_CAP) -> list[TraceRequest]:
+def generate_trace(
+    num_requests: int = 200, seed: int = 0, output_cap: int = OUTPUT_CAP
+) -> list[TraceRequest]:
     """Draw the seeds' workload deterministically from `seed`.
 
     The seeds' table (411 requests at paged:16, 42.8% used at reserve-output)
@@ -63,14 +66,16 @@ def parse_trace_line(line: str, where: str) -> TraceRequest:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{where}: not valid JSON ({e.msg})") from None
     if not isinstance(obj, dict):
-        raise ConfigError(f"{where}: expected an object like {{\"prompt_tokens\": 500, \"output_tokens\": 120}}")
+        raise ConfigError(
+            f'{where}: expected an object like {{"prompt_tokens": 500, "output_tokens": 120}}'
+        )
     values = []
     for key, minimum in (("prompt_tokens", 1), ("output_tokens", 0)):
         v = obj.get(key)
         if v is None:
-            raise ConfigError(f"{where}: missing \"{key}\"")
+            raise ConfigError(f'{where}: missing "{key}"')
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise ConfigError(f"{where}: \"{key}\" must be an integer >= {minimum}, got {v!r}")
+            raise ConfigError(f'{where}: "{key}" must be an integer >= {minimum}, got {v!r}')
         values.append(v)
     return TraceRequest(*values)
 
@@ -80,9 +85,16 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read trace {path}: {getattr(e, 'strerror', None) or e}") from None
-    trace = [parse_trace_line(line, f"{path} line {n}")
-             for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        raise ConfigError(
+            f"cannot read trace {path}: {getattr(e, 'strerror', None) or e}"
+        ) from None
+    trace = [
+        parse_trace_line(line, f"{path} line {n}")
+        for n, line in enumerate(text.splitlines(), 1)
+        if line.strip()
+    ]
     if not trace:
-        raise ConfigError(f"trace {path} is empty (expected JSON lines with prompt_tokens and output_tokens)")
+        raise ConfigError(
+            f"trace {path} is empty (expected JSON lines with prompt_tokens and output_tokens)"
+        )
     return trace
