@@ -206,9 +206,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--speculative-config",
-        default=None,
+        default="auto",
         help='n-gram speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 4}\'; '
+        '"auto" (default: that config, off with a quantized KV cache) or "off"',
     )
     add_noop_args(p)
 

@@ -215,9 +215,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks, one process each (distributed/)
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1  # engine replicas on Ray Serve (`pagedkv serve` only)
-    speculative_config: Any = (
-        None  # vLLM's JSON ({"method": "ngram", ...}); parsed to SpeculativeConfig
-    )
+    # vLLM's JSON ({"method": "ngram", ...}), "auto" (ngram while batches are small) or "off"
+    speculative_config: Any = "auto"
     # server
     api_key: str | None = None
     served_model_names: list[str] = field(init=False, default_factory=list)
@@ -244,7 +243,11 @@ class EngineConfig:
         self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size)
         from pagedkv.engine.spec_decode import SpeculativeConfig  # late: config is imported first
 
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        # quantized KV rounds a verified draft's K/V differently from a decoded one: the default
+        # never changes an output, so it stays off there (an explicit config is the user's call)
+        quantized_kv = self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16")
+        self.speculative_config = None if spec is not None and spec.auto and quantized_kv else spec
         self.validate()
 
     def validate(self) -> None:

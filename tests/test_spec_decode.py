@@ -238,3 +238,43 @@ def test_cli_rejects_a_bad_speculative_config(tiny_model_dir, capsys):
     )
     err = capsys.readouterr().err
     assert "speculative-config" in err and len(err.strip().splitlines()) == 1
+
+
+def test_auto_is_the_default_and_off_turns_it_off():
+    from pagedkv.config import EngineConfig
+    from pagedkv.engine.spec_decode import AUTO
+
+    assert EngineConfig(model="m").speculative_config == AUTO
+    assert AUTO.auto and AUTO.disable_by_batch_size is not None
+    for off in ("off", "none", "null", None):
+        assert EngineConfig(model="m", speculative_config=off).speculative_config is None
+    # the default never changes an output, and a quantized KV cache rounds drafts differently
+    assert EngineConfig(model="m", kv_cache_dtype="int8").speculative_config is None
+    explicit = EngineConfig(model="m", kv_cache_dtype="int8", speculative_config=SPEC)
+    assert explicit.speculative_config is not None and not explicit.speculative_config.auto
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '{"num_speculative_tokens": 2, "disable_by_batch_size": 0}',
+        '{"num_speculative_tokens": 2, "disable_by_batch_size": "8"}',
+    ],
+)
+def test_bad_disable_by_batch_size_is_a_clear_error(bad):
+    with pytest.raises(ConfigError, match="disable_by_batch_size"):
+        SpeculativeConfig.parse(bad)
+
+
+def test_no_drafts_in_a_batch_larger_than_disable_by_batch_size(tiny_model_dir):
+    # 8 sequences of equal length run together to the end: a cap of 2 never drafts, 8 does
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref, _ = run(tiny_model_dir, sp, None, num_gpu_blocks_override=256)
+    capped, llm = run(
+        tiny_model_dir, sp, {**SPEC, "disable_by_batch_size": 2}, num_gpu_blocks_override=256
+    )
+    assert capped == ref and llm.engine.spec_stats.num_drafts == 0
+    free, llm = run(
+        tiny_model_dir, sp, {**SPEC, "disable_by_batch_size": 8}, num_gpu_blocks_override=256
+    )
+    assert free == ref and llm.engine.spec_stats.num_drafts > 0

@@ -117,6 +117,8 @@ class Scheduler:
         """Drafts for a decoding sequence and the slots for them, or ([], None) to schedule it plainly."""
         if self.proposer is None or n != 1 or seq.num_uncomputed_tokens != 1:
             return [], None
+        if not self.proposer.config.drafts_for_batch(len(self.running)):
+            return [], None
         room = min(
             seq.group.max_tokens - seq.num_output_tokens - 1,
             budget - 1,
