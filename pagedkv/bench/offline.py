@@ -1,4 +1,5 @@
-"""Offline runs: drive LLMEngine step by step, sampling the scheduler and the KV pool after every step.
+"""Offline runs: drive LLMEngine step by step, sampling the scheduler and the KV pool after
+every step.
 
 All requests arrive at once (as in `LLM.generate`); the clock runs from the
 first add_request to the last finished request. A tiny warm-up request runs
@@ -19,7 +20,9 @@ from pagedkv.config import EngineConfig
 
 @dataclass
 class EngineFactory:
-    """Builds one engine per run, loading the model once and sharing it (runs differ only in cache options)."""
+    """Builds one engine per run, loading the model once and sharing it.
+
+    Runs differ only in their cache options."""
 
     base: dict  # EngineConfig options common to every run
     _loaded: object = field(default=None, repr=False)

@@ -122,7 +122,9 @@ def _timed_ratio(
 def suite_ratios(
     results: list[RunResult], peers: list[PeerFigures], pool_tokens: int
 ) -> list[Ratio]:
-    """The issue's targets, each computed from runs of this invocation (peers as their source says)."""
+    """The issue's targets, each computed from runs of this invocation.
+
+    Peers' figures are as their source says."""
     ratios = []
     paged_eq = next(
         (r for r in results if r.label == equal_memory_label("paged", pool_tokens)), None

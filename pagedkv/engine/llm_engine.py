@@ -395,7 +395,9 @@ class LLMEngine:
         return outputs
 
     def _verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor, now: float) -> None:
-        """Sample row by row as plain decoding would; keep the drafts up to the first that differs."""
+        """Sample row by row as plain decoding would.
+
+        The drafts are kept up to the first that differs."""
         accepted = 0
         for i in range(len(drafts) + 1):
             ((_, token, lp, grammar_done),) = self._sample_rows(
@@ -434,7 +436,9 @@ class LLMEngine:
         return out
 
     def _expand_forks(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
-        """A request with n > 1 forks after its prefill: every sample draws its first token from the same row."""
+        """A request with n > 1 forks after its prefill.
+
+        Every sample draws its first token from the same row."""
         rows, seqs = [], []
         for i, seq in enumerate(sampling):
             rows.append(i)

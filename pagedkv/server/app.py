@@ -49,7 +49,9 @@ CORS_DEFAULTS = {
 
 
 async def read_json(request: Request, model: type[M]) -> M:
-    """The body as `model`, whatever its Content-Type (curl -d sends form-encoded); 400 if it is not."""
+    """The body as `model`, whatever its Content-Type (curl -d sends form-encoded).
+
+    A 400 if the body does not fit `model`."""
     data = load_json_object(await request.body())
     try:
         return model.model_validate(data)

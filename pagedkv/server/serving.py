@@ -48,7 +48,9 @@ class ClientGone(Exception):
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and so aborting its engine requests) if the client disconnects."""
+    """Await `work`; cancel it if the client disconnects.
+
+    Cancelling it aborts its engine requests."""
 
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -104,7 +106,9 @@ async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[
 
 
 class EventStream(StreamingResponse):
-    """SSE response that always closes its iterator, however the stream ends (disconnect included)."""
+    """SSE response that always closes its iterator.
+
+    However the stream ends, disconnects included."""
 
     def __init__(self, content: AsyncGenerator[str, None]) -> None:
         super().__init__(

@@ -109,7 +109,8 @@ def format_table(result: SimResult, args: argparse.Namespace, num_requests: int)
     lines = [
         f"pool: {result.pool_tokens:,} token slots ({format_size(parse_size(args.kv_memory))} / "
         f"{args.bytes_per_token:,} B per token); trace: {source}, cycled",
-        f"{'policy':<16}{'requests fit':>13}{'real tokens':>14}{'reserved':>12}{'holds tokens':>14}{'empty':>8}",
+        f"{'policy':<16}{'requests fit':>13}{'real tokens':>14}{'reserved':>12}"
+        f"{'holds tokens':>14}{'empty':>8}",
     ]
     for r in result.policies:
         used = 100 * r.token_utilization

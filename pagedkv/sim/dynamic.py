@@ -166,7 +166,9 @@ class Replay:
         return not (self.pending or self.waiting or self.running)
 
     def tokens_held(self) -> int:
-        """Distinct tokens in device blocks (a shared prefix block counts once), as KVStats counts them."""
+        """Distinct tokens in device blocks, as KVStats counts them.
+
+        A shared prefix block counts once."""
         return self.tokens - self.extra_holders * self.block_size
 
     def token_slots(self) -> int:
@@ -214,7 +216,9 @@ class Replay:
         )
 
     def _grow_running(self) -> bool:
-        """One token for each running request, oldest first; preempt the youngest when one cannot grow."""
+        """One token for each running request, oldest first.
+
+        The youngest is preempted when one cannot grow."""
         preempted, i = False, 0
         while i < len(self.running):
             r = self.running[i]
