@@ -204,7 +204,11 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes ("1GiB"); wins over memory_utilization
     memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None  # exact pool size in blocks (tests, bench)
-    swap_space: int = 4  # GiB when a bare number (as vLLM), else a size like 512MiB
+    swap_space: int | float | str = 4  # GiB when a bare number (as vLLM), else a size: 512MiB
+    # Parsed from swap_space by __post_init__. A separate field, as in vLLM, so that swap_space
+    # keeps the user's value and a config rebuilt by dataclasses.replace parses it again to
+    # the same bytes (4 GiB stays 4 GiB instead of becoming 4 * 2**30 GiB).
+    swap_space_bytes: int = field(init=False, default=0)
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
@@ -244,7 +248,7 @@ class EngineConfig:
         self.max_model_len = parse_human_int(self.max_model_len)
         self.chat_template = read_chat_template(self.chat_template)
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
-        self.swap_space = parse_swap_space(self.swap_space)
+        self.swap_space_bytes = parse_swap_space(self.swap_space)
         self.kv_offload_host_memory = parse_size(self.kv_offload_host_memory)
         self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size)
         from pagedkv.engine.spec_decode import SpeculativeConfig  # late: config is imported first
