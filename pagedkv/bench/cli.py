@@ -25,7 +25,14 @@ def add_parser(subparsers) -> None:
         "bench", help="benchmark the engine or the server on the shared workloads"
     )
     add_engine_args(p)
-    g = p.add_argument_group("workloads")
+    _add_workload_args(p.add_argument_group("workloads"))
+    _add_suite_args(p.add_argument_group("comparison suite"))
+    _add_online_args(p.add_argument_group("online (through pagedkv serve)"))
+    _add_output_args(p.add_argument_group("output"))
+    p.set_defaults(func=run)
+
+
+def _add_workload_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--workloads",
         default=None,
@@ -47,7 +54,9 @@ def add_parser(subparsers) -> None:
     g.add_argument(
         "--trace-seed", type=int, default=20261129, help="seed for the trace's random prompts"
     )
-    g = p.add_argument_group("comparison suite")
+
+
+def _add_suite_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--suite",
         action="store_true",
@@ -63,7 +72,9 @@ def add_parser(subparsers) -> None:
         default=2048,
         help="max_model_len of the equal-memory runs",
     )
-    g = p.add_argument_group("online (through pagedkv serve)")
+
+
+def _add_online_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--online", action="store_true", help="start `pagedkv serve` and load it over HTTP"
     )
@@ -80,7 +91,9 @@ def add_parser(subparsers) -> None:
         help="Poisson arrivals per second (default: all at once)",
     )
     g.add_argument("--server-startup-timeout", type=float, default=600.0)
-    g = p.add_argument_group("output")
+
+
+def _add_output_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--label", default=None, help="name of the configuration in the table (not with --suite)"
     )
@@ -101,7 +114,6 @@ def add_parser(subparsers) -> None:
         metavar="FILE",
         help="run nothing: render the report, ratios and plots of an earlier --out file again",
     )
-    p.set_defaults(func=run)
 
 
 def _check(args: argparse.Namespace) -> None:

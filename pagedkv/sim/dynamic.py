@@ -138,16 +138,7 @@ class Replay:
                 key=lambda r: r.arrival,
             )
         )
-        for i, r in enumerate(trace, 1):
-            # the manager caps a reservation at max_model_len; paged sizes round up to blocks either
-            # way
-            need = min(policy.reservation(r, max_model_len, max_output), max_model_len)
-            if not self.kv.can_fit(need):
-                raise ConfigError(
-                    f"request {i} needs {need} token slots under {policy.name} (plus the 1% "
-                    f"watermark) but the pool holds {self.kv.num_blocks * self.block_size}; "
-                    f"raise --kv-memory"
-                )
+        self._check_fits(trace, max_model_len)
         self.waiting: deque[_Live] = deque()
         self.running: list[_Live] = []
         self.t = 0
@@ -161,6 +152,19 @@ class Replay:
         self.times: list[int] = []
         self.utilization: list[float] = []
         self.running_series: list[int] = []
+
+    def _check_fits(self, trace: Sequence[TraceRequest], max_model_len: int) -> None:
+        """Every request fits the empty pool on its own, or the replay could never finish."""
+        for i, r in enumerate(trace, 1):
+            # the manager caps a reservation at max_model_len; paged sizes round up to blocks
+            # either way
+            need = min(self.policy.reservation(r, max_model_len, self.max_output), max_model_len)
+            if not self.kv.can_fit(need):
+                raise ConfigError(
+                    f"request {i} needs {need} token slots under {self.policy.name} (plus the 1% "
+                    f"watermark) but the pool holds {self.kv.num_blocks * self.block_size}; "
+                    f"raise --kv-memory"
+                )
 
     def done(self) -> bool:
         return not (self.pending or self.waiting or self.running)
