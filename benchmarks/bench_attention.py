@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from attention_args import add_attention_args, parse_timed  # same folder
 
 from pagedkv import native
 from pagedkv.attention import kernel
@@ -138,29 +139,11 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--min-ctx", type=int, default=100)
     p.add_argument("--max-ctx", type=int, default=900)
-    p.add_argument("--q-heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--layers", type=int, default=6, help="distinct layer caches cycled through")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--seed", type=int, default=0)
+    add_attention_args(p, rounds=5, dtypes="float32,bfloat16")
     p.add_argument(
         "--bandwidth", type=float, help="GB/s for the memory bound (default: measured here)"
     )
-    p.add_argument(
-        "--cpu-time",
-        action="store_true",
-        help="one thread, timed by its CPU time: steadier while other work shares the machine",
-    )
-    args = p.parse_args()
-    if args.cpu_time:
-        args.threads = 1
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clock = time.thread_time if args.cpu_time else time.perf_counter
+    args, clock = parse_timed(p)
 
     start = time.perf_counter()
     assert kernel.available(), "the C++ kernel did not build; see the warning above"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
 
 from pagedkv import SamplingParams
 from pagedkv.attention import cascade, kernel

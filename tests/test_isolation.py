@@ -156,8 +156,8 @@ def test_async_llm_starts_itself_and_isolates(tiny_model_dir, one_torch_thread):
 
         async def final(prompt: str, rid: str) -> RequestOutput:
             out = None
-            async for out in llm.generate(prompt, GREEDY, rid):  # no start(): it starts itself
-                pass
+            async for chunk in llm.generate(prompt, GREEDY, rid):  # no start(): it starts itself
+                out = chunk
             return out
 
         good, bad = await asyncio.wait_for(

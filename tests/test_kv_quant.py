@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention.paged import (
@@ -148,7 +147,7 @@ def test_native_writes_equal_the_torch_path_bit_for_bit(name, monkeypatch, kerne
     gen = torch.Generator().manual_seed(7)
     mine_k, mine_v, ref_k, ref_v = (cache(fmt, num_blocks=6) for _ in range(4))
     writes = []
-    for step in range(40):
+    for _ in range(40):
         n = int(torch.randint(1, 12, (1,), generator=gen))
         slots = torch.randperm(6 * BS, generator=gen)[:n]
         magnitude = 10.0 ** float(torch.randint(-5, 4, (1,), generator=gen))

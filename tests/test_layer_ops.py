@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
 
 from pagedkv import native
 from pagedkv.attention.paged import write_kv

@@ -257,7 +257,7 @@ def test_weight_bytes_in_plan_stats_and_metrics(tiny_model_dir, tiny32):
     )
     assert r.returncode == 0, r.stderr
     plain = resolve_shape(str(tiny_model_dir))
-    assert '"weight_bytes": %d' % plain.num_params in r.stdout  # one byte per weight
+    assert f'"weight_bytes": {plain.num_params}' in r.stdout  # one byte per weight
     llm = LLM(tiny_model_dir, quantization="int8", dtype="float32", num_gpu_blocks_override=64)
     held = llm.engine.stats().model_weight_bytes
     assert held == llm.engine.loaded.model.weight_bytes() < 0.3 * tiny32.model.weight_bytes()

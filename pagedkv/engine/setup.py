@@ -98,7 +98,7 @@ def build_kv_storage(
         config.preemption_mode == "swap" and not config.kv_offload_host_memory
     ):  # else the host tier's slots
         host = KVStorage(
-            num_blocks=max(config.swap_space // bytes_per_block, 1),
+            num_blocks=max(config.swap_space_bytes // bytes_per_block, 1),
             device=torch.device("cpu"),
             **shape,
         )

@@ -70,7 +70,8 @@ class SpeculativeConfig:
             raise ConfigError(f"--speculative-config: unsupported keys {sorted(unknown)}")
         if value.get("method", "ngram") != "ngram":
             raise ConfigError(
-                f"--speculative-config: method {value.get('method')!r} is not supported (only ngram)"
+                f"--speculative-config: method {value.get('method')!r} is not supported "
+                "(only ngram)"
             )
         k = _positive_int("num_speculative_tokens", value.get("num_speculative_tokens"))
         hi = _positive_int("prompt_lookup_max", value.get("prompt_lookup_max", 4))
@@ -103,7 +104,8 @@ class NgramProposer:
         self.config = config
 
     def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
-        """Up to min(k, max_drafts) tokens that followed the latest earlier match of the longest suffix."""
+        """Up to min(k, max_drafts) tokens: those that followed the latest earlier match of the
+        longest suffix."""
         k = min(self.config.num_speculative_tokens, max_drafts)
         if k <= 0:
             return []

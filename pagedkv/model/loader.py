@@ -59,7 +59,9 @@ def resolve_dtype(
 
 
 def fingerprint(files: list[Path]) -> str:
-    """sha256 over each file's size, head (headers and metadata) and tail: cheap even for big models."""
+    """sha256 over each file's size, head (headers and metadata) and tail.
+
+    Cheap even for big models."""
     h = hashlib.sha256()
     for path in files:
         size = path.stat().st_size
@@ -100,8 +102,10 @@ def resolve_quantization(
 
 
 def read_checkpoint(path: str | Path | None, keep_blocks: bool = False) -> tuple[Checkpoint, str]:
-    """Open the model's files and read config and tokenizer; weights stay lazy. Also returns its name.
-    keep_blocks: GGUF tensors come as their quantized blocks (for --quantization gguf)."""
+    """Open the model's files and read config and tokenizer; weights stay lazy.
+
+    Also returns the model's name. keep_blocks: GGUF tensors come as their quantized blocks
+    (for --quantization gguf)."""
     p = model_path(path)
     if not p.exists():
         raise ConfigError(f"model not found: {p}")

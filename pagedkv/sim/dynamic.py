@@ -138,16 +138,7 @@ class Replay:
                 key=lambda r: r.arrival,
             )
         )
-        for i, r in enumerate(trace, 1):
-            # the manager caps a reservation at max_model_len; paged sizes round up to blocks either
-            # way
-            need = min(policy.reservation(r, max_model_len, max_output), max_model_len)
-            if not self.kv.can_fit(need):
-                raise ConfigError(
-                    f"request {i} needs {need} token slots under {policy.name} (plus the 1% "
-                    f"watermark) but the pool holds {self.kv.num_blocks * self.block_size}; "
-                    f"raise --kv-memory"
-                )
+        self._check_fits(trace, max_model_len)
         self.waiting: deque[_Live] = deque()
         self.running: list[_Live] = []
         self.t = 0
@@ -162,11 +153,26 @@ class Replay:
         self.utilization: list[float] = []
         self.running_series: list[int] = []
 
+    def _check_fits(self, trace: Sequence[TraceRequest], max_model_len: int) -> None:
+        """Every request fits the empty pool on its own, or the replay could never finish."""
+        for i, r in enumerate(trace, 1):
+            # the manager caps a reservation at max_model_len; paged sizes round up to blocks
+            # either way
+            need = min(self.policy.reservation(r, max_model_len, self.max_output), max_model_len)
+            if not self.kv.can_fit(need):
+                raise ConfigError(
+                    f"request {i} needs {need} token slots under {self.policy.name} (plus the 1% "
+                    f"watermark) but the pool holds {self.kv.num_blocks * self.block_size}; "
+                    f"raise --kv-memory"
+                )
+
     def done(self) -> bool:
         return not (self.pending or self.waiting or self.running)
 
     def tokens_held(self) -> int:
-        """Distinct tokens in device blocks (a shared prefix block counts once), as KVStats counts them."""
+        """Distinct tokens in device blocks, as KVStats counts them.
+
+        A shared prefix block counts once."""
         return self.tokens - self.extra_holders * self.block_size
 
     def token_slots(self) -> int:
@@ -214,7 +220,9 @@ class Replay:
         )
 
     def _grow_running(self) -> bool:
-        """One token for each running request, oldest first; preempt the youngest when one cannot grow."""
+        """One token for each running request, oldest first.
+
+        The youngest is preempted when one cannot grow."""
         preempted, i = False, 0
         while i < len(self.running):
             r = self.running[i]
