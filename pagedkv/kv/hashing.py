@@ -73,7 +73,7 @@ class BlockHashes:
             raise ValueError(f"{n} tokens after {self.num_tokens}: a sequence only grows")
         self.num_tokens = n
         bs = self.block_size
-        if bs is None:
+        if bs is None or n // bs == len(self.hashes):  # most tokens fill no block
             return
         hashes, chunks = self.hashes, self.chunks
         parent = hashes[-1] if hashes else None

@@ -155,7 +155,7 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         blocks: list[Block] = []
         num_offloaded = 0
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and prefix.num_blocks:
             offered = prefix.block_ids
             blocks = cached_run(hashes, self.pool, len(offered))
             k = 0
@@ -261,7 +261,8 @@ class KVCacheManager:
             self.prefix_queries += hashes.num_tokens
             self.prefix_hits += num_cached
             self.offload_hits += plan.num_offloaded * self.block_size
-            self._cache_full_blocks(req, hashes, k)
+            if plan.num_tokens // self.block_size > k:
+                self._cache_full_blocks(req, hashes, k)
         return []
 
     def _append(

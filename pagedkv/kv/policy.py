@@ -88,9 +88,12 @@ class AllocationPolicy:
         held = (len(prefix) + num_offloaded) * self.block_size + num_new_tokens
         if held > num_known_tokens:
             raise ValueError(f"{held} tokens to hold but only {num_known_tokens} token ids given")
-        reserved = max(held, self.reservation(num_known_tokens, max_tokens))
-        num_new = cdiv(reserved, self.block_size) - len(prefix)
-        revived = sum(1 for block in prefix if block.ref_count == 0)  # free cached blocks
+        if self.kind != "paged":
+            held_or_reserved = max(held, self.reservation(num_known_tokens, max_tokens))
+        else:
+            held_or_reserved = held
+        num_new = cdiv(held_or_reserved, self.block_size) - len(prefix)
+        revived = sum(1 for block in prefix if block.ref_count == 0) if prefix else 0
         fits = num_new + revived + self.watermark_blocks <= num_free
         return Admission(prefix, num_offloaded, held, num_new, fits)
 
