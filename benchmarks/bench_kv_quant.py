@@ -43,7 +43,7 @@ import torch
 from pagedkv.attention import paged
 from pagedkv.attention.paged import AttentionMetadata, write_kv
 from pagedkv.config import default_model_path
-from pagedkv.kv.storage import KVStorage
+from pagedkv.kvstore.storage import KVStorage
 
 TEXT = Path(__file__).resolve().parent.parent / "pagedkv" / "data" / "alice_ch1.txt"
 PROMPTS = [

@@ -14,7 +14,7 @@ from pagedkv.attention.paged import (
     paged_attention,
     write_kv,
 )
-from pagedkv.kv.storage import KVStorage
+from pagedkv.kvstore.storage import KVStorage
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 

@@ -14,9 +14,9 @@ from pagedkv.attention.paged import (
     paged_attention,
     write_kv,
 )
-from pagedkv.kv.block_pool import hash_block_tokens
-from pagedkv.kv.quant import FP8, INT8, QuantizedCache, hadamard
-from pagedkv.kv.storage import KVStorage
+from pagedkv.kv.hashing import hash_block_tokens
+from pagedkv.kvstore.quant import FP8, INT8, QuantizedCache, hadamard
+from pagedkv.kvstore.storage import KVStorage
 from pagedkv.sim.plan import kv_bytes_per_block
 from pagedkv.sim.shapes import KNOWN_SHAPES
 
@@ -351,8 +351,8 @@ def test_block_moves_carry_the_scales(name):
 
 
 def test_offload_disk_tier_stores_packed_blocks(tmp_path):
-    from pagedkv.kv.block_pool import BlockHash
-    from pagedkv.kv.offload import DiskTier
+    from pagedkv.kv.hashing import BlockHash
+    from pagedkv.kvstore.offload import DiskTier
 
     st = filled_storage("fp8")
     disk = DiskTier(tmp_path, b"model:fp8", st.block_shape, st.dtype, 1 << 20)

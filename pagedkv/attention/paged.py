@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pagedkv.attention import cascade, kernel
-from pagedkv.kv.quant import QuantizedCache, SlotWrite
+from pagedkv.kvstore.quant import QuantizedCache, SlotWrite
 
 Cache = Tensor | QuantizedCache
 

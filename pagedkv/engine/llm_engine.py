@@ -39,7 +39,7 @@ from pagedkv.engine.spec_decode import NgramProposer, SpecDecodeStats
 from pagedkv.engine.step_stats import StepTokens
 from pagedkv.engine.structured import StructuredOutputs
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.kv.offload import KVOffload
+from pagedkv.kvstore.offload import KVOffload
 
 log = logging.getLogger("pagedkv")
 
@@ -423,7 +423,7 @@ class LLMEngine:
         self.spec_stats.num_accepted_tokens += accepted
         if not seq.finished:  # the accepted drafts' K/V was written by this step
             seq.num_computed_tokens += accepted
-            self.kv.accept_lookahead(seq.seq_id, seq.token_ids, accepted)
+            self.kv.accept_lookahead(seq.seq_id, seq.block_hashes, accepted)
 
     def _fail(self, group: SequenceGroup, error: BaseException) -> RequestOutput:
         """End a request that failed in a step: free its blocks, keep every other request going."""
@@ -472,7 +472,7 @@ class LLMEngine:
     def _append(
         self, seq: Sequence, token: int, logprob, now: float, grammar_done: bool = False
     ) -> None:
-        seq.token_ids.append(token)
+        seq.append_token(token)
         if logprob is not None:
             assert seq.logprobs is not None  # a list when params.logprobs asks
             seq.logprobs.append(logprob)

@@ -24,9 +24,9 @@ import torch
 from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.kv.offload import KVOffload
 from pagedkv.kv.plan import BlockSave
-from pagedkv.kv.storage import KVStorage
+from pagedkv.kvstore.offload import KVOffload
+from pagedkv.kvstore.storage import KVStorage
 
 if TYPE_CHECKING:
     from pagedkv.distributed.group import TensorParallelGroup

@@ -10,7 +10,7 @@ import torch
 
 from pagedkv.config import ConfigError, EngineConfig, format_size
 from pagedkv.engine.runner import ModelRunner
-from pagedkv.kv.storage import KVStorage
+from pagedkv.kvstore.storage import KVStorage
 
 log = logging.getLogger("pagedkv")
 

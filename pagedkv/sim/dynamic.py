@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedkv.config import ConfigError
+from pagedkv.kv.hashing import BlockHashes
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sim.simulate import Policy
 from pagedkv.sim.trace import TraceRequest
@@ -45,6 +46,8 @@ class _Live:
     full_blocks: list[int] = field(
         default_factory=list
     )  # blocks full at admission: the shareable ones
+    # hashes of its first `held` tokens (set at admission)
+    hashes: BlockHashes = field(default_factory=lambda: BlockHashes(None))
 
 
 @dataclass(slots=True)
@@ -226,7 +229,8 @@ class Replay:
         preempted, i = False, 0
         while i < len(self.running):
             r = self.running[i]
-            if self.kv.allocate_slots(r.req_id, r.token_ids, 1) is not None:
+            r.hashes.update(r.token_ids, r.held + 1)
+            if self.kv.allocate_slots(r.req_id, r.hashes, 1) is not None:
                 r.held += 1
                 self.tokens += 1
                 i += 1
@@ -243,16 +247,15 @@ class Replay:
     def _admit_waiting(self) -> None:
         while self.waiting:
             r = self.waiting[0]
-            known = r.token_ids[: r.resume]
-            prefix = self.kv.lookup_prefix(known)
-            new = r.resume - len(prefix) * self.block_size
+            if r.hashes.num_tokens != r.resume:  # new, or preempted while it grew
+                r.hashes = self.kv.block_hashes(r.token_ids, r.resume)
+            prefix = self.kv.lookup_prefix(r.hashes)
+            new = r.resume - prefix.num_blocks * self.block_size
             budget = self.max_output - (
                 r.resume - r.prompt
             )  # reserve-output: the rest of the answer
             if (
-                self.kv.allocate_slots(
-                    r.req_id, known, new, prefix_blocks=prefix, max_tokens=budget
-                )
+                self.kv.allocate_slots(r.req_id, r.hashes, new, prefix=prefix, max_tokens=budget)
                 is None
             ):
                 return

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from pagedkv.config import ConfigError
-from pagedkv.kv.quant import FORMATS, SCALE_DTYPE, QuantizedCache, hadamard
+from pagedkv.kvstore.quant import FORMATS, SCALE_DTYPE, QuantizedCache, hadamard
 
 _DTYPE_NAMES = {
     "float32": torch.float32,

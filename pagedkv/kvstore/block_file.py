@@ -21,8 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pagedkv.kv.block_pool import BlockHash
-from pagedkv.kv.plan import TokenIds
+from pagedkv.kv.hashing import BlockHash, TokenIds
 
 MAGIC = b"PKVB"
 VERSION = 1

@@ -13,7 +13,7 @@ Every entry also keeps its token ids, compared on each hit as the device cache
 does, so even a hash collision cannot hand out wrong K/V.
 
 With a disk tier, each block is copied to host memory as soon as the forward
-has filled it and queued for the disk writer (`pagedkv.kv.disk_tier`), so what
+has filled it and queued for the disk writer (`pagedkv.kvstore.disk_tier`), so what
 is still cached on the device or the host at shutdown is on disk too; a block
 already on disk (or queued) is not copied again, and a full queue drops the
 write (counted) rather than wait.
@@ -54,10 +54,10 @@ import torch
 from torch import Tensor
 
 from pagedkv.config import ConfigError, EngineConfig, format_size
-from pagedkv.kv.block_pool import BlockHash
-from pagedkv.kv.disk_tier import DiskTier
-from pagedkv.kv.plan import BlockLoad, BlockSave, TokenIds
-from pagedkv.kv.storage import KVStorage
+from pagedkv.kv.hashing import BlockHash, TokenIds
+from pagedkv.kv.plan import BlockLoad, BlockSave
+from pagedkv.kvstore.disk_tier import DiskTier
+from pagedkv.kvstore.storage import KVStorage
 
 log = logging.getLogger("pagedkv.offload")
 
