@@ -104,9 +104,9 @@ class TensorParallelGroup:
 
     def _watch(self) -> None:
         """Says which rank died as soon as it does, even while rank 0 is idle."""
-        while not self.closed:
+        while not self.closed and self._finalizer.alive:  # (not stopping at exit)
             dead = self.dead_rank()
-            if dead is not None and not self.closed:
+            if dead is not None and not self.closed and self._finalizer.alive:
                 log.error(
                     "tensor-parallel rank %d exited (code %s): the engine cannot go on", *dead
                 )
@@ -114,7 +114,7 @@ class TensorParallelGroup:
             threading.Event().wait(0.5)
 
     def send(self, item: object) -> None:
-        """Broadcast block moves, forward inputs or tier work (None: stop), after the host tier's
+        """Broadcast block moves, forward inputs or tier work, after the host tier's
         slot changes since the last one. TensorParallelError when a rank is gone."""
         try:
             dist.broadcast_object_list([(self.host_ops, item)], src=0)
@@ -141,23 +141,25 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
-        if self.dead_rank() is None:
-            try:
-                self.send(None)
-            except TensorParallelError:
-                pass
         self._finalizer()
-        if dist.is_initialized():
-            dist.destroy_process_group()
         self._dir.cleanup()
 
 
 def _stop(procs: list) -> None:
+    """Stop the workers (on close, or at exit for an engine never closed): tell them, so each
+    writes what its disk tier has queued and leaves; wait; kill one that hangs."""
+    if dist.is_initialized() and all(p.is_alive() for p in procs):
+        try:
+            dist.broadcast_object_list([([], None)], src=0)
+        except RuntimeError:
+            pass
     for p in procs:
         p.join(timeout=STOP_TIMEOUT_S)
         if p.is_alive():
             p.kill()
             p.join()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _worker_main(rank: int, world: int, init: str, config: EngineConfig) -> None:

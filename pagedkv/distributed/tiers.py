@@ -23,14 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from pagedkv.distributed.group import TensorParallelGroup, min_over_ranks
 from pagedkv.kv.block_pool import BlockHash
 from pagedkv.kv.offload import HostTier, KVOffload
 from pagedkv.kv.plan import TokenIds
-
-if TYPE_CHECKING:
-    from pagedkv.distributed.group import TensorParallelGroup
 
 HostOp = tuple[str, int | list[int]]  # ("take", n) or ("release", slots)
 
@@ -80,8 +77,6 @@ class TierReserve:
     blocks: list[tuple[BlockHash, TokenIds]]
 
     def apply(self, offload: KVOffload | None) -> None:
-        from pagedkv.distributed.group import min_over_ranks
-
         assert offload is not None  # only tiers reserve
         offload.reserve(self.blocks, min_over_ranks)
 

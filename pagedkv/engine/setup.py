@@ -12,7 +12,7 @@ from pagedkv.config import ConfigError, EngineConfig, format_size
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.kv.offload import KVOffload
 from pagedkv.kv.storage import KVStorage
-from pagedkv.model.loader import LoadedModel
+from pagedkv.model.loader import LoadedModel, load_model
 
 log = logging.getLogger("pagedkv")
 
@@ -112,8 +112,6 @@ def load_rank_model(
 ) -> tuple[LoadedModel, int]:
     """The model this process runs and its KV heads: the whole model, or with -tp N rank's shard
     of it (quantized as -tp 1 would: GGUF blocks are cut before they are packed)."""
-    from pagedkv.model.loader import load_model
-
     world = config.tensor_parallel_size
     if world == 1:
         loaded = loaded or load_model(config.model, config.dtype, device, config.quantization)
