@@ -19,7 +19,7 @@ from pagedkv.config import ConfigError, EngineConfig, format_size
 from pagedkv.engine import prompt_logprobs
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
 from pagedkv.engine.faults import FaultInjector
-from pagedkv.engine.isolation import Failures, IsolatedForward
+from pagedkv.engine.isolation import Failures, IsolatedForward, device_broken
 from pagedkv.engine.logits_processors import bad_words_token_ids
 from pagedkv.engine.options import apply_engine_options
 from pagedkv.engine.request import (
@@ -34,12 +34,19 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler
 from pagedkv.engine.sequence import Sequence, SequenceGroup
-from pagedkv.engine.setup import build_kv_storage, keep_freed_memory, kv_cache_dtype, pick_device
+from pagedkv.engine.setup import (
+    block_hash_key,
+    build_kv_storage,
+    build_offload,
+    keep_freed_memory,
+    load_rank_model,
+    pick_device,
+)
 from pagedkv.engine.spec_decode import NgramProposer, SpecDecodeStats
 from pagedkv.engine.step_stats import StepTokens
 from pagedkv.engine.structured import StructuredOutputs
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.kvstore.offload import KVOffload
+from pagedkv.kv.plan import OffloadTiers
 
 log = logging.getLogger("pagedkv")
 
@@ -88,7 +95,7 @@ class LLMEngine:
         self.device = pick_device()
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.loaded = loaded or self._load_model(config)
+        self.loaded, num_kv_heads = self._load_model(config, loaded)
         self.weight_bytes = self.loaded.model.weight_bytes()
         self.tokenizer = self.loaded.tokenizer
         apply_engine_options(self, config)  # seed, chat template, generation defaults
@@ -97,7 +104,7 @@ class LLMEngine:
         self.max_model_len: int = min(
             config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len
         )
-        host = self._build_kv(config)
+        host = self._build_kv(config, num_kv_heads)
         proposer = NgramProposer(config.speculative_config) if config.speculative_config else None
         self.spec_stats = SpecDecodeStats()
         self.scheduler = Scheduler(
@@ -120,19 +127,11 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
-    def _load_model(self, config: EngineConfig):
-        """The weights, tokenizer and model config, as --quantization and -tp ask."""
-        from pagedkv.model.loader import load_model
-
+    def _load_model(self, config: EngineConfig, loaded=None):
+        """Rank 0's weights (its -tp shard, as --quantization asks), tokenizer and model config;
+        and the KV heads this rank holds."""
         t0 = time.monotonic()
-        quantization = config.quantization
-        if config.tensor_parallel_size > 1:  # shards are cut from dense weights
-            if quantization not in (None, "none"):
-                raise ConfigError(
-                    f"--tensor-parallel-size > 1 does not support --quantization {quantization} yet"
-                )
-            quantization = "none"
-        loaded = load_model(config.model, config.dtype, self.device, quantization)
+        loaded, num_kv_heads = load_rank_model(config, self.device, 0, loaded)
         log.info(
             "loaded %s in %.1fs: weights %s (quantization %s)",
             loaded.name,
@@ -140,43 +139,40 @@ class LLMEngine:
             format_size(loaded.model.weight_bytes()),
             loaded.quantization,
         )
-        return loaded
+        return loaded, num_kv_heads
 
-    def _build_kv(self, config: EngineConfig):
-        """The KV pool (sharded over -tp ranks), its offload tiers and the block manager.
+    def _build_kv(self, config: EngineConfig, num_kv_heads: int):
+        """The KV pool (this rank's heads), its offload tiers and the block manager.
 
         Returns the host storage that swap preemption moves blocks to (None without swap)."""
         mc = self.loaded.config
         dtype = self.loaded.model.dtype  # 'auto' was resolved for this model and device
         self.tp = None
-        num_kv_heads = mc.num_key_value_heads
         if config.tensor_parallel_size > 1:
-            from pagedkv.distributed.group import TensorParallelGroup, all_reduce
-            from pagedkv.distributed.shard import check_shardable, shard_model
+            from pagedkv.distributed.group import TensorParallelGroup
 
-            check_shardable(mc, config.tensor_parallel_size)
             self.tp = TensorParallelGroup(config, dtype, self.device)
-            shard = shard_model(self.loaded.model, 0, self.tp.world, all_reduce)
-            num_kv_heads = shard.num_kv_heads
-        self.storage, host, bytes_per_block = build_kv_storage(
+        self.storage, swap, bytes_per_block = build_kv_storage(
             config, mc, num_kv_heads, dtype, self.device
         )
         num_blocks = self.storage.num_blocks
-        kv_dtype = kv_cache_dtype(config, dtype)
-        hash_extra = f"{self.loaded.fingerprint}:{kv_dtype}".encode()
-        self.offload = KVOffload.from_config(config, self.storage, hash_extra)
-        num_host = host.num_blocks if host is not None else 0
-        if self.offload is not None and self.offload.host is not None:
-            host, num_host = self.offload.host.storage, 0  # swap borrows the host tier's slots
+        hash_extra = block_hash_key(config, self.loaded)
+        # swap borrows the host tier's slots when there is one (then `swap` is None)
+        self.offload, host = build_offload(config, self.storage, swap, hash_extra)
+        tiers: OffloadTiers | None = self.offload
+        if self.tp is not None and self.offload is not None:
+            from pagedkv.distributed.tiers import TensorParallelTiers
+
+            tiers = TensorParallelTiers(self.offload, self.tp)
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,
-            num_host_blocks=num_host,
+            num_host_blocks=swap.num_blocks if swap is not None else 0,
             enable_prefix_caching=config.enable_prefix_caching,
             allocation_policy=config.allocation_policy,
             max_model_len=self.max_model_len,
             hash_extra=hash_extra,
-            offload=self.offload,
+            offload=tiers,
         )
         log.info(
             "KV pool: %d blocks of %d tokens (%s, %d tokens), max_model_len %d",
@@ -297,6 +293,8 @@ class LLMEngine:
         self.runner.apply_copies(out)
         failures = Failures()
         for seq, error in out.failed:
+            if device_broken(error):  # a tier reservation lost a tensor-parallel rank
+                raise error
             failures.add(seq.group, error)
         sampling, logits = self._forward(out.scheduled, failures)  # the sampling rows, in order
         prompt_logprobs.record(

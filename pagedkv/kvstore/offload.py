@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -274,18 +274,33 @@ class KVOffload:
             self.disk is not None and self.disk.contains(block_hash, token_ids)
         )
 
-    def reserve(self, blocks: Sequence[tuple[BlockHash, TokenIds]]) -> int:
+    def reserve(
+        self,
+        blocks: Sequence[tuple[BlockHash, TokenIds]],
+        agree: Callable[[int], int] | None = None,
+    ) -> int:
         """Make the leading run of these blocks loadable this step: pin host slots, read and check disk
-        files now. Returns the run's length; the first block that fails (a bad file) ends it."""
+        files now. Returns the run's length; the first block that fails (a bad file) ends it.
+        `agree` (tensor parallelism) turns this rank's run into the one every rank can load."""
+        read: dict[BlockHash, Tensor] = {}
+        n = len(blocks)
         for i, (block_hash, token_ids) in enumerate(blocks):
             if self.host is not None and self.host.find(block_hash, token_ids) is not None:
-                self.host.pin(block_hash)
                 continue
             data = self.disk.read(block_hash, token_ids) if self.disk is not None else None
             if data is None:
-                return i
-            self._staged[block_hash] = data
-        return len(blocks)
+                n = i
+                break
+            read[block_hash] = data
+        if agree is not None:
+            n = agree(n)
+        for block_hash, _ in blocks[:n]:
+            if block_hash in read:
+                self._staged[block_hash] = read[block_hash]
+            else:
+                assert self.host is not None  # found there above
+                self.host.pin(block_hash)
+        return n
 
     # ---- runner side --------------------------------------------------------------------------
 

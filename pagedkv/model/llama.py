@@ -247,10 +247,16 @@ _PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, config: LlamaConfig, dtype: torch.dtype = torch.float32, quantization: str = "none"
+        self,
+        config: LlamaConfig,
+        dtype: torch.dtype = torch.float32,
+        quantization: str = "none",
+        pack: bool = True,
     ) -> None:
         """quantization: "none", "int8" (per-row int8 of any float weights) or "gguf" (the GGUF
-        file's own blocks, which load_weights then receives as quant_linear.Blocks)."""
+        file's own blocks, which load_weights then receives as quant_linear.Blocks).
+        pack=False: GGUF blocks stay as they are until `pack_weights` (tensor parallelism cuts
+        them first: the packed layout cannot be cut)."""
         super().__init__()
         if quantization not in QUANTIZATIONS:
             raise ConfigError(
@@ -259,6 +265,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.quantization = quantization
+        self.pack = pack
         late = None if quantization == "none" else "meta"
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=late)
         self.layers = nn.ModuleList(
@@ -347,7 +354,7 @@ class LlamaForCausalLM(nn.Module):
                 f"missing weights: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
             )
         if self.config.tie_word_embeddings and not isinstance(self.embed_tokens, nn.Parameter):
-            _replace(self, "lm_head", self.embed_tokens)
+            replace_weight(self, "lm_head", self.embed_tokens)
         for decoder in self.layers:
             cast(DecoderLayer, decoder).refresh_weights()
 
@@ -362,16 +369,25 @@ class LlamaForCausalLM(nn.Module):
         if tuple(value.shape) != expected:
             raise ConfigError(f"weight {name} has shape {tuple(value.shape)}, expected {expected}")
         if isinstance(value, Blocks):
-            weight = gguf_weight(value, target, self.dtype)
+            weight = gguf_weight(value, target, self.dtype) if self.pack else value
         elif self.quantization == "int8":
             weight = Int8Weight.quantize(value)
         else:  # gguf: a float tensor in the file stays float
             weight = value.to(self.dtype)
-        _replace(
-            owner,
-            target,
-            nn.Parameter(weight, requires_grad=False) if isinstance(weight, Tensor) else weight,
-        )
+        replace_weight(owner, target, weight)
+
+    def pack_weights(self) -> None:
+        """Pack the GGUF blocks a `pack=False` model holds (a tied lm_head as the embedding)."""
+        packed: dict[int, Tensor | QuantWeight] = {}
+        for owner in (self, *self.layers):
+            for name in MATMUL_WEIGHTS:
+                w = owner.__dict__.get(name)
+                if isinstance(w, Blocks):
+                    if id(w) not in packed:
+                        packed[id(w)] = gguf_weight(w, name, self.dtype)
+                    replace_weight(owner, name, packed[id(w)])
+        for decoder in self.layers:
+            cast(DecoderLayer, decoder).refresh_weights()
 
     @staticmethod
     def _copy(param: nn.Parameter, tensor: Tensor, name: str) -> None:
@@ -383,10 +399,14 @@ class LlamaForCausalLM(nn.Module):
             param.copy_(tensor)
 
 
-def _replace(owner: nn.Module, name: str, weight: Tensor | QuantWeight) -> None:
-    """Swap a parameter for another weight object (nn.Module refuses a non-Parameter in its slot)."""
+def replace_weight(owner: nn.Module, name: str, weight: Tensor | QuantWeight | Blocks) -> None:
+    """Swap a weight for another object: a tensor as a frozen parameter, anything else as a plain
+    attribute (nn.Module refuses a non-Parameter in a parameter's slot)."""
     owner._parameters.pop(name, None)
-    if isinstance(weight, nn.Parameter):
+    owner.__dict__.pop(name, None)
+    if isinstance(weight, Tensor):
+        if not isinstance(weight, nn.Parameter):
+            weight = nn.Parameter(weight, requires_grad=False)
         owner.register_parameter(name, weight)
     else:
         owner.__dict__[name] = weight

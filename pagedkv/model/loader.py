@@ -121,14 +121,16 @@ def load_model(
     dtype: torch.dtype | str,
     device: str | torch.device = "cpu",
     quantization: str | None = "none",
+    pack: bool = True,
 ) -> LoadedModel:
     """Read a checkpoint and build the model on `device` in `dtype` ('auto' and names are resolved).
-    quantization: "none", "int8", "gguf", or None for the default (resolve_quantization)."""
+    quantization: "none", "int8", "gguf", or None for the default (resolve_quantization).
+    pack=False: GGUF blocks wait for `model.pack_weights()` (tensor parallelism cuts them first)."""
     quantization = resolve_quantization(quantization, path, device)
     ckpt, name = read_checkpoint(path, keep_blocks=quantization == "gguf")
     dtype = resolve_dtype(dtype, device, ckpt.config)
     with torch.device(device):
-        model = LlamaForCausalLM(ckpt.config, dtype, quantization)
+        model = LlamaForCausalLM(ckpt.config, dtype, quantization, pack)
     model.load_weights(ckpt.weights)
     model.eval()
     # quantized weights give other K/V: a persistent KV tier must not mix them up
