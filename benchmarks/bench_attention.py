@@ -63,7 +63,7 @@ def make_batch(args: argparse.Namespace, dtype: torch.dtype, gen: torch.Generato
     ]
     q = torch.randn(args.requests, args.q_heads, args.head_dim, generator=gen).to(dtype)
     meta = paged.AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        slot_mapping=torch.zeros(args.requests, dtype=torch.int64),  # unused: nothing is stored
         query_start_loc=torch.arange(args.requests + 1, dtype=torch.int32),
         seq_lens=seq_lens,
         block_tables=block_tables,

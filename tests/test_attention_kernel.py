@@ -72,10 +72,10 @@ def make_case(
 
 
 def metadata(c: Case) -> paged.AttentionMetadata:
-    """The case as an engine step's attention metadata (no new K/V to store)."""
+    """The case as an engine step's attention metadata (its slots unused: nothing is stored)."""
     query_lens = c.query_start_loc.diff().tolist()
     return paged.AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        slot_mapping=torch.zeros(c.q.shape[0], dtype=torch.int64),
         query_start_loc=c.query_start_loc,
         seq_lens=c.seq_lens,
         block_tables=c.block_tables,

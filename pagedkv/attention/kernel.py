@@ -77,30 +77,18 @@ def _attend(
     v_scales: torch.Tensor | None,
     cascade: CascadePlan | None = None,
 ) -> torch.Tensor:
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("the C++ kernels are not built here (paged.paged_attention falls back)")
     _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     _check_dtypes(q, k_cache, v_cache, k_scales, v_scales)
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype)
-    elif (
-        out.shape != q.shape
-        or out.dtype != q.dtype
-        or out.stride(2) != 1
-        or out.stride(1) != q.shape[2]
-    ):
-        raise ValueError(
-            f"out must be {tuple(q.shape)} {q.dtype} with contiguous heads, got "
-            f"{tuple(out.shape)} {out.dtype} strides {out.stride()}"
-        )
-    lib = native.library()
-    if lib is None:
-        raise RuntimeError("the C++ kernels are not built here (paged.paged_attention falls back)")
+    out = _output(q, out)
     seq_lens, block_tables = _int32(seq_lens), _int32(block_tables)
     qsl = None if query_start_loc is None else _int32(query_start_loc)
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
-    plan = (None, None, None) if cascade is None else _plan_arrays(cascade, seq_lens)
-    pre, group_start, members = (None if t is None else t.data_ptr() for t in plan)
+    pre, group_start, members = (None, None, None) if cascade is None else _plan(cascade, seq_lens)
     lib.call(
         "paged_attention",
         dtype=native.DTYPES[q.dtype],
@@ -109,9 +97,9 @@ def _attend(
         k=k_cache.data_ptr(),
         v=v_cache.data_ptr(),
         out=out.data_ptr(),
-        k_scales=None if k_scales is None else k_scales.data_ptr(),
-        v_scales=None if v_scales is None else v_scales.data_ptr(),
-        query_start_loc=None if qsl is None else qsl.data_ptr(),
+        k_scales=native.ptr(k_scales),
+        v_scales=native.ptr(v_scales),
+        query_start_loc=native.ptr(qsl),
         seq_lens=seq_lens.data_ptr(),
         block_tables=block_tables.data_ptr(),
         num_tokens=q.shape[0],
@@ -126,15 +114,32 @@ def _attend(
         out_stride=out.stride(0),
         scale=float(scale),
         threads=torch.get_num_threads(),
-        pre=pre,
-        group_start=group_start,
-        group_members=members,
+        pre=native.ptr(pre),
+        group_start=native.ptr(group_start),
+        group_members=native.ptr(members),
         num_groups=0 if cascade is None else cascade.num_groups,
     )
     return out
 
 
-def _plan_arrays(
+def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The buffer the kernel writes: `out` when given (checked), else a new one like q."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype)
+    if (
+        out.shape != q.shape
+        or out.dtype != q.dtype
+        or out.stride(2) != 1
+        or out.stride(1) != q.shape[2]
+    ):
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype} with contiguous heads, got "
+            f"{tuple(out.shape)} {out.dtype} strides {out.stride()}"
+        )
+    return out
+
+
+def _plan(
     cascade: CascadePlan, seq_lens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The plan's arrays as the kernel reads them (pre, group_start, members: int32)."""
