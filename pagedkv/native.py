@@ -102,10 +102,10 @@ class Library:
             missing = [f for f in names if f not in fields]
             raise TypeError(f"{kernel}: fields not given: {', '.join(missing)}")
         err = error_buffer()
-        err[0] = b"\0"
         status = fn(ctypes.byref(params), err, ERR_LEN)
         if status:
             message = err.value.decode(errors="replace") or f"failed with status {status}"
+            err[0] = b"\0"  # (cleared after a failure, so a message is never a stale one)
             raise KernelError(f"{kernel}: {message}")
 
 
