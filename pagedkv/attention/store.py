@@ -37,14 +37,15 @@ def rope_and_store(
     """
     k_cache, v_cache = kv_cache
     tokens, head_dim = qkv.shape[0], cos.shape[1]
-    heads = qkv.view(tokens, -1, head_dim)
+    q = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
     if isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor):
         contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
         lib = native.library_for(qkv, k_cache, v_cache) if contiguous else None
         if lib is not None:  # rotation and store in one pass
-            slots = slot_mapping.to(torch.int64).contiguous()
-            _rope(lib, qkv, num_heads, num_kv_heads, positions, cos, sin, (k_cache, v_cache, slots))
-            return heads[:, :num_heads]
+            store = (k_cache, v_cache, _int64(slot_mapping))
+            _rope(lib, qkv, num_heads, num_kv_heads, positions, cos, sin, store)
+            return q
+    heads = qkv.view(tokens, -1, head_dim)
     lib = native.library_for(qkv)
     if lib is not None:
         _rope(lib, qkv, num_heads, num_kv_heads, positions, cos, sin, None)
@@ -54,7 +55,11 @@ def rope_and_store(
         qk.copy_(torch.addcmul(qk * c, qk.roll(head_dim // 2, dims=-1), s))
     kv = num_heads + num_kv_heads
     write_kv(k_cache, v_cache, heads[:, num_heads:kv], heads[:, kv:], slot_mapping)
-    return heads[:, :num_heads]
+    return q
+
+
+def _int64(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def _rope(
@@ -69,7 +74,7 @@ def _rope(
 ) -> None:
     """csrc/layer_ops.cpp's rotation, with the store into (k_cache, v_cache, int64 slots)."""
     k_cache, v_cache, slots = store if store is not None else (None, None, None)
-    positions = positions.to(torch.int64).contiguous()
+    positions = _int64(positions)
     lib.call(
         "rope_cache",
         dtype=native.DTYPES[qkv.dtype],
