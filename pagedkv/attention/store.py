@@ -38,18 +38,38 @@ def rope_and_store(
     k_cache, v_cache = kv_cache
     tokens, head_dim = qkv.shape[0], cos.shape[1]
     q = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
+    lib, store = None, None
     if isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor):
-        contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
-        lib = native.library_for(qkv, k_cache, v_cache) if contiguous else None
-        if lib is not None:  # rotation and store in one pass
-            store = (k_cache, v_cache, _int64(slot_mapping))
-            _rope(lib, qkv, num_heads, num_kv_heads, positions, cos, sin, store)
+        if k_cache.is_contiguous() and v_cache.is_contiguous():
+            lib = native.library_for(qkv, k_cache, v_cache)
+            store = None if lib is None else (k_cache, v_cache, _int64(slot_mapping))
+    lib = lib or native.library_for(qkv)
+    if lib is not None:  # with a store: the rotation and the store in one pass
+        positions = _int64(positions)
+        lib.call(
+            "rope_cache",
+            dtype=native.DTYPES[qkv.dtype],
+            qkv=qkv.data_ptr(),
+            num_tokens=tokens,
+            row_stride=qkv.stride(0),
+            num_q_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            positions=positions.data_ptr(),
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            max_positions=cos.shape[0],
+            slots=None if store is None else store[2].data_ptr(),
+            k_cache=None if store is None else store[0].data_ptr(),
+            v_cache=None if store is None else store[1].data_ptr(),
+            num_blocks=k_cache.shape[0],
+            block_size=k_cache.shape[2],
+            threads=torch.get_num_threads(),
+        )
+        if store is not None:
             return q
     heads = qkv.view(tokens, -1, head_dim)
-    lib = native.library_for(qkv)
-    if lib is not None:
-        _rope(lib, qkv, num_heads, num_kv_heads, positions, cos, sin, None)
-    else:
+    if lib is None:
         qk = heads[:, : num_heads + num_kv_heads]
         c, s = (t[positions].unsqueeze(1).to(qkv.dtype) for t in (cos, sin))
         qk.copy_(torch.addcmul(qk * c, qk.roll(head_dim // 2, dims=-1), s))
@@ -60,41 +80,6 @@ def rope_and_store(
 
 def _int64(t: Tensor) -> Tensor:
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
-
-
-def _rope(
-    lib: native.Library,
-    qkv: Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    positions: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    store: tuple[Tensor, Tensor, Tensor] | None,
-) -> None:
-    """csrc/layer_ops.cpp's rotation, with the store into (k_cache, v_cache, int64 slots)."""
-    k_cache, v_cache, slots = store if store is not None else (None, None, None)
-    positions = _int64(positions)
-    lib.call(
-        "rope_cache",
-        dtype=native.DTYPES[qkv.dtype],
-        qkv=qkv.data_ptr(),
-        num_tokens=qkv.shape[0],
-        row_stride=qkv.stride(0),
-        num_q_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=cos.shape[1],
-        positions=positions.data_ptr(),
-        cos=cos.data_ptr(),
-        sin=sin.data_ptr(),
-        max_positions=cos.shape[0],
-        slots=native.ptr(slots),
-        k_cache=native.ptr(k_cache),
-        v_cache=native.ptr(v_cache),
-        num_blocks=0 if k_cache is None else k_cache.shape[0],
-        block_size=1 if k_cache is None else k_cache.shape[2],
-        threads=torch.get_num_threads(),
-    )
 
 
 def write_kv(k_cache: Cache, v_cache: Cache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
