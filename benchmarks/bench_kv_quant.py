@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from pagedkv.attention import paged
-from pagedkv.attention.paged import AttentionMetadata, write_kv
+from pagedkv.attention.paged import AttentionMetadata
+from pagedkv.attention.store import write_kv
 from pagedkv.config import default_model_path
 from pagedkv.kvstore.storage import KVStorage
 

@@ -1,4 +1,4 @@
-"""Cascade decode attention (attention/cascade.py, pagedkv_cascade_attention): groups of sequences
+"""Cascade decode attention (attention/cascade.py, the kernel given a plan): groups of sequences
 sharing leading blocks give the same result as the plain kernel and the torch reference."""
 
 from __future__ import annotations

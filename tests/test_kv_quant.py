@@ -8,14 +8,11 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.attention.paged import (
-    AttentionMetadata,
-    contiguous_attention,
-    paged_attention,
-    write_kv,
-)
+from pagedkv.attention.paged import AttentionMetadata, contiguous_attention, paged_attention
+from pagedkv.attention.rotation import hadamard, rotate, unrotate
+from pagedkv.attention.store import write_kv
 from pagedkv.kv.hashing import hash_block_tokens
-from pagedkv.kvstore.quant import FP8, INT8, QuantizedCache, hadamard
+from pagedkv.kvstore.quant import FP8, INT8, QuantizedCache
 from pagedkv.kvstore.storage import KVStorage
 from pagedkv.sim.plan import kv_bytes_per_block
 from pagedkv.sim.shapes import KNOWN_SHAPES
@@ -29,14 +26,13 @@ def cache(fmt, num_blocks=8, heads=2, dim=32) -> QuantizedCache:
         torch.zeros(num_blocks, heads, BS, dim, dtype=fmt.dtype),
         torch.zeros(num_blocks, heads),
         fmt,
-        hadamard(dim),
     )
 
 
 def values(c: QuantizedCache, blocks) -> torch.Tensor:
     """Dequantized blocks, rotated back: [n, H, BS, D] float32."""
     x = c.dequantize(torch.as_tensor(blocks), torch.float32)
-    return x @ c.rotation.T
+    return unrotate(x)
 
 
 def write_tokens(k: QuantizedCache, v: QuantizedCache, x: torch.Tensor, slots) -> None:
@@ -108,7 +104,7 @@ def test_token_by_token_writes_grow_the_scale_and_requantize(name):
     torch.testing.assert_close(
         k.scales[3], at_once_k.scales[3], rtol=1e-6, atol=0
     )  # covers the largest value
-    x = x @ k.rotation  # compare where the rounding happens: in the rotated space
+    x = rotate(x)  # compare where the rounding happens: in the rotated space
     got = k.dequantize(torch.tensor([3]), torch.float32)[0].transpose(0, 1)
     want = at_once_k.dequantize(torch.tensor([3]), torch.float32)[0].transpose(0, 1)
     if (
@@ -342,7 +338,6 @@ def test_block_moves_carry_the_scales(name):
                 before_data[layer, kv].view(st.dtype),
                 before_scales[layer, kv],
                 st.quant,
-                st.rotation,
             ).dequantize(torch.tensor([1, 4]), torch.float32)
             got = st.layer(layer)[kv].dequantize(torch.tensor([0, 2]), torch.float32)
             assert torch.equal(got, want)

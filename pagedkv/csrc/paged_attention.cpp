@@ -32,6 +32,7 @@
 
 #include <omp.h>
 
+#include "pagedkv_abi.h"
 #include "vec.h"
 
 namespace {
@@ -635,13 +636,16 @@ void dispatch_dim(const Problem& P, int threads) {
   else run_problem<0, T, C>(P, threads);
 }
 
-// kv_dtype: -1 the queries' own type, 3 int8, 4 float8 e4m3fn (both with scales).
+// T: the queries' type; the cache is of T itself or quantized (int8 / e4m3 with scales).
 template <typename T>
-int dispatch_cache(const Problem& P, int kv_dtype, int threads) {
+int dispatch_cache(const Problem& P, pagedkv_dtype dtype, pagedkv_dtype kv_dtype, int threads) {
+  if (kv_dtype == dtype) {
+    dispatch_dim<T, T>(P, threads);
+    return 0;
+  }
   switch (kv_dtype) {
-    case -1: dispatch_dim<T, T>(P, threads); return 0;
-    case 3: dispatch_dim<T, i8>(P, threads); return 0;
-    case 4: dispatch_dim<T, e4m3>(P, threads); return 0;
+    case PAGEDKV_DTYPE_INT8: dispatch_dim<T, i8>(P, threads); return 0;
+    case PAGEDKV_DTYPE_FLOAT8_E4M3FN: dispatch_dim<T, e4m3>(P, threads); return 0;
     default: return 1;
   }
 }
@@ -650,47 +654,27 @@ int dispatch_cache(const Problem& P, int kv_dtype, int threads) {
 
 extern "C" {
 
-// Decode attention where groups of sequences share their leading blocks (cascade): pre [B] the
-// shared blocks of each sequence (0: none), group g's sequences group_members[group_start[g] ..
-// group_start[g + 1]) (group_start [num_groups + 1]). Each group's prefix K/V is read once for
-// all its members; the rest as pagedkv_paged_attention, which is this with pre null.
-int pagedkv_cascade_attention(int dtype, int kv_dtype, const float* k_scales, const float* v_scales,
-                              const void* q, const void* k, const void* v, void* out,
-                              const int32_t* query_start_loc, const int32_t* seq_lens,
-                              const int32_t* block_tables, int64_t T, int64_t B, int64_t max_blocks,
-                              int64_t num_blocks, int64_t Hq, int64_t Hkv, int64_t block_size,
-                              int64_t head_dim, int64_t q_stride, int64_t out_stride, float scale,
-                              const int32_t* pre, const int32_t* group_start, const int32_t* group_members,
-                              int64_t num_groups, int threads, char* err, int errlen) {
-  Problem P{q, k, v, out, query_start_loc, seq_lens, block_tables, T, B, max_blocks,
-            num_blocks, Hq, Hkv, block_size, head_dim, q_stride, out_stride, scale, k_scales, v_scales};
-  P.pre = pre; P.gstart = group_start; P.members = group_members; P.ngroups = num_groups;
-  if (validate(P, err, errlen) || (pre && validate_cascade(P, err, errlen))) return 1;
-  if (kv_dtype >= 0 && !(k_scales && v_scales)) return fail(err, errlen, "cache dtype code %lld needs k_scales and v_scales%.0lld", kv_dtype, 0);
-  threads = std::max(1, threads);
+// See pagedkv_abi.h. A cascade plan (pre not null) reads each group's prefix K/V once for all its
+// members; without one, every sequence reads its own blocks.
+int pagedkv_paged_attention(const pagedkv_paged_attention_params* p, char* err, int errlen) {
+  Problem P{p->q, p->k, p->v, p->out, p->query_start_loc, p->seq_lens, p->block_tables,
+            p->num_tokens, p->num_seqs, p->max_blocks, p->num_blocks, p->num_q_heads,
+            p->num_kv_heads, p->block_size, p->head_dim, p->q_stride, p->out_stride, p->scale,
+            p->k_scales, p->v_scales};
+  P.pre = p->pre; P.gstart = p->group_start; P.members = p->group_members; P.ngroups = p->num_groups;
+  if (validate(P, err, errlen) || (P.pre && validate_cascade(P, err, errlen))) return 1;
+  const bool quantized = p->kv_dtype != p->dtype;
+  if (quantized && !(p->k_scales && p->v_scales))
+    return fail(err, errlen, "cache dtype code %lld needs k_scales and v_scales%.0lld", p->kv_dtype, 0);
+  const int threads = std::max(1, int(p->threads));
   int rc = 1;
-  switch (dtype) {
-    case 0: rc = dispatch_cache<float>(P, kv_dtype, threads); break;
-    case 1: rc = dispatch_cache<bf16>(P, kv_dtype, threads); break;
-    case 2: rc = dispatch_cache<fp16>(P, kv_dtype, threads); break;
+  switch (p->dtype) {
+    case PAGEDKV_DTYPE_FLOAT32: rc = dispatch_cache<float>(P, p->dtype, p->kv_dtype, threads); break;
+    case PAGEDKV_DTYPE_BFLOAT16: rc = dispatch_cache<bf16>(P, p->dtype, p->kv_dtype, threads); break;
+    case PAGEDKV_DTYPE_FLOAT16: rc = dispatch_cache<fp16>(P, p->dtype, p->kv_dtype, threads); break;
     default: break;
   }
-  return rc ? fail(err, errlen, "unsupported dtype codes %lld / %lld", dtype, kv_dtype) : 0;
-}
-
-// dtype (of q and out): 0 float32, 1 bfloat16, 2 float16. kv_dtype: -1 the same as q, or 3 int8 / 4
-// float8 e4m3fn with k_scales, v_scales [num_blocks * Hkv] (an element stands for value * scale).
-// Returns 0, or 1 with a message in err.
-int pagedkv_paged_attention(int dtype, int kv_dtype, const float* k_scales, const float* v_scales,
-                            const void* q, const void* k, const void* v, void* out,
-                            const int32_t* query_start_loc, const int32_t* seq_lens,
-                            const int32_t* block_tables, int64_t T, int64_t B, int64_t max_blocks,
-                            int64_t num_blocks, int64_t Hq, int64_t Hkv, int64_t block_size,
-                            int64_t head_dim, int64_t q_stride, int64_t out_stride, float scale,
-                            int threads, char* err, int errlen) {
-  return pagedkv_cascade_attention(dtype, kv_dtype, k_scales, v_scales, q, k, v, out, query_start_loc, seq_lens,
-                                   block_tables, T, B, max_blocks, num_blocks, Hq, Hkv, block_size, head_dim,
-                                   q_stride, out_stride, scale, nullptr, nullptr, nullptr, 0, threads, err, errlen);
+  return rc ? fail(err, errlen, "unsupported dtype codes %lld / %lld", p->dtype, p->kv_dtype) : 0;
 }
 
 // Lanes per vector: 16 with AVX-512, 8 with AVX2 or the portable backend, 4 with NEON.

@@ -5,8 +5,9 @@ T rows; `positions` says where each sits in its sequence, the attention
 metadata says where its K/V goes and what it reads. To keep the number of
 torch ops per layer small, q/k/v are one fused weight and gate/up another
 (built at load time from the Hugging Face tensors), and the work between the
-matmuls is one call each (ops.py): the residual add with RMSNorm, RoPE with
-the K/V store, SiLU with the up projection's product. The matmul weights may
+matmuls is one call each: the residual add with RMSNorm and SiLU with the up
+projection's product (ops.py), RoPE with the K/V store (attention/store.py,
+from the rotary tables built here). The matmul weights may
 be quantized (--quantization, quant_linear.py): `linear` takes either form.
 """
 
@@ -20,7 +21,8 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from pagedkv.attention.paged import AttentionMetadata, Cache, paged_attention, write_kv
+from pagedkv.attention.paged import AttentionMetadata, Cache, paged_attention
+from pagedkv.attention.store import rope_and_store
 from pagedkv.config import QUANTIZATIONS, ConfigError
 from pagedkv.model import ops
 from pagedkv.model.config import LlamaConfig
@@ -66,7 +68,8 @@ def rope_inv_freq(config: LlamaConfig) -> Tensor:
 
 
 class Rotary(nn.Module):
-    """Precomputed cos/sin by position (float32, [P, D]); rotates the two halves of each head (HF layout)."""
+    """RoPE tables by position (float32 [P, D], HF's layout: the two halves of each head rotate
+    together), rotate_half's sign folded into sin; attention/store.py applies them."""
 
     cos: Tensor  # buffers (declared for mypy: nn.Module's __getattr__ types them loosely)
     sin: Tensor
@@ -80,54 +83,6 @@ class Rotary(nn.Module):
         sign = torch.cat([-torch.ones(half), torch.ones(half)])
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin() * sign, persistent=False)
-        self.half_dim = half
-
-    def rotate_and_store(
-        self,
-        qkv: Tensor,
-        num_heads: int,
-        num_kv_heads: int,
-        positions: Tensor,
-        kv_cache: tuple[Cache, Cache],
-        meta: AttentionMetadata,
-    ) -> Tensor:
-        """Rotates q and k of the fused projection in place and stores the new k, v in the cache;
-        returns q as [T, Hq, D]."""
-        tokens, head_dim = qkv.shape[0], self.cos.shape[1]
-        k_cache, v_cache = kv_cache
-        plain = isinstance(k_cache, Tensor)
-        if ops.rope_and_cache(
-            qkv,
-            num_heads,
-            num_kv_heads,
-            positions,
-            self.cos,
-            self.sin,
-            *((k_cache, v_cache, meta.slot_mapping) if plain else ()),
-        ):
-            if not plain:
-                k, v = (
-                    qkv[:, num_heads * head_dim :]
-                    .view(tokens, 2 * num_kv_heads, head_dim)
-                    .split(num_kv_heads, 1)
-                )
-                write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            return qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
-        heads = qkv.view(tokens, -1, head_dim)
-        qk = heads[:, : num_heads + num_kv_heads]
-        cos, sin = (
-            self.cos[positions].unsqueeze(1).to(qkv.dtype),
-            self.sin[positions].unsqueeze(1).to(qkv.dtype),
-        )
-        qk = torch.addcmul(qk * cos, qk.roll(self.half_dim, dims=-1), sin)
-        write_kv(
-            k_cache,
-            v_cache,
-            qk[:, num_heads:],
-            heads[:, num_heads + num_kv_heads :],
-            meta.slot_mapping,
-        )
-        return qk[:, :num_heads]
 
 
 class RMSNorm(nn.Module):
@@ -209,8 +164,15 @@ class DecoderLayer(nn.Module):
         tokens = x.shape[0]
         h, residual = ops.rms_norm(x, norm1, self.eps, residual)
         qkv = linear(h, qkv_proj)
-        q = rotary.rotate_and_store(
-            qkv, self.num_heads, self.num_kv_heads, positions, kv_cache, meta
+        q = rope_and_store(
+            qkv,
+            self.num_heads,
+            self.num_kv_heads,
+            positions,
+            rotary.cos,
+            rotary.sin,
+            kv_cache,
+            meta.slot_mapping,
         )
         attn = paged_attention(q, *kv_cache, meta, self.scale)
         o = linear(attn.reshape(tokens, self.q_size), o_proj)
