@@ -220,7 +220,8 @@ def isa_cflags(isa: str) -> tuple[str, ...]:
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels live: $PAGEDKV_EXT_DIR, else $XDG_CACHE_HOME/pagedkv/ext (~/.cache)."""
+    """Where compiled kernels live: $PAGEDKV_EXT_DIR, else $XDG_CACHE_HOME/pagedkv/ext
+    (~/.cache)."""
     if "PAGEDKV_EXT_DIR" in os.environ:
         return Path(os.environ["PAGEDKV_EXT_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -166,7 +166,8 @@ def _check_shapes(
         )
     if v_cache.shape != k_cache.shape or q.shape[2] != k_cache.shape[3]:
         raise ValueError(
-            f"shapes disagree: q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}"
+            f"shapes disagree: q {tuple(q.shape)}, k {tuple(k_cache.shape)},"
+            f" v {tuple(v_cache.shape)}"
         )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
@@ -207,7 +208,8 @@ def _check_dtypes(
         return
     if k_cache.dtype not in native.QUANT_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"scales go with an int8 or float8_e4m3fn cache, got {k_cache.dtype} and {v_cache.dtype}"
+            f"scales go with an int8 or float8_e4m3fn cache,"
+            f" got {k_cache.dtype} and {v_cache.dtype}"
         )
     want = tuple(k_cache.shape[:2])
     for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):

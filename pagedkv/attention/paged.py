@@ -124,8 +124,8 @@ def _decode_indices(
 
 
 def _gather_rows(cache: Cache, rows: Tensor, name: str, dtype: torch.dtype) -> Tensor:
-    """Flat (block * Hkv + head) rows of the cache as [R, block_size, D], float ones in a reused buffer
-    (dequantizing allocates its steps anyway)."""
+    """Flat (block * Hkv + head) rows of the cache as [R, block_size, D], float ones in a reused
+    buffer (dequantizing allocates its steps anyway)."""
     if isinstance(cache, QuantizedCache):
         return cache.dequantize_rows(rows, dtype)
     num_blocks, num_kv_heads, block_size, head_dim = cache.shape

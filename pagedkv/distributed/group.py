@@ -1,4 +1,5 @@
-"""The ranks of a tensor-parallel engine: rank 0 is the engine's process, ranks 1.. are spawned workers.
+"""The ranks of a tensor-parallel engine: rank 0 is the engine's process, ranks 1.. are spawned
+workers.
 
 torch.distributed does the talking (gloo on CPU, NCCL on CUDA for the
 all-reduces); torch.multiprocessing starts the workers. Rank 0 broadcasts each step's block
@@ -43,7 +44,8 @@ class TensorParallelError(RuntimeError):
 
 
 def all_reduce(t: Tensor) -> None:
-    """Sum over ranks in place, in float32 (gloo sums bf16 poorly, and float32 matches one rank's matmul)."""
+    """Sum over ranks in place, in float32 (gloo sums bf16 poorly, and float32 matches one rank's
+    matmul)."""
     if t.dtype == torch.float32:
         dist.all_reduce(t)
         return
@@ -53,7 +55,8 @@ def all_reduce(t: Tensor) -> None:
 
 
 def min_over_ranks(n: int) -> int:
-    """The smallest of every rank's value (the KV pool is sized by the rank with the least memory)."""
+    """The smallest of every rank's value (the KV pool is sized by the rank with the least
+    memory)."""
     t = torch.tensor([n], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
@@ -64,7 +67,8 @@ def backend(device: torch.device) -> str:
 
 
 class TensorParallelGroup:
-    """Rank 0's handle on the workers: starts them, sends each step's moves and inputs, stops them."""
+    """Rank 0's handle on the workers: starts them, sends each step's moves and inputs, stops
+    them."""
 
     def __init__(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.world = config.tensor_parallel_size
@@ -163,7 +167,8 @@ def _stop(procs: list) -> None:
 
 
 def _worker_main(rank: int, world: int, init: str, config: EngineConfig) -> None:
-    """A worker rank: build its shard and its KV storage as rank 0 does, then run what rank 0 sends until None."""
+    """A worker rank: build its shard and its KV storage as rank 0 does, then run what rank 0 sends
+    until None."""
     # late: the spawned child imports torch first
     from pagedkv.distributed.tiers import TierReserve, replay
     from pagedkv.engine.setup import build_worker_runner

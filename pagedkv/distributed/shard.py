@@ -46,7 +46,8 @@ class HeadSplit:
 def split_heads(num_heads: int, num_kv_heads: int, rank: int, world: int) -> HeadSplit:
     if num_heads % world:
         raise ConfigError(
-            f"--tensor-parallel-size {world} does not divide the model's {num_heads} attention heads"
+            f"--tensor-parallel-size {world} does not divide the model's {num_heads} "
+            "attention heads"
         )
     if num_kv_heads % world and world % num_kv_heads:
         raise ConfigError(

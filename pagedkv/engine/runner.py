@@ -58,7 +58,8 @@ class DiskWrites:
 
 @dataclass
 class ForwardInputs:
-    """One forward's inputs: what every tensor-parallel rank needs besides its own weights and K/V."""
+    """One forward's inputs: what every tensor-parallel rank needs besides its own weights and
+    K/V."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -66,7 +67,8 @@ class ForwardInputs:
 
 
 class ModelRunner:
-    """`kv` (the block manager) and `offload` live in rank 0 only; `tp` is rank 0's link to the other ranks."""
+    """`kv` (the block manager) and `offload` live in rank 0 only; `tp` is rank 0's link to the
+    other ranks."""
 
     def __init__(
         self,
@@ -134,7 +136,8 @@ class ModelRunner:
     def prepare(
         self, scheduled: list[ScheduledSeq]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Inputs for one forward; also the rows whose logits are sampled (last row of each sampling seq)."""
+        """Inputs for one forward; also the rows whose logits are sampled (last row of each sampling
+        seq)."""
         bs = self.block_size
         tokens: list[int] = []
         positions: list[np.ndarray] = []

@@ -79,8 +79,8 @@ def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype | st
 def build_kv_storage(
     config: EngineConfig, mc, num_kv_heads: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[KVStorage, KVStorage | None, int]:
-    """The KV pool, the swap space (unless swap borrows the host tier's slots) and the bytes per block:
-    the same on every tensor-parallel rank, sized by the smallest rank."""
+    """The KV pool, the swap space (unless swap borrows the host tier's slots) and the bytes per
+    block: the same on every tensor-parallel rank, sized by the smallest rank."""
     shape = dict(
         num_layers=mc.num_hidden_layers,
         num_kv_heads=num_kv_heads,

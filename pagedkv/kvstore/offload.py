@@ -1,6 +1,7 @@
-"""Tiered KV offload: cached prefix blocks evicted from the device live on in host memory, then on disk.
+"""Tiered KV offload: cached prefix blocks evicted from the device live on in host memory, then on
+disk.
 
-    device pool --evicted--> host tier (LRU slots) --full--> disk tier (a file per block) --full--> gone
+    device pool --evicted--> host tier (LRU slots) --full--> disk tier (file per block) --> gone
        ^  |                       |                               ^  |
        |  +---- every block once full (written through) ---------+  |
        +-------- prefix hit ------+----------------------------------+
@@ -123,8 +124,8 @@ class HostTier:
     def insert(
         self, block_hash: BlockHash, token_ids: TokenIds
     ) -> tuple[int, tuple[BlockHash, _HostEntry] | None] | None:
-        """A slot for a new cached block: a free one, else the LRU block's, returned as the victim so the
-        caller can move its data out first. None when every slot is lent or pinned."""
+        """A slot for a new cached block: a free one, else the LRU block's, returned as the victim
+        so the caller can move its data out first. None when every slot is lent or pinned."""
         victim = None
         if self._free:
             slot = self._free.pop()
@@ -279,8 +280,8 @@ class KVOffload:
         blocks: Sequence[tuple[BlockHash, TokenIds]],
         agree: Callable[[int], int] | None = None,
     ) -> int:
-        """Make the leading run of these blocks loadable this step: pin host slots, read and check disk
-        files now. Returns the run's length; the first block that fails (a bad file) ends it.
+        """Make the leading run of these blocks loadable this step: pin host slots, read and check
+        disk files now. Returns the run's length; the first block that fails (a bad file) ends it.
         `agree` (tensor parallelism) turns this rank's run into the one every rank can load."""
         read: dict[BlockHash, Tensor] = {}
         n = len(blocks)
@@ -305,8 +306,8 @@ class KVOffload:
     # ---- runner side --------------------------------------------------------------------------
 
     def stage(self, storage: KVStorage, saves: list[BlockSave], loads: list[BlockLoad]) -> _Staged:
-        """Reads only, before the step's block copies: device blocks to save, tier blocks to load, and
-        cached host blocks whose slots swap-out is about to overwrite (they go to disk now)."""
+        """Reads only, before the step's block copies: device blocks to save, tier blocks to load,
+        and cached host blocks whose slots swap-out is about to overwrite (they go to disk now)."""
         disk = self.disk
         if self.host is None and disk is not None and saves:  # disk only: written through, no copy
             kept = [s for s in saves if disk.needs(s.block_hash)]
@@ -333,7 +334,8 @@ class KVOffload:
         return self.host.storage.read_blocks([self.host.slot(block_hash)])[0]
 
     def commit(self, storage: KVStorage, staged: _Staged) -> None:
-        """Writes, after the step's block copies: loaded blocks into the device, saved ones into the tiers."""
+        """Writes, after the step's block copies: loaded blocks into the device, saved ones into
+        the tiers."""
         if staged.load_dst:
             assert staged.loaded is not None
             storage.write_blocks(staged.load_dst, staged.loaded)

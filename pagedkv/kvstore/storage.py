@@ -177,5 +177,6 @@ class KVStorage:
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str
     ) -> int:
-        """Bytes of one token's K and V elements (fp8 / int8 scales are per block: see bytes_per_block)."""
+        """Bytes of one token's K and V elements (fp8 / int8 scales are per block: see
+        bytes_per_block)."""
         return 2 * num_layers * num_kv_heads * head_dim * as_dtype(dtype).itemsize

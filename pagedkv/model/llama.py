@@ -40,7 +40,8 @@ MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_toke
 
 
 def _param(*shape: int, dtype: torch.dtype, device: str | None = None) -> nn.Parameter:
-    """device "meta" for a weight that loading replaces with a quantized one (no memory until then)."""
+    """device "meta" for a weight that loading replaces with a quantized one (no memory until
+    then)."""
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
