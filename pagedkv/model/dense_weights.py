@@ -42,7 +42,8 @@ ENV = "PAGEDKV_DENSE_WEIGHTS"
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # row counts timed, until the copy wins twice
 REPEATS = 3  # rounds at least, MAX_ROUNDS at most
 MAX_ROUNDS = 20
-SETTLED = 0.98  # a round that lowers no sum by 2% ends the timing
+SETTLED = 0.98  # two rounds that lower no sum by 2% end the timing
+PART_BYTES = 4 << 20  # the most of a copy one timed call reads
 NEVER = 2**62  # dense_from when the packed kernel won every measured row count
 
 
@@ -124,11 +125,15 @@ def _is_rows(value: object) -> bool:
 
 
 def sample(weights: list[PackedWeight]) -> list[PackedWeight]:
-    """The first weights whose copies pass MIN_BYTES (more than a cache holds, as in a step)."""
+    """The first weights whose copies pass MIN_BYTES (more than a cache holds, as in a step),
+    a big one cut into parts of PART_BYTES or less: a call of a millisecond or more is seldom
+    left alone on a busy machine, and a pass of short calls is what a step of them costs."""
     taken, size = [], 0
     for w in weights:
-        taken.append(w)
-        size += w.shape[0] * w.shape[1] * 2
+        n, k = w.shape
+        step = max(64, PART_BYTES // (2 * k) // 64 * 64)
+        taken += [w.part(i, min(n, i + step)) for i in range(0, n, step)] if n > step else [w]
+        size += n * k * 2
         if size >= MIN_BYTES:
             break
     return taken
@@ -151,10 +156,10 @@ def time_both(weights: list[PackedWeight]) -> dict[str, list]:
 def _best_pass(weights: list[PackedWeight], xs: dict[int, Tensor]) -> tuple[float, float]:
     """A pass's seconds, packed and dense, as the sum of each matmul's best time. Each is timed
     alone, right after the same matrix in the other form, over at least REPEATS rounds and until
-    a round improves neither sum by SETTLED: on a busy machine a pause spoils one sample, not a
-    pass, and a slow spell only adds rounds."""
+    two rounds in a row improve neither sum by SETTLED: on a busy machine a pause spoils one
+    sample, not a pass, and a slow spell only adds rounds."""
     best = [[math.inf, math.inf] for _ in weights]
-    sums = (math.inf, math.inf)
+    sums, idle = (math.inf, math.inf), 0
     for round_ in range(MAX_ROUNDS + 1):  # round 0 warms up
         for w, times in zip(weights, best):
             x, copy = xs[w.shape[1]], w.dense
@@ -165,7 +170,8 @@ def _best_pass(weights: list[PackedWeight], xs: dict[int, Tensor]) -> tuple[floa
                 if round_:
                     times[form] = min(times[form], time.perf_counter() - t0)
         new = (sum(t[0] for t in best), sum(t[1] for t in best))
-        if round_ >= REPEATS and all(n > SETTLED * s for n, s in zip(new, sums)):
+        idle = idle + 1 if all(n > SETTLED * s for n, s in zip(new, sums)) else 0
+        if round_ >= REPEATS and idle >= 2:
             return new
         sums = new
     return sums

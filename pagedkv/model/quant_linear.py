@@ -74,6 +74,17 @@ class PackedWeight:
     def add_dense_copy(self) -> None:
         self.dense = self.dequantize().to(ACT_DTYPE).contiguous()
 
+    def part(self, start: int, stop: int) -> PackedWeight:
+        """Output rows start:stop (multiples of 64) as a weight of their own, on the same
+        storage, copy included: a big matrix timed in short calls (dense_weights.py)."""
+        part = self._rows(start, stop)
+        part.dense = None if self.dense is None else self.dense[start:stop]
+        part.dense_from = self.dense_from
+        return part
+
+    def _rows(self, start: int, stop: int) -> PackedWeight:
+        raise NotImplementedError
+
     @property
     def packed_nbytes(self) -> int:
         raise NotImplementedError
@@ -132,6 +143,10 @@ class Int4Weight(PackedWeight):
         q = ((raw >> shifts[:, None]) & 15).float().view(-1, k // self.group, self.group) - 8
         return (q * scale.t()[..., None] + zero.t()[..., None]).view(-1, k)
 
+    def _rows(self, start: int, stop: int) -> Int4Weight:
+        sz = self.scales_zeros[:, start:stop].contiguous()
+        return Int4Weight(self.packed[start:stop], sz, self.group, (stop - start, self.shape[1]))
+
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Embedding lookup: only the looked-up rows are unpacked."""
         return self._values(ids).to(dtype)
@@ -164,6 +179,9 @@ class Int8Weight(PackedWeight):
 
     def packed_mm(self, x: Tensor) -> Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+
+    def _rows(self, start: int, stop: int) -> Int8Weight:
+        return Int8Weight(self.q[start:stop], self.scale[start:stop])
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Embedding lookup: only the looked-up rows are dequantized."""
