@@ -56,12 +56,14 @@ class PackedWeight:
     dense_from: int = 1  # rows
 
     def mm(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, self.shape[1]).to(ACT_DTYPE).contiguous()
-        if self.dense is not None and x2.shape[0] >= self.dense_from:
-            y = F.linear(x2, self.dense)
-        else:
-            y = self.packed_mm(x2)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+        n, k = self.shape
+        dense = self.dense
+        if dense is not None and x.numel() >= self.dense_from * k:  # (few torch calls: a step
+            if x.dtype == ACT_DTYPE:  # makes 121 of them)
+                return F.linear(x, dense)
+            return F.linear(x.to(ACT_DTYPE), dense).to(x.dtype)
+        y = self.packed_mm(x.reshape(-1, k).to(ACT_DTYPE).contiguous())
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
     def packed_mm(self, x: Tensor) -> Tensor:
         """x [T, K] in ACT_DTYPE -> [T, N] through the packed kernel."""
