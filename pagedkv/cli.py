@@ -130,8 +130,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "-q",
         default=None,
         choices=list(QUANTIZATIONS),
-        help="weights: none, int8 (per channel), "
-        "gguf (the file's own blocks; default for a .gguf on CPU)",
+        help="weights: none, int8 (per channel), gguf (the file's own blocks; default for a .gguf "
+        "on CPU); int8 and gguf keep a bf16 copy for steps of many rows (PAGEDKV_DENSE_WEIGHTS)",
     )
     p.add_argument(
         "--chat-template",

@@ -54,7 +54,8 @@ def test_weights_larger_than_the_budget_leave_no_kv_cache():
     assert p.kv_memory == 0 and all(r.tokens == 0 and r.requests_at_context == 0 for r in p.dtypes)
 
 
-def test_gguf_metadata_of_the_default_model():
+def test_gguf_metadata_of_the_default_model(monkeypatch):
+    monkeypatch.setenv("PAGEDKV_DENSE_WEIGHTS", "0")  # the file's blocks only
     s = resolve_shape()  # no --model, no --shape: the default GGUF
     assert s.source == "gguf" and s.name == "SmolLM2-135M-Instruct.Q4_1"
     assert (s.num_layers, s.num_kv_heads, s.head_dim, s.max_context) == (30, 3, 64, 8192)
@@ -62,6 +63,10 @@ def test_gguf_metadata_of_the_default_model():
     assert (
         80 * 2**20 < s.weight_bytes < default_model_path().stat().st_size
     )  # Q4_1 tensors, not bf16
+    # by default the packed matrices (all but 61 norms of 576) keep a bfloat16 copy too
+    monkeypatch.delenv("PAGEDKV_DENSE_WEIGHTS")
+    copies = 2 * (s.num_params - 61 * 576)
+    assert resolve_shape().weight_bytes == s.weight_bytes + copies
     assert per_token(s, "auto") == 23040
 
 

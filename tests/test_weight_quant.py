@@ -4,6 +4,7 @@ their outputs; bad values are one-line errors."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from test_model_vs_hf import PagedDriver, Seq
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ConfigError
+from pagedkv.model.dense_weights import keeps_copies, packed_weights
 from pagedkv.model.loader import load_model
 from pagedkv.model.quant_linear import (
     ACT_DTYPE,
@@ -54,7 +56,7 @@ def random_tensor(qtype: QT, rows: int = 128, cols: int = 512, seed: int = 0) ->
 
 def kernel_weights(w) -> torch.Tensor:
     """What a packed weight multiplies by: W as float32, read back through the kernel (x = I)."""
-    return w.mm(torch.eye(w.shape[1])).t().float()
+    return w.packed_mm(torch.eye(w.shape[1], dtype=ACT_DTYPE)).t().float()
 
 
 @pytest.mark.parametrize("qtype", list(MAKERS), ids=lambda q: q.name)
@@ -65,6 +67,8 @@ def test_packing_round_trip_equals_gguf_dequantization(qtype, one_torch_thread):
     assert torch.equal(blocks.dequantize(), want)  # codes, scales, zeros read exactly
     packed = gguf_weight(blocks, "embed_tokens", torch.float32)
     got = kernel_weights(packed)
+    # a dense copy holds the kernel's own weight values, rounded once to bfloat16
+    assert torch.equal(packed.dequantize().to(ACT_DTYPE).float(), got)
     if qtype in (QT.Q4_0, QT.Q4_1, QT.Q4_K):
         assert isinstance(gguf_weight(blocks, "gate_up_proj", torch.float32), Int4Weight)
         assert isinstance(packed, Int4Weight)
@@ -111,7 +115,12 @@ def test_int8_tiny_model_stays_close_to_float32(tiny_model_dir, tiny32, one_torc
     lm8 = load_model(tiny_model_dir, torch.float32, quantization="int8")
     assert isinstance(lm8.model.layers[0].qkv_proj, Int8Weight)
     assert lm8.model.lm_head is lm8.model.embed_tokens or not lm8.config.tie_word_embeddings
-    assert lm8.model.weight_bytes() < 0.3 * tiny32.model.weight_bytes()
+    weights = packed_weights(lm8.model)
+    packed = sum(w.packed_nbytes for w in weights)
+    assert packed < 0.3 * tiny32.model.weight_bytes()
+    if keeps_copies():  # (unless PAGEDKV_DENSE_WEIGHTS=0) plus 2 bytes per weight
+        copies = sum(w.shape[0] * w.shape[1] * 2 for w in weights)
+        assert sum(w.nbytes for w in weights) == packed + copies
     ids = tiny32.tokenizer.encode(PROMPTS[1])
     l32 = PagedDriver(tiny32, 16).step([(Seq(list(ids)), len(ids))])
     l8 = PagedDriver(lm8, 16).step([(Seq(list(ids)), len(ids))])
@@ -133,30 +142,45 @@ def quantized_models(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
     return {"int8": str(tiny_model_dir), "gguf": str(q4)}
 
 
-def quantized_llm(models: dict[str, str], quantization: str, **options) -> LLM:
+# PAGEDKV_DENSE_WEIGHTS for one form of the weights in every matmul: the packed kernel ("0") or
+# the dense copy ("1"). By default the form follows a matmul's row count, which changes results
+# by float rounding (test_dense_weights.py); scheduling must change nothing within one form.
+FORMS = {"packed": "0", "dense": "1"}
+
+
+def quantized_llm(models: dict[str, str], quantization: str, form: str, **options) -> LLM:
     options.setdefault("num_gpu_blocks_override", 256)
-    return LLM(models[quantization], quantization=quantization, dtype="float32", **options)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDKV_DENSE_WEIGHTS", FORMS[form])
+        return LLM(models[quantization], quantization=quantization, dtype="float32", **options)
 
 
 @pytest.fixture(scope="module")
-def references(quantized_models) -> dict[str, list[list[int]]]:
-    """Greedy outputs per quantization, one prompt at a time, with a roomy pool."""
+def references(quantized_models) -> dict[tuple[str, str], list[list[int]]]:
+    """Greedy outputs per (quantization, form), one prompt at a time, with a roomy pool."""
     refs = {}
     for q in quantized_models:
-        llm = quantized_llm(quantized_models, q)
-        assert not isinstance(llm.engine.loaded.model.layers[0].o_proj, torch.Tensor)
-        refs[q] = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+        for form in FORMS:
+            llm = quantized_llm(quantized_models, q, form)
+            o_proj = llm.engine.loaded.model.layers[0].o_proj
+            assert not isinstance(o_proj, torch.Tensor)
+            assert (o_proj.dense is None) == (form == "packed")
+            refs[q, form] = [
+                llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS
+            ]
     return refs
 
 
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("quantization", ["int8", "gguf"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_quantized_outputs(
-    quantized_models, references, quantization, mode, one_torch_thread
+    quantized_models, references, quantization, form, mode, one_torch_thread
 ):
     llm = quantized_llm(
         quantized_models,
         quantization,
+        form,
         num_gpu_blocks_override=24,
         block_size=4,
         preemption_mode=mode,
@@ -165,19 +189,22 @@ def test_preemption_keeps_quantized_outputs(
     )
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == references[quantization]
+    assert [o.outputs[0].token_ids for o in outs] == references[quantization, form]
 
 
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("quantization", ["int8", "gguf"])
 def test_prefix_cache_keeps_quantized_outputs(
-    quantized_models, references, quantization, one_torch_thread
+    quantized_models, references, quantization, form, one_torch_thread
 ):
-    llm = quantized_llm(quantized_models, quantization, block_size=4, max_num_batched_tokens=7)
+    llm = quantized_llm(
+        quantized_models, quantization, form, block_size=4, max_num_batched_tokens=7
+    )
     first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert again[3].num_cached_tokens > 0
-    assert [o.outputs[0].token_ids for o in first] == references[quantization]
-    assert [o.outputs[0].token_ids for o in again] == references[quantization]
+    assert [o.outputs[0].token_ids for o in first] == references[quantization, form]
+    assert [o.outputs[0].token_ids for o in again] == references[quantization, form]
 
 
 def test_bad_quantization_values(tiny_model_dir):
@@ -212,7 +239,8 @@ def test_default_model_gguf_blocks_follow_the_dequantized_model(smol_gguf, one_t
     q = load_model(None, torch.float32, quantization=None)  # None: the default for a GGUF on CPU
     assert q.quantization == "gguf" and isinstance(q.model.layers[0].gate_up_proj, Int4Weight)
     assert isinstance(q.model.embed_tokens, Int8Weight) and q.model.lm_head is q.model.embed_tokens
-    assert q.model.weight_bytes() < 100e6 < 0.5 * smol_gguf.model.weight_bytes()
+    copies = sum(0 if w.dense is None else w.dense.nbytes for w in packed_weights(q.model))
+    assert q.model.weight_bytes() - copies < 100e6 < 0.5 * smol_gguf.model.weight_bytes()
     tok = q.tokenizer
     # (prompts whose next tokens are no near-tie: "What is the capital of France?" starts with a
     # 0.08 logit margin between two answers in float32, so any rounding may pick either)
@@ -239,28 +267,23 @@ def test_weight_bytes_in_plan_stats_and_metrics(tiny_model_dir, tiny32):
     from pagedkv.server.metrics import ServerMetrics
     from pagedkv.sim.shapes import resolve_shape
 
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pagedkv.cli",
-            "plan",
-            "--model",
-            str(tiny_model_dir),
-            "--quantization",
-            "int8",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
     plain = resolve_shape(str(tiny_model_dir))
-    assert f'"weight_bytes": {plain.num_params}' in r.stdout  # one byte per weight
+    # one byte per weight, plus two for the dense copy unless PAGEDKV_DENSE_WEIGHTS=0
+    for setting, per_weight in (("0", 1), ("auto", 3)):
+        r = subprocess.run(
+            [sys.executable, "-m", "pagedkv.cli", "plan", "--model", str(tiny_model_dir)]
+            + ["--quantization", "int8", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PAGEDKV_DENSE_WEIGHTS": setting},
+        )
+        assert r.returncode == 0, r.stderr
+        assert f'"weight_bytes": {per_weight * plain.num_params}' in r.stdout
     llm = LLM(tiny_model_dir, quantization="int8", dtype="float32", num_gpu_blocks_override=64)
     held = llm.engine.stats().model_weight_bytes
-    assert held == llm.engine.loaded.model.weight_bytes() < 0.3 * tiny32.model.weight_bytes()
+    # 3 bytes per weight at most (int8 and the bfloat16 copy), against 4 in float32
+    assert held == llm.engine.loaded.model.weight_bytes() < 0.8 * tiny32.model.weight_bytes()
     from pagedkv.engine.async_engine import AsyncLLM
 
     text = ServerMetrics(AsyncLLM(llm.engine.config, llm.engine), "tiny").render()[0].decode()

@@ -9,23 +9,19 @@ weights of this model's shapes (more than a cache holds, like a real step) at
 batch 1 and at a batched step, and keeps the dtype with the lower geometric
 mean of per-token time over the two. It costs about a second, once: the
 verdict is cached per CPU, torch build, thread count and model shape in
-$PAGEDKV_EXT_DIR (or ~/.cache/pagedkv) as dtype.json.
+$PAGEDKV_EXT_DIR (or ~/.cache/pagedkv) as dtype.json (calibration_cache.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import os
-import platform
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from pagedkv.model.calibration_cache import cached, machine_key
 from pagedkv.model.config import LlamaConfig
 
 log = logging.getLogger("pagedkv")
@@ -41,30 +37,6 @@ def layer_shapes(cfg: LlamaConfig) -> list[tuple[int, int]]:
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
-
-
-def _cpu_identity() -> str:
-    """The CPU, plus the variables that cap which instructions torch's matmuls may use."""
-    model = (
-        platform.processor()
-        + os.environ.get("ONEDNN_MAX_CPU_ISA", "")
-        + os.environ.get("ATEN_CPU_CAPABILITY", "")
-    )
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags", "Features")):
-                model += line
-    except OSError:
-        pass
-    return hashlib.sha256(model.encode()).hexdigest()[:16]
-
-
-def _cache_file() -> Path:
-    base = os.environ.get("PAGEDKV_EXT_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "pagedkv",
-    )
-    return Path(base) / "dtype.json"
 
 
 def _time_per_token(shapes: list[tuple[int, int]], dtype: torch.dtype, batch: int) -> float:
@@ -104,16 +76,8 @@ def pick(timings: dict[str, dict[str, float]]) -> str:
 def choose_cpu_dtype(cfg: LlamaConfig) -> torch.dtype:
     """Measured once per (CPU, torch, threads, model shape), then read from the cache."""
     shapes = layer_shapes(cfg)
-    key = f"{_cpu_identity()}:{torch.__version__}:{torch.get_num_threads()}:{shapes}"
-    path = _cache_file()
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if not isinstance(cache, dict):
-        cache = {}
-    entry = cache.get(key)
-    if not (isinstance(entry, dict) and entry.get("dtype") in ("float32", "bfloat16")):
+
+    def measured() -> dict:
         t0 = time.monotonic()
         timings = measure(shapes)
         entry = {"dtype": pick(timings), "timings": timings}
@@ -123,14 +87,14 @@ def choose_cpu_dtype(cfg: LlamaConfig) -> torch.dtype:
             time.monotonic() - t0,
             entry["dtype"],
         )
-        cache[key] = entry
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            tmp.replace(path)
-        except OSError as e:  # a read-only cache only costs a second per start
-            log.warning("cannot cache the dtype calibration in %s: %s", path, e)
+        return entry
+
+    entry = cached(
+        "dtype.json",
+        machine_key(shapes),
+        lambda e: e.get("dtype") in ("float32", "bfloat16"),
+        measured,
+    )
     return getattr(torch, entry["dtype"])
 
 

@@ -16,6 +16,7 @@ import torch
 
 from pagedkv.config import QUANTIZATIONS, ConfigError, default_model_path
 from pagedkv.model.config import Checkpoint, LlamaConfig
+from pagedkv.model.dense_weights import add_dense_copies
 from pagedkv.model.gguf_loader import load_gguf
 from pagedkv.model.hf_loader import load_hf
 from pagedkv.model.llama import LlamaForCausalLM
@@ -133,6 +134,8 @@ def load_model(
         model = LlamaForCausalLM(ckpt.config, dtype, quantization, pack)
     model.load_weights(ckpt.weights)
     model.eval()
+    if quantization != "none":
+        add_dense_copies(model)  # before the KV pool is sized from the memory left
     # quantized weights give other K/V: a persistent KV tier must not mix them up
     key = fingerprint(ckpt.files) + ("" if quantization == "none" else f":{quantization}")
     return LoadedModel(

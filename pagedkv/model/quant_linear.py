@@ -8,9 +8,7 @@ measured), and plain tensors:
   (`aten._weight_int4pack_mm_for_cpu`, w = (q - 8) * scale + zero). GGUF's
   Q4_0 (d, zero -8d), Q4_1 (d, m) and Q4_K (per-32 sub-block d*sc, -dmin*m) map
   onto it with the same 4-bit codes; only the scales and zeros are rounded from
-  float16 to bfloat16 (a relative error <= 2^-9 of each). Every step, prefill
-  included, goes through the kernel: a dense path for many rows would make
-  results depend on a step's row count (BENCHMARKS.md).
+  float16 to bfloat16 (a relative error <= 2^-9 of each).
 - `Int8Weight`: int8 per output channel with one scale per row
   (`aten._weight_int8pack_mm`). Used for `--quantization int8`, and under
   gguf for the embedding and lm_head in types no torch kernel runs as they are
@@ -19,6 +17,9 @@ measured), and plain tensors:
 - plain tensors (`--quantization none`; under gguf, Q8_0/Q6_K matrices other
   than those two and tensors of other types, dequantized to the model's dtype).
 
+Both holders may also keep a dense bfloat16 copy of the kernel's own weight
+values (`PackedWeight`), which matmuls of many rows use (dense_weights.py).
+
 `Blocks` is the loader's form of a GGUF tensor before the kernel layout is
 chosen: codes, scales and zeros per group, so q/k rows can be permuted and
 q/k/v parts concatenated before packing (the packed layout cannot be cut).
@@ -26,7 +27,8 @@ q/k/v parts concatenated before packing (the packed layout cannot be cut).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import gguf
 import numpy as np
@@ -37,45 +39,137 @@ from torch import Tensor
 
 ACT_DTYPE = torch.bfloat16  # what the packed kernels take and return
 INT4_GROUPS = (32, 64, 128)  # group sizes aten's int4 CPU kernel accepts
-_BLOCK_N = 64  # aten's CPU int4 layout: [N/64, K, 32] bytes; low nibbles rows 0-31
+_BLOCK_N = 64  # the rows of a block in aten's int4 layout, at most (_int4_layout)
+
+
+class PackedWeight:
+    """A weight for torch's packed kernels, with an optional dense bfloat16 copy of the same values.
+
+    Those kernels beat a dense GEMM on few rows (fewer bytes read) but lose on many (they do not
+    block for compute), so a matmul of `dense_from` rows or more uses the copy; dense_weights.py
+    adds it and measures the crossover. Both forms hold the kernel's own weight values (rounded
+    to bfloat16 once in the copy), so the two paths agree to float rounding.
+    """
+
+    shape: tuple[int, int]  # (N, K)
+    dense: Tensor | None = None  # ACT_DTYPE [N, K]
+    dense_from: int = 1  # rows
+
+    def mm(self, x: Tensor) -> Tensor:
+        n, k = self.shape
+        dense = self.dense
+        if dense is not None and x.numel() >= self.dense_from * k:  # (few torch calls: a step
+            if x.dtype == ACT_DTYPE:  # makes 121 of them)
+                return F.linear(x, dense)
+            return F.linear(x.to(ACT_DTYPE), dense).to(x.dtype)
+        y = self.packed_mm(x.reshape(-1, k).to(ACT_DTYPE).contiguous())
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+    def packed_mm(self, x: Tensor) -> Tensor:
+        """x [T, K] in ACT_DTYPE -> [T, N] through the packed kernel."""
+        raise NotImplementedError
+
+    def dequantize(self) -> Tensor:
+        """W [N, K] float32, as the kernel computes it."""
+        raise NotImplementedError
+
+    def add_dense_copy(self) -> None:
+        self.dense = self.dequantize().to(ACT_DTYPE).contiguous()
+
+    def part(self, start: int, stop: int) -> PackedWeight:
+        """Output rows start:stop (multiples of 64) as a weight of their own, on the same
+        storage, copy included: a big matrix timed in short calls (dense_weights.py)."""
+        part = self._rows(start, stop)
+        part.dense = None if self.dense is None else self.dense[start:stop]
+        part.dense_from = self.dense_from
+        return part
+
+    def _rows(self, start: int, stop: int) -> PackedWeight:
+        raise NotImplementedError
+
+    @property
+    def packed_nbytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed_nbytes + (0 if self.dense is None else self.dense.nbytes)
+
+
+@functools.cache
+def _int4_layout() -> tuple[int, Tensor, Tensor]:
+    """aten's int4 CPU layout: rows in blocks of B, each block [K, B/2] bytes; returns B and the
+    byte and bit shift of each row of a block. Found by packing a probe, since the layout follows
+    the kernel torch dispatches to (AVX-512: B = 64, rows j and j + 32 share a byte; AVX2 and the
+    default: B = 32, rows 2i and 2i + 1)."""
+    j = torch.arange(_BLOCK_N, dtype=torch.int32)
+    probe = torch.zeros(_BLOCK_N, 32, dtype=torch.int32)
+    probe[:, 0], probe[:, 1] = j % 16, j // 16  # row j's id in its codes of columns 0 and 1
+    raw = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1).flatten()
+    for rows in (64, 32, 16):
+        cols = raw.view(_BLOCK_N // rows, 32, rows // 2)[:, :2]  # [blocks, columns 0-1, bytes]
+        nibbles = torch.stack([cols & 15, cols >> 4], dim=-1).long()  # [blocks, 2, bytes, 2]
+        found = nibbles[:, 0] + 16 * nibbles[:, 1] - torch.arange(0, _BLOCK_N, rows)[:, None, None]
+        if (found == found[0]).all() and sorted(found[0].flatten().tolist()) == list(range(rows)):
+            place = torch.empty(rows, dtype=torch.long)
+            place[found[0].flatten()] = torch.arange(rows)
+            return rows, place // 2, (place % 2 * 4).to(torch.uint8)
+    raise RuntimeError("unknown layout of torch's packed int4 CPU weights")
 
 
 @dataclass
-class Int4Weight:
-    packed: Tensor  # uint8 [N, K/2], aten's CPU int4 layout
+class Int4Weight(PackedWeight):
+    packed: Tensor  # uint8 [N, K/2], aten's CPU int4 layout (N a multiple of 64)
     scales_zeros: Tensor  # bfloat16 [K/group, N, 2]
     group: int
     shape: tuple[int, int]  # (N, K)
 
-    def mm(self, x: Tensor) -> Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, self.shape[1]).to(ACT_DTYPE).contiguous(),
-            self.packed,
-            self.group,
-            self.scales_zeros,
+    def packed_mm(self, x: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, self.group, self.scales_zeros
         )
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+
+    def _values(self, ids: Tensor | None) -> Tensor:
+        """Rows `ids` of W (None: all) as float32 [T, K], unpacked from aten's layout."""
+        n, k = self.shape
+        rows, byte, shift = _int4_layout()
+        blocks = self.packed.view(n // rows, k, rows // 2)
+        if ids is None:
+            raw = blocks[:, :, byte].transpose(1, 2).reshape(n, k)  # [N/B, K, B] -> [N, K]
+            shifts = shift.repeat(n // rows)
+            scale, zero = self.scales_zeros.float().unbind(-1)  # [K / group, N]
+        else:
+            raw = blocks[ids // rows, :, byte[ids % rows]]  # [T, K] bytes
+            shifts = shift[ids % rows]
+            scale, zero = self.scales_zeros[:, ids].float().unbind(-1)
+        q = ((raw >> shifts[:, None]) & 15).float().view(-1, k // self.group, self.group) - 8
+        return (q * scale.t()[..., None] + zero.t()[..., None]).view(-1, k)
+
+    def _rows(self, start: int, stop: int) -> Int4Weight:
+        sz = self.scales_zeros[:, start:stop].contiguous()
+        return Int4Weight(self.packed[start:stop], sz, self.group, (stop - start, self.shape[1]))
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        """Embedding lookup: the looked-up rows unpacked from aten's layout (N a multiple of 64)."""
-        n, k = self.shape
-        block, j = ids // _BLOCK_N, ids % _BLOCK_N
-        half = _BLOCK_N // 2
-        raw = self.packed.view(n // _BLOCK_N, k, half)[block, :, j % half]  # [T, K] bytes
-        q = (raw >> (4 * (j >= half)).to(torch.uint8)[:, None]) & 15
-        scale, zero = self.scales_zeros[:, ids].float().unbind(-1)  # [K / group, T]
-        q = q.float().view(-1, k // self.group, self.group) - 8
-        return (q * scale.t()[..., None] + zero.t()[..., None]).view(-1, k).to(dtype)
+        """Embedding lookup: only the looked-up rows are unpacked."""
+        return self._values(ids).to(dtype)
+
+    def dequantize(self) -> Tensor:
+        return self._values(None)
 
     @property
-    def nbytes(self) -> int:
+    def packed_nbytes(self) -> int:
         return self.packed.nbytes + self.scales_zeros.nbytes
 
 
 @dataclass
-class Int8Weight:
+class Int8Weight(PackedWeight):
     q: Tensor  # int8 [N, K]
     scale: Tensor  # bfloat16 [N]
+    shape: tuple[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        n, k = self.q.shape
+        self.shape = (n, k)
 
     @classmethod
     def quantize(cls, w: Tensor) -> Int8Weight:
@@ -85,16 +179,11 @@ class Int8Weight:
         q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
         return cls(q.contiguous(), scale.contiguous())
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        n, k = self.q.shape
-        return n, k
+    def packed_mm(self, x: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
-    def mm(self, x: Tensor) -> Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(
-            x.reshape(-1, self.shape[1]).to(ACT_DTYPE).contiguous(), self.q, self.scale
-        )
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+    def _rows(self, start: int, stop: int) -> Int8Weight:
+        return Int8Weight(self.q[start:stop], self.scale[start:stop])
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Embedding lookup: only the looked-up rows are dequantized."""
@@ -104,11 +193,11 @@ class Int8Weight:
         return self.q.float() * self.scale.float()[:, None]
 
     @property
-    def nbytes(self) -> int:
+    def packed_nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes
 
 
-QuantWeight = Int4Weight | Int8Weight
+QuantWeight = Int4Weight | Int8Weight  # (PackedWeight's two kinds)
 
 
 def linear(x: Tensor, w: Tensor | QuantWeight) -> Tensor:
@@ -174,7 +263,9 @@ class Blocks:
 
 
 def pack_int4(b: Blocks) -> Int4Weight:
-    """Blocks of 4-bit codes -> aten's packed layout (torch's zero convention: w = (q - 8) * s + z)."""
+    """Blocks of 4-bit codes -> aten's packed layout.
+
+    torch's zero convention: w = (q - 8) * s + z."""
     n, k = b.q.shape
     zero = b.zero if b.zero is not None else torch.zeros_like(b.scale)
     sz = (
@@ -190,17 +281,16 @@ def pack_int4(b: Blocks) -> Int4Weight:
 def gguf_weight(b: Blocks, target: str, dtype: torch.dtype) -> Tensor | QuantWeight:
     """What --quantization gguf holds for a GGUF matrix (target: our weight's name).
 
-    4-bit blocks run as they are (int4; per-row int8 where aten's packing cannot take the row count).
+    4-bit blocks run as they are (int4; per-row int8 unless the row count is a multiple of 64).
     6- and 8-bit blocks (Q6_K, Q8_0) have no exact kernel: the vocabulary matrices (embedding,
     lm_head) become per-row int8, which cost nothing measurable on Q8_0; the others are
     dequantized to `dtype`, since per-row int8 of a whole Q8_0 model cost +0.45% perplexity
     (float32 model) and +0.72% (bfloat16), over the 0.5% Q8_0 is allowed (BENCHMARKS.md).
     """
     vocab = target in ("embed_tokens", "lm_head")
-    if b.bits == 4 and b.group in INT4_GROUPS and b.q.shape[0] % 16 == 0:
-        if target != "embed_tokens" or b.q.shape[0] % _BLOCK_N == 0:  # rows() unpacks 64-row blocks
-            return pack_int4(b)
-    elif not (vocab or b.bits == 4):
+    if b.bits == 4 and b.group in INT4_GROUPS and b.q.shape[0] % _BLOCK_N == 0:
+        return pack_int4(b)  # (Int4Weight unpacks whole 64-row blocks; a partial one differs)
+    if not (vocab or b.bits == 4):
         return b.dequantize().to(dtype)
     return Int8Weight.quantize(b.dequantize())
 
@@ -210,7 +300,8 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 
 def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
-    """[nb, bytes] -> [nb, bytes / chunk, 2, chunk]: low nibbles of a chunk of bytes, then high ones."""
+    """[nb, bytes] -> [nb, bytes / chunk, 2, chunk]: low nibbles of a chunk of bytes, then high
+    ones."""
     q = qs.reshape(qs.shape[0], -1, 1, chunk) >> np.array([0, 4], dtype=np.uint8).reshape(
         1, 1, 2, 1
     )
@@ -220,7 +311,8 @@ def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
 def _parse(
     blocks: np.ndarray, qtype: QT
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
-    """codes [nb, block], scales [nb, groups], zeros or None, group, bits (layouts as in gguf.quants)."""
+    """codes [nb, block], scales [nb, groups], zeros or None, group, bits (layouts as in
+    gguf.quants)."""
     nb = blocks.shape[0]
     if qtype == QT.Q8_0:
         return blocks[:, 2:].copy().view(np.int8), _f16(blocks[:, :2])[:, None], None, 32, 8
@@ -265,14 +357,21 @@ def blocks_from_gguf(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> Bloc
 
 
 def resident_bytes(
-    qtype: QT, shape: tuple[int, int], quantization: str, dtype_bytes: int, vocab: bool = False
+    qtype: QT,
+    shape: tuple[int, int],
+    quantization: str,
+    dtype_bytes: int,
+    vocab: bool = False,
+    dense: bool = False,
 ) -> int:
     """Bytes one weight matrix (vocab: the embedding or lm_head) takes in memory under
-    `quantization`, as gguf_weight decides (what `pagedkv plan` shows)."""
+    `quantization`, as gguf_weight decides (what `pagedkv plan` shows); dense: packed weights
+    keep their bfloat16 copy too."""
     n, k = shape
     eight_bit = qtype in (QT.Q8_0, QT.Q6_K)
+    copy = n * k * 2 if dense else 0
     if quantization == "int8" or (quantization == "gguf" and eight_bit and vocab):
-        return n * k + 2 * n
+        return n * k + 2 * n + copy
     if quantization == "gguf" and qtype in KEPT_TYPES and not eight_bit:
-        return n * k // 2 + 2 * 2 * n * (k // 32)
+        return n * k // 2 + 2 * 2 * n * (k // 32) + copy
     return n * k * dtype_bytes

@@ -33,8 +33,8 @@ def add_parser(subparsers) -> None:
         "--quantization",
         default=None,
         choices=QUANTIZATIONS,
-        help="weights as loaded: none (bfloat16), int8, gguf "
-        "(default: gguf for a .gguf, else none)",
+        help="weights as loaded: none (bfloat16), int8, gguf (default: gguf for a .gguf, else "
+        "none); int8 and gguf with their bf16 copy unless PAGEDKV_DENSE_WEIGHTS=0",
     )
     p.add_argument("--memory", default="80GB", help="device memory, e.g. 80GB or 24GiB")
     p.add_argument(

@@ -138,15 +138,17 @@ def shape_from_config(folder: Path) -> ModelShape:
 
 
 def gguf_resident_bytes(reader, quantization: str) -> int:
-    """Bytes the weights take once loaded under --quantization (bfloat16 for dequantized ones)."""
+    """Bytes the weights take once loaded under --quantization (bfloat16 for dequantized ones;
+    packed ones with their dense copy unless PAGEDKV_DENSE_WEIGHTS=0)."""
+    from pagedkv.model.dense_weights import keeps_copies
     from pagedkv.model.quant_linear import resident_bytes
 
-    total = 0
+    total, dense = 0, keeps_copies()
     for t in reader.tensors:
         dims = [int(n) for n in t.shape.tolist()]
         shape = (dims[1], dims[0]) if len(dims) == 2 else (1, int(t.n_elements))
         vocab = t.name in ("token_embd.weight", "output.weight")
-        total += resident_bytes(t.tensor_type, shape, quantization, 2, vocab)
+        total += resident_bytes(t.tensor_type, shape, quantization, 2, vocab, dense)
     return total
 
 
@@ -189,10 +191,15 @@ def shape_from_gguf(path: Path, quantization: str | None = None) -> ModelShape:
 
 
 def quantized(s: ModelShape, quantization: str | None) -> ModelShape:
-    """A float checkpoint's shape under --quantization: int8 holds one byte per weight."""
+    """A float checkpoint's shape under --quantization: int8 holds one byte per weight, plus two
+    for its bfloat16 copy unless PAGEDKV_DENSE_WEIGHTS=0 (model/dense_weights.py)."""
     if quantization == "gguf":
         raise ConfigError("--quantization gguf needs a .gguf model (use int8 for other models)")
-    return dataclasses.replace(s, weight_bytes=s.num_params) if quantization == "int8" else s
+    if quantization != "int8":
+        return s
+    from pagedkv.model.dense_weights import keeps_copies
+
+    return dataclasses.replace(s, weight_bytes=s.num_params * (3 if keeps_copies() else 1))
 
 
 def resolve_shape(
