@@ -231,7 +231,7 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default="auto",
         help='n-gram speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 4}\'; '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 32}\'; '
         '"auto" (default: that config, off with a quantized KV cache) or "off"',
     )
 

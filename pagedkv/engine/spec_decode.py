@@ -90,7 +90,7 @@ class SpeculativeConfig:
 
 
 # measured on W1-W3 (BENCHMARKS.md, "speculation by default")
-AUTO = SpeculativeConfig(4, 4, 2, disable_by_batch_size=4, auto=True)
+AUTO = SpeculativeConfig(4, 4, 2, disable_by_batch_size=32, auto=True)
 
 
 def _positive_int(name: str, v: object) -> int:
