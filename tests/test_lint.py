@@ -23,3 +23,8 @@ def test_ruff_is_clean():
 def test_mypy_is_clean():
     r = run("mypy", "pagedkv")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr
+
+
+def test_ruff_format_is_clean():
+    r = run("ruff", "format", "--check", "pagedkv")
+    assert r.returncode == 0, r.stdout + r.stderr
