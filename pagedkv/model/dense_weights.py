@@ -39,7 +39,7 @@ from pagedkv.model.quant_linear import ACT_DTYPE, PackedWeight
 log = logging.getLogger("pagedkv")
 
 ENV = "PAGEDKV_DENSE_WEIGHTS"
-ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # row counts timed, until the copy wins twice
+ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512)  # timed until the copy wins twice
 REPEATS = 3  # rounds at least, MAX_ROUNDS at most
 MAX_ROUNDS = 10
 SETTLED = 0.98  # two rounds that lower no sum by 2% end the timing
