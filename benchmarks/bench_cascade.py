@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from attention_args import add_attention_args, parse_timed  # same folder
 
 from pagedkv import native
 from pagedkv.attention import cascade, kernel
@@ -104,23 +104,9 @@ def main() -> None:
     )
     p.add_argument("--min-suffix", type=int, default=16)
     p.add_argument("--max-suffix", type=int, default=128)
-    p.add_argument("--q-heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--dtypes", default="bfloat16,float32")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int)
-    p.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time")
+    add_attention_args(p, rounds=7, dtypes="bfloat16,float32")
     p.add_argument("--sweep", action="store_true", help="group sizes x prefix lengths")
-    args = p.parse_args()
-    if args.cpu_time:
-        args.threads = 1
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clock = time.thread_time if args.cpu_time else time.perf_counter
+    args, clock = parse_timed(p)
     assert kernel.available(), "the C++ kernel did not build"
     print(
         f"ISA={native.selected_isa()} threads={torch.get_num_threads()} batch={args.batch} "

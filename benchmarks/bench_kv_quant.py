@@ -30,6 +30,7 @@ the kernel).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -40,9 +41,10 @@ import numpy as np
 import torch
 
 from pagedkv.attention import paged
-from pagedkv.attention.paged import AttentionMetadata, write_kv
+from pagedkv.attention.paged import AttentionMetadata
+from pagedkv.attention.store import write_kv
 from pagedkv.config import default_model_path
-from pagedkv.kv.storage import KVStorage
+from pagedkv.kvstore.storage import KVStorage
 
 TEXT = Path(__file__).resolve().parent.parent / "pagedkv" / "data" / "alice_ch1.txt"
 PROMPTS = [
@@ -203,8 +205,8 @@ def attention_speed(rounds: int = 15) -> None:
         st = KVStorage(1, tables.numel(), kv_heads, bs, dim, name)
         k, v = st.layer(0)
         write_kv(k, v, x, x, torch.arange(x.shape[0]))
-        torch_ms = best(lambda: paged._decode(q, k, v, meta, 0.125))
-        used_ms = best(lambda: paged.paged_attention(q, k, v, meta, 0.125))
+        torch_ms = best(functools.partial(paged._decode, q, k, v, meta, 0.125))
+        used_ms = best(functools.partial(paged.paged_attention, q, k, v, meta, 0.125))
         print(f"  {name:<9} torch path {torch_ms:6.2f} ms   paged_attention {used_ms:6.2f} ms")
 
 

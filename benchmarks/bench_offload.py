@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if same else 1
     off = results["off"]
     print(
-        f"# {args.conversations} conversations x {args.turns} turns, {args.gpu_blocks} device blocks of "
-        f"{args.block_size} tokens, {off['dtype']}, {args.threads} thread(s), {platform.processor() or platform.machine()}"
+        f"# {args.conversations} conversations x {args.turns} turns, "
+        f"{args.gpu_blocks} device blocks of {args.block_size} tokens, {off['dtype']}, "
+        f"{args.threads} thread(s), {platform.processor() or platform.machine()}"
     )
     print(f"# outputs equal across configurations: {same}")
     turns = range(1, args.turns + 1)

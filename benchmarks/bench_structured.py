@@ -106,7 +106,7 @@ def main() -> None:
     tok, vocab = default_tokenizer()
     structured = StructuredOutputs(tok, vocab)
     t0 = time.perf_counter()
-    structured.lltokenizer  # built once per engine, on the first constrained request
+    _ = structured.lltokenizer  # built once per engine, on the first constrained request
     print(f"# llguidance tokenizer built in {(time.perf_counter() - t0) * 1000:.0f} ms")
     cpu = platform.processor() or platform.machine()
     print(f"# {cpu}, torch {torch.__version__}, 1 thread, vocab {vocab}")

@@ -87,7 +87,17 @@ def add_noop_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Model and cache flags shared by serve, generate and bench: vLLM's names, units and defaults."""
+    """Model and cache flags shared by serve, generate and bench.
+
+    They use vLLM's names, units and defaults."""
+    _add_model_args(p)
+    _add_cache_args(p)
+    _add_scheduler_args(p)
+    add_noop_args(p)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """What is loaded and how it samples by default."""
     d = EngineConfig.__dataclass_fields__
     p.add_argument(
         "model_tag",
@@ -123,6 +133,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="weights: none, int8 (per channel), gguf (the file's own blocks; default for a .gguf "
         "on CPU); int8 and gguf keep a bf16 copy for steps of many rows (PAGEDKV_DENSE_WEIGHTS)",
     )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, or its file, replacing the model's",
+    )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="'auto': sampling defaults from the model folder's generation_config.json; "
+        "'vllm': none",
+    )
+
+
+def _add_cache_args(p: argparse.ArgumentParser) -> None:
+    """The KV pool, its preemption and its offload tiers."""
+    d = EngineConfig.__dataclass_fields__
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
         "--kv-cache-memory",
@@ -167,6 +193,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "through in the background, so a restart on it finds them",
     )
     p.add_argument("--kv-offload-disk-size", default="10GiB")
+
+
+def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
+    """Batch and queue limits, parallelism and speculative decoding."""
+    d = EngineConfig.__dataclass_fields__
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument(
@@ -181,16 +212,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="queue length beyond which new requests get 429",
     )
     p.add_argument(
-        "--chat-template",
-        default=None,
-        help="a Jinja chat template, or its file, replacing the model's",
-    )
-    p.add_argument(
-        "--generation-config",
-        default="auto",
-        help="'auto': sampling defaults from the model folder's generation_config.json; 'vllm': none",
-    )
-    p.add_argument(
         "-tp",
         "--tensor-parallel-size",
         type=int,
@@ -203,15 +224,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--data-parallel-size",
         type=int,
         default=1,
-        help="serve: N engine replicas behind one endpoint on Ray Serve (pip install 'pagedkv[ray]')",
+        help="serve: N engine replicas behind one endpoint on Ray Serve "
+        "(pip install 'pagedkv[ray]')",
     )
     p.add_argument(
         "--speculative-config",
-        default=None,
+        default="auto",
         help='n-gram speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 4}\'; '
+        '"auto" (default: that config, off with a quantized KV cache) or "off"',
     )
-    add_noop_args(p)
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:

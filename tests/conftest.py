@@ -9,6 +9,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# kernel_isa: a fixture that runs a kernel test once per vector ISA; imported here so that
+# every test module gets it without importing a name its parameters would shadow
+from native_variants import kernel_isa  # noqa: E402, F401
 from tiny_model import make_tiny_model  # noqa: E402
 
 

@@ -8,13 +8,9 @@ import pytest
 import torch
 
 from pagedkv.attention import paged
-from pagedkv.attention.paged import (
-    AttentionMetadata,
-    contiguous_attention,
-    paged_attention,
-    write_kv,
-)
-from pagedkv.kv.storage import KVStorage
+from pagedkv.attention.paged import AttentionMetadata, contiguous_attention, paged_attention
+from pagedkv.attention.store import write_kv
+from pagedkv.kvstore.storage import KVStorage
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 

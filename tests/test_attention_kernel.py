@@ -1,4 +1,5 @@
-"""The C++ paged attention kernel against plain softmax attention over gathered K/V."""
+"""The C++ paged attention kernel against plain softmax attention over gathered K/V, and the torch
+path that paged.paged_attention takes without it."""
 
 from __future__ import annotations
 
@@ -15,10 +16,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
 
 from pagedkv import native
-from pagedkv.attention import kernel
+from pagedkv.attention import kernel, paged
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,6 +67,21 @@ def make_case(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=tables,
         scale=head_dim**-0.5,
+    )
+
+
+def metadata(c: Case) -> paged.AttentionMetadata:
+    """The case as an engine step's attention metadata (its slots unused: nothing is stored)."""
+    query_lens = c.query_start_loc.diff().tolist()
+    return paged.AttentionMetadata(
+        slot_mapping=torch.zeros(c.q.shape[0], dtype=torch.int64),
+        query_start_loc=c.query_start_loc,
+        seq_lens=c.seq_lens,
+        block_tables=c.block_tables,
+        query_lens=query_lens,
+        seq_lens_list=c.seq_lens.tolist(),
+        block_size=c.k_cache.shape[2],
+        is_decode=all(n == 1 for n in query_lens),
     )
 
 
@@ -400,16 +415,7 @@ def test_torch_path_matches_reference(dtype: torch.dtype) -> None:
         head_dim=64,
         dtype=dtype,
     )
-    got = kernel._torch_attention(
-        c.q,
-        c.k_cache,
-        c.v_cache,
-        c.query_start_loc,
-        c.seq_lens,
-        c.block_tables,
-        c.scale,
-        torch.empty_like(c.q),
-    )
+    got = paged.torch_attention(c.q, c.k_cache, c.v_cache, metadata(c), c.scale)
     assert_matches(got, c)
 
 
@@ -433,12 +439,12 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch
     )
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert not kernel.available()
-        got = kernel.paged_attention_decode(
-            c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale
-        )
-        kernel.paged_attention_decode(
-            c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale
-        )
+        got = paged.paged_attention(c.q, c.k_cache, c.v_cache, metadata(c), c.scale)
+        paged.paged_attention(c.q, c.k_cache, c.v_cache, metadata(c), c.scale)
+        with pytest.raises(RuntimeError, match="not built"):  # the kernel alone never falls back
+            kernel.paged_attention_decode(
+                c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale
+            )
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "torch path" in warnings[0].getMessage()
     assert_matches(got, c)

@@ -1,11 +1,10 @@
-"""Cascade decode attention (attention/cascade.py, pagedkv_cascade_attention): groups of sequences
+"""Cascade decode attention (attention/cascade.py, the kernel given a plan): groups of sequences
 sharing leading blocks give the same result as the plain kernel and the torch reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
 
 from pagedkv import SamplingParams
 from pagedkv.attention import cascade, kernel

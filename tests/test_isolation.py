@@ -156,8 +156,8 @@ def test_async_llm_starts_itself_and_isolates(tiny_model_dir, one_torch_thread):
 
         async def final(prompt: str, rid: str) -> RequestOutput:
             out = None
-            async for out in llm.generate(prompt, GREEDY, rid):  # no start(): it starts itself
-                pass
+            async for chunk in llm.generate(prompt, GREEDY, rid):  # no start(): it starts itself
+                out = chunk
             return out
 
         good, bad = await asyncio.wait_for(
@@ -332,15 +332,15 @@ def test_http_an_engine_failure_fails_everyone_and_exits(tiny_model_dir, monkeyp
 def test_a_failing_admission_ends_alone(tiny_model_dir, clean, monkeypatch):
     """A tier lookup that raises while one request is admitted fails that request only."""
     engine = make_engine(tiny_model_dir)
-    bad_ids = engine.tokenize(BAD)
-    lookup = engine.kv.lookup_offloaded
+    bad_hashes = engine.kv.block_hashes(engine.tokenize(BAD))
+    lookup = engine.kv.lookup_prefix
 
-    def flaky_lookup(token_ids, num_prefix_blocks):
-        if list(token_ids[: len(bad_ids)]) == bad_ids:
+    def flaky_lookup(hashes):
+        if (hashes.hashes, hashes.num_tokens) == (bad_hashes.hashes, bad_hashes.num_tokens):
             raise OSError("injected: the disk tier went away")
-        return lookup(token_ids, num_prefix_blocks)
+        return lookup(hashes)
 
-    monkeypatch.setattr(engine.kv, "lookup_offloaded", flaky_lookup)
+    monkeypatch.setattr(engine.kv, "lookup_prefix", flaky_lookup)
     finals = run(engine)
     bad = finals.pop("bad")
     assert bad.error is not None and "disk tier" in bad.error

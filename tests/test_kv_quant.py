@@ -6,18 +6,14 @@ import random
 
 import pytest
 import torch
-from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.attention.paged import (
-    AttentionMetadata,
-    contiguous_attention,
-    paged_attention,
-    write_kv,
-)
-from pagedkv.kv.block_pool import hash_block_tokens
-from pagedkv.kv.quant import FP8, INT8, QuantizedCache, hadamard
-from pagedkv.kv.storage import KVStorage
+from pagedkv.attention.paged import AttentionMetadata, contiguous_attention, paged_attention
+from pagedkv.attention.rotation import hadamard, rotate, unrotate
+from pagedkv.attention.store import write_kv
+from pagedkv.kv.hashing import hash_block_tokens
+from pagedkv.kvstore.quant import FP8, INT8, QuantizedCache
+from pagedkv.kvstore.storage import KVStorage
 from pagedkv.sim.plan import kv_bytes_per_block
 from pagedkv.sim.shapes import KNOWN_SHAPES
 
@@ -30,14 +26,13 @@ def cache(fmt, num_blocks=8, heads=2, dim=32) -> QuantizedCache:
         torch.zeros(num_blocks, heads, BS, dim, dtype=fmt.dtype),
         torch.zeros(num_blocks, heads),
         fmt,
-        hadamard(dim),
     )
 
 
 def values(c: QuantizedCache, blocks) -> torch.Tensor:
     """Dequantized blocks, rotated back: [n, H, BS, D] float32."""
     x = c.dequantize(torch.as_tensor(blocks), torch.float32)
-    return x @ c.rotation.T
+    return unrotate(x)
 
 
 def write_tokens(k: QuantizedCache, v: QuantizedCache, x: torch.Tensor, slots) -> None:
@@ -109,7 +104,7 @@ def test_token_by_token_writes_grow_the_scale_and_requantize(name):
     torch.testing.assert_close(
         k.scales[3], at_once_k.scales[3], rtol=1e-6, atol=0
     )  # covers the largest value
-    x = x @ k.rotation  # compare where the rounding happens: in the rotated space
+    x = rotate(x)  # compare where the rounding happens: in the rotated space
     got = k.dequantize(torch.tensor([3]), torch.float32)[0].transpose(0, 1)
     want = at_once_k.dequantize(torch.tensor([3]), torch.float32)[0].transpose(0, 1)
     if (
@@ -148,7 +143,7 @@ def test_native_writes_equal_the_torch_path_bit_for_bit(name, monkeypatch, kerne
     gen = torch.Generator().manual_seed(7)
     mine_k, mine_v, ref_k, ref_v = (cache(fmt, num_blocks=6) for _ in range(4))
     writes = []
-    for step in range(40):
+    for _ in range(40):
         n = int(torch.randint(1, 12, (1,), generator=gen))
         slots = torch.randperm(6 * BS, generator=gen)[:n]
         magnitude = 10.0 ** float(torch.randint(-5, 4, (1,), generator=gen))
@@ -343,7 +338,6 @@ def test_block_moves_carry_the_scales(name):
                 before_data[layer, kv].view(st.dtype),
                 before_scales[layer, kv],
                 st.quant,
-                st.rotation,
             ).dequantize(torch.tensor([1, 4]), torch.float32)
             got = st.layer(layer)[kv].dequantize(torch.tensor([0, 2]), torch.float32)
             assert torch.equal(got, want)
@@ -352,8 +346,8 @@ def test_block_moves_carry_the_scales(name):
 
 
 def test_offload_disk_tier_stores_packed_blocks(tmp_path):
-    from pagedkv.kv.block_pool import BlockHash
-    from pagedkv.kv.offload import DiskTier
+    from pagedkv.kv.hashing import BlockHash
+    from pagedkv.kvstore.offload import DiskTier
 
     st = filled_storage("fp8")
     disk = DiskTier(tmp_path, b"model:fp8", st.block_shape, st.dtype, 1 << 20)

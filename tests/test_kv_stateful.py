@@ -1,11 +1,13 @@
 """Thousands of random block-manager operations against a model of the data the blocks hold.
 
 Besides `check_integrity()` (free xor referenced, ref count == tables holding
-the block, no duplicates in the free queue, hashes consistent), the machine
+the block, no duplicates in the free queue, only full blocks hashed), the machine
 keeps a fake device and host memory: it writes every computed token into its
 slot and applies every BlockCopy plan. After each step each running request's
 table must read back exactly its tokens, so a wrong CoW, a bad prefix hit, a
 block reused while still held or a wrong swap plan shows up as wrong data.
+Each request's block hashes are extended as its tokens arrive, as the engine's
+sequences do, and must always equal its tokens hashed from scratch.
 """
 
 import random
@@ -14,7 +16,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedkv.kv import KVCacheManager
+from pagedkv.kv import BlockHashes, KVCacheManager
 
 
 class KVMachine(RuleBasedStateMachine):
@@ -48,6 +50,7 @@ class KVMachine(RuleBasedStateMachine):
         self.host = [[None] * block_size for _ in range(num_host)]
         self.known: dict[str, list[int]] = {}  # every request's known tokens (prompt + generated)
         self.computed: dict[str, int] = {}
+        self.hashes: dict[str, BlockHashes] = {}  # every request's, extended as tokens arrive
         self.waiting: list[list[int]] = []  # preempted for recompute
         rnd = random.Random(seed)
         self.bases = [[rnd.randrange(50) for _ in range(8 * block_size)] for _ in range(3)]
@@ -90,32 +93,33 @@ class KVMachine(RuleBasedStateMachine):
                 st.lists(st.integers(0, 49), min_size=0 if cut else 1, max_size=3 * self.bs)
             )
             prompt = base[:cut] + tail
-        prefix = self.m.lookup_prefix(prompt)
-        remaining = len(prompt) - len(prefix) * self.bs
+        hashes = self.m.block_hashes(prompt)
+        prefix = self.m.lookup_prefix(hashes)
+        remaining = len(prompt) - prefix.num_blocks * self.bs
         num_new = data.draw(st.integers(1, remaining))  # chunked prefill when < remaining
         max_tokens = data.draw(st.integers(1, 3 * self.bs))
         rid = f"r{self.next_id}"
         self.next_id += 1
         before = self.m.snapshot()
-        out = self.m.allocate_slots(
-            rid, prompt, num_new, prefix_blocks=prefix, max_tokens=max_tokens
-        )
+        out = self.m.allocate_slots(rid, hashes, num_new, prefix=prefix, max_tokens=max_tokens)
         if out is None:
             assert self.m.snapshot() == before and not self.m.has_request(rid)
             event("admit refused")
             return
         assert out == []
-        event("admit with prefix hit" if prefix else "admit")
+        event("admit with prefix hit" if prefix.block_ids else "admit")
         cached = self.m.num_cached_tokens(rid)
-        assert cached == len(prefix) * self.bs
+        assert cached == prefix.num_blocks * self.bs
         self.known[rid] = list(prompt)
+        self.hashes[rid] = hashes
         self.computed[rid] = cached + num_new
         self._write(rid, cached, cached + num_new)
 
     @precondition(lambda self: self.m is not None and self._running())
     @rule(data=st.data())
     def step(self, data):
-        """Continue a prefill chunk, or decode new tokens (maybe into a block shared after a fork)."""
+        """Continue a prefill chunk, or decode new tokens (maybe into a block shared after a
+        fork)."""
         rid = data.draw(st.sampled_from(self._running()))
         start = self.computed[rid]
         pending = len(self.known[rid]) - start
@@ -125,8 +129,12 @@ class KVMachine(RuleBasedStateMachine):
         else:
             n = data.draw(st.integers(1, 2 * self.bs))
             new_tokens = data.draw(st.lists(st.integers(0, 49), min_size=n, max_size=n))
+        hashes = self.hashes[rid]
+        if new_tokens:  # kept only if the step is taken
+            hashes = hashes.copy()
+            hashes.update(self.known[rid] + new_tokens)
         before = self.m.snapshot()
-        out = self.m.allocate_slots(rid, self.known[rid] + new_tokens, n)
+        out = self.m.allocate_slots(rid, hashes, n)
         if out is None:
             assert self.m.snapshot() == before
             event("step refused")
@@ -135,6 +143,7 @@ class KVMachine(RuleBasedStateMachine):
             event("copy-on-write")
         self._apply(out, self.dev, self.dev)
         self.known[rid] += new_tokens
+        self.hashes[rid] = hashes
         self.computed[rid] = start + n
         self._write(rid, start, start + n)
 
@@ -146,6 +155,7 @@ class KVMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.m.fork(parent, child)
         self.known[child] = list(self.known[parent])
+        self.hashes[child] = self.hashes[parent].copy()
         self.computed[child] = self.computed[parent]
         assert self.m.block_table(child) == self.m.block_table(parent)
 
@@ -156,7 +166,7 @@ class KVMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.known)))
         self.m.free(rid)
         tokens = self.known.pop(rid)
-        del self.computed[rid]
+        del self.computed[rid], self.hashes[rid]
         if recompute:
             self.waiting.append(tokens)
         assert not self.m.has_request(rid)
@@ -197,13 +207,14 @@ class KVMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.m is not None)
     @rule(data=st.data())
     def lookup(self, data):
-        """A prefix hit must point at blocks that really hold those tokens; the lookup changes nothing."""
+        """A prefix hit must point at blocks that really hold those tokens; the lookup changes
+        nothing."""
         base = self.bases[data.draw(st.integers(0, 2))]
         prompt = base[: data.draw(st.integers(0, len(base)))] + data.draw(
             st.lists(st.integers(0, 49), max_size=4)
         )
         before = self.m.snapshot()
-        hit = self.m.lookup_prefix(prompt)
+        hit = self.m.lookup_prefix(self.m.block_hashes(prompt)).block_ids
         assert self.m.snapshot() == before
         assert len(hit) * self.bs < max(len(prompt), 1)
         for i, bid in enumerate(hit):
@@ -233,6 +244,14 @@ class KVMachine(RuleBasedStateMachine):
             table = self.m.block_table(rid)
             got = [self.dev[table[p // self.bs]][p % self.bs] for p in range(n)]
             assert got == self.known[rid][:n], f"{rid} reads back wrong tokens"
+            hashes = self.hashes[rid]
+            for i, bid in enumerate(table):
+                cached = self.m.pool.blocks[bid].block_hash
+                assert cached is None or cached == hashes.hashes[i], f"{rid}: foreign hash at {i}"
+        for rid, hashes in self.hashes.items():  # grown token by token == hashed at once
+            fresh = self.m.block_hashes(self.known[rid])
+            assert (hashes.hashes, hashes.chunks) == (fresh.hashes, fresh.chunks), rid
+            assert hashes.num_tokens == len(self.known[rid])
 
     def teardown(self):
         if self.m is None:

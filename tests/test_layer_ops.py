@@ -1,13 +1,13 @@
-"""The fused C++ layer ops (csrc/layer_ops.cpp) against their torch paths in model/ops.py."""
+"""The fused C++ layer ops (csrc/layer_ops.cpp) against their torch paths in model/ops.py and
+attention/store.py (RoPE with the K/V store)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from native_variants import kernel_isa  # noqa: F401 - a fixture: one run per vector ISA
 
 from pagedkv import native
-from pagedkv.attention.paged import write_kv
+from pagedkv.attention.store import rope_and_store, write_kv
 from pagedkv.model import ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -23,11 +23,11 @@ def _need_library() -> None:
 
 @pytest.fixture
 def torch_path(monkeypatch: pytest.MonkeyPatch):
-    """Runs a call on the torch path of model/ops.py."""
+    """Runs a call on the torch path of model/ops.py or attention/store.py."""
 
     def run(fn, *args, **kwargs):
         with monkeypatch.context() as m:
-            m.setattr(ops, "_lib", lambda *tensors: None)
+            m.setattr(native, "library_for", lambda *tensors: None)
             return fn(*args, **kwargs)
 
     return run
@@ -104,7 +104,7 @@ def _rotary_tables(max_pos: int, head_dim: int) -> tuple[torch.Tensor, torch.Ten
 @pytest.mark.parametrize(
     "tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (50, 4, 2, 40), (7, 2, 2, 128)]
 )
-def test_rope_and_cache_equals_torch_rotation_and_write(
+def test_rope_and_store_equals_torch_rotation_and_write(
     dtype, tokens, heads, kv_heads, head_dim, torch_path, kernel_isa
 ) -> None:
     gen = torch.Generator().manual_seed(tokens + head_dim)
@@ -117,7 +117,8 @@ def test_rope_and_cache_equals_torch_rotation_and_write(
     v_cache = torch.zeros_like(k_cache)
 
     mine = qkv.clone()
-    assert ops.rope_and_cache(mine, heads, kv_heads, positions, cos, sin, k_cache, v_cache, slots)
+    q = rope_and_store(mine, heads, kv_heads, positions, cos, sin, (k_cache, v_cache), slots)
+    assert q.data_ptr() == mine.data_ptr() and q.shape == (tokens, heads, head_dim)
 
     # the reference: HF's rotation in float32, then the torch cache write
     x = qkv.float().view(tokens, -1, head_dim)[:, : heads + kv_heads]
@@ -138,21 +139,23 @@ def test_rope_and_cache_equals_torch_rotation_and_write(
     )
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
-    assert not torch_path(ops.rope_and_cache, qkv.clone(), heads, kv_heads, positions, cos, sin), (
-        "without the library the caller is told to rotate in torch"
+    # the torch path of the same function: rotation to rounding, the same store
+    theirs, k_torch, v_torch = qkv.clone(), torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    torch_path(
+        rope_and_store, theirs, heads, kv_heads, positions, cos, sin, (k_torch, v_torch), slots
     )
+    close(theirs, mine, dtype)
+    close(k_torch, k_cache, dtype)
+    assert torch.equal(v_torch, v_cache)
 
 
-def test_rope_and_cache_rejects_bad_indices() -> None:
+def test_rope_and_store_rejects_bad_indices() -> None:
     cos, sin = _rotary_tables(16, 8)
     qkv = torch.randn(2, 3 * 8)
     cache = torch.zeros(2, 1, 4, 8)
-    with pytest.raises(ValueError, match="position 16 is outside the rotary table of 16"):
-        ops.rope_and_cache(qkv, 1, 1, torch.tensor([0, 16]), cos, sin)
-    with pytest.raises(ValueError, match="slot 8 is outside the cache of 8 slots"):
-        ops.rope_and_cache(
-            qkv, 1, 1, torch.tensor([0, 1]), cos, sin, cache, cache.clone(), torch.tensor([8, 0])
-        )
+    kv_cache = (cache, cache.clone())
+    with pytest.raises(native.KernelError, match="position 16 is outside the rotary table of 16"):
+        rope_and_store(qkv, 1, 1, torch.tensor([0, 16]), cos, sin, kv_cache, torch.tensor([0, 1]))
+    with pytest.raises(native.KernelError, match="slot 8 is outside the cache of 8 slots"):
+        rope_and_store(qkv, 1, 1, torch.tensor([0, 1]), cos, sin, kv_cache, torch.tensor([8, 0]))
     assert torch.equal(cache, torch.zeros_like(cache)), "nothing is written when an index is bad"
-    with pytest.raises(TypeError, match="go together"):  # a K cache without its V cache and slots
-        ops.rope_and_cache(qkv, 1, 1, torch.tensor([0, 1]), cos, sin, cache)

@@ -20,7 +20,7 @@ from tiny_model import make_tiny_model
 
 from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.config import default_model_path
-from pagedkv.kv.storage import KVStorage
+from pagedkv.kvstore.storage import KVStorage
 from pagedkv.model.loader import LoadedModel, load_model
 
 transformers = pytest.importorskip("transformers")

@@ -16,6 +16,7 @@ from native_variants import ISAS
 from pagedkv import native
 
 HARNESS = Path(__file__).parent / "native_harness" / "harness.cpp"
+CSRC = Path(native.__file__).parent / "csrc"  # the kernels and pagedkv_abi.h, which both sides use
 LANES = {"avx512": 16, "avx2": 8, "portable": 8, "neon": 4}
 CROSS_CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
 
@@ -29,9 +30,9 @@ def run_harness(command: list[str]) -> str:
 @pytest.mark.parametrize("isa", ISAS)
 def test_each_variant_is_its_own_library(isa: str) -> None:
     lib = native.variant(isa)
-    assert lib.pagedkv_isa().decode() == isa
-    assert lib.pagedkv_vector_width() == LANES[isa]
-    assert f"pagedkv_kernels_{isa}_" in lib._name  # one file per ISA: variants coexist in the cache
+    assert lib.isa == isa
+    assert lib.vector_width == LANES[isa]
+    assert f"pagedkv_kernels_{isa}_" in lib.path.name  # one file per ISA: variants coexist
 
 
 def test_the_environment_chooses_the_variant(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,7 +54,7 @@ def test_the_environment_chooses_the_variant(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.parametrize("isa", ISAS)
 def test_harness_against_each_native_variant(isa: str, tmp_path: Path) -> None:
     """The harness linked against the very library that variant(isa) loads."""
-    lib = Path(native.variant(isa)._name)
+    lib = native.variant(isa).path
     exe = tmp_path / "harness"
     subprocess.run(
         [
@@ -61,6 +62,7 @@ def test_harness_against_each_native_variant(isa: str, tmp_path: Path) -> None:
             "-O1",
             "-std=c++17",
             "-Wno-psabi",
+            f"-I{CSRC}",
             str(HARNESS),
             f"-L{lib.parent}",
             f"-l:{lib.name}",
@@ -83,10 +85,9 @@ def test_harness_against_each_native_variant(isa: str, tmp_path: Path) -> None:
 )
 def test_harness_on_aarch64_neon_under_qemu(tmp_path: Path) -> None:
     """The kernels cross-compiled for AArch64 (vec.h picks NEON there) and run under qemu-user."""
-    csrc = Path(native.__file__).parent / "csrc"
     exe = tmp_path / "harness"
     sources = [str(HARNESS)] + [
-        str(csrc / f"{name}.cpp") for name in ("paged_attention", "layer_ops", "kv_quant")
+        str(CSRC / f"{name}.cpp") for name in ("paged_attention", "layer_ops", "kv_quant")
     ]
     subprocess.run(
         [
@@ -96,7 +97,7 @@ def test_harness_on_aarch64_neon_under_qemu(tmp_path: Path) -> None:
             "-fopenmp",
             "-static",
             "-Wno-psabi",
-            f"-I{csrc}",
+            f"-I{CSRC}",
             *sources,
             "-o",
             str(exe),

@@ -17,12 +17,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ConfigError
-from pagedkv.kv.block_file import SUFFIX
-from pagedkv.kv.block_pool import hash_block_tokens
-from pagedkv.kv.disk_tier import DiskTier
+from pagedkv.kv.hashing import hash_block_tokens
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.kv.offload import HostTier, KVOffload
-from pagedkv.kv.storage import KVStorage
+from pagedkv.kvstore.block_file import SUFFIX
+from pagedkv.kvstore.disk_tier import DiskTier
+from pagedkv.kvstore.offload import HostTier, KVOffload
+from pagedkv.kvstore.storage import KVStorage
 
 SHAPE = dict(num_layers=2, num_kv_heads=1, block_size=2, head_dim=3, dtype="float32")
 BLOCK_SHAPE = (2, 2, 1, 2, 3)
@@ -188,15 +188,17 @@ def test_evicted_block_is_saved_before_overwrite_and_loaded_back():
             device.write_blocks([bid], block(value)[None])
         return saves, loads
 
-    m.allocate_slots("a", prompt, 5)
+    hashes = m.block_hashes(prompt)
+    m.allocate_slots("a", hashes, 5)
     step({0: 10.0, 1: 11.0, 2: 12.0})
     m.free("a")
-    m.allocate_slots("b", [7] * 6, 6)  # evicts a's two cached blocks
+    m.allocate_slots("b", m.block_hashes([7] * 6), 6)  # evicts a's two cached blocks
     saves, loads = step({0: 20.0, 1: 21.0, 2: 22.0})
     assert sorted(s.block_id for s in saves) == [0, 1] and loads == []
     m.free("b")
-    assert m.lookup_prefix(prompt) == [] and m.lookup_offloaded(prompt, 0) == 2
-    m.allocate_slots("a2", prompt, 1, num_offloaded=2)
+    prefix = m.lookup_prefix(hashes)
+    assert prefix.block_ids == () and prefix.num_offloaded == 2
+    m.allocate_slots("a2", hashes, 1, prefix=prefix)
     assert m.num_cached_tokens("a2") == 4 and m.stats().offload_hits == 4
     table = m.block_table("a2")
     saves, loads = step({})
@@ -273,7 +275,8 @@ class OffloadMachine(RuleBasedStateMachine):
         pending = len(self.known[rid]) - start
         n = data.draw(st.integers(1, pending if pending else 2 * self.bs))
         new = [] if pending else data.draw(st.lists(st.integers(0, 19), min_size=n, max_size=n))
-        copies = self.m.allocate_slots(rid, self.known[rid] + new, n)
+        hashes = self.m.block_hashes(self.known[rid] + new)
+        copies = self.m.allocate_slots(rid, hashes, n)
         if copies is not None:
             cow += copies
             self.known[rid] += new
@@ -285,18 +288,15 @@ class OffloadMachine(RuleBasedStateMachine):
         prompt = base[: data.draw(st.integers(0, len(base)))] + data.draw(
             st.lists(st.integers(0, 19), min_size=1, max_size=2 * self.bs)
         )
-        prefix = self.m.lookup_prefix(prompt)
-        offloaded = self.m.lookup_offloaded(prompt, len(prefix))
-        n = data.draw(st.integers(1, len(prompt) - (len(prefix) + offloaded) * self.bs))
+        hashes = self.m.block_hashes(prompt)
+        prefix = self.m.lookup_prefix(hashes)
+        n = data.draw(st.integers(1, len(prompt) - prefix.num_blocks * self.bs))
         rid = f"r{self.next_id}"
         self.next_id += 1
-        if (
-            self.m.allocate_slots(rid, prompt, n, prefix_blocks=prefix, num_offloaded=offloaded)
-            is None
-        ):
+        if self.m.allocate_slots(rid, hashes, n, prefix=prefix) is None:
             return
         cached = self.m.num_cached_tokens(rid)
-        assert cached <= (len(prefix) + offloaded) * self.bs
+        assert cached <= prefix.num_blocks * self.bs
         self.known[rid] = list(prompt)
         self.computed[rid] = cached + n
         writes.append((rid, cached, cached + n))

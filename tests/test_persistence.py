@@ -22,10 +22,10 @@ import torch
 from server_process import ServerProcess
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.kv import disk_tier
-from pagedkv.kv.block_file import SUFFIX, TMP_SUFFIX
-from pagedkv.kv.block_pool import hash_block_tokens
-from pagedkv.kv.disk_tier import DiskTier
+from pagedkv.kv.hashing import hash_block_tokens
+from pagedkv.kvstore import disk_tier
+from pagedkv.kvstore.block_file import SUFFIX, TMP_SUFFIX
+from pagedkv.kvstore.disk_tier import DiskTier
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -123,13 +123,8 @@ def test_engines_sharing_a_folder_find_each_others_blocks_while_running(
 
 
 def _block_path(llm: LLM, prompt: str, index: int) -> Path:
-    ids = llm.get_tokenizer().encode(prompt)
-    parent = None
-    for i in range(index + 1):
-        parent = hash_block_tokens(
-            parent, ids[i * BLOCK : (i + 1) * BLOCK], llm.engine.kv.hash_extra
-        )
-    return llm.engine.offload.disk.dir / f"{parent.hex()}{SUFFIX}"
+    block_hash = llm.engine.kv.block_hashes(llm.get_tokenizer().encode(prompt)).hashes[index]
+    return llm.engine.offload.disk.dir / f"{block_hash.hex()}{SUFFIX}"
 
 
 def test_torn_corrupt_and_temp_files_are_rejected_not_loaded(

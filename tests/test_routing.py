@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pagedkv.config import ConfigError
-from pagedkv.kv.block_pool import hash_block_tokens
+from pagedkv.kv.hashing import hash_block_tokens
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.routing import LeastLoaded, PrefixAware, RoundRobin, make_policy, prompt_block_hashes
 from pagedkv.sim.replicas import run_replicas, tenant_trace
@@ -34,9 +34,11 @@ def test_block_hashes_are_the_prefix_caches_keys():
     assert len(hashes) == 3  # full blocks only
     assert hashes[1] == hash_block_tokens(hash_block_tokens(None, ids[:BS]), ids[BS : 2 * BS])
     kv = KVCacheManager(8, BS)
-    assert kv.allocate_slots("a", ids, len(ids)) is not None
+    assert kv.block_hashes(ids).hashes == hashes
+    assert kv.allocate_slots("a", kv.block_hashes(ids), len(ids)) is not None
     kv.free("a")
-    assert len(kv.lookup_prefix(ids)) == 3  # the manager finds the blocks those hashes name
+    # the manager finds the blocks those hashes name
+    assert len(kv.lookup_prefix(kv.block_hashes(ids)).block_ids) == 3
     assert len(prompt_block_hashes(ids, BS, max_blocks=2)) == 2
 
 

@@ -146,21 +146,27 @@ def test_sampling_with_speculation_runs_clean(tiny_model_dir):
 def test_no_draft_is_hashed_into_the_prefix_cache():
     kv = KVCacheManager(16, 4, enable_prefix_caching=True)
     tokens = list(range(10, 17))  # 7 tokens: one full block
-    assert kv.allocate_slots("a", tokens, 7) == []
-    tokens.append(50)  # a sampled token; drafts 51..54 follow it
-    assert kv.allocate_slots("a", tokens, 1, num_lookahead=4) == []
+    hashes = kv.block_hashes(tokens)
+    assert kv.allocate_slots("a", hashes, 7) == []
+    tokens.append(50)  # a sampled token; drafts 51..54 follow it, outside the sequence
+    hashes.update(tokens)
+    assert kv.allocate_slots("a", hashes, 1, num_lookahead=4) == []
     assert len(kv.block_table("a")) == 3  # 8 held + 4 lookahead slots = 3 blocks
-    assert len(kv._get("a").hashes) == 2  # blocks of held tokens only
+    assert len(hashes) == 2 and len(kv.pool.cached) == 2  # blocks of held tokens only
+    assert [kv.pool.blocks[b].block_hash for b in kv.block_table("a")] == [*hashes.hashes, None]
     tokens += [51, 60]  # draft 51 accepted, 60 sampled
-    kv.accept_lookahead("a", tokens, 1)
-    assert len(kv.block_table("a")) == 3 and kv._get("a").num_tokens == 9
-    tokens2 = list(range(10, 18))
-    kv.allocate_slots("b", tokens2, 1, num_lookahead=0)
+    hashes.update(tokens)
+    kv.accept_lookahead("a", hashes, 1)
+    assert len(kv.block_table("a")) == 3 and kv.num_computed_tokens("a") == 9
+    assert len(kv.pool.cached) == 2  # 9 held tokens fill two blocks
     kv2 = KVCacheManager(16, 4, enable_prefix_caching=True)
-    kv2.allocate_slots("a", list(range(8)), 8)
-    kv2.allocate_slots("a", list(range(9)), 1, num_lookahead=7)  # lookahead past two more blocks
+    hashes2 = kv2.block_hashes(list(range(8)))
+    kv2.allocate_slots("a", hashes2, 8)
+    hashes2.update(list(range(9)))
+    kv2.allocate_slots("a", hashes2, 1, num_lookahead=7)  # lookahead past two more blocks
     assert len(kv2.block_table("a")) == 4
-    kv2.accept_lookahead("a", list(range(10)), 0)  # every draft rejected
+    hashes2.update(list(range(10)))
+    kv2.accept_lookahead("a", hashes2, 0)  # every draft rejected
     assert len(kv2.block_table("a")) == 3  # the draft-only block went back
     assert kv2.num_free_blocks() == 16 - 3
 
@@ -238,3 +244,43 @@ def test_cli_rejects_a_bad_speculative_config(tiny_model_dir, capsys):
     )
     err = capsys.readouterr().err
     assert "speculative-config" in err and len(err.strip().splitlines()) == 1
+
+
+def test_auto_is_the_default_and_off_turns_it_off():
+    from pagedkv.config import EngineConfig
+    from pagedkv.engine.spec_decode import AUTO
+
+    assert EngineConfig(model="m").speculative_config == AUTO
+    assert AUTO.auto and AUTO.disable_by_batch_size is not None
+    for off in ("off", "none", "null", None):
+        assert EngineConfig(model="m", speculative_config=off).speculative_config is None
+    # the default never changes an output, and a quantized KV cache rounds drafts differently
+    assert EngineConfig(model="m", kv_cache_dtype="int8").speculative_config is None
+    explicit = EngineConfig(model="m", kv_cache_dtype="int8", speculative_config=SPEC)
+    assert explicit.speculative_config is not None and not explicit.speculative_config.auto
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '{"num_speculative_tokens": 2, "disable_by_batch_size": 0}',
+        '{"num_speculative_tokens": 2, "disable_by_batch_size": "8"}',
+    ],
+)
+def test_bad_disable_by_batch_size_is_a_clear_error(bad):
+    with pytest.raises(ConfigError, match="disable_by_batch_size"):
+        SpeculativeConfig.parse(bad)
+
+
+def test_no_drafts_in_a_batch_larger_than_disable_by_batch_size(tiny_model_dir):
+    # 8 sequences of equal length run together to the end: a cap of 2 never drafts, 8 does
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref, _ = run(tiny_model_dir, sp, None, num_gpu_blocks_override=256)
+    capped, llm = run(
+        tiny_model_dir, sp, {**SPEC, "disable_by_batch_size": 2}, num_gpu_blocks_override=256
+    )
+    assert capped == ref and llm.engine.spec_stats.num_drafts == 0
+    free, llm = run(
+        tiny_model_dir, sp, {**SPEC, "disable_by_batch_size": 8}, num_gpu_blocks_override=256
+    )
+    assert free == ref and llm.engine.spec_stats.num_drafts > 0

@@ -1,5 +1,6 @@
 """Tensor parallelism: outputs equal -tp 1, with preemption, swap, prefix caching and quantized KV;
-a rank that dies stops the engine with a clear error instead of a hang."""
+a rank that dies stops the engine with a clear error instead of a hang. Quantized weights:
+test_tp_quant.py; the offload tiers: test_tp_tiers.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import signal
 import time
 
 import pytest
-import torch
 from tiny_model import make_tiny_model
 
 from pagedkv import LLM, SamplingParams
@@ -95,23 +95,17 @@ def test_a_dead_rank_is_an_error_not_a_hang(tmp_path_factory):
         llm.engine.close()
 
 
-def test_offload_with_tp_is_refused_clearly(tmp_path_factory, tmp_path):
-    path = make_tiny_model(tmp_path_factory.mktemp("tp") / "m", heads=4, kv_heads=2)
-    with pytest.raises(ConfigError, match="offload"):
-        LLM(path, dtype="float32", tensor_parallel_size=2, kv_offload_dir=str(tmp_path))
-    assert not torch.distributed.is_initialized()
-
-
 @pytest.mark.slow
-def test_default_model_tp3_equals_tp1():
+@pytest.mark.parametrize("quantization", [None, "none"])  # None: the GGUF's own blocks (gguf)
+def test_default_model_tp3_equals_tp1(quantization):
     """SmolLM2-135M: 9 query heads and 3 KV heads, one KV head per rank."""
     prompts = ["The capital of France is", "Paged attention splits the KV cache into"]
     sp = SamplingParams(temperature=0, max_tokens=16)
-    ref = [
-        o.outputs[0].token_ids for o in LLM(dtype="float32").generate(prompts, sp, use_tqdm=False)
-    ]
-    llm = LLM(dtype="float32", tensor_parallel_size=3)
+    options = dict(dtype="float32", quantization=quantization, kv_cache_memory="256MiB")
+    ref = [o.outputs[0].token_ids for o in LLM(**options).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(tensor_parallel_size=3, **options)
     try:
+        assert llm.engine.loaded.quantization == (quantization or "gguf")
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
     finally:
         llm.engine.close()

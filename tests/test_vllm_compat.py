@@ -9,6 +9,7 @@ against the default model's served name.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -170,7 +171,7 @@ def test_units_and_aliases():
     c = EngineConfig(
         model="x.gguf", swap_space=4, max_model_len="32k", dtype="half", kv_cache_dtype="fp8_e4m3"
     )
-    assert (c.swap_space, c.max_model_len, c.dtype, c.kv_cache_dtype) == (
+    assert (c.swap_space_bytes, c.max_model_len, c.dtype, c.kv_cache_dtype) == (
         4 * 2**30,
         32000,
         "float16",
@@ -179,12 +180,33 @@ def test_units_and_aliases():
     assert EngineConfig(max_model_len="32K").max_model_len == 32768
     assert EngineConfig(max_model_len="1M").max_model_len == 2**20
     assert EngineConfig(max_model_len="25.6k").max_model_len == 25600
-    assert EngineConfig(swap_space="512MiB").swap_space == 2**29
-    assert EngineConfig().swap_space == 4 * 2**30  # vLLM's default
+    assert EngineConfig(swap_space="512MiB").swap_space_bytes == 2**29
+    assert EngineConfig().swap_space_bytes == 4 * 2**30  # vLLM's default
     c = EngineConfig.from_options(gpu_memory_utilization=0.5, kv_cache_memory_bytes="1GiB")
     assert (c.memory_utilization, c.kv_cache_memory) == (0.5, 2**30)
     with pytest.raises(ConfigError, match="enable_chunked_prefill=False"):
         EngineConfig.from_options(enable_chunked_prefill=False)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"swap_space": 1},
+        {"swap_space": "512MiB", "max_model_len": "32k", "kv_cache_memory": "1GiB"},
+        {
+            "swap_space": 0.5,
+            "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
+        },
+    ],
+)
+def test_config_revalidated_is_unchanged(options):
+    """dataclasses.replace runs __post_init__ again: nothing it parses may be parsed twice."""
+    c = EngineConfig(model="x.gguf", **options)
+    again = dataclasses.replace(c)
+    assert again == c
+    assert dataclasses.replace(again, block_size=32).swap_space_bytes == c.swap_space_bytes
+    assert c.swap_space == options.get("swap_space", 4)  # the user's value, kept as given
 
 
 def test_default_served_name():
@@ -390,7 +412,7 @@ def llm(tiny_model_dir):
 
 
 def test_llm_engine_args(llm, tiny_model_dir):
-    assert llm.engine.max_model_len == 1000 and llm.engine.config.swap_space == 2**30
+    assert llm.engine.max_model_len == 1000 and llm.engine.config.swap_space_bytes == 2**30
     with pytest.raises(ConfigError, match="pipeline-parallel-size 2"):
         LLM(model=tiny_model_dir, pipeline_parallel_size=2)
     with pytest.raises(ConfigError, match="unknown option"):

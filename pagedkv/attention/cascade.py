@@ -2,8 +2,8 @@
 
 Sequences forked from one prompt (or hitting the same cached prefix) hold the same physical
 block ids at the start of their block tables. Plain decode attention rereads those blocks once
-per sequence; the cascade kernel (csrc/paged_attention.cpp, pagedkv_cascade_attention) reads a
-group's shared blocks once for all of its members' queries and attends each suffix separately,
+per sequence; the cascade (csrc/paged_attention.cpp, the paged attention kernel given this plan)
+reads a group's shared blocks once for all of its members' queries and attends each suffix apart,
 merging the two by log-sum-exp. The plan here is found per step from the block tables alone
 (the block manager already shares the ids), once per step and shared by all layers.
 

@@ -3,13 +3,13 @@ pagedkv.native).
 
 Decode attention decides this engine's speed on a CPU (see shared/bench/README.md): torch can only
 gather the scattered blocks first, which costs 10-20x the memory bound. The kernel reads the blocks
-in place instead. Without the library, a plain torch path gives the same results, only slower.
+in place instead. This module only calls the kernel; paged.py decides between it and the torch
+path (the same results, slower), which serves where the library is not built.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pagedkv import native
 from pagedkv.attention.cascade import CascadePlan
@@ -77,13 +77,56 @@ def _attend(
     v_scales: torch.Tensor | None,
     cascade: CascadePlan | None = None,
 ) -> torch.Tensor:
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("the C++ kernels are not built here (paged.paged_attention falls back)")
     _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
-    kv_code = _check_scales(q, k_cache, v_cache, k_scales, v_scales)
+    _check_dtypes(q, k_cache, v_cache, k_scales, v_scales)
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
+    out = _output(q, out)
+    seq_lens, block_tables = _int32(seq_lens), _int32(block_tables)
+    qsl = None if query_start_loc is None else _int32(query_start_loc)
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    pre, group_start, members = (None, None, None) if cascade is None else _plan(cascade, seq_lens)
+    lib.call(
+        "paged_attention",
+        dtype=native.DTYPES[q.dtype],
+        kv_dtype=native.DTYPES[k_cache.dtype],
+        q=q.data_ptr(),
+        k=k_cache.data_ptr(),
+        v=v_cache.data_ptr(),
+        out=out.data_ptr(),
+        k_scales=native.ptr(k_scales),
+        v_scales=native.ptr(v_scales),
+        query_start_loc=native.ptr(qsl),
+        seq_lens=seq_lens.data_ptr(),
+        block_tables=block_tables.data_ptr(),
+        num_tokens=q.shape[0],
+        num_seqs=seq_lens.shape[0],
+        max_blocks=block_tables.shape[1],
+        num_blocks=num_blocks,
+        num_q_heads=q.shape[1],
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        head_dim=head_dim,
+        q_stride=q.stride(0),
+        out_stride=out.stride(0),
+        scale=float(scale),
+        threads=torch.get_num_threads(),
+        pre=native.ptr(pre),
+        group_start=native.ptr(group_start),
+        group_members=native.ptr(members),
+        num_groups=0 if cascade is None else cascade.num_groups,
+    )
+    return out
+
+
+def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The buffer the kernel writes: `out` when given (checked), else a new one like q."""
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype)
-    elif (
+        return torch.empty(q.shape, dtype=q.dtype)
+    if (
         out.shape != q.shape
         or out.dtype != q.dtype
         or out.stride(2) != 1
@@ -93,61 +136,18 @@ def _attend(
             f"out must be {tuple(q.shape)} {q.dtype} with contiguous heads, got "
             f"{tuple(out.shape)} {out.dtype} strides {out.stride()}"
         )
-    lib = native.library()
-    code = native.DTYPE_CODES.get(q.dtype)
-    if lib is None or code is None:
-        if kv_code >= 0:  # the reference: the whole cache dequantized
-            assert k_scales is not None and v_scales is not None  # a quantized cache has them
-            k_cache = k_cache.float().mul_(k_scales[:, :, None, None]).to(q.dtype)
-            v_cache = v_cache.float().mul_(v_scales[:, :, None, None]).to(q.dtype)
-        return _torch_attention(
-            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out
-        )
-    seq_lens = _int32(seq_lens)
-    block_tables = _int32(block_tables)
-    qsl = None if query_start_loc is None else _int32(query_start_loc)
-    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
-    err = native.error_buffer()
-    plan: tuple = ()
-    if cascade is not None:
-        if cascade.pre.shape != seq_lens.shape:
-            raise ValueError(
-                f"the cascade plan covers {cascade.pre.shape} sequences, the batch {seq_lens.shape}"
-            )
-        arrays = (_int32(cascade.pre), _int32(cascade.group_start), _int32(cascade.members))
-        plan = tuple(t.data_ptr() for t in arrays) + (cascade.num_groups,)
-    call = lib.pagedkv_paged_attention if cascade is None else lib.pagedkv_cascade_attention
-    rc = call(
-        code,
-        kv_code,
-        None if k_scales is None else k_scales.data_ptr(),
-        None if v_scales is None else v_scales.data_ptr(),
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        out.data_ptr(),
-        None if qsl is None else qsl.data_ptr(),
-        seq_lens.data_ptr(),
-        block_tables.data_ptr(),
-        q.shape[0],
-        seq_lens.shape[0],
-        block_tables.shape[1],
-        num_blocks,
-        q.shape[1],
-        num_kv_heads,
-        block_size,
-        head_dim,
-        q.stride(0),
-        out.stride(0),
-        float(scale),
-        *plan,
-        torch.get_num_threads(),
-        err,
-        native.ERR_LEN,
-    )
-    if rc:
-        raise ValueError(err.value.decode())
     return out
+
+
+def _plan(
+    cascade: CascadePlan, seq_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan's arrays as the kernel reads them (pre, group_start, members: int32)."""
+    if cascade.pre.shape != seq_lens.shape:
+        raise ValueError(
+            f"the cascade plan covers {cascade.pre.shape} sequences, the batch {seq_lens.shape}"
+        )
+    return _int32(cascade.pre), _int32(cascade.group_start), _int32(cascade.members)
 
 
 def _check_shapes(
@@ -166,7 +166,8 @@ def _check_shapes(
         )
     if v_cache.shape != k_cache.shape or q.shape[2] != k_cache.shape[3]:
         raise ValueError(
-            f"shapes disagree: q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}"
+            f"shapes disagree: q {tuple(q.shape)}, k {tuple(k_cache.shape)},"
+            f" v {tuple(v_cache.shape)}"
         )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
@@ -188,25 +189,27 @@ def _check_shapes(
         )
 
 
-def _check_scales(
+def _check_dtypes(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     k_scales: torch.Tensor | None,
     v_scales: torch.Tensor | None,
-) -> int:
-    """The kernel's code for the cache's type: -1 for q's own, else that of a quantized cache."""
+) -> None:
+    """q of a float type the kernel computes in; the cache of q's type, or quantized with scales."""
+    if q.dtype not in native.FLOAT_DTYPES:
+        raise ValueError(f"q's dtype {q.dtype} is not one the kernel computes in")
     if k_scales is None and v_scales is None:
         if not (q.dtype == k_cache.dtype == v_cache.dtype):
             raise ValueError(
                 f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
                 f"{v_cache.dtype} (or come quantized with scales)"
             )
-        return -1
-    code = native.QUANT_CODES.get(k_cache.dtype)
-    if code is None or v_cache.dtype != k_cache.dtype:
+        return
+    if k_cache.dtype not in native.QUANT_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"scales go with an int8 or float8_e4m3fn cache, got {k_cache.dtype} and {v_cache.dtype}"
+            f"scales go with an int8 or float8_e4m3fn cache,"
+            f" got {k_cache.dtype} and {v_cache.dtype}"
         )
     want = tuple(k_cache.shape[:2])
     for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
@@ -221,43 +224,9 @@ def _check_scales(
                 f"{name} must be a contiguous float32 CPU tensor {want}, got "
                 f"{None if t is None else (tuple(t.shape), t.dtype)}"
             )
-    return code
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.int32 and t.is_contiguous():
         return t
     return t.to(torch.int32).contiguous()
-
-
-def _torch_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor | None,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """The same attention in plain torch: gather each sequence's blocks, then SDPA (GQA)."""
-    _, num_kv_heads, block_size, head_dim = k_cache.shape
-    lens = seq_lens.tolist()
-    starts = list(range(len(lens) + 1)) if query_start_loc is None else query_start_loc.tolist()
-    for b, ctx in enumerate(lens):
-        first, last = starts[b], starts[b + 1]
-        if first == last:
-            continue
-        blocks = block_tables[b, : -(-ctx // block_size)].long()
-        k = k_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :ctx]
-        v = v_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :ctx]
-        qlen = last - first
-        mask = None
-        if qlen > 1:
-            query_pos = torch.arange(ctx - qlen, ctx).unsqueeze(1)
-            mask = torch.arange(ctx).unsqueeze(0) <= query_pos
-        o = F.scaled_dot_product_attention(
-            q[first:last].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        out[first:last] = o.transpose(0, 1)
-    return out

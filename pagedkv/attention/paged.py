@@ -12,14 +12,18 @@ concatenated. Sequence b owns query rows qsl[b]:qsl[b+1]; its context after
 this step is seq_lens[b] tokens, so its query token i sits at position
 seq_len - query_len + i and sees every position up to its own. A prefill
 whose first blocks came from the prefix cache is just a query shorter than
-its context. The step writes all new K/V first, then attends.
+its context. The step writes all new K/V first (store.py), then attends.
 
 A quantized cache (fp8 / int8, kv/quant.py) comes as `QuantizedCache`s in
 place of the two tensors: writes quantize into the slots, and attention
 reads them with their scales: the kernel in place, the torch path by
 dequantizing the blocks it gathers into the query's dtype. Quantized caches
-hold K/V rotated, so q is rotated on the way in and the output back on the
-way out.
+hold K/V rotated (rotation.py), so q is rotated on the way in and the output
+back on the way out.
+
+`_use_kernel` is the one choice between the kernel and the torch path below,
+the only torch implementation of paged attention (`contiguous_attention` at
+the end is the tests' reference, without blocks).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedkv.attention import cascade, kernel
-from pagedkv.kv.quant import QuantizedCache, SlotWrite
+from pagedkv import native
+from pagedkv.attention import cascade, kernel, rotation
+from pagedkv.kvstore.quant import QuantizedCache
 
 Cache = Tensor | QuantizedCache
 
@@ -51,29 +56,6 @@ class AttentionMetadata:
     is_decode: bool  # every query_len == 1
     # Derived index tensors, built once per step and shared by every layer.
     _cache: dict = field(default_factory=dict, repr=False)
-
-
-def write_kv(k_cache: Cache, v_cache: Cache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    """Store new K/V ([T, Hkv, D]) at their slots."""
-    block_size = k_cache.shape[2]
-    if isinstance(k_cache, QuantizedCache):
-        where = None if k_cache.native_writer(k) else SlotWrite.of(slot_mapping, block_size)
-        k_cache.write(k, slot_mapping, where)
-        cast(QuantizedCache, v_cache).write(v, slot_mapping, where)  # K and V are of one kind
-        return
-    # As rows of the cache seen as [num_blocks * Hkv * block_size, D]: index_copy_ is ~200x faster
-    # on CPU than advanced-index assignment (cache[blocks, :, offsets] = k), which took ~12 ms a
-    # call.
-    num_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping - blocks * block_size
-    heads = torch.arange(num_heads, device=slot_mapping.device)
-    rows = ((blocks[:, None] * num_heads + heads[None, :]) * block_size + offsets[:, None]).reshape(
-        -1
-    )
-    k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
-    v_plain = cast(Tensor, v_cache)
-    v_plain.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_plain.dtype))
 
 
 def _kv_dtype(q: Tensor, cache: Cache) -> torch.dtype:
@@ -142,8 +124,8 @@ def _decode_indices(
 
 
 def _gather_rows(cache: Cache, rows: Tensor, name: str, dtype: torch.dtype) -> Tensor:
-    """Flat (block * Hkv + head) rows of the cache as [R, block_size, D], float ones in a reused buffer
-    (dequantizing allocates its steps anyway)."""
+    """Flat (block * Hkv + head) rows of the cache as [R, block_size, D], float ones in a reused
+    buffer (dequantizing allocates its steps anyway)."""
     if isinstance(cache, QuantizedCache):
         return cache.dequantize_rows(rows, dtype)
     num_blocks, num_kv_heads, block_size, head_dim = cache.shape
@@ -251,12 +233,14 @@ def _decode_part(meta: AttentionMetadata) -> tuple[AttentionMetadata, Tensor, fr
 
 
 def _use_kernel(q: Tensor, k_cache: Cache) -> bool:
-    """The C++ kernel (kernel.py) serves CPU attention when it is built: for a float cache of q's
-    dtype, and for a quantized cache (read in place with its scales)."""
+    """The one choice between the C++ kernel (kernel.py) and the torch path: the kernel serves CPU
+    attention when it is built, for q of a float type it computes in and a float cache of q's
+    dtype or a quantized cache (read in place with its scales)."""
     return (
         q.device.type == "cpu"
+        and q.dtype in native.FLOAT_DTYPES
         and (isinstance(k_cache, QuantizedCache) or q.dtype == k_cache.dtype)
-        and kernel.available()
+        and native.available()
     )
 
 
@@ -301,16 +285,13 @@ def paged_attention(
 ) -> Tensor:
     """Attention of the step's new tokens over their sequences' cached context: [T, Hq, D].
 
-    Through the C++ kernel when it serves (see _use_kernel), else in torch:
-    one-token queries (decodes) together in one batched pass, longer ones
-    (prompts, prompt chunks after cached blocks) one sequence at a time.
+    Through the C++ kernel when it serves (see _use_kernel), else torch_attention.
     """
     if not isinstance(k_cache, QuantizedCache):
         return _attend(q, k_cache, v_cache, meta, scale)
-    # K/V are stored rotated (kv/quant.py): rotate q alike, and the output back.
-    rotation = k_cache.rotation
-    out = _attend((q.float() @ rotation).to(q.dtype), k_cache, v_cache, meta, scale)
-    return (out.float() @ rotation.T).to(q.dtype)
+    # K/V are stored rotated (rotation.py): rotate q alike, and the output back.
+    out = _attend(rotation.rotate(q).to(q.dtype), k_cache, v_cache, meta, scale)
+    return rotation.unrotate(out).to(q.dtype)
 
 
 def _attend(
@@ -318,6 +299,15 @@ def _attend(
 ) -> Tensor:
     if _use_kernel(q, k_cache):
         return _kernel_attend(q, k_cache, v_cache, meta, scale)
+    return torch_attention(q, k_cache, v_cache, meta, scale)
+
+
+def torch_attention(
+    q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float
+) -> Tensor:
+    """The torch path of paged attention (in the rotated space of a quantized cache): one-token
+    queries (decodes) together in one batched pass, longer ones (prompts, prompt chunks after
+    cached blocks) one sequence at a time."""
     if meta.is_decode:
         return _decode(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)

@@ -1,7 +1,8 @@
 """`pagedkv bench`: W1/W2/W3 (and traces) through the offline engine or the server, one table out.
 
 pagedkv bench                              # W1, W2, W3 offline with the flags given
-pagedkv bench --suite --out r.json --plot plots/   # prefix on/off + allocation policies at equal memory
+pagedkv bench --suite --out r.json --plot plots/   # prefix on/off + allocation policies,
+                                                   # all at equal memory
 pagedkv bench --online --concurrency 16 --workloads W1
 pagedkv bench --trace my.jsonl --shared-prefix 256
 """
@@ -24,16 +25,25 @@ def add_parser(subparsers) -> None:
         "bench", help="benchmark the engine or the server on the shared workloads"
     )
     add_engine_args(p)
-    g = p.add_argument_group("workloads")
+    _add_workload_args(p.add_argument_group("workloads"))
+    _add_suite_args(p.add_argument_group("comparison suite"))
+    _add_online_args(p.add_argument_group("online (through pagedkv serve)"))
+    _add_output_args(p.add_argument_group("output"))
+    p.set_defaults(func=run)
+
+
+def _add_workload_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--workloads",
         default=None,
-        help="comma-separated subset of W1,W2,W3 (default: all three, or none when --trace is given)",
+        help="comma-separated subset of W1,W2,W3 "
+        "(default: all three, or none when --trace is given)",
     )
     g.add_argument(
         "--workloads-file",
         default=None,
-        help="the shared workloads.py (default: ../shared/bench/workloads.py beside the repository)",
+        help="the shared workloads.py "
+        "(default: ../shared/bench/workloads.py beside the repository)",
     )
     g.add_argument(
         "--trace", default=None, help='JSON lines {"prompt_tokens": P, "output_tokens": O}'
@@ -44,12 +54,14 @@ def add_parser(subparsers) -> None:
     g.add_argument(
         "--trace-seed", type=int, default=20261129, help="seed for the trace's random prompts"
     )
-    g = p.add_argument_group("comparison suite")
+
+
+def _add_suite_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--suite",
         action="store_true",
-        help="prefix caching on/off on every workload, and paged vs reserve-output vs reserve-max on W1 "
-        "(or the trace) at one small KV budget",
+        help="prefix caching on/off on every workload, and paged vs reserve-output vs "
+        "reserve-max on W1 (or the trace) at one small KV budget",
     )
     g.add_argument(
         "--suite-pool-tokens", type=int, default=24576, help="the equal KV budget, in tokens"
@@ -60,7 +72,9 @@ def add_parser(subparsers) -> None:
         default=2048,
         help="max_model_len of the equal-memory runs",
     )
-    g = p.add_argument_group("online (through pagedkv serve)")
+
+
+def _add_online_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--online", action="store_true", help="start `pagedkv serve` and load it over HTTP"
     )
@@ -77,7 +91,9 @@ def add_parser(subparsers) -> None:
         help="Poisson arrivals per second (default: all at once)",
     )
     g.add_argument("--server-startup-timeout", type=float, default=600.0)
-    g = p.add_argument_group("output")
+
+
+def _add_output_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--label", default=None, help="name of the configuration in the table (not with --suite)"
     )
@@ -98,7 +114,6 @@ def add_parser(subparsers) -> None:
         metavar="FILE",
         help="run nothing: render the report, ratios and plots of an earlier --out file again",
     )
-    p.set_defaults(func=run)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -117,7 +132,9 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _base_options(args: argparse.Namespace) -> dict:
-    """The engine options the command line set (defaults left out, so labels and flags stay short)."""
+    """The engine options the command line set.
+
+    Defaults are left out, so labels and flags stay short."""
     defaults = {f: EngineConfig.__dataclass_fields__[f].default for f in EngineConfig.field_names()}
     opts = {k: v for k, v in vars(args).items() if k in defaults and v != defaults[k]}
     EngineConfig.from_options(**opts)  # a bad flag fails here, before anything loads
@@ -217,7 +234,9 @@ def _run_online(args, base: dict, specs, workloads: dict, on_result) -> None:
 
 
 class _Session:
-    """Collects the runs; after each one it rewrites --out (so a long suite never loses finished runs)."""
+    """Collects the runs; after each one it rewrites --out.
+
+    So a long suite never loses the runs it has finished."""
 
     def __init__(self, args: argparse.Namespace, base: dict, workloads: list) -> None:
         from pagedkv.bench.metrics import git_commit, machine_info

@@ -13,7 +13,9 @@ MIN_METERED_S = 1.0
 
 
 def summarize(values: list[float]) -> dict[str, float | int]:
-    """count, mean and p50/p90/p99 of latencies in seconds (rounded to 0.1 ms); empty gives count 0."""
+    """count, mean and p50/p90/p99 of latencies in seconds (rounded to 0.1 ms).
+
+    An empty list gives count 0."""
     if not values:
         return {"count": 0}
     import numpy as np
@@ -55,7 +57,8 @@ def _own_cpu_s() -> float:
 
 
 class CpuMeter:
-    """How much other work shared the cores during a run: machine busy CPU minus our own, in seconds.
+    """How much other work shared the cores during a run: machine busy CPU minus our own,
+    in seconds.
 
     The cores are shared, so a figure measured next to other work is slower than the engine is;
     `other_load` (other processes' average busy cores) says how much to distrust it."""
@@ -78,8 +81,10 @@ class CpuMeter:
 
     @property
     def other_load(self) -> float | None:
-        """Average number of cores other processes kept busy; None for runs under a second, where the
-        kernel's 10 ms accounting ticks make the figure meaningless."""
+        """Average number of cores other processes kept busy.
+
+        None for runs under a second, where the kernel's 10 ms accounting ticks make the
+        figure meaningless."""
         if self.other_cpu_s is None or self.seconds < MIN_METERED_S:
             return None
         return round(min(self.other_cpu_s / self.seconds, float(os.cpu_count() or 1)), 2)
@@ -110,7 +115,7 @@ def machine_info() -> dict:
 
 
 def git_commit() -> str | None:
-    """The repository's HEAD (with '+dirty' when our own files changed), or None outside a checkout."""
+    """The repository's HEAD ('+dirty' when our own files changed); None outside a checkout."""
     repo = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(

@@ -1,4 +1,5 @@
-"""Offline runs: drive LLMEngine step by step, sampling the scheduler and the KV pool after every step.
+"""Offline runs: drive LLMEngine step by step, sampling the scheduler and the KV pool after
+every step.
 
 All requests arrive at once (as in `LLM.generate`); the clock runs from the
 first add_request to the last finished request. A tiny warm-up request runs
@@ -19,7 +20,9 @@ from pagedkv.config import EngineConfig
 
 @dataclass
 class EngineFactory:
-    """Builds one engine per run, loading the model once and sharing it (runs differ only in cache options)."""
+    """Builds one engine per run, loading the model once and sharing it.
+
+    Runs differ only in their cache options."""
 
     base: dict  # EngineConfig options common to every run
     _loaded: object = field(default=None, repr=False)
@@ -59,6 +62,26 @@ class _Timeline:
     def util_mean(self) -> float | None:
         vals = [u for u in self.kv_util if u is not None]
         return round(sum(vals) / len(vals), 5) if vals else None
+
+    def series(self) -> dict[str, list]:
+        """What RunResult.timeline holds: the sampled series, not the RSS peak."""
+        return {
+            "t": self.t,
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_usage": self.kv_usage,
+            "kv_util": self.kv_util,
+        }
+
+
+@dataclass
+class _Drive:
+    """What one timed pass over a workload saw."""
+
+    outputs: list  # the final RequestOutput of each request
+    wall_s: float
+    timeline: _Timeline
+    other_load: float | None
 
 
 def _greedy(max_tokens: int):
@@ -103,40 +126,12 @@ def run_offline(
     engine, workload: Workload, label: str, options: dict, progress: bool = True
 ) -> RunResult:
     """Run the whole workload through `engine` and measure it."""
-    from tqdm import tqdm
-
     warm_up(engine)
     gc.collect()
-    kv0, pre0, gen0 = (
-        engine.kv.stats(),
-        engine.scheduler.num_preemptions,
-        engine.generation_tokens_total,
-    )
-    timeline = _Timeline()
-    bar = tqdm(
-        total=workload.output_tokens,
-        desc=f"{workload.key} {label}",
-        unit="tok",
-        disable=not progress,
-        dynamic_ncols=True,
-        leave=False,
-    )
-    finals = {}
-    with CpuMeter() as cpu:
-        t0 = time.monotonic()
-        for i, r in enumerate(workload.requests):
-            engine.add_request(f"bench-{i}", r.prompt, _greedy(r.max_tokens))
-        timeline.sample(engine, 0.0)
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
-            timeline.sample(engine, time.monotonic() - t0)
-            bar.update(engine.generation_tokens_total - gen0 - bar.n)
-        wall = time.monotonic() - t0
-    bar.close()
+    kv0, pre0 = engine.kv.stats(), engine.scheduler.num_preemptions
+    run = _drive(engine, workload, label, progress)
     kv1 = engine.kv.stats()
-    outputs = list(finals.values())
+    outputs, wall, timeline = run.outputs, run.wall_s, run.timeline
     out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
     queries = kv1.prefix_queries - kv0.prefix_queries
@@ -164,7 +159,7 @@ def run_offline(
         prompt_tokens_computed=workload.prompt_tokens - cached,
         preemptions=engine.scheduler.num_preemptions - pre0,
         peak_rss_mb=round(timeline.rss_peak, 1),
-        other_load=cpu.other_load,
+        other_load=run.other_load,
         extra={
             "steps": len(timeline.t) - 1,
             "kv_blocks": kv1.num_blocks,
@@ -172,12 +167,37 @@ def run_offline(
             "kv_token_capacity": kv1.num_blocks * engine.kv.block_size,
             "max_model_len": engine.max_model_len,
         },
-        timeline={
-            "t": timeline.t,
-            "running": timeline.running,
-            "waiting": timeline.waiting,
-            "kv_usage": timeline.kv_usage,
-            "kv_util": timeline.kv_util,
-        },
+        timeline=timeline.series(),
         latencies={k: [round(x, 5) for x in v] for k, v in lat.items()},
     )
+
+
+def _drive(engine, workload: Workload, label: str, progress: bool) -> _Drive:
+    """Add every request at once, then step until all finish, sampling after each step."""
+    from tqdm import tqdm
+
+    gen0 = engine.generation_tokens_total
+    timeline = _Timeline()
+    bar = tqdm(
+        total=workload.output_tokens,
+        desc=f"{workload.key} {label}",
+        unit="tok",
+        disable=not progress,
+        dynamic_ncols=True,
+        leave=False,
+    )
+    finals = {}
+    with CpuMeter() as cpu:
+        t0 = time.monotonic()
+        for i, r in enumerate(workload.requests):
+            engine.add_request(f"bench-{i}", r.prompt, _greedy(r.max_tokens))
+        timeline.sample(engine, 0.0)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+            timeline.sample(engine, time.monotonic() - t0)
+            bar.update(engine.generation_tokens_total - gen0 - bar.n)
+        wall = time.monotonic() - t0
+    bar.close()
+    return _Drive(list(finals.values()), wall, timeline, cpu.other_load)

@@ -74,7 +74,9 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`pagedkv serve` on a free loopback port for the length of a `with` block; its log goes to a file."""
+    """`pagedkv serve` on a free loopback port for the length of a `with` block.
+
+    Its log goes to a file."""
 
     def __init__(self, options: dict, startup_timeout: float = 600.0) -> None:
         self.options = options
@@ -176,7 +178,8 @@ async def _stream_one(
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
-                rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                body_text = (await resp.aread()).decode(errors="replace")
+                rec.error = f"HTTP {resp.status_code}: {body_text[:200]}"
                 return rec
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):

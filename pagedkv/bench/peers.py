@@ -1,4 +1,5 @@
-"""The peers' figures (output tok/s per workload): measured result files when present, else the README's table.
+"""The peers' figures (output tok/s per workload): measured result files when present, else
+the README's table.
 
 Result files are what `shared/bench/peers/*` write to /tmp/peers/results (or
 $PEERS_RESULTS): {"peer": name, "results": [{"workload": "W1-mixed",
@@ -59,7 +60,9 @@ def from_results(results_dir: str | Path) -> list[PeerFigures]:
 
 
 def from_readme(readme: str | Path) -> list[PeerFigures]:
-    """The `| peer | W1 | W2 | W3 |` table of shared/bench/README.md; a cell's number is its best figure."""
+    """The `| peer | W1 | W2 | W3 |` table of shared/bench/README.md.
+
+    A cell's number is its best figure."""
     try:
         lines = Path(readme).read_text().splitlines()
     except OSError:
@@ -107,7 +110,9 @@ def load_peers(
 
 
 def best_of(peers: list[PeerFigures], match: str, key: str) -> tuple[float, str] | None:
-    """The best figure on workload `key` among peers whose name contains `match` (case-insensitive)."""
+    """The best figure on workload `key` among peers whose name contains `match`.
+
+    The match ignores case."""
     found = [
         (tok_s, p.peer)
         for p in peers

@@ -1,4 +1,7 @@
-"""PNG charts of a bench run (matplotlib, Agg backend): throughput, latency distributions, KV over time."""
+"""PNG charts of a bench run (matplotlib, Agg backend).
+
+Throughput, latency distributions and KV use over time.
+"""
 
 from __future__ import annotations
 

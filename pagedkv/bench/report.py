@@ -135,9 +135,10 @@ def ratios_table(ratios: list[Ratio]) -> str:
 
 
 NOTES = (
-    "Output tok/s counts generated tokens, total tok/s adds the prompt tokens sent; KV util is the mean over "
-    "steps of tokens held / slots allocated; other load is the average number of cores that other processes "
-    "kept busy during the run (0 = a clean measurement)."
+    "Output tok/s counts generated tokens, total tok/s adds the prompt tokens sent; "
+    "KV util is the mean over steps of tokens held / slots allocated; "
+    "other load is the average number of cores that other processes kept busy during the run "
+    "(0 = a clean measurement)."
 )
 
 

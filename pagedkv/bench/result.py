@@ -1,4 +1,7 @@
-"""What one benchmark run reports, the same shape offline and online (online leaves engine-internal fields None)."""
+"""What one benchmark run reports, the same shape offline and online.
+
+Online runs leave the engine-internal fields None.
+"""
 
 from __future__ import annotations
 

@@ -122,31 +122,10 @@ def _timed_ratio(
 def suite_ratios(
     results: list[RunResult], peers: list[PeerFigures], pool_tokens: int
 ) -> list[Ratio]:
-    """The issue's targets, each computed from runs of this invocation (peers as their source says)."""
-    ratios = []
-    paged_eq = next(
-        (r for r in results if r.label == equal_memory_label("paged", pool_tokens)), None
-    )
-    if paged_eq is not None:
-        wl = paged_eq.workload
-        for policy, target in (("reserve-max", 2), ("reserve-output", None)):
-            ratios.append(
-                _timed_ratio(
-                    f"{wl} paged / {policy} throughput, equal KV memory",
-                    paged_eq,
-                    _find(results, equal_memory_label(policy, pool_tokens), wl),
-                    target,
-                )
-            )
-        ratios.append(
-            Ratio(
-                f"{wl} KV token utilization, paged, block {paged_eq.extra.get('block_size')}",
-                paged_eq.kv_util_mean,
-                "≥ 0.99",
-                None if paged_eq.kv_util_mean is None else paged_eq.kv_util_mean >= 0.99,
-                "mean over steps of tokens held / slots allocated",
-            )
-        )
+    """The issue's targets, each computed from runs of this invocation.
+
+    Peers' figures are as their source says."""
+    ratios = _equal_memory_ratios(results, pool_tokens)
     ratios.append(
         _timed_ratio(
             "W2 prefix caching on / off throughput",
@@ -166,6 +145,44 @@ def suite_ratios(
         )
     )
     paged_labels = {PREFIX_ON, PREFIX_OFF, equal_memory_label("paged", pool_tokens)}
+    ratios += _peer_ratios(results, peers, paged_labels)
+    return [r for r in ratios if r.value is not None]
+
+
+def _equal_memory_ratios(results: list[RunResult], pool_tokens: int) -> list[Ratio]:
+    """Paged against both reservation policies at one KV budget, and paged's utilization."""
+    paged_eq = next(
+        (r for r in results if r.label == equal_memory_label("paged", pool_tokens)), None
+    )
+    if paged_eq is None:
+        return []
+    wl = paged_eq.workload
+    ratios = [
+        _timed_ratio(
+            f"{wl} paged / {policy} throughput, equal KV memory",
+            paged_eq,
+            _find(results, equal_memory_label(policy, pool_tokens), wl),
+            target,
+        )
+        for policy, target in (("reserve-max", 2), ("reserve-output", None))
+    ]
+    ratios.append(
+        Ratio(
+            f"{wl} KV token utilization, paged, block {paged_eq.extra.get('block_size')}",
+            paged_eq.kv_util_mean,
+            "≥ 0.99",
+            None if paged_eq.kv_util_mean is None else paged_eq.kv_util_mean >= 0.99,
+            "mean over steps of tokens held / slots allocated",
+        )
+    )
+    return ratios
+
+
+def _peer_ratios(
+    results: list[RunResult], peers: list[PeerFigures], paged_labels: set[str]
+) -> list[Ratio]:
+    """Our best paged run on each workload against each peer's best figure."""
+    ratios = []
     for key in ("W1", "W2", "W3"):
         ours = max(
             (r for r in results if r.workload == key and r.label in paged_labels),
@@ -184,7 +201,7 @@ def suite_ratios(
                         note=_source(peers, best[1]),
                     )
                 )
-    return [r for r in ratios if r.value is not None]
+    return ratios
 
 
 def _source(peers: list[PeerFigures], name: str) -> str:

@@ -165,7 +165,8 @@ def token_range(vocab_size: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Trace:
-    """A JSON-lines trace ({"prompt_tokens": P, "output_tokens": O} per line), checked, not yet tokens.
+    """A JSON-lines trace ({"prompt_tokens": P, "output_tokens": O} per line): checked, but
+    not yet tokens.
 
     Prompts are drawn once the model's vocabulary is known. With shared_prefix N every prompt starts
     with the same N tokens (or is all prefix when shorter): requests that share a system prompt."""

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "pagedkv_abi.h"
 #include "vec.h"
 
 namespace {
@@ -92,21 +93,27 @@ void write(const float* x, int64_t T, int64_t H, int64_t D, const int64_t* slots
 
 extern "C" {
 
-// format: 3 int8, 4 float8 e4m3fn. x: float32 [T, H, D] (already rotated); data [num_blocks, H, bs,
-// D]; scales [num_blocks, H]. Returns 0, or 1 with a message in err.
-int pagedkv_quant_write(int format, const float* x, int64_t T, int64_t H, int64_t D, const int64_t* slots,
-                        void* data, float* scales, int64_t num_blocks, int64_t bs, char* err, int errlen) {
-  for (int64_t t = 0; t < T; ++t) {
-    if (slots[t] < 0 || slots[t] >= num_blocks * bs) {
-      std::snprintf(err, size_t(errlen), "slot %lld is outside the cache of %lld slots", (long long)slots[t],
-                    (long long)(num_blocks * bs));
+// See pagedkv_abi.h. Returns 0, or 1 with a message in err.
+int pagedkv_quant_write(const pagedkv_quant_write_params* p, char* err, int errlen) {
+  const int64_t slots = p->num_blocks * p->block_size;
+  for (int64_t t = 0; t < p->num_tokens; ++t) {
+    if (p->slots[t] < 0 || p->slots[t] >= slots) {
+      std::snprintf(err, size_t(errlen), "slot %lld is outside the cache of %lld slots", (long long)p->slots[t],
+                    (long long)slots);
       return 1;
     }
   }
-  switch (format) {
-    case 3: write<Int8Format>(x, T, H, D, slots, static_cast<i8*>(data), scales, bs); return 0;
-    case 4: write<Fp8Format>(x, T, H, D, slots, static_cast<e4m3*>(data), scales, bs); return 0;
-    default: std::snprintf(err, size_t(errlen), "unknown quantized format %d", format); return 1;
+  const int64_t T = p->num_tokens, H = p->num_heads, D = p->head_dim;
+  switch (p->dtype) {
+    case PAGEDKV_DTYPE_INT8:
+      write<Int8Format>(p->x, T, H, D, p->slots, static_cast<i8*>(p->data), p->scales, p->block_size);
+      return 0;
+    case PAGEDKV_DTYPE_FLOAT8_E4M3FN:
+      write<Fp8Format>(p->x, T, H, D, p->slots, static_cast<e4m3*>(p->data), p->scales, p->block_size);
+      return 0;
+    default:
+      std::snprintf(err, size_t(errlen), "unknown quantized format %d", int(p->dtype));
+      return 1;
   }
 }
 

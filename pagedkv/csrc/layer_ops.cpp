@@ -7,8 +7,8 @@
 // prefill step). Here each is one pass. Results are rounded to the tensor dtype where torch's
 // ops would round (see each function), so the float32 path matches torch to float rounding.
 //
-// Like paged_attention.cpp: no torch headers, called through ctypes, dtype codes 0 float32,
-// 1 bfloat16, 2 float16; every index read from a tensor is checked before use.
+// Like paged_attention.cpp: no torch headers, called through ctypes with the parameter structs of
+// pagedkv_abi.h; every index read from a tensor is checked before use.
 
 #include <algorithm>
 #include <cmath>
@@ -17,6 +17,7 @@
 
 #include <omp.h>
 
+#include "pagedkv_abi.h"
 #include "vec.h"
 
 namespace {
@@ -117,57 +118,62 @@ int fail(char* err, int errlen, const char* msg, long long a, long long b) {
   return 1;
 }
 
+// Calls f(T()) with T the element type of a float dtype; false for any other dtype.
+template <typename F>
+bool with_float_type(pagedkv_dtype dtype, F&& f) {
+  switch (dtype) {
+    case PAGEDKV_DTYPE_FLOAT32: f(float()); return true;
+    case PAGEDKV_DTYPE_BFLOAT16: f(bf16()); return true;
+    case PAGEDKV_DTYPE_FLOAT16: f(fp16()); return true;
+    default: return false;
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-int pagedkv_rms_norm(int dtype, const void* x, int64_t x_stride, void* residual, const void* weight, void* out,
-                     int64_t rows, int64_t n, float eps, int threads) {
-  threads = threads_for(rows * n, threads);
-  switch (dtype) {
-    case 0: rms_norm(static_cast<const float*>(x), x_stride, static_cast<float*>(residual),
-                     static_cast<const float*>(weight), static_cast<float*>(out), rows, n, eps, threads); return 0;
-    case 1: rms_norm(static_cast<const bf16*>(x), x_stride, static_cast<bf16*>(residual),
-                     static_cast<const bf16*>(weight), static_cast<bf16*>(out), rows, n, eps, threads); return 0;
-    case 2: rms_norm(static_cast<const fp16*>(x), x_stride, static_cast<fp16*>(residual),
-                     static_cast<const fp16*>(weight), static_cast<fp16*>(out), rows, n, eps, threads); return 0;
-    default: return 1;
-  }
+// The parameters of each: pagedkv_abi.h. Each returns 0, or 1 with a message in err.
+
+int pagedkv_rms_norm(const pagedkv_rms_norm_params* p, char* err, int errlen) {
+  const int threads = threads_for(p->rows * p->n, p->threads);
+  const bool known = with_float_type(p->dtype, [&](auto t) {
+    using T = decltype(t);
+    rms_norm(static_cast<const T*>(p->x), p->x_stride, static_cast<T*>(p->residual),
+             static_cast<const T*>(p->weight), static_cast<T*>(p->out), p->rows, p->n, p->eps, threads);
+  });
+  return known ? 0 : fail(err, errlen, "unsupported dtype code %lld%.0lld", p->dtype, 0);
 }
 
-int pagedkv_silu_mul(int dtype, const void* x, int64_t x_stride, void* out, int64_t rows, int64_t n, int threads) {
-  threads = threads_for(rows * n, threads);
-  switch (dtype) {
-    case 0: silu_mul(static_cast<const float*>(x), x_stride, static_cast<float*>(out), rows, n, threads); return 0;
-    case 1: silu_mul(static_cast<const bf16*>(x), x_stride, static_cast<bf16*>(out), rows, n, threads); return 0;
-    case 2: silu_mul(static_cast<const fp16*>(x), x_stride, static_cast<fp16*>(out), rows, n, threads); return 0;
-    default: return 1;
-  }
+int pagedkv_silu_mul(const pagedkv_silu_mul_params* p, char* err, int errlen) {
+  const int threads = threads_for(p->rows * p->n, p->threads);
+  const bool known = with_float_type(p->dtype, [&](auto t) {
+    using T = decltype(t);
+    silu_mul(static_cast<const T*>(p->x), p->x_stride, static_cast<T*>(p->out), p->rows, p->n, threads);
+  });
+  return known ? 0 : fail(err, errlen, "unsupported dtype code %lld%.0lld", p->dtype, 0);
 }
 
-// cos, sin: float32 [max_pos, D]. slots may be null (rotate only); else k_cache and v_cache
-// hold num_blocks blocks of qkv's dtype. Returns 0, or 1 with a message in err.
-int pagedkv_rope_cache(int dtype, void* qkv, int64_t tokens, int64_t row_stride, int64_t Hq, int64_t Hkv, int64_t D,
-                       const int64_t* positions, const float* cos, const float* sin, int64_t max_pos,
-                       const int64_t* slots, void* k_cache, void* v_cache, int64_t num_blocks, int64_t block_size,
-                       int threads, char* err, int errlen) {
-  if (D % 2 || row_stride < (Hq + 2 * Hkv) * D) return fail(err, errlen, "head_dim %lld and row stride %lld disagree with the heads", D, row_stride);
-  for (int64_t t = 0; t < tokens; ++t) {
-    if (positions[t] < 0 || positions[t] >= max_pos)
-      return fail(err, errlen, "position %lld is outside the rotary table of %lld positions", positions[t], max_pos);
-    if (slots && (slots[t] < 0 || slots[t] >= num_blocks * block_size))
-      return fail(err, errlen, "slot %lld is outside the cache of %lld slots", slots[t], num_blocks * block_size);
+// slots may be null (rotate only); else k_cache and v_cache hold num_blocks blocks of qkv's dtype.
+int pagedkv_rope_cache(const pagedkv_rope_cache_params* p, char* err, int errlen) {
+  const int64_t D = p->head_dim, Hq = p->num_q_heads, Hkv = p->num_kv_heads;
+  if (D % 2 || p->row_stride < (Hq + 2 * Hkv) * D)
+    return fail(err, errlen, "head_dim %lld and row stride %lld disagree with the heads", D, p->row_stride);
+  for (int64_t t = 0; t < p->num_tokens; ++t) {
+    if (p->positions[t] < 0 || p->positions[t] >= p->max_positions)
+      return fail(err, errlen, "position %lld is outside the rotary table of %lld positions", p->positions[t],
+                  p->max_positions);
+    if (p->slots && (p->slots[t] < 0 || p->slots[t] >= p->num_blocks * p->block_size))
+      return fail(err, errlen, "slot %lld is outside the cache of %lld slots", p->slots[t],
+                  p->num_blocks * p->block_size);
   }
-  threads = threads_for(tokens * row_stride, threads);
-  switch (dtype) {
-    case 0: rope_cache(static_cast<float*>(qkv), tokens, row_stride, Hq, Hkv, D, positions, cos, sin, slots,
-                       static_cast<float*>(k_cache), static_cast<float*>(v_cache), block_size, threads); return 0;
-    case 1: rope_cache(static_cast<bf16*>(qkv), tokens, row_stride, Hq, Hkv, D, positions, cos, sin, slots,
-                       static_cast<bf16*>(k_cache), static_cast<bf16*>(v_cache), block_size, threads); return 0;
-    case 2: rope_cache(static_cast<fp16*>(qkv), tokens, row_stride, Hq, Hkv, D, positions, cos, sin, slots,
-                       static_cast<fp16*>(k_cache), static_cast<fp16*>(v_cache), block_size, threads); return 0;
-    default: return fail(err, errlen, "unsupported dtype code %lld (%lld are known)", dtype, 3);
-  }
+  const int threads = threads_for(p->num_tokens * p->row_stride, p->threads);
+  const bool known = with_float_type(p->dtype, [&](auto t) {
+    using T = decltype(t);
+    rope_cache(static_cast<T*>(p->qkv), p->num_tokens, p->row_stride, Hq, Hkv, D, p->positions, p->cos, p->sin,
+               p->slots, static_cast<T*>(p->k_cache), static_cast<T*>(p->v_cache), p->block_size, threads);
+  });
+  return known ? 0 : fail(err, errlen, "unsupported dtype code %lld%.0lld", p->dtype, 0);
 }
 
 }  // extern "C"

@@ -32,6 +32,7 @@
 
 #include <omp.h>
 
+#include "pagedkv_abi.h"
 #include "vec.h"
 
 namespace {
@@ -78,16 +79,22 @@ template <typename T> struct DotFor { using type = FloatDot<T>; };
 
 // ---------------------------------------------------------------------------------------
 
-constexpr int kTile = 32;       // keys per online-softmax step (a multiple of W)
-// Tiles between prefetching K/V rows and using them: measured 1..3 on one core of this AMD EPYC,
-// 1 best for AVX-512, 2 for the narrower vectors (AVX2 bf16 2.7 ms against 3.0 with 1).
-constexpr int kAhead = W >= 16 ? 1 : 2;
+// Memory. Decode reads each sequence's K/V once, in runs of one block and head (4 KiB of float32
+// with 16-token blocks of 64 dims) scattered through the pool, so one core is bound by how many
+// cache misses it keeps in flight. Measured on one core of this AMD EPYC (sequential read 40
+// GB/s): such runs read one after the other reach 25 GB/s, four at a time 34 GB/s. Hence:
+// - a tile of kTile keys visits its keys as kStripes interleaved runs (four blocks at a time);
+// - the next tile's rows (at an item's last tile, the next item's first) are prefetched a row at
+//   a time while this tile's rows are used: spread like this the misses overlap the arithmetic,
+//   where a burst of them stalls the core (float32 2.6 against 3.1 ms, bf16 1.3 against 2.0).
+constexpr int kTile = 64;       // keys per online-softmax step (a multiple of kStripes * W)
+constexpr int kStripes = 4;
 constexpr int kRowBlock = kRegisters >= 32 ? 4 : 3;  // query rows whose accumulators stay in registers
 constexpr int kMaxRows = 32;    // query rows (tokens x group heads) per item, when G allows
-constexpr int kSplitMin = 128;
+constexpr int kSplitMin = 128;  // fewest keys worth a split-K part of their own
 // Most query rows (members x group heads) per shared-prefix item: larger items reuse each K/V
 // tile more while it is in L1 (measured on one core: 32 rows 1.17x plain, 64 1.22x, 96 1.31x).
-constexpr int kSharedRows = 128;  // fewest keys worth a split-K part of their own
+constexpr int kSharedRows = 128;
 
 struct Problem {
   const void* q; const void* k; const void* v; void* out;
@@ -114,27 +121,54 @@ struct Item {
   bool shared = false;
 };
 
+// One tile's keys: their K/V row addresses (and a quantized cache's per-key scales) in the
+// order the tile visits them (see Attend::locate).
+struct TileRows {
+  const void* kp[kTile];
+  const void* vp[kTile];
+  float ks[kTile];
+  float vs[kTile];
+  int n = 0;  // keys
+};
+
+// The K and V rows of the next tile, prefetched a few keys at a time (in its visiting order)
+// while the present tile is computed.
+struct Upcoming {
+  const TileRows* tile = nullptr;
+  int bytes = 0;  // of a row
+  int done = 0;   // keys prefetched
+  void fetch_to(int keys) {
+    for (const int end = std::min(keys, tile->n); done < end; ++done) {
+      span(tile->kp[done]);
+      span(tile->vp[done]);
+    }
+  }
+  void span(const void* row) const {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(row);
+    for (uintptr_t line = p & ~uintptr_t(63); line < p + uintptr_t(bytes); line += 64)
+      prefetch(reinterpret_cast<const void*>(line));
+  }
+};
+
 // Per-thread scratch, sized once per call.
 struct Scratch {
   int dp;                       // D rounded up to whole vectors
   std::vector<float> qf, acc, s, m, l;
-  // K/V row addresses of the tile in use and of the next kAhead tiles, by tile number modulo
-  // kAhead + 1.
-  const void* kp[kAhead + 1][kTile];
-  const void* vp[kAhead + 1][kTile];
-  float ks[kAhead + 1][kTile];  // per-key K / V scales of a quantized cache
-  float vs[kAhead + 1][kTile];
-  int cur = 0;  // slot of the tile in use
+  TileRows tiles[2];  // the tile in use (tiles[cur]) and the next one
+  int cur = 0;
+  Upcoming ahead;     // of tiles[cur ^ 1]
+  bool primed = false;  // tiles[cur] holds the first tile of the thread's next item, prefetched
   Scratch(int rows, int dp_) : dp(dp_), qf(size_t(rows) * dp_), acc(size_t(rows) * dp_),
       s(size_t(rows) * kTile), m(rows), l(rows) {}
 };
 
 // Scores for rows [0, NR) of a row block against the tile's keys: s[i][t] = q_i . k_t, for
 // whole groups of W keys (kp is padded to a multiple of W with valid addresses). q holds the
-// rows qstride Dot::Q apart; NS steps of Dot::kElems cover the head dimension.
+// rows qstride Dot::Q apart; NS steps of Dot::kElems cover the head dimension. Prefetches half
+// a tile of `ahead` rows as it goes (unless null).
 template <int NR, int NS, typename Dot, typename T>
 inline void tile_scores(const typename Dot::Q* q, int qstride, const void* const* kp, const float* kscale, int nt,
-                        int ns, typename Dot::M tail, float scale, float* s) {
+                        int ns, typename Dot::M tail, float scale, float* s, Upcoming* ahead) {
   static_assert(kTile % W == 0 && W % 4 == 0, "groups of four keys make whole vectors of scores");
   const int nsv = NS ? NS : ns;
   // Small known shapes keep the query rows in registers; others read them from L1 each time.
@@ -148,6 +182,7 @@ inline void tile_scores(const typename Dot::Q* q, int qstride, const void* const
     else return Dot::load_q(q + i * qstride + c * Dot::kElems);
   };
   for (int t0 = 0; t0 < nt; t0 += W) {
+    if (ahead) ahead->fetch_to((t0 + W) / 2);
     Vec part[NR][kGroups];
     for (int g = 0; g < kGroups; ++g) {
       Vec a[NR][4];
@@ -173,31 +208,38 @@ inline void tile_scores(const typename Dot::Q* q, int qstride, const void* const
 // acc[i][c0 .. c0+CB) += sum_t p[i][t] * v_t[c0 .. c0+CB) for rows [0, NR) of a row block.
 // NR * CB independent accumulators keep the FMA pipes busy.
 template <int NR, int CB, typename T>
-inline void tile_values_cols(const float* p, const void* const* vp, int nt, int c0, Mask last, float* acc, int dp) {
+__attribute__((always_inline)) inline void tile_values_cols(const float* p, const void* const* vp, int nt, int c0, Mask last, float* acc, int dp,
+                             Upcoming* ahead) {
   Vec a[NR][CB];
   for (int i = 0; i < NR; ++i)
     for (int c = 0; c < CB; ++c) a[i][c] = load(acc + i * dp + (c0 + c) * W, kFull);
+  Upcoming up = ahead ? *ahead : Upcoming{};
   for (int t = 0; t < nt; ++t) {
+    if (up.tile) up.fetch_to((nt + t + 1) / 2);
     const T* v = static_cast<const T*>(vp[t]) + c0 * W;
     for (int c = 0; c < CB; ++c) {
       const Vec vv = load(v + c * W, c + 1 < CB ? kFull : last);
       for (int i = 0; i < NR; ++i) a[i][c] = fma(set1(p[i * kTile + t]), vv, a[i][c]);
     }
   }
+  if (ahead) *ahead = up;
   for (int i = 0; i < NR; ++i)
     for (int c = 0; c < CB; ++c) store(acc + i * dp + (c0 + c) * W, a[i][c], kFull);
 }
 
-// acc[i] += sum_t p[i][t] * v_t, four vectors of the head dimension at a time.
+// acc[i] += sum_t p[i][t] * v_t, four vectors of the head dimension at a time (the first four
+// prefetching the other half tile of `ahead` rows, unless null).
 template <int NR, int NC, typename T>
-inline void tile_values(const float* p, const void* const* vp, int nt, int nc, Mask tail, float* acc, int dp) {
+inline void tile_values(const float* p, const void* const* vp, int nt, int nc, Mask tail, float* acc, int dp,
+                        Upcoming* ahead) {
   const int ncv = NC ? NC : nc;
   int c0 = 0;
-  for (; c0 + 4 <= ncv; c0 += 4) tile_values_cols<NR, 4, T>(p, vp, nt, c0, c0 + 4 == ncv ? tail : kFull, acc, dp);
+  for (; c0 + 4 <= ncv; c0 += 4, ahead = nullptr)
+    tile_values_cols<NR, 4, T>(p, vp, nt, c0, c0 + 4 == ncv ? tail : kFull, acc, dp, ahead);
   switch (ncv - c0) {
-    case 3: tile_values_cols<NR, 3, T>(p, vp, nt, c0, tail, acc, dp); break;
-    case 2: tile_values_cols<NR, 2, T>(p, vp, nt, c0, tail, acc, dp); break;
-    case 1: tile_values_cols<NR, 1, T>(p, vp, nt, c0, tail, acc, dp); break;
+    case 3: tile_values_cols<NR, 3, T>(p, vp, nt, c0, tail, acc, dp, ahead); break;
+    case 2: tile_values_cols<NR, 2, T>(p, vp, nt, c0, tail, acc, dp, ahead); break;
+    case 1: tile_values_cols<NR, 1, T>(p, vp, nt, c0, tail, acc, dp, ahead); break;
     default: break;
   }
 }
@@ -229,60 +271,72 @@ struct Attend {
   const int D, nc, G, ns;
   const Mask tail;
   const typename Dot::M dot_tail;
+  const int row_bytes;  // of one K or V row in the cache
 
   explicit Attend(const Problem& p)
       : P(p), D(int(p.D)), nc(int((p.D + W - 1) / W)), G(p.G()), ns(int((p.D + Dot::kElems - 1) / Dot::kElems)),
-        tail(first_lanes(int(p.D - (nc - 1) * W))), dot_tail(Dot::tail(int(p.D - (ns - 1) * Dot::kElems))) {}
+        tail(first_lanes(int(p.D - (nc - 1) * W))), dot_tail(Dot::tail(int(p.D - (ns - 1) * Dot::kElems))),
+        row_bytes(int(p.D * int64_t(sizeof(C)))) {}
 
+  // The row block at r against the tile's keys: scores, then values. The first row block also
+  // prefetches the next tile's rows.
   template <int NR> struct Scores {
-    static void run(int r, const Attend& a, Scratch& ws, int nt) {
+    static void run(int r, const Attend& a, Scratch& ws, int nt, int r0) {
       const int qstride = ws.dp * kQPerFloat;
+      const TileRows& cur = ws.tiles[ws.cur];
       tile_scores<NR, NS, Dot, C>(reinterpret_cast<const Q*>(ws.qf.data()) + size_t(r) * qstride, qstride,
-                                  ws.kp[ws.cur], kQuantized ? ws.ks[ws.cur] : nullptr, nt, a.ns, a.dot_tail,
-                                  a.P.scale, ws.s.data() + size_t(r) * kTile);
+                                  cur.kp, kQuantized ? cur.ks : nullptr, nt, a.ns, a.dot_tail,
+                                  a.P.scale, ws.s.data() + size_t(r) * kTile, r == r0 ? &ws.ahead : nullptr);
     }
   };
   template <int NR> struct Values {
-    static void run(int r, const Attend& a, Scratch& ws, int nt) {
-      tile_values<NR, NC, C>(ws.s.data() + size_t(r) * kTile, ws.vp[ws.cur], nt, a.nc, a.tail,
-                             ws.acc.data() + size_t(r) * ws.dp, ws.dp);
+    static void run(int r, const Attend& a, Scratch& ws, int nt, int r0) {
+      tile_values<NR, NC, C>(ws.s.data() + size_t(r) * kTile, ws.tiles[ws.cur].vp, nt, a.nc, a.tail,
+                             ws.acc.data() + size_t(r) * ws.dp, ws.dp, r == r0 ? &ws.ahead : nullptr);
     }
   };
 
-  // Fills slot `slot` of ws.kp / ws.vp with the rows of keys [t0, t0 + nt) (padding kp to
-  // whole vectors of keys, whose extra scores are computed and never used) and prefetches them.
-  void locate(int64_t b, int64_t h, int64_t t0, int nt, Scratch& ws, int slot) const {
+  // Position of the item's first query row (shared-prefix rows see all of [k0, k1)).
+  int64_t first_pos(const Item& it) const {
+    return it.shared ? it.k1 : P.seq_lens[it.b] - P.qlen(it.b) + it.q0;
+  }
+
+  // The item's query rows from which on the tile at t0 is seen: earlier positions see none of it.
+  int first_row(const Item& it, int64_t t0) const {
+    return int(std::clamp<int64_t>((t0 - first_pos(it)) * G, 0, (it.q1 - it.q0) * G));
+  }
+
+  // Fills `tile` with the rows of the item's keys [t0, t0 + kTile) (fewer at its end). A whole
+  // tile that all its rows see is visited in kStripes interleaved runs, key i at slot
+  // (i % run) * kStripes + i / run; any other in order (the causal cut needs that), with kp
+  // padded to whole vectors of keys (whose extra scores are computed and never used).
+  void locate(const Item& it, int64_t t0, TileRows& tile) const {
+    constexpr int kRun = kTile / kStripes;
+    const int nt = int(std::min<int64_t>(it.k1 - t0, kTile));
+    const bool mixed = nt == kTile && first_pos(it) + first_row(it, t0) / G >= t0 + kTile - 1;
     const C* k = static_cast<const C*>(P.k);
     const C* v = static_cast<const C*>(P.v);
-    const void** kp = ws.kp[slot];
-    const void** vp = ws.vp[slot];
-    const int32_t* table = P.block_tables + b * P.max_blocks + t0 / P.bs;
+    const int32_t* table = P.block_tables + it.b * P.max_blocks + t0 / P.bs;
     int t = 0;
     for (int64_t off = t0 % P.bs; t < nt; off = 0) {  // one run of rows per block
-      const int64_t row = int64_t(*table++) * P.Hkv + h;
+      const int64_t row = int64_t(*table++) * P.Hkv + it.h;
       const int64_t base = (row * P.bs + off) * P.D;
       const int n = int(std::min<int64_t>(nt - t, P.bs - off));
-      prefetch_span(k + base, n * P.D * int64_t(sizeof(C)));
-      prefetch_span(v + base, n * P.D * int64_t(sizeof(C)));
       for (int i = 0; i < n; ++i, ++t) {
-        kp[t] = k + base + i * P.D;
-        vp[t] = v + base + i * P.D;
+        const int at = mixed ? (t % kRun) * kStripes + t / kRun : t;
+        tile.kp[at] = k + base + i * P.D;
+        tile.vp[at] = v + base + i * P.D;
         if constexpr (kQuantized) {
-          ws.ks[slot][t] = P.k_scales[row];
-          ws.vs[slot][t] = P.v_scales[row];
+          tile.ks[at] = P.k_scales[row];
+          tile.vs[at] = P.v_scales[row];
         }
       }
     }
+    tile.n = nt;
     for (; t % W; ++t) {
-      kp[t] = kp[nt - 1];
-      if constexpr (kQuantized) ws.ks[slot][t] = ws.ks[slot][nt - 1];
+      tile.kp[t] = tile.kp[nt - 1];
+      if constexpr (kQuantized) tile.ks[t] = tile.ks[nt - 1];
     }
-  }
-
-  static void prefetch_span(const void* p, int64_t bytes) {
-    const uintptr_t end = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes);
-    for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); line < end; line += 64)
-      prefetch(reinterpret_cast<const void*>(line));
   }
 
   // The query token of the item's row r.
@@ -306,40 +360,45 @@ struct Attend {
     }
   }
 
-  // Row r = token index within the item * G + group head; rows are ordered by position.
-  void run(const Item& it, Scratch& ws, float* partial) const {
-    const int64_t b = it.b, h = it.h;
+  // Row r = token index within the item * G + group head; rows are ordered by position. `then`:
+  // the item this thread runs next, if any.
+  void run(const Item& it, const Item* then, Scratch& ws, float* partial) const {
     const int rows = (it.q1 - it.q0) * G;
-    // position of row 0 (shared-prefix rows see all of [k0, k1))
-    const int64_t first_pos = it.shared ? it.k1 : P.seq_lens[b] - P.qlen(b) + it.q0;
+    const int64_t first_pos = this->first_pos(it);
     load_queries(it, ws, rows);
     std::fill(ws.acc.begin(), ws.acc.begin() + size_t(rows) * ws.dp, 0.f);
     std::fill(ws.m.begin(), ws.m.begin() + rows, -std::numeric_limits<float>::infinity());
     std::fill(ws.l.begin(), ws.l.begin() + rows, 0.f);
 
-    // Tile i's rows sit in slot i % (kAhead + 1); they are located and prefetched kAhead tiles
-    // before their use.
-    const int slots = kAhead + 1;
-    const auto tile_keys = [&](int64_t t0) { return int(std::clamp<int64_t>(it.k1 - t0, 0, kTile)); };
-    for (int i = 0; i < kAhead && tile_keys(it.k0 + i * kTile) > 0; ++i)
-      locate(b, h, it.k0 + i * kTile, tile_keys(it.k0 + i * kTile), ws, i);
-    for (int64_t t0 = it.k0, i = 0; t0 < it.k1; t0 += kTile, ++i) {
-      const int nt = tile_keys(t0);
-      if (const int n = tile_keys(t0 + kAhead * kTile))
-        locate(b, h, t0 + kAhead * kTile, n, ws, int((i + kAhead) % slots));
-      ws.cur = int(i % slots);
-      // Rows whose position is before t0 see nothing in this tile.
-      const int r0 = int(std::clamp<int64_t>((t0 - first_pos) * G, 0, rows));
-      for_row_blocks<Scores>(r0, rows, *this, ws, nt);
+    // Each tile locates the next one (in this item, else the thread's next item's first), whose
+    // rows it prefetches as it goes; only an item not so prepared prefetches its first tile here.
+    if (!ws.primed) {
+      locate(it, it.k0, ws.tiles[ws.cur]);
+      Upcoming{&ws.tiles[ws.cur], row_bytes}.fetch_to(kTile);
+    }
+    for (int64_t t0 = it.k0; t0 < it.k1; t0 += kTile) {
+      const TileRows& cur = ws.tiles[ws.cur];
+      TileRows& next = ws.tiles[ws.cur ^ 1];
+      const int nt = cur.n;
+      if (t0 + kTile < it.k1) locate(it, t0 + kTile, next);
+      else if (then) locate(*then, then->k0, next);
+      else next.n = 0;
+      ws.ahead = Upcoming{&next, row_bytes};
+      const int r0 = first_row(it, t0);
+      for_row_blocks<Scores>(r0, rows, *this, ws, nt, r0);
       for (int r = r0; r < rows; ++r) softmax_step(ws, r, int(std::min<int64_t>(nt, first_pos + r / G - t0 + 1)));
       if constexpr (kQuantized) {  // sum_t p_t (v_t * scale_t): fold each key's V scale into p_t
         for (int r = r0; r < rows; ++r) {
           float* p = ws.s.data() + size_t(r) * kTile;
-          for (int t = 0; t < nt; ++t) p[t] *= ws.vs[ws.cur][t];
+          for (int t = 0; t < nt; ++t) p[t] *= cur.vs[t];
         }
       }
-      for_row_blocks<Values>(r0, rows, *this, ws, nt);
+      for_row_blocks<Values>(r0, rows, *this, ws, nt, r0);
+      ws.ahead.fetch_to(kTile);  // what a shorter tile left
+
+      ws.cur ^= 1;
     }
+    ws.primed = then != nullptr;
     finish(it, ws, rows, partial);
   }
 
@@ -531,10 +590,14 @@ void execute(const A& attend, const std::vector<Item>& items, float* partials, c
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
     Scratch ws(rows_max, dp);
-    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < order.size();) {
-      const size_t j = order[i];
-      attend.run(items[j], ws, partials + slot[j]);
+    // Each thread claims its next item before running the present one, whose last tile then
+    // prefetches the next one's first.
+    const auto claim = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
+    for (size_t i = claim(); i < order.size();) {
+      const size_t j = order[i], then = claim();
+      attend.run(items[j], then < order.size() ? &items[order[then]] : nullptr, ws, partials + slot[j]);
       done(j, ws.qf.data());
+      i = then;
     }
   }
 }
@@ -635,13 +698,16 @@ void dispatch_dim(const Problem& P, int threads) {
   else run_problem<0, T, C>(P, threads);
 }
 
-// kv_dtype: -1 the queries' own type, 3 int8, 4 float8 e4m3fn (both with scales).
+// T: the queries' type; the cache is of T itself or quantized (int8 / e4m3 with scales).
 template <typename T>
-int dispatch_cache(const Problem& P, int kv_dtype, int threads) {
+int dispatch_cache(const Problem& P, pagedkv_dtype dtype, pagedkv_dtype kv_dtype, int threads) {
+  if (kv_dtype == dtype) {
+    dispatch_dim<T, T>(P, threads);
+    return 0;
+  }
   switch (kv_dtype) {
-    case -1: dispatch_dim<T, T>(P, threads); return 0;
-    case 3: dispatch_dim<T, i8>(P, threads); return 0;
-    case 4: dispatch_dim<T, e4m3>(P, threads); return 0;
+    case PAGEDKV_DTYPE_INT8: dispatch_dim<T, i8>(P, threads); return 0;
+    case PAGEDKV_DTYPE_FLOAT8_E4M3FN: dispatch_dim<T, e4m3>(P, threads); return 0;
     default: return 1;
   }
 }
@@ -650,47 +716,27 @@ int dispatch_cache(const Problem& P, int kv_dtype, int threads) {
 
 extern "C" {
 
-// Decode attention where groups of sequences share their leading blocks (cascade): pre [B] the
-// shared blocks of each sequence (0: none), group g's sequences group_members[group_start[g] ..
-// group_start[g + 1]) (group_start [num_groups + 1]). Each group's prefix K/V is read once for
-// all its members; the rest as pagedkv_paged_attention, which is this with pre null.
-int pagedkv_cascade_attention(int dtype, int kv_dtype, const float* k_scales, const float* v_scales,
-                              const void* q, const void* k, const void* v, void* out,
-                              const int32_t* query_start_loc, const int32_t* seq_lens,
-                              const int32_t* block_tables, int64_t T, int64_t B, int64_t max_blocks,
-                              int64_t num_blocks, int64_t Hq, int64_t Hkv, int64_t block_size,
-                              int64_t head_dim, int64_t q_stride, int64_t out_stride, float scale,
-                              const int32_t* pre, const int32_t* group_start, const int32_t* group_members,
-                              int64_t num_groups, int threads, char* err, int errlen) {
-  Problem P{q, k, v, out, query_start_loc, seq_lens, block_tables, T, B, max_blocks,
-            num_blocks, Hq, Hkv, block_size, head_dim, q_stride, out_stride, scale, k_scales, v_scales};
-  P.pre = pre; P.gstart = group_start; P.members = group_members; P.ngroups = num_groups;
-  if (validate(P, err, errlen) || (pre && validate_cascade(P, err, errlen))) return 1;
-  if (kv_dtype >= 0 && !(k_scales && v_scales)) return fail(err, errlen, "cache dtype code %lld needs k_scales and v_scales%.0lld", kv_dtype, 0);
-  threads = std::max(1, threads);
+// See pagedkv_abi.h. A cascade plan (pre not null) reads each group's prefix K/V once for all its
+// members; without one, every sequence reads its own blocks.
+int pagedkv_paged_attention(const pagedkv_paged_attention_params* p, char* err, int errlen) {
+  Problem P{p->q, p->k, p->v, p->out, p->query_start_loc, p->seq_lens, p->block_tables,
+            p->num_tokens, p->num_seqs, p->max_blocks, p->num_blocks, p->num_q_heads,
+            p->num_kv_heads, p->block_size, p->head_dim, p->q_stride, p->out_stride, p->scale,
+            p->k_scales, p->v_scales};
+  P.pre = p->pre; P.gstart = p->group_start; P.members = p->group_members; P.ngroups = p->num_groups;
+  if (validate(P, err, errlen) || (P.pre && validate_cascade(P, err, errlen))) return 1;
+  const bool quantized = p->kv_dtype != p->dtype;
+  if (quantized && !(p->k_scales && p->v_scales))
+    return fail(err, errlen, "cache dtype code %lld needs k_scales and v_scales%.0lld", p->kv_dtype, 0);
+  const int threads = std::max(1, int(p->threads));
   int rc = 1;
-  switch (dtype) {
-    case 0: rc = dispatch_cache<float>(P, kv_dtype, threads); break;
-    case 1: rc = dispatch_cache<bf16>(P, kv_dtype, threads); break;
-    case 2: rc = dispatch_cache<fp16>(P, kv_dtype, threads); break;
+  switch (p->dtype) {
+    case PAGEDKV_DTYPE_FLOAT32: rc = dispatch_cache<float>(P, p->dtype, p->kv_dtype, threads); break;
+    case PAGEDKV_DTYPE_BFLOAT16: rc = dispatch_cache<bf16>(P, p->dtype, p->kv_dtype, threads); break;
+    case PAGEDKV_DTYPE_FLOAT16: rc = dispatch_cache<fp16>(P, p->dtype, p->kv_dtype, threads); break;
     default: break;
   }
-  return rc ? fail(err, errlen, "unsupported dtype codes %lld / %lld", dtype, kv_dtype) : 0;
-}
-
-// dtype (of q and out): 0 float32, 1 bfloat16, 2 float16. kv_dtype: -1 the same as q, or 3 int8 / 4
-// float8 e4m3fn with k_scales, v_scales [num_blocks * Hkv] (an element stands for value * scale).
-// Returns 0, or 1 with a message in err.
-int pagedkv_paged_attention(int dtype, int kv_dtype, const float* k_scales, const float* v_scales,
-                            const void* q, const void* k, const void* v, void* out,
-                            const int32_t* query_start_loc, const int32_t* seq_lens,
-                            const int32_t* block_tables, int64_t T, int64_t B, int64_t max_blocks,
-                            int64_t num_blocks, int64_t Hq, int64_t Hkv, int64_t block_size,
-                            int64_t head_dim, int64_t q_stride, int64_t out_stride, float scale,
-                            int threads, char* err, int errlen) {
-  return pagedkv_cascade_attention(dtype, kv_dtype, k_scales, v_scales, q, k, v, out, query_start_loc, seq_lens,
-                                   block_tables, T, B, max_blocks, num_blocks, Hq, Hkv, block_size, head_dim,
-                                   q_stride, out_stride, scale, nullptr, nullptr, nullptr, 0, threads, err, errlen);
+  return rc ? fail(err, errlen, "unsupported dtype codes %lld / %lld", p->dtype, p->kv_dtype) : 0;
 }
 
 // Lanes per vector: 16 with AVX-512, 8 with AVX2 or the portable backend, 4 with NEON.

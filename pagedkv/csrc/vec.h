@@ -6,9 +6,10 @@
 //   vec_neon.h    AArch64 NEON (with its fp16 conversions), W = 4
 //   vec_portable.h GCC/Clang vector extensions only, W = 8
 // Every backend gives: zero set1 fma add sub mul vdiv vmax vabs hsum hmax masked where_negative
-// reduce4 finish round_even vexp prefetch, and load / store converting float32 to and from
+// reduce4 finish round_even scale_pow2, and load / store converting float32 to and from
 // float, bf16, fp16 (and load from int8 / e4m3). A Mask selects the first n lanes (every mask
-// the kernels use is such a prefix). Conversions round like torch: to nearest even, once.
+// the kernels use is such a prefix). Conversions round like torch: to nearest even, once. On
+// top of them, for every backend: vexp, prefetch, round_as, int8 / e4m3 codes.
 #pragma once
 
 #include <algorithm>
@@ -73,6 +74,37 @@ using U32 = Lanes<uint32_t>;
 #endif
 
 namespace pk {
+
+// exp(x) for x <= 0 (scores minus their running max), relative error ~1e-7: 2^n * e^r with
+// |r| <= ln2/2 and a degree-6 polynomial for e^r. Below -87.3 (2^n no longer a normal float)
+// it gives 0.
+inline Vec vexp(Vec x) {
+  const Vec xc = vmax(x, set1(-87.3f));
+  const Vec n = round_even(mul(xc, set1(1.44269504088896341f)));
+  Vec r = fma(n, set1(-0.693359375f), xc);
+  r = fma(n, set1(2.12194440e-4f), r);
+  Vec p = set1(1.9875691500e-4f);
+  p = fma(p, r, set1(1.3981999507e-3f));
+  p = fma(p, r, set1(8.3334519073e-3f));
+  p = fma(p, r, set1(4.1665795894e-2f));
+  p = fma(p, r, set1(1.6666665459e-1f));
+  p = fma(p, r, set1(5.0000001201e-1f));
+  p = fma(p, mul(r, r), add(r, set1(1.0f)));
+  return where_negative(add(x, set1(87.3f)), zero(), scale_pow2(p, n));
+}
+
+// Starts loading the cache line at p into L2 (an upcoming tile is too large for L1). In asm,
+// as GCC 12 deletes __builtin_prefetch from a loop that does nothing else; with p in a register
+// (not a memory operand), so that the compiler need not store the caller's vectors first.
+inline void prefetch(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 (%0)" : : "r"(p));
+#elif defined(__aarch64__)
+  asm volatile("prfm pldl2keep, [%0]" : : "r"(p));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
 
 // The mask of lanes [c, c + W) that fall before n.
 inline Mask lanes(int64_t n, int64_t c) { return c + W <= n ? kFull : first_lanes(int(n - c)); }

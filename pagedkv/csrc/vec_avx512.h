@@ -78,24 +78,7 @@ inline void store(fp16* p, Vec v, Mask m) {
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// exp(x) for x <= 0 (scores minus their running max), relative error ~1e-7: 2^n * e^r with
-// |r| <= ln2/2 and a degree-6 polynomial for e^r. Very negative x gives 0.
-inline Vec vexp(Vec x) {
-  x = _mm512_max_ps(x, set1(-104.0f));
-  const Vec n = round_even(mul(x, set1(1.44269504088896341f)));
-  Vec r = fma(n, set1(-0.693359375f), x);
-  r = fma(n, set1(2.12194440e-4f), r);
-  Vec p = set1(1.9875691500e-4f);
-  p = fma(p, r, set1(1.3981999507e-3f));
-  p = fma(p, r, set1(8.3334519073e-3f));
-  p = fma(p, r, set1(4.1665795894e-2f));
-  p = fma(p, r, set1(1.6666665459e-1f));
-  p = fma(p, r, set1(5.0000001201e-1f));
-  p = fma(p, mul(r, r), add(r, set1(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }  // into L2: L1 is too small for a tile ahead
-
+// p * 2^n for whole numbers n (vexp's last step).
+inline Vec scale_pow2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }
 
 }  // namespace pk

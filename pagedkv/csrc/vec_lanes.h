@@ -77,25 +77,7 @@ inline void store(bf16* p, Vec v, Mask m) {  // round to nearest even: add 0x7FF
 }
 inline void store(fp16* p, Vec v, Mask m) { store_raw(p, float_to_half(v), m); }
 
-// exp(x) for x <= 0 (scores minus their running max), relative error ~1e-7: 2^n * e^r with
-// |r| <= ln2/2 and a degree-6 polynomial for e^r. Below -87.3 (2^n no longer a normal float)
-// it gives 0.
-inline Vec vexp(Vec x) {
-  const Vec xc = vmax(x, set1(-87.3f));
-  const Vec n = round_even(mul(xc, set1(1.44269504088896341f)));
-  Vec r = fma(n, set1(-0.693359375f), xc);
-  r = fma(n, set1(2.12194440e-4f), r);
-  Vec p = set1(1.9875691500e-4f);
-  p = fma(p, r, set1(1.3981999507e-3f));
-  p = fma(p, r, set1(8.3334519073e-3f));
-  p = fma(p, r, set1(4.1665795894e-2f));
-  p = fma(p, r, set1(1.6666665459e-1f));
-  p = fma(p, r, set1(5.0000001201e-1f));
-  p = fma(p, mul(r, r), add(r, set1(1.0f)));
-  const Vec scale = (Vec)((__builtin_convertvector((F32)n, I32) + 127) << 23);
-  return (Vec)((F32)x < -87.3f ? F32{} : (F32)mul(p, scale));
-}
-
-inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 2); }  // into L2: L1 is too small for a tile ahead
+// p * 2^n for whole numbers n in float32's normal exponent range (vexp's last step).
+inline Vec scale_pow2(Vec p, Vec n) { return mul(p, (Vec)((__builtin_convertvector((F32)n, I32) + 127) << 23)); }
 
 }  // namespace pk

@@ -1,4 +1,5 @@
-"""The ranks of a tensor-parallel engine: rank 0 is the engine's process, ranks 1.. are spawned workers.
+"""The ranks of a tensor-parallel engine: rank 0 is the engine's process, ranks 1.. are spawned
+workers.
 
 torch.distributed does the talking (gloo on CPU, NCCL on CUDA for the
 all-reduces); torch.multiprocessing starts the workers. Rank 0 broadcasts each step's block
@@ -17,6 +18,7 @@ import os
 import tempfile
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,11 @@ from torch import Tensor
 
 from pagedkv.config import ConfigError, EngineConfig
 
+if TYPE_CHECKING:
+    from pagedkv.distributed.tiers import HostOp
+
 log = logging.getLogger("pagedkv")
+STOP_TIMEOUT_S = 30  # a worker's disk tier may still be writing what was queued (at most 25 s)
 TIMEOUT = datetime.timedelta(
     minutes=10
 )  # one collective may wait out a long prefill on a slow rank
@@ -38,7 +44,8 @@ class TensorParallelError(RuntimeError):
 
 
 def all_reduce(t: Tensor) -> None:
-    """Sum over ranks in place, in float32 (gloo sums bf16 poorly, and float32 matches one rank's matmul)."""
+    """Sum over ranks in place, in float32 (gloo sums bf16 poorly, and float32 matches one rank's
+    matmul)."""
     if t.dtype == torch.float32:
         dist.all_reduce(t)
         return
@@ -48,7 +55,8 @@ def all_reduce(t: Tensor) -> None:
 
 
 def min_over_ranks(n: int) -> int:
-    """The smallest of every rank's value (the KV pool is sized by the rank with the least memory)."""
+    """The smallest of every rank's value (the KV pool is sized by the rank with the least
+    memory)."""
     t = torch.tensor([n], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
@@ -59,15 +67,12 @@ def backend(device: torch.device) -> str:
 
 
 class TensorParallelGroup:
-    """Rank 0's handle on the workers: starts them, sends each step's moves and inputs, stops them."""
+    """Rank 0's handle on the workers: starts them, sends each step's moves and inputs, stops
+    them."""
 
     def __init__(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.world = config.tensor_parallel_size
-        if config.kv_offload_host_memory or config.kv_offload_dir:
-            raise ConfigError(
-                "--tensor-parallel-size > 1 does not support the KV offload tiers yet "
-                "(--kv-offload-host-memory, --kv-offload-dir)"
-            )
+        self.host_ops: list[HostOp] = []  # host tier slot changes the ranks have not seen yet
         if dist.is_initialized():
             raise ConfigError("one tensor-parallel engine per process: close the other first")
         self._dir = tempfile.TemporaryDirectory(prefix="pagedkv-tp-")
@@ -103,9 +108,9 @@ class TensorParallelGroup:
 
     def _watch(self) -> None:
         """Says which rank died as soon as it does, even while rank 0 is idle."""
-        while not self.closed:
+        while not self.closed and self._finalizer.alive:  # (not stopping at exit)
             dead = self.dead_rank()
-            if dead is not None and not self.closed:
+            if dead is not None and not self.closed and self._finalizer.alive:
                 log.error(
                     "tensor-parallel rank %d exited (code %s): the engine cannot go on", *dead
                 )
@@ -113,9 +118,17 @@ class TensorParallelGroup:
             threading.Event().wait(0.5)
 
     def send(self, item: object) -> None:
-        """Broadcast block moves or forward inputs (None: stop). TensorParallelError when a rank is gone."""
+        """Broadcast block moves, forward inputs or tier work, after the host tier's
+        slot changes since the last one. TensorParallelError when a rank is gone."""
         try:
-            dist.broadcast_object_list([item], src=0)
+            dist.broadcast_object_list([(self.host_ops, item)], src=0)
+        except RuntimeError as e:
+            raise self.error(e) from e
+        self.host_ops.clear()
+
+    def min_over_ranks(self, n: int) -> int:
+        try:
+            return min_over_ranks(n)
         except RuntimeError as e:
             raise self.error(e) from e
 
@@ -132,30 +145,33 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
-        if self.dead_rank() is None:
-            try:
-                self.send(None)
-            except TensorParallelError:
-                pass
         self._finalizer()
-        if dist.is_initialized():
-            dist.destroy_process_group()
         self._dir.cleanup()
 
 
 def _stop(procs: list) -> None:
+    """Stop the workers (on close, or at exit for an engine never closed): tell them, so each
+    writes what its disk tier has queued and leaves; wait; kill one that hangs."""
+    if dist.is_initialized() and all(p.is_alive() for p in procs):
+        try:
+            dist.broadcast_object_list([([], None)], src=0)
+        except RuntimeError:
+            pass
     for p in procs:
-        p.join(timeout=10)
+        p.join(timeout=STOP_TIMEOUT_S)
         if p.is_alive():
             p.kill()
             p.join()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _worker_main(rank: int, world: int, init: str, config: EngineConfig) -> None:
-    """A worker rank: build its shard and its KV storage as rank 0 does, then run what rank 0 sends until None."""
-    from pagedkv.engine.setup import (
-        build_worker_runner,
-    )  # late: the spawned child imports torch first
+    """A worker rank: build its shard and its KV storage as rank 0 does, then run what rank 0 sends
+    until None."""
+    # late: the spawned child imports torch first
+    from pagedkv.distributed.tiers import TierReserve, replay
+    from pagedkv.engine.setup import build_worker_runner
 
     torch.set_num_threads(
         max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
@@ -164,14 +180,22 @@ def _worker_main(rank: int, world: int, init: str, config: EngineConfig) -> None
     dist.init_process_group(
         backend(device), init_method=init, rank=rank, world_size=world, timeout=TIMEOUT
     )
-    runner = build_worker_runner(config, rank, world, device)
+    runner = build_worker_runner(config, rank, device)
     while True:
         box: list = [None]
         try:
             dist.broadcast_object_list(box, src=0)
         except RuntimeError:  # rank 0 is gone: nothing left to serve
             break
-        if box[0] is None:
+        host_ops, item = box[0]
+        if host_ops:
+            replay(runner.offload, host_ops)
+        if item is None:
             break
-        runner.run(box[0])
+        if isinstance(item, TierReserve):
+            item.apply(runner.offload)
+        else:
+            runner.run(item)
+    if runner.offload is not None:
+        runner.offload.close()  # what is queued for this rank's disk gets there
     dist.destroy_process_group()

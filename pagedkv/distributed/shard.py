@@ -1,10 +1,16 @@
-"""Split a loaded Llama model as vLLM splits it: column-parallel qkv and gate/up, row-parallel o and down.
+"""Split a loaded Llama model as vLLM splits it: column-parallel qkv and gate/up, row-parallel o
+and down.
 
 Rank r keeps num_heads / world query heads and their KV heads (or, with fewer
 KV heads than ranks, the one KV head its query heads read: replicated), the same
 share of the MLP's intermediate size, and all of the embeddings, norms and
 lm_head. The outputs of o_proj and down_proj are partial sums: one all-reduce
 after each makes every rank's residual stream equal the unsplit model's.
+
+Quantized weights are cut in the form that keeps -tp 1's numbers: int8 after
+quantizing (a row keeps its whole-row scale), GGUF blocks before packing (the
+packed int4 layout cannot be cut), each block's scale and zero going with its
+codes. A row-parallel cut must fall between GGUF blocks of the input dimension.
 """
 
 from __future__ import annotations
@@ -13,10 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from pagedkv.config import ConfigError
-from pagedkv.model.llama import DecoderLayer, LlamaForCausalLM
+from pagedkv.model.llama import DecoderLayer, LlamaForCausalLM, replace_weight
+from pagedkv.model.quant_linear import Blocks, Int8Weight
+
+Cuttable = Tensor | Int8Weight | Blocks
+_INT4_ROWS = 16  # the packed int4 kernel takes row counts in multiples of this
 
 
 @dataclass(frozen=True)
@@ -36,7 +46,8 @@ class HeadSplit:
 def split_heads(num_heads: int, num_kv_heads: int, rank: int, world: int) -> HeadSplit:
     if num_heads % world:
         raise ConfigError(
-            f"--tensor-parallel-size {world} does not divide the model's {num_heads} attention heads"
+            f"--tensor-parallel-size {world} does not divide the model's {num_heads} "
+            "attention heads"
         )
     if num_kv_heads % world and world % num_kv_heads:
         raise ConfigError(
@@ -63,59 +74,94 @@ def check_shardable(config, world: int) -> None:
         )
 
 
-def _rows(w: Tensor, heads: range, head_dim: int) -> Tensor:
-    return w[heads.start * head_dim : heads.stop * head_dim]
+def _cut_refused(name: str, what: str) -> ConfigError:
+    return ConfigError(f"tensor parallelism cannot split {name}: {what}")
 
 
-def _shard_layer(
-    layer: DecoderLayer,
-    split: HeadSplit,
-    rank: int,
-    world: int,
-    all_reduce: Callable[[Tensor], None],
-) -> None:
-    d = layer.head_dim
-    norm1, qkv, o, norm2, gate_up, down = layer.__dict__["_weights"]  # set there by DecoderLayer
-    q_size, kv_size = layer.q_size, layer.kv_size
-    q_w, k_w, v_w = qkv.data.split([q_size, kv_size, kv_size])
-    inter = gate_up.shape[0] // 2
-    part = slice(rank * inter // world, (rank + 1) * inter // world)
-    gate_w, up_w = gate_up.data.split([inter, inter])
-    new = {
-        "qkv_proj": torch.cat(
-            [
-                _rows(q_w, split.q_heads, d),
-                _rows(k_w, split.kv_heads, d),
-                _rows(v_w, split.kv_heads, d),
-            ]
-        ),
-        "o_proj": o.data[:, split.q_heads.start * d : split.q_heads.stop * d],
-        "gate_up_proj": torch.cat([gate_w[part], up_w[part]]),
-        "down_proj": down.data[:, part],
+def take_rows(w: Cuttable, parts: list[range], name: str) -> Cuttable:
+    """Output rows (column parallelism): each row keeps its own codes, scales and zeros."""
+
+    def pick(t: Tensor) -> Tensor:
+        return torch.cat([t[r.start : r.stop] for r in parts]).contiguous()
+
+    if isinstance(w, Blocks):
+        n, rows = w.shape[0], sum(len(r) for r in parts)
+        if w.bits == 4 and n % _INT4_ROWS == 0 and rows % _INT4_ROWS:
+            raise _cut_refused(
+                name,
+                f"{rows} of its {n} rows per rank, and the int4 kernel packs rows in multiples "
+                f"of {_INT4_ROWS}: use another --tensor-parallel-size or --quantization none",
+            )
+        return w.map_rows(pick)
+    if isinstance(w, Int8Weight):
+        return Int8Weight(pick(w.q), pick(w.scale))
+    if isinstance(w, Tensor):
+        return pick(w)
+    raise _cut_refused(name, "its weights are packed already (load it with pack=False)")
+
+
+def take_cols(w: Cuttable, cols: range, name: str) -> Cuttable:
+    """Input columns (row parallelism): int8 rows keep their whole-row scales; a GGUF block of the
+    input dimension is never split."""
+    a, b = cols.start, cols.stop
+    if isinstance(w, Blocks):
+        g, k = w.group, w.shape[1]
+        if a % g or b % g:
+            raise _cut_refused(
+                name,
+                f"its {k} input features in {len(cols)} per rank are not whole GGUF blocks of {g}: "
+                "use another --tensor-parallel-size or --quantization none",
+            )
+        s = slice(a // g, b // g)
+        zero = None if w.zero is None else w.zero[:, s].contiguous()
+        return Blocks(w.q[:, a:b].contiguous(), w.scale[:, s].contiguous(), zero, g, w.bits)
+    if isinstance(w, Int8Weight):
+        return Int8Weight(w.q[:, a:b].contiguous(), w.scale)
+    if isinstance(w, Tensor):
+        return w[:, a:b].contiguous()
+    raise _cut_refused(name, "its weights are packed already (load it with pack=False)")
+
+
+def _span(heads: range, head_dim: int, offset: int = 0) -> range:
+    return range(offset + heads.start * head_dim, offset + heads.stop * head_dim)
+
+
+def _shard_layer(layer: DecoderLayer, index: int, split: HeadSplit, rank: int, world: int) -> None:
+    d, q_size, kv_size = layer.head_dim, layer.q_size, layer.kv_size
+    w = {name: getattr(layer, name) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    inter = w["down_proj"].shape[1]
+    mlp = range(rank * inter // world, (rank + 1) * inter // world)
+    q, kv = _span(split.q_heads, d), split.kv_heads
+    rows = {
+        "qkv_proj": [q, _span(kv, d, q_size), _span(kv, d, q_size + kv_size)],
+        "gate_up_proj": [mlp, range(inter + mlp.start, inter + mlp.stop)],
     }
-    for name, w in new.items():
-        setattr(layer, name, nn.Parameter(w.contiguous(), requires_grad=False))
+    cols = {"o_proj": q, "down_proj": mlp}
+    for name, weight in w.items():
+        where = f"layer {index}'s {name}"
+        if name in rows:
+            replace_weight(layer, name, take_rows(weight, rows[name], where))
+        else:
+            replace_weight(layer, name, take_cols(weight, cols[name], where))
     layer.num_heads, layer.num_kv_heads = split.num_heads, split.num_kv_heads
     layer.q_size, layer.kv_size = split.num_heads * d, split.num_kv_heads * d
-    layer.__dict__["_weights"] = (
-        norm1,
-        layer.qkv_proj,
-        layer.o_proj,
-        norm2,
-        layer.gate_up_proj,
-        layer.down_proj,
-    )
-    layer.__dict__["all_reduce"] = all_reduce
 
 
 def shard_model(
     model: LlamaForCausalLM, rank: int, world: int, all_reduce: Callable[[Tensor], None]
 ) -> HeadSplit:
-    """Cut every layer of a loaded model down to rank's shard, in place; returns the head split."""
+    """Cut every layer of a loaded model down to rank's shard, in place, then pack what a
+    pack=False load left as GGUF blocks; returns the head split."""
     c = model.config
     check_shardable(c, world)
     split = split_heads(c.num_attention_heads, c.num_key_value_heads, rank, world)
-    for layer in model.layers:
-        assert isinstance(layer, DecoderLayer)
-        _shard_layer(layer, split, rank, world, all_reduce)
+    layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
+    if any(layer.all_reduce is not None for layer in layers):
+        raise ConfigError("this model is split for tensor parallelism already: load it again")
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            _shard_layer(layer, i, split, rank, world)
+        model.pack_weights()  # also refreshes every layer's weight references
+    for layer in layers:
+        layer.__dict__["all_reduce"] = all_reduce
     return split

@@ -58,7 +58,9 @@ class AsyncLLMEngine:
         request_id: str,
         **kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs as tokens arrive; the last has finished=True. Closing it aborts the request."""
+        """Cumulative outputs as tokens arrive; the last has finished=True.
+
+        Closing the iterator aborts the request."""
         reject_unsupported("AsyncLLMEngine.generate", kwargs)
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError("sampling_params must be a pagedkv SamplingParams")

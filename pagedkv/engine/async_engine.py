@@ -120,7 +120,9 @@ class AsyncLLM:
         request_id: str,
         add_special_tokens: bool = True,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Cumulative outputs as tokens arrive; the last has finished=True. Closing the iterator aborts."""
+        """Cumulative outputs as tokens arrive; the last has finished=True.
+
+        Closing the iterator aborts the request."""
         self._check_accepting()
         self._ensure_started()
         ids = params.truncate(self.engine.tokenize(prompt, add_special_tokens), self.max_model_len)

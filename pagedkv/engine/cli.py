@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.engine.request import RequestMetrics, RequestOutput
 
 
 def add_parser(sub) -> None:
@@ -60,37 +65,44 @@ def run(args: argparse.Namespace) -> int:
         for o in engine.step():
             out = o
     assert out is not None  # the loop ran until the request finished
-    comp = out.outputs[0]
     if not args.json:
-        print(comp.text)
+        print(out.outputs[0].text)
         return 0
-    m = group.metrics
-    assert m.first_token_time is not None and m.finished_time is not None  # a finished request
-    print(
-        json.dumps(
-            {
-                "text": comp.text,
-                "prompt_token_ids": out.prompt_token_ids,
-                "output_token_ids": comp.token_ids,
-                "finish_reason": comp.finish_reason,
-                "timings": {
-                    "load_s": round(t_load, 3),
-                    "ttft_s": round(m.first_token_time - m.arrival_time, 4),
-                    "e2e_s": round(m.finished_time - m.arrival_time, 4),
-                    "decode_tok_per_s": round(
-                        (len(comp.token_ids) - 1) / max(m.finished_time - m.first_token_time, 1e-9),
-                        2,
-                    ),
-                },
-                "kv": {
-                    "block_size": engine.kv.block_size,
-                    "num_blocks": engine.kv.num_blocks,
-                    "blocks_used_peak": -(-peak_slots // engine.kv.block_size),
-                    "tokens_held_peak": peak_tokens,
-                    "token_utilization": round(peak_tokens / peak_slots, 4) if peak_slots else 1.0,
-                    "num_cached_tokens": out.num_cached_tokens,
-                },
-            }
-        )
-    )
+    print(json.dumps(_report(engine, group.metrics, out, t_load, peak_tokens, peak_slots)))
     return 0
+
+
+def _report(
+    engine: LLMEngine,
+    m: RequestMetrics,
+    out: RequestOutput,
+    t_load: float,
+    peak_tokens: int,
+    peak_slots: int,
+) -> dict:
+    """--json: the ids, the timings from the request's metrics `m`, and the KV peaks."""
+    comp = out.outputs[0]
+    assert m.first_token_time is not None and m.finished_time is not None  # a finished request
+    return {
+        "text": comp.text,
+        "prompt_token_ids": out.prompt_token_ids,
+        "output_token_ids": comp.token_ids,
+        "finish_reason": comp.finish_reason,
+        "timings": {
+            "load_s": round(t_load, 3),
+            "ttft_s": round(m.first_token_time - m.arrival_time, 4),
+            "e2e_s": round(m.finished_time - m.arrival_time, 4),
+            "decode_tok_per_s": round(
+                (len(comp.token_ids) - 1) / max(m.finished_time - m.first_token_time, 1e-9),
+                2,
+            ),
+        },
+        "kv": {
+            "block_size": engine.kv.block_size,
+            "num_blocks": engine.kv.num_blocks,
+            "blocks_used_peak": -(-peak_slots // engine.kv.block_size),
+            "tokens_held_peak": peak_tokens,
+            "token_utilization": round(peak_tokens / peak_slots, 4) if peak_slots else 1.0,
+            "num_cached_tokens": out.num_cached_tokens,
+        },
+    }

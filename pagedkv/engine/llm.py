@@ -1,4 +1,5 @@
-"""The offline API, shaped like vLLM's: `LLM(model, **engine_args).generate(prompts, sampling_params)`.
+"""The offline API, shaped like vLLM's:
+`LLM(model, **engine_args).generate(prompts, sampling_params)`.
 
 Prompts come as vLLM takes them: a string, a list of token ids, a
 {"prompt": ...} or {"prompt_token_ids": [...]} dict (TextPrompt / TokensPrompt),
@@ -47,7 +48,7 @@ def to_prompt(p: Any) -> str | list[int]:
 
 
 def reject_unsupported(method: str, kwargs: dict[str, Any]) -> None:
-    """vLLM's other arguments (lora_request, priority, ...) are fine left at None, an error otherwise."""
+    """vLLM's other arguments (lora_request, priority, ...): fine at None, an error otherwise."""
     given = sorted(k for k, v in kwargs.items() if v is not None)
     if given:
         raise ConfigError(f"{method}() does not support: {', '.join(given)}")
@@ -81,7 +82,9 @@ class LLM:
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """SamplingParams() with the model's generation_config.json defaults (--generation-config auto)."""
+        """SamplingParams() with the model's generation_config.json defaults.
+
+        These are the defaults of --generation-config auto."""
         return SamplingParams(**self.engine.generation_defaults)
 
     def generate(

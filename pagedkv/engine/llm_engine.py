@@ -19,7 +19,7 @@ from pagedkv.config import ConfigError, EngineConfig, format_size
 from pagedkv.engine import prompt_logprobs
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
 from pagedkv.engine.faults import FaultInjector
-from pagedkv.engine.isolation import Failures, IsolatedForward
+from pagedkv.engine.isolation import Failures, IsolatedForward, device_broken
 from pagedkv.engine.logits_processors import bad_words_token_ids
 from pagedkv.engine.options import apply_engine_options
 from pagedkv.engine.request import (
@@ -34,12 +34,19 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler
 from pagedkv.engine.sequence import Sequence, SequenceGroup
-from pagedkv.engine.setup import build_kv_storage, keep_freed_memory, kv_cache_dtype, pick_device
+from pagedkv.engine.setup import (
+    block_hash_key,
+    build_kv_storage,
+    build_offload,
+    keep_freed_memory,
+    load_rank_model,
+    pick_device,
+)
 from pagedkv.engine.spec_decode import NgramProposer, SpecDecodeStats
 from pagedkv.engine.step_stats import StepTokens
 from pagedkv.engine.structured import StructuredOutputs
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.kv.offload import KVOffload
+from pagedkv.kv.plan import OffloadTiers
 
 log = logging.getLogger("pagedkv")
 
@@ -79,8 +86,6 @@ class LLMEngine:
     generation_defaults: dict  # SamplingParams fields from generation_config.json (options.py)
 
     def __init__(self, config: EngineConfig, loaded=None) -> None:
-        from pagedkv.model.loader import load_model
-
         if config.data_parallel_size != 1:
             raise ConfigError(
                 "--data-parallel-size N runs N engine replicas under `pagedkv serve`; "
@@ -90,63 +95,16 @@ class LLMEngine:
         self.device = pick_device()
         if self.device.type == "cpu":
             keep_freed_memory()
-        t0 = time.monotonic()
-        quantization = config.quantization
-        if config.tensor_parallel_size > 1:  # shards are cut from dense weights
-            if quantization not in (None, "none"):
-                raise ConfigError(
-                    f"--tensor-parallel-size > 1 does not support --quantization {quantization} yet"
-                )
-            quantization = "none"
-        self.loaded = loaded or load_model(config.model, config.dtype, self.device, quantization)
-        dtype = self.loaded.model.dtype  # 'auto' was resolved for this model and device
+        self.loaded, num_kv_heads = self._load_model(config, loaded)
         self.weight_bytes = self.loaded.model.weight_bytes()
-        log.info(
-            "loaded %s in %.1fs: weights %s (quantization %s)",
-            self.loaded.name,
-            time.monotonic() - t0,
-            format_size(self.weight_bytes),
-            self.loaded.quantization,
-        )
         self.tokenizer = self.loaded.tokenizer
         apply_engine_options(self, config)  # seed, chat template, generation defaults
-        mc = self.loaded.config
-        self.vocab_size = mc.vocab_size
+        self.vocab_size = self.loaded.config.vocab_size
         self.model_name = config.served_model_name or self.loaded.name
         self.max_model_len: int = min(
             config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len
         )
-        self.tp = None
-        num_kv_heads = mc.num_key_value_heads
-        if config.tensor_parallel_size > 1:
-            from pagedkv.distributed.group import TensorParallelGroup, all_reduce
-            from pagedkv.distributed.shard import check_shardable, shard_model
-
-            check_shardable(mc, config.tensor_parallel_size)
-            self.tp = TensorParallelGroup(config, dtype, self.device)
-            num_kv_heads = shard_model(self.loaded.model, 0, self.tp.world, all_reduce).num_kv_heads
-        self.storage, host, bytes_per_block = build_kv_storage(
-            config, mc, num_kv_heads, dtype, self.device
-        )
-        num_blocks = self.storage.num_blocks
-        kv_dtype = kv_cache_dtype(config, dtype)
-        hash_extra = f"{self.loaded.fingerprint}:{kv_dtype}".encode()
-        self.offload = KVOffload.from_config(config, self.storage, hash_extra)
-        num_host = host.num_blocks if host is not None else 0
-        if (
-            self.offload is not None and self.offload.host is not None
-        ):  # swap borrows the host tier's slots
-            host, num_host = self.offload.host.storage, 0
-        self.kv = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            num_host_blocks=num_host,
-            enable_prefix_caching=config.enable_prefix_caching,
-            allocation_policy=config.allocation_policy,
-            max_model_len=self.max_model_len,
-            hash_extra=hash_extra,
-            offload=self.offload,
-        )
+        host = self._build_kv(config, num_kv_heads)
         proposer = NgramProposer(config.speculative_config) if config.speculative_config else None
         self.spec_stats = SpecDecodeStats()
         self.scheduler = Scheduler(
@@ -168,6 +126,54 @@ class LLMEngine:
         self.step_tokens = StepTokens()  # tokens per step, for /metrics' iteration_tokens_total
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+
+    def _load_model(self, config: EngineConfig, loaded=None):
+        """Rank 0's weights (its -tp shard, as --quantization asks), tokenizer and model config;
+        and the KV heads this rank holds."""
+        t0 = time.monotonic()
+        loaded, num_kv_heads = load_rank_model(config, self.device, 0, loaded)
+        log.info(
+            "loaded %s in %.1fs: weights %s (quantization %s)",
+            loaded.name,
+            time.monotonic() - t0,
+            format_size(loaded.model.weight_bytes()),
+            loaded.quantization,
+        )
+        return loaded, num_kv_heads
+
+    def _build_kv(self, config: EngineConfig, num_kv_heads: int):
+        """The KV pool (this rank's heads), its offload tiers and the block manager.
+
+        Returns the host storage that swap preemption moves blocks to (None without swap)."""
+        mc = self.loaded.config
+        dtype = self.loaded.model.dtype  # 'auto' was resolved for this model and device
+        self.tp = None
+        if config.tensor_parallel_size > 1:
+            from pagedkv.distributed.group import TensorParallelGroup
+
+            self.tp = TensorParallelGroup(config, dtype, self.device)
+        self.storage, swap, bytes_per_block = build_kv_storage(
+            config, mc, num_kv_heads, dtype, self.device
+        )
+        num_blocks = self.storage.num_blocks
+        hash_extra = block_hash_key(config, self.loaded)
+        # swap borrows the host tier's slots when there is one (then `swap` is None)
+        self.offload, host = build_offload(config, self.storage, swap, hash_extra)
+        tiers: OffloadTiers | None = self.offload
+        if self.tp is not None and self.offload is not None:
+            from pagedkv.distributed.tiers import TensorParallelTiers
+
+            tiers = TensorParallelTiers(self.offload, self.tp)
+        self.kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            num_host_blocks=swap.num_blocks if swap is not None else 0,
+            enable_prefix_caching=config.enable_prefix_caching,
+            allocation_policy=config.allocation_policy,
+            max_model_len=self.max_model_len,
+            hash_extra=hash_extra,
+            offload=tiers,
+        )
         log.info(
             "KV pool: %d blocks of %d tokens (%s, %d tokens), max_model_len %d",
             num_blocks,
@@ -176,6 +182,7 @@ class LLMEngine:
             num_blocks * config.block_size,
             self.max_model_len,
         )
+        return host
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
@@ -286,6 +293,8 @@ class LLMEngine:
         self.runner.apply_copies(out)
         failures = Failures()
         for seq, error in out.failed:
+            if device_broken(error):  # a tier reservation lost a tensor-parallel rank
+                raise error
             failures.add(seq.group, error)
         sampling, logits = self._forward(out.scheduled, failures)  # the sampling rows, in order
         prompt_logprobs.record(
@@ -395,7 +404,9 @@ class LLMEngine:
         return outputs
 
     def _verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor, now: float) -> None:
-        """Sample row by row as plain decoding would; keep the drafts up to the first that differs."""
+        """Sample row by row as plain decoding would.
+
+        The drafts are kept up to the first that differs."""
         accepted = 0
         for i in range(len(drafts) + 1):
             ((_, token, lp, grammar_done),) = self._sample_rows(
@@ -410,7 +421,7 @@ class LLMEngine:
         self.spec_stats.num_accepted_tokens += accepted
         if not seq.finished:  # the accepted drafts' K/V was written by this step
             seq.num_computed_tokens += accepted
-            self.kv.accept_lookahead(seq.seq_id, seq.token_ids, accepted)
+            self.kv.accept_lookahead(seq.seq_id, seq.block_hashes, accepted)
 
     def _fail(self, group: SequenceGroup, error: BaseException) -> RequestOutput:
         """End a request that failed in a step: free its blocks, keep every other request going."""
@@ -434,7 +445,9 @@ class LLMEngine:
         return out
 
     def _expand_forks(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
-        """A request with n > 1 forks after its prefill: every sample draws its first token from the same row."""
+        """A request with n > 1 forks after its prefill.
+
+        Every sample draws its first token from the same row."""
         rows, seqs = [], []
         for i, seq in enumerate(sampling):
             rows.append(i)
@@ -457,7 +470,7 @@ class LLMEngine:
     def _append(
         self, seq: Sequence, token: int, logprob, now: float, grammar_done: bool = False
     ) -> None:
-        seq.token_ids.append(token)
+        seq.append_token(token)
         if logprob is not None:
             assert seq.logprobs is not None  # a list when params.logprobs asks
             seq.logprobs.append(logprob)

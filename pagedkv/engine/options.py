@@ -30,7 +30,9 @@ _GENERATION_KEYS = {
 
 
 def generation_defaults(config: EngineConfig) -> dict:
-    """Sampling defaults from generation_config.json ('auto': the model's folder; a folder: that one)."""
+    """Sampling defaults from generation_config.json.
+
+    'auto' reads the model's folder; a folder reads that one."""
     if config.generation_config == "vllm":
         return {}
     folder = config.model if config.generation_config == "auto" else config.generation_config

@@ -346,7 +346,9 @@ class SamplingParams:
 
 @dataclass
 class SampleLogprob:
-    """The sampler's record for one token: its logprob and rank, with the top alternatives (id -> logprob)."""
+    """The sampler's record for one token: its logprob and rank.
+
+    The top alternatives come with it (id -> logprob)."""
 
     token_id: int
     logprob: float
@@ -356,7 +358,9 @@ class SampleLogprob:
 
 @dataclass
 class Logprob:
-    """vLLM's per-token entry in CompletionOutput.logprobs (a dict token id -> Logprob per position)."""
+    """vLLM's per-token entry in CompletionOutput.logprobs.
+
+    That is a dict token id -> Logprob per position."""
 
     logprob: float
     rank: int | None = None
@@ -365,7 +369,9 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One sample, with vLLM's fields. `logprobs` is filled (decoded) where outputs leave the engine."""
+    """One sample, with vLLM's fields.
+
+    `logprobs` is filled (decoded) where outputs leave the engine."""
 
     index: int
     text: str

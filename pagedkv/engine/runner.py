@@ -8,14 +8,16 @@ write, swap in) are applied first, in that order; with a KV offload tier, its
 reads come before them (evicted blocks are saved before being overwritten) and
 its writes after (prefix blocks loaded back, saved blocks put in the tier), and
 the blocks a step filled are written through to its disk tier after the step.
-With tensor parallelism, rank 0 sends the block moves and each forward's inputs
-to the other ranks; every rank moves its own blocks and runs its shard.
+With tensor parallelism, rank 0 sends the block moves (with the tiers' saves and
+loads), each forward's inputs and the write-throughs to the other ranks; every
+rank moves its own blocks in its own tiers and runs its shard
+(`pagedkv.distributed.tiers`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,9 +26,9 @@ import torch
 from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.kv.offload import KVOffload
-from pagedkv.kv.plan import BlockSave
-from pagedkv.kv.storage import KVStorage
+from pagedkv.kv.plan import BlockLoad, BlockSave
+from pagedkv.kvstore.offload import KVOffload
+from pagedkv.kvstore.storage import KVStorage
 
 if TYPE_CHECKING:
     from pagedkv.distributed.group import TensorParallelGroup
@@ -34,16 +36,30 @@ if TYPE_CHECKING:
 
 @dataclass
 class BlockMoves:
-    """A step's block copies (src, dst), applied in this order before its forward."""
+    """A step's block copies (src, dst), applied in this order before its forward, and the
+    offload tiers' saves (read before them) and loads (written after them)."""
 
     swap_out: list[tuple[int, int]]
     copies: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
+    saves: list[BlockSave] = field(default_factory=list)
+    loads: list[BlockLoad] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.copies or self.swap_in or self.saves or self.loads)
+
+
+@dataclass
+class DiskWrites:
+    """The blocks a forward filled, for every tensor-parallel rank's disk tier."""
+
+    writes: list[BlockSave]
 
 
 @dataclass
 class ForwardInputs:
-    """One forward's inputs: what every tensor-parallel rank needs besides its own weights and K/V."""
+    """One forward's inputs: what every tensor-parallel rank needs besides its own weights and
+    K/V."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -51,7 +67,8 @@ class ForwardInputs:
 
 
 class ModelRunner:
-    """`kv` (the block manager) and `offload` live in rank 0 only; `tp` is rank 0's link to the other ranks."""
+    """`kv` (the block manager) and `offload` live in rank 0 only; `tp` is rank 0's link to the
+    other ranks."""
 
     def __init__(
         self,
@@ -77,13 +94,16 @@ class ModelRunner:
             [(c.src, c.dst) for c in out.swap_out],
             [(c.src, c.dst) for c in out.copies],
             [(c.src, c.dst) for c in out.swap_in],
+            out.offload_saves,
+            out.offload_loads,
         )
-        if self.tp is not None and (moves.swap_out or moves.copies or moves.swap_in):
+        if self.tp is not None and moves:
             self.tp.send(moves)
+        self.apply_moves(moves)
+
+    def apply_moves(self, moves: BlockMoves) -> None:
         offload = self.offload
-        staged = None
-        if offload:
-            staged = offload.stage(self.storage, out.offload_saves, out.offload_loads)
+        staged = offload.stage(self.storage, moves.saves, moves.loads) if offload else None
         self.move_blocks(moves)
         if offload is not None and staged is not None:
             offload.commit(self.storage, staged)
@@ -104,17 +124,20 @@ class ModelRunner:
     def run_model(self, inputs: ForwardInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, self.storage.kv_caches, inputs.meta)
 
-    def run(self, item: BlockMoves | ForwardInputs) -> None:
+    def run(self, item: BlockMoves | ForwardInputs | DiskWrites) -> None:
         """A worker rank's share of what rank 0 sent."""
         if isinstance(item, BlockMoves):
-            self.move_blocks(item)
+            self.apply_moves(item)
+        elif isinstance(item, DiskWrites):
+            self.write_through(item.writes)
         else:
             self.run_model(item)
 
     def prepare(
         self, scheduled: list[ScheduledSeq]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Inputs for one forward; also the rows whose logits are sampled (last row of each sampling seq)."""
+        """Inputs for one forward; also the rows whose logits are sampled (last row of each sampling
+        seq)."""
         bs = self.block_size
         tokens: list[int] = []
         positions: list[np.ndarray] = []
@@ -179,6 +202,8 @@ class ModelRunner:
         writes = [w for w in writes if w.block_id not in skip]
         if writes:
             assert self.offload is not None  # writes come only from a disk tier
+            if self.tp is not None:
+                self.tp.send(DiskWrites(writes))
             self.offload.write_through(self.storage, writes)
 
     def forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor | None:

@@ -70,7 +70,9 @@ def _block_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[
 def _truncate(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
-    """Mask tokens outside top-k / top-p / min-p with -inf (rows with the filters off are unchanged)."""
+    """Mask tokens outside top-k / top-p / min-p with -inf.
+
+    Rows with the filters off are unchanged."""
     vocab = logits.shape[1]
     if bool((min_p > 0).any()):
         probs = logits.softmax(-1)

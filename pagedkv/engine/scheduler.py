@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 from pagedkv.engine.sequence import Sequence, Status
 from pagedkv.engine.spec_decode import NgramProposer
-from pagedkv.kv.manager import BlockCopy, BlockLoad, BlockSave, KVCacheManager
+from pagedkv.kv.manager import KVCacheManager
+from pagedkv.kv.plan import BlockCopy, BlockLoad, BlockSave
+from pagedkv.kv.prefix import NO_PREFIX
 
 
 @dataclass(slots=True)
@@ -31,7 +33,8 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """True when this step computes the sequence's last known token, so its logits are sampled."""
+        """True when this step computes the sequence's last known token, so its logits are
+        sampled."""
         return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
 
 
@@ -77,6 +80,8 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; its block hashes are computed here, once, and grow with it."""
+        seq.block_hashes = self.kv.block_hashes(seq.token_ids)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -100,13 +105,13 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             drafts, copies = self._speculate(seq, n, budget)
             if copies is None:
-                copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n)
+                copies = self.kv.allocate_slots(seq.seq_id, seq.block_hashes, n)
             while copies is None:
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is seq:
                     return budget
-                copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n)
+                copies = self.kv.allocate_slots(seq.seq_id, seq.block_hashes, n)
             out.copies.extend(copies)
             out.scheduled.append(ScheduledSeq(seq, n, drafts))
             budget -= n + len(drafts)
@@ -114,8 +119,11 @@ class Scheduler:
         return budget
 
     def _speculate(self, seq: Sequence, n: int, budget: int) -> tuple[list[int], list | None]:
-        """Drafts for a decoding sequence and the slots for them, or ([], None) to schedule it plainly."""
+        """Drafts for a decoding sequence and the slots for them, or ([], None) to schedule it
+        plainly."""
         if self.proposer is None or n != 1 or seq.num_uncomputed_tokens != 1:
+            return [], None
+        if not self.proposer.config.drafts_for_batch(len(self.running)):
             return [], None
         room = min(
             seq.group.max_tokens - seq.num_output_tokens - 1,
@@ -125,7 +133,7 @@ class Scheduler:
         drafts = self.proposer.propose(seq.token_ids, room)
         if not drafts:
             return [], None
-        copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, 1, num_lookahead=len(drafts))
+        copies = self.kv.allocate_slots(seq.seq_id, seq.block_hashes, 1, num_lookahead=len(drafts))
         return (drafts, copies) if copies is not None else ([], None)
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
@@ -139,7 +147,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, n)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.block_hashes, n)
             if copies is not None:  # else it waits in running for the next step
                 out.copies.extend(copies)
                 out.scheduled.append(ScheduledSeq(seq, n))
@@ -152,19 +160,11 @@ class Scheduler:
             seq = self.waiting[0]
             every_position = seq.params.prompt_logprobs is not None  # cached blocks have no logits
             try:  # reads the offload tiers: a failure there is this request's, not the engine's
-                prefix = [] if every_position else self.kv.lookup_prefix(seq.token_ids)
-                offloaded = (
-                    0 if every_position else self.kv.lookup_offloaded(seq.token_ids, len(prefix))
-                )
-                n = min(len(seq.token_ids) - (len(prefix) + offloaded) * bs, budget)
+                prefix = NO_PREFIX if every_position else self.kv.lookup_prefix(seq.block_hashes)
+                n = min(len(seq.token_ids) - prefix.num_blocks * bs, budget)
                 remaining = seq.group.max_tokens - seq.num_output_tokens
                 copies = self.kv.allocate_slots(
-                    seq.seq_id,
-                    seq.token_ids,
-                    n,
-                    prefix_blocks=prefix,
-                    num_offloaded=offloaded,
-                    max_tokens=remaining,
+                    seq.seq_id, seq.block_hashes, n, prefix=prefix, max_tokens=remaining
                 )
             except Exception as e:  # noqa: BLE001 - the engine fails the request, still at the head
                 out.failed.append((seq, e))
@@ -216,7 +216,9 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Start sample `child` from `parent` after its prefill: it shares every block, copy-on-write."""
+        """Start sample `child` from `parent` after its prefill: it shares every block,
+        copy-on-write, and the parent's block hashes so far."""
+        child.block_hashes = parent.block_hashes.copy()
         self.kv.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = Status.RUNNING

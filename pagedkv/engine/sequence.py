@@ -19,6 +19,7 @@ from pagedkv.engine.request import (
     SampleLogprob,
     SamplingParams,
 )
+from pagedkv.kv.hashing import BlockHashes
 
 
 class Status(enum.Enum):
@@ -44,6 +45,13 @@ class Sequence:
     logprobs: list[SampleLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # chained hashes of the full blocks, extended in append_token (the scheduler sets them up)
+    block_hashes: BlockHashes = field(default_factory=lambda: BlockHashes(None))
+
+    def append_token(self, token: int) -> None:
+        """A sampled (or verified draft) token joins the sequence; a block it fills is hashed."""
+        self.token_ids.append(token)
+        self.block_hashes.update(self.token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -59,7 +67,8 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """1 while decoding; more while the prompt (or, after a recompute, prompt + outputs) is prefilled."""
+        """1 while decoding; more while the prompt (or, after a recompute, prompt + outputs) is
+        prefilled."""
         return len(self.token_ids) - self.num_computed_tokens
 
     @property

@@ -1,6 +1,6 @@
-"""What an engine is built from: the device, the KV pool's size and tensors, a tensor-parallel
-worker's model shard. Rank 0 (LLMEngine) and the worker ranks build theirs with the same functions,
-in the same order, so their pools match block for block."""
+"""What an engine is built from: the device, the model (or a tensor-parallel rank's shard of it),
+the KV pool's size and tensors, the offload tiers. Rank 0 (LLMEngine) and the worker ranks build
+theirs with the same functions, in the same order, so their pools match block for block."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import torch
 
 from pagedkv.config import ConfigError, EngineConfig, format_size
 from pagedkv.engine.runner import ModelRunner
-from pagedkv.kv.storage import KVStorage
+from pagedkv.kvstore.offload import KVOffload
+from pagedkv.kvstore.storage import KVStorage
+from pagedkv.model.loader import LoadedModel, load_model
 
 log = logging.getLogger("pagedkv")
 
@@ -77,8 +79,8 @@ def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype | st
 def build_kv_storage(
     config: EngineConfig, mc, num_kv_heads: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[KVStorage, KVStorage | None, int]:
-    """The KV pool, the swap space (unless swap borrows the host tier's slots) and the bytes per block:
-    the same on every tensor-parallel rank, sized by the smallest rank."""
+    """The KV pool, the swap space (unless swap borrows the host tier's slots) and the bytes per
+    block: the same on every tensor-parallel rank, sized by the smallest rank."""
     shape = dict(
         num_layers=mc.num_hidden_layers,
         num_kv_heads=num_kv_heads,
@@ -98,24 +100,56 @@ def build_kv_storage(
         config.preemption_mode == "swap" and not config.kv_offload_host_memory
     ):  # else the host tier's slots
         host = KVStorage(
-            num_blocks=max(config.swap_space // bytes_per_block, 1),
+            num_blocks=max(config.swap_space_bytes // bytes_per_block, 1),
             device=torch.device("cpu"),
             **shape,
         )
     return storage, host, bytes_per_block
 
 
-def build_worker_runner(
-    config: EngineConfig, rank: int, world: int, device: torch.device
-) -> ModelRunner:
-    """A tensor-parallel worker's model shard, KV pool and swap space, built in rank 0's order."""
+def load_rank_model(
+    config: EngineConfig, device: torch.device, rank: int = 0, loaded: LoadedModel | None = None
+) -> tuple[LoadedModel, int]:
+    """The model this process runs and its KV heads: the whole model, or with -tp N rank's shard
+    of it (quantized as -tp 1 would: GGUF blocks are cut before they are packed)."""
+    world = config.tensor_parallel_size
+    if world == 1:
+        loaded = loaded or load_model(config.model, config.dtype, device, config.quantization)
+        return loaded, loaded.config.num_key_value_heads
     from pagedkv.distributed.group import all_reduce
     from pagedkv.distributed.shard import shard_model
-    from pagedkv.model.loader import load_model
 
-    loaded = load_model(config.model, config.dtype, device)
-    split = shard_model(loaded.model, rank, world, all_reduce)
-    storage, host, _ = build_kv_storage(
-        config, loaded.config, split.num_kv_heads, loaded.model.dtype, device
+    if loaded is None:
+        loaded = load_model(config.model, config.dtype, device, config.quantization, pack=False)
+    return loaded, shard_model(loaded.model, rank, world, all_reduce).num_kv_heads
+
+
+def block_hash_key(config: EngineConfig, loaded: LoadedModel) -> bytes:
+    """What block hashes (and the disk tier's files) are keyed by besides the tokens: the weights
+    and the KV dtype."""
+    return f"{loaded.fingerprint}:{kv_cache_dtype(config, loaded.model.dtype)}".encode()
+
+
+def build_offload(
+    config: EngineConfig, storage: KVStorage, swap: KVStorage | None, key: bytes, rank: int = 0
+) -> tuple[KVOffload | None, KVStorage | None]:
+    """The offload tiers behind `storage`, and the host blocks swap uses: the host tier's slots
+    when there is one, else `swap`. A tensor-parallel rank's disk files are keyed by the rank and
+    the TP size: no other rank, and no engine of another TP size, reads them."""
+    world = config.tensor_parallel_size
+    disk_key = key if world == 1 else key + f":tp{rank}of{world}".encode()
+    offload = KVOffload.from_config(config, storage, disk_key)
+    if offload is not None and offload.host is not None:
+        return offload, offload.host.storage
+    return offload, swap
+
+
+def build_worker_runner(config: EngineConfig, rank: int, device: torch.device) -> ModelRunner:
+    """A tensor-parallel worker's model shard, KV pool, swap space and offload tiers, built in rank
+    0's order."""
+    loaded, num_kv_heads = load_rank_model(config, device, rank)
+    storage, swap, _ = build_kv_storage(
+        config, loaded.config, num_kv_heads, loaded.model.dtype, device
     )
-    return ModelRunner(loaded.model, storage, host, device)
+    offload, host = build_offload(config, storage, swap, block_hash_key(config, loaded), rank)
+    return ModelRunner(loaded.model, storage, host, device, offload=offload)

@@ -10,6 +10,12 @@ while the sampled token equals the draft. For a draft that is one fixed token
 this is rejection sampling (accept with probability p(draft), else draw from p
 without it), so the output distribution is the target's, and a greedy or seeded
 request gives the same tokens with or without speculation.
+
+Drafting pays while a step is bound by reading the weights: the extra rows ride
+along for free. In a large batch the step is bound by arithmetic and rejected
+drafts cost real time, so, like vLLM's ``disable_by_batch_size``, no sequence
+drafts in a step with more running sequences than that. ``auto`` (the default)
+is ngram with the settings below, measured on W1-W3 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import numpy as np
 from pagedkv.config import ConfigError
 
 MAX_SPECULATIVE_TOKENS = 16
+OFF = ("off", "none", "null", "")
 
 
 @dataclass(frozen=True)
@@ -30,12 +37,21 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     method: str = "ngram"
+    disable_by_batch_size: int | None = None  # no drafts in a step with more running sequences
+    auto: bool = False  # the default, not the user's choice (quantized KV turns it off)
+
+    def drafts_for_batch(self, num_running: int) -> bool:
+        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
         """vLLM's --speculative-config: a JSON object (or a dict from Python); None turns it off."""
         if value is None or isinstance(value, cls):
             return value
+        if isinstance(value, str) and value.strip().lower() in OFF:
+            return None
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return AUTO
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -48,12 +64,14 @@ class SpeculativeConfig:
             "num_speculative_tokens",
             "prompt_lookup_max",
             "prompt_lookup_min",
+            "disable_by_batch_size",
         }
         if unknown:
             raise ConfigError(f"--speculative-config: unsupported keys {sorted(unknown)}")
         if value.get("method", "ngram") != "ngram":
             raise ConfigError(
-                f"--speculative-config: method {value.get('method')!r} is not supported (only ngram)"
+                f"--speculative-config: method {value.get('method')!r} is not supported "
+                "(only ngram)"
             )
         k = _positive_int("num_speculative_tokens", value.get("num_speculative_tokens"))
         hi = _positive_int("prompt_lookup_max", value.get("prompt_lookup_max", 4))
@@ -66,7 +84,13 @@ class SpeculativeConfig:
             raise ConfigError(
                 "--speculative-config: prompt_lookup_min must be <= prompt_lookup_max"
             )
-        return cls(k, hi, lo)
+        cap = value.get("disable_by_batch_size")
+        cap = None if cap is None else _positive_int("disable_by_batch_size", cap)
+        return cls(k, hi, lo, disable_by_batch_size=cap)
+
+
+# measured on W1-W3 (BENCHMARKS.md, "speculation by default")
+AUTO = SpeculativeConfig(4, 4, 2, disable_by_batch_size=4, auto=True)
 
 
 def _positive_int(name: str, v: object) -> int:
@@ -80,7 +104,8 @@ class NgramProposer:
         self.config = config
 
     def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
-        """Up to min(k, max_drafts) tokens that followed the latest earlier match of the longest suffix."""
+        """Up to min(k, max_drafts) tokens: those that followed the latest earlier match of the
+        longest suffix."""
         k = min(self.config.num_speculative_tokens, max_drafts)
         if k <= 0:
             return []

@@ -1,4 +1,5 @@
-"""Tokens per engine step, as a cumulative histogram read at scrape time (vLLM's iteration_tokens_total).
+"""Tokens per engine step, as a cumulative histogram read at scrape time
+(vLLM's iteration_tokens_total).
 
 Written by the engine thread, read by /metrics: plain integer updates, so a
 scrape sees a consistent-enough snapshot without a lock on the step.

@@ -17,30 +17,11 @@ own prev/next pointers: no scan, no allocation on the hot path.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NewType, Protocol
+from typing import Protocol
 
-BlockHash = NewType("BlockHash", bytes)
-
-HASH_SIZE = 32
-
-
-def hash_block_tokens(
-    parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b""
-) -> BlockHash:
-    """Chained hash of one full block: blake2b over parent hash, token ids and extra keys.
-
-    Stable across processes and machines (explicit little-endian layout, no
-    Python `hash()`), so a disk tier can name files by it. `extra` carries what
-    changes the K/V for the same tokens (KV dtype, model fingerprint).
-    """
-    n = len(token_ids)
-    head = b"\x00" if parent is None else b"\x01" + parent
-    data = head + struct.pack(f"<I{n}q", n, *token_ids) + extra
-    return BlockHash(hashlib.blake2b(data, digest_size=HASH_SIZE).digest())
+from pagedkv.kv.hashing import BlockHash, TokenIds
 
 
 @dataclass(slots=True, eq=False)
@@ -50,7 +31,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
-    token_ids: tuple[int, ...] | None = None
+    token_ids: TokenIds | None = None
     prev: Block | None = None
     next: Block | None = None
 
@@ -151,23 +132,23 @@ class BlockPool:
             block.ref_count += 1
 
     def free_blocks(self, ordered: Iterable[Block]) -> None:
-        """Drop one reference each; blocks reaching 0 go to the tail in the given order, hash kept."""
+        """Drop one reference each; blocks reaching 0 go to the tail in the given order, hash
+        kept."""
         for block in ordered:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue.append(block)
 
-    def get_cached_block(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> Block | None:
+    def get_cached_block(self, block_hash: BlockHash, token_ids: TokenIds) -> Block | None:
         """The cached block for this hash, only if it really holds these tokens."""
         block = self.cached.get(block_hash)
         if block is None or block.token_ids != token_ids:
             return None
         return block
 
-    def cache_full_block(
-        self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...]
-    ) -> None:
-        """Make a full, referenced block findable. A second block with the same content stays unhashed."""
+    def cache_full_block(self, block: Block, block_hash: BlockHash, token_ids: TokenIds) -> None:
+        """Make a full, referenced block findable. A second block with the same content stays
+        unhashed."""
         if block.block_hash is not None or block_hash in self.cached:
             return
         block.block_hash = block_hash
@@ -242,8 +223,9 @@ class BlockPool:
 class HostPool(Protocol):
     """Where swapped-out blocks go: host block ids the manager takes and gives back.
 
-    `HostBlockPool` is plain swap space; the offload host tier (`pagedkv.kv.offload.HostTier`) is the
-    other kind: it lends its slots to swap and evicts cached blocks to make room.
+    `HostBlockPool` is plain swap space; the offload host tier
+    (`pagedkv.kvstore.offload.HostTier`) is the other kind: it lends its slots to swap and evicts
+    cached blocks to make room.
     """
 
     num_slots: int
@@ -262,7 +244,8 @@ class HostPool(Protocol):
 
 
 class HostBlockPool:
-    """Swap space: a free list of host block ids, handed out lowest first, reused last-in first-out."""
+    """Swap space: a free list of host block ids, handed out lowest first, reused last-in
+    first-out."""
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 0:

@@ -1,7 +1,8 @@
-"""What the KV manager plans for the offload tiers each step, and what it asks of them.
+"""What the KV manager plans each step (block copies, tier saves and loads), and what it asks of
+the offload tiers.
 
-A leaf module: the manager (which plans) and the offload tiers (which move
-tensors) both import it, and neither imports the other.
+A leaf module: the manager (which plans) and the runner and tiers (which move
+tensors, `pagedkv.kvstore`) both import it, and neither side imports the other.
 """
 
 from __future__ import annotations
@@ -10,9 +11,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from pagedkv.kv.block_pool import BlockHash, HostPool
+from pagedkv.kv.block_pool import HostPool
+from pagedkv.kv.hashing import BlockHash, TokenIds
 
-TokenIds = tuple[int, ...]
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy block data src -> dst (CoW: device->device, swap-out: device->host, swap-in:
+    host->device)."""
+
+    src: int
+    dst: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +52,8 @@ class OffloadPlan(NamedTuple):
 
 
 class OffloadTiers(Protocol):
-    """The manager's view of the tiers behind the device pool (`pagedkv.kv.offload.KVOffload`)."""
+    """The manager's view of the tiers behind the device pool
+    (`pagedkv.kvstore.offload.KVOffload`)."""
 
     @property
     def host(self) -> HostPool | None:

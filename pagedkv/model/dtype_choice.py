@@ -1,4 +1,5 @@
-"""`--dtype auto` on CPU, by measurement: time this model's matmuls in float32 and bfloat16, keep the faster.
+"""`--dtype auto` on CPU, by measurement: time this model's matmuls in float32 and bfloat16,
+keep the faster.
 
 A flag list cannot tell: without AVX-512 BF16, bfloat16 weights still win a
 batch-1 step (half the bytes, and a step is bound by reading the weights) but
@@ -39,7 +40,9 @@ def layer_shapes(cfg: LlamaConfig) -> list[tuple[int, int]]:
 
 
 def _time_per_token(shapes: list[tuple[int, int]], dtype: torch.dtype, batch: int) -> float:
-    """Seconds per token of one pass over enough distinct weights of these shapes (best of REPEATS)."""
+    """Seconds per token of one pass over enough distinct weights of these shapes.
+
+    The best of REPEATS passes."""
     per_layer = sum(o * i for o, i in shapes) * 4
     layers = max(1, math.ceil(MIN_BYTES / per_layer))
     weights = [

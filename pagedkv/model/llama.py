@@ -5,8 +5,9 @@ T rows; `positions` says where each sits in its sequence, the attention
 metadata says where its K/V goes and what it reads. To keep the number of
 torch ops per layer small, q/k/v are one fused weight and gate/up another
 (built at load time from the Hugging Face tensors), and the work between the
-matmuls is one call each (ops.py): the residual add with RMSNorm, RoPE with
-the K/V store, SiLU with the up projection's product. The matmul weights may
+matmuls is one call each: the residual add with RMSNorm and SiLU with the up
+projection's product (ops.py), RoPE with the K/V store (attention/store.py,
+from the rotary tables built here). The matmul weights may
 be quantized (--quantization, quant_linear.py): `linear` takes either form.
 """
 
@@ -20,7 +21,8 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from pagedkv.attention.paged import AttentionMetadata, Cache, paged_attention, write_kv
+from pagedkv.attention.paged import AttentionMetadata, Cache, paged_attention
+from pagedkv.attention.store import rope_and_store
 from pagedkv.config import QUANTIZATIONS, ConfigError
 from pagedkv.model import ops
 from pagedkv.model.config import LlamaConfig
@@ -38,7 +40,8 @@ MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_toke
 
 
 def _param(*shape: int, dtype: torch.dtype, device: str | None = None) -> nn.Parameter:
-    """device "meta" for a weight that loading replaces with a quantized one (no memory until then)."""
+    """device "meta" for a weight that loading replaces with a quantized one (no memory until
+    then)."""
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
@@ -66,7 +69,8 @@ def rope_inv_freq(config: LlamaConfig) -> Tensor:
 
 
 class Rotary(nn.Module):
-    """Precomputed cos/sin by position (float32, [P, D]); rotates the two halves of each head (HF layout)."""
+    """RoPE tables by position (float32 [P, D], HF's layout: the two halves of each head rotate
+    together), rotate_half's sign folded into sin; attention/store.py applies them."""
 
     cos: Tensor  # buffers (declared for mypy: nn.Module's __getattr__ types them loosely)
     sin: Tensor
@@ -80,54 +84,6 @@ class Rotary(nn.Module):
         sign = torch.cat([-torch.ones(half), torch.ones(half)])
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin() * sign, persistent=False)
-        self.half_dim = half
-
-    def rotate_and_store(
-        self,
-        qkv: Tensor,
-        num_heads: int,
-        num_kv_heads: int,
-        positions: Tensor,
-        kv_cache: tuple[Cache, Cache],
-        meta: AttentionMetadata,
-    ) -> Tensor:
-        """Rotates q and k of the fused projection in place and stores the new k, v in the cache;
-        returns q as [T, Hq, D]."""
-        tokens, head_dim = qkv.shape[0], self.cos.shape[1]
-        k_cache, v_cache = kv_cache
-        plain = isinstance(k_cache, Tensor)
-        if ops.rope_and_cache(
-            qkv,
-            num_heads,
-            num_kv_heads,
-            positions,
-            self.cos,
-            self.sin,
-            *((k_cache, v_cache, meta.slot_mapping) if plain else ()),
-        ):
-            if not plain:
-                k, v = (
-                    qkv[:, num_heads * head_dim :]
-                    .view(tokens, 2 * num_kv_heads, head_dim)
-                    .split(num_kv_heads, 1)
-                )
-                write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            return qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
-        heads = qkv.view(tokens, -1, head_dim)
-        qk = heads[:, : num_heads + num_kv_heads]
-        cos, sin = (
-            self.cos[positions].unsqueeze(1).to(qkv.dtype),
-            self.sin[positions].unsqueeze(1).to(qkv.dtype),
-        )
-        qk = torch.addcmul(qk * cos, qk.roll(self.half_dim, dims=-1), sin)
-        write_kv(
-            k_cache,
-            v_cache,
-            qk[:, num_heads:],
-            heads[:, num_heads + num_kv_heads :],
-            meta.slot_mapping,
-        )
-        return qk[:, :num_heads]
 
 
 class RMSNorm(nn.Module):
@@ -209,8 +165,15 @@ class DecoderLayer(nn.Module):
         tokens = x.shape[0]
         h, residual = ops.rms_norm(x, norm1, self.eps, residual)
         qkv = linear(h, qkv_proj)
-        q = rotary.rotate_and_store(
-            qkv, self.num_heads, self.num_kv_heads, positions, kv_cache, meta
+        q = rope_and_store(
+            qkv,
+            self.num_heads,
+            self.num_kv_heads,
+            positions,
+            rotary.cos,
+            rotary.sin,
+            kv_cache,
+            meta.slot_mapping,
         )
         attn = paged_attention(q, *kv_cache, meta, self.scale)
         o = linear(attn.reshape(tokens, self.q_size), o_proj)
@@ -247,10 +210,16 @@ _PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, config: LlamaConfig, dtype: torch.dtype = torch.float32, quantization: str = "none"
+        self,
+        config: LlamaConfig,
+        dtype: torch.dtype = torch.float32,
+        quantization: str = "none",
+        pack: bool = True,
     ) -> None:
         """quantization: "none", "int8" (per-row int8 of any float weights) or "gguf" (the GGUF
-        file's own blocks, which load_weights then receives as quant_linear.Blocks)."""
+        file's own blocks, which load_weights then receives as quant_linear.Blocks).
+        pack=False: GGUF blocks stay as they are until `pack_weights` (tensor parallelism cuts
+        them first: the packed layout cannot be cut)."""
         super().__init__()
         if quantization not in QUANTIZATIONS:
             raise ConfigError(
@@ -259,6 +228,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.quantization = quantization
+        self.pack = pack
         late = None if quantization == "none" else "meta"
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=late)
         self.layers = nn.ModuleList(
@@ -347,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
                 f"missing weights: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
             )
         if self.config.tie_word_embeddings and not isinstance(self.embed_tokens, nn.Parameter):
-            _replace(self, "lm_head", self.embed_tokens)
+            replace_weight(self, "lm_head", self.embed_tokens)
         for decoder in self.layers:
             cast(DecoderLayer, decoder).refresh_weights()
 
@@ -362,16 +332,25 @@ class LlamaForCausalLM(nn.Module):
         if tuple(value.shape) != expected:
             raise ConfigError(f"weight {name} has shape {tuple(value.shape)}, expected {expected}")
         if isinstance(value, Blocks):
-            weight = gguf_weight(value, target, self.dtype)
+            weight = gguf_weight(value, target, self.dtype) if self.pack else value
         elif self.quantization == "int8":
             weight = Int8Weight.quantize(value)
         else:  # gguf: a float tensor in the file stays float
             weight = value.to(self.dtype)
-        _replace(
-            owner,
-            target,
-            nn.Parameter(weight, requires_grad=False) if isinstance(weight, Tensor) else weight,
-        )
+        replace_weight(owner, target, weight)
+
+    def pack_weights(self) -> None:
+        """Pack the GGUF blocks a `pack=False` model holds (a tied lm_head as the embedding)."""
+        packed: dict[int, Tensor | QuantWeight] = {}
+        for owner in (self, *self.layers):
+            for name in MATMUL_WEIGHTS:
+                w = owner.__dict__.get(name)
+                if isinstance(w, Blocks):
+                    if id(w) not in packed:
+                        packed[id(w)] = gguf_weight(w, name, self.dtype)
+                    replace_weight(owner, name, packed[id(w)])
+        for decoder in self.layers:
+            cast(DecoderLayer, decoder).refresh_weights()
 
     @staticmethod
     def _copy(param: nn.Parameter, tensor: Tensor, name: str) -> None:
@@ -383,10 +362,14 @@ class LlamaForCausalLM(nn.Module):
             param.copy_(tensor)
 
 
-def _replace(owner: nn.Module, name: str, weight: Tensor | QuantWeight) -> None:
-    """Swap a parameter for another weight object (nn.Module refuses a non-Parameter in its slot)."""
+def replace_weight(owner: nn.Module, name: str, weight: Tensor | QuantWeight | Blocks) -> None:
+    """Swap a weight for another object: a tensor as a frozen parameter, anything else as a plain
+    attribute (nn.Module refuses a non-Parameter in a parameter's slot)."""
     owner._parameters.pop(name, None)
-    if isinstance(weight, nn.Parameter):
+    owner.__dict__.pop(name, None)
+    if isinstance(weight, Tensor):
+        if not isinstance(weight, nn.Parameter):
+            weight = nn.Parameter(weight, requires_grad=False)
         owner.register_parameter(name, weight)
     else:
         owner.__dict__[name] = weight

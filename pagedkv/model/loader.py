@@ -60,7 +60,9 @@ def resolve_dtype(
 
 
 def fingerprint(files: list[Path]) -> str:
-    """sha256 over each file's size, head (headers and metadata) and tail: cheap even for big models."""
+    """sha256 over each file's size, head (headers and metadata) and tail.
+
+    Cheap even for big models."""
     h = hashlib.sha256()
     for path in files:
         size = path.stat().st_size
@@ -101,8 +103,10 @@ def resolve_quantization(
 
 
 def read_checkpoint(path: str | Path | None, keep_blocks: bool = False) -> tuple[Checkpoint, str]:
-    """Open the model's files and read config and tokenizer; weights stay lazy. Also returns its name.
-    keep_blocks: GGUF tensors come as their quantized blocks (for --quantization gguf)."""
+    """Open the model's files and read config and tokenizer; weights stay lazy.
+
+    Also returns the model's name. keep_blocks: GGUF tensors come as their quantized blocks
+    (for --quantization gguf)."""
     p = model_path(path)
     if not p.exists():
         raise ConfigError(f"model not found: {p}")
@@ -118,14 +122,16 @@ def load_model(
     dtype: torch.dtype | str,
     device: str | torch.device = "cpu",
     quantization: str | None = "none",
+    pack: bool = True,
 ) -> LoadedModel:
     """Read a checkpoint and build the model on `device` in `dtype` ('auto' and names are resolved).
-    quantization: "none", "int8", "gguf", or None for the default (resolve_quantization)."""
+    quantization: "none", "int8", "gguf", or None for the default (resolve_quantization).
+    pack=False: GGUF blocks wait for `model.pack_weights()` (tensor parallelism cuts them first)."""
     quantization = resolve_quantization(quantization, path, device)
     ckpt, name = read_checkpoint(path, keep_blocks=quantization == "gguf")
     dtype = resolve_dtype(dtype, device, ckpt.config)
     with torch.device(device):
-        model = LlamaForCausalLM(ckpt.config, dtype, quantization)
+        model = LlamaForCausalLM(ckpt.config, dtype, quantization, pack)
     model.load_weights(ckpt.weights)
     model.eval()
     if quantization != "none":

@@ -263,7 +263,9 @@ class Blocks:
 
 
 def pack_int4(b: Blocks) -> Int4Weight:
-    """Blocks of 4-bit codes -> aten's packed layout (torch's zero convention: w = (q - 8) * s + z)."""
+    """Blocks of 4-bit codes -> aten's packed layout.
+
+    torch's zero convention: w = (q - 8) * s + z."""
     n, k = b.q.shape
     zero = b.zero if b.zero is not None else torch.zeros_like(b.scale)
     sz = (
@@ -298,7 +300,8 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 
 def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
-    """[nb, bytes] -> [nb, bytes / chunk, 2, chunk]: low nibbles of a chunk of bytes, then high ones."""
+    """[nb, bytes] -> [nb, bytes / chunk, 2, chunk]: low nibbles of a chunk of bytes, then high
+    ones."""
     q = qs.reshape(qs.shape[0], -1, 1, chunk) >> np.array([0, 4], dtype=np.uint8).reshape(
         1, 1, 2, 1
     )
@@ -308,7 +311,8 @@ def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
 def _parse(
     blocks: np.ndarray, qtype: QT
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
-    """codes [nb, block], scales [nb, groups], zeros or None, group, bits (layouts as in gguf.quants)."""
+    """codes [nb, block], scales [nb, groups], zeros or None, group, bits (layouts as in
+    gguf.quants)."""
     nb = blocks.shape[0]
     if qtype == QT.Q8_0:
         return blocks[:, 2:].copy().view(np.int8), _f16(blocks[:, :2])[:, None], None, 32, 8

@@ -162,7 +162,9 @@ class Tokenizer:
     def from_hf_folder(
         cls, folder: str | Path, config_eos: int | list[int] | None = None
     ) -> Tokenizer:
-        """tokenizer.json + tokenizer_config.json (+ chat_template.jinja, generation_config.json)."""
+        """tokenizer.json + tokenizer_config.json.
+
+        Also chat_template.jinja and generation_config.json when present."""
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.is_file():
@@ -298,7 +300,9 @@ def _gguf_byte_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokenize
 
 
 def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """SentencePiece BPE has scores, not merges: a piece is a merge of two pieces, ranked by its score."""
+    """SentencePiece BPE has scores, not merges.
+
+    A piece is a merge of two pieces, ranked by its score."""
     vocab = {t: i for i, t in enumerate(tokens)}
     ranked = []
     for piece, score in zip(tokens, scores):

@@ -49,7 +49,9 @@ CORS_DEFAULTS = {
 
 
 async def read_json(request: Request, model: type[M]) -> M:
-    """The body as `model`, whatever its Content-Type (curl -d sends form-encoded); 400 if it is not."""
+    """The body as `model`, whatever its Content-Type (curl -d sends form-encoded).
+
+    A 400 if the body does not fit `model`."""
     data = load_json_object(await request.body())
     try:
         return model.model_validate(data)
@@ -71,7 +73,6 @@ def build_app(
     """
     api_key = api_key if api_key is not None else engine.config.api_key
     metrics = ServerMetrics(engine, engine.model_name)
-    serving = OpenAIServing(engine, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -90,10 +91,16 @@ def build_app(
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
-    app.add_middleware(
-        CORSMiddleware, **{**CORS_DEFAULTS, **(cors or {})}
-    )  # added last = runs first
+    # added last = runs first
+    app.add_middleware(CORSMiddleware, **{**CORS_DEFAULTS, **(cors or {})})
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    _add_routes(app, engine, OpenAIServing(engine, metrics), metrics)
+    add_simulate_route(app)
+    return app
+
+
+def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMetrics) -> None:
+    """The dashboard, health, the OpenAI endpoints, /metrics and the KV snapshot."""
 
     @app.get("/", include_in_schema=False)
     async def dashboard() -> FileResponse:
@@ -113,9 +120,8 @@ def build_app(
         ]
         return Response(api.ModelList(data=cards).model_dump_json(), media_type="application/json")
 
-    add_vllm_routes(
-        app, engine, read_json, serving.check_model
-    )  # /tokenize, /detokenize, /version, /ping
+    # /tokenize, /detokenize, /version, /ping
+    add_vllm_routes(app, engine, read_json, serving.check_model)
 
     @app.post("/v1/completions", openapi_extra=json_body(api.CompletionRequest))
     async def completions(request: Request) -> Response:
@@ -135,6 +141,10 @@ def build_app(
         snapshot = await asyncio.to_thread(engine.kv_snapshot)  # waits for the step in flight
         snapshot["model"] = engine.model_name
         return JSONResponse(snapshot)
+
+
+def add_simulate_route(app: FastAPI) -> None:
+    """/v1/simulate: the dashboard's Play panel; needs no engine."""
 
     @app.get("/v1/simulate")
     async def simulate(
@@ -167,8 +177,6 @@ def build_app(
             ).to_dict()
 
         return JSONResponse(await asyncio.to_thread(run))
-
-    return app
 
 
 class GracefulServer(uvicorn.Server):

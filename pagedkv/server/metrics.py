@@ -207,7 +207,7 @@ class _EngineCollector(Collector):
             "enable_prefix_caching": str(c.enable_prefix_caching),
             "gpu_memory_utilization": str(c.memory_utilization),
             "num_gpu_blocks": str(num_blocks),
-            "swap_space_bytes": str(c.swap_space),
+            "swap_space_bytes": str(c.swap_space_bytes),
             "preemption_mode": c.preemption_mode,
         }
 

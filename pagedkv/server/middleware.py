@@ -49,10 +49,10 @@ class BodySizeLimit:
 
 
 class BearerAuth:
-    """With an API key set, every /v1 route needs `Authorization: Bearer <key>` (constant-time check).
+    """With an API key set, every /v1 route needs `Authorization: Bearer <key>`.
 
-    /health, /metrics and the dashboard page stay open, as in vLLM; the page
-    asks for the key and sends it on its own /v1 calls.
+    The key is compared in constant time. /health, /metrics and the dashboard page stay open,
+    as in vLLM; the page asks for the key and sends it on its own /v1 calls.
     """
 
     def __init__(self, app: ASGIApp, api_key: str, prefix: str = "/v1") -> None:

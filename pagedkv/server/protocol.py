@@ -76,7 +76,9 @@ def _is_token_ids(v: Any) -> bool:
 
 
 def _check_prompt(v: Any) -> list[Prompt]:
-    """A string, a list of token ids, or a batch of either -> a non-empty list of non-empty prompts."""
+    """A string, a list of token ids, or a batch of either.
+
+    Returns a non-empty list of non-empty prompts."""
     if isinstance(v, str) or _is_token_ids(v):
         prompts = [v]
     elif isinstance(v, list) and v and all(isinstance(p, str) or _is_token_ids(p) for p in v):

@@ -15,7 +15,9 @@ from pagedkv.server.protocol import ChatMessage, _Strict
 
 
 class TokenizeRequest(_Strict):
-    """vLLM's two forms: {"prompt": ...} or {"messages": [...]} (rendered with the chat template)."""
+    """vLLM's two forms: {"prompt": ...} or {"messages": [...]}.
+
+    Messages are rendered with the chat template."""
 
     model: str | None = None
     prompt: str | None = None

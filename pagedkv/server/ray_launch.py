@@ -16,6 +16,24 @@ from pagedkv.config import ConfigError, EngineConfig
 APP_NAME = "pagedkv"
 
 
+def _init_ray(ray, num_replicas: int, ray_address: str | None) -> None:
+    """Start a local Ray sized for the replicas, or join the cluster at `ray_address`."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the replicas Ray starts here
+    if ray_address is None:  # no dashboard for a local instance
+        ray.init(
+            address="local",
+            num_cpus=num_replicas,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+        )
+        return
+    try:
+        ray.init(address=ray_address, logging_level=logging.WARNING)
+    except ConnectionError as e:  # wrong address, or a cluster whose auth token we lack
+        raise ConfigError(f"--ray-address {ray_address}: cannot join: {e}") from None
+
+
 def serve_replicas(
     config: EngineConfig,
     host: str,
@@ -41,20 +59,7 @@ def serve_replicas(
     make_policy(routing)  # a bad name fails before Ray starts
     from pagedkv.server.ray_app import build
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the replicas Ray starts here
-    if ray_address is None:  # a local instance sized for the replicas; no dashboard here
-        ray.init(
-            address="local",
-            num_cpus=num_replicas,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=True,
-        )
-    else:
-        try:
-            ray.init(address=ray_address, logging_level=logging.WARNING)
-        except ConnectionError as e:  # wrong address, or a cluster whose auth token we lack
-            raise ConfigError(f"--ray-address {ray_address}: cannot join: {e}") from None
+    _init_ray(ray, num_replicas, ray_address)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -16,7 +16,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pagedkv.kv.block_pool import BlockHash
+from pagedkv.kv.hashing import BlockHash
 from pagedkv.routing import make_policy
 
 

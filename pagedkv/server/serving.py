@@ -6,22 +6,21 @@ event stream. The first engine output is awaited before the response starts,
 so a full queue is still a 429 and not an error inside a 200 stream. A client
 that goes away cancels the work, and closing the engine's iterator aborts the
 request, which frees its blocks.
+
+Each endpoint's bodies are built by its format (completion_format.py,
+chat_format.py); disconnects, merging and SSE live in streaming.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 import uuid
-from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from pagedkv.config import ConfigError
@@ -29,134 +28,22 @@ from pagedkv.engine.options import with_defaults
 from pagedkv.engine.request import (
     CompletionOutput,
     RequestOutput,
-    SampleLogprob,
     SamplingParams,
     StructuredOutputsParams,
 )
 from pagedkv.server import protocol as api
+from pagedkv.server.chat_format import ChatFormat
+from pagedkv.server.completion_format import CompletionFormat
 from pagedkv.server.errors import APIError, error_body, to_api_error
 from pagedkv.server.metrics import ServerMetrics
-from pagedkv.server.tool_parsers import HermesToolParser, ToolCallStream, final_tool_calls
+from pagedkv.server.response_format import ResponseFormat, token_decoder
+from pagedkv.server.streaming import ClientGone, EventStream, merge, sse, until_disconnect
 from pagedkv.server.tools import plan_tools, render_chat
-
-T = TypeVar("T")
-MIN_LOGPROB = -9999.0  # JSON has no -inf
-
-
-class ClientGone(Exception):
-    """The client closed the connection before the answer was ready."""
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and so aborting its engine requests) if the client disconnects."""
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
-
-
-async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
-    """Interleave several async iterators as (index, item); closing the merge closes them all."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for item in only:
-                yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: AsyncGenerator[T, None]) -> None:
-        try:
-            async with aclosing(stream) as s:
-                async for item in s:
-                    queue.put_nowait((i, item, None))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            queue.put_nowait((i, None, e))
-        queue.put_nowait((i, done, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item, err = await queue.get()
-            if err is not None:
-                raise err
-            if item is done:
-                remaining -= 1
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class EventStream(StreamingResponse):
-    """SSE response that always closes its iterator, however the stream ends (disconnect included)."""
-
-    def __init__(self, content: AsyncGenerator[str, None]) -> None:
-        super().__init__(
-            content,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self._content = content  # the body_iterator itself, typed as the generator it is
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._content.aclose()
-
-
-def sse(payload: BaseModel | dict) -> str:
-    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {body}\n\n"
 
 
 async def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """Tokenize off the event loop: a megabyte of prompt takes most of a second."""
     return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
-
-
-def token_decoder(tokenizer, as_ids: bool = False) -> Callable[[int], str]:
-    """One token's text for logprobs; special tokens (an end-of-turn, say) are shown, not dropped.
-
-    With `as_ids` (return_tokens_as_token_ids) it is "token_id:N", as vLLM writes it."""
-    if as_ids:
-        return lambda token_id: f"token_id:{token_id}"
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def prompt_logprobs_json(
-    token: Callable[[int], str], items: list[SampleLogprob | None] | None
-) -> list | None:
-    """vLLM's shape: per prompt token, None (the first) or {id: {logprob, rank, decoded_token}}."""
-    if items is None:
-        return None
-
-    def entry(value: float, rank: int | None, token_id: int) -> dict:
-        return {"logprob": max(value, MIN_LOGPROB), "rank": rank, "decoded_token": token(token_id)}
-
-    out: list[dict | None] = [None]
-    for lp in items[1:]:
-        assert lp is not None  # only the first prompt token has no logprob
-        top = {t: entry(v, r, t) for r, (t, v) in enumerate(lp.top.items(), 1)}
-        top[lp.token_id] = entry(lp.logprob, lp.rank, lp.token_id)
-        out.append(top)
-    return out
 
 
 def request_id(prefix: str, given: str | None) -> str:
@@ -202,262 +89,6 @@ class _Sent:
     finished: bool = False
 
 
-@dataclass
-class _Format(ABC):
-    """Turns engine outputs into one endpoint's response objects (completions or chat)."""
-
-    id: str
-    model: str
-    token: Callable[[int], str]
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def start(self, num_choices: int) -> list[BaseModel]:
-        """Chunks sent before any token (chat announces the assistant role)."""
-        return []
-
-    @abstractmethod
-    def chunk(
-        self,
-        index: int,
-        text: str,
-        logprobs: list[SampleLogprob] | None,
-        offset: int,
-        o: CompletionOutput,
-        finished: bool,
-    ) -> BaseModel | None:
-        """One stream chunk: choice `index` grew by `text` (which starts at character `offset`)."""
-
-    @abstractmethod
-    def response(
-        self,
-        choices: list[tuple[int, CompletionOutput]],
-        usage: api.Usage,
-        finals: list[RequestOutput],
-    ) -> BaseModel:
-        """The whole non-streamed answer."""
-
-    @abstractmethod
-    def usage_chunk(self, usage: api.Usage) -> BaseModel:
-        """The last stream chunk when stream_options.include_usage is set."""
-
-
-@dataclass
-class _CompletionFormat(_Format):
-    echo: list[str] | None = None  # per prompt: the text shown before its choices' output
-    n: int = 1
-
-    def _echo(self, index: int) -> str:
-        return self.echo[index // self.n] if self.echo else ""
-
-    def start(self, num_choices: int) -> list[BaseModel]:
-        if not self.echo:
-            return []
-        return [
-            api.CompletionResponse(
-                id=self.id,
-                model=self.model,
-                created=self.created,
-                choices=[api.CompletionChoice(index=i, text=self._echo(i))],
-            )
-            for i in range(num_choices)
-        ]
-
-    def logprobs(
-        self, items: Sequence[SampleLogprob | int] | None, offset: int
-    ) -> api.CompletionLogprobs | None:
-        """A bare token id is the first prompt token under echo: nothing precedes it to score it."""
-        if items is None:
-            return None
-        out = api.CompletionLogprobs()
-        for lp in items:
-            text = self.token(lp if isinstance(lp, int) else lp.token_id)
-            out.tokens.append(text)
-            if isinstance(lp, int):
-                out.token_logprobs.append(None)
-                out.top_logprobs.append(None)
-            else:
-                out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
-                top = {self.token(t): max(v, MIN_LOGPROB) for t, v in lp.top.items()}
-                out.top_logprobs.append(top)
-            out.text_offset.append(offset)
-            offset += len(text)
-        return out
-
-    def _choice(self, i: int, o: CompletionOutput, prompt: RequestOutput) -> api.CompletionChoice:
-        items: Sequence[SampleLogprob | int] | None = o.sample_logprobs
-        if self.echo and items is not None:  # echo with logprobs: the prompt's tokens come first
-            # echo with logprobs asks for the prompt's; only its first token has none
-            scored = cast(list[SampleLogprob], prompt.prompt_logprobs)[1:]
-            items = [prompt.prompt_token_ids[0], *scored, *items]
-        return api.CompletionChoice(
-            index=i,
-            text=self._echo(i) + o.text,
-            logprobs=self.logprobs(items, 0),
-            finish_reason=o.finish_reason,
-            stop_reason=o.stop_reason,
-            prompt_logprobs=prompt_logprobs_json(self.token, prompt.prompt_logprobs),
-        )
-
-    def chunk(
-        self,
-        index: int,
-        text: str,
-        logprobs: list[SampleLogprob] | None,
-        offset: int,
-        o: CompletionOutput,
-        finished: bool,
-    ) -> BaseModel:
-        return api.CompletionResponse(
-            id=self.id,
-            model=self.model,
-            created=self.created,
-            choices=[
-                api.CompletionChoice(
-                    index=index,
-                    text=text,
-                    logprobs=self.logprobs(logprobs, offset),
-                    finish_reason=o.finish_reason if finished else None,
-                    stop_reason=o.stop_reason if finished else None,
-                )
-            ],
-        )
-
-    def response(
-        self,
-        choices: list[tuple[int, CompletionOutput]],
-        usage: api.Usage,
-        finals: list[RequestOutput],
-    ) -> BaseModel:
-        return api.CompletionResponse(
-            id=self.id,
-            model=self.model,
-            created=self.created,
-            usage=usage,
-            choices=[self._choice(i, o, finals[i // self.n]) for i, o in choices],
-        )
-
-    def usage_chunk(self, usage: api.Usage) -> BaseModel:
-        return api.CompletionResponse(
-            id=self.id, model=self.model, created=self.created, choices=[], usage=usage
-        )
-
-
-@dataclass
-class _ChatFormat(_Format):
-    parser: HermesToolParser | None = None  # tool calls are read from the output
-    echo: str = ""  # the last message, when the client asked to echo it
-    streams: dict[int, ToolCallStream] = field(default_factory=dict)
-
-    def logprobs(self, items: list[SampleLogprob] | None) -> api.ChatLogprobs | None:
-        if items is None:
-            return None
-
-        def entry(token_id: int, logprob: float) -> dict:
-            text = self.token(token_id)
-            return {
-                "token": text,
-                "logprob": max(logprob, MIN_LOGPROB),
-                "bytes": list(text.encode()),
-            }
-
-        return api.ChatLogprobs(
-            content=[
-                api.ChatTokenLogprob(
-                    **entry(lp.token_id, lp.logprob),
-                    top_logprobs=[api.TopLogprob(**entry(t, v)) for t, v in lp.top.items()],
-                )
-                for lp in items
-            ]
-        )
-
-    def _chunk(
-        self, choices: list[api.ChatChunkChoice], usage: api.Usage | None = None
-    ) -> BaseModel:
-        return api.ChatCompletionChunk(
-            id=self.id, model=self.model, created=self.created, choices=choices, usage=usage
-        )
-
-    def start(self, num_choices: int) -> list[BaseModel]:
-        delta = api.ChatDelta(role="assistant", content=self.echo)
-        return [
-            self._chunk([api.ChatChunkChoice(index=i, delta=delta)]) for i in range(num_choices)
-        ]
-
-    def chunk(
-        self,
-        index: int,
-        text: str,
-        logprobs: list[SampleLogprob] | None,
-        offset: int,
-        o: CompletionOutput,
-        finished: bool,
-    ) -> BaseModel | None:
-        calls = None
-        finish = o.finish_reason if finished else None
-        if self.parser is not None:
-            stream = self.streams.setdefault(index, ToolCallStream(self.parser))
-            text, calls = stream.update(o.text, finished)
-            if stream.calls and finish == "stop":
-                finish = "tool_calls"
-            if not (text or calls or logprobs or finished):
-                return None  # nothing the client can use yet (a tool call still being written)
-        return self._chunk(
-            [
-                api.ChatChunkChoice(
-                    index=index,
-                    delta=api.ChatDelta(content=text or None, tool_calls=calls or None),
-                    logprobs=self.logprobs(logprobs),
-                    finish_reason=finish,
-                )
-            ]
-        )
-
-    def message(self, o: CompletionOutput) -> tuple[api.ChatResponseMessage, str | None]:
-        """The answer's message and finish reason: tool calls, when the output has them."""
-        if self.parser is not None:
-            parsed = self.parser.parse(o.text, final=True)
-            calls = final_tool_calls(parsed)
-            if calls:
-                content = self.echo + parsed.content
-                finish = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
-                message = api.ChatResponseMessage(
-                    content=content if content.strip() else None, tool_calls=calls
-                )
-                return message, finish
-        return api.ChatResponseMessage(content=self.echo + o.text), o.finish_reason
-
-    def response(
-        self,
-        choices: list[tuple[int, CompletionOutput]],
-        usage: api.Usage,
-        finals: list[RequestOutput],
-    ) -> BaseModel:
-        out = []
-        for i, o in choices:
-            message, finish = self.message(o)
-            out.append(
-                api.ChatChoice(
-                    index=i,
-                    message=message,
-                    logprobs=self.logprobs(o.sample_logprobs),
-                    finish_reason=finish,
-                    stop_reason=o.stop_reason,
-                )
-            )
-        prompt_lps = prompt_logprobs_json(self.token, finals[0].prompt_logprobs)
-        return api.ChatCompletionResponse(
-            id=self.id,
-            model=self.model,
-            created=self.created,
-            usage=usage,
-            choices=out,
-            prompt_logprobs=prompt_lps,
-        )
-
-    def usage_chunk(self, usage: api.Usage) -> BaseModel:
-        return self._chunk([], usage)
-
-
 class OpenAIServing:
     """The two generation endpoints over one AsyncLLM."""
 
@@ -478,9 +109,9 @@ class OpenAIServing:
     ) -> SamplingParams:
         """--generation-config: the model's sampling defaults for what the request left out."""
         given = set(req.model_fields_set)
-        if "max_completion_tokens" in given or isinstance(
-            req, api.CompletionRequest
-        ):  # completions: 16
+        # chat's max_completion_tokens is its max_tokens; a completion's max_tokens defaults to
+        # OpenAI's 16, never to the model's
+        if "max_completion_tokens" in given or isinstance(req, api.CompletionRequest):
             given.add("max_tokens")
         defaults = self.engine.engine.generation_defaults
         return with_defaults(params, defaults, set(defaults) - given)
@@ -503,7 +134,7 @@ class OpenAIServing:
                 else tok.decode(ids, skip_special_tokens=False)
                 for p, full, ids in zip(req.prompt, encoded, prompts)
             ]
-        fmt = _CompletionFormat(
+        fmt = CompletionFormat(
             request_id("cmpl", req.request_id),
             self.engine.model_name,
             token_decoder(tok, req.return_tokens_as_token_ids),
@@ -529,7 +160,7 @@ class OpenAIServing:
         prompt = params.truncate(prompt, self.engine.max_model_len)
         last = req.messages[-1]
         echo = (last.content or "") if req.echo and last.role == "assistant" else ""
-        fmt = _ChatFormat(
+        fmt = ChatFormat(
             request_id("chatcmpl", req.request_id),
             self.engine.model_name,
             token_decoder(tok, req.return_tokens_as_token_ids),
@@ -547,7 +178,7 @@ class OpenAIServing:
     async def _run(
         self,
         request: Request,
-        fmt: _Format,
+        fmt: ResponseFormat,
         prompts: list[list[int]],
         params: SamplingParams,
         stream: bool,
@@ -590,7 +221,7 @@ class OpenAIServing:
 
     async def _stream(
         self,
-        fmt: _Format,
+        fmt: ResponseFormat,
         first: tuple[int, RequestOutput],
         events: AsyncGenerator[tuple[int, RequestOutput], None],
         num: int,
@@ -625,7 +256,7 @@ class OpenAIServing:
 
     @staticmethod
     def _delta(
-        fmt: _Format, index: int, o: CompletionOutput, sent: dict[int, _Sent]
+        fmt: ResponseFormat, index: int, o: CompletionOutput, sent: dict[int, _Sent]
     ) -> BaseModel | None:
         """The chunk for what choice `index` has produced since the last one, if anything."""
         s = sent.setdefault(index, _Sent())

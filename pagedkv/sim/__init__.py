@@ -1,4 +1,5 @@
-"""The seeds' reservation-vs-paging experiment (`pagedkv simulate`) and the capacity planner (`pagedkv plan`).
+"""The seeds' reservation-vs-paging experiment (`pagedkv simulate`) and the capacity planner
+(`pagedkv plan`).
 
 `simulate` and the trace helpers are pure Python (no torch), fast enough for
 the dashboard's Play panel to call on every change.

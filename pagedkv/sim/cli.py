@@ -59,7 +59,14 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="draw the result with matplotlib")
-    dyn = p.add_argument_group("replay over time (--dynamic)")
+    _add_dynamic_args(p.add_argument_group("replay over time (--dynamic)"))
+    _add_replica_args(
+        p.add_argument_group("a multi-tenant trace over replicas, by routing (--replicas)")
+    )
+    p.set_defaults(func=run)
+
+
+def _add_dynamic_args(dyn: argparse._ArgumentGroup) -> None:
     dyn.add_argument(
         "--dynamic", action="store_true", help="replay the trace through the real block manager"
     )
@@ -78,7 +85,9 @@ def add_parser(subparsers) -> None:
     dyn.add_argument(
         "--no-prefix-caching", action="store_true", help="turn prefix caching off in the replay"
     )
-    rep = p.add_argument_group("a multi-tenant trace over replicas, by routing (--replicas)")
+
+
+def _add_replica_args(rep: argparse._ArgumentGroup) -> None:
     rep.add_argument(
         "--replicas",
         metavar="R[,R...]",
@@ -93,7 +102,6 @@ def add_parser(subparsers) -> None:
         "--tenants", type=int, default=8, help="tenants, each with its own long system prompt"
     )
     rep.add_argument("--requests-per-replica", type=int, default=100)
-    p.set_defaults(func=run)
 
 
 def load_requests(args: argparse.Namespace) -> list[TraceRequest]:
@@ -109,7 +117,8 @@ def format_table(result: SimResult, args: argparse.Namespace, num_requests: int)
     lines = [
         f"pool: {result.pool_tokens:,} token slots ({format_size(parse_size(args.kv_memory))} / "
         f"{args.bytes_per_token:,} B per token); trace: {source}, cycled",
-        f"{'policy':<16}{'requests fit':>13}{'real tokens':>14}{'reserved':>12}{'holds tokens':>14}{'empty':>8}",
+        f"{'policy':<16}{'requests fit':>13}{'real tokens':>14}{'reserved':>12}"
+        f"{'holds tokens':>14}{'empty':>8}",
     ]
     for r in result.policies:
         used = 100 * r.token_utilization

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedkv.config import ConfigError
+from pagedkv.kv.hashing import BlockHashes
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sim.simulate import Policy
 from pagedkv.sim.trace import TraceRequest
@@ -45,6 +46,8 @@ class _Live:
     full_blocks: list[int] = field(
         default_factory=list
     )  # blocks full at admission: the shareable ones
+    # hashes of its first `held` tokens (set at admission)
+    hashes: BlockHashes = field(default_factory=lambda: BlockHashes(None))
 
 
 @dataclass(slots=True)
@@ -138,16 +141,7 @@ class Replay:
                 key=lambda r: r.arrival,
             )
         )
-        for i, r in enumerate(trace, 1):
-            # the manager caps a reservation at max_model_len; paged sizes round up to blocks either
-            # way
-            need = min(policy.reservation(r, max_model_len, max_output), max_model_len)
-            if not self.kv.can_fit(need):
-                raise ConfigError(
-                    f"request {i} needs {need} token slots under {policy.name} (plus the 1% "
-                    f"watermark) but the pool holds {self.kv.num_blocks * self.block_size}; "
-                    f"raise --kv-memory"
-                )
+        self._check_fits(trace, max_model_len)
         self.waiting: deque[_Live] = deque()
         self.running: list[_Live] = []
         self.t = 0
@@ -162,11 +156,26 @@ class Replay:
         self.utilization: list[float] = []
         self.running_series: list[int] = []
 
+    def _check_fits(self, trace: Sequence[TraceRequest], max_model_len: int) -> None:
+        """Every request fits the empty pool on its own, or the replay could never finish."""
+        for i, r in enumerate(trace, 1):
+            # the manager caps a reservation at max_model_len; paged sizes round up to blocks
+            # either way
+            need = min(self.policy.reservation(r, max_model_len, self.max_output), max_model_len)
+            if not self.kv.can_fit(need):
+                raise ConfigError(
+                    f"request {i} needs {need} token slots under {self.policy.name} (plus the 1% "
+                    f"watermark) but the pool holds {self.kv.num_blocks * self.block_size}; "
+                    f"raise --kv-memory"
+                )
+
     def done(self) -> bool:
         return not (self.pending or self.waiting or self.running)
 
     def tokens_held(self) -> int:
-        """Distinct tokens in device blocks (a shared prefix block counts once), as KVStats counts them."""
+        """Distinct tokens in device blocks, as KVStats counts them.
+
+        A shared prefix block counts once."""
         return self.tokens - self.extra_holders * self.block_size
 
     def token_slots(self) -> int:
@@ -214,11 +223,14 @@ class Replay:
         )
 
     def _grow_running(self) -> bool:
-        """One token for each running request, oldest first; preempt the youngest when one cannot grow."""
+        """One token for each running request, oldest first.
+
+        The youngest is preempted when one cannot grow."""
         preempted, i = False, 0
         while i < len(self.running):
             r = self.running[i]
-            if self.kv.allocate_slots(r.req_id, r.token_ids, 1) is not None:
+            r.hashes.update(r.token_ids, r.held + 1)
+            if self.kv.allocate_slots(r.req_id, r.hashes, 1) is not None:
                 r.held += 1
                 self.tokens += 1
                 i += 1
@@ -235,16 +247,15 @@ class Replay:
     def _admit_waiting(self) -> None:
         while self.waiting:
             r = self.waiting[0]
-            known = r.token_ids[: r.resume]
-            prefix = self.kv.lookup_prefix(known)
-            new = r.resume - len(prefix) * self.block_size
+            if r.hashes.num_tokens != r.resume:  # new, or preempted while it grew
+                r.hashes = self.kv.block_hashes(r.token_ids, r.resume)
+            prefix = self.kv.lookup_prefix(r.hashes)
+            new = r.resume - prefix.num_blocks * self.block_size
             budget = self.max_output - (
                 r.resume - r.prompt
             )  # reserve-output: the rest of the answer
             if (
-                self.kv.allocate_slots(
-                    r.req_id, known, new, prefix_blocks=prefix, max_tokens=budget
-                )
+                self.kv.allocate_slots(r.req_id, r.hashes, new, prefix=prefix, max_tokens=budget)
                 is None
             ):
                 return

@@ -82,7 +82,9 @@ def plan_capacity(
     block_size: int = 16,
     kv_dtypes: tuple[str, ...] = KV_CACHE_DTYPES,
 ) -> Plan:
-    """Tokens that fit in memory x utilization after the weights, and requests of `context` tokens."""
+    """Tokens that fit in memory x utilization after the weights.
+
+    Also how many requests of `context` tokens fit."""
     check_budget(memory, memory_utilization, context, block_size)
     kv_memory = max(0, int(memory * memory_utilization) - shape.weight_bytes)
     blocks_per_request = -(-context // block_size)

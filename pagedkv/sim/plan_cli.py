@@ -60,20 +60,24 @@ def format_count(n: int) -> str:
 def format_plan(plan: Plan) -> str:
     budget = int(plan.memory * plan.memory_utilization)
     lines = [
-        f"model: {plan.model} ({plan.source}): {plan.num_layers} layers x {plan.num_kv_heads} KV heads x "
-        f"{plan.head_dim} head dim; weights {format_size(plan.weight_bytes)} "
+        f"model: {plan.model} ({plan.source}): {plan.num_layers} layers x "
+        f"{plan.num_kv_heads} KV heads x {plan.head_dim} head dim; "
+        f"weights {format_size(plan.weight_bytes)} "
         f"({format_count(plan.num_params)} params)",
-        f"budget: {format_size(plan.memory)} x {plan.memory_utilization:g} = {format_size(budget)}; "
-        f"KV cache after weights: {format_size(plan.kv_memory)} in blocks of {plan.block_size} tokens",
+        f"budget: {format_size(plan.memory)} x {plan.memory_utilization:g} = "
+        f"{format_size(budget)}; KV cache after weights: {format_size(plan.kv_memory)} "
+        f"in blocks of {plan.block_size} tokens",
     ]
     if plan.max_context is not None and plan.context > plan.max_context:
         lines.append(
-            f"note: --context {plan.context:,} is longer than the model's {plan.max_context:,} tokens"
+            f"note: --context {plan.context:,} is longer than the model's "
+            f"{plan.max_context:,} tokens"
         )
     if plan.kv_memory == 0:
         lines.append("the weights alone exceed the budget: no room for a KV cache")
     lines.append(
-        f"{'kv dtype':<10}{'bytes/token':>14}{'tokens that fit':>18}{f'requests at {plan.context:,}':>22}"
+        f"{'kv dtype':<10}{'bytes/token':>14}{'tokens that fit':>18}"
+        f"{f'requests at {plan.context:,}':>22}"
     )
     for row in plan.dtypes:
         bpt = row.bytes_per_token

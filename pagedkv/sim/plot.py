@@ -23,7 +23,9 @@ def _save(fig, path: str) -> None:
 
 
 def plot_static(result: SimResult, path: str) -> None:
-    """Left: the pool split into real tokens / reserved but empty / unreserved. Right: requests that fit."""
+    """Left: the pool split into real tokens / reserved but empty / unreserved.
+
+    Right: the requests that fit."""
     plt = pyplot()
     names = [r.policy for r in result.policies]
     pool = max(result.pool_tokens, 1)

@@ -39,7 +39,9 @@ def llama_param_count(
     head_dim: int,
     tied: bool,
 ) -> int:
-    """Parameters of a Llama-family decoder (no biases): embeddings, attention, SwiGLU MLP, RMSNorms."""
+    """Parameters of a Llama-family decoder (no biases).
+
+    Embeddings, attention, SwiGLU MLP and RMSNorms."""
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v projections
     per_layer = attention + 3 * hidden * intermediate + 2 * hidden
     return vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
@@ -151,8 +153,10 @@ def gguf_resident_bytes(reader, quantization: str) -> int:
 
 
 def shape_from_gguf(path: Path, quantization: str | None = None) -> ModelShape:
-    """A GGUF file: `<arch>.block_count`, `<arch>.attention.head_count_kv` ...; weights = what they take
-    once loaded under `quantization` (None: the engine's default for a GGUF on CPU, gguf)."""
+    """A GGUF file: `<arch>.block_count`, `<arch>.attention.head_count_kv` ...
+
+    Weights = what they take once loaded under `quantization` (None: the engine's default for a
+    GGUF on CPU, gguf)."""
     from gguf import GGUFReader
 
     try:

@@ -151,7 +151,9 @@ def simulate(
     max_output: int = 2048,
     policies: str | Iterable[str | Policy] = DEFAULT_POLICIES,
 ) -> SimResult:
-    """Requests that fit, real and reserved tokens per policy (pool from `pool_tokens` or memory)."""
+    """Requests that fit, real and reserved tokens per policy.
+
+    The pool comes from `pool_tokens` or from memory."""
     if max_model_len < 1 or max_output < 1:
         raise ConfigError("--max-model-len and --max-output must be >= 1")
     if pool_tokens is None:
@@ -168,7 +170,9 @@ def simulate(
 def fit_ratio(
     result: SimResult, numerator: str = "paged:16", denominator: str = "reserve-output"
 ) -> float | None:
-    """How many times as many requests fit under one policy as under another (None if absent or zero)."""
+    """How many times as many requests fit under one policy as under another.
+
+    None if either is absent or zero."""
     a, b = result.get(numerator), result.get(denominator)
     if a is None or b is None or b.requests_fit == 0:
         return None

@@ -1,7 +1,7 @@
 // Numeric check of the C++ kernels without Python or torch: small random inputs through every
 // entry point of pagedkv/csrc, compared with a scalar reference computed here in double. Built
 // once per vector ISA (natively for the x86 ones, with the AArch64 cross compiler and run under
-// qemu-user for NEON) by tests/test_native_isa.py. Prints one line per check and "N passed, M
+// qemu-user for NEON) by tests/test_native_isa.py, against the same pagedkv_abi.h as Python. Prints one line per check and "N passed, M
 // failed"; exits non-zero on any failure.
 #include <algorithm>
 #include <cmath>
@@ -12,18 +12,7 @@
 #include <string>
 #include <vector>
 
-extern "C" {
-int pagedkv_paged_attention(int, int, const float*, const float*, const void*, const void*, const void*, void*,
-                            const int32_t*, const int32_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
-                            int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, char*, int);
-int pagedkv_rms_norm(int, const void*, int64_t, void*, const void*, void*, int64_t, int64_t, float, int);
-int pagedkv_silu_mul(int, const void*, int64_t, void*, int64_t, int64_t, int);
-int pagedkv_rope_cache(int, void*, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*, const float*,
-                       const float*, int64_t, const int64_t*, void*, void*, int64_t, int64_t, int, char*, int);
-int pagedkv_quant_write(int, const float*, int64_t, int64_t, int64_t, const int64_t*, void*, float*, int64_t,
-                        int64_t, char*, int);
-const char* pagedkv_isa();
-}
+#include "pagedkv_abi.h"
 
 namespace {
 
@@ -36,16 +25,25 @@ using half = _Float16;
 std::mt19937 rng(1234);
 int passed = 0, failed = 0;
 
+char err[256] = "";  // the last kernel's message
+
+// Records a kernel that refused its arguments (nonzero status) as a failed check.
+void ran(int status, const char* kernel) {
+  if (status == 0) return;
+  failed++;
+  std::printf("FAIL %s refused: %s\n", kernel, err);
+}
+
 float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng); }
 int randint(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
 
-// Element codecs, scalar and independent of vec.h: 0 float32, 1 bfloat16, 2 float16, 3 int8, 4 e4m3fn.
+// Element codecs by pagedkv_dtype, scalar and independent of vec.h.
 float decode(int dtype, const uint8_t* p) {
   switch (dtype) {
-    case 0: { float f; std::memcpy(&f, p, 4); return f; }
-    case 1: { uint32_t b = uint32_t(p[0] | (p[1] << 8)) << 16; float f; std::memcpy(&f, &b, 4); return f; }
-    case 2: { half h; std::memcpy(&h, p, 2); return float(h); }
-    case 3: return float(int8_t(p[0]));
+    case PAGEDKV_DTYPE_FLOAT32: { float f; std::memcpy(&f, p, 4); return f; }
+    case PAGEDKV_DTYPE_BFLOAT16: { uint32_t b = uint32_t(p[0] | (p[1] << 8)) << 16; float f; std::memcpy(&f, &b, 4); return f; }
+    case PAGEDKV_DTYPE_FLOAT16: { half h; std::memcpy(&h, p, 2); return float(h); }
+    case PAGEDKV_DTYPE_INT8: return float(int8_t(p[0]));
     default: {
       const int e = (p[0] >> 3) & 15, m = p[0] & 7;
       const double f = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
@@ -55,8 +53,8 @@ float decode(int dtype, const uint8_t* p) {
 }
 void encode(int dtype, float x, uint8_t* p) {
   switch (dtype) {
-    case 0: std::memcpy(p, &x, 4); break;
-    case 1: {
+    case PAGEDKV_DTYPE_FLOAT32: std::memcpy(p, &x, 4); break;
+    case PAGEDKV_DTYPE_BFLOAT16: {
       uint32_t b; std::memcpy(&b, &x, 4);
       const uint16_t h = uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
       std::memcpy(p, &h, 2); break;
@@ -64,7 +62,9 @@ void encode(int dtype, float x, uint8_t* p) {
     default: { const half h = static_cast<half>(x); std::memcpy(p, &h, 2); }
   }
 }
-size_t elem_size(int dtype) { return dtype == 0 ? 4 : dtype <= 2 ? 2 : 1; }
+size_t elem_size(int dtype) {
+  return dtype == PAGEDKV_DTYPE_FLOAT32 ? 4 : dtype == PAGEDKV_DTYPE_BFLOAT16 || dtype == PAGEDKV_DTYPE_FLOAT16 ? 2 : 1;
+}
 
 struct Buf {  // n elements of one dtype
   int dtype;
@@ -76,8 +76,8 @@ struct Buf {  // n elements of one dtype
   size_t size() const { return bytes.size() / elem_size(dtype); }
   void fill_random(float lo, float hi) {
     for (size_t i = 0; i < size(); ++i) {
-      if (dtype == 3) bytes[i] = uint8_t(randint(-127, 127));
-      else if (dtype == 4) { bytes[i] = uint8_t(randint(0, 255)); if ((bytes[i] & 0x7F) == 0x7F) bytes[i] ^= 1; }
+      if (dtype == PAGEDKV_DTYPE_INT8) bytes[i] = uint8_t(randint(-127, 127));
+      else if (dtype == PAGEDKV_DTYPE_FLOAT8_E4M3FN) { bytes[i] = uint8_t(randint(0, 255)); if ((bytes[i] & 0x7F) == 0x7F) bytes[i] ^= 1; }
       else set(i, uniform(lo, hi));
     }
   }
@@ -94,7 +94,10 @@ void check(const std::string& name, const std::vector<double>& want, const Buf& 
 }
 
 const double kTol[] = {2e-5, 2e-2, 3e-3};  // per query dtype: float32, bfloat16, float16
-const char* kName[] = {"float32", "bfloat16", "float16", "int8", "e4m3"};
+const char* kName[] = {"float32", "bfloat16", "float16", "int8", "e4m3"};  // by pagedkv_dtype
+static_assert(PAGEDKV_DTYPE_FLOAT32 == 0 && PAGEDKV_DTYPE_BFLOAT16 == 1 && PAGEDKV_DTYPE_FLOAT16 == 2 &&
+                  PAGEDKV_DTYPE_INT8 == 3 && PAGEDKV_DTYPE_FLOAT8_E4M3FN == 4,
+              "kTol and kName are indexed by pagedkv_dtype");
 
 // Varlen paged attention over scattered blocks against softmax(q k^T * scale) v in double.
 void attention(int dtype, int kv_dtype, int64_t D, int threads) {
@@ -122,12 +125,18 @@ void attention(int dtype, int kv_dtype, int64_t D, int threads) {
   if (kv_dtype >= 0)
     for (size_t i = 0; i < ks.size(); ++i) { ks[i] = uniform(0.001f, 0.01f); vs[i] = uniform(0.001f, 0.01f); }
   const float scale = float(1.0 / std::sqrt(double(D)));
-  char err[256] = "";
-  if (pagedkv_paged_attention(dtype, kv_dtype, kv_dtype >= 0 ? ks.data() : nullptr, kv_dtype >= 0 ? vs.data() : nullptr,
-                              q.data(), k.data(), v.data(), out.data(), qsl.data(), seq_lens, tables.data(), T, B,
-                              max_blocks, num_blocks, Hq, Hkv, bs, D, Hq * D, Hq * D, scale, threads, err, 256)) {
-    std::printf("FAIL attention refused: %s\n", err);
-    failed++;
+  pagedkv_paged_attention_params p{};
+  p.dtype = pagedkv_dtype(dtype);
+  p.kv_dtype = pagedkv_dtype(cache);
+  p.q = q.data(); p.k = k.data(); p.v = v.data(); p.out = out.data();
+  p.k_scales = kv_dtype >= 0 ? ks.data() : nullptr;
+  p.v_scales = kv_dtype >= 0 ? vs.data() : nullptr;
+  p.query_start_loc = qsl.data(); p.seq_lens = seq_lens; p.block_tables = tables.data();
+  p.num_tokens = T; p.num_seqs = B; p.max_blocks = max_blocks; p.num_blocks = num_blocks;
+  p.num_q_heads = Hq; p.num_kv_heads = Hkv; p.block_size = bs; p.head_dim = D;
+  p.q_stride = Hq * D; p.out_stride = Hq * D; p.scale = scale; p.threads = threads;
+  if (pagedkv_paged_attention(&p, err, sizeof err)) {
+    ran(1, "paged_attention");
     return;
   }
   std::vector<double> want(out.size());
@@ -175,7 +184,8 @@ void rms_norm(int dtype, int64_t rows, int64_t n) {
     const double inv = 1.0 / std::sqrt(sq / double(n) + 1e-6);
     for (int64_t c = 0; c < n; ++c) want[r * n + c] = w.get(c) * round_to(dtype, want_res[r * n + c] * inv);
   }
-  pagedkv_rms_norm(dtype, x.data(), n, res.data(), w.data(), out.data(), rows, n, 1e-6f, 2);
+  pagedkv_rms_norm_params p{pagedkv_dtype(dtype), x.data(), n, res.data(), w.data(), out.data(), rows, n, 1e-6f, 2};
+  ran(pagedkv_rms_norm(&p, err, sizeof err), "rms_norm");
   check(std::string("rms_norm residual ") + kName[dtype] + " n=" + std::to_string(n), want_res, res, 1e-6);
   check(std::string("rms_norm ") + kName[dtype] + " n=" + std::to_string(n), want, out, kTol[dtype]);
 }
@@ -189,7 +199,8 @@ void silu_mul(int dtype, int64_t rows, int64_t n) {
       const double g = x.get(r * 2 * n + c);
       want[r * n + c] = round_to(dtype, g / (1 + std::exp(-g))) * x.get(r * 2 * n + n + c);
     }
-  pagedkv_silu_mul(dtype, x.data(), 2 * n, out.data(), rows, n, 2);
+  pagedkv_silu_mul_params p{pagedkv_dtype(dtype), x.data(), 2 * n, out.data(), rows, n, 2};
+  ran(pagedkv_silu_mul(&p, err, sizeof err), "silu_mul");
   check(std::string("silu_mul ") + kName[dtype] + " n=" + std::to_string(n), want, out, kTol[dtype]);
 }
 
@@ -221,9 +232,9 @@ void rope_cache(int dtype, int64_t D) {
       want_k[c] = round_to(dtype, want[t * stride + Hq * D + i]);
       want_v[c] = want[t * stride + (Hq + Hkv) * D + i];
     }
-  char err[256] = "";
-  pagedkv_rope_cache(dtype, qkv.data(), tokens, stride, Hq, Hkv, D, pos.data(), cos.data(), sin.data(), max_pos,
-                     slots.data(), kc.data(), vc.data(), num_blocks, bs, 2, err, 256);
+  pagedkv_rope_cache_params p{pagedkv_dtype(dtype), qkv.data(), tokens, stride, Hq, Hkv, D, pos.data(), cos.data(),
+                              sin.data(), max_pos, slots.data(), kc.data(), vc.data(), num_blocks, bs, 2};
+  ran(pagedkv_rope_cache(&p, err, sizeof err), "rope_cache");
   const std::string tag = std::string(kName[dtype]) + " D=" + std::to_string(D);
   check("rope " + tag, want, qkv, kTol[dtype]);
   check("rope k cache " + tag, want_k, kc, kTol[dtype]);
@@ -239,8 +250,9 @@ void quant_write(int format, int64_t D) {
   std::vector<int64_t> slots = {0, 1, 2, 3, 8, 9};  // blocks 0 and 2, both from offset 0
   Buf data(format, num_blocks * H * bs * D);
   std::vector<float> scales(num_blocks * H, 0.f);
-  char err[256] = "";
-  pagedkv_quant_write(format, x.data(), T, H, D, slots.data(), data.data(), scales.data(), num_blocks, bs, err, 256);
+  pagedkv_quant_write_params p{pagedkv_dtype(format), x.data(), T, H, D, slots.data(), data.data(), scales.data(),
+                               num_blocks, bs};
+  ran(pagedkv_quant_write(&p, err, sizeof err), "quant_write");
   std::vector<double> want(data.size(), 0.0);
   Buf got(0, data.size());
   bool scales_ok = true;
@@ -249,7 +261,7 @@ void quant_write(int format, int64_t D) {
       double amax = 0;
       for (int64_t t = 0; t < T; ++t)
         if (slots[t] / bs == blk) for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(double(x[(t * H + h) * D + d])));
-      const double s = format == 3 ? amax / 127 : std::min(std::exp2(std::ceil(std::log2(amax / 448))), 128.0);
+      const double s = format == PAGEDKV_DTYPE_INT8 ? amax / 127 : std::min(std::exp2(std::ceil(std::log2(amax / 448))), 128.0);
       scales_ok &= std::fabs(scales[blk * H + h] - s) <= 1e-6 * s;
     }
   for (int64_t t = 0; t < T; ++t)
@@ -263,21 +275,21 @@ void quant_write(int format, int64_t D) {
   (scales_ok ? passed : failed)++;
   std::printf("%s quant_write %s D=%lld scales\n", scales_ok ? "ok  " : "FAIL", kName[format], (long long)D);
   // int8: within half a step; e4m3: within 1/16 relative (3 mantissa bits) or 2^-10 absolute.
-  check(std::string("quant_write ") + kName[format] + " D=" + std::to_string(D), want, got, format == 3 ? 0.5 : 0.0625);
+  check(std::string("quant_write ") + kName[format] + " D=" + std::to_string(D), want, got, format == PAGEDKV_DTYPE_INT8 ? 0.5 : 0.0625);
 }
 
 }  // namespace
 
 int main() {
   std::printf("ISA %s\n", pagedkv_isa());
-  for (int dtype = 0; dtype < 3; ++dtype) {
+  for (int dtype : {PAGEDKV_DTYPE_FLOAT32, PAGEDKV_DTYPE_BFLOAT16, PAGEDKV_DTYPE_FLOAT16}) {
     for (int64_t D : {64, 40, 100}) attention(dtype, -1, D, 2);
-    for (int kv : {3, 4}) attention(dtype, kv, 64, 1);
+    for (int kv : {PAGEDKV_DTYPE_INT8, PAGEDKV_DTYPE_FLOAT8_E4M3FN}) attention(dtype, kv, 64, 1);
     for (int64_t n : {64, 100}) { rms_norm(dtype, 3, n); silu_mul(dtype, 3, n); }
     for (int64_t D : {64, 20}) rope_cache(dtype, D);
   }
-  attention(1, -1, 128, 1);
-  for (int fmt : {3, 4}) for (int64_t D : {64, 36}) quant_write(fmt, D);
+  attention(PAGEDKV_DTYPE_BFLOAT16, -1, 128, 1);
+  for (int fmt : {PAGEDKV_DTYPE_INT8, PAGEDKV_DTYPE_FLOAT8_E4M3FN}) for (int64_t D : {64, 36}) quant_write(fmt, D);
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }

@@ -21,8 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pagedkv.kv.block_pool import BlockHash
-from pagedkv.kv.plan import TokenIds
+from pagedkv.kv.hashing import BlockHash, TokenIds
 
 MAGIC = b"PKVB"
 VERSION = 1
@@ -91,7 +90,8 @@ class BlockFormat:
     def parse(
         self, head: bytes | bytearray, file_size: int, block_hash: BlockHash
     ) -> tuple[dict, int]:
-        """Check a file's header against this format and its name; returns (header, payload start)."""
+        """Check a file's header against this format and its name; returns (header, payload
+        start)."""
         if len(head) < _PREFIX.size:
             raise BadFile("truncated header")
         magic, version, header_len = _PREFIX.unpack_from(head)

@@ -37,9 +37,8 @@ import torch
 from torch import Tensor
 
 from pagedkv.config import ConfigError, format_size
-from pagedkv.kv.block_file import SUFFIX, TMP_SUFFIX, BadFile, BlockFormat
-from pagedkv.kv.block_pool import BlockHash
-from pagedkv.kv.plan import TokenIds
+from pagedkv.kv.hashing import BlockHash, TokenIds
+from pagedkv.kvstore.block_file import SUFFIX, TMP_SUFFIX, BadFile, BlockFormat
 
 T = TypeVar("T")
 log = logging.getLogger("pagedkv.offload")
@@ -85,7 +84,7 @@ def _unlink(path: Path) -> None:
 
 
 class DiskTier:
-    """A file per block (`pagedkv.kv.block_file`; the payload is the block as
+    """A file per block (`pagedkv.kvstore.block_file`; the payload is the block as
     `KVStorage.read_blocks` gives it) under `root/<digest of key and layout>/`, LRU by last use,
     at most max_bytes.
 

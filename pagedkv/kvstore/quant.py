@@ -19,17 +19,7 @@ amax / 127, where a power of two would waste up to a bit. fp8 scales stop at
 2^7, so magnitudes past 448 * 2^7 = 57344 (no real K or V) saturate; that
 keeps scale * 2^120 finite for the fast dequantization below.
 
-Both store K and V rotated by an orthonormal Hadamard matrix R over head_dim
-(`rotation`), because real keys have a few outlier channels. For fp8 (3
-mantissa bits, each element off by up to 6%) a score q.k dominated by those
-channels inherits their error almost whole; rotated, it is spread over all
-channels, whose errors partly cancel. For int8 the outliers set the step for
-every channel of the head; rotated, the amax shrinks towards the typical
-magnitude and the steps get finer. Attention works in the rotated space:
-(qR).(kR) = q.k and sum p (vR) = (sum p v) R, so q is rotated on the way in
-and the output back with R^T (paged.py). On SmolLM2 this takes fp8's
-perplexity cost from about 1.4% to about 0.4% and cuts int8's mean logit
-error by a third (BENCHMARKS.md).
+K and V arrive rotated (attention/rotation.py); this module stores whatever it is given.
 """
 
 from __future__ import annotations
@@ -96,16 +86,6 @@ INT8 = QuantFormat(torch.int8, 127.0, pow2_scales=False)
 FORMATS: dict[torch.dtype, QuantFormat] = {FP8.dtype: FP8, INT8.dtype: INT8}
 
 
-def hadamard(dim: int) -> Tensor:
-    """Orthonormal float32 [dim, dim]: Sylvester Hadamard blocks as large as the power of two
-    dividing dim allows (exact and the same everywhere, so stored blocks stay readable)."""
-    size = dim & -dim
-    h = torch.ones(1, 1)
-    while h.shape[0] < size:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return torch.block_diag(*[h] * (dim // size)) / math.sqrt(size)
-
-
 @dataclass(slots=True)
 class SlotWrite:
     """Where a step's new tokens go, by block (computed once per write_kv, shared by K and V)."""
@@ -133,13 +113,12 @@ class QuantizedCache:
     data: Tensor  # [num_blocks, num_kv_heads, block_size, head_dim]
     scales: Tensor  # [num_blocks, num_kv_heads] float32
     fmt: QuantFormat
-    rotation: Tensor  # [head_dim, head_dim] float32: data holds (x R) / scale
 
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
 
-    def native_writer(self, x: Tensor):
+    def native_writer(self, x: Tensor) -> native.Library | None:
         """The C++ write (csrc/kv_quant.cpp) when it serves this cache, else None."""
         if not (
             x.is_cpu
@@ -151,32 +130,30 @@ class QuantizedCache:
         return native.library()
 
     def write(self, x: Tensor, slot_mapping: Tensor, where: SlotWrite | None = None) -> None:
-        """Store new values x [T, Hkv, D] at their slots, growing scales (and requantizing) as needed.
+        """Store new values x [T, Hkv, D] (rotated) at their slots, growing scales (and
+        requantizing) as needed.
 
         `where` (the torch path's grouping of the slots) may be shared by the K and V writes of a
         step; it is built here when needed and not given.
         """
-        x = x.float() @ self.rotation
+        x = x.float()
         lib = self.native_writer(x)
         if lib is not None:
-            slots = slot_mapping.to(torch.int64).contiguous()
+            x, slots = x.contiguous(), slot_mapping.to(torch.int64).contiguous()
             num_blocks, num_heads, block_size, head_dim = self.data.shape
-            err = native.error_buffer()
-            if lib.pagedkv_quant_write(
-                native.QUANT_CODES[self.fmt.dtype],
-                x.contiguous().data_ptr(),
-                x.shape[0],
-                num_heads,
-                head_dim,
-                slots.data_ptr(),
-                self.data.data_ptr(),
-                self.scales.data_ptr(),
-                num_blocks,
-                block_size,
-                err,
-                native.ERR_LEN,
-            ):
-                raise ValueError(err.value.decode())
+            lib.call(
+                "quant_write",
+                dtype=native.DTYPES[self.fmt.dtype],
+                x=x.data_ptr(),
+                num_tokens=x.shape[0],
+                num_heads=num_heads,
+                head_dim=head_dim,
+                slots=slots.data_ptr(),
+                data=self.data.data_ptr(),
+                scales=self.scales.data_ptr(),
+                num_blocks=num_blocks,
+                block_size=block_size,
+            )
             return
         where = where or SlotWrite.of(slot_mapping, self.data.shape[2])
         num_heads = x.shape[1]
@@ -200,7 +177,7 @@ class QuantizedCache:
         )
 
     def dequantize(self, blocks: Tensor, dtype: torch.dtype) -> Tensor:
-        """Blocks [n] as [n, Hkv, block_size, D] values in `dtype` (rotated: x R)."""
+        """Blocks [n] as [n, Hkv, block_size, D] values in `dtype` (as stored: rotated)."""
         # index_select: advanced indexing is ~25x slower on CPU
         scales = self.scales.index_select(0, blocks)[:, :, None, None]
         return self.fmt.dequantize(self.data.index_select(0, blocks), scales, dtype)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from pagedkv.config import ConfigError
-from pagedkv.kv.quant import FORMATS, SCALE_DTYPE, QuantizedCache, hadamard
+from pagedkv.kvstore.quant import FORMATS, SCALE_DTYPE, QuantizedCache
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -87,7 +87,6 @@ class KVStorage:
             device=self.device,
         )
         self.scales: Tensor | None = None
-        self.rotation: Tensor | None = None
         # Block moves are byte copies: float8 has no index_copy_ on CPU, its uint8 view does.
         self._raw = self.data
         if self.quant is not None:
@@ -95,17 +94,16 @@ class KVStorage:
                 num_layers, 2, num_blocks, num_kv_heads, dtype=SCALE_DTYPE, device=self.device
             )
             self._raw = self.data.view(torch.uint8)
-            self.rotation = hadamard(head_dim).to(self.device)
         self.kv_caches: list[tuple] = [self.layer(i) for i in range(num_layers)]
 
     def layer(self, i: int) -> tuple[Tensor, Tensor] | tuple[QuantizedCache, QuantizedCache]:
         """(k_cache, v_cache) of layer i, each [num_blocks, num_kv_heads, block_size, head_dim]."""
         if self.quant is None:
             return self.data[i, 0], self.data[i, 1]
-        assert self.scales is not None and self.rotation is not None  # set with self.quant
+        assert self.scales is not None  # set with self.quant
         return (
-            QuantizedCache(self.data[i, 0], self.scales[i, 0], self.quant, self.rotation),
-            QuantizedCache(self.data[i, 1], self.scales[i, 1], self.quant, self.rotation),
+            QuantizedCache(self.data[i, 0], self.scales[i, 0], self.quant),
+            QuantizedCache(self.data[i, 1], self.scales[i, 1], self.quant),
         )
 
     @property
@@ -179,5 +177,6 @@ class KVStorage:
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str
     ) -> int:
-        """Bytes of one token's K and V elements (fp8 / int8 scales are per block: see bytes_per_block)."""
+        """Bytes of one token's K and V elements (fp8 / int8 scales are per block: see
+        bytes_per_block)."""
         return 2 * num_layers * num_kv_heads * head_dim * as_dtype(dtype).itemsize

@@ -1,6 +1,7 @@
-"""Tiered KV offload: cached prefix blocks evicted from the device live on in host memory, then on disk.
+"""Tiered KV offload: cached prefix blocks evicted from the device live on in host memory, then on
+disk.
 
-    device pool --evicted--> host tier (LRU slots) --full--> disk tier (a file per block) --full--> gone
+    device pool --evicted--> host tier (LRU slots) --full--> disk tier (file per block) --> gone
        ^  |                       |                               ^  |
        |  +---- every block once full (written through) ---------+  |
        +-------- prefix hit ------+----------------------------------+
@@ -13,7 +14,7 @@ Every entry also keeps its token ids, compared on each hit as the device cache
 does, so even a hash collision cannot hand out wrong K/V.
 
 With a disk tier, each block is copied to host memory as soon as the forward
-has filled it and queued for the disk writer (`pagedkv.kv.disk_tier`), so what
+has filled it and queued for the disk writer (`pagedkv.kvstore.disk_tier`), so what
 is still cached on the device or the host at shutdown is on disk too; a block
 already on disk (or queued) is not copied again, and a full queue drops the
 write (counted) rather than wait.
@@ -46,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -54,10 +55,10 @@ import torch
 from torch import Tensor
 
 from pagedkv.config import ConfigError, EngineConfig, format_size
-from pagedkv.kv.block_pool import BlockHash
-from pagedkv.kv.disk_tier import DiskTier
-from pagedkv.kv.plan import BlockLoad, BlockSave, TokenIds
-from pagedkv.kv.storage import KVStorage
+from pagedkv.kv.hashing import BlockHash, TokenIds
+from pagedkv.kv.plan import BlockLoad, BlockSave
+from pagedkv.kvstore.disk_tier import DiskTier
+from pagedkv.kvstore.storage import KVStorage
 
 log = logging.getLogger("pagedkv.offload")
 
@@ -123,8 +124,8 @@ class HostTier:
     def insert(
         self, block_hash: BlockHash, token_ids: TokenIds
     ) -> tuple[int, tuple[BlockHash, _HostEntry] | None] | None:
-        """A slot for a new cached block: a free one, else the LRU block's, returned as the victim so the
-        caller can move its data out first. None when every slot is lent or pinned."""
+        """A slot for a new cached block: a free one, else the LRU block's, returned as the victim
+        so the caller can move its data out first. None when every slot is lent or pinned."""
         victim = None
         if self._free:
             slot = self._free.pop()
@@ -274,24 +275,39 @@ class KVOffload:
             self.disk is not None and self.disk.contains(block_hash, token_ids)
         )
 
-    def reserve(self, blocks: Sequence[tuple[BlockHash, TokenIds]]) -> int:
-        """Make the leading run of these blocks loadable this step: pin host slots, read and check disk
-        files now. Returns the run's length; the first block that fails (a bad file) ends it."""
+    def reserve(
+        self,
+        blocks: Sequence[tuple[BlockHash, TokenIds]],
+        agree: Callable[[int], int] | None = None,
+    ) -> int:
+        """Make the leading run of these blocks loadable this step: pin host slots, read and check
+        disk files now. Returns the run's length; the first block that fails (a bad file) ends it.
+        `agree` (tensor parallelism) turns this rank's run into the one every rank can load."""
+        read: dict[BlockHash, Tensor] = {}
+        n = len(blocks)
         for i, (block_hash, token_ids) in enumerate(blocks):
             if self.host is not None and self.host.find(block_hash, token_ids) is not None:
-                self.host.pin(block_hash)
                 continue
             data = self.disk.read(block_hash, token_ids) if self.disk is not None else None
             if data is None:
-                return i
-            self._staged[block_hash] = data
-        return len(blocks)
+                n = i
+                break
+            read[block_hash] = data
+        if agree is not None:
+            n = agree(n)
+        for block_hash, _ in blocks[:n]:
+            if block_hash in read:
+                self._staged[block_hash] = read[block_hash]
+            else:
+                assert self.host is not None  # found there above
+                self.host.pin(block_hash)
+        return n
 
     # ---- runner side --------------------------------------------------------------------------
 
     def stage(self, storage: KVStorage, saves: list[BlockSave], loads: list[BlockLoad]) -> _Staged:
-        """Reads only, before the step's block copies: device blocks to save, tier blocks to load, and
-        cached host blocks whose slots swap-out is about to overwrite (they go to disk now)."""
+        """Reads only, before the step's block copies: device blocks to save, tier blocks to load,
+        and cached host blocks whose slots swap-out is about to overwrite (they go to disk now)."""
         disk = self.disk
         if self.host is None and disk is not None and saves:  # disk only: written through, no copy
             kept = [s for s in saves if disk.needs(s.block_hash)]
@@ -318,7 +334,8 @@ class KVOffload:
         return self.host.storage.read_blocks([self.host.slot(block_hash)])[0]
 
     def commit(self, storage: KVStorage, staged: _Staged) -> None:
-        """Writes, after the step's block copies: loaded blocks into the device, saved ones into the tiers."""
+        """Writes, after the step's block copies: loaded blocks into the device, saved ones into
+        the tiers."""
         if staged.load_dst:
             assert staged.loaded is not None
             storage.write_blocks(staged.load_dst, staged.loaded)

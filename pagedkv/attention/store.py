@@ -1,0 +1,105 @@
+"""Writing a step's new K/V into the paged cache: the one way in, for every kind of cache.
+
+The model hands over its fused q | k | v projection and the rotary tables (rope_and_store):
+where the library serves a float cache, one C++ pass (csrc/layer_ops.cpp) rotates q and k and
+stores k and v at their slots; otherwise q and k are rotated (in C++ or torch) and write_kv stores
+k and v, quantizing them for an fp8 / int8 cache, after the Hadamard rotation such a cache holds
+(rotation.py; csrc/kv_quant.cpp writes them when the library serves).
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from pagedkv import native
+from pagedkv.attention import rotation
+from pagedkv.attention.paged import Cache
+from pagedkv.kvstore.quant import QuantizedCache, SlotWrite
+
+
+def rope_and_store(
+    qkv: Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    kv_cache: tuple[Cache, Cache],
+    slot_mapping: Tensor,
+) -> Tensor:
+    """Rotates q and k of a fused [T, (Hq + 2 Hkv) * D] projection in place for their positions
+    (RoPE) and stores the new k and v at their slots; returns q as [T, Hq, D] (a view of qkv).
+
+    cos / sin: float32 [max_positions, D], rotate_half's sign folded into sin.
+    """
+    k_cache, v_cache = kv_cache
+    tokens, head_dim = qkv.shape[0], cos.shape[1]
+    q = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
+    lib, store = None, None
+    if isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor):
+        if k_cache.is_contiguous() and v_cache.is_contiguous():
+            lib = native.library_for(qkv, k_cache, v_cache)
+            store = None if lib is None else (k_cache, v_cache, _int64(slot_mapping))
+    lib = lib or native.library_for(qkv)
+    if lib is not None:  # with a store: the rotation and the store in one pass
+        positions = _int64(positions)
+        lib.call(
+            "rope_cache",
+            dtype=native.DTYPES[qkv.dtype],
+            qkv=qkv.data_ptr(),
+            num_tokens=tokens,
+            row_stride=qkv.stride(0),
+            num_q_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            positions=positions.data_ptr(),
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            max_positions=cos.shape[0],
+            slots=None if store is None else store[2].data_ptr(),
+            k_cache=None if store is None else store[0].data_ptr(),
+            v_cache=None if store is None else store[1].data_ptr(),
+            num_blocks=k_cache.shape[0],
+            block_size=k_cache.shape[2],
+            threads=torch.get_num_threads(),
+        )
+        if store is not None:
+            return q
+    heads = qkv.view(tokens, -1, head_dim)
+    if lib is None:
+        qk = heads[:, : num_heads + num_kv_heads]
+        c, s = (t[positions].unsqueeze(1).to(qkv.dtype) for t in (cos, sin))
+        qk.copy_(torch.addcmul(qk * c, qk.roll(head_dim // 2, dims=-1), s))
+    kv = num_heads + num_kv_heads
+    write_kv(k_cache, v_cache, heads[:, num_heads:kv], heads[:, kv:], slot_mapping)
+    return q
+
+
+def _int64(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
+def write_kv(k_cache: Cache, v_cache: Cache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Store new K/V ([T, Hkv, D]) at their slots (rotated and quantized for a quantized cache)."""
+    block_size = k_cache.shape[2]
+    if isinstance(k_cache, QuantizedCache):
+        where = None if k_cache.native_writer(k) else SlotWrite.of(slot_mapping, block_size)
+        k_cache.write(rotation.rotate(k), slot_mapping, where)
+        cast(QuantizedCache, v_cache).write(rotation.rotate(v), slot_mapping, where)
+        return
+    # As rows of the cache seen as [num_blocks * Hkv * block_size, D]: index_copy_ is ~200x faster
+    # on CPU than advanced-index assignment (cache[blocks, :, offsets] = k), which took ~12 ms a
+    # call.
+    num_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    heads = torch.arange(num_heads, device=slot_mapping.device)
+    rows = ((blocks[:, None] * num_heads + heads[None, :]) * block_size + offsets[:, None]).reshape(
+        -1
+    )
+    k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
+    v_plain = cast(Tensor, v_cache)
+    v_plain.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_plain.dtype))

@@ -1,0 +1,152 @@
+// The one description of the interface between the C++ kernels and Python: the dtype enum, one
+// parameter struct per kernel, and the exported functions. pagedkv/native_abi.py reads this file
+// to build its ctypes structures and the dtype table, so it keeps to a form a small parser reads:
+//
+//   typedef enum { NAME = value, ... } name;      explicit values, one member per line
+//   typedef struct { type name; ... } name;       one field per line; types: int32_t, int64_t,
+//                                                 float, an enum of this file, or a pointer
+//                                                 (`const`) to void, float, int32_t or int64_t
+//   int pagedkv_K(const pagedkv_K_params* params, char* err, int err_len);
+//                                                 kernel K: 0 when done, else nonzero with a
+//                                                 message in err (err_len bytes, terminated)
+//   type name(args);                              the queries at the end
+//
+// and comments, the include guard and the extern "C" lines; the parser refuses anything else.
+// Every kernel is called as `Library.call("K", field=value, ...)` with every field named. At
+// build time native.py generates from this file a source that exports each struct's size and
+// each field's offset and size as the compiler lays them out (pagedkv_abi_entry); the library is
+// refused at load, in favour of the torch paths, when ctypes lays anything out differently.
+#ifndef PAGEDKV_ABI_H
+#define PAGEDKV_ABI_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Element types; Python maps PAGEDKV_DTYPE_<NAME> to torch.<name>.
+typedef enum {
+  PAGEDKV_DTYPE_FLOAT32 = 0,
+  PAGEDKV_DTYPE_BFLOAT16 = 1,
+  PAGEDKV_DTYPE_FLOAT16 = 2,
+  PAGEDKV_DTYPE_INT8 = 3,            // a quantized KV cache, with float32 scales
+  PAGEDKV_DTYPE_FLOAT8_E4M3FN = 4,   // the same in float8 e4m3fn
+} pagedkv_dtype;
+
+// Paged attention (paged_attention.cpp): every query row attends to its sequence's keys through
+// the block table. Sequence b's queries are its last tokens; query i of qlen_b sits at position
+// seq_lens[b] - qlen_b + i and sees keys at positions up to its own.
+typedef struct {
+  pagedkv_dtype dtype;              // of q and out: FLOAT32, BFLOAT16 or FLOAT16
+  pagedkv_dtype kv_dtype;           // of k and v: dtype itself, or INT8 / FLOAT8_E4M3FN with scales
+  const void* q;                    // [num_tokens, num_q_heads, head_dim], rows q_stride apart
+  const void* k;                    // [num_blocks, num_kv_heads, block_size, head_dim] contiguous
+  const void* v;                    // as k
+  void* out;                        // as q, rows out_stride apart
+  const float* k_scales;            // [num_blocks, num_kv_heads] of a quantized cache, else null
+  const float* v_scales;            // as k_scales
+  const int32_t* query_start_loc;   // [num_seqs + 1]; null: one query per sequence (decode)
+  const int32_t* seq_lens;          // [num_seqs] keys of each sequence
+  const int32_t* block_tables;      // [num_seqs, max_blocks]
+  int64_t num_tokens;
+  int64_t num_seqs;
+  int64_t max_blocks;
+  int64_t num_blocks;
+  int64_t num_q_heads;
+  int64_t num_kv_heads;
+  int64_t block_size;
+  int64_t head_dim;
+  int64_t q_stride;                 // elements between the rows of q
+  int64_t out_stride;               // elements between the rows of out
+  float scale;                      // applied to q . k
+  int32_t threads;
+  // Cascade (decode only; null pre: none): sequence b's first pre[b] blocks are shared with the
+  // other members of its group, group g being group_members[group_start[g] .. group_start[g+1]).
+  const int32_t* pre;               // [num_seqs]
+  const int32_t* group_start;       // [num_groups + 1]
+  const int32_t* group_members;
+  int64_t num_groups;
+} pagedkv_paged_attention_params;
+
+// RMSNorm with the residual add (layer_ops.cpp): residual (when given) = x + residual, then
+// out = weight * normalised (residual or x), rounded where torch rounds.
+typedef struct {
+  pagedkv_dtype dtype;              // of every tensor: FLOAT32, BFLOAT16 or FLOAT16
+  const void* x;                    // [rows, n], rows x_stride apart
+  int64_t x_stride;
+  void* residual;                   // [rows, n] contiguous, updated in place; null: none
+  const void* weight;               // [n]
+  void* out;                        // [rows, n] contiguous
+  int64_t rows;
+  int64_t n;
+  float eps;
+  int32_t threads;
+} pagedkv_rms_norm_params;
+
+// out = silu(gate) * up of a fused gate | up projection (layer_ops.cpp).
+typedef struct {
+  pagedkv_dtype dtype;              // FLOAT32, BFLOAT16 or FLOAT16
+  const void* x;                    // [rows, 2 n], rows x_stride apart: gate | up
+  int64_t x_stride;
+  void* out;                        // [rows, n] contiguous
+  int64_t rows;
+  int64_t n;
+  int32_t threads;
+} pagedkv_silu_mul_params;
+
+// RoPE on the q and k heads of a fused q | k | v projection, in place, then (with slots) the
+// store of the new k and v into a paged cache of the same dtype (layer_ops.cpp).
+typedef struct {
+  pagedkv_dtype dtype;              // of qkv and the caches: FLOAT32, BFLOAT16 or FLOAT16
+  void* qkv;                        // [num_tokens, (num_q_heads + 2 num_kv_heads) head_dim]
+  int64_t num_tokens;
+  int64_t row_stride;               // elements between the rows of qkv
+  int64_t num_q_heads;
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  const int64_t* positions;         // [num_tokens]
+  const float* cos;                 // [max_positions, head_dim]
+  const float* sin;                 // [max_positions, head_dim], rotate_half's sign folded in
+  int64_t max_positions;
+  const int64_t* slots;             // [num_tokens] flat cache slots; null: rotate only
+  void* k_cache;                    // [num_blocks, num_kv_heads, block_size, head_dim]
+  void* v_cache;                    // as k_cache
+  int64_t num_blocks;
+  int64_t block_size;
+  int32_t threads;
+} pagedkv_rope_cache_params;
+
+// New K or V rows quantized into their slots, growing each touched block's scale (kv_quant.cpp).
+typedef struct {
+  pagedkv_dtype dtype;              // of data: INT8 or FLOAT8_E4M3FN
+  const float* x;                   // [num_tokens, num_heads, head_dim], already rotated
+  int64_t num_tokens;
+  int64_t num_heads;
+  int64_t head_dim;
+  const int64_t* slots;             // [num_tokens]
+  void* data;                       // [num_blocks, num_heads, block_size, head_dim]
+  float* scales;                    // [num_blocks, num_heads]
+  int64_t num_blocks;
+  int64_t block_size;
+} pagedkv_quant_write_params;
+
+int pagedkv_paged_attention(const pagedkv_paged_attention_params* params, char* err, int err_len);
+int pagedkv_rms_norm(const pagedkv_rms_norm_params* params, char* err, int err_len);
+int pagedkv_silu_mul(const pagedkv_silu_mul_params* params, char* err, int err_len);
+int pagedkv_rope_cache(const pagedkv_rope_cache_params* params, char* err, int err_len);
+int pagedkv_quant_write(const pagedkv_quant_write_params* params, char* err, int err_len);
+
+// The vector backend the library was built for (vec.h): avx512, avx2, neon or portable.
+const char* pagedkv_isa(void);
+// float32 lanes per vector: 16 with AVX-512, 8 with AVX2 or portable, 4 with NEON.
+int pagedkv_vector_width(void);
+// Entry i of the layout table generated from this file (sizeof / offsetof expressions with
+// their values, and the enum members); null past the last one.
+const char* pagedkv_abi_entry(int64_t i, int64_t* value);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // PAGEDKV_ABI_H

@@ -1,0 +1,128 @@
+"""/v1/chat/completions bodies: assistant messages, tool calls, and chat logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from pagedkv.engine.request import CompletionOutput, RequestOutput, SampleLogprob
+from pagedkv.server import protocol as api
+from pagedkv.server.response_format import MIN_LOGPROB, ResponseFormat, prompt_logprobs_json
+from pagedkv.server.tool_parsers import HermesToolParser, ToolCallStream, final_tool_calls
+
+
+@dataclass
+class ChatFormat(ResponseFormat):
+    parser: HermesToolParser | None = None  # tool calls are read from the output
+    echo: str = ""  # the last message, when the client asked to echo it
+    streams: dict[int, ToolCallStream] = field(default_factory=dict)
+
+    def logprobs(self, items: list[SampleLogprob] | None) -> api.ChatLogprobs | None:
+        if items is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token(token_id)
+            return {
+                "token": text,
+                "logprob": max(logprob, MIN_LOGPROB),
+                "bytes": list(text.encode()),
+            }
+
+        return api.ChatLogprobs(
+            content=[
+                api.ChatTokenLogprob(
+                    **entry(lp.token_id, lp.logprob),
+                    top_logprobs=[api.TopLogprob(**entry(t, v)) for t, v in lp.top.items()],
+                )
+                for lp in items
+            ]
+        )
+
+    def _chunk(
+        self, choices: list[api.ChatChunkChoice], usage: api.Usage | None = None
+    ) -> BaseModel:
+        return api.ChatCompletionChunk(
+            id=self.id, model=self.model, created=self.created, choices=choices, usage=usage
+        )
+
+    def start(self, num_choices: int) -> list[BaseModel]:
+        delta = api.ChatDelta(role="assistant", content=self.echo)
+        return [
+            self._chunk([api.ChatChunkChoice(index=i, delta=delta)]) for i in range(num_choices)
+        ]
+
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        logprobs: list[SampleLogprob] | None,
+        offset: int,
+        o: CompletionOutput,
+        finished: bool,
+    ) -> BaseModel | None:
+        calls = None
+        finish = o.finish_reason if finished else None
+        if self.parser is not None:
+            stream = self.streams.setdefault(index, ToolCallStream(self.parser))
+            text, calls = stream.update(o.text, finished)
+            if stream.calls and finish == "stop":
+                finish = "tool_calls"
+            if not (text or calls or logprobs or finished):
+                return None  # nothing the client can use yet (a tool call still being written)
+        return self._chunk(
+            [
+                api.ChatChunkChoice(
+                    index=index,
+                    delta=api.ChatDelta(content=text or None, tool_calls=calls or None),
+                    logprobs=self.logprobs(logprobs),
+                    finish_reason=finish,
+                )
+            ]
+        )
+
+    def message(self, o: CompletionOutput) -> tuple[api.ChatResponseMessage, str | None]:
+        """The answer's message and finish reason: tool calls, when the output has them."""
+        if self.parser is not None:
+            parsed = self.parser.parse(o.text, final=True)
+            calls = final_tool_calls(parsed)
+            if calls:
+                content = self.echo + parsed.content
+                finish = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
+                message = api.ChatResponseMessage(
+                    content=content if content.strip() else None, tool_calls=calls
+                )
+                return message, finish
+        return api.ChatResponseMessage(content=self.echo + o.text), o.finish_reason
+
+    def response(
+        self,
+        choices: list[tuple[int, CompletionOutput]],
+        usage: api.Usage,
+        finals: list[RequestOutput],
+    ) -> BaseModel:
+        out = []
+        for i, o in choices:
+            message, finish = self.message(o)
+            out.append(
+                api.ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=self.logprobs(o.sample_logprobs),
+                    finish_reason=finish,
+                    stop_reason=o.stop_reason,
+                )
+            )
+        prompt_lps = prompt_logprobs_json(self.token, finals[0].prompt_logprobs)
+        return api.ChatCompletionResponse(
+            id=self.id,
+            model=self.model,
+            created=self.created,
+            usage=usage,
+            choices=out,
+            prompt_logprobs=prompt_lps,
+        )
+
+    def usage_chunk(self, usage: api.Usage) -> BaseModel:
+        return self._chunk([], usage)

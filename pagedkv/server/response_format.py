@@ -1,0 +1,83 @@
+"""What the two generation endpoints share in their response bodies: the format interface,
+token text for logprobs, and vLLM's prompt_logprobs shape."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from pagedkv.engine.request import CompletionOutput, RequestOutput, SampleLogprob
+from pagedkv.server import protocol as api
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def token_decoder(tokenizer, as_ids: bool = False) -> Callable[[int], str]:
+    """One token's text for logprobs; special tokens (an end-of-turn, say) are shown, not dropped.
+
+    With `as_ids` (return_tokens_as_token_ids) it is "token_id:N", as vLLM writes it."""
+    if as_ids:
+        return lambda token_id: f"token_id:{token_id}"
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def prompt_logprobs_json(
+    token: Callable[[int], str], items: list[SampleLogprob | None] | None
+) -> list | None:
+    """vLLM's shape: per prompt token, None (the first) or {id: {logprob, rank, decoded_token}}."""
+    if items is None:
+        return None
+
+    def entry(value: float, rank: int | None, token_id: int) -> dict:
+        return {"logprob": max(value, MIN_LOGPROB), "rank": rank, "decoded_token": token(token_id)}
+
+    out: list[dict | None] = [None]
+    for lp in items[1:]:
+        assert lp is not None  # only the first prompt token has no logprob
+        top = {t: entry(v, r, t) for r, (t, v) in enumerate(lp.top.items(), 1)}
+        top[lp.token_id] = entry(lp.logprob, lp.rank, lp.token_id)
+        out.append(top)
+    return out
+
+
+@dataclass
+class ResponseFormat(ABC):
+    """Turns engine outputs into one endpoint's response objects (completions or chat)."""
+
+    id: str
+    model: str
+    token: Callable[[int], str]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def start(self, num_choices: int) -> list[BaseModel]:
+        """Chunks sent before any token (chat announces the assistant role)."""
+        return []
+
+    @abstractmethod
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        logprobs: list[SampleLogprob] | None,
+        offset: int,
+        o: CompletionOutput,
+        finished: bool,
+    ) -> BaseModel | None:
+        """One stream chunk: choice `index` grew by `text` (which starts at character `offset`)."""
+
+    @abstractmethod
+    def response(
+        self,
+        choices: list[tuple[int, CompletionOutput]],
+        usage: api.Usage,
+        finals: list[RequestOutput],
+    ) -> BaseModel:
+        """The whole non-streamed answer."""
+
+    @abstractmethod
+    def usage_chunk(self, usage: api.Usage) -> BaseModel:
+        """The last stream chunk when stream_options.include_usage is set."""
