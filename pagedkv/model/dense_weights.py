@@ -4,20 +4,20 @@ measured on this CPU with the model's own weights.
 torch's packed CPU kernels (int4 for a GGUF's 4-bit blocks, int8) read a quarter / half of the
 bytes of bfloat16, which wins a step of a few rows (bound by reading the weights: W3 decodes 2x
 faster), but their cost grows row by row, where a dense GEMM blocks for compute: on a 2-core
-AVX-512 BF16 EPYC, the default model's int4 matrices lose to bf16 from about 16-32 rows, the
-int8 lm_head from about 16 (BENCHMARKS.md, "Packed and dense weights"). So each packed weight
-keeps a dense copy of the kernel's own values too, and `PackedWeight.mm` picks the form by the
-matmul's row count. Unpacking the int4 weights on the fly instead would cost about 0.8 s a
-forward on that machine (0.2 s measured in an earlier session), several times a whole batch-64
-decode step (about 45 ms), so the copy is kept: 2 bytes more per weight (the default model holds
-364 MB instead of 95 MB; `--quantization none` 269 MB). It is made at load, before the KV pool
-is sized from the memory then free, and counted in `weight_bytes()` (start-up log, /metrics)
-and by `pagedkv plan`.
+AVX-512 BF16 EPYC the default model's int4 matrices lose to bf16 from 16-24 rows, its int8
+lm_head from 12-16 (BENCHMARKS.md, "Packed and dense weights"). So each packed weight keeps a
+dense copy of the kernel's own values too, and `PackedWeight.mm` picks the form by the matmul's
+row count. Unpacking the weights on the fly instead would cost 280 ms a forward there (2
+threads; 430 ms with 1, `benchmarks/bench_dense_weights.py`), 5-8x the matmuls of a whole
+batch-64 step, so the copy is kept: 2 bytes more per weight (the default model holds 364 MB
+instead of 95 MB; `--quantization none` 269 MB). It is made at load, before the KV pool is
+sized from the memory then free, and counted in `weight_bytes()` (start-up log, /metrics) and
+by `pagedkv plan`.
 
 $PAGEDKV_DENSE_WEIGHTS: `auto` (default) measures the crossover once per CPU, torch build,
-thread count and set of weight shapes (cached as dense_weights.json, calibration_cache.py;
-about a quarter of a second); `0` keeps the packed weights only (least memory); a number N uses
-the copies from N rows up.
+thread count and set of weight shapes (0.3-0.7 s there; cached as dense_weights.json,
+calibration_cache.py: delete it to measure again); `0` keeps the packed weights only (least
+memory); a number N uses the copies from N rows up.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pagedkv.model.quant_linear import ACT_DTYPE, PackedWeight
 log = logging.getLogger("pagedkv")
 
 ENV = "PAGEDKV_DENSE_WEIGHTS"
-ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # row counts timed, until the copy wins twice
+ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512)  # timed until the copy wins twice
 REPEATS = 3  # rounds at least, MAX_ROUNDS at most
 MAX_ROUNDS = 10
 SETTLED = 0.98  # two rounds that lower no sum by 2% end the timing
