@@ -81,15 +81,19 @@ template <typename T> struct DotFor { using type = FloatDot<T>; };
 // ---------------------------------------------------------------------------------------
 
 // Memory. Decode reads each sequence's K/V once, in runs of one block and head (4 KiB of float32
-// with 16-token blocks of 64 dims) scattered through the pool, so one core is bound by how many
-// cache misses it keeps in flight. Measured on one core of this AMD EPYC (sequential read 40
-// GB/s): such runs read one after the other reach 25 GB/s, four at a time 34 GB/s. Hence:
+// with 16-token blocks of 64 dims) scattered through the pool. On one core of this AMD EPYC
+// (benchmarks/read_pattern.cpp: sequential 35 GB/s) a plain read of such runs reaches 21 GB/s
+// one run after the other and 31 GB/s four at a time, where the hardware prefetcher follows
+// four streams. Between the kernel's loads there is arithmetic, so that prefetcher falls
+// behind; what keeps the misses in flight is software prefetch, spread out (a burst of
+// prefetches stalls the core until the misses drain). Hence:
 // - a tile of kTile keys visits its keys as kStripes interleaved runs (four blocks at a time);
-// - the next tile's rows (at an item's last tile, the next item's first) are prefetched a row at
-//   a time while this tile's rows are used: spread like this the misses overlap the arithmetic,
-//   where a burst of them stalls the core (float32 2.6 against 3.1 ms, bf16 1.3 against 2.0).
+// - the next tile's rows (at an item's last tile, the next item's first) are prefetched a few
+//   keys at a time while this tile's rows are used.
+// bench_attention.py --cpu-time, this CPU: float32 3.8 -> 2.6 ms, bfloat16 2.2 -> 1.3 ms a layer.
 constexpr int kTile = 64;       // keys per online-softmax step (a multiple of kStripes * W)
 constexpr int kStripes = 4;
+static_assert(kTile % (kStripes * W) == 0, "whole stripes, whole vectors of scores");
 constexpr int kRowBlock = kRegisters >= 32 ? 4 : 3;  // query rows whose accumulators stay in registers
 constexpr int kMaxRows = 32;    // query rows (tokens x group heads) per item, when G allows
 constexpr int kSplitMin = 128;  // fewest keys worth a split-K part of their own
