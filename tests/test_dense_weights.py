@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from test_model_vs_hf import PagedDriver, Seq
 
 from pagedkv.config import ConfigError
 from pagedkv.model import dense_weights
 from pagedkv.model.loader import load_model
-from pagedkv.model.quant_linear import ACT_DTYPE, Int4Weight, Int8Weight, PackedWeight
+from pagedkv.model.quant_linear import ACT_DTYPE, Int4Weight, Int8Weight, PackedWeight, linear
 from pagedkv.sim.shapes import resolve_shape
 
 FROM = 5  # PAGEDKV_DENSE_WEIGHTS in these tests: the copy from 5 rows up
@@ -28,7 +27,7 @@ PROMPT = "Paged attention keeps the KV cache in blocks. Hello world!"
 
 @pytest.fixture(scope="module")
 def models(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
-    """quantization -> a tiny random-weight model: the HF folder (int8), a Q4_0 GGUF of it (gguf)."""
+    """quantization -> a tiny random-weight model: the HF folder (int8), its Q4_0 GGUF (gguf)."""
     from test_loaders import hf_to_gguf
 
     out = tmp_path_factory.mktemp("q4") / "tiny.Q4_0.gguf"
@@ -53,7 +52,7 @@ def test_few_rows_run_packed_many_rows_dense_and_both_agree(models, quantization
         for rows in (1, FROM - 1, FROM, 3 * FROM):
             x = torch.randn(rows, w.shape[1])
             got, xb = w.mm(x), x.to(ACT_DTYPE)
-            packed, dense = w.packed_mm(xb).float(), F.linear(xb, w.dense).float()
+            packed, dense = w.packed_mm(xb).float(), linear(xb, w.dense).float()
             # the path taken is the one the row count asks for, bit for bit ...
             assert torch.equal(got, dense if rows >= FROM else packed)
             # ... and the other one agrees to bfloat16 rounding (weights and output)

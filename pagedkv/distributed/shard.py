@@ -23,6 +23,7 @@ from torch import Tensor
 
 from pagedkv.config import ConfigError
 from pagedkv.model.llama import DecoderLayer, LlamaForCausalLM, replace_weight
+from pagedkv.model.loader import finish_weights
 from pagedkv.model.quant_linear import Blocks, Int8Weight
 
 Cuttable = Tensor | Int8Weight | Blocks
@@ -162,6 +163,7 @@ def shard_model(
         for i, layer in enumerate(layers):
             _shard_layer(layer, i, split, rank, world)
         model.pack_weights()  # also refreshes every layer's weight references
+        finish_weights(model)
     for layer in layers:
         layer.__dict__["all_reduce"] = all_reduce
     return split

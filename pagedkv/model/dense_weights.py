@@ -28,13 +28,13 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedkv.config import ConfigError, format_size
 from pagedkv.model.calibration_cache import cached, machine_key
 from pagedkv.model.dtype_choice import MIN_BYTES
-from pagedkv.model.quant_linear import ACT_DTYPE, PackedWeight
+from pagedkv.model.prepacked import dense_form
+from pagedkv.model.quant_linear import ACT_DTYPE, PackedWeight, linear
 
 log = logging.getLogger("pagedkv")
 
@@ -115,7 +115,7 @@ def measured_crossover(kind: str, weights: list[PackedWeight]) -> int:
         )
         return entry
 
-    key = machine_key(kind, shapes)
+    key = machine_key(kind, dense_form(), shapes)
     entry = cached("dense_weights.json", key, lambda e: _is_rows(e.get("dense_from")), measure)
     return int(entry["dense_from"])
 
@@ -166,7 +166,7 @@ def _best_pass(weights: list[PackedWeight], xs: dict[int, Tensor]) -> tuple[floa
             assert copy is not None  # (added before timing)
             for form in (0, 1):
                 t0 = time.perf_counter()
-                w.packed_mm(x) if form == 0 else F.linear(x, copy)
+                w.packed_mm(x) if form == 0 else linear(x, copy)
                 if round_:
                     times[form] = min(times[form], time.perf_counter() - t0)
         new = (sum(t[0] for t in best), sum(t[1] for t in best))

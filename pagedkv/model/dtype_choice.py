@@ -19,10 +19,11 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
 
 from pagedkv.model.calibration_cache import cached, machine_key
 from pagedkv.model.config import LlamaConfig
+from pagedkv.model.prepacked import dense_form, prepack
+from pagedkv.model.quant_linear import linear
 
 log = logging.getLogger("pagedkv")
 
@@ -45,15 +46,17 @@ def _time_per_token(shapes: list[tuple[int, int]], dtype: torch.dtype, batch: in
     The best of REPEATS passes."""
     per_layer = sum(o * i for o, i in shapes) * 4
     layers = max(1, math.ceil(MIN_BYTES / per_layer))
-    weights = [
-        torch.empty(s, dtype=dtype).uniform_(-0.05, 0.05) for _ in range(layers) for s in shapes
+    weights = [  # in the form the model multiplies by (bfloat16 prepacked where it can be)
+        prepack(torch.empty(s, dtype=dtype).uniform_(-0.05, 0.05))
+        for _ in range(layers)
+        for s in shapes
     ]
     inputs = {i: torch.randn(batch, i).to(dtype) for _, i in shapes}
     best = math.inf
     for _ in range(REPEATS + 1):  # the first pass warms up the matmul library
         t0 = time.perf_counter()
         for w in weights:
-            F.linear(inputs[w.shape[1]], w)
+            linear(inputs[w.shape[1]], w)
         best = min(best, time.perf_counter() - t0)
     return best / batch
 
@@ -91,7 +94,7 @@ def choose_cpu_dtype(cfg: LlamaConfig) -> torch.dtype:
 
     entry = cached(
         "dtype.json",
-        machine_key(shapes),
+        machine_key(dense_form(), shapes),
         lambda e: e.get("dtype") in ("float32", "bfloat16"),
         measured,
     )

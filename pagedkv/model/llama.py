@@ -26,10 +26,12 @@ from pagedkv.attention.store import rope_and_store
 from pagedkv.config import QUANTIZATIONS, ConfigError
 from pagedkv.model import ops
 from pagedkv.model.config import LlamaConfig
+from pagedkv.model.prepacked import PrepackedWeight, prepack
 from pagedkv.model.quant_linear import (
     Blocks,
     Int8Weight,
     QuantWeight,
+    Weight,
     embed,
     gguf_weight,
     linear,
@@ -101,11 +103,11 @@ class DecoderLayer(nn.Module):
     # set by refresh_weights in __dict__ (declared for mypy): norm1, qkv, o, norm2, gate_up, down
     _weights: tuple[
         Tensor,
-        Tensor | QuantWeight,
-        Tensor | QuantWeight,
+        Weight,
+        Weight,
         Tensor,
-        Tensor | QuantWeight,
-        Tensor | QuantWeight,
+        Weight,
+        Weight,
     ]
     all_reduce: Callable[[Tensor], None] | None
 
@@ -352,6 +354,19 @@ class LlamaForCausalLM(nn.Module):
         for decoder in self.layers:
             cast(DecoderLayer, decoder).refresh_weights()
 
+    def prepack_weights(self) -> None:
+        """Plain bfloat16 matmul weights to oneDNN's blocked layout (prepacked.py). A tied lm_head
+        gets a prepacked copy of its own: the embedding stays plain for lookups."""
+        for owner in (self, *self.layers):
+            for name in MATMUL_WEIGHTS:
+                w = getattr(owner, name, None)
+                if name != "embed_tokens" and isinstance(w, Tensor):
+                    packed = prepack(w.detach())
+                    if isinstance(packed, PrepackedWeight):
+                        replace_weight(owner, name, packed)
+        for decoder in self.layers:
+            cast(DecoderLayer, decoder).refresh_weights()
+
     @staticmethod
     def _copy(param: nn.Parameter, tensor: Tensor, name: str) -> None:
         if tuple(param.shape) != tuple(tensor.shape):
@@ -362,7 +377,7 @@ class LlamaForCausalLM(nn.Module):
             param.copy_(tensor)
 
 
-def replace_weight(owner: nn.Module, name: str, weight: Tensor | QuantWeight | Blocks) -> None:
+def replace_weight(owner: nn.Module, name: str, weight: Weight | Blocks) -> None:
     """Swap a weight for another object: a tensor as a frozen parameter, anything else as a plain
     attribute (nn.Module refuses a non-Parameter in a parameter's slot)."""
     owner._parameters.pop(name, None)

@@ -117,6 +117,14 @@ def read_checkpoint(path: str | Path | None, keep_blocks: bool = False) -> tuple
     return load_gguf(p, keep_blocks), p.stem
 
 
+def finish_weights(model: LlamaForCausalLM) -> None:
+    """The matmul forms of packed weights (dense copies, where they pay) and of plain bfloat16
+    ones (prepacked), once every weight is in its final place: before the KV pool is sized from
+    the memory left, after tensor parallelism cut them."""
+    add_dense_copies(model)
+    model.prepack_weights()
+
+
 def load_model(
     path: str | Path | None,
     dtype: torch.dtype | str,
@@ -134,8 +142,8 @@ def load_model(
         model = LlamaForCausalLM(ckpt.config, dtype, quantization, pack)
     model.load_weights(ckpt.weights)
     model.eval()
-    if quantization != "none":
-        add_dense_copies(model)  # before the KV pool is sized from the memory left
+    if pack:
+        finish_weights(model)
     # quantized weights give other K/V: a persistent KV tier must not mix them up
     key = fingerprint(ckpt.files) + ("" if quantization == "none" else f":{quantization}")
     return LoadedModel(

@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from torch import Tensor
 
+from pagedkv.model.prepacked import PrepackedWeight, prepack
+
 ACT_DTYPE = torch.bfloat16  # what the packed kernels take and return
 INT4_GROUPS = (32, 64, 128)  # group sizes aten's int4 CPU kernel accepts
 _BLOCK_N = 64  # the rows of a block in aten's int4 layout, at most (_int4_layout)
@@ -52,7 +54,7 @@ class PackedWeight:
     """
 
     shape: tuple[int, int]  # (N, K)
-    dense: Tensor | None = None  # ACT_DTYPE [N, K]
+    dense: Tensor | PrepackedWeight | None = None  # ACT_DTYPE [N, K], prepacked where it can be
     dense_from: int = 1  # rows
 
     def mm(self, x: Tensor) -> Tensor:
@@ -60,8 +62,8 @@ class PackedWeight:
         dense = self.dense
         if dense is not None and x.numel() >= self.dense_from * k:  # (few torch calls: a step
             if x.dtype == ACT_DTYPE:  # makes 121 of them)
-                return F.linear(x, dense)
-            return F.linear(x.to(ACT_DTYPE), dense).to(x.dtype)
+                return linear(x, dense)
+            return linear(x.to(ACT_DTYPE), dense).to(x.dtype)
         y = self.packed_mm(x.reshape(-1, k).to(ACT_DTYPE).contiguous())
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
@@ -74,13 +76,14 @@ class PackedWeight:
         raise NotImplementedError
 
     def add_dense_copy(self) -> None:
-        self.dense = self.dequantize().to(ACT_DTYPE).contiguous()
+        self.dense = prepack(self.dequantize().to(ACT_DTYPE).contiguous())
 
     def part(self, start: int, stop: int) -> PackedWeight:
         """Output rows start:stop (multiples of 64) as a weight of their own, on the same
         storage, copy included: a big matrix timed in short calls (dense_weights.py)."""
         part = self._rows(start, stop)
-        part.dense = None if self.dense is None else self.dense[start:stop]
+        if self.dense is not None:  # (a prepacked copy cannot be cut: the part makes its own)
+            part.add_dense_copy()
         part.dense_from = self.dense_from
         return part
 
@@ -198,10 +201,11 @@ class Int8Weight(PackedWeight):
 
 
 QuantWeight = Int4Weight | Int8Weight  # (PackedWeight's two kinds)
+Weight = Tensor | QuantWeight | PrepackedWeight  # what a matmul of the model multiplies by
 
 
-def linear(x: Tensor, w: Tensor | QuantWeight) -> Tensor:
-    """x @ w.T for a plain or a quantized weight."""
+def linear(x: Tensor, w: Weight) -> Tensor:
+    """x @ w.T for a plain, prepacked or quantized weight."""
     return F.linear(x, w) if isinstance(w, Tensor) else w.mm(x)
 
 
@@ -211,7 +215,7 @@ def embed(ids: Tensor, w: Tensor | QuantWeight, dtype: torch.dtype) -> Tensor:
     return w.rows(ids.flatten(), dtype).view(*ids.shape, w.shape[1])
 
 
-def weight_nbytes(w: Tensor | QuantWeight) -> int:
+def weight_nbytes(w: Weight) -> int:
     return w.nbytes if not isinstance(w, Tensor) else w.numel() * w.element_size()
 
 

@@ -139,16 +139,23 @@ def shape_from_config(folder: Path) -> ModelShape:
 
 def gguf_resident_bytes(reader, quantization: str) -> int:
     """Bytes the weights take once loaded under --quantization (bfloat16 for dequantized ones;
-    packed ones with their dense copy unless PAGEDKV_DENSE_WEIGHTS=0)."""
+    packed ones with their dense copy unless PAGEDKV_DENSE_WEIGHTS=0; a tied lm_head over a plain
+    embedding with its prepacked copy, model/prepacked.py)."""
     from pagedkv.model.dense_weights import keeps_copies
+    from pagedkv.model.prepacked import supported
     from pagedkv.model.quant_linear import resident_bytes
 
     total, dense = 0, keeps_copies()
+    names = {t.name for t in reader.tensors}
     for t in reader.tensors:
         dims = [int(n) for n in t.shape.tolist()]
         shape = (dims[1], dims[0]) if len(dims) == 2 else (1, int(t.n_elements))
         vocab = t.name in ("token_embd.weight", "output.weight")
-        total += resident_bytes(t.tensor_type, shape, quantization, 2, vocab, dense)
+        held = resident_bytes(t.tensor_type, shape, quantization, 2, vocab, dense)
+        plain = held == shape[0] * shape[1] * 2
+        if t.name == "token_embd.weight" and "output.weight" not in names and plain and supported():
+            held *= 2
+        total += held
     return total
 
 
