@@ -12,8 +12,8 @@ import gc
 import time
 from dataclasses import dataclass, field
 
-from pagedkv.bench.metrics import CpuMeter, rss_mb, summarize
-from pagedkv.bench.result import RunResult, rate
+from pagedkv.bench.metrics import CpuMeter, rss_mb
+from pagedkv.bench.result import RunResult, measured_result
 from pagedkv.bench.workloads import Workload, token_range
 from pagedkv.config import EngineConfig
 
@@ -134,29 +134,21 @@ def run_offline(
     outputs, wall, timeline = run.outputs, run.wall_s, run.timeline
     out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
-    queries = kv1.prefix_queries - kv0.prefix_queries
-    lat = latencies(outputs)
-    return RunResult(
+    return measured_result(
         label=label,
         mode="offline",
-        workload=workload.key,
+        workload=workload,
         options=options,
+        prefix_hits=kv1.prefix_hits - kv0.prefix_hits,
+        prefix_queries=kv1.prefix_queries - kv0.prefix_queries,
         requests=len(outputs),
-        prompt_tokens=workload.prompt_tokens,
         output_tokens=out_tokens,
-        wall_s=round(wall, 4),
-        output_tok_s=rate(out_tokens, wall),
-        total_tok_s=rate(workload.prompt_tokens + out_tokens, wall),
-        requests_per_s=rate(len(outputs), wall),
-        ttft=summarize(lat["ttft"]),
-        itl=summarize(lat["itl"]),
-        e2e=summarize(lat["e2e"]),
+        cached_tokens=cached,
+        wall=wall,
+        latencies=latencies(outputs),
         peak_running=max(timeline.running),
         kv_util_mean=timeline.util_mean(),
         kv_usage_peak=max(timeline.kv_usage),
-        prefix_hit_rate=round((kv1.prefix_hits - kv0.prefix_hits) / queries, 4) if queries else 0.0,
-        cached_tokens=cached,
-        prompt_tokens_computed=workload.prompt_tokens - cached,
         preemptions=engine.scheduler.num_preemptions - pre0,
         peak_rss_mb=round(timeline.rss_peak, 1),
         other_load=run.other_load,
@@ -168,7 +160,6 @@ def run_offline(
             "max_model_len": engine.max_model_len,
         },
         timeline=timeline.series(),
-        latencies={k: [round(x, 5) for x in v] for k, v in lat.items()},
     )
 
 

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedkv.bench.metrics import CpuMeter, summarize
-from pagedkv.bench.result import RunResult, rate
+from pagedkv.bench.metrics import CpuMeter
+from pagedkv.bench.result import RunResult, measured_result
 from pagedkv.bench.workloads import BenchRequest, Workload, token_range
 from pagedkv.config import ConfigError
 
@@ -321,43 +321,31 @@ def records_result(
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    queries = delta("prefix_cache_queries_total")
     errors = [r.error for r in records if r.error]
-    return RunResult(
+    return measured_result(
         label=label,
         mode="online",
-        workload=workload.key,
+        workload=workload,
         options=options,
+        prefix_hits=delta("prefix_cache_hits_total"),
+        prefix_queries=delta("prefix_cache_queries_total"),
         requests=len(ok),
-        prompt_tokens=workload.prompt_tokens,
         output_tokens=out_tokens,
-        wall_s=round(wall, 4),
-        output_tok_s=rate(out_tokens, wall),
-        total_tok_s=rate(workload.prompt_tokens + out_tokens, wall),
-        requests_per_s=rate(len(ok), wall),
-        ttft=summarize(ttft),
-        itl=summarize(itl),
-        e2e=summarize(e2e),
+        cached_tokens=cached,
+        wall=wall,
+        latencies={"ttft": ttft, "itl": itl, "e2e": e2e},
         peak_running=max(series["running"], default=None),
         kv_util_mean=_mean([u for u in series["kv_util"] if u is not None]),
         kv_usage_peak=max(series["kv_usage"], default=None),
-        prefix_hit_rate=round(delta("prefix_cache_hits_total") / queries, 4) if queries else 0.0,
-        cached_tokens=cached,
-        prompt_tokens_computed=workload.prompt_tokens - cached,
         preemptions=int(delta("num_preemptions_total")),
         errors=len(errors),
         extra={**extra, **({"first_error": errors[0]} if errors else {})},
         timeline=series,
-        latencies={"ttft": _r(ttft), "itl": _r(itl), "e2e": _r(e2e)},
     )
 
 
 def _mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 5) if values else None
-
-
-def _r(values: list[float]) -> list[float]:
-    return [round(v, 5) for v in values]
 
 
 def run_online(

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from pagedkv.bench.metrics import summarize
+from pagedkv.bench.workloads import Workload
+
 
 @dataclass
 class RunResult:
@@ -54,3 +57,45 @@ class RunResult:
 
 def rate(count: float, seconds: float) -> float:
     return round(count / seconds, 2) if seconds > 0 else 0.0
+
+
+def measured_result(
+    *,
+    label: str,
+    mode: str,
+    workload: Workload,
+    options: dict,
+    prefix_hits: float,
+    prefix_queries: float,
+    requests: int,
+    output_tokens: int,
+    cached_tokens: int,
+    wall: float,
+    latencies: dict[str, list[float]],
+    **mode_fields,
+) -> RunResult:
+    """A RunResult from what offline and online runs both measure; `mode_fields` are the rest.
+
+    `latencies` holds raw seconds under "ttft", "itl" and "e2e"."""
+    prompt_tokens = workload.prompt_tokens
+    return RunResult(
+        label=label,
+        mode=mode,
+        workload=workload.key,
+        options=options,
+        requests=requests,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        wall_s=round(wall, 4),
+        output_tok_s=rate(output_tokens, wall),
+        total_tok_s=rate(prompt_tokens + output_tokens, wall),
+        requests_per_s=rate(requests, wall),
+        ttft=summarize(latencies["ttft"]),
+        itl=summarize(latencies["itl"]),
+        e2e=summarize(latencies["e2e"]),
+        prefix_hit_rate=round(prefix_hits / prefix_queries, 4) if prefix_queries else 0.0,
+        cached_tokens=cached_tokens,
+        prompt_tokens_computed=prompt_tokens - cached_tokens,
+        latencies={k: [round(x, 5) for x in v] for k, v in latencies.items()},
+        **mode_fields,
+    )

@@ -22,7 +22,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from pagedkv.config import ConfigError, EngineConfig
-from pagedkv.engine.llm_engine import EngineStats, LLMEngine
+from pagedkv.engine.engine_stats import EngineStats
+from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.request import RequestOutput, SamplingParams
 
 log = logging.getLogger("pagedkv")

@@ -9,44 +9,28 @@ others in its batch go on as if it had finished.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass
 
 import torch
 
-from pagedkv.config import ConfigError, EngineConfig, format_size
+from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine import prompt_logprobs
+from pagedkv.engine.admission import tokenize, validate_request
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
+from pagedkv.engine.engine_stats import EngineStats, engine_stats
 from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.isolation import Failures, IsolatedForward, device_broken
 from pagedkv.engine.logits_processors import bad_words_token_ids
 from pagedkv.engine.options import apply_engine_options
-from pagedkv.engine.request import (
-    ParamError,
-    RequestOutput,
-    SampleLogprob,
-    SamplingParams,
-    shown,
-    valid_text,
-)
+from pagedkv.engine.request import RequestOutput, SampleLogprob, SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler
 from pagedkv.engine.sequence import Sequence, SequenceGroup
-from pagedkv.engine.setup import (
-    block_hash_key,
-    build_kv_storage,
-    build_offload,
-    keep_freed_memory,
-    load_rank_model,
-    pick_device,
-)
+from pagedkv.engine.setup import build_engine_kv, keep_freed_memory, load_engine_model, pick_device
 from pagedkv.engine.spec_decode import NgramProposer, SpecDecodeStats
 from pagedkv.engine.step_stats import StepTokens
 from pagedkv.engine.structured import StructuredOutputs
-from pagedkv.kv.manager import KVCacheManager
-from pagedkv.kv.plan import OffloadTiers
 
 log = logging.getLogger("pagedkv")
 
@@ -54,32 +38,6 @@ log = logging.getLogger("pagedkv")
 Drawn = tuple[Sequence, int, SampleLogprob | None, bool]
 
 DEFAULT_MAX_BATCHED_TOKENS = 2048
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_usage: float
-    token_utilization: float
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    block_size: int
-    token_capacity: int
-    prefix_queries: int
-    prefix_hits: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    offload_hits: int  # prompt tokens loaded back from the host / disk tiers
-    offload_saved_blocks: int  # evicted device blocks kept in a tier
-    offload_disk_writes_dropped: int = 0  # blocks the disk tier's full write queue turned away
-    spec_num_drafts: int = 0  # speculative decoding (spec_decode.py): steps that drafted,
-    spec_num_draft_tokens: int = 0  # tokens drafted,
-    spec_num_accepted_tokens: int = 0  # and drafts accepted
-    model_weight_bytes: int = 0  # resident weights (after --quantization)
 
 
 class LLMEngine:
@@ -95,7 +53,7 @@ class LLMEngine:
         self.device = pick_device()
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.loaded, num_kv_heads = self._load_model(config, loaded)
+        self.loaded, num_kv_heads = load_engine_model(config, self.device, loaded)
         self.weight_bytes = self.loaded.model.weight_bytes()
         self.tokenizer = self.loaded.tokenizer
         apply_engine_options(self, config)  # seed, chat template, generation defaults
@@ -104,7 +62,8 @@ class LLMEngine:
         self.max_model_len: int = min(
             config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len
         )
-        host = self._build_kv(config, num_kv_heads)
+        kv = build_engine_kv(config, self.loaded, num_kv_heads, self.device, self.max_model_len)
+        self.tp, self.storage, self.offload, self.kv = kv.tp, kv.storage, kv.offload, kv.manager
         proposer = NgramProposer(config.speculative_config) if config.speculative_config else None
         self.spec_stats = SpecDecodeStats()
         self.scheduler = Scheduler(
@@ -115,7 +74,7 @@ class LLMEngine:
             proposer=proposer,
         )
         self.runner = ModelRunner(
-            self.loaded.model, self.storage, host, self.device, self.kv, self.offload, self.tp
+            self.loaded.model, self.storage, kv.host, self.device, self.kv, self.offload, self.tp
         )
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, self.structured)
@@ -127,122 +86,13 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
-    def _load_model(self, config: EngineConfig, loaded=None):
-        """Rank 0's weights (its -tp shard, as --quantization asks), tokenizer and model config;
-        and the KV heads this rank holds."""
-        t0 = time.monotonic()
-        loaded, num_kv_heads = load_rank_model(config, self.device, 0, loaded)
-        log.info(
-            "loaded %s in %.1fs: weights %s (quantization %s)",
-            loaded.name,
-            time.monotonic() - t0,
-            format_size(loaded.model.weight_bytes()),
-            loaded.quantization,
-        )
-        return loaded, num_kv_heads
-
-    def _build_kv(self, config: EngineConfig, num_kv_heads: int):
-        """The KV pool (this rank's heads), its offload tiers and the block manager.
-
-        Returns the host storage that swap preemption moves blocks to (None without swap)."""
-        mc = self.loaded.config
-        dtype = self.loaded.model.dtype  # 'auto' was resolved for this model and device
-        self.tp = None
-        if config.tensor_parallel_size > 1:
-            from pagedkv.distributed.group import TensorParallelGroup
-
-            self.tp = TensorParallelGroup(config, dtype, self.device)
-        self.storage, swap, bytes_per_block = build_kv_storage(
-            config, mc, num_kv_heads, dtype, self.device
-        )
-        num_blocks = self.storage.num_blocks
-        hash_extra = block_hash_key(config, self.loaded)
-        # swap borrows the host tier's slots when there is one (then `swap` is None)
-        self.offload, host = build_offload(config, self.storage, swap, hash_extra)
-        tiers: OffloadTiers | None = self.offload
-        if self.tp is not None and self.offload is not None:
-            from pagedkv.distributed.tiers import TensorParallelTiers
-
-            tiers = TensorParallelTiers(self.offload, self.tp)
-        self.kv = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            num_host_blocks=swap.num_blocks if swap is not None else 0,
-            enable_prefix_caching=config.enable_prefix_caching,
-            allocation_policy=config.allocation_policy,
-            max_model_len=self.max_model_len,
-            hash_extra=hash_extra,
-            offload=tiers,
-        )
-        log.info(
-            "KV pool: %d blocks of %d tokens (%s, %d tokens), max_model_len %d",
-            num_blocks,
-            config.block_size,
-            format_size(num_blocks * bytes_per_block),
-            num_blocks * config.block_size,
-            self.max_model_len,
-        )
-        return host
-
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            if not valid_text(prompt):
-                raise ParamError(
-                    "prompt", "prompt must be valid Unicode text (it holds a lone surrogate)"
-                )
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        if not isinstance(prompt, (list, tuple)):
-            raise ParamError(
-                "prompt",
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
-            )
-        return list(prompt)
+        return tokenize(self.tokenizer, prompt, add_special_tokens)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Reject what can never run, with the reason; returns max_tokens resolved."""
-        params.validate(self.vocab_size)  # again: offline callers may have changed fields since
-        n_prompt = len(prompt_ids)
-        if n_prompt == 0:
-            raise ParamError("prompt", "the prompt is empty")
-        bad = [t for t in prompt_ids if type(t) is not int or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ParamError(
-                "prompt",
-                f"token id {shown(bad[0])} is outside the vocabulary [0, {self.vocab_size})",
-            )
-        if params.structured_outputs is not None:
-            self.structured.compile(params.structured_outputs)  # cached: the server compiled it
-        if n_prompt >= self.max_model_len:
-            raise ParamError(
-                "prompt",
-                f"the prompt has {n_prompt} tokens, but max_model_len is "
-                f"{self.max_model_len}: no room is left for output",
-            )
-        max_tokens = (
-            params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
-        )
-        if n_prompt + max_tokens > self.max_model_len:
-            raise ParamError(
-                "max_tokens",
-                f"max_tokens={max_tokens} plus the prompt's {n_prompt} "
-                f"tokens exceeds max_model_len={self.max_model_len}",
-            )
-        if params.n > self.config.max_num_seqs:
-            raise ParamError("n", f"n={params.n} exceeds --max-num-seqs={self.config.max_num_seqs}")
-        bs = self.config.block_size
-        need = math.ceil(n_prompt / bs) + params.n * math.ceil((max_tokens + 1) / bs)
-        if not self.kv.can_fit(n_prompt + max_tokens) or (
-            params.n > 1 and need > self.kv.num_blocks
-        ):
-            cap = self.kv.num_blocks * bs
-            raise ParamError(
-                "max_tokens",
-                f"the request needs KV for {n_prompt} prompt + {max_tokens} "
-                f"output tokens x n={params.n}, more than the KV pool holds "
-                f"({cap} tokens); lower max_tokens or n, or give the pool more memory",
-            )
-        return max_tokens
+        return validate_request(self, prompt_ids, params)
 
     def add_request(
         self,
@@ -503,32 +353,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
-        s = self.kv.stats()
-        sch = self.scheduler
-        return EngineStats(
-            num_running=len(sch.running),
-            num_waiting=len(sch.waiting),
-            num_swapped=len(sch.swapped),
-            kv_usage=s.usage,
-            token_utilization=s.token_utilization,
-            num_blocks=s.num_blocks,
-            num_free_blocks=s.free,
-            num_cached_blocks=s.cached,
-            block_size=self.kv.block_size,
-            token_capacity=s.num_blocks * self.kv.block_size,
-            prefix_queries=s.prefix_queries,
-            prefix_hits=s.prefix_hits,
-            num_preemptions=sch.num_preemptions,
-            prompt_tokens=self.prompt_tokens_total,
-            generation_tokens=self.generation_tokens_total,
-            offload_hits=s.offload_hits,
-            offload_saved_blocks=self.offload.stats().saved if self.offload else 0,
-            offload_disk_writes_dropped=self.offload.stats().writes_dropped if self.offload else 0,
-            spec_num_drafts=self.spec_stats.num_drafts,
-            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
-            model_weight_bytes=self.weight_bytes,
-        )
+        return engine_stats(self)
 
     def kv_snapshot(self) -> dict:
         return self.kv.snapshot()

@@ -5,14 +5,22 @@ theirs with the same functions, in the same order, so their pools match block fo
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedkv.config import ConfigError, EngineConfig, format_size
 from pagedkv.engine.runner import ModelRunner
+from pagedkv.kv.manager import KVCacheManager
+from pagedkv.kv.plan import OffloadTiers
 from pagedkv.kvstore.offload import KVOffload
 from pagedkv.kvstore.storage import KVStorage
 from pagedkv.model.loader import LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from pagedkv.distributed.group import TensorParallelGroup
 
 log = logging.getLogger("pagedkv")
 
@@ -153,3 +161,78 @@ def build_worker_runner(config: EngineConfig, rank: int, device: torch.device) -
     )
     offload, host = build_offload(config, storage, swap, block_hash_key(config, loaded), rank)
     return ModelRunner(loaded.model, storage, host, device, offload=offload)
+
+
+def load_engine_model(
+    config: EngineConfig, device: torch.device, loaded: LoadedModel | None = None
+) -> tuple[LoadedModel, int]:
+    """Rank 0's weights (its -tp shard, as --quantization asks), tokenizer and model config;
+    and the KV heads this rank holds."""
+    t0 = time.monotonic()
+    loaded, num_kv_heads = load_rank_model(config, device, 0, loaded)
+    log.info(
+        "loaded %s in %.1fs: weights %s (quantization %s)",
+        loaded.name,
+        time.monotonic() - t0,
+        format_size(loaded.model.weight_bytes()),
+        loaded.quantization,
+    )
+    return loaded, num_kv_heads
+
+
+@dataclass
+class EngineKV:
+    """Rank 0's KV side, as build_engine_kv makes it."""
+
+    tp: TensorParallelGroup | None  # the -tp N workers (started first: they build in this order)
+    storage: KVStorage  # the pool: this rank's heads
+    offload: KVOffload | None
+    manager: KVCacheManager
+    host: KVStorage | None  # where swap preemption moves blocks (None without swap)
+
+
+def build_engine_kv(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    num_kv_heads: int,
+    device: torch.device,
+    max_model_len: int,
+) -> EngineKV:
+    """The KV pool (this rank's heads), its offload tiers and the block manager."""
+    dtype = loaded.model.dtype  # 'auto' was resolved for this model and device
+    tp = None
+    if config.tensor_parallel_size > 1:
+        from pagedkv.distributed.group import TensorParallelGroup
+
+        tp = TensorParallelGroup(config, dtype, device)
+    storage, swap, bytes_per_block = build_kv_storage(
+        config, loaded.config, num_kv_heads, dtype, device
+    )
+    num_blocks = storage.num_blocks
+    hash_extra = block_hash_key(config, loaded)
+    # swap borrows the host tier's slots when there is one (then `swap` is None)
+    offload, host = build_offload(config, storage, swap, hash_extra)
+    tiers: OffloadTiers | None = offload
+    if tp is not None and offload is not None:
+        from pagedkv.distributed.tiers import TensorParallelTiers
+
+        tiers = TensorParallelTiers(offload, tp)
+    manager = KVCacheManager(
+        num_blocks,
+        config.block_size,
+        num_host_blocks=swap.num_blocks if swap is not None else 0,
+        enable_prefix_caching=config.enable_prefix_caching,
+        allocation_policy=config.allocation_policy,
+        max_model_len=max_model_len,
+        hash_extra=hash_extra,
+        offload=tiers,
+    )
+    log.info(
+        "KV pool: %d blocks of %d tokens (%s, %d tokens), max_model_len %d",
+        num_blocks,
+        config.block_size,
+        format_size(num_blocks * bytes_per_block),
+        num_blocks * config.block_size,
+        max_model_len,
+    )
+    return EngineKV(tp, storage, offload, manager, host)

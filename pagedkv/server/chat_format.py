@@ -8,7 +8,13 @@ from pydantic import BaseModel
 
 from pagedkv.engine.request import CompletionOutput, RequestOutput, SampleLogprob
 from pagedkv.server import protocol as api
-from pagedkv.server.response_format import MIN_LOGPROB, ResponseFormat, prompt_logprobs_json
+from pagedkv.server.response_format import (
+    MIN_LOGPROB,
+    Delta,
+    ResponseFormat,
+    prompt_logprobs_json,
+    usage_of,
+)
 from pagedkv.server.tool_parsers import HermesToolParser, ToolCallStream, final_tool_calls
 
 
@@ -53,30 +59,22 @@ class ChatFormat(ResponseFormat):
             self._chunk([api.ChatChunkChoice(index=i, delta=delta)]) for i in range(num_choices)
         ]
 
-    def chunk(
-        self,
-        index: int,
-        text: str,
-        logprobs: list[SampleLogprob] | None,
-        offset: int,
-        o: CompletionOutput,
-        finished: bool,
-    ) -> BaseModel | None:
-        calls = None
-        finish = o.finish_reason if finished else None
+    def chunk(self, d: Delta) -> BaseModel | None:
+        text, calls = d.text, None
+        finish = d.output.finish_reason if d.finished else None
         if self.parser is not None:
-            stream = self.streams.setdefault(index, ToolCallStream(self.parser))
-            text, calls = stream.update(o.text, finished)
+            stream = self.streams.setdefault(d.index, ToolCallStream(self.parser))
+            text, calls = stream.update(d.output.text, d.finished)
             if stream.calls and finish == "stop":
                 finish = "tool_calls"
-            if not (text or calls or logprobs or finished):
+            if not (text or calls or d.logprobs or d.finished):
                 return None  # nothing the client can use yet (a tool call still being written)
         return self._chunk(
             [
                 api.ChatChunkChoice(
-                    index=index,
+                    index=d.index,
                     delta=api.ChatDelta(content=text or None, tool_calls=calls or None),
-                    logprobs=self.logprobs(logprobs),
+                    logprobs=self.logprobs(d.logprobs),
                     finish_reason=finish,
                 )
             ]
@@ -96,32 +94,27 @@ class ChatFormat(ResponseFormat):
                 return message, finish
         return api.ChatResponseMessage(content=self.echo + o.text), o.finish_reason
 
-    def response(
-        self,
-        choices: list[tuple[int, CompletionOutput]],
-        usage: api.Usage,
-        finals: list[RequestOutput],
-    ) -> BaseModel:
+    def response(self, finals: list[RequestOutput]) -> BaseModel:
+        final = finals[0]  # a chat request is one prompt: its choices keep their own index
         out = []
-        for i, o in choices:
+        for o in final.outputs:
             message, finish = self.message(o)
             out.append(
                 api.ChatChoice(
-                    index=i,
+                    index=o.index,
                     message=message,
                     logprobs=self.logprobs(o.sample_logprobs),
                     finish_reason=finish,
                     stop_reason=o.stop_reason,
                 )
             )
-        prompt_lps = prompt_logprobs_json(self.token, finals[0].prompt_logprobs)
         return api.ChatCompletionResponse(
             id=self.id,
             model=self.model,
             created=self.created,
-            usage=usage,
+            usage=usage_of(finals),
             choices=out,
-            prompt_logprobs=prompt_lps,
+            prompt_logprobs=prompt_logprobs_json(self.token, final.prompt_logprobs),
         )
 
     def usage_chunk(self, usage: api.Usage) -> BaseModel:

@@ -10,7 +10,14 @@ from pydantic import BaseModel
 
 from pagedkv.engine.request import CompletionOutput, RequestOutput, SampleLogprob
 from pagedkv.server import protocol as api
-from pagedkv.server.response_format import MIN_LOGPROB, ResponseFormat, prompt_logprobs_json
+from pagedkv.server.response_format import (
+    MIN_LOGPROB,
+    Delta,
+    ResponseFormat,
+    numbered_choices,
+    prompt_logprobs_json,
+    usage_of,
+)
 
 
 @dataclass
@@ -70,42 +77,32 @@ class CompletionFormat(ResponseFormat):
             prompt_logprobs=prompt_logprobs_json(self.token, prompt.prompt_logprobs),
         )
 
-    def chunk(
-        self,
-        index: int,
-        text: str,
-        logprobs: list[SampleLogprob] | None,
-        offset: int,
-        o: CompletionOutput,
-        finished: bool,
-    ) -> BaseModel:
+    def chunk(self, d: Delta) -> BaseModel:
+        o = d.output
         return api.CompletionResponse(
             id=self.id,
             model=self.model,
             created=self.created,
             choices=[
                 api.CompletionChoice(
-                    index=index,
-                    text=text,
-                    logprobs=self.logprobs(logprobs, offset),
-                    finish_reason=o.finish_reason if finished else None,
-                    stop_reason=o.stop_reason if finished else None,
+                    index=d.index,
+                    text=d.text,
+                    logprobs=self.logprobs(d.logprobs, d.offset),
+                    finish_reason=o.finish_reason if d.finished else None,
+                    stop_reason=o.stop_reason if d.finished else None,
                 )
             ],
         )
 
-    def response(
-        self,
-        choices: list[tuple[int, CompletionOutput]],
-        usage: api.Usage,
-        finals: list[RequestOutput],
-    ) -> BaseModel:
+    def response(self, finals: list[RequestOutput]) -> BaseModel:
         return api.CompletionResponse(
             id=self.id,
             model=self.model,
             created=self.created,
-            usage=usage,
-            choices=[self._choice(i, o, finals[i // self.n]) for i, o in choices],
+            usage=usage_of(finals),
+            choices=[
+                self._choice(i, o, finals[i // self.n]) for i, o in numbered_choices(finals, self.n)
+            ],
         )
 
     def usage_chunk(self, usage: api.Usage) -> BaseModel:

@@ -1,5 +1,5 @@
 """What the two generation endpoints share in their response bodies: the format interface,
-token text for logprobs, and vLLM's prompt_logprobs shape."""
+token text for logprobs, choice numbering, usage, and vLLM's prompt_logprobs shape."""
 
 from __future__ import annotations
 
@@ -44,6 +44,35 @@ def prompt_logprobs_json(
     return out
 
 
+def numbered_choices(finals: list[RequestOutput], n: int) -> list[tuple[int, CompletionOutput]]:
+    """OpenAI numbers choices across a batch: prompt i, sample j -> index i * n + j."""
+    return [(i * n + c.index, c) for i, o in enumerate(finals) for c in o.outputs]
+
+
+def usage_of(finals: list[RequestOutput]) -> api.Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in finals)
+    return api.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=api.PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What choice `index` produced since its last stream chunk."""
+
+    index: int
+    text: str  # the new text; it starts at character `offset` of the output
+    logprobs: list[SampleLogprob] | None  # the new tokens' logprobs, when asked for
+    offset: int
+    output: CompletionOutput  # the whole output so far
+    finished: bool
+
+
 @dataclass
 class ResponseFormat(ABC):
     """Turns engine outputs into one endpoint's response objects (completions or chat)."""
@@ -58,25 +87,12 @@ class ResponseFormat(ABC):
         return []
 
     @abstractmethod
-    def chunk(
-        self,
-        index: int,
-        text: str,
-        logprobs: list[SampleLogprob] | None,
-        offset: int,
-        o: CompletionOutput,
-        finished: bool,
-    ) -> BaseModel | None:
-        """One stream chunk: choice `index` grew by `text` (which starts at character `offset`)."""
+    def chunk(self, d: Delta) -> BaseModel | None:
+        """One stream chunk for `d`, or None when it holds nothing to send yet."""
 
     @abstractmethod
-    def response(
-        self,
-        choices: list[tuple[int, CompletionOutput]],
-        usage: api.Usage,
-        finals: list[RequestOutput],
-    ) -> BaseModel:
-        """The whole non-streamed answer."""
+    def response(self, finals: list[RequestOutput]) -> BaseModel:
+        """The whole non-streamed answer, from each prompt's final output."""
 
     @abstractmethod
     def usage_chunk(self, usage: api.Usage) -> BaseModel:

@@ -36,7 +36,7 @@ from pagedkv.server.chat_format import ChatFormat
 from pagedkv.server.completion_format import CompletionFormat
 from pagedkv.server.errors import APIError, error_body, to_api_error
 from pagedkv.server.metrics import ServerMetrics
-from pagedkv.server.response_format import ResponseFormat, token_decoder
+from pagedkv.server.response_format import Delta, ResponseFormat, token_decoder, usage_of
 from pagedkv.server.streaming import ClientGone, EventStream, merge, sse, until_disconnect
 from pagedkv.server.tools import plan_tools, render_chat
 
@@ -61,23 +61,6 @@ def check_not_aborted(finals: list[RequestOutput]) -> None:
     """Only a shutdown aborts a request whose client is still there: tell the client so."""
     if any(c.finish_reason == "abort" for o in finals for c in o.outputs):
         raise APIError(503, "the server is shutting down; the request was aborted")
-
-
-def numbered_choices(finals: list[RequestOutput], n: int) -> list[tuple[int, CompletionOutput]]:
-    """OpenAI numbers choices across a batch: prompt i, sample j -> index i * n + j."""
-    return [(i * n + c.index, c) for i, o in enumerate(finals) for c in o.outputs]
-
-
-def usage_of(finals: list[RequestOutput]) -> api.Usage:
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in finals)
-    return api.Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        prompt_tokens_details=api.PromptTokensDetails(cached_tokens=cached),
-    )
 
 
 @dataclass
@@ -197,7 +180,7 @@ class OpenAIServing:
             if not stream:
                 finals = await until_disconnect(request, self._collect(events, len(prompts)))
                 check_not_aborted(finals)
-                answer = fmt.response(numbered_choices(finals, params.n), usage_of(finals), finals)
+                answer = fmt.response(finals)
                 body = answer.model_dump_json()
                 return Response(body, media_type="application/json")
             first = await until_disconnect(request, anext(events))
@@ -267,7 +250,7 @@ class OpenAIServing:
         finished = o.finish_reason is not None
         if not (text or logprobs or finished):
             return None
-        chunk = fmt.chunk(index, text, logprobs, s.chars, o, finished)
+        chunk = fmt.chunk(Delta(index, text, logprobs, s.chars, o, finished))
         s.chars, s.finished = len(o.text), finished
         s.logprobs += len(logprobs or ())
         return chunk

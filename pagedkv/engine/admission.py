@@ -1,0 +1,74 @@
+"""What the engine checks before it takes a request: a prompt it can tokenize, and a request that
+can ever run (in the vocabulary, within max_model_len, within what the KV pool holds)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from pagedkv.engine.request import ParamError, SamplingParams, shown, valid_text
+
+if TYPE_CHECKING:
+    from pagedkv.engine.llm_engine import LLMEngine
+
+
+def tokenize(tokenizer, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    """A prompt's token ids: text is encoded, a list of ids is taken as it is."""
+    if isinstance(prompt, str):
+        if not valid_text(prompt):
+            raise ParamError(
+                "prompt", "prompt must be valid Unicode text (it holds a lone surrogate)"
+            )
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    if not isinstance(prompt, (list, tuple)):
+        raise ParamError(
+            "prompt",
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+        )
+    return list(prompt)
+
+
+def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> int:
+    """Reject what can never run, with the reason; returns max_tokens resolved."""
+    params.validate(engine.vocab_size)  # again: offline callers may have changed fields since
+    n_prompt = len(prompt_ids)
+    if n_prompt == 0:
+        raise ParamError("prompt", "the prompt is empty")
+    bad = [t for t in prompt_ids if type(t) is not int or not 0 <= t < engine.vocab_size]
+    if bad:
+        raise ParamError(
+            "prompt",
+            f"token id {shown(bad[0])} is outside the vocabulary [0, {engine.vocab_size})",
+        )
+    if params.structured_outputs is not None:
+        engine.structured.compile(params.structured_outputs)  # cached: the server compiled it
+    if n_prompt >= engine.max_model_len:
+        raise ParamError(
+            "prompt",
+            f"the prompt has {n_prompt} tokens, but max_model_len is "
+            f"{engine.max_model_len}: no room is left for output",
+        )
+    max_tokens = (
+        params.max_tokens if params.max_tokens is not None else engine.max_model_len - n_prompt
+    )
+    if n_prompt + max_tokens > engine.max_model_len:
+        raise ParamError(
+            "max_tokens",
+            f"max_tokens={max_tokens} plus the prompt's {n_prompt} "
+            f"tokens exceeds max_model_len={engine.max_model_len}",
+        )
+    if params.n > engine.config.max_num_seqs:
+        raise ParamError("n", f"n={params.n} exceeds --max-num-seqs={engine.config.max_num_seqs}")
+    bs = engine.config.block_size
+    need = math.ceil(n_prompt / bs) + params.n * math.ceil((max_tokens + 1) / bs)
+    if not engine.kv.can_fit(n_prompt + max_tokens) or (
+        params.n > 1 and need > engine.kv.num_blocks
+    ):
+        cap = engine.kv.num_blocks * bs
+        raise ParamError(
+            "max_tokens",
+            f"the request needs KV for {n_prompt} prompt + {max_tokens} "
+            f"output tokens x n={params.n}, more than the KV pool holds "
+            f"({cap} tokens); lower max_tokens or n, or give the pool more memory",
+        )
+    return max_tokens
