@@ -241,7 +241,7 @@ class EngineConfig:
             bool(names) and all(isinstance(n, str) and n for n in names),
             "--served-model-name needs non-empty names",
         )
-        self.served_model_names, self.served_model_name = names, names[0]
+        self.served_model_names = names  # (served_model_name stays as given: replace() again)
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         self.max_model_len = parse_human_int(self.max_model_len)

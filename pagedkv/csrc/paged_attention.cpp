@@ -159,12 +159,13 @@ struct Upcoming {
 struct Scratch {
   int dp;                       // D rounded up to whole vectors
   std::vector<float> qf, acc, s, m, l;
+  std::vector<uint16_t> vt;     // the tile's V rows as bf16 pairs (tile_values_pairs)
   TileRows tiles[2];  // the tile in use (tiles[cur]) and the next one
   int cur = 0;
   Upcoming ahead;     // of tiles[cur ^ 1]
   bool primed = false;  // tiles[cur] holds the first tile of the thread's next item, prefetched
   Scratch(int rows, int dp_) : dp(dp_), qf(size_t(rows) * dp_), acc(size_t(rows) * dp_),
-      s(size_t(rows) * kTile), m(rows), l(rows) {}
+      s(size_t(rows) * kTile), m(rows), l(rows), vt(size_t(kTile) * dp_) {}
 };
 
 // Scores for rows [0, NR) of a row block against the tile's keys: s[i][t] = q_i . k_t, for
@@ -253,6 +254,97 @@ inline void tile_values(const float* p, const void* const* vp, int nt, int nc, M
   }
 }
 
+#if defined(PAGEDKV_ISA_AVX512) && defined(__AVX512BF16__)
+// bf16 V with AVX512_BF16: p and V meet as bf16 pairs of consecutive keys in one dot product
+// (vdpbf16ps), half the multiply-adds of V converted to float and no conversion per row block;
+// the cascade's items of up to 128 rows spend most of their time here. Each tile's V rows are
+// interleaved once into scratch (keys 2u and 2u + 1 side by side, per dimension), and each row's
+// p rounded to bf16 pairs, as flash attention rounds P to the cache's type. unpacklo/hi_epi16
+// interleave within 128-bit lanes, so of a 32-dimension chunk the `lo` accumulator holds dims
+// 0-3, 8-11, 16-19, 24-27 and `hi` the others; kToLo/kToHi and kBack* move acc between orders.
+constexpr bool kPairValues = true;
+alignas(64) constexpr int32_t kToLo[16] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+alignas(64) constexpr int32_t kToHi[16] = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+alignas(64) constexpr int32_t kBackX[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+alignas(64) constexpr int32_t kBackY[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+
+// The tile's nt V rows (D a multiple of 32) as pairs: vt[((u * chunks + c) * 2 + half) * 32].
+// An odd last key pairs with itself (its partner's p is 0).
+inline void interleave_values(const void* const* vp, int nt, int chunks, uint16_t* vt) {
+  for (int u = 0; 2 * u < nt; ++u) {
+    const uint16_t* a = static_cast<const uint16_t*>(vp[2 * u]);
+    const uint16_t* b = static_cast<const uint16_t*>(vp[2 * u + 1 < nt ? 2 * u + 1 : 2 * u]);
+    for (int c = 0; c < chunks; ++c) {
+      const __m512i x = _mm512_loadu_si512(a + 32 * c), y = _mm512_loadu_si512(b + 32 * c);
+      uint16_t* dst = vt + size_t(u * chunks + c) * 64;
+      _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(x, y));
+      _mm512_storeu_si512(dst + 32, _mm512_unpackhi_epi16(x, y));
+    }
+  }
+}
+
+// Row p[0 .. kTile) rounded to bf16, in place over its first half: 32-bit word u holds keys 2u
+// (low half) and 2u + 1.
+inline void pair_probs(float* p) {
+  for (int t = 0; t < kTile; t += 32) {
+    const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + t + 16), _mm512_loadu_ps(p + t));
+    _mm512_storeu_si512(reinterpret_cast<uint16_t*>(p) + t, (__m512i)h);
+  }
+}
+
+// acc[i][32 c0 .. 32 (c0 + CC)) += sum_t p[i][t] * v_t over the tile's pairs, for rows [0, NR).
+template <int NR, int CC>
+__attribute__((always_inline)) inline void pair_values_cols(const float* p, const uint16_t* vt, int nt, int chunks,
+                                                            int c0, float* acc, int dp, Upcoming* ahead) {
+  const __m512i to_lo = _mm512_load_si512(kToLo), to_hi = _mm512_load_si512(kToHi);
+  __m512 a[NR][CC][2];
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < CC; ++c) {
+      const float* src = acc + i * dp + (c0 + c) * 32;
+      const __m512 x = _mm512_loadu_ps(src), y = _mm512_loadu_ps(src + 16);
+      a[i][c][0] = _mm512_permutex2var_ps(x, to_lo, y);
+      a[i][c][1] = _mm512_permutex2var_ps(x, to_hi, y);
+    }
+  Upcoming up = ahead ? *ahead : Upcoming{};  // a local copy stays in registers
+  for (int u = 0; 2 * u < nt; ++u) {
+    if (up.tile) up.fetch_to((nt + 2 * u + 2) / 2);
+    __m512bh pv[NR];
+    for (int i = 0; i < NR; ++i) {
+      int32_t word;
+      std::memcpy(&word, reinterpret_cast<const uint16_t*>(p + i * kTile) + 2 * u, sizeof word);
+      pv[i] = (__m512bh)_mm512_set1_epi32(word);
+    }
+    for (int c = 0; c < CC; ++c) {
+      const uint16_t* v = vt + size_t(u * chunks + c0 + c) * 64;
+      const __m512bh lo = (__m512bh)_mm512_loadu_si512(v), hi = (__m512bh)_mm512_loadu_si512(v + 32);
+      for (int i = 0; i < NR; ++i) {
+        a[i][c][0] = _mm512_dpbf16_ps(a[i][c][0], pv[i], lo);
+        a[i][c][1] = _mm512_dpbf16_ps(a[i][c][1], pv[i], hi);
+      }
+    }
+  }
+  if (ahead) *ahead = up;
+  const __m512i back_x = _mm512_load_si512(kBackX), back_y = _mm512_load_si512(kBackY);
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < CC; ++c) {
+      float* dst = acc + i * dp + (c0 + c) * 32;
+      _mm512_storeu_ps(dst, _mm512_permutex2var_ps(a[i][c][0], back_x, a[i][c][1]));
+      _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(a[i][c][0], back_y, a[i][c][1]));
+    }
+}
+
+// Two chunks (64 dimensions) at a time: NR x 4 accumulators.
+template <int NR>
+inline void tile_values_pairs(const float* p, const uint16_t* vt, int nt, int chunks, float* acc, int dp,
+                              Upcoming* ahead) {
+  int c0 = 0;
+  for (; c0 + 2 <= chunks; c0 += 2, ahead = nullptr) pair_values_cols<NR, 2>(p, vt, nt, chunks, c0, acc, dp, ahead);
+  if (c0 < chunks) pair_values_cols<NR, 1>(p, vt, nt, chunks, c0, acc, dp, ahead);
+}
+#else
+constexpr bool kPairValues = false;
+#endif
+
 // Calls F<NR> on each block of up to kRowBlock rows in [r0, r1).
 template <template <int> class F, int NR, typename... A>
 inline void run_rows(int n, int r, A&... args) {
@@ -275,6 +367,8 @@ struct Attend {
   using Q = typename Dot::Q;
   static constexpr int kQPerFloat = int(sizeof(float) / sizeof(Q));  // q row stride unit
   static constexpr int NS = NC * W % Dot::kElems ? 0 : NC * W / Dot::kElems;
+  // bf16 V as pairs with p (tile_values_pairs): a known head size of whole 32-dim chunks
+  static constexpr bool kPairs = kPairValues && std::is_same_v<C, bf16> && NC > 0 && NC * W % 32 == 0;
 
   const Problem& P;
   const int D, nc, G, ns;
@@ -298,6 +392,14 @@ struct Attend {
                                   a.P.scale, ws.s.data() + size_t(r) * kTile, r == r0 ? &ws.ahead : nullptr);
     }
   };
+#if defined(PAGEDKV_ISA_AVX512) && defined(__AVX512BF16__)
+  template <int NR> struct PairValues {
+    static void run(int r, const Attend&, Scratch& ws, int nt, int r0) {
+      tile_values_pairs<NR>(ws.s.data() + size_t(r) * kTile, ws.vt.data(), nt, NC * W / 32,
+                            ws.acc.data() + size_t(r) * ws.dp, ws.dp, r == r0 ? &ws.ahead : nullptr);
+    }
+  };
+#endif
   template <int NR> struct Values {
     static void run(int r, const Attend& a, Scratch& ws, int nt, int r0) {
       tile_values<NR, NC, C>(ws.s.data() + size_t(r) * kTile, ws.tiles[ws.cur].vp, nt, a.nc, a.tail,
@@ -403,12 +505,29 @@ struct Attend {
           for (int t = 0; t < nt; ++t) p[t] *= cur.vs[t];
         }
       }
-      for_row_blocks<Values>(r0, rows, *this, ws, nt, r0);
+      values(ws, cur, nt, r0, rows);
       ws.ahead.fetch_to(kTile);  // what a shorter tile left
       ws.cur ^= 1;
       ws.primed = t0 + kTile >= it.k1 && then;
     }
     finish(it, ws, rows, partial);
+  }
+
+  // acc += p V for rows [r0, rows) over the tile. Many rows of bf16 V (a cascade's shared items)
+  // take the pair path: interleaving the tile once pays from two row blocks on (measured with
+  // bench_cascade.py; a plain decode item's G rows would only pay for the interleave).
+  void values(Scratch& ws, const TileRows& cur, int nt, int r0, int rows) const {
+#if defined(PAGEDKV_ISA_AVX512) && defined(__AVX512BF16__)
+    if constexpr (kPairs) {
+      if (rows - r0 > kRowBlock) {
+        interleave_values(cur.vp, nt, NC * W / 32, ws.vt.data());
+        for (int r = r0; r < rows; ++r) pair_probs(ws.s.data() + size_t(r) * kTile);
+        for_row_blocks<PairValues>(r0, rows, *this, ws, nt, r0);
+        return;
+      }
+    }
+#endif
+    for_row_blocks<Values>(r0, rows, *this, ws, nt, r0);
   }
 
   // Turns the first n scores of row r into probabilities under the row's running max and

@@ -58,7 +58,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         apply_engine_options(self, config)  # seed, chat template, generation defaults
         self.vocab_size = self.loaded.config.vocab_size
-        self.model_name = config.served_model_name or self.loaded.name
+        self.model_name = config.served_model_names[0]
         self.max_model_len: int = min(
             config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len
         )

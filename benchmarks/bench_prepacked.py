@@ -1,0 +1,64 @@
+"""A decode step's bfloat16 matmuls with plain weights (F.linear) and with weights prepacked for
+oneDNN once (pagedkv/model/prepacked.py), by the step's row count.
+
+The default model's shapes: `--layers` layers of distinct q/k/v, o, gate/up and down weights plus
+the lm_head, each multiplied once per pass as in a real step (weights come from memory, not from
+a cache that repeated calls on one matrix would keep warm). The two forms alternate within each
+round; best of `--rounds`.
+
+    python benchmarks/bench_prepacked.py [--rows 1,8,64,256,1024] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.model.prepacked import PrepackedWeight, supported
+
+HIDDEN, INTERMEDIATE, QKV, VOCAB = 576, 1536, 960, 49152  # SmolLM2-135M
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rows", default="1,8,64,256,1024")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    assert supported(), "oneDNN cannot prepack bfloat16 weights on this CPU"
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+    plain = [
+        torch.randn(s, generator=gen).to(torch.bfloat16) for _ in range(args.layers) for s in shapes
+    ]
+    plain.append(torch.randn(VOCAB, HIDDEN, generator=gen).to(torch.bfloat16))
+    packed = [PrepackedWeight.of(w) for w in plain]
+    print(f"threads={torch.get_num_threads()}, {args.layers} layers + lm_head, best of {args.rounds}")
+    print("| rows | F.linear (ms) | prepacked (ms) | speed-up | prepacked GFLOP/s |")
+    print("|---:|---:|---:|---:|---:|")
+    flops_per_row = 2 * sum(w.numel() for w in plain)
+    for rows in map(int, args.rows.split(",")):
+        xs = {k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for k in (576, 1536)}
+        ways = {
+            "plain": lambda: [F.linear(xs[w.shape[1]], w) for w in plain],
+            "prepacked": lambda: [w.mm(xs[w.shape[1]]) for w in packed],
+        }
+        best = dict.fromkeys(ways, float("inf"))
+        for round_ in range(args.rounds + 1):  # round 0 warms up
+            for name, run in ways.items():
+                start = time.perf_counter()
+                run()
+                if round_:
+                    best[name] = min(best[name], time.perf_counter() - start)
+        a, b = best["plain"], best["prepacked"]
+        print(
+            f"| {rows} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.2f}x "
+            f"| {flops_per_row * rows / b / 1e9:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
