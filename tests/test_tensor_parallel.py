@@ -109,3 +109,23 @@ def test_default_model_tp3_equals_tp1(quantization):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
     finally:
         llm.engine.close()
+
+
+def test_bench_runs_tp2_twice(tmp_path_factory):
+    """`pagedkv bench -tp 2` over two workloads builds two engines: the second must not reuse rank
+    0's model, which the first cut in place."""
+    from pagedkv.bench.offline import EngineFactory
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny"))
+    factory = EngineFactory({"model": path, "dtype": "float32", "tensor_parallel_size": 2})
+    outputs = []
+    for _ in range(2):
+        engine = factory.build(num_gpu_blocks_override=64)
+        try:
+            engine.add_request("r", PROMPTS[1], SamplingParams(temperature=0, max_tokens=8))
+            while engine.has_unfinished():
+                done = [o for o in engine.step() if o.finished]
+            outputs.append(done[0].outputs[0].token_ids)
+        finally:
+            engine.close()
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8

@@ -34,9 +34,11 @@ class EngineFactory:
         if "dtype" in overrides or "model" in overrides:
             raise ValueError("runs share one model: dtype and model belong in the base options")
         config = EngineConfig.from_options(**{**self.base, **overrides})
+        # tensor parallelism cuts rank 0's model in place: every such run loads it again
+        shared = self._loaded if config.tensor_parallel_size == 1 else None
         t0 = time.monotonic()
-        engine = LLMEngine(config, loaded=self._loaded)
-        if self._loaded is None:
+        engine = LLMEngine(config, loaded=shared)
+        if shared is None:
             self._loaded, self.load_s = engine.loaded, round(time.monotonic() - t0, 2)
         return engine
 
