@@ -4,9 +4,9 @@
 every call: on a 2-core AVX-512 BF16 EPYC a whole decode step of the default model's matmuls
 takes 12.1 ms at 1 row and 31.6 ms at 64 rows that way, against 9.4 and 26.8 ms with weights
 reordered once at load (`torch.ops.mkldnn._reorder_linear_weight`, the op torch's own inductor
-uses for frozen CPU weights; benchmarks/bench_prepacked.py, BENCHMARKS.md "Prepacked weights"). The results are the same bits
-as `F.linear`'s (the same oneDNN kernel does the arithmetic), so nothing an output depends on
-changes. vLLM's CPU backend does the same with its own oneDNN binding.
+uses for frozen CPU weights; benchmarks/bench_prepacked.py, BENCHMARKS.md "Prepacked weights").
+The results are the same bits as `F.linear`'s (the same oneDNN kernel does the arithmetic), so
+nothing an output depends on changes. vLLM's CPU backend does the same with its own binding.
 
 Only bfloat16: oneDNN's float32 matmul is faster prepacked too, but not bit-equal to torch's
 (MKL) `F.linear`, which `--dtype float32` keeps so that outputs equal transformers. oneDNN's
