@@ -26,9 +26,9 @@ __all__ = [
 _LAZY = {
     "LLM": "pagedkv.engine.llm",
     "SamplingParams": "pagedkv.engine.request",
-    "RequestOutput": "pagedkv.engine.request",
-    "CompletionOutput": "pagedkv.engine.request",
-    "Logprob": "pagedkv.engine.request",
+    "RequestOutput": "pagedkv.engine.outputs",
+    "CompletionOutput": "pagedkv.engine.outputs",
+    "Logprob": "pagedkv.engine.outputs",
     "AsyncLLMEngine": "pagedkv.engine.async_compat",
     "AsyncEngineArgs": "pagedkv.engine.async_compat",
     "EngineArgs": "pagedkv.engine.async_compat",

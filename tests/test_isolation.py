@@ -21,7 +21,8 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.request import RequestOutput, SamplingParams
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.request import SamplingParams
 
 SHARED = "Paged attention keeps the KV cache in blocks. Hello world! Serving a model means holding"
 BAD = SHARED + " BOOM the quick brown fox jumps over the lazy dog"

@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from pagedkv.config import ConfigError
-from pagedkv.server.protocol import ChatCompletionRequest, ChatDelta, CompletionRequest
+from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.responses import ChatDelta
 
 
 def completion(**fields) -> CompletionRequest:

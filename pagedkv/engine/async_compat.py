@@ -17,7 +17,8 @@ from typing import Any
 from pagedkv.config import EngineConfig
 from pagedkv.engine.async_engine import AsyncLLM
 from pagedkv.engine.llm import reject_unsupported, to_prompt, token_text
-from pagedkv.engine.request import Logprob, RequestOutput, SamplingParams
+from pagedkv.engine.outputs import Logprob, RequestOutput
+from pagedkv.engine.request import SamplingParams
 
 
 class EngineArgs:

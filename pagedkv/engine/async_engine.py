@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.engine_stats import EngineStats
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.request import RequestOutput, SamplingParams
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.request import SamplingParams
 
 log = logging.getLogger("pagedkv")
 

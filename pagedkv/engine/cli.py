@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pagedkv.engine.llm_engine import LLMEngine
-    from pagedkv.engine.request import RequestMetrics, RequestOutput
+    from pagedkv.engine.outputs import RequestMetrics, RequestOutput
 
 
 def add_parser(sub) -> None:

@@ -18,7 +18,8 @@ from typing import Any
 from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.chat import render_chat
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.request import ParamError, RequestOutput, SamplingParams
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.request import ParamError, SamplingParams
 
 Prompt = str | list[int] | dict
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}

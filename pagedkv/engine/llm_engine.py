@@ -22,7 +22,8 @@ from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.isolation import Failures, IsolatedForward, device_broken
 from pagedkv.engine.logits_processors import bad_words_token_ids
 from pagedkv.engine.options import apply_engine_options
-from pagedkv.engine.request import RequestOutput, SampleLogprob, SamplingParams
+from pagedkv.engine.outputs import RequestOutput, SampleLogprob
+from pagedkv.engine.request import SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.engine.request import SampleLogprob as Logprob
+from pagedkv.engine.outputs import SampleLogprob as Logprob
 
 ROWS_PER_SLICE = 256
 

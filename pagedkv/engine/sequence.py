@@ -12,13 +12,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from pagedkv.engine.request import (
-    CompletionOutput,
-    RequestMetrics,
-    RequestOutput,
-    SampleLogprob,
-    SamplingParams,
-)
+from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprob
+from pagedkv.engine.request import SamplingParams
 from pagedkv.kv.hashing import BlockHashes
 
 

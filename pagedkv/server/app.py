@@ -32,6 +32,7 @@ from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import MAX_BODY_BYTES, BearerAuth, BodySizeLimit
 from pagedkv.server.openapi import install_openapi, json_body
+from pagedkv.server.responses import ModelCard, ModelList
 from pagedkv.server.routes_extra import add_vllm_routes
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.validation import checked, load_json_object
@@ -115,10 +116,10 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
     @app.get("/v1/models")
     async def models() -> Response:
         cards = [
-            api.ModelCard(id=name, max_model_len=engine.max_model_len)
+            ModelCard(id=name, max_model_len=engine.max_model_len)
             for name in engine.config.served_model_names
         ]
-        return Response(api.ModelList(data=cards).model_dump_json(), media_type="application/json")
+        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     # /tokenize, /detokenize, /version, /ping
     add_vllm_routes(app, engine, read_json, serving.check_model)

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from pagedkv.engine.request import CompletionOutput, RequestOutput, SampleLogprob
-from pagedkv.server import protocol as api
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput, SampleLogprob
+from pagedkv.server import responses as api
 from pagedkv.server.response_format import (
     MIN_LOGPROB,
     Delta,

@@ -27,7 +27,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from pagedkv.engine.request import RequestMetrics, RequestOutput
+from pagedkv.engine.outputs import RequestMetrics, RequestOutput
 
 P = "pagedkv:"
 

@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request and response models, and the mapping to SamplingParams.
+"""The OpenAI wire format's requests and their mapping to SamplingParams (responses.py: replies).
 
 Requests are validated strictly (a string where a number belongs is a 400, not
 a silent coercion); unknown fields are ignored as OpenAI's own server does.
@@ -11,7 +11,6 @@ exactly the same values.
 from __future__ import annotations
 
 import json
-import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -19,7 +18,6 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    model_serializer,
     model_validator,
 )
 
@@ -36,7 +34,6 @@ from pagedkv.engine.request import (
     SamplingParams,
 )
 from pagedkv.server.request_fields import (
-    DeltaToolCall,
     NamedToolChoice,
     ResponseFormat,
     ToolCall,
@@ -344,120 +341,3 @@ class ChatCompletionRequest(_SamplingRequest):
             }
             e.param = wire.get(e.param, e.param)
             raise
-
-
-# ---- responses -------------------------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []  # None: the first prompt token under echo
-    top_logprobs: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    prompt_logprobs: list[dict[int, dict] | None] | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] = []
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] = []
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    prompt_logprobs: list[dict[int, dict] | None] | None = None
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler) -> dict:
-        """OpenAI leaves out what a delta does not carry (the last one is `{}`)."""
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "pagedkv"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

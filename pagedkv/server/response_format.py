@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from pagedkv.engine.request import CompletionOutput, RequestOutput, SampleLogprob
-from pagedkv.server import protocol as api
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput, SampleLogprob
+from pagedkv.server import responses as api
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 

@@ -25,12 +25,8 @@ from pydantic import BaseModel
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.options import with_defaults
-from pagedkv.engine.request import (
-    CompletionOutput,
-    RequestOutput,
-    SamplingParams,
-    StructuredOutputsParams,
-)
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.request import SamplingParams, StructuredOutputsParams
 from pagedkv.server import protocol as api
 from pagedkv.server.chat_format import ChatFormat
 from pagedkv.server.completion_format import CompletionFormat
