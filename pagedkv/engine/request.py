@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.config import ConfigError
-from pagedkv.engine.outputs import SampleLogprob as SampleLogprob  # sampler.py imports it here
 
 # Limits on what one request may ask for; the server's request models reuse them.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch and numpy can hold: seeds, top_k, counts

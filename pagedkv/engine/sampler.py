@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.engine.logits_processors import apply_token_rules
-from pagedkv.engine.request import SampleLogprob as Logprob
+from pagedkv.engine.outputs import SampleLogprob as Logprob
 from pagedkv.engine.sequence import Sequence
 
 
