@@ -49,10 +49,12 @@ def test_few_rows_run_packed_many_rows_dense_and_both_agree(models, quantization
     torch.manual_seed(0)
     for w in weights:
         assert w.dense is not None and w.dense_from == FROM
+        assert w.dense_dtype == dense_weights.copy_dtype(torch.float32)
         for rows in (1, FROM - 1, FROM, 3 * FROM):
             x = torch.randn(rows, w.shape[1])
             got, xb = w.mm(x), x.to(ACT_DTYPE)
-            packed, dense = w.packed_mm(xb).float(), linear(xb, w.dense).float()
+            packed = w.packed_mm(xb).float()
+            dense = linear(x.to(w.dense_dtype), w.dense).float()
             # the path taken is the one the row count asks for, bit for bit ...
             assert torch.equal(got, dense if rows >= FROM else packed)
             # ... and the other one agrees to bfloat16 rounding (weights and output)
@@ -92,6 +94,7 @@ def test_memory_counts_the_copies_in_plan_and_model(models, monkeypatch):
         lm = load(models["gguf"], "gguf", setting, torch.bfloat16)  # plan's model dtype
         weights = dense_weights.packed_weights(lm.model)
         copies = sum(w.shape[0] * w.shape[1] * 2 for w in weights) if setting != "0" else 0
+        assert all(w.dense_dtype == torch.bfloat16 for w in weights)  # a bf16 model's copies
         assert sum(w.nbytes for w in weights) == sum(w.packed_nbytes for w in weights) + copies
         planned = resolve_shape(models["gguf"], quantization="gguf").weight_bytes
         assert planned == lm.model.weight_bytes()  # what `pagedkv plan` says is what is held
@@ -112,7 +115,7 @@ def test_auto_measures_once_then_reads_the_cache(models, tmp_path, monkeypatch):
     # a later start reads the verdict (here an edited one) without measuring
     entry["dense_from"] = 7
     (tmp_path / "dense_weights.json").write_text(json.dumps(cache))
-    monkeypatch.setattr(dense_weights, "time_both", lambda w: pytest.fail("measured again"))
+    monkeypatch.setattr(dense_weights, "time_both", lambda w, d: pytest.fail("measured again"))
     lm = load_model(models["gguf"], torch.float32, quantization="gguf")
     assert {w.dense_from for w in dense_weights.packed_weights(lm.model)} == {7}
 
@@ -128,10 +131,36 @@ def test_crossover_is_where_the_copy_wins_from_then_on():
 
 
 def test_a_copy_that_never_wins_is_dropped(models, monkeypatch):
-    monkeypatch.setattr(dense_weights, "measured_crossover", lambda k, w: dense_weights.NEVER)
+    monkeypatch.setattr(dense_weights, "measured_crossover", lambda k, w, d: dense_weights.NEVER)
     monkeypatch.delenv("PAGEDKV_DENSE_WEIGHTS", raising=False)
     lm = load_model(models["int8"], torch.float32, quantization="int8")
     assert all(w.dense is None for w in dense_weights.packed_weights(lm.model))
+
+
+def test_copies_are_bf16_where_onednn_prepacks_else_the_models_float32(models, monkeypatch):
+    """A float32 model keeps float32 copies only where bf16 GEMMs are slow (no oneDNN bf16)."""
+    from pagedkv.model import prepacked
+
+    monkeypatch.setenv("PAGEDKV_DENSE_WEIGHTS", str(FROM))
+    try:
+        for on in (True, False):
+            monkeypatch.setenv(prepacked.ENV, "1" if on else "0")
+            prepacked.supported.cache_clear()
+            for dtype in (torch.float32, torch.bfloat16):
+                lm = load_model(models["int8"], dtype, quantization="int8")
+                want = (
+                    torch.float32
+                    if dtype == torch.float32 and not prepacked.supported()
+                    else ACT_DTYPE
+                )
+                weights = dense_weights.packed_weights(lm.model)
+                assert {w.dense_dtype for w in weights} == {want}, (on, dtype)
+                assert {w.dense.nbytes for w in weights[:1]} == {
+                    weights[0].shape[0] * weights[0].shape[1] * want.itemsize
+                }
+    finally:
+        monkeypatch.delenv(prepacked.ENV)
+        prepacked.supported.cache_clear()
 
 
 def test_bad_setting_is_a_one_line_error(models, monkeypatch):

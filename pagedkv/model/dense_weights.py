@@ -1,5 +1,8 @@
-"""Dense bfloat16 copies of the packed weights, for matmuls of many rows; where "many" starts is
-measured on this CPU with the model's own weights.
+"""Dense copies of the packed weights, for matmuls of many rows; where "many" starts is
+measured on this CPU with the model's own weights. The copies are bfloat16, prepacked for oneDNN,
+where oneDNN runs bf16 GEMMs (AVX-512); elsewhere they are in the model's dtype: float32 where
+`--dtype auto` found bf16 GEMMs slow, and there a float32 GEMM beats the int4 kernel from about
+32 rows (BENCHMARKS.md, "AVX2, emulated").
 
 torch's packed CPU kernels (int4 for a GGUF's 4-bit blocks, int8) read a quarter / half of the
 bytes of bfloat16, which wins a step of a few rows (bound by reading the weights: W3 decodes 2x
@@ -9,10 +12,10 @@ lm_head from 12-16 (BENCHMARKS.md, "Packed and dense weights"). So each packed w
 dense copy of the kernel's own values too, and `PackedWeight.mm` picks the form by the matmul's
 row count. Unpacking the weights on the fly instead would cost 280 ms a forward there (2
 threads; 430 ms with 1, `benchmarks/bench_dense_weights.py`), 5-8x the matmuls of a whole
-batch-64 step, so the copy is kept: 2 bytes more per weight (the default model holds 364 MB
-instead of 95 MB; `--quantization none` 269 MB). It is made at load, before the KV pool is
-sized from the memory then free, and counted in `weight_bytes()` (start-up log, /metrics) and
-by `pagedkv plan`.
+batch-64 step, so the copy is kept: 2 bytes more per weight, 4 in float32 (the default model
+holds 364 MB instead of 95 MB; `--quantization none` 269 MB). It is made at load, before the KV
+pool is sized from the memory then free, and counted in `weight_bytes()` (start-up log, /metrics)
+and by `pagedkv plan` (which assumes a bfloat16 model).
 
 $PAGEDKV_DENSE_WEIGHTS: `auto` (default) measures the crossover once per CPU, torch build,
 thread count and set of weight shapes (0.3-0.7 s there; cached as dense_weights.json,
@@ -33,7 +36,7 @@ from torch import Tensor, nn
 from pagedkv.config import ConfigError, format_size
 from pagedkv.model.calibration_cache import cached, machine_key
 from pagedkv.model.dtype_choice import MIN_BYTES
-from pagedkv.model.prepacked import dense_form
+from pagedkv.model.prepacked import dense_form, supported
 from pagedkv.model.quant_linear import ACT_DTYPE, PackedWeight, linear
 
 log = logging.getLogger("pagedkv")
@@ -72,39 +75,47 @@ def packed_weights(model: nn.Module) -> list[PackedWeight]:
     return list(found.values())
 
 
-def add_dense_copies(model: nn.Module) -> None:
+def copy_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """bfloat16 where oneDNN prepacks it (bf16 GEMMs are fast there, whatever the model's dtype);
+    else the model's own float32, if that is what it runs in."""
+    return torch.float32 if model_dtype == torch.float32 and not supported() else ACT_DTYPE
+
+
+def add_dense_copies(model: nn.Module, model_dtype: torch.dtype) -> None:
     """Give every packed weight its dense copy and the row count from which matmuls use it."""
     rows = fixed_rows()
     weights = packed_weights(model)
     if rows == 0 or not weights:
         return
+    dtype = copy_dtype(model_dtype)
     kinds: dict[str, list[PackedWeight]] = {}
     for w in weights:
-        w.add_dense_copy()
+        w.add_dense_copy(dtype)
         kinds.setdefault(type(w).__name__, []).append(w)
     for kind, group in kinds.items():
-        start = rows if rows is not None else measured_crossover(kind, group)
+        start = rows if rows is not None else measured_crossover(kind, group, dtype)
         for w in group:
             w.dense_from = start
             if start >= NEVER:  # never faster here: the memory is worth more
                 w.dense = None
         copies = sum(0 if w.dense is None else w.dense.nbytes for w in group)
         log.info(
-            "%s: dense bf16 copies of %d matrices (%s) %s",
+            "%s: dense %s copies of %d matrices (%s) %s",
             kind,
+            str(dtype).removeprefix("torch."),
             len(group),
             format_size(copies),
             f"used from {start} rows" if start < NEVER else "dropped: the packed kernel wins",
         )
 
 
-def measured_crossover(kind: str, weights: list[PackedWeight]) -> int:
+def measured_crossover(kind: str, weights: list[PackedWeight], dtype: torch.dtype) -> int:
     """From how many rows the dense copies are faster than the packed kernel on these weights."""
     shapes = sorted({w.shape for w in weights})
 
     def measure() -> dict:
         t0 = time.monotonic()
-        timings = time_both(sample(weights))
+        timings = time_both(sample(weights), dtype)
         entry = {"dense_from": crossover(timings), "timings": timings}
         log.info(
             "%s weights: packed / dense ms per pass %s, measured in %.2fs -> dense from %d rows",
@@ -115,7 +126,7 @@ def measured_crossover(kind: str, weights: list[PackedWeight]) -> int:
         )
         return entry
 
-    key = machine_key(kind, dense_form(), shapes)
+    key = machine_key(kind, str(dtype).removeprefix("torch."), dense_form(), shapes)
     entry = cached("dense_weights.json", key, lambda e: _is_rows(e.get("dense_from")), measure)
     return int(entry["dense_from"])
 
@@ -139,12 +150,15 @@ def sample(weights: list[PackedWeight]) -> list[PackedWeight]:
     return taken
 
 
-def time_both(weights: list[PackedWeight]) -> dict[str, list]:
+def time_both(weights: list[PackedWeight], dtype: torch.dtype) -> dict[str, list]:
     """{"rows", "packed", "dense"}: seconds of a pass over `weights` in each form, for each of
     ROWS until the copy has won at two in a row."""
     out: dict[str, list] = {"rows": [], "packed": [], "dense": []}
     for rows in ROWS:
-        xs = {k: torch.randn(rows, k).to(ACT_DTYPE) for k in {w.shape[1] for w in weights}}
+        xs = {  # (for the packed kernel, for the copy)
+            k: (x.to(ACT_DTYPE), x.to(dtype))
+            for k, x in ((k, torch.randn(rows, k)) for k in {w.shape[1] for w in weights})
+        }
         for name, value in zip(("rows", "packed", "dense"), (rows, *_best_pass(weights, xs))):
             out[name].append(value)
         last_two = list(zip(out["packed"], out["dense"]))[-2:]
@@ -153,7 +167,9 @@ def time_both(weights: list[PackedWeight]) -> dict[str, list]:
     return out
 
 
-def _best_pass(weights: list[PackedWeight], xs: dict[int, Tensor]) -> tuple[float, float]:
+def _best_pass(
+    weights: list[PackedWeight], xs: dict[int, tuple[Tensor, Tensor]]
+) -> tuple[float, float]:
     """A pass's seconds, packed and dense, as the sum of each matmul's best time. Each is timed
     alone, right after the same matrix in the other form, over at least REPEATS rounds and until
     two rounds in a row improve neither sum by SETTLED: on a busy machine a pause spoils one
@@ -162,11 +178,11 @@ def _best_pass(weights: list[PackedWeight], xs: dict[int, Tensor]) -> tuple[floa
     sums, idle = (math.inf, math.inf), 0
     for round_ in range(MAX_ROUNDS + 1):  # round 0 warms up
         for w, times in zip(weights, best):
-            x, copy = xs[w.shape[1]], w.dense
+            (x, x_copy), copy = xs[w.shape[1]], w.dense
             assert copy is not None  # (added before timing)
             for form in (0, 1):
                 t0 = time.perf_counter()
-                w.packed_mm(x) if form == 0 else linear(x, copy)
+                w.packed_mm(x) if form == 0 else linear(x_copy, copy)
                 if round_:
                     times[form] = min(times[form], time.perf_counter() - t0)
         new = (sum(t[0] for t in best), sum(t[1] for t in best))

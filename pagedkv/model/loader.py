@@ -121,7 +121,7 @@ def finish_weights(model: LlamaForCausalLM) -> None:
     """The matmul forms of packed weights (dense copies, where they pay) and of plain bfloat16
     ones (prepacked), once every weight is in its final place: before the KV pool is sized from
     the memory left, after tensor parallelism cut them."""
-    add_dense_copies(model)
+    add_dense_copies(model, model.dtype)
     model.prepack_weights()
 
 

@@ -17,8 +17,9 @@ measured), and plain tensors:
 - plain tensors (`--quantization none`; under gguf, Q8_0/Q6_K matrices other
   than those two and tensors of other types, dequantized to the model's dtype).
 
-Both holders may also keep a dense bfloat16 copy of the kernel's own weight
-values (`PackedWeight`), which matmuls of many rows use (dense_weights.py).
+Both holders may also keep a dense copy of the kernel's own weight values
+(`PackedWeight`; bfloat16, or float32 where bf16 GEMMs are slow), which matmuls
+of many rows use (dense_weights.py).
 
 `Blocks` is the loader's form of a GGUF tensor before the kernel layout is
 chosen: codes, scales and zeros per group, so q/k rows can be permuted and
@@ -45,7 +46,7 @@ _BLOCK_N = 64  # the rows of a block in aten's int4 layout, at most (_int4_layou
 
 
 class PackedWeight:
-    """A weight for torch's packed kernels, with an optional dense bfloat16 copy of the same values.
+    """A weight for torch's packed kernels, with an optional dense copy of the same values.
 
     Those kernels beat a dense GEMM on few rows (fewer bytes read) but lose on many (they do not
     block for compute), so a matmul of `dense_from` rows or more uses the copy; dense_weights.py
@@ -54,16 +55,17 @@ class PackedWeight:
     """
 
     shape: tuple[int, int]  # (N, K)
-    dense: Tensor | PrepackedWeight | None = None  # ACT_DTYPE [N, K], prepacked where it can be
+    dense: Tensor | PrepackedWeight | None = None  # [N, K], bf16 prepacked where it can be
+    dense_dtype: torch.dtype = ACT_DTYPE  # the copy's (dense_weights.copy_dtype)
     dense_from: int = 1  # rows
 
     def mm(self, x: Tensor) -> Tensor:
         n, k = self.shape
         dense = self.dense
         if dense is not None and x.numel() >= self.dense_from * k:  # (few torch calls: a step
-            if x.dtype == ACT_DTYPE:  # makes 121 of them)
+            if x.dtype == self.dense_dtype:  # makes 121 of them)
                 return linear(x, dense)
-            return linear(x.to(ACT_DTYPE), dense).to(x.dtype)
+            return linear(x.to(self.dense_dtype), dense).to(x.dtype)
         y = self.packed_mm(x.reshape(-1, k).to(ACT_DTYPE).contiguous())
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
@@ -75,15 +77,16 @@ class PackedWeight:
         """W [N, K] float32, as the kernel computes it."""
         raise NotImplementedError
 
-    def add_dense_copy(self) -> None:
-        self.dense = prepack(self.dequantize().to(ACT_DTYPE).contiguous())
+    def add_dense_copy(self, dtype: torch.dtype = ACT_DTYPE) -> None:
+        self.dense = prepack(self.dequantize().to(dtype).contiguous())
+        self.dense_dtype = dtype
 
     def part(self, start: int, stop: int) -> PackedWeight:
         """Output rows start:stop (multiples of 64) as a weight of their own, on the same
         storage, copy included: a big matrix timed in short calls (dense_weights.py)."""
         part = self._rows(start, stop)
         if self.dense is not None:  # (a prepacked copy cannot be cut: the part makes its own)
-            part.add_dense_copy()
+            part.add_dense_copy(self.dense_dtype)
         part.dense_from = self.dense_from
         return part
 
