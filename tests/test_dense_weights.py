@@ -144,8 +144,8 @@ def test_copies_are_bf16_where_onednn_prepacks_else_the_models_float32(models, m
     monkeypatch.setenv("PAGEDKV_DENSE_WEIGHTS", str(FROM))
     try:
         for on in (True, False):
-            monkeypatch.setenv(prepacked.ENV, "1" if on else "0")
-            prepacked.supported.cache_clear()
+            monkeypatch.setenv(prepacked.ENV, "" if on else "0")
+            prepacked.form.cache_clear()
             for dtype in (torch.float32, torch.bfloat16):
                 lm = load_model(models["int8"], dtype, quantization="int8")
                 want = (
@@ -160,7 +160,7 @@ def test_copies_are_bf16_where_onednn_prepacks_else_the_models_float32(models, m
                 }
     finally:
         monkeypatch.delenv(prepacked.ENV)
-        prepacked.supported.cache_clear()
+        prepacked.form.cache_clear()
 
 
 def test_bad_setting_is_a_one_line_error(models, monkeypatch):

@@ -131,16 +131,32 @@ typedef struct {
   int64_t block_size;
 } pagedkv_quant_write_params;
 
+// out = x W^T in bfloat16 on CPUs with AVX512_BF16 (gemm.cpp; pagedkv_bf16_gemm says whether this
+// build has it): float32 sums, rounded once to bfloat16.
+typedef struct {
+  const void* x;                    // [rows, k] bfloat16, rows x_stride apart
+  int64_t x_stride;
+  const void* w;                    // W [n, k] bfloat16 in panels of 32 rows, each [k / 2, 32, 2] (prepacked.py)
+  void* out;                        // [rows, n] bfloat16, rows out_stride apart
+  int64_t out_stride;
+  int64_t rows;
+  int64_t n;
+  int64_t k;                        // even
+  int32_t threads;
+} pagedkv_gemm_bf16_params;
 int pagedkv_paged_attention(const pagedkv_paged_attention_params* params, char* err, int err_len);
 int pagedkv_rms_norm(const pagedkv_rms_norm_params* params, char* err, int err_len);
 int pagedkv_silu_mul(const pagedkv_silu_mul_params* params, char* err, int err_len);
 int pagedkv_rope_cache(const pagedkv_rope_cache_params* params, char* err, int err_len);
 int pagedkv_quant_write(const pagedkv_quant_write_params* params, char* err, int err_len);
+int pagedkv_gemm_bf16(const pagedkv_gemm_bf16_params* params, char* err, int err_len);
 
 // The vector backend the library was built for (vec.h): avx512, avx2, neon or portable.
 const char* pagedkv_isa(void);
 // float32 lanes per vector: 16 with AVX-512, 8 with AVX2 or portable, 4 with NEON.
 int pagedkv_vector_width(void);
+// 1 when gemm_bf16 is built (AVX-512 with AVX512_BF16), else 0.
+int pagedkv_bf16_gemm(void);
 // Entry i of the layout table generated from this file (sizeof / offsetof expressions with
 // their values, and the enum members); null past the last one.
 const char* pagedkv_abi_entry(int64_t i, int64_t* value);

@@ -1,68 +1,133 @@
-"""bfloat16 weights reordered once into oneDNN's blocked layout, for every dense matmul.
+"""bfloat16 weights reordered once at load, for every dense matmul.
 
 `F.linear` on a plain bfloat16 weight lets oneDNN reorder that weight into its blocked form on
-every call: on a 2-core AVX-512 BF16 EPYC a whole decode step of the default model's matmuls
-takes 12.1 ms at 1 row and 31.6 ms at 64 rows that way, against 9.4 and 26.8 ms with weights
-reordered once at load (`torch.ops.mkldnn._reorder_linear_weight`, the op torch's own inductor
-uses for frozen CPU weights; benchmarks/bench_prepacked.py, BENCHMARKS.md "Prepacked weights").
-The results are the same bits as `F.linear`'s (the same oneDNN kernel does the arithmetic), so
-nothing an output depends on changes. vLLM's CPU backend does the same with its own binding.
+every call. Two forms do the reordering once:
+
+- "pairs" (CPUs with AVX512_BF16, when the C++ kernels are built): panels of 32 output columns
+  with consecutive k pairs side by side, multiplied by our own GEMM (csrc/gemm.cpp), which
+  prefetches each panel while it multiplies the one before. On a 2-core AVX-512 BF16 EPYC a
+  decode step of the default model's matmuls takes 21.7 ms at 64 rows against oneDNN's 28.0
+  (prepacked) and 31.6 (plain), 6.0 against 9.4 and 12.1 at one row (BENCHMARKS.md "A bf16
+  GEMM of our own"). Its float32 sums run in another order than oneDNN's, so a result may differ
+  from F.linear's by a bfloat16 rounding step; the probe at start-up checks that bound.
+- "onednn": oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the op torch's
+  inductor uses for frozen CPU weights), the same bits as `F.linear`: 9.4 / 26.8 ms above
+  against 12.1 / 31.6 plain (benchmarks/bench_prepacked.py). Needs AVX-512 (BW, VL, DQ) or
+  AVX-NE-CONVERT.
 
 Only bfloat16: oneDNN's float32 matmul is faster prepacked too, but not bit-equal to torch's
-(MKL) `F.linear`, which `--dtype float32` keeps so that outputs equal transformers. oneDNN's
-bfloat16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere `supported()` is False
-and weights stay plain. $PAGEDKV_PREPACK=0 keeps them plain anywhere (to compare).
+(MKL) `F.linear`, which `--dtype float32` keeps so that outputs equal transformers. Where neither
+form runs, weights stay plain. $PAGEDKV_PREPACK picks: 0 (plain), onednn, or unset (the best
+this machine runs).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedkv import native
+
 log = logging.getLogger("pagedkv")
 
 ENV = "PAGEDKV_PREPACK"
+FORMS = ("pairs", "onednn", "plain")
+PANEL = 32  # output columns of a "pairs" panel (csrc/gemm.cpp)
 
 
 @functools.cache
+def form() -> str:
+    """How bfloat16 weights are kept here: "pairs", "onednn" or "plain" (module docstring)."""
+    setting = os.environ.get(ENV, "").strip().lower()
+    if setting not in ("", "1", "0", "onednn"):
+        raise ValueError(f"{ENV}={setting!r}: want 0, onednn, or unset")
+    if setting == "0":
+        return "plain"
+    if setting != "onednn" and _probe("pairs"):
+        return "pairs"
+    return "onednn" if torch.backends.mkldnn.is_available() and _probe("onednn") else "plain"
+
+
 def supported() -> bool:
-    """Whether this CPU and torch build prepack bfloat16 weights, with F.linear's exact results."""
-    if os.environ.get(ENV, "1").strip() == "0" or not torch.backends.mkldnn.is_available():
-        return False
+    """Whether bfloat16 weights are prepacked here (in either form)."""
+    return form() != "plain"
+
+
+def _probe(kind: str) -> bool:
+    """Whether `kind` runs here and agrees with F.linear: bit for bit (onednn), or within one
+    bfloat16 rounding step of each result (pairs, whose sums run in another order)."""
+    if kind == "pairs":
+        lib = native.library()
+        if lib is None or not lib.bf16_gemm:
+            return False
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(64, 96, generator=gen).to(torch.bfloat16)
-    x = torch.randn(3, 96, generator=gen).to(torch.bfloat16)
+    w = torch.randn(80, 96, generator=gen).to(torch.bfloat16)
+    x = torch.randn(13, 96, generator=gen).to(torch.bfloat16)
     try:
-        same = torch.equal(PrepackedWeight.of(w).mm(x), F.linear(x, w))
-    except (RuntimeError, AttributeError) as e:  # no such op, or the CPU lacks what it needs
-        log.info("bfloat16 weights stay plain: oneDNN cannot prepack them here (%s)", e)
+        got, want = PrepackedWeight.of(w, kind).mm(x).float(), F.linear(x, w).float()
+    except (RuntimeError, AttributeError, native.KernelError) as e:  # no such op, or CPU lacks it
+        log.info("bfloat16 weights: %s prepacking does not run here (%s)", kind, e)
         return False
+    step = want.abs().clamp_min(2**-100) * 2**-7  # a bfloat16 rounding step of each result
+    same = torch.equal(got, want) if kind == "onednn" else bool(((got - want).abs() <= step).all())
     if not same:
-        log.info("bfloat16 weights stay plain: oneDNN's prepacked matmul differs from F.linear")
+        log.warning("bfloat16 weights: %s prepacking disagrees with F.linear; not used", kind)
     return same
 
 
 @dataclass
 class PrepackedWeight:
-    """A [N, K] bfloat16 weight in oneDNN's blocked layout: `mm(x)` is F.linear(x, w)."""
+    """A [N, K] bfloat16 weight in one of the prepacked forms: `mm(x)` is F.linear(x, w)."""
 
-    packed: Tensor  # an opaque mkldnn tensor
+    packed: Tensor  # pairs: the N K values in panels (gemm.cpp); onednn: an opaque mkldnn tensor
     shape: tuple[int, int]  # (N, K)
+    kind: str  # "pairs" or "onednn"
 
     @classmethod
-    def of(cls, w: Tensor) -> PrepackedWeight:
+    def of(cls, w: Tensor, kind: str) -> PrepackedWeight:
         n, k = w.shape
+        w = w.contiguous()
+        if kind == "pairs":  # panels of PANEL rows of w (the last may have fewer), [k/2, rows, 2]
+            parts = w.split(PANEL)
+            packed = torch.cat([p.view(-1, k // 2, 2).transpose(0, 1).reshape(-1) for p in parts])
+            return cls(packed, (n, k), kind)
         # (the second argument is a batch-size hint; measured: no effect on speed at 1-1024 rows)
-        return cls(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1), (n, k))
+        return cls(torch.ops.mkldnn._reorder_linear_weight(w, 1), (n, k), kind)
+
+    # pairs: gemm_bf16's parameters with the weight's fields filled (mm sets the others; a model
+    # runs one forward at a time, so one struct per weight serves every call)
+    _params: ctypes.Structure | None = field(default=None, init=False, repr=False, compare=False)
 
     def mm(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if self.kind == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        n, k = self.shape
+        if x.dim() != 2:
+            return self.mm(x.reshape(-1, k)).view(*x.shape[:-1], n)
+        if x.dtype != torch.bfloat16:
+            raise native.KernelError(f"gemm_bf16: x must be bfloat16, got {x.dtype}")
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        lib = native.library()
+        assert lib is not None  # (form() found it)
+        p = self._params
+        if p is None:
+            p = self._params = lib.params(
+                "gemm_bf16", x=0, x_stride=0, w=self.packed.data_ptr(), out=0,
+                out_stride=n, rows=0, n=n, k=k, threads=1,
+            )  # fmt: skip
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        p.x, p.x_stride, p.out, p.rows = x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0]
+        p.threads = torch.get_num_threads()
+        lib.run("gemm_bf16", p)
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -73,9 +138,12 @@ def prepack(w: Tensor) -> Tensor | PrepackedWeight:
     """w prepacked when it is a bfloat16 matrix and this machine supports it, else w itself."""
     if w.dtype != torch.bfloat16 or w.dim() != 2 or w.device.type != "cpu" or not supported():
         return w
-    return PrepackedWeight.of(w)
+    kind = form()
+    if kind == "pairs" and w.shape[1] % 2:  # (the kernel takes k in pairs)
+        return w
+    return PrepackedWeight.of(w, kind)
 
 
 def dense_form() -> str:
     """How bfloat16 matmuls run here, for the keys of start-up measurements that timed them."""
-    return "prepacked" if supported() else "plain"
+    return {"pairs": "pairs", "onednn": "prepacked", "plain": "plain"}[form()]
