@@ -32,7 +32,14 @@ def test_the_header_declares_every_kernel_with_its_struct() -> None:
     abi = native_abi.parse(HEADER)
     assert abi.kernels() == {
         k: f"pagedkv_{k}_params"
-        for k in ("paged_attention", "rms_norm", "silu_mul", "rope_cache", "quant_write")
+        for k in (
+            "paged_attention",
+            "rms_norm",
+            "silu_mul",
+            "rope_cache",
+            "quant_write",
+            "gemm_bf16",
+        )
     }
     assert native.DTYPES == {
         torch.float32: 0,
