@@ -44,8 +44,8 @@ from pagedkv import native_abi
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = tuple(
-    _CSRC / f for f in ("paged_attention.cpp", "layer_ops.cpp", "kv_quant.cpp", "gemm.cpp")
+SOURCES = tuple(
+    _CSRC / f"{name}.cpp" for name in ("paged_attention", "layer_ops", "kv_quant", "gemm", "argmax")
 )
 # everything else the binary depends on: the headers, and the generator of its layout table
 _INPUTS = (*sorted(_CSRC.glob("*.h")), Path(native_abi.__file__))
@@ -245,7 +245,7 @@ def _build_key(cflags: tuple[str, ...] | None = None) -> str:
     and (for -march=native) the CPU."""
     cflags = cflags if cflags is not None else isa_cflags(selected_isa())
     digest = hashlib.sha256()
-    for path in _SOURCES + _INPUTS:
+    for path in SOURCES + _INPUTS:
         digest.update(path.read_bytes())
     digest.update(repr((cflags, _LDFLAGS, torch.__version__, _cpu_features())).encode())
     return digest.hexdigest()[:16]
@@ -286,7 +286,7 @@ def _build(isa: str | None = None) -> Path:
         # (load() appends to the flag lists it is given: hand it copies.)
         cpp_extension.load(
             name=name,
-            sources=[str(p) for p in (*_SOURCES, layout)],
+            sources=[str(p) for p in (*SOURCES, layout)],
             extra_cflags=list(cflags),
             extra_include_paths=[str(_CSRC)],
             extra_ldflags=list(_LDFLAGS),

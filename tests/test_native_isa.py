@@ -86,9 +86,7 @@ def test_harness_against_each_native_variant(isa: str, tmp_path: Path) -> None:
 def test_harness_on_aarch64_neon_under_qemu(tmp_path: Path) -> None:
     """The kernels cross-compiled for AArch64 (vec.h picks NEON there) and run under qemu-user."""
     exe = tmp_path / "harness"
-    sources = [str(HARNESS)] + [
-        str(CSRC / f"{name}.cpp") for name in ("paged_attention", "layer_ops", "kv_quant")
-    ]
+    sources = [str(HARNESS)] + [str(p) for p in native.SOURCES]
     subprocess.run(
         [
             CROSS_CXX,

@@ -144,12 +144,23 @@ typedef struct {
   int64_t k;                        // even
   int32_t threads;
 } pagedkv_gemm_bf16_params;
+// Greedy tokens (argmax.cpp): out[r] = the index of row r's first maximum; a row holding NaN gives
+// its first NaN's index (torch's max counts NaN as the largest).
+typedef struct {
+  const float* x;                   // [rows, n], rows x_stride apart
+  int64_t x_stride;
+  int64_t* out;                     // [rows]
+  int64_t rows;
+  int64_t n;                        // at most 2^24 (indices are counted in float32 lanes)
+  int32_t threads;
+} pagedkv_argmax_params;
 int pagedkv_paged_attention(const pagedkv_paged_attention_params* params, char* err, int err_len);
 int pagedkv_rms_norm(const pagedkv_rms_norm_params* params, char* err, int err_len);
 int pagedkv_silu_mul(const pagedkv_silu_mul_params* params, char* err, int err_len);
 int pagedkv_rope_cache(const pagedkv_rope_cache_params* params, char* err, int err_len);
 int pagedkv_quant_write(const pagedkv_quant_write_params* params, char* err, int err_len);
 int pagedkv_gemm_bf16(const pagedkv_gemm_bf16_params* params, char* err, int err_len);
+int pagedkv_argmax(const pagedkv_argmax_params* params, char* err, int err_len);
 
 // The vector backend the library was built for (vec.h): avx512, avx2, neon or portable.
 const char* pagedkv_isa(void);

@@ -278,6 +278,63 @@ void quant_write(int format, int64_t D) {
   check(std::string("quant_write ") + kName[format] + " D=" + std::to_string(D), want, got, format == PAGEDKV_DTYPE_INT8 ? 0.5 : 0.0625);
 }
 
+// Greedy tokens: each row's first maximum, with ties, rows of -inf and a NaN (torch's rule: the
+// first NaN) among them.
+void argmax(int64_t n) {
+  const int64_t rows = 5;
+  std::vector<float> x(rows * n);
+  for (float& f : x) f = float(randint(-3, 3));  // many ties
+  for (int64_t c = 0; c < n; ++c) x[n + c] = -INFINITY;
+  x[3 * n + n / 2] = NAN;
+  x[3 * n + n - 1] = NAN;
+  std::vector<int64_t> out(rows, -1);
+  pagedkv_argmax_params p{x.data(), n, out.data(), rows, n, 2};
+  ran(pagedkv_argmax(&p, err, sizeof err), "argmax");
+  bool ok = true;
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t want = 0;
+    for (int64_t c = 0; c < n; ++c) {
+      const float v = x[r * n + c];
+      if (std::isnan(v)) { want = c; break; }
+      if (v > x[r * n + want]) want = c;
+    }
+    ok &= out[r] == want;
+  }
+  (ok ? passed : failed)++;
+  std::printf("%s argmax n=%lld\n", ok ? "ok  " : "FAIL", (long long)n);
+}
+
+// The bf16 GEMM where the build has it (AVX512_BF16) against the product in double; elsewhere
+// it must refuse.
+void gemm_bf16(int64_t rows, int64_t n, int64_t k) {
+  Buf x(PAGEDKV_DTYPE_BFLOAT16, rows * k), w(PAGEDKV_DTYPE_BFLOAT16, n * k), out(PAGEDKV_DTYPE_BFLOAT16, rows * n);
+  x.fill_random(-1, 1); w.fill_random(-1, 1);
+  Buf packed(PAGEDKV_DTYPE_BFLOAT16, n * k);  // panels of 32 rows of w, each [k / 2][rows][2]
+  for (int64_t p0 = 0, at = 0; p0 < n; p0 += 32) {
+    const int64_t cols = std::min<int64_t>(32, n - p0);
+    for (int64_t kp = 0; kp < k / 2; ++kp)
+      for (int64_t c = 0; c < cols; ++c)
+        for (int j = 0; j < 2; ++j) packed.set(at++, w.get((p0 + c) * k + 2 * kp + j));
+  }
+  pagedkv_gemm_bf16_params p{x.data(), k, packed.data(), out.data(), n, rows, n, k, 2};
+  const int status = pagedkv_gemm_bf16(&p, err, sizeof err);
+  const std::string tag = "gemm_bf16 " + std::to_string(rows) + "x" + std::to_string(n) + "x" + std::to_string(k);
+  if (!pagedkv_bf16_gemm()) {
+    (status ? passed : failed)++;
+    std::printf("%s %s refused without AVX512_BF16\n", status ? "ok  " : "FAIL", tag.c_str());
+    return;
+  }
+  ran(status, "gemm_bf16");
+  std::vector<double> want(rows * n);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; ++c) {
+      double s = 0;
+      for (int64_t i = 0; i < k; ++i) s += x.get(r * k + i) * w.get(c * k + i);
+      want[r * n + c] = s;
+    }
+  check(tag, want, out, kTol[PAGEDKV_DTYPE_BFLOAT16]);
+}
+
 }  // namespace
 
 int main() {
@@ -290,6 +347,9 @@ int main() {
   }
   attention(PAGEDKV_DTYPE_BFLOAT16, -1, 128, 1);
   for (int fmt : {PAGEDKV_DTYPE_INT8, PAGEDKV_DTYPE_FLOAT8_E4M3FN}) for (int64_t D : {64, 36}) quant_write(fmt, D);
+  for (int64_t n : {1, 37, 1000}) argmax(n);
+  gemm_bf16(3, 40, 64);
+  gemm_bf16(29, 96, 576);
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }
