@@ -69,7 +69,7 @@ def test_a_prepacked_matmul_is_f_linear(kind, shape, prepacking):
         assert packed.nbytes == w.numel() * 2
     threads = torch.get_num_threads()
     try:
-        for rows, t in ((1, 1), (3, 2), (17, 3), (64, 2), (300, 2), (301, 3)):
+        for rows, t in ((1, 1), (3, 2), (17, 3), (64, 2), (64, 16), (300, 2), (301, 3)):
             torch.set_num_threads(t)
             x = torch.randn(rows, shape[1], generator=gen).to(torch.bfloat16)
             got = packed.mm(x)

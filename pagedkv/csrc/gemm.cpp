@@ -108,11 +108,15 @@ void gemm(const pagedkv_gemm_bf16_params& P) {
   const auto* w = static_cast<const uint16_t*>(P.w);
   bf16* y = static_cast<bf16*>(P.out);
   const int64_t pairs = P.k / 2, panels = (P.n + kCols - 1) / kCols, panel_elems = P.k * kCols;
-  // as few chunks as keep each within kChunkBytes, of equal rows (whole row blocks but the last)
+  // Chunks of equal rows (whole row blocks but the last): as few as keep each within kChunkBytes,
+  // unless the panels alone are too few to give every thread about four items (a narrow matrix
+  // on many cores), and never more than there are row blocks.
   const int64_t most = std::max<int64_t>(kRowBlock, kChunkBytes / (2 * P.k));
-  const int64_t chunks = (P.rows + most - 1) / most;
-  const int64_t chunk = ((P.rows + chunks - 1) / chunks + kRowBlock - 1) / kRowBlock * kRowBlock;
-  const int64_t items = chunks * panels;
+  const int64_t blocks = (P.rows + kRowBlock - 1) / kRowBlock;
+  const int64_t spread = (4 * int64_t(std::max(1, P.threads)) + panels - 1) / panels;
+  const int64_t want = std::max<int64_t>(1, std::min(blocks, std::max((P.rows + most - 1) / most, spread)));
+  const int64_t chunk = ((P.rows + want - 1) / want + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const int64_t items = (P.rows + chunk - 1) / chunk * panels;
   const int threads = int(std::max<int64_t>(1, std::min<int64_t>(P.threads, items)));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
