@@ -39,6 +39,7 @@ def test_the_header_declares_every_kernel_with_its_struct() -> None:
             "rope_cache",
             "quant_write",
             "gemm_bf16",
+            "gemm_int4",
             "argmax",
         )
     }

@@ -20,6 +20,7 @@ from pagedkv import native
 from pagedkv.model import prepacked
 from pagedkv.model.loader import load_model
 from pagedkv.model.prepacked import PrepackedWeight, prepack
+from pagedkv.model.quant_linear import Blocks, pack_int4
 from pagedkv.sim.shapes import resolve_shape
 
 PROMPT = "Paged attention keeps the KV cache in blocks. Hello world!"
@@ -158,3 +159,48 @@ def test_plan_counts_the_tied_head_copy(tied_model, tmp_path, prepacking):
     lm = load_model(str(gguf), torch.bfloat16, quantization="none")
     assert (lm.model.lm_head is lm.model.embed_tokens) is not on
     assert resolve_shape(str(gguf), quantization="none").weight_bytes == lm.model.weight_bytes()
+
+
+@pytest.mark.parametrize(
+    "n,k,group", [(64, 64, 32), (128, 576, 32), (192, 1536, 64), (64, 256, 128)]
+)
+def test_int4_panels_hold_aten_layouts_weights_and_multiply_them(n, k, group, prepacking):
+    """4-bit weights in our GEMM's panels (where it runs): the same values as aten's layout, whole,
+    by rows (embedding lookups) and in parts; products within rounding of the float64 one."""
+    gen = torch.Generator().manual_seed(n + k)
+    scale, zero = torch.rand(2, n, k // group, generator=gen) * 0.01
+    b = Blocks(
+        torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+        scale,
+        zero - 0.005,
+        group,
+        4,
+    )
+    prepacking("onednn")
+    aten = pack_int4(b)
+    if not prepacking("") or prepacked.form() != "pairs":
+        assert not pack_int4(b).panels  # no AVX512_BF16 here: aten's layout
+        return
+    ours = pack_int4(b)
+    assert ours.panels and not aten.panels and ours.packed_nbytes == aten.packed_nbytes
+    w = aten.dequantize()
+    assert torch.equal(ours.dequantize(), w)
+    ids = torch.tensor([0, 5, 17, 31, 32, 47, n - 1])
+    assert torch.equal(ours.rows(ids, torch.float32), w[ids])
+    assert torch.equal(ours.part(32, 64).dequantize(), w[32:64])
+    threads = torch.get_num_threads()
+    try:
+        for rows, t in ((1, 1), (5, 2), (6, 2), (7, 3), (13, 2), (64, 16)):
+            torch.set_num_threads(t)
+            x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+            exact = x.double() @ w.double().T
+            bound = exact.abs() * 2**-8 + (x.double().abs() @ w.double().abs().T) * 2**-20
+            assert ((ours.packed_mm(x).double() - exact).abs() <= bound).all(), (rows, t)
+    finally:
+        torch.set_num_threads(threads)
+    lib = native.library()
+    with pytest.raises(native.KernelError, match="multiple of 32"):
+        lib.call(
+            "gemm_int4", x=0, x_stride=k, codes=0, scales=0, out=0, out_stride=48, rows=1, n=48,
+            k=k, group=group, threads=1,
+        )  # fmt: skip

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <vector>
 
 #include <omp.h>
 
@@ -103,35 +104,148 @@ void panel_rows(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int6
   }
 }
 
+// Runs run(r0, rows, panel, ahead) over (chunk of rows, panel) pairs, split into contiguous ranges
+// among the threads; `ahead` is true when the same thread takes the next panel of the chunk next
+// (so its weights may be prefetched). Chunks are of equal rows (whole row blocks of `block` but the
+// last): as few as keep each within kChunkBytes of x, unless the panels alone are too few to give
+// every thread about four items (a narrow matrix on many cores), and never more than there are
+// row blocks.
+template <typename F>
+void over_items(int64_t rows, int64_t panels, int64_t k, int64_t block, int max_threads, F&& run) {
+  const int64_t most = std::max<int64_t>(block, kChunkBytes / (2 * k));
+  const int64_t blocks = (rows + block - 1) / block;
+  const int64_t spread = (4 * int64_t(std::max(1, max_threads)) + panels - 1) / panels;
+  const int64_t want = std::max<int64_t>(1, std::min(blocks, std::max((rows + most - 1) / most, spread)));
+  const int64_t chunk = ((rows + want - 1) / want + block - 1) / block * block;
+  const int64_t items = (rows + chunk - 1) / chunk * panels;
+  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(max_threads, items)));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t lo = items * t / nt, hi = items * (t + 1) / nt;  // chunk-major
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t r0 = i / panels * chunk;
+      run(r0, std::min(chunk, rows - r0), i % panels, i + 1 < hi && (i + 1) % panels != 0);
+    }
+  }
+}
+
 void gemm(const pagedkv_gemm_bf16_params& P) {
   const auto* x = static_cast<const uint16_t*>(P.x);
   const auto* w = static_cast<const uint16_t*>(P.w);
   bf16* y = static_cast<bf16*>(P.out);
   const int64_t pairs = P.k / 2, panels = (P.n + kCols - 1) / kCols, panel_elems = P.k * kCols;
-  // Chunks of equal rows (whole row blocks but the last): as few as keep each within kChunkBytes,
-  // unless the panels alone are too few to give every thread about four items (a narrow matrix
-  // on many cores), and never more than there are row blocks.
-  const int64_t most = std::max<int64_t>(kRowBlock, kChunkBytes / (2 * P.k));
-  const int64_t blocks = (P.rows + kRowBlock - 1) / kRowBlock;
-  const int64_t spread = (4 * int64_t(std::max(1, P.threads)) + panels - 1) / panels;
-  const int64_t want = std::max<int64_t>(1, std::min(blocks, std::max((P.rows + most - 1) / most, spread)));
-  const int64_t chunk = ((P.rows + want - 1) / want + kRowBlock - 1) / kRowBlock * kRowBlock;
-  const int64_t items = (P.rows + chunk - 1) / chunk * panels;
-  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(P.threads, items)));
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t lo = items * t / nt, hi = items * (t + 1) / nt;  // (chunk, panel) pairs, chunk-major
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t c = i / panels, p = i % panels, r0 = c * chunk;
-      const bool next_here = i + 1 < hi && (i + 1) % panels != 0;
-      const char* ahead = next_here ? reinterpret_cast<const char*>(w + (p + 1) * panel_elems) : nullptr;
-      const int cols = int(std::min<int64_t>(kCols, P.n - p * kCols));
-      const auto run = cols == kCols ? panel_rows<true> : panel_rows<false>;
-      run(x + r0 * P.x_stride, P.x_stride, w + p * panel_elems, pairs, y + r0 * P.out_stride + p * kCols,
-          P.out_stride, cols, std::min(chunk, P.rows - r0), ahead);
+  over_items(P.rows, panels, P.k, kRowBlock, P.threads, [&](int64_t r0, int64_t rows, int64_t p, bool ahead) {
+    const char* next = ahead ? reinterpret_cast<const char*>(w + (p + 1) * panel_elems) : nullptr;
+    const int cols = int(std::min<int64_t>(kCols, P.n - p * kCols));
+    const auto run = cols == kCols ? panel_rows<true> : panel_rows<false>;
+    run(x + r0 * P.x_stride, P.x_stride, w + p * panel_elems, pairs, y + r0 * P.out_stride + p * kCols, P.out_stride,
+        cols, rows, next);
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// 4-bit weights, w = (q - 8) * scale + zero per group of k (torch's int4 convention; GGUF's
+// Q4_0 / Q4_1 / Q4_K map onto it, quant_linear.py). A panel of 32 columns holds per k pair 32
+// bytes of codes: byte j's low nibble is element j of the pair row (column j / 2, k parity
+// j % 2), its high nibble element j + 32 (column 16 + j / 2); then per group the 32 scales and
+// the 32 zeros in bf16. One table lookup (vpermw) turns 32 codes into bf16 (q - 8), exact, so a
+// group's dot products run as in the bf16 kernel and are scaled once a group:
+//   out = sum_g scale_g * (x . (q - 8))_g + zero_g * sum_g x.
+// A quarter of the bf16 weights' bytes: at few rows, where the bytes are the cost, 1.5-2x the
+// speed of torch's int4 kernel (BENCHMARKS.md "A bf16 GEMM of our own").
+
+constexpr int kRowBlock4 = 6;  // rows: 12 sums + 12 group partials + 2 W vectors + table + mask
+
+inline __m512 bf16_to_float(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+template <int R>
+__attribute__((always_inline)) inline void micro4(const uint16_t* x, int64_t x_stride, const float* xsum,
+                                                  int64_t groups, const uint8_t* codes, const uint16_t* sz,
+                                                  int64_t group, bf16* y, int64_t y_stride, const char* ahead,
+                                                  int64_t ahead_bytes) {
+  alignas(64) uint16_t lut[32];
+  for (int q = 0; q < 32; ++q) {  // bf16 of q - 8 (exact: small integers)
+    const float f = float((q & 15) - 8);
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    lut[q] = uint16_t(u >> 16);
+  }
+  const __m512i table = _mm512_load_si512(lut), low = _mm512_set1_epi16(15);
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t gp = group / 2;  // k pairs a group
+  int64_t fetched = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[R][2];
+    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
+    for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
+      if (ahead && fetched < ahead_bytes) {
+        prefetch(ahead + fetched);
+        fetched += 64;
+      }
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(codes + p * 32)));
+      const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, low), table);
+      const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        __builtin_memcpy(&pair, x + r * x_stride + 2 * p, 4);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        part[r][0] = _mm512_dpbf16_ps(part[r][0], a, w0);
+        part[r][1] = _mm512_dpbf16_ps(part[r][1], a, w1);
+      }
+    }
+    const uint16_t* s = sz + g * 64;
+    const __m512 s0 = bf16_to_float(s), s1 = bf16_to_float(s + 16);
+    const __m512 z0 = bf16_to_float(s + 32), z1 = bf16_to_float(s + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xs = _mm512_set1_ps(xsum[r * groups + g]);
+      acc[r][0] = _mm512_fmadd_ps(part[r][0], s0, _mm512_fmadd_ps(xs, z0, acc[r][0]));
+      acc[r][1] = _mm512_fmadd_ps(part[r][1], s1, _mm512_fmadd_ps(xs, z1, acc[r][1]));
     }
   }
+  for (int r = 0; r < R; ++r) {
+    store(y + r * y_stride, acc[r][0], kFull);
+    store(y + r * y_stride + W, acc[r][1], kFull);
+  }
+}
+
+void gemm_int4(const pagedkv_gemm_int4_params& P) {
+  const auto* x = static_cast<const uint16_t*>(P.x);
+  const auto* codes = static_cast<const uint8_t*>(P.codes);
+  const auto* sz = static_cast<const uint16_t*>(P.scales);
+  bf16* y = static_cast<bf16*>(P.out);
+  const int64_t groups = P.k / P.group, panels = P.n / kCols;
+  const int64_t code_bytes = P.k / 2 * kCols, sz_elems = groups * 2 * kCols;
+  // each row's sum of x over each group (the zeros' term), once for all panels
+  std::vector<float> xsum(size_t(P.rows * groups));
+  for (int64_t r = 0; r < P.rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const bf16* xr = reinterpret_cast<const bf16*>(x + r * P.x_stride + g * P.group);
+      Vec s = zero();
+      for (int64_t c = 0; c < P.group; c += W) s = add(s, load(xr + c, lanes(P.group, c)));
+      xsum[size_t(r * groups + g)] = hsum(s);
+    }
+  over_items(P.rows, panels, P.k, kRowBlock4, P.threads, [&](int64_t r0, int64_t rows, int64_t p, bool ahead) {
+    const uint8_t* c = codes + p * code_bytes;
+    const uint16_t* s = sz + p * sz_elems;
+    const char* next = ahead ? reinterpret_cast<const char*>(c + code_bytes) : nullptr;
+    for (int64_t r = r0; r < r0 + rows; r += kRowBlock4, next = nullptr) {
+      const uint16_t* xr = x + r * P.x_stride;
+      const float* xs = xsum.data() + r * groups;
+      bf16* yr = y + r * P.out_stride + p * kCols;
+      switch (std::min<int64_t>(kRowBlock4, r0 + rows - r)) {
+#define PAGEDKV_ROWS(n) \
+  case n: micro4<n>(xr, P.x_stride, xs, groups, c, s, P.group, yr, P.out_stride, next, code_bytes); break;
+        PAGEDKV_ROWS(1) PAGEDKV_ROWS(2) PAGEDKV_ROWS(3) PAGEDKV_ROWS(4) PAGEDKV_ROWS(5) PAGEDKV_ROWS(6)
+#undef PAGEDKV_ROWS
+        default: break;
+      }
+    }
+  });
 }
 
 #endif  // PAGEDKV_BF16_GEMM
@@ -153,6 +267,23 @@ int pagedkv_gemm_bf16(const pagedkv_gemm_bf16_params* p, char* err, int errlen) 
 #else
   (void)p;
   return fail(err, errlen, "the bf16 GEMM needs AVX512_BF16, which this build lacks", 0, 0);
+#endif
+}
+
+int pagedkv_gemm_int4(const pagedkv_gemm_int4_params* p, char* err, int errlen) {
+#ifdef PAGEDKV_BF16_GEMM
+  const pagedkv_gemm_int4_params& P = *p;
+  if (P.rows < 0 || P.n < kCols || P.n % kCols || P.group < 2 || P.group % 2 || P.k < P.group || P.k % P.group)
+    return fail(err, errlen, "need n a multiple of 32 and k a multiple of an even group (n = %lld, k = %lld)", P.n,
+                P.k);
+  if (P.x_stride < P.k || P.out_stride < P.n)
+    return fail(err, errlen, "row strides below the row lengths (x_stride %lld, out_stride %lld)", P.x_stride,
+                P.out_stride);
+  if (P.rows > 0) gemm_int4(P);
+  return 0;
+#else
+  (void)p;
+  return fail(err, errlen, "the int4 GEMM needs AVX512_BF16, which this build lacks", 0, 0);
 #endif
 }
 

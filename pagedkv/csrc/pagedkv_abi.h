@@ -144,6 +144,20 @@ typedef struct {
   int64_t k;                        // even
   int32_t threads;
 } pagedkv_gemm_bf16_params;
+// The same with 4-bit weights, w = (q - 8) * scale + zero per group of k (gemm.cpp; AVX512_BF16).
+typedef struct {
+  const void* x;                    // [rows, k] bfloat16, rows x_stride apart
+  int64_t x_stride;
+  const void* codes;                // uint8 [n / 32, k / 2, 32]: a panel's codes per k pair (gemm.cpp)
+  const void* scales;               // bfloat16 [n / 32, k / group, 2, 32]: scales, then zeros
+  void* out;                        // [rows, n] bfloat16, rows out_stride apart
+  int64_t out_stride;
+  int64_t rows;
+  int64_t n;                        // a multiple of 32
+  int64_t k;                        // a multiple of group
+  int64_t group;                    // even
+  int32_t threads;
+} pagedkv_gemm_int4_params;
 // Greedy tokens (argmax.cpp): out[r] = the index of row r's first maximum; a row holding NaN gives
 // its first NaN's index (torch's max counts NaN as the largest).
 typedef struct {
@@ -160,13 +174,14 @@ int pagedkv_silu_mul(const pagedkv_silu_mul_params* params, char* err, int err_l
 int pagedkv_rope_cache(const pagedkv_rope_cache_params* params, char* err, int err_len);
 int pagedkv_quant_write(const pagedkv_quant_write_params* params, char* err, int err_len);
 int pagedkv_gemm_bf16(const pagedkv_gemm_bf16_params* params, char* err, int err_len);
+int pagedkv_gemm_int4(const pagedkv_gemm_int4_params* params, char* err, int err_len);
 int pagedkv_argmax(const pagedkv_argmax_params* params, char* err, int err_len);
 
 // The vector backend the library was built for (vec.h): avx512, avx2, neon or portable.
 const char* pagedkv_isa(void);
 // float32 lanes per vector: 16 with AVX-512, 8 with AVX2 or portable, 4 with NEON.
 int pagedkv_vector_width(void);
-// 1 when gemm_bf16 is built (AVX-512 with AVX512_BF16), else 0.
+// 1 when gemm_bf16 and gemm_int4 are built (AVX-512 with AVX512_BF16), else 0.
 int pagedkv_bf16_gemm(void);
 // Entry i of the layout table generated from this file (sizeof / offsetof expressions with
 // their values, and the enum members); null past the last one.

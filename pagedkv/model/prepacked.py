@@ -115,23 +115,28 @@ class PrepackedWeight:
             raise native.KernelError(f"gemm_bf16: x must be bfloat16, got {x.dtype}")
         if x.stride(-1) != 1:
             x = x.contiguous()
-        lib = native.library()
-        assert lib is not None  # (form() found it)
-        p = self._params
-        if p is None:
-            p = self._params = lib.params(
-                "gemm_bf16", x=0, x_stride=0, w=self.packed.data_ptr(), out=0,
-                out_stride=n, rows=0, n=n, k=k, threads=1,
+        if self._params is None:
+            self._params = native.library().params(  # type: ignore[union-attr] # (form() found it)
+                "gemm_bf16", x=0, x_stride=0, w=self.packed.data_ptr(), out=0, out_stride=n,
+                rows=0, n=n, k=k, threads=1,
             )  # fmt: skip
-        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-        p.x, p.x_stride, p.out, p.rows = x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0]
-        p.threads = torch.get_num_threads()
-        lib.run("gemm_bf16", p)
-        return out
+        return run_gemm("gemm_bf16", self._params, x, n)
 
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes
+
+
+def run_gemm(kernel: str, params: ctypes.Structure, x: Tensor, n: int) -> Tensor:
+    """[rows, n] bfloat16: x [rows, k] (bfloat16, unit stride) times the weight whose fields
+    `params` of a gemm.cpp kernel hold; sets the others."""
+    lib = native.library()
+    assert lib is not None
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    params.x, params.x_stride, params.out = x.data_ptr(), x.stride(0), out.data_ptr()
+    params.rows, params.threads = x.shape[0], torch.get_num_threads()
+    lib.run(kernel, params)
+    return out
 
 
 def prepack(w: Tensor) -> Tensor | PrepackedWeight:

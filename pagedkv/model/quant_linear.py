@@ -1,11 +1,12 @@
 """Weights kept at low precision, and the one `linear(x, w)` the forward calls.
 
-Two quantized holders, multiplied by torch's packed CPU kernels, which want
-bfloat16 activations and scales (their float32 versions are 20-40x slower,
-measured), and plain tensors:
+Two quantized holders, multiplied by packed CPU kernels that want bfloat16
+activations and scales (torch's float32 versions are 20-40x slower, measured),
+and plain tensors:
 
 - `Int4Weight`: 4 bits per weight, a scale and a zero per group of 32 along K
-  (`aten._weight_int4pack_mm_for_cpu`, w = (q - 8) * scale + zero). GGUF's
+  (w = (q - 8) * scale + zero), multiplied by our gemm_int4 (csrc/gemm.cpp) on
+  CPUs with AVX512_BF16, else by `aten._weight_int4pack_mm_for_cpu`. GGUF's
   Q4_0 (d, zero -8d), Q4_1 (d, m) and Q4_K (per-32 sub-block d*sc, -dmin*m) map
   onto it with the same 4-bit codes; only the scales and zeros are rounded from
   float16 to bfloat16 (a relative error <= 2^-9 of each).
@@ -28,6 +29,7 @@ q/k/v parts concatenated before packing (the packed layout cannot be cut).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass, field
 
@@ -38,7 +40,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from torch import Tensor
 
-from pagedkv.model.prepacked import PrepackedWeight, prepack
+from pagedkv import native
+from pagedkv.model.prepacked import PrepackedWeight, form, prepack, run_gemm
 
 ACT_DTYPE = torch.bfloat16  # what the packed kernels take and return
 INT4_GROUPS = (32, 64, 128)  # group sizes aten's int4 CPU kernel accepts
@@ -98,6 +101,11 @@ class PackedWeight:
         raise NotImplementedError
 
     @property
+    def kind(self) -> str:
+        """Which packed kernel runs it (the key of its measured crossover)."""
+        return type(self).__name__
+
+    @property
     def nbytes(self) -> int:
         return self.packed_nbytes + (0 if self.dense is None else self.dense.nbytes)
 
@@ -125,19 +133,53 @@ def _int4_layout() -> tuple[int, Tensor, Tensor]:
 
 @dataclass
 class Int4Weight(PackedWeight):
-    packed: Tensor  # uint8 [N, K/2], aten's CPU int4 layout (N a multiple of 64)
-    scales_zeros: Tensor  # bfloat16 [K/group, N, 2]
+    """4-bit codes with a bf16 scale and zero per group: w = (q - 8) * scale + zero.
+
+    Two layouts of the same bytes: aten's (its CPU int4 kernel), or, where our AVX512_BF16
+    GEMM runs (prepacked.form() == "pairs"), panels of 32 output rows for csrc/gemm.cpp's
+    gemm_int4, 1.5-2x faster at few rows (BENCHMARKS.md "A bf16 GEMM of our own")."""
+
+    packed: Tensor  # aten: uint8 [N, K/2] (N a multiple of 64); panels: uint8 [N/32, K/2, 32]
+    scales_zeros: Tensor  # aten: bfloat16 [K/group, N, 2]; panels: [N/32, K/group, 2, 32]
     group: int
     shape: tuple[int, int]  # (N, K)
+    panels: bool = False
+    _params: ctypes.Structure | None = field(default=None, init=False, repr=False, compare=False)
 
     def packed_mm(self, x: Tensor) -> Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.packed, self.group, self.scales_zeros
-        )
-
-    def _values(self, ids: Tensor | None) -> Tensor:
-        """Rows `ids` of W (None: all) as float32 [T, K], unpacked from aten's layout."""
+        if not self.panels:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.packed, self.group, self.scales_zeros
+            )
         n, k = self.shape
+        if self._params is None:
+            self._params = native.library().params(  # type: ignore[union-attr] # (panels: it runs)
+                "gemm_int4", x=0, x_stride=0, codes=self.packed.data_ptr(),
+                scales=self.scales_zeros.data_ptr(), out=0, out_stride=n, rows=0, n=n, k=k,
+                group=self.group, threads=1,
+            )  # fmt: skip
+        return run_gemm("gemm_int4", self._params, x, n)
+
+    @property
+    def kind(self) -> str:
+        return "Int4Weight (panels)" if self.panels else "Int4Weight"
+
+    def _codes_and_scales(self, ids: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Codes [T, K] (rows `ids` of W, None: all) and their scales and zeros [T, K/group]."""
+        n, k = self.shape
+        if self.panels:
+            sz = self.scales_zeros  # [N/32, G, 2, 32]
+            if ids is None:
+                lo_hi = torch.stack([self.packed & 15, self.packed >> 4], dim=2)  # [P, K/2, 2, 32]
+                raw = lo_hi.view(-1, k // 2, 2, 16, 2).permute(0, 2, 3, 1, 4).reshape(n, k)
+                scale, zero = sz.permute(2, 0, 3, 1).reshape(2, n, -1).float()
+                return raw, scale, zero
+            panel, col = ids // 32, ids % 32
+            at = (2 * (col % 16))[:, None] + torch.arange(2)  # the column's two bytes a k pair
+            pairs = self.packed[panel].gather(2, at[:, None, :].expand(-1, k // 2, 2))
+            raw = (pairs >> (4 * (col // 16)).to(torch.uint8)[:, None, None]) & 15
+            scale, zero = sz[panel, :, :, col].permute(2, 0, 1).float()  # [2, T, G]
+            return raw.reshape(-1, k), scale, zero
         rows, byte, shift = _int4_layout()
         blocks = self.packed.view(n // rows, k, rows // 2)
         if ids is None:
@@ -148,10 +190,25 @@ class Int4Weight(PackedWeight):
             raw = blocks[ids // rows, :, byte[ids % rows]]  # [T, K] bytes
             shifts = shift[ids % rows]
             scale, zero = self.scales_zeros[:, ids].float().unbind(-1)
-        q = ((raw >> shifts[:, None]) & 15).float().view(-1, k // self.group, self.group) - 8
-        return (q * scale.t()[..., None] + zero.t()[..., None]).view(-1, k)
+        return (raw >> shifts[:, None]) & 15, scale.t(), zero.t()
+
+    def _values(self, ids: Tensor | None) -> Tensor:
+        """Rows `ids` of W (None: all) as float32 [T, K]."""
+        k = self.shape[1]
+        raw, scale, zero = self._codes_and_scales(ids)
+        q = raw.float().view(-1, k // self.group, self.group) - 8
+        return (q * scale[..., None] + zero[..., None]).view(-1, k)
 
     def _rows(self, start: int, stop: int) -> Int4Weight:
+        if self.panels:
+            rows = slice(start // 32, stop // 32)
+            return Int4Weight(
+                self.packed[rows],
+                self.scales_zeros[rows],
+                self.group,
+                (stop - start, self.shape[1]),
+                True,
+            )
         sz = self.scales_zeros[:, start:stop].contiguous()
         return Int4Weight(self.packed[start:stop], sz, self.group, (stop - start, self.shape[1]))
 
@@ -270,19 +327,22 @@ class Blocks:
 
 
 def pack_int4(b: Blocks) -> Int4Weight:
-    """Blocks of 4-bit codes -> aten's packed layout.
+    """Blocks of 4-bit codes -> Int4Weight, in our GEMM's panels where it runs, else aten's layout.
 
     torch's zero convention: w = (q - 8) * s + z."""
     n, k = b.q.shape
     zero = b.zero if b.zero is not None else torch.zeros_like(b.scale)
-    sz = (
-        torch.stack([b.scale, zero + 8 * b.scale], dim=-1)
-        .transpose(0, 1)
-        .to(ACT_DTYPE)
-        .contiguous()
-    )
+    sz = torch.stack([b.scale, zero + 8 * b.scale], dim=-1).to(ACT_DTYPE)  # [N, K/group, 2]
+    if form() == "pairs":
+        # codes: byte j of a panel's k pair holds element j (low) and j + 32 (high) of the pair
+        # row, element e being column e % 32 // 2 + 16 (e // 32) at k parity e % 2
+        q = b.q.to(torch.uint8).view(n // 32, 2, 16, k // 2, 2).permute(0, 3, 1, 2, 4)
+        q = q.reshape(n // 32, k // 2, 2, 32)
+        codes = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+        panels = sz.view(n // 32, 32, -1, 2).permute(0, 2, 3, 1).contiguous()  # [P, G, 2, 32]
+        return Int4Weight(codes, panels, b.group, (n, k), True)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(b.q.to(torch.int32).contiguous(), 1)
-    return Int4Weight(packed, sz, b.group, (n, k))
+    return Int4Weight(packed, sz.transpose(0, 1).contiguous(), b.group, (n, k))
 
 
 def gguf_weight(b: Blocks, target: str, dtype: torch.dtype) -> Tensor | QuantWeight:
