@@ -11,8 +11,8 @@
 // Why not oneDNN (torch's bf16 matmul): at a decode step's 64 rows the weights come from memory
 // (270 MB a step for SmolLM2-135M) and oneDNN leaves the cores waiting for them. Here each
 // thread prefetches its next panel while it multiplies the current one, and the calls cost less:
-// a step's matmuls take 21.7 ms instead of 28.0 at 64 rows, 6.0 instead of 9.4 at one
-// (BENCHMARKS.md "A bf16 GEMM of our own").
+// a step's matmuls take 24.7 ms instead of 30.8 at 64 rows, 8.3 instead of 11.9 at one
+// (BENCHMARKS.md "A bf16 GEMM of our own"; 1.16-1.30x at 64 rows over runs).
 //
 // Rows are taken in chunks whose x fits in L2, so large prefill chunks do not reread x from
 // memory for every panel. Threads split the (chunk, panel) pairs into contiguous ranges.

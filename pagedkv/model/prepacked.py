@@ -6,13 +6,13 @@ every call. Two forms do the reordering once:
 - "pairs" (CPUs with AVX512_BF16, when the C++ kernels are built): panels of 32 output columns
   with consecutive k pairs side by side, multiplied by our own GEMM (csrc/gemm.cpp), which
   prefetches each panel while it multiplies the one before. On a 2-core AVX-512 BF16 EPYC a
-  decode step of the default model's matmuls takes 21.7 ms at 64 rows against oneDNN's 28.0
-  (prepacked) and 31.6 (plain), 6.0 against 9.4 and 12.1 at one row (BENCHMARKS.md "A bf16
+  decode step of the default model's matmuls takes 24.7 ms at 64 rows against oneDNN's 30.8
+  (prepacked) and 40.2 (plain), 8.3 against 11.9 and 19.6 at one row (BENCHMARKS.md "A bf16
   GEMM of our own"). Its float32 sums run in another order than oneDNN's, so a result may differ
   from F.linear's by a bfloat16 rounding step; the probe at start-up checks that bound.
 - "onednn": oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the op torch's
-  inductor uses for frozen CPU weights), the same bits as `F.linear`: 9.4 / 26.8 ms above
-  against 12.1 / 31.6 plain (benchmarks/bench_prepacked.py). Needs AVX-512 (BW, VL, DQ) or
+  inductor uses for frozen CPU weights), the same bits as `F.linear`
+  (benchmarks/bench_prepacked.py times the three). Needs AVX-512 (BW, VL, DQ) or
   AVX-NE-CONVERT.
 
 Only bfloat16: oneDNN's float32 matmul is faster prepacked too, but not bit-equal to torch's
