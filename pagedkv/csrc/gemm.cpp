@@ -157,6 +157,12 @@ void gemm(const pagedkv_gemm_bf16_params& P) {
 
 constexpr int kRowBlock4 = 6;  // rows: 12 sums + 12 group partials + 2 W vectors + table + mask
 
+// bf16 bits of q - 8 for the codes q = 0..15 (twice: vpermw indexes 32 entries)
+#define PAGEDKV_CODES 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, \
+                      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0
+alignas(64) constexpr uint16_t kCodeValues[32] = {PAGEDKV_CODES, PAGEDKV_CODES};
+#undef PAGEDKV_CODES
+
 inline __m512 bf16_to_float(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
@@ -166,14 +172,7 @@ __attribute__((always_inline)) inline void micro4(const uint16_t* x, int64_t x_s
                                                   int64_t groups, const uint8_t* codes, const uint16_t* sz,
                                                   int64_t group, bf16* y, int64_t y_stride, const char* ahead,
                                                   int64_t ahead_bytes) {
-  alignas(64) uint16_t lut[32];
-  for (int q = 0; q < 32; ++q) {  // bf16 of q - 8 (exact: small integers)
-    const float f = float((q & 15) - 8);
-    uint32_t u;
-    __builtin_memcpy(&u, &f, 4);
-    lut[q] = uint16_t(u >> 16);
-  }
-  const __m512i table = _mm512_load_si512(lut), low = _mm512_set1_epi16(15);
+  const __m512i table = _mm512_load_si512(kCodeValues), low = _mm512_set1_epi16(15);
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t gp = group / 2;  // k pairs a group
