@@ -335,6 +335,52 @@ void gemm_bf16(int64_t rows, int64_t n, int64_t k) {
   check(tag, want, out, kTol[PAGEDKV_DTYPE_BFLOAT16]);
 }
 
+// The int4 GEMM (AVX512_BF16 builds) against the product in double of its dequantized weights,
+// w = (q - 8) * scale + zero per group of k, from panels packed as quant_linear.pack_int4 does;
+// elsewhere it must refuse.
+void gemm_int4(int64_t rows, int64_t n, int64_t k, int64_t group) {
+  const int64_t groups = k / group;
+  Buf x(PAGEDKV_DTYPE_BFLOAT16, rows * k), out(PAGEDKV_DTYPE_BFLOAT16, rows * n);
+  x.fill_random(-1, 1);
+  std::vector<int> q(n * k);
+  for (int& c : q) c = randint(0, 15);
+  Buf sz(PAGEDKV_DTYPE_BFLOAT16, n * groups * 2);  // [n / 32][groups][2][32]
+  std::vector<double> scale(n * groups), zero(n * groups);
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = ((c / 32 * groups + g) * 2) * 32 + c % 32;
+      sz.set(at, uniform(0.001f, 0.01f));
+      sz.set(at + 32, uniform(-0.01f, 0.01f));
+      scale[c * groups + g] = sz.get(at);
+      zero[c * groups + g] = sz.get(at + 32);
+    }
+  std::vector<uint8_t> codes(n * k / 2);  // [n / 32][k / 2][32]: byte j = element j | element j + 32 << 4
+  for (int64_t p = 0; p < n / 32; ++p)
+    for (int64_t kp = 0; kp < k / 2; ++kp)
+      for (int j = 0; j < 32; ++j) {
+        const int64_t lo = (p * 32 + j / 2) * k + 2 * kp + j % 2, hi = (p * 32 + 16 + j / 2) * k + 2 * kp + j % 2;
+        codes[(p * (k / 2) + kp) * 32 + j] = uint8_t(q[lo] | (q[hi] << 4));
+      }
+  pagedkv_gemm_int4_params p{x.data(), k, codes.data(), sz.data(), out.data(), n, rows, n, k, group, 2};
+  const int status = pagedkv_gemm_int4(&p, err, sizeof err);
+  const std::string tag = "gemm_int4 " + std::to_string(rows) + "x" + std::to_string(n) + "x" + std::to_string(k);
+  if (!pagedkv_bf16_gemm()) {
+    (status ? passed : failed)++;
+    std::printf("%s %s refused without AVX512_BF16\n", status ? "ok  " : "FAIL", tag.c_str());
+    return;
+  }
+  ran(status, "gemm_int4");
+  std::vector<double> want(rows * n);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; ++c) {
+      double s = 0;
+      for (int64_t i = 0; i < k; ++i)
+        s += x.get(r * k + i) * ((q[c * k + i] - 8) * scale[c * groups + i / group] + zero[c * groups + i / group]);
+      want[r * n + c] = s;
+    }
+  check(tag, want, out, kTol[PAGEDKV_DTYPE_BFLOAT16]);
+}
+
 }  // namespace
 
 int main() {
@@ -350,6 +396,9 @@ int main() {
   for (int64_t n : {1, 37, 1000}) argmax(n);
   gemm_bf16(3, 40, 64);
   gemm_bf16(29, 96, 576);
+  gemm_int4(1, 64, 64, 32);
+  gemm_int4(13, 96, 576, 32);
+  gemm_int4(7, 32, 256, 128);
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }
