@@ -47,6 +47,14 @@ int fail(char* err, int errlen, const char* msg, long long a, long long b) {
   return 1;
 }
 
+// Both kernels' row strides against their row lengths (k of x, n of out): 0, or 1 with a message.
+template <typename Params>
+int check_strides(const Params& P, char* err, int errlen) {
+  if (P.x_stride >= P.k && P.out_stride >= P.n) return 0;
+  return fail(err, errlen, "row strides below the row lengths (x_stride %lld, out_stride %lld)", P.x_stride,
+              P.out_stride);
+}
+
 #ifdef PAGEDKV_BF16_GEMM
 
 // y[R rows, cols] = x[R rows, k] . panel; `ahead` (or null) is the next panel, prefetched a
@@ -258,9 +266,7 @@ int pagedkv_gemm_bf16(const pagedkv_gemm_bf16_params* p, char* err, int errlen) 
   const pagedkv_gemm_bf16_params& P = *p;
   if (P.rows < 0 || P.n < 1 || P.k < 2 || P.k % 2)
     return fail(err, errlen, "need rows >= 0, n >= 1 and an even k >= 2 (k = %lld, n = %lld)", P.k, P.n);
-  if (P.x_stride < P.k || P.out_stride < P.n)
-    return fail(err, errlen, "row strides below the row lengths (x_stride %lld, out_stride %lld)", P.x_stride,
-                P.out_stride);
+  if (check_strides(P, err, errlen)) return 1;
   if (P.rows > 0) gemm(P);
   return 0;
 #else
@@ -275,9 +281,7 @@ int pagedkv_gemm_int4(const pagedkv_gemm_int4_params* p, char* err, int errlen) 
   if (P.rows < 0 || P.n < kCols || P.n % kCols || P.group < 2 || P.group % 2 || P.k < P.group || P.k % P.group)
     return fail(err, errlen, "need n a multiple of 32 and k a multiple of an even group (n = %lld, k = %lld)", P.n,
                 P.k);
-  if (P.x_stride < P.k || P.out_stride < P.n)
-    return fail(err, errlen, "row strides below the row lengths (x_stride %lld, out_stride %lld)", P.x_stride,
-                P.out_stride);
+  if (check_strides(P, err, errlen)) return 1;
   if (P.rows > 0) gemm_int4(P);
   return 0;
 #else

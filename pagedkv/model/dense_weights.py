@@ -91,7 +91,7 @@ def add_dense_copies(model: nn.Module, model_dtype: torch.dtype) -> None:
     kinds: dict[str, list[PackedWeight]] = {}
     for w in weights:
         w.add_dense_copy(dtype)
-        kinds.setdefault(w.kind, []).append(w)
+        kinds.setdefault(w.packed_kind, []).append(w)
     for kind, group in kinds.items():
         start = rows if rows is not None else measured_crossover(kind, group, dtype)
         for w in group:

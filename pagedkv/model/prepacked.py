@@ -38,26 +38,36 @@ from pagedkv import native
 log = logging.getLogger("pagedkv")
 
 ENV = "PAGEDKV_PREPACK"
-FORMS = ("pairs", "onednn", "plain")
 PANEL = 32  # output columns of a "pairs" panel (csrc/gemm.cpp)
+
+
+def _setting() -> str:
+    setting = os.environ.get(ENV, "").strip().lower()
+    if setting not in ("", "1", "0", "onednn"):
+        raise ValueError(f"{ENV}={setting!r}: want 0, onednn, or unset")
+    return setting
 
 
 @functools.cache
 def form() -> str:
     """How bfloat16 weights are kept here: "pairs", "onednn" or "plain" (module docstring)."""
-    setting = os.environ.get(ENV, "").strip().lower()
-    if setting not in ("", "1", "0", "onednn"):
-        raise ValueError(f"{ENV}={setting!r}: want 0, onednn, or unset")
+    setting = _setting()
     if setting == "0":
         return "plain"
     if setting != "onednn" and _probe("pairs"):
         return "pairs"
-    return "onednn" if torch.backends.mkldnn.is_available() and _probe("onednn") else "plain"
+    return "onednn" if _onednn_runs() else "plain"
 
 
 def supported() -> bool:
-    """Whether bfloat16 weights are prepacked here (in either form)."""
-    return form() != "plain"
+    """Whether bfloat16 weights are prepacked here (in either form). Asks oneDNN first, which
+    runs wherever our GEMM does, so that `pagedkv plan` need not build the C++ kernels."""
+    return _setting() != "0" and (_onednn_runs() or form() == "pairs")
+
+
+@functools.cache
+def _onednn_runs() -> bool:
+    return torch.backends.mkldnn.is_available() and _probe("onednn")
 
 
 def _probe(kind: str) -> bool:
@@ -141,10 +151,10 @@ def run_gemm(kernel: str, params: ctypes.Structure, x: Tensor, n: int) -> Tensor
 
 def prepack(w: Tensor) -> Tensor | PrepackedWeight:
     """w prepacked when it is a bfloat16 matrix and this machine supports it, else w itself."""
-    if w.dtype != torch.bfloat16 or w.dim() != 2 or w.device.type != "cpu" or not supported():
+    if w.dtype != torch.bfloat16 or w.dim() != 2 or w.device.type != "cpu":
         return w
     kind = form()
-    if kind == "pairs" and w.shape[1] % 2:  # (the kernel takes k in pairs)
+    if kind == "plain" or (kind == "pairs" and w.shape[1] % 2):  # (the kernel takes k in pairs)
         return w
     return PrepackedWeight.of(w, kind)
 

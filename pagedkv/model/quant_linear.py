@@ -101,7 +101,7 @@ class PackedWeight:
         raise NotImplementedError
 
     @property
-    def kind(self) -> str:
+    def packed_kind(self) -> str:
         """Which packed kernel runs it (the key of its measured crossover)."""
         return type(self).__name__
 
@@ -161,7 +161,7 @@ class Int4Weight(PackedWeight):
         return run_gemm("gemm_int4", self._params, x, n)
 
     @property
-    def kind(self) -> str:
+    def packed_kind(self) -> str:
         return "Int4Weight (panels)" if self.panels else "Int4Weight"
 
     def _codes_and_scales(self, ids: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:

@@ -304,6 +304,14 @@ void argmax(int64_t n) {
   std::printf("%s argmax n=%lld\n", ok ? "ok  " : "FAIL", (long long)n);
 }
 
+// True where the build lacks the GEMMs (no AVX512_BF16): then the call must have refused.
+bool refused_without_bf16(int status, const std::string& tag) {
+  if (pagedkv_bf16_gemm()) return false;
+  (status ? passed : failed)++;
+  std::printf("%s %s refused without AVX512_BF16\n", status ? "ok  " : "FAIL", tag.c_str());
+  return true;
+}
+
 // The bf16 GEMM where the build has it (AVX512_BF16) against the product in double; elsewhere
 // it must refuse.
 void gemm_bf16(int64_t rows, int64_t n, int64_t k) {
@@ -319,11 +327,7 @@ void gemm_bf16(int64_t rows, int64_t n, int64_t k) {
   pagedkv_gemm_bf16_params p{x.data(), k, packed.data(), out.data(), n, rows, n, k, 2};
   const int status = pagedkv_gemm_bf16(&p, err, sizeof err);
   const std::string tag = "gemm_bf16 " + std::to_string(rows) + "x" + std::to_string(n) + "x" + std::to_string(k);
-  if (!pagedkv_bf16_gemm()) {
-    (status ? passed : failed)++;
-    std::printf("%s %s refused without AVX512_BF16\n", status ? "ok  " : "FAIL", tag.c_str());
-    return;
-  }
+  if (refused_without_bf16(status, tag)) return;
   ran(status, "gemm_bf16");
   std::vector<double> want(rows * n);
   for (int64_t r = 0; r < rows; ++r)
@@ -364,11 +368,7 @@ void gemm_int4(int64_t rows, int64_t n, int64_t k, int64_t group) {
   pagedkv_gemm_int4_params p{x.data(), k, codes.data(), sz.data(), out.data(), n, rows, n, k, group, 2};
   const int status = pagedkv_gemm_int4(&p, err, sizeof err);
   const std::string tag = "gemm_int4 " + std::to_string(rows) + "x" + std::to_string(n) + "x" + std::to_string(k);
-  if (!pagedkv_bf16_gemm()) {
-    (status ? passed : failed)++;
-    std::printf("%s %s refused without AVX512_BF16\n", status ? "ok  " : "FAIL", tag.c_str());
-    return;
-  }
+  if (refused_without_bf16(status, tag)) return;
   ran(status, "gemm_int4");
   std::vector<double> want(rows * n);
   for (int64_t r = 0; r < rows; ++r)
