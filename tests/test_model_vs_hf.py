@@ -22,6 +22,8 @@ from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.config import default_model_path
 from pagedkv.kvstore.storage import KVStorage
 from pagedkv.model.loader import LoadedModel, load_model
+from pagedkv.model.prepacked import PrepackedWeight
+from pagedkv.model.quant_linear import linear
 
 transformers = pytest.importorskip("transformers")
 
@@ -270,7 +272,13 @@ def test_rope_scaling_and_tied_embeddings_match(tiny_model_dir, tmp_path, tie, c
     src = make_tiny_model(tmp_path / "tied", tie=True) if tie else tiny_model_dir
     folder = _variant(src, tmp_path / "m", **changes)
     lm, hf = load_model(folder, torch.float32), load_hf(folder)
-    assert (lm.model.lm_head is lm.model.embed_tokens) == tie
+    head, embed = lm.model.lm_head, lm.model.embed_tokens
+    if isinstance(head, PrepackedWeight):  # a tied head gets a prepacked copy of the embedding
+        x = torch.randn(3, embed.shape[1])
+        tied = torch.allclose(head.mm(x), x @ embed.T, rtol=1e-5, atol=1e-5)
+    else:
+        tied = head is embed
+    assert tied == tie
     assert lm.config.rope_theta == hf.config.rope_parameters["rope_theta"]
     ours_type = (lm.config.rope_scaling or {"rope_type": "default"})["rope_type"]
     assert ours_type == hf.config.rope_parameters["rope_type"]
@@ -325,7 +333,8 @@ def test_default_model_weights_equal_transformers_dequantization(smol):
     ours, _, tensors = smol
     assert ours.name == "SmolLM2-135M-Instruct.Q4_1" and ours.max_model_len == 8192
     layer = ours.model.layers[7]
-    q, k, v = layer.qkv_proj.split([576, 192, 192])
+    qkv = linear(torch.eye(576), layer.qkv_proj).T  # (exact in any form: one product a sum)
+    q, k, v = qkv.split([576, 192, 192])
     torch.testing.assert_close(q, tensors["model.layers.7.self_attn.q_proj.weight"], atol=0, rtol=0)
     torch.testing.assert_close(k, tensors["model.layers.7.self_attn.k_proj.weight"], atol=0, rtol=0)
     torch.testing.assert_close(v, tensors["model.layers.7.self_attn.v_proj.weight"], atol=0, rtol=0)

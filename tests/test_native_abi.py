@@ -40,6 +40,7 @@ def test_the_header_declares_every_kernel_with_its_struct() -> None:
             "quant_write",
             "gemm_bf16",
             "gemm_int4",
+            "gemm_f32",
             "argmax",
         )
     }

@@ -1,10 +1,12 @@
-"""bfloat16 weights prepacked, in both forms: our GEMM's panels of k pairs ("pairs", within a
-bfloat16 rounding step of F.linear: other summation order) and oneDNN's layout (the same bits as
-F.linear); for a matmul alone and for a whole model; a tied lm_head gets its own copy (counted,
-and planned); float32 stays plain.
+"""Weights prepacked, in every form: bfloat16 in our GEMM's panels of k pairs ("pairs", within a
+bfloat16 rounding step of F.linear: other summation order) and in oneDNN's layout (the same bits
+as F.linear); float32 in our GEMM's panels ("panels", within float32 rounding of the exact
+product); for a matmul alone and for a whole model; a tied lm_head gets its own copy (counted,
+and planned).
 
-Where this CPU runs neither form (no AVX512_BF16 for pairs, no AVX-512 for oneDNN's), the tests
-check that form() says so, that the weights stay plain tensors and the model runs as before."""
+Where this CPU runs a form not (no AVX512_BF16 for pairs, no AVX-512 for oneDNN's, a build other
+than AVX-512 or AVX2 for panels), the tests check that the form is not chosen, that the weights
+stay plain tensors and the model runs as before."""
 
 from __future__ import annotations
 
@@ -34,18 +36,24 @@ def prepacking(monkeypatch):
     def use(setting: str) -> bool:
         monkeypatch.setenv(prepacked.ENV, setting)
         prepacked.form.cache_clear()
+        prepacked.float32_form.cache_clear()
         return prepacked.supported()
 
     yield use
     monkeypatch.delenv(prepacked.ENV, raising=False)
     prepacked.form.cache_clear()
+    prepacked.float32_form.cache_clear()
 
 
 def close_to_f_linear(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Within what bfloat16 rounding of the result and float32 sums in any order allow of the
-    exact product (a result that cancels to near 0 keeps only the sums' absolute error)."""
+    """Within what rounding of the result to its dtype and float32 sums in any order allow of the
+    exact product (a result that cancels to near 0 keeps only the sums' absolute error): for
+    bfloat16 a rounding step of the result, for float32 k roundings of the sums (the worst case
+    of any order, where the result is not rounded again)."""
     exact = x.double() @ w.double().T
-    bound = exact.abs() * 2**-8 + (x.double().abs() @ w.double().abs().T) * 2**-22
+    sums = 2**-22 if got.dtype == torch.bfloat16 else x.shape[1] * 2**-24
+    step = 2**-8 if got.dtype == torch.bfloat16 else 0
+    bound = exact.abs() * step + (x.double().abs() @ w.double().abs().T) * sums
     assert ((F.linear(x, w).double() - exact).abs() <= bound).all()  # (the bound holds for torch)
     return bool(((got.double() - exact).abs() <= bound).all())
 
@@ -55,24 +63,39 @@ def tied_model(tmp_path_factory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("tied"), tie=True)
 
 
-@pytest.mark.parametrize("kind", ["pairs", "onednn"])
-@pytest.mark.parametrize("shape", [(64, 96), (960, 576), (100, 36), (72, 1536), (31, 2)])
+def float32_panels_run() -> bool:
+    lib = native.library()
+    return lib is not None and lib.isa in ("avx512", "avx2") and prepacked._probe("panels")
+
+
+@pytest.mark.parametrize("kind", ["pairs", "onednn", "panels"])
+@pytest.mark.parametrize("shape", [(64, 96), (960, 576), (100, 36), (72, 1536), (31, 2), (5, 3)])
 def test_a_prepacked_matmul_is_f_linear(kind, shape, prepacking):
     gen = torch.Generator().manual_seed(1)
-    w = torch.randn(shape, generator=gen).to(torch.bfloat16)
-    if not prepacked._probe(kind):  # this CPU lacks it: the form is not chosen
+    dtype = torch.float32 if kind == "panels" else torch.bfloat16
+    w = torch.randn(shape, generator=gen).to(dtype)
+    if kind == "panels" and not float32_panels_run():
+        prepacking("")
+        assert prepacked.float32_form() == "plain" and prepack(w) is w
+        return
+    if kind != "panels" and not prepacked._probe(kind):  # this CPU lacks it: not chosen
         prepacking("" if kind == "pairs" else "onednn")
         assert prepacked.form() != kind
         return
+    if kind == "pairs" and shape[1] % 2:
+        return  # (k in pairs: such a weight stays plain, test_the_gemm_refuses_...)
     packed = PrepackedWeight.of(w, kind)
     assert packed.shape == shape
     if kind == "pairs":  # every value once, no padding: memory is what the plan counts
         assert packed.nbytes == w.numel() * 2
+    if kind == "panels":  # padded to whole panels of 2 vectors
+        cols = 2 * native.library().vector_width
+        assert packed.nbytes == -(-shape[0] // cols) * cols * shape[1] * 4
     threads = torch.get_num_threads()
     try:
         for rows, t in ((1, 1), (3, 2), (17, 3), (64, 2), (64, 16), (300, 2), (301, 3)):
             torch.set_num_threads(t)
-            x = torch.randn(rows, shape[1], generator=gen).to(torch.bfloat16)
+            x = torch.randn(rows, shape[1], generator=gen).to(dtype)
             got = packed.mm(x)
             if kind == "onednn":
                 assert torch.equal(got, F.linear(x, w)), rows
@@ -82,10 +105,10 @@ def test_a_prepacked_matmul_is_f_linear(kind, shape, prepacking):
             assert torch.equal(packed.mm(x.t().contiguous().t()), got)  # (rows of any stride)
     finally:
         torch.set_num_threads(threads)
-    w32 = w.float()
-    assert prepack(w32) is w32  # float32 keeps F.linear's (MKL's) exact results
     prepacking("0")
     assert prepack(w) is w
+    prepacking("onednn")  # (the libraries' matmuls: oneDNN's form for bfloat16, float32 plain)
+    assert (prepack(w) is w) == (kind == "panels")
 
 
 def test_the_gemm_refuses_what_it_cannot_multiply():
@@ -111,14 +134,21 @@ def test_a_setting_that_is_no_form_is_refused(prepacking):
         prepacking("fast")
 
 
-@pytest.mark.parametrize("setting", ["", "onednn"])
-def test_a_bf16_model_prepacked_gives_the_same_logits(tied_model, prepacking, setting):
-    """oneDNN's form: the same bits; pairs: within bfloat16 rounding, the same greedy tokens."""
+@pytest.mark.parametrize(
+    "dtype,setting",
+    [(torch.bfloat16, ""), (torch.bfloat16, "onednn"), (torch.float32, ""), (torch.float32, "0")],
+)
+def test_a_prepacked_model_gives_the_same_greedy_tokens(tied_model, prepacking, dtype, setting):
+    """oneDNN's form: the same bits; pairs: within bfloat16 rounding; panels: within float32
+    rounding; the same greedy tokens in each."""
     on = prepacking(setting)
-    kind = prepacked.form()
-    fast = load_model(tied_model, torch.bfloat16, quantization="none")
+    kind = prepacked.form() if dtype == torch.bfloat16 else prepacked.float32_form()
+    if dtype == torch.float32:
+        on = kind == "panels"
+        assert on == (setting == "" and float32_panels_run())
+    fast = load_model(tied_model, dtype, quantization="none")
     prepacking("0")
-    plain = load_model(tied_model, torch.bfloat16, quantization="none")
+    plain = load_model(tied_model, dtype, quantization="none")
     layer = fast.model.layers[0]
     kinds = {type(w) for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)}
     assert kinds == ({PrepackedWeight} if on else {torch.nn.Parameter})
@@ -128,8 +158,10 @@ def test_a_bf16_model_prepacked_gives_the_same_logits(tied_model, prepacking, se
     assert isinstance(fast.model.embed_tokens, torch.Tensor)  # lookups need the plain rows
     assert isinstance(fast.model.lm_head, PrepackedWeight if on else torch.Tensor)
     vocab, hidden = fast.config.vocab_size, fast.config.hidden_size
-    extra = vocab * hidden * 2 if on else 0  # the tied lm_head's own copy
-    assert fast.model.weight_bytes() == plain.model.weight_bytes() + extra
+    cols = 2 * native.library().vector_width if kind == "panels" else 1  # (panels are padded)
+    extra = -(-vocab // cols) * cols * hidden * dtype.itemsize if on else 0  # the head's copy
+    padding = fast.model.weight_bytes() - plain.model.weight_bytes() - extra
+    assert padding == 0 if kind != "panels" else 0 <= padding < 4 * cols * 4 * hidden * len(fast.model.layers)
     ids = fast.tokenizer.encode(PROMPT)
     drivers = [PagedDriver(m, 16) for m in (fast, plain)]
     seqs = [Seq(list(ids)) for _ in drivers]
@@ -137,18 +169,13 @@ def test_a_bf16_model_prepacked_gives_the_same_logits(tied_model, prepacking, se
         a, b = (d.step([(s, len(s.tokens) - s.computed)]) for d, s in zip(drivers, seqs))
         if kind == "pairs":
             assert (a - b).abs().max() <= 0.03 * b.abs().max(), (a - b).abs().max()
-            assert torch.equal(a.argmax(-1), b.argmax(-1))
+        elif kind == "panels":
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
         else:
             assert torch.equal(a, b)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
         for s in seqs:
             s.tokens.append(int(b[0].argmax()))
-
-
-def test_float32_weights_stay_plain(tied_model, prepacking):
-    prepacking("")
-    lm = load_model(tied_model, torch.float32, quantization="none")
-    assert isinstance(lm.model.layers[0].qkv_proj, torch.Tensor)
-    assert lm.model.lm_head is lm.model.embed_tokens
 
 
 def test_plan_counts_the_tied_head_copy(tied_model, tmp_path, prepacking):

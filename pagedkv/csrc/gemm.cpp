@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -55,6 +56,48 @@ int check_strides(const Params& P, char* err, int errlen) {
               P.out_stride);
 }
 
+// Calls f(std::integral_constant<int, R>{}, r) for rows [r, r + R) of [0, rows): R = Block while
+// whole blocks remain, then once for the remainder, so each micro-kernel size is a template.
+template <int N, typename F>
+__attribute__((always_inline)) inline void row_tail(int64_t n, int64_t r, F& f) {
+  if constexpr (N > 0) {
+    if (n == N) f(std::integral_constant<int, N>{}, r);
+    else row_tail<N - 1>(n, r, f);
+  }
+}
+template <int Block, typename F>
+__attribute__((always_inline)) inline void by_row_blocks(int64_t rows, F&& f) {
+  int64_t r = 0;
+  for (; r + Block <= rows; r += Block) f(std::integral_constant<int, Block>{}, r);
+  row_tail<Block - 1>(rows - r, r, f);
+}
+
+// Runs run(r0, rows, panel, ahead) over (chunk of rows, panel) pairs, split into contiguous ranges
+// among the threads; `ahead` is true when the same thread takes the next panel of the chunk next
+// (so its weights may be prefetched). Chunks are of equal rows (whole row blocks of `block` but the
+// last): as few as keep each within kChunkBytes of x, unless the panels alone are too few to give
+// every thread about four items (a narrow matrix on many cores), and never more than there are
+// row blocks.
+template <typename F>
+void over_items(int64_t rows, int64_t panels, int64_t row_bytes, int64_t block, int max_threads, F&& run) {
+  const int64_t most = std::max<int64_t>(block, kChunkBytes / row_bytes);
+  const int64_t blocks = (rows + block - 1) / block;
+  const int64_t spread = (4 * int64_t(std::max(1, max_threads)) + panels - 1) / panels;
+  const int64_t want = std::max<int64_t>(1, std::min(blocks, std::max((rows + most - 1) / most, spread)));
+  const int64_t chunk = ((rows + want - 1) / want + block - 1) / block * block;
+  const int64_t items = (rows + chunk - 1) / chunk * panels;
+  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(max_threads, items)));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t lo = items * t / nt, hi = items * (t + 1) / nt;  // chunk-major
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t r0 = i / panels * chunk;
+      run(r0, std::min(chunk, rows - r0), i % panels, i + 1 < hi && (i + 1) % panels != 0);
+    }
+  }
+}
+
 #ifdef PAGEDKV_BF16_GEMM
 
 // y[R rows, cols] = x[R rows, k] . panel; `ahead` (or null) is the next panel, prefetched a
@@ -65,6 +108,7 @@ __attribute__((always_inline)) inline void micro(const uint16_t* x, int64_t x_st
                                                  int64_t pairs, bf16* y, int64_t y_stride, int cols,
                                                  const char* ahead) {
   __m512 acc[R][2];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   // a pair row holds `cols` columns (32 but in the last panel): masks for its two halves
   const Mask m0 = cols >= W ? kFull : first_lanes(cols), m1 = cols >= 2 * W ? kFull : first_lanes(std::max(0, cols - W));
@@ -87,54 +131,10 @@ __attribute__((always_inline)) inline void micro(const uint16_t* x, int64_t x_st
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     store(y + r * y_stride, acc[r][0], Full ? kFull : m0);
     if (Full || cols > W) store(y + r * y_stride + W, acc[r][1], Full ? kFull : m1);
-  }
-}
-
-// Rows [0, rows) of a chunk against one panel, kRowBlock at a time, then the remainder.
-template <bool Full>
-void panel_rows(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pairs, bf16* y,
-                int64_t y_stride, int cols, int64_t rows, const char* ahead) {
-  int64_t r = 0;
-  for (; r + kRowBlock <= rows; r += kRowBlock, ahead = nullptr)
-    micro<kRowBlock, Full>(x + r * x_stride, x_stride, panel, pairs, y + r * y_stride, y_stride, cols, ahead);
-  const uint16_t* xr = x + r * x_stride;
-  bf16* yr = y + r * y_stride;
-  switch (rows - r) {
-#define PAGEDKV_TAIL(n) \
-  case n: micro<n, Full>(xr, x_stride, panel, pairs, yr, y_stride, cols, ahead); break;
-    PAGEDKV_TAIL(1) PAGEDKV_TAIL(2) PAGEDKV_TAIL(3) PAGEDKV_TAIL(4) PAGEDKV_TAIL(5) PAGEDKV_TAIL(6)
-    PAGEDKV_TAIL(7) PAGEDKV_TAIL(8) PAGEDKV_TAIL(9) PAGEDKV_TAIL(10) PAGEDKV_TAIL(11)
-#undef PAGEDKV_TAIL
-    default: break;
-  }
-}
-
-// Runs run(r0, rows, panel, ahead) over (chunk of rows, panel) pairs, split into contiguous ranges
-// among the threads; `ahead` is true when the same thread takes the next panel of the chunk next
-// (so its weights may be prefetched). Chunks are of equal rows (whole row blocks of `block` but the
-// last): as few as keep each within kChunkBytes of x, unless the panels alone are too few to give
-// every thread about four items (a narrow matrix on many cores), and never more than there are
-// row blocks.
-template <typename F>
-void over_items(int64_t rows, int64_t panels, int64_t k, int64_t block, int max_threads, F&& run) {
-  const int64_t most = std::max<int64_t>(block, kChunkBytes / (2 * k));
-  const int64_t blocks = (rows + block - 1) / block;
-  const int64_t spread = (4 * int64_t(std::max(1, max_threads)) + panels - 1) / panels;
-  const int64_t want = std::max<int64_t>(1, std::min(blocks, std::max((rows + most - 1) / most, spread)));
-  const int64_t chunk = ((rows + want - 1) / want + block - 1) / block * block;
-  const int64_t items = (rows + chunk - 1) / chunk * panels;
-  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(max_threads, items)));
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t lo = items * t / nt, hi = items * (t + 1) / nt;  // chunk-major
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t r0 = i / panels * chunk;
-      run(r0, std::min(chunk, rows - r0), i % panels, i + 1 < hi && (i + 1) % panels != 0);
-    }
   }
 }
 
@@ -143,12 +143,17 @@ void gemm(const pagedkv_gemm_bf16_params& P) {
   const auto* w = static_cast<const uint16_t*>(P.w);
   bf16* y = static_cast<bf16*>(P.out);
   const int64_t pairs = P.k / 2, panels = (P.n + kCols - 1) / kCols, panel_elems = P.k * kCols;
-  over_items(P.rows, panels, P.k, kRowBlock, P.threads, [&](int64_t r0, int64_t rows, int64_t p, bool ahead) {
+  over_items(P.rows, panels, 2 * P.k, kRowBlock, P.threads, [&](int64_t r0, int64_t rows, int64_t p, bool ahead) {
     const char* next = ahead ? reinterpret_cast<const char*>(w + (p + 1) * panel_elems) : nullptr;
     const int cols = int(std::min<int64_t>(kCols, P.n - p * kCols));
-    const auto run = cols == kCols ? panel_rows<true> : panel_rows<false>;
-    run(x + r0 * P.x_stride, P.x_stride, w + p * panel_elems, pairs, y + r0 * P.out_stride + p * kCols, P.out_stride,
-        cols, rows, next);
+    const uint16_t* panel = w + p * panel_elems;
+    by_row_blocks<kRowBlock>(rows, [&](auto R, int64_t r) {
+      const uint16_t* xr = x + (r0 + r) * P.x_stride;
+      bf16* yr = y + (r0 + r) * P.out_stride + p * kCols;
+      const char* pf = r == 0 ? next : nullptr;  // (the first block prefetches for all)
+      if (cols == kCols) micro<R, true>(xr, P.x_stride, panel, pairs, yr, P.out_stride, cols, pf);
+      else micro<R, false>(xr, P.x_stride, panel, pairs, yr, P.out_stride, cols, pf);
+    });
   });
 }
 
@@ -182,11 +187,13 @@ __attribute__((always_inline)) inline void micro4(const uint16_t* x, int64_t x_s
                                                   int64_t ahead_bytes) {
   const __m512i table = _mm512_load_si512(kCodeValues), low = _mm512_set1_epi16(15);
   __m512 acc[R][2];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t gp = group / 2;  // k pairs a group
   int64_t fetched = 0;
   for (int64_t g = 0; g < groups; ++g) {
     __m512 part[R][2];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
     for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
       if (ahead && fetched < ahead_bytes) {
@@ -208,12 +215,14 @@ __attribute__((always_inline)) inline void micro4(const uint16_t* x, int64_t x_s
     const uint16_t* s = sz + g * 64;
     const __m512 s0 = bf16_to_float(s), s1 = bf16_to_float(s + 16);
     const __m512 z0 = bf16_to_float(s + 32), z1 = bf16_to_float(s + 48);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 xs = _mm512_set1_ps(xsum[r * groups + g]);
       acc[r][0] = _mm512_fmadd_ps(part[r][0], s0, _mm512_fmadd_ps(xs, z0, acc[r][0]));
       acc[r][1] = _mm512_fmadd_ps(part[r][1], s1, _mm512_fmadd_ps(xs, z1, acc[r][1]));
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     store(y + r * y_stride, acc[r][0], kFull);
     store(y + r * y_stride + W, acc[r][1], kFull);
@@ -236,26 +245,72 @@ void gemm_int4(const pagedkv_gemm_int4_params& P) {
       for (int64_t c = 0; c < P.group; c += W) s = add(s, load(xr + c, lanes(P.group, c)));
       xsum[size_t(r * groups + g)] = hsum(s);
     }
-  over_items(P.rows, panels, P.k, kRowBlock4, P.threads, [&](int64_t r0, int64_t rows, int64_t p, bool ahead) {
+  over_items(P.rows, panels, 2 * P.k, kRowBlock4, P.threads, [&](int64_t r0, int64_t rows, int64_t p, bool ahead) {
     const uint8_t* c = codes + p * code_bytes;
     const uint16_t* s = sz + p * sz_elems;
     const char* next = ahead ? reinterpret_cast<const char*>(c + code_bytes) : nullptr;
-    for (int64_t r = r0; r < r0 + rows; r += kRowBlock4, next = nullptr) {
-      const uint16_t* xr = x + r * P.x_stride;
-      const float* xs = xsum.data() + r * groups;
-      bf16* yr = y + r * P.out_stride + p * kCols;
-      switch (std::min<int64_t>(kRowBlock4, r0 + rows - r)) {
-#define PAGEDKV_ROWS(n) \
-  case n: micro4<n>(xr, P.x_stride, xs, groups, c, s, P.group, yr, P.out_stride, next, code_bytes); break;
-        PAGEDKV_ROWS(1) PAGEDKV_ROWS(2) PAGEDKV_ROWS(3) PAGEDKV_ROWS(4) PAGEDKV_ROWS(5) PAGEDKV_ROWS(6)
-#undef PAGEDKV_ROWS
-        default: break;
-      }
-    }
+    by_row_blocks<kRowBlock4>(rows, [&](auto R, int64_t r) {
+      micro4<R>(x + (r0 + r) * P.x_stride, P.x_stride, xsum.data() + (r0 + r) * groups, groups, c, s, P.group,
+                y + (r0 + r) * P.out_stride + p * kCols, P.out_stride, r == 0 ? next : nullptr, code_bytes);
+    });
   });
 }
 
 #endif  // PAGEDKV_BF16_GEMM
+
+// ---------------------------------------------------------------------------------------
+// float32 weights, on every vector ISA: panels of 2 W output columns (16 with AVX2), each
+// [k][2 W], the last one padded with zero columns. Per k, two loads of W and R broadcasts of x
+// feed 2 R FMAs into sums that stay in registers for the whole of k (R = 6 with 16 registers,
+// 12 with 32); the next panel is prefetched a row per k. At a decode step's 64 rows a matmul
+// is bound by the FMA rate, not by the bytes; MKL's sgemm reaches ~60% of it there on AVX2,
+// this ~80% (BENCHMARKS.md "float32 GEMM").
+
+constexpr int kColsF = 2 * W;
+constexpr int kRowBlockF = kRegisters >= 32 ? 12 : 6;
+constexpr int kPanelRowBytes = kColsF * 4;
+
+template <int R>
+__attribute__((always_inline)) inline void micro_f32(const float* x, int64_t x_stride, const float* panel, int64_t k,
+                                                     float* y, int64_t y_stride, int cols, const char* ahead) {
+  Vec acc[R][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero();
+  for (int64_t i = 0; i < k; ++i) {
+    if (ahead) {
+#pragma GCC unroll 4
+      for (int line = 0; line < kPanelRowBytes; line += 64) prefetch(ahead + i * kPanelRowBytes + line);
+    }
+    const Vec w0 = load(panel + i * kColsF, kFull), w1 = load(panel + i * kColsF + W, kFull);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Vec a = set1(x[r * x_stride + i]);
+      acc[r][0] = fma(a, w0, acc[r][0]);
+      acc[r][1] = fma(a, w1, acc[r][1]);
+    }
+  }
+  const Mask m0 = lanes(cols, 0), m1 = cols > W ? lanes(cols, W) : kFull;
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    store(y + r * y_stride, acc[r][0], m0);
+    if (cols > W) store(y + r * y_stride + W, acc[r][1], m1);
+  }
+}
+
+void gemm_f32(const pagedkv_gemm_f32_params& P) {
+  const auto* x = static_cast<const float*>(P.x);
+  const auto* w = static_cast<const float*>(P.w);
+  auto* y = static_cast<float*>(P.out);
+  const int64_t panels = (P.n + kColsF - 1) / kColsF, panel_elems = P.k * kColsF;
+  over_items(P.rows, panels, 4 * P.k, kRowBlockF, P.threads, [&](int64_t r0, int64_t rows, int64_t p, bool ahead) {
+    const char* next = ahead ? reinterpret_cast<const char*>(w + (p + 1) * panel_elems) : nullptr;
+    const int cols = int(std::min<int64_t>(kColsF, P.n - p * kColsF));
+    by_row_blocks<kRowBlockF>(rows, [&](auto R, int64_t r) {
+      micro_f32<R>(x + (r0 + r) * P.x_stride, P.x_stride, w + p * panel_elems, P.k,
+                   y + (r0 + r) * P.out_stride + p * kColsF, P.out_stride, cols, r == 0 ? next : nullptr);
+    });
+  });
+}
 
 }  // namespace
 
@@ -288,6 +343,15 @@ int pagedkv_gemm_int4(const pagedkv_gemm_int4_params* p, char* err, int errlen) 
   (void)p;
   return fail(err, errlen, "the int4 GEMM needs AVX512_BF16, which this build lacks", 0, 0);
 #endif
+}
+
+int pagedkv_gemm_f32(const pagedkv_gemm_f32_params* p, char* err, int errlen) {
+  const pagedkv_gemm_f32_params& P = *p;
+  if (P.rows < 0 || P.n < 1 || P.k < 1)
+    return fail(err, errlen, "need rows >= 0, n >= 1 and k >= 1 (n = %lld, k = %lld)", P.n, P.k);
+  if (check_strides(P, err, errlen)) return 1;
+  if (P.rows > 0) gemm_f32(P);
+  return 0;
 }
 
 int pagedkv_bf16_gemm(void) {

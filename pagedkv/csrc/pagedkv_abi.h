@@ -158,6 +158,19 @@ typedef struct {
   int64_t group;                    // even
   int32_t threads;
 } pagedkv_gemm_int4_params;
+// out = x W^T in float32, every ISA (gemm.cpp): W in panels of 2 x pagedkv_vector_width() rows.
+typedef struct {
+  const float* x;                   // [rows, k], rows x_stride apart
+  int64_t x_stride;
+  const float* w;                   // W [n, k] in panels of c = 2 x vector width rows, each [k, c];
+                                    // the last padded with zero rows to c (prepacked.py)
+  float* out;                       // [rows, n], rows out_stride apart
+  int64_t out_stride;
+  int64_t rows;
+  int64_t n;
+  int64_t k;
+  int32_t threads;
+} pagedkv_gemm_f32_params;
 // Greedy tokens (argmax.cpp): out[r] = the index of row r's first maximum; a row holding NaN gives
 // its first NaN's index (torch's max counts NaN as the largest).
 typedef struct {
@@ -175,6 +188,7 @@ int pagedkv_rope_cache(const pagedkv_rope_cache_params* params, char* err, int e
 int pagedkv_quant_write(const pagedkv_quant_write_params* params, char* err, int err_len);
 int pagedkv_gemm_bf16(const pagedkv_gemm_bf16_params* params, char* err, int err_len);
 int pagedkv_gemm_int4(const pagedkv_gemm_int4_params* params, char* err, int err_len);
+int pagedkv_gemm_f32(const pagedkv_gemm_f32_params* params, char* err, int err_len);
 int pagedkv_argmax(const pagedkv_argmax_params* params, char* err, int err_len);
 
 // The vector backend the library was built for (vec.h): avx512, avx2, neon or portable.

@@ -1,24 +1,29 @@
-"""bfloat16 weights reordered once at load, for every dense matmul.
+"""Matmul weights reordered once at load, for every dense matmul.
 
 `F.linear` on a plain bfloat16 weight lets oneDNN reorder that weight into its blocked form on
-every call. Two forms do the reordering once:
+every call, and MKL's float32 `sgemm` reaches ~60% of the FMA rate at a decode step's rows (on
+AMD CPUs it takes the AVX2 path even where AVX-512 runs). The forms, chosen once per process:
 
-- "pairs" (CPUs with AVX512_BF16, when the C++ kernels are built): panels of 32 output columns
-  with consecutive k pairs side by side, multiplied by our own GEMM (csrc/gemm.cpp), which
-  prefetches each panel while it multiplies the one before. On a 2-core AVX-512 BF16 EPYC a
-  decode step of the default model's matmuls takes 24.7 ms at 64 rows against oneDNN's 30.8
-  (prepacked) and 40.2 (plain), 8.3 against 11.9 and 19.6 at one row (BENCHMARKS.md "A bf16
-  GEMM of our own"). Its float32 sums run in another order than oneDNN's, so a result may differ
-  from F.linear's by a bfloat16 rounding step; the probe at start-up checks that bound.
-- "onednn": oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the op torch's
-  inductor uses for frozen CPU weights), the same bits as `F.linear`
+- bfloat16, "pairs" (CPUs with AVX512_BF16, when the C++ kernels are built): panels of 32
+  output columns with consecutive k pairs side by side, multiplied by our own GEMM
+  (csrc/gemm.cpp), which prefetches each panel while it multiplies the one before. On a 2-core
+  AVX-512 BF16 EPYC a decode step of the default model's matmuls takes 24.7 ms at 64 rows
+  against oneDNN's 30.8 (prepacked) and 40.2 (plain), 8.3 against 11.9 and 19.6 at one row
+  (BENCHMARKS.md "A bf16 GEMM of our own"). Its float32 sums run in another order than
+  oneDNN's, so a result may differ from F.linear's by a bfloat16 rounding step; the probe at
+  start-up checks that bound.
+- bfloat16, "onednn": oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the
+  op torch's inductor uses for frozen CPU weights), the same bits as `F.linear`
   (benchmarks/bench_prepacked.py times the three). Needs AVX-512 (BW, VL, DQ) or
   AVX-NE-CONVERT.
+- float32, "panels" (AVX-512 and AVX2 builds of the kernels): panels of 2 vectors of output
+  columns, multiplied by gemm.cpp's float32 GEMM at ~90% of the FMA rate: 1.55x MKL at 64 rows
+  with AVX2, 2.8x with AVX-512 (BENCHMARKS.md "float32 GEMM"). Its sums too run in another
+  order, so results differ from F.linear's by float32 rounding (the probe bounds them against
+  the float64 product). Not on NEON (not measured) nor the portable build (slower than MKL).
 
-Only bfloat16: oneDNN's float32 matmul is faster prepacked too, but not bit-equal to torch's
-(MKL) `F.linear`, which `--dtype float32` keeps so that outputs equal transformers. Where neither
-form runs, weights stay plain. $PAGEDKV_PREPACK picks: 0 (plain), onednn, or unset (the best
-this machine runs).
+Where none runs, weights stay plain. $PAGEDKV_PREPACK picks: 0 (plain), onednn (oneDNN's form
+for bfloat16, plain float32: the libraries' matmuls), or unset (the best this machine runs).
 """
 
 from __future__ import annotations
@@ -59,6 +64,17 @@ def form() -> str:
     return "onednn" if _onednn_runs() else "plain"
 
 
+@functools.cache
+def float32_form() -> str:
+    """How float32 weights are kept here: "panels" or "plain" (module docstring)."""
+    if _setting() in ("0", "onednn"):
+        return "plain"
+    lib = native.library()
+    if lib is None or lib.isa not in ("avx512", "avx2"):
+        return "plain"
+    return "panels" if _probe("panels") else "plain"
+
+
 def supported() -> bool:
     """Whether bfloat16 weights are prepacked here (in either form). Asks oneDNN first, which
     runs wherever our GEMM does, so that `pagedkv plan` need not build the C++ kernels."""
@@ -71,87 +87,120 @@ def _onednn_runs() -> bool:
 
 
 def _probe(kind: str) -> bool:
-    """Whether `kind` runs here and agrees with F.linear: bit for bit (onednn), or within one
-    bfloat16 rounding step of each result (pairs, whose sums run in another order)."""
-    if kind == "pairs":
+    """Whether `kind` runs here and agrees with F.linear: bit for bit (onednn), within one
+    bfloat16 rounding step of each result (pairs), or within float32 rounding of the float64
+    product (panels); both our GEMMs sum in another order."""
+    if kind in ("pairs", "panels"):
         lib = native.library()
-        if lib is None or not lib.bf16_gemm:
+        if lib is None or (kind == "pairs" and not lib.bf16_gemm):
             return False
+    dtype = torch.float32 if kind == "panels" else torch.bfloat16
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(80, 96, generator=gen).to(torch.bfloat16)
-    x = torch.randn(13, 96, generator=gen).to(torch.bfloat16)
+    w = torch.randn(80, 96, generator=gen).to(dtype)
+    x = torch.randn(13, 96, generator=gen).to(dtype)
     try:
-        got, want = PrepackedWeight.of(w, kind).mm(x).float(), F.linear(x, w).float()
+        got, want = PrepackedWeight.of(w, kind).mm(x).double(), F.linear(x, w).double()
     except (RuntimeError, AttributeError, native.KernelError) as e:  # no such op, or CPU lacks it
-        log.info("bfloat16 weights: %s prepacking does not run here (%s)", kind, e)
+        log.info("%s weights: %s prepacking does not run here (%s)", dtype, kind, e)
         return False
-    step = want.abs().clamp_min(2**-100) * 2**-7  # a bfloat16 rounding step of each result
-    same = torch.equal(got, want) if kind == "onednn" else bool(((got - want).abs() <= step).all())
+    if kind == "onednn":
+        same = torch.equal(got, want)
+    elif kind == "pairs":
+        step = want.abs().clamp_min(2**-100) * 2**-7  # a bfloat16 rounding step of each result
+        same = bool(((got - want).abs() <= step).all())
+    else:
+        exact = x.double() @ w.double().T
+        bound = (x.double().abs() @ w.double().abs().T) * 96 * 2**-24  # k roundings of float32
+        same = bool(((got - exact).abs() <= bound).all())
     if not same:
-        log.warning("bfloat16 weights: %s prepacking disagrees with F.linear; not used", kind)
+        log.warning("%s weights: %s prepacking disagrees with F.linear; not used", dtype, kind)
     return same
 
 
 @dataclass
-class PrepackedWeight:
-    """A [N, K] bfloat16 weight in one of the prepacked forms: `mm(x)` is F.linear(x, w)."""
+class GemmCall:
+    """A gemm.cpp kernel bound to one packed weight: the library it was packed for (a panel's
+    width is that build's) and the kernel's parameter struct with the weight's fields filled.
+    A model runs one forward at a time, so one struct per weight serves every call."""
 
-    packed: Tensor  # pairs: the N K values in panels (gemm.cpp); onednn: an opaque mkldnn tensor
+    lib: native.Library
+    kernel: str
+    params: ctypes.Structure
+    n: int  # output columns
+
+    @classmethod
+    def of(cls, kernel: str, n: int, **weight: object) -> GemmCall:
+        lib = native.library()
+        if lib is None:
+            raise native.KernelError(f"{kernel}: the C++ kernels are not built here")
+        fields = dict(x=0, x_stride=0, out=0, out_stride=n, rows=0, n=n, threads=1)
+        return cls(lib, kernel, lib.params(kernel, **fields, **weight), n)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """[rows, n] in x's dtype for x [rows, k] (unit stride)."""
+        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+        p = self.params
+        p.x, p.x_stride, p.out = x.data_ptr(), x.stride(0), out.data_ptr()
+        p.rows, p.threads = x.shape[0], torch.get_num_threads()
+        self.lib.run(self.kernel, p)
+        return out
+
+
+# our GEMMs: form -> (kernel, dtype of x and W)
+_KERNELS = {"pairs": ("gemm_bf16", torch.bfloat16), "panels": ("gemm_f32", torch.float32)}
+
+
+@dataclass
+class PrepackedWeight:
+    """A [N, K] weight in one of the prepacked forms: `mm(x)` is F.linear(x, w)."""
+
+    packed: Tensor  # pairs / panels: the N K values in panels (gemm.cpp); onednn: opaque mkldnn
     shape: tuple[int, int]  # (N, K)
-    kind: str  # "pairs" or "onednn"
+    kind: str  # "pairs" or "onednn" (bfloat16), "panels" (float32)
+    call: GemmCall | None = field(default=None, repr=False, compare=False)  # pairs / panels
 
     @classmethod
     def of(cls, w: Tensor, kind: str) -> PrepackedWeight:
         n, k = w.shape
         w = w.contiguous()
+        if kind == "onednn":  # (the second argument is a batch-size hint; measured: no effect)
+            return cls(torch.ops.mkldnn._reorder_linear_weight(w, 1), (n, k), kind)
         if kind == "pairs":  # panels of PANEL rows of w (the last may have fewer), [k/2, rows, 2]
             parts = w.split(PANEL)
             packed = torch.cat([p.view(-1, k // 2, 2).transpose(0, 1).reshape(-1) for p in parts])
-            return cls(packed, (n, k), kind)
-        # (the second argument is a batch-size hint; measured: no effect on speed at 1-1024 rows)
-        return cls(torch.ops.mkldnn._reorder_linear_weight(w, 1), (n, k), kind)
-
-    # pairs: gemm_bf16's parameters with the weight's fields filled (mm sets the others; a model
-    # runs one forward at a time, so one struct per weight serves every call)
-    _params: ctypes.Structure | None = field(default=None, init=False, repr=False, compare=False)
+        else:  # panels of c rows of w, [k, c], the last padded with zero rows
+            lib = native.library()
+            if lib is None:
+                raise native.KernelError("gemm_f32: the C++ kernels are not built here")
+            c = 2 * lib.vector_width
+            packed = F.pad(w, (0, 0, 0, -n % c)).view(-1, c, k).transpose(1, 2).reshape(-1)
+        call = GemmCall.of(_KERNELS[kind][0], n, w=packed.data_ptr(), k=k)
+        return cls(packed, (n, k), kind, call)
 
     def mm(self, x: Tensor) -> Tensor:
-        if self.kind == "onednn":
+        if self.call is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         n, k = self.shape
         if x.dim() != 2:
             return self.mm(x.reshape(-1, k)).view(*x.shape[:-1], n)
-        if x.dtype != torch.bfloat16:
-            raise native.KernelError(f"gemm_bf16: x must be bfloat16, got {x.dtype}")
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        if self._params is None:
-            self._params = native.library().params(  # type: ignore[union-attr] # (form() found it)
-                "gemm_bf16", x=0, x_stride=0, w=self.packed.data_ptr(), out=0, out_stride=n,
-                rows=0, n=n, k=k, threads=1,
-            )  # fmt: skip
-        return run_gemm("gemm_bf16", self._params, x, n)
+        kernel, dtype = _KERNELS[self.kind]
+        if x.dtype != dtype:
+            raise native.KernelError(f"{kernel}: x must be {dtype}, got {x.dtype}")
+        return self.call(x if x.stride(-1) == 1 else x.contiguous())
 
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes
 
 
-def run_gemm(kernel: str, params: ctypes.Structure, x: Tensor, n: int) -> Tensor:
-    """[rows, n] bfloat16: x [rows, k] (bfloat16, unit stride) times the weight whose fields
-    `params` of a gemm.cpp kernel hold; sets the others."""
-    lib = native.library()
-    assert lib is not None
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    params.x, params.x_stride, params.out = x.data_ptr(), x.stride(0), out.data_ptr()
-    params.rows, params.threads = x.shape[0], torch.get_num_threads()
-    lib.run(kernel, params)
-    return out
-
-
 def prepack(w: Tensor) -> Tensor | PrepackedWeight:
-    """w prepacked when it is a bfloat16 matrix and this machine supports it, else w itself."""
-    if w.dtype != torch.bfloat16 or w.dim() != 2 or w.device.type != "cpu":
+    """w prepacked when it is a bfloat16 or float32 matrix and this machine has a form for it,
+    else w itself."""
+    if w.dim() != 2 or w.device.type != "cpu":
+        return w
+    if w.dtype == torch.float32:
+        return PrepackedWeight.of(w, "panels") if float32_form() == "panels" else w
+    if w.dtype != torch.bfloat16:
         return w
     kind = form()
     if kind == "plain" or (kind == "pairs" and w.shape[1] % 2):  # (the kernel takes k in pairs)
@@ -160,5 +209,7 @@ def prepack(w: Tensor) -> Tensor | PrepackedWeight:
 
 
 def dense_form() -> str:
-    """How bfloat16 matmuls run here, for the keys of start-up measurements that timed them."""
-    return {"pairs": "pairs", "onednn": "prepacked", "plain": "plain"}[form()]
+    """How bfloat16 and float32 matmuls run here, for the keys of start-up measurements that
+    timed them."""
+    bf16 = {"pairs": "pairs", "onednn": "prepacked", "plain": "plain"}[form()]
+    return f"{bf16}, float32 {float32_form()}"

@@ -29,7 +29,6 @@ q/k/v parts concatenated before packing (the packed layout cannot be cut).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass, field
 
@@ -40,8 +39,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from torch import Tensor
 
-from pagedkv import native
-from pagedkv.model.prepacked import PrepackedWeight, form, prepack, run_gemm
+from pagedkv.model.prepacked import GemmCall, PrepackedWeight, form, prepack
 
 ACT_DTYPE = torch.bfloat16  # what the packed kernels take and return
 INT4_GROUPS = (32, 64, 128)  # group sizes aten's int4 CPU kernel accepts
@@ -144,21 +142,22 @@ class Int4Weight(PackedWeight):
     group: int
     shape: tuple[int, int]  # (N, K)
     panels: bool = False
-    _params: ctypes.Structure | None = field(default=None, init=False, repr=False, compare=False)
+    _call: GemmCall | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.panels:  # (bound now: the library packed for, whatever native.library() says later)
+            n, k = self.shape
+            self._call = GemmCall.of(
+                "gemm_int4", n, codes=self.packed.data_ptr(), scales=self.scales_zeros.data_ptr(),
+                k=k, group=self.group,
+            )  # fmt: skip
 
     def packed_mm(self, x: Tensor) -> Tensor:
-        if not self.panels:
+        if self._call is None:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.packed, self.group, self.scales_zeros
             )
-        n, k = self.shape
-        if self._params is None:
-            self._params = native.library().params(  # type: ignore[union-attr] # (panels: it runs)
-                "gemm_int4", x=0, x_stride=0, codes=self.packed.data_ptr(),
-                scales=self.scales_zeros.data_ptr(), out=0, out_stride=n, rows=0, n=n, k=k,
-                group=self.group, threads=1,
-            )  # fmt: skip
-        return run_gemm("gemm_int4", self._params, x, n)
+        return self._call(x)
 
     @property
     def packed_kind(self) -> str:

@@ -312,6 +312,18 @@ bool refused_without_bf16(int status, const std::string& tag) {
   return true;
 }
 
+// x [rows, k] times W [n, k] transposed, in double.
+std::vector<double> product(const Buf& x, const Buf& w, int64_t rows, int64_t n, int64_t k) {
+  std::vector<double> out(rows * n);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; ++c) {
+      double s = 0;
+      for (int64_t i = 0; i < k; ++i) s += double(x.get(r * k + i)) * w.get(c * k + i);
+      out[r * n + c] = s;
+    }
+  return out;
+}
+
 // The bf16 GEMM where the build has it (AVX512_BF16) against the product in double; elsewhere
 // it must refuse.
 void gemm_bf16(int64_t rows, int64_t n, int64_t k) {
@@ -329,14 +341,7 @@ void gemm_bf16(int64_t rows, int64_t n, int64_t k) {
   const std::string tag = "gemm_bf16 " + std::to_string(rows) + "x" + std::to_string(n) + "x" + std::to_string(k);
   if (refused_without_bf16(status, tag)) return;
   ran(status, "gemm_bf16");
-  std::vector<double> want(rows * n);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < n; ++c) {
-      double s = 0;
-      for (int64_t i = 0; i < k; ++i) s += x.get(r * k + i) * w.get(c * k + i);
-      want[r * n + c] = s;
-    }
-  check(tag, want, out, kTol[PAGEDKV_DTYPE_BFLOAT16]);
+  check(tag, product(x, w, rows, n, k), out, kTol[PAGEDKV_DTYPE_BFLOAT16]);
 }
 
 // The int4 GEMM (AVX512_BF16 builds) against the product in double of its dequantized weights,
@@ -381,6 +386,26 @@ void gemm_int4(int64_t rows, int64_t n, int64_t k, int64_t group) {
   check(tag, want, out, kTol[PAGEDKV_DTYPE_BFLOAT16]);
 }
 
+// The float32 GEMM (every build) against the product in double, W packed as prepacked.py does:
+// panels of 2 x vector width rows, each [k][c], the last padded with zero rows.
+void gemm_f32(int64_t rows, int64_t n, int64_t k) {
+  const int64_t c = 2 * pagedkv_vector_width(), panels = (n + c - 1) / c;
+  Buf x(PAGEDKV_DTYPE_FLOAT32, rows * k), w(PAGEDKV_DTYPE_FLOAT32, n * k), out(PAGEDKV_DTYPE_FLOAT32, rows * n);
+  x.fill_random(-1, 1); w.fill_random(-1, 1);
+  Buf packed(PAGEDKV_DTYPE_FLOAT32, panels * c * k);
+  for (int64_t p0 = 0; p0 < panels; ++p0)
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t j = 0; j < c; ++j) {
+        const int64_t col = p0 * c + j;
+        packed.set((p0 * k + i) * c + j, col < n ? w.get(col * k + i) : 0.f);
+      }
+  pagedkv_gemm_f32_params p{static_cast<const float*>(x.data()), k, static_cast<const float*>(packed.data()),
+                            static_cast<float*>(out.data()), n, rows, n, k, 2};
+  ran(pagedkv_gemm_f32(&p, err, sizeof err), "gemm_f32");
+  check("gemm_f32 " + std::to_string(rows) + "x" + std::to_string(n) + "x" + std::to_string(k),
+        product(x, w, rows, n, k), out, kTol[PAGEDKV_DTYPE_FLOAT32]);
+}
+
 }  // namespace
 
 int main() {
@@ -399,6 +424,8 @@ int main() {
   gemm_int4(1, 64, 64, 32);
   gemm_int4(13, 96, 576, 32);
   gemm_int4(7, 32, 256, 128);
+  for (int64_t rows : {1, 5, 13, 64}) gemm_f32(rows, 40, 96);  // every row block and tail, a partial panel
+  gemm_f32(7, 100, 576);
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }
