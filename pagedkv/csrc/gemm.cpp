@@ -1,7 +1,8 @@
-// out = x W^T for bfloat16 x and W on CPUs with AVX512_BF16: the dense matmuls of a decode
-// step (tens of rows) and of prefill chunks.
+// out = x W^T for the dense matmuls of a decode step (tens of rows) and of prefill chunks: for
+// bfloat16 x and W on CPUs with AVX512_BF16, for 4-bit W there too, and for float32 on every ISA
+// (its section below).
 //
-// W is packed once at load (model/prepacked.py) into panels of 32 output columns, each panel
+// bfloat16: W is packed once at load (model/prepacked.py) into panels of 32 output columns, each panel
 // [k / 2][32][2] (the last one [k / 2][n % 32][2] when 32 does not divide n): column c's
 // consecutive k pairs side by side, so one vdpbf16ps multiplies a
 // broadcast pair of x by 32 pairs of W (two vectors) and adds both products to float32 sums.
@@ -18,7 +19,8 @@
 // memory for every panel. Threads split the (chunk, panel) pairs into contiguous ranges.
 //
 // Like the other kernels: no torch headers, called through ctypes with the parameter struct of
-// pagedkv_abi.h; built only where the compiler targets AVX512_BF16 (pagedkv_bf16_gemm says).
+// pagedkv_abi.h. The bfloat16 and 4-bit kernels are built only where the compiler targets
+// AVX512_BF16 (pagedkv_bf16_gemm says); elsewhere they refuse.
 
 #include <algorithm>
 #include <cstdint>
@@ -264,7 +266,9 @@ void gemm_int4(const pagedkv_gemm_int4_params& P) {
 // feed 2 R FMAs into sums that stay in registers for the whole of k (R = 6 with 16 registers,
 // 12 with 32); the next panel is prefetched a row per k. At a decode step's 64 rows a matmul
 // is bound by the FMA rate, not by the bytes; MKL's sgemm reaches ~60% of it there on AVX2,
-// this ~80% (BENCHMARKS.md "float32 GEMM").
+// this ~90% (BENCHMARKS.md "A float32 GEMM of our own"). Every loop over the sums is unrolled,
+// the ones that zero and store them too: otherwise GCC keeps the array in memory and stores each
+// sum after every FMA (half the speed in a prototype). The kernels above take the same care.
 
 constexpr int kColsF = 2 * W;
 constexpr int kRowBlockF = kRegisters >= 32 ? 12 : 6;

@@ -17,10 +17,11 @@ AMD CPUs it takes the AVX2 path even where AVX-512 runs). The forms, chosen once
   (benchmarks/bench_prepacked.py times the three). Needs AVX-512 (BW, VL, DQ) or
   AVX-NE-CONVERT.
 - float32, "panels" (AVX-512 and AVX2 builds of the kernels): panels of 2 vectors of output
-  columns, multiplied by gemm.cpp's float32 GEMM at ~90% of the FMA rate: 1.55x MKL at 64 rows
-  with AVX2, 2.8x with AVX-512 (BENCHMARKS.md "float32 GEMM"). Its sums too run in another
-  order, so results differ from F.linear's by float32 rounding (the probe bounds them against
-  the float64 product). Not on NEON (not measured) nor the portable build (slower than MKL).
+  columns, multiplied by gemm.cpp's float32 GEMM at ~90% of the FMA rate: 1.55x MKL at 64
+  rows with AVX2, 2.6x with AVX-512 (BENCHMARKS.md "A float32 GEMM of our own"). Its sums too
+  run in another order, so results differ from F.linear's by float32 rounding (the probe
+  bounds them against the float64 product). Not on NEON (not measured) nor the portable build
+  (slower than MKL).
 
 Where none runs, weights stay plain. $PAGEDKV_PREPACK picks: 0 (plain), onednn (oneDNN's form
 for bfloat16, plain float32: the libraries' matmuls), or unset (the best this machine runs).
