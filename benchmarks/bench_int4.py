@@ -1,5 +1,6 @@
 """A decode step's 4-bit matmuls in aten's int4 layout (torch's kernel) and in our panels
-(csrc/gemm.cpp's gemm_int4, CPUs with AVX512_BF16), by the step's row count.
+(csrc/gemm.cpp's gemm_int4: AVX512_BF16, or AVX2 builds dequantizing into float32), by the
+step's row count.
 
 The default model's int4 shapes, `--layers` layers of distinct random codes (weights come from
 memory, as in a step), group 32; the two layouts alternate within each round; best of `--rounds`.
@@ -25,6 +26,7 @@ SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, 
 def packed(blocks: list[Blocks], setting: str) -> list:
     os.environ[prepacked.ENV] = setting
     prepacked.form.cache_clear()
+    prepacked.int4_form.cache_clear()
     return [pack_int4(b) for b in blocks]
 
 
@@ -47,7 +49,7 @@ def main() -> None:
         for n, k in SHAPES
     ]
     forms = {"aten": packed(blocks, "onednn"), "panels": packed(blocks, "")}
-    assert all(w.panels for w in forms["panels"]), "gemm_int4 does not run here (no AVX512_BF16)"
+    assert all(w.panels for w in forms["panels"]), "gemm_int4 unused here (no AVX512_BF16/AVX2)"
     print(f"threads={torch.get_num_threads()}, {args.layers} layers, best of {args.rounds}")
     print("| rows | aten int4 (ms) | panels (ms) | speed-up |")
     print("|---:|---:|---:|---:|")

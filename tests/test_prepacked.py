@@ -35,14 +35,14 @@ def prepacking(monkeypatch):
 
     def use(setting: str) -> bool:
         monkeypatch.setenv(prepacked.ENV, setting)
-        prepacked.form.cache_clear()
-        prepacked.float32_form.cache_clear()
+        for cached in (prepacked.form, prepacked.float32_form, prepacked.int4_form):
+            cached.cache_clear()
         return prepacked.supported()
 
     yield use
     monkeypatch.delenv(prepacked.ENV, raising=False)
-    prepacked.form.cache_clear()
-    prepacked.float32_form.cache_clear()
+    for cached in (prepacked.form, prepacked.float32_form, prepacked.int4_form):
+        cached.cache_clear()
 
 
 def close_to_f_linear(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -191,9 +191,10 @@ def test_plan_counts_the_tied_head_copy(tied_model, tmp_path, prepacking):
 @pytest.mark.parametrize(
     "n,k,group", [(64, 64, 32), (128, 576, 32), (192, 1536, 64), (64, 256, 128)]
 )
-def test_int4_panels_hold_aten_layouts_weights_and_multiply_them(n, k, group, prepacking):
-    """4-bit weights in our GEMM's panels (where it runs): the same values as aten's layout, whole,
-    by rows (embedding lookups) and in parts; products within rounding of the float64 one."""
+def test_int4_panels_hold_aten_layouts_weights_and_multiply_them(n, k, group, prepacking, kernel_isa):
+    """4-bit weights in our GEMM's panels (where it runs: AVX512_BF16 builds, and AVX2 builds by
+    dequantizing into float32): the same values as aten's layout, whole, by rows (embedding
+    lookups) and in parts; products within rounding of the float64 one; per ISA variant."""
     gen = torch.Generator().manual_seed(n + k)
     scale, zero = torch.rand(2, n, k // group, generator=gen) * 0.01
     b = Blocks(
@@ -205,9 +206,12 @@ def test_int4_panels_hold_aten_layouts_weights_and_multiply_them(n, k, group, pr
     )
     prepacking("onednn")
     aten = pack_int4(b)
-    if not prepacking("") or prepacked.form() != "pairs":
-        assert not pack_int4(b).panels  # no AVX512_BF16 here: aten's layout
+    prepacking("")
+    lib = native.library()
+    if not (lib.isa == "avx2" or prepacked.form() == "pairs"):
+        assert prepacked.int4_form() == "aten" and not pack_int4(b).panels  # torch's kernel here
         return
+    assert prepacked.int4_form() == "panels"
     ours = pack_int4(b)
     assert ours.panels and not aten.panels and ours.packed_nbytes == aten.packed_nbytes
     w = aten.dequantize()
@@ -225,7 +229,6 @@ def test_int4_panels_hold_aten_layouts_weights_and_multiply_them(n, k, group, pr
             assert ((ours.packed_mm(x).double() - exact).abs() <= bound).all(), (rows, t)
     finally:
         torch.set_num_threads(threads)
-    lib = native.library()
     with pytest.raises(native.KernelError, match="multiple of 32"):
         lib.call(
             "gemm_int4", x=0, x_stride=k, codes=0, scales=0, out=0, out_stride=48, rows=1, n=48,

@@ -100,6 +100,42 @@ void over_items(int64_t rows, int64_t panels, int64_t row_bytes, int64_t block, 
   }
 }
 
+// Each row's sum of x over each group of k (the zeros' term of the 4-bit kernels), [rows][groups],
+// once for all panels; and x itself in float [rows][k] into xf unless null.
+std::vector<float> group_sums(const pagedkv_gemm_int4_params& P, float* xf) {
+  const auto* x = static_cast<const bf16*>(P.x);
+  const int64_t groups = P.k / P.group;
+  std::vector<float> sums(size_t(P.rows * groups));
+  for (int64_t r = 0; r < P.rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      Vec sum = zero();
+      for (int64_t c = g * P.group; c < (g + 1) * P.group; c += W) {
+        const Mask m = lanes((g + 1) * P.group, c);
+        const Vec v = load(x + r * P.x_stride + c, m);
+        if (xf) store(xf + r * P.k + c, v, m);
+        sum = add(sum, v);
+      }
+      sums[size_t(r * groups + g)] = hsum(sum);
+    }
+  return sums;
+}
+
+// The row blocks of a 4-bit GEMM's (chunk, panel) items: run(R, row, panel, its codes, its scales,
+// the next panel's codes when the same thread takes it next (else null), their bytes).
+template <int Block, typename F>
+void over_int4_items(const pagedkv_gemm_int4_params& P, int64_t row_bytes, F&& run) {
+  const auto* codes = static_cast<const uint8_t*>(P.codes);
+  const auto* sz = static_cast<const uint16_t*>(P.scales);
+  const int64_t panels = P.n / kCols, code_bytes = P.k / 2 * kCols, sz_elems = P.k / P.group * 2 * kCols;
+  over_items(P.rows, panels, row_bytes, Block, P.threads, [&](int64_t r0, int64_t rows, int64_t p, bool ahead) {
+    const uint8_t* c = codes + p * code_bytes;
+    const char* next = ahead ? reinterpret_cast<const char*>(c + code_bytes) : nullptr;
+    by_row_blocks<Block>(rows, [&](auto R, int64_t r) {
+      run(R, r0 + r, p, c, sz + p * sz_elems, r == 0 ? next : nullptr, code_bytes);
+    });
+  });
+}
+
 #ifdef PAGEDKV_BF16_GEMM
 
 // y[R rows, cols] = x[R rows, k] . panel; `ahead` (or null) is the next panel, prefetched a
@@ -231,30 +267,15 @@ __attribute__((always_inline)) inline void micro4(const uint16_t* x, int64_t x_s
   }
 }
 
-void gemm_int4(const pagedkv_gemm_int4_params& P) {
+void gemm_int4_bf16(const pagedkv_gemm_int4_params& P) {
   const auto* x = static_cast<const uint16_t*>(P.x);
-  const auto* codes = static_cast<const uint8_t*>(P.codes);
-  const auto* sz = static_cast<const uint16_t*>(P.scales);
   bf16* y = static_cast<bf16*>(P.out);
-  const int64_t groups = P.k / P.group, panels = P.n / kCols;
-  const int64_t code_bytes = P.k / 2 * kCols, sz_elems = groups * 2 * kCols;
-  // each row's sum of x over each group (the zeros' term), once for all panels
-  std::vector<float> xsum(size_t(P.rows * groups));
-  for (int64_t r = 0; r < P.rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      const bf16* xr = reinterpret_cast<const bf16*>(x + r * P.x_stride + g * P.group);
-      Vec s = zero();
-      for (int64_t c = 0; c < P.group; c += W) s = add(s, load(xr + c, lanes(P.group, c)));
-      xsum[size_t(r * groups + g)] = hsum(s);
-    }
-  over_items(P.rows, panels, 2 * P.k, kRowBlock4, P.threads, [&](int64_t r0, int64_t rows, int64_t p, bool ahead) {
-    const uint8_t* c = codes + p * code_bytes;
-    const uint16_t* s = sz + p * sz_elems;
-    const char* next = ahead ? reinterpret_cast<const char*>(c + code_bytes) : nullptr;
-    by_row_blocks<kRowBlock4>(rows, [&](auto R, int64_t r) {
-      micro4<R>(x + (r0 + r) * P.x_stride, P.x_stride, xsum.data() + (r0 + r) * groups, groups, c, s, P.group,
-                y + (r0 + r) * P.out_stride + p * kCols, P.out_stride, r == 0 ? next : nullptr, code_bytes);
-    });
+  const int64_t groups = P.k / P.group;
+  const std::vector<float> xsum = group_sums(P, nullptr);
+  over_int4_items<kRowBlock4>(P, 2 * P.k, [&](auto R, int64_t r, int64_t p, const uint8_t* c, const uint16_t* s,
+                                              const char* next, int64_t next_bytes) {
+    micro4<R>(x + r * P.x_stride, P.x_stride, xsum.data() + r * groups, groups, c, s, P.group,
+              y + r * P.out_stride + p * kCols, P.out_stride, next, next_bytes);
   });
 }
 
@@ -274,30 +295,45 @@ constexpr int kColsF = 2 * W;
 constexpr int kRowBlockF = kRegisters >= 32 ? 12 : 6;
 constexpr int kPanelRowBytes = kColsF * 4;
 
-template <int R>
+// y[R rows, cols] = x . panel. Few rows give few independent sums, each FMA waiting on the one
+// before: those rows keep U sums a column vector over interleaved k (U R >= 4), added at the end.
+template <int R, typename Y>
 __attribute__((always_inline)) inline void micro_f32(const float* x, int64_t x_stride, const float* panel, int64_t k,
-                                                     float* y, int64_t y_stride, int cols, const char* ahead) {
-  Vec acc[R][2];
+                                                     Y* y, int64_t y_stride, int cols, const char* ahead) {
+  constexpr int U = R >= 4 ? 1 : R == 1 ? 4 : 2;
+  Vec acc[R][2][U];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero();
-  for (int64_t i = 0; i < k; ++i) {
-    if (ahead) {
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-      for (int line = 0; line < kPanelRowBytes; line += 64) prefetch(ahead + i * kPanelRowBytes + line);
-    }
-    const Vec w0 = load(panel + i * kColsF, kFull), w1 = load(panel + i * kColsF + W, kFull);
+    for (int u = 0; u < U; ++u) acc[r][0][u] = acc[r][1][u] = zero();
+  for (int64_t i0 = 0; i0 < k; i0 += U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const int64_t i = i0 + u;
+      if (U > 1 && i >= k) break;
+      if (ahead) {
+#pragma GCC unroll 4
+        for (int line = 0; line < kPanelRowBytes; line += 64) prefetch(ahead + i * kPanelRowBytes + line);
+      }
+      const Vec w0 = load(panel + i * kColsF, kFull), w1 = load(panel + i * kColsF + W, kFull);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const Vec a = set1(x[r * x_stride + i]);
-      acc[r][0] = fma(a, w0, acc[r][0]);
-      acc[r][1] = fma(a, w1, acc[r][1]);
+      for (int r = 0; r < R; ++r) {
+        const Vec a = set1(x[r * x_stride + i]);
+        acc[r][0][u] = fma(a, w0, acc[r][0][u]);
+        acc[r][1][u] = fma(a, w1, acc[r][1][u]);
+      }
     }
   }
   const Mask m0 = lanes(cols, 0), m1 = cols > W ? lanes(cols, W) : kFull;
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    store(y + r * y_stride, acc[r][0], m0);
-    if (cols > W) store(y + r * y_stride + W, acc[r][1], m1);
+#pragma GCC unroll 4
+    for (int u = 1; u < U; ++u) {
+      acc[r][0][0] = add(acc[r][0][0], acc[r][0][u]);
+      acc[r][1][0] = add(acc[r][1][0], acc[r][1][u]);
+    }
+    store(y + r * y_stride, acc[r][0][0], m0);
+    if (cols > W) store(y + r * y_stride + W, acc[r][1][0], m1);
   }
 }
 
@@ -313,6 +349,93 @@ void gemm_f32(const pagedkv_gemm_f32_params& P) {
       micro_f32<R>(x + (r0 + r) * P.x_stride, P.x_stride, w + p * panel_elems, P.k,
                    y + (r0 + r) * P.out_stride + p * kColsF, P.out_stride, cols, r == 0 ? next : nullptr);
     });
+  });
+}
+
+
+// ---------------------------------------------------------------------------------------
+// 4-bit weights without AVX512_BF16 (the same panels as gemm_int4_bf16), in float32 FMAs. A
+// panel is taken in two halves of 16 columns: per k pair, the low nibbles of its 32 bytes of
+// codes are the first half's two k rows (even bytes the first k, odd ones the second), the high
+// nibbles the second half's. Each becomes (q - 8) in int8, then float, and R rows' sums of
+// x . (q - 8) over a group stay in registers (R x 16 columns); each group's sums are scaled into
+// the rows' totals, as gemm_int4_bf16 does:
+//   out = sum_g scale_g * (x . (q - 8))_g + zero_g * sum_g x.
+// Half a panel keeps 6 rows' sums in AVX2's 16 registers, so steps of up to 6 rows (a single
+// stream, a speculative verify) unpack each code once. With AVX2, 1.2x torch's int4 kernel at one
+// row and 1.4x at five, about even at 2-4 (the widening to float is the cost; BENCHMARKS.md
+// "4-bit weights on AVX2"). The next panel's codes are prefetched: without, 0.7x at one row.
+
+using Bytes32 = uint8_t __attribute__((vector_size(32)));
+using Bytes16 = int8_t __attribute__((vector_size(16)));
+constexpr int kHalf = kCols / 2;
+constexpr int kHalfVecs = kHalf / W;  // vectors of a row's 16 sums
+static_assert(kHalf % W == 0, "whole vectors in half a panel");
+constexpr int kRowBlockQ = std::min(6, (kRegisters - 4) / kHalfVecs);
+
+template <int R, int H>
+__attribute__((always_inline)) inline void micro4_f32(const float* x, int64_t k, const float* xsum, int64_t groups,
+                                                      const uint8_t* codes, const uint16_t* sz, int64_t group, bf16* y,
+                                                      int64_t y_stride, const char* ahead, int64_t ahead_bytes) {
+  alignas(32) float total[R][kHalf] = {};
+  alignas(16) int8_t rows[2][kHalf];
+  const int64_t gp = group / 2;  // k pairs a group
+  for (int64_t g = 0; g < groups; ++g) {
+    Vec part[R][kHalfVecs];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < kHalfVecs; ++v) part[r][v] = zero();
+    for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
+      if (ahead && p * 64 < ahead_bytes) prefetch(ahead + p * 64);  // the next panel, a line a pair
+      Bytes32 b;
+      __builtin_memcpy(&b, codes + p * kCols, sizeof b);
+      const Bytes32 q = (H ? b >> 4 : b & 15) - 8;  // this half's q - 8, as int8
+      const Bytes16 r0 = (Bytes16)__builtin_shufflevector(q, q, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                                          28, 30);
+      const Bytes16 r1 = (Bytes16)__builtin_shufflevector(q, q, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                                          29, 31);
+      __builtin_memcpy(rows[0], &r0, sizeof r0);
+      __builtin_memcpy(rows[1], &r1, sizeof r1);
+#pragma GCC unroll 2
+      for (int parity = 0; parity < 2; ++parity)
+#pragma GCC unroll 4
+        for (int v = 0; v < kHalfVecs; ++v) {
+          const Vec w = load(reinterpret_cast<const i8*>(rows[parity] + v * W), kFull);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) part[r][v] = fma(set1(x[r * k + 2 * p + parity]), w, part[r][v]);
+        }
+    }
+    const bf16* s = reinterpret_cast<const bf16*>(sz + g * 2 * kCols + H * kHalf);
+#pragma GCC unroll 4
+    for (int v = 0; v < kHalfVecs; ++v) {
+      const Vec scale = load(s + v * W, kFull), zero_ = load(s + kCols + v * W, kFull);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        float* t = total[r] + v * W;
+        store(t, fma(part[r][v], scale, fma(set1(xsum[r * groups + g]), zero_, load(t, kFull))), kFull);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < kHalfVecs; ++v)
+      store(y + r * y_stride + H * kHalf + v * W, load(total[r] + v * W, kFull), kFull);
+}
+
+void gemm_int4_f32(const pagedkv_gemm_int4_params& P) {
+  bf16* y = static_cast<bf16*>(P.out);
+  const int64_t groups = P.k / P.group;
+  std::vector<float> xf(size_t(P.rows * P.k));  // x in float, once for every panel
+  const std::vector<float> xsum = group_sums(P, xf.data());
+  over_int4_items<kRowBlockQ>(P, 4 * P.k, [&](auto R, int64_t r, int64_t p, const uint8_t* c, const uint16_t* s,
+                                              const char* next, int64_t next_bytes) {
+    const float* xr = xf.data() + r * P.k;
+    const float* xs = xsum.data() + r * groups;
+    bf16* yr = y + r * P.out_stride + p * kCols;
+    micro4_f32<R, 0>(xr, P.k, xs, groups, c, s, P.group, yr, P.out_stride, next, next_bytes);
+    micro4_f32<R, 1>(xr, P.k, xs, groups, c, s, P.group, yr, P.out_stride, nullptr, 0);
   });
 }
 
@@ -335,18 +458,18 @@ int pagedkv_gemm_bf16(const pagedkv_gemm_bf16_params* p, char* err, int errlen) 
 }
 
 int pagedkv_gemm_int4(const pagedkv_gemm_int4_params* p, char* err, int errlen) {
-#ifdef PAGEDKV_BF16_GEMM
   const pagedkv_gemm_int4_params& P = *p;
   if (P.rows < 0 || P.n < kCols || P.n % kCols || P.group < 2 || P.group % 2 || P.k < P.group || P.k % P.group)
     return fail(err, errlen, "need n a multiple of 32 and k a multiple of an even group (n = %lld, k = %lld)", P.n,
                 P.k);
   if (check_strides(P, err, errlen)) return 1;
-  if (P.rows > 0) gemm_int4(P);
-  return 0;
+  if (P.rows == 0) return 0;
+#ifdef PAGEDKV_BF16_GEMM
+  gemm_int4_bf16(P);
 #else
-  (void)p;
-  return fail(err, errlen, "the int4 GEMM needs AVX512_BF16, which this build lacks", 0, 0);
+  gemm_int4_f32(P);
 #endif
+  return 0;
 }
 
 int pagedkv_gemm_f32(const pagedkv_gemm_f32_params* p, char* err, int errlen) {

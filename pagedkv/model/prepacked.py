@@ -76,6 +76,18 @@ def float32_form() -> str:
     return "panels" if _probe("panels") else "plain"
 
 
+@functools.cache
+def int4_form() -> str:
+    """How 4-bit weights are kept here: "panels" for gemm.cpp's gemm_int4 (AVX512_BF16 builds; and
+    AVX2 builds, where it unpacks the codes into float32 FMAs: 1.1-1.4x torch's int4 kernel at
+    the 1 and 5 rows of a single stream and its verify steps, about even at 2-4, BENCHMARKS.md
+    "4-bit weights on AVX2"), else "aten" (torch's kernel)."""
+    if form() == "pairs":
+        return "panels"
+    lib = native.library() if _setting() not in ("0", "onednn") else None
+    return "panels" if lib is not None and lib.isa == "avx2" else "aten"
+
+
 def supported() -> bool:
     """Whether bfloat16 weights are prepacked here (in either form). Asks oneDNN first, which
     runs wherever our GEMM does, so that `pagedkv plan` need not build the C++ kernels."""

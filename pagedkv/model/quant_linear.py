@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from torch import Tensor
 
-from pagedkv.model.prepacked import GemmCall, PrepackedWeight, form, prepack
+from pagedkv.model.prepacked import GemmCall, PrepackedWeight, int4_form, prepack
 
 ACT_DTYPE = torch.bfloat16  # what the packed kernels take and return
 INT4_GROUPS = (32, 64, 128)  # group sizes aten's int4 CPU kernel accepts
@@ -133,9 +133,11 @@ def _int4_layout() -> tuple[int, Tensor, Tensor]:
 class Int4Weight(PackedWeight):
     """4-bit codes with a bf16 scale and zero per group: w = (q - 8) * scale + zero.
 
-    Two layouts of the same bytes: aten's (its CPU int4 kernel), or, where our AVX512_BF16
-    GEMM runs (prepacked.form() == "pairs"), panels of 32 output rows for csrc/gemm.cpp's
-    gemm_int4, 1.5-2x faster at few rows (BENCHMARKS.md "A bf16 GEMM of our own")."""
+    Two layouts of the same bytes: aten's (its CPU int4 kernel), or, where ours runs
+    (prepacked.int4_form(): AVX512_BF16 and AVX2 builds), panels of 32 output rows for
+    csrc/gemm.cpp's gemm_int4, 1.3-2.2x faster than aten's at few rows with AVX512_BF16 and
+    1.2-1.4x at a single stream's 1 and 5 rows with AVX2 (BENCHMARKS.md "A bf16 GEMM of our
+    own", "4-bit weights on AVX2")."""
 
     packed: Tensor  # aten: uint8 [N, K/2] (N a multiple of 64); panels: uint8 [N/32, K/2, 32]
     scales_zeros: Tensor  # aten: bfloat16 [K/group, N, 2]; panels: [N/32, K/group, 2, 32]
@@ -332,7 +334,7 @@ def pack_int4(b: Blocks) -> Int4Weight:
     n, k = b.q.shape
     zero = b.zero if b.zero is not None else torch.zeros_like(b.scale)
     sz = torch.stack([b.scale, zero + 8 * b.scale], dim=-1).to(ACT_DTYPE)  # [N, K/group, 2]
-    if form() == "pairs":
+    if int4_form() == "panels":
         # codes: byte j of a panel's k pair holds element j (low) and j + 32 (high) of the pair
         # row, element e being column e % 32 // 2 + 16 (e // 32) at k parity e % 2
         q = b.q.to(torch.uint8).view(n // 32, 2, 16, k // 2, 2).permute(0, 3, 1, 2, 4)
