@@ -138,6 +138,20 @@ void over_int4_items(const pagedkv_gemm_int4_params& P, int64_t row_bytes, F&& r
 
 #ifdef PAGEDKV_BF16_GEMM
 
+// acc[r] += x[r]'s k pair (at x + r * x_stride, broadcast) . the pairs of 32 columns in w0, w1.
+template <int R>
+__attribute__((always_inline)) inline void dot_pairs(__m512 (&acc)[R][2], const uint16_t* x, int64_t x_stride,
+                                                     __m512bh w0, __m512bh w1) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    int32_t pair;
+    __builtin_memcpy(&pair, x + r * x_stride, 4);
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+  }
+}
+
 // y[R rows, cols] = x[R rows, k] . panel; `ahead` (or null) is the next panel, prefetched a
 // pair of cache lines per k pair so that it is in cache when its turn comes. Full: cols is 32
 // (masked loads of W instead cost 2.5x in a prototype, so only the last panel takes them).
@@ -160,14 +174,7 @@ __attribute__((always_inline)) inline void micro(const uint16_t* x, int64_t x_st
                                          : _mm512_maskz_loadu_epi32(m0, panel + p * row));
     const __m512bh w1 = (__m512bh)(Full ? _mm512_loadu_si512(panel + p * row + 32)
                                          : _mm512_maskz_loadu_epi32(m1, panel + p * row + 32));
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      __builtin_memcpy(&pair, x + r * x_stride + 2 * p, 4);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
-    }
+    dot_pairs<R>(acc, x + 2 * p, x_stride, w0, w1);
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
@@ -241,14 +248,7 @@ __attribute__((always_inline)) inline void micro4(const uint16_t* x, int64_t x_s
       const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(codes + p * 32)));
       const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, low), table);
       const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        __builtin_memcpy(&pair, x + r * x_stride + 2 * p, 4);
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-        part[r][0] = _mm512_dpbf16_ps(part[r][0], a, w0);
-        part[r][1] = _mm512_dpbf16_ps(part[r][1], a, w1);
-      }
+      dot_pairs<R>(part, x + 2 * p, x_stride, w0, w1);
     }
     const uint16_t* s = sz + g * 64;
     const __m512 s0 = bf16_to_float(s), s1 = bf16_to_float(s + 16);

@@ -68,12 +68,9 @@ def form() -> str:
 @functools.cache
 def float32_form() -> str:
     """How float32 weights are kept here: "panels" or "plain" (module docstring)."""
-    if _setting() in ("0", "onednn"):
-        return "plain"
-    lib = native.library()
-    if lib is None or lib.isa not in ("avx512", "avx2"):
-        return "plain"
-    return "panels" if _probe("panels") else "plain"
+    lib = _own_kernels()
+    runs = lib is not None and lib.isa in ("avx512", "avx2") and _probe("panels")
+    return "panels" if runs else "plain"
 
 
 @functools.cache
@@ -82,10 +79,13 @@ def int4_form() -> str:
     AVX2 builds, where it unpacks the codes into float32 FMAs: 1.1-1.4x torch's int4 kernel at
     the 1 and 5 rows of a single stream and its verify steps, about even at 2-4, BENCHMARKS.md
     "4-bit weights on AVX2"), else "aten" (torch's kernel)."""
-    if form() == "pairs":
-        return "panels"
-    lib = native.library() if _setting() not in ("0", "onednn") else None
-    return "panels" if lib is not None and lib.isa == "avx2" else "aten"
+    lib = _own_kernels()
+    return "panels" if form() == "pairs" or (lib is not None and lib.isa == "avx2") else "aten"
+
+
+def _own_kernels() -> native.Library | None:
+    """The C++ library, unless $PAGEDKV_PREPACK asks for the libraries' matmuls (0 or onednn)."""
+    return None if _setting() in ("0", "onednn") else native.library()
 
 
 def supported() -> bool:
@@ -112,19 +112,18 @@ def _probe(kind: str) -> bool:
     w = torch.randn(80, 96, generator=gen).to(dtype)
     x = torch.randn(13, 96, generator=gen).to(dtype)
     try:
-        got, want = PrepackedWeight.of(w, kind).mm(x).double(), F.linear(x, w).double()
+        got = PrepackedWeight.of(w, kind).mm(x).double()
     except (RuntimeError, AttributeError, native.KernelError) as e:  # no such op, or CPU lacks it
         log.info("%s weights: %s prepacking does not run here (%s)", dtype, kind, e)
         return False
-    if kind == "onednn":
-        same = torch.equal(got, want)
-    elif kind == "pairs":
-        step = want.abs().clamp_min(2**-100) * 2**-7  # a bfloat16 rounding step of each result
-        same = bool(((got - want).abs() <= step).all())
+    if kind == "panels":  # against the exact product: k roundings of float32 sums at most
+        bound = (x.double().abs() @ w.double().abs().T) * w.shape[1] * 2**-24
+        same = bool(((got - x.double() @ w.double().T).abs() <= bound).all())
     else:
-        exact = x.double() @ w.double().T
-        bound = (x.double().abs() @ w.double().abs().T) * 96 * 2**-24  # k roundings of float32
-        same = bool(((got - exact).abs() <= bound).all())
+        want = F.linear(x, w).double()
+        step = want.abs().clamp_min(2**-100) * 2**-7  # a bfloat16 rounding step of each result
+        close = bool(((got - want).abs() <= step).all())
+        same = torch.equal(got, want) if kind == "onednn" else close
     if not same:
         log.warning("%s weights: %s prepacking disagrees with F.linear; not used", dtype, kind)
     return same
