@@ -176,6 +176,27 @@ def test_varlen_matches_reference(
     assert_matches(got, c)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [3, 8])
+def test_many_query_rows_across_tile_edges(dtype: torch.dtype, group: int, kernel_isa) -> None:
+    """Prompt chunks of many query rows (the panel path) whose tokens straddle 64-key tiles, so
+    that a tile is seen by only the later rows of a panel, and chunks starting at position 0."""
+    c = make_case(
+        torch.Generator().manual_seed(group),
+        seq_lens=[65, 130, 200, 70, 64],
+        query_lens=[17, 40, 70, 70, 63],
+        block_size=16,
+        kv_heads=2,
+        group=group,
+        head_dim=64,
+        dtype=dtype,
+    )
+    got = kernel.paged_attention_varlen(
+        c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.block_tables, c.scale
+    )
+    assert_matches(got, c)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     data=st.data(),

@@ -31,6 +31,7 @@
 #include <omp.h>
 
 #include "pagedkv_abi.h"
+#include "micro.h"
 #include "vec.h"
 
 #if defined(PAGEDKV_ISA_AVX512) && defined(__AVX512BF16__)
@@ -56,22 +57,6 @@ int check_strides(const Params& P, char* err, int errlen) {
   if (P.x_stride >= P.k && P.out_stride >= P.n) return 0;
   return fail(err, errlen, "row strides below the row lengths (x_stride %lld, out_stride %lld)", P.x_stride,
               P.out_stride);
-}
-
-// Calls f(std::integral_constant<int, R>{}, r) for rows [r, r + R) of [0, rows): R = Block while
-// whole blocks remain, then once for the remainder, so each micro-kernel size is a template.
-template <int N, typename F>
-__attribute__((always_inline)) inline void row_tail(int64_t n, int64_t r, F& f) {
-  if constexpr (N > 0) {
-    if (n == N) f(std::integral_constant<int, N>{}, r);
-    else row_tail<N - 1>(n, r, f);
-  }
-}
-template <int Block, typename F>
-__attribute__((always_inline)) inline void by_row_blocks(int64_t rows, F&& f) {
-  int64_t r = 0;
-  for (; r + Block <= rows; r += Block) f(std::integral_constant<int, Block>{}, r);
-  row_tail<Block - 1>(rows - r, r, f);
 }
 
 // Runs run(r0, rows, panel, ahead) over (chunk of rows, panel) pairs, split into contiguous ranges
@@ -291,52 +276,6 @@ void gemm_int4_bf16(const pagedkv_gemm_int4_params& P) {
 // the ones that zero and store them too: otherwise GCC keeps the array in memory and stores each
 // sum after every FMA (half the speed in a prototype). The kernels above take the same care.
 
-constexpr int kColsF = 2 * W;
-constexpr int kRowBlockF = kRegisters >= 32 ? 12 : 6;
-constexpr int kPanelRowBytes = kColsF * 4;
-
-// y[R rows, cols] = x . panel. Few rows give few independent sums, each FMA waiting on the one
-// before: those rows keep U sums a column vector over interleaved k (U R >= 4), added at the end.
-template <int R, typename Y>
-__attribute__((always_inline)) inline void micro_f32(const float* x, int64_t x_stride, const float* panel, int64_t k,
-                                                     Y* y, int64_t y_stride, int cols, const char* ahead) {
-  constexpr int U = R >= 4 ? 1 : R == 1 ? 4 : 2;
-  Vec acc[R][2][U];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) acc[r][0][u] = acc[r][1][u] = zero();
-  for (int64_t i0 = 0; i0 < k; i0 += U) {
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      const int64_t i = i0 + u;
-      if (U > 1 && i >= k) break;
-      if (ahead) {
-#pragma GCC unroll 4
-        for (int line = 0; line < kPanelRowBytes; line += 64) prefetch(ahead + i * kPanelRowBytes + line);
-      }
-      const Vec w0 = load(panel + i * kColsF, kFull), w1 = load(panel + i * kColsF + W, kFull);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const Vec a = set1(x[r * x_stride + i]);
-        acc[r][0][u] = fma(a, w0, acc[r][0][u]);
-        acc[r][1][u] = fma(a, w1, acc[r][1][u]);
-      }
-    }
-  }
-  const Mask m0 = lanes(cols, 0), m1 = cols > W ? lanes(cols, W) : kFull;
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int u = 1; u < U; ++u) {
-      acc[r][0][0] = add(acc[r][0][0], acc[r][0][u]);
-      acc[r][1][0] = add(acc[r][1][0], acc[r][1][u]);
-    }
-    store(y + r * y_stride, acc[r][0][0], m0);
-    if (cols > W) store(y + r * y_stride + W, acc[r][1][0], m1);
-  }
-}
-
 void gemm_f32(const pagedkv_gemm_f32_params& P) {
   const auto* x = static_cast<const float*>(P.x);
   const auto* w = static_cast<const float*>(P.w);
@@ -346,8 +285,8 @@ void gemm_f32(const pagedkv_gemm_f32_params& P) {
     const char* next = ahead ? reinterpret_cast<const char*>(w + (p + 1) * panel_elems) : nullptr;
     const int cols = int(std::min<int64_t>(kColsF, P.n - p * kColsF));
     by_row_blocks<kRowBlockF>(rows, [&](auto R, int64_t r) {
-      micro_f32<R>(x + (r0 + r) * P.x_stride, P.x_stride, w + p * panel_elems, P.k,
-                   y + (r0 + r) * P.out_stride + p * kColsF, P.out_stride, cols, r == 0 ? next : nullptr);
+      micro_f32<R>({x + (r0 + r) * P.x_stride, P.x_stride, 1, w + p * panel_elems, kColsF, P.k, P.out_stride},
+                   y + (r0 + r) * P.out_stride + p * kColsF, cols, r == 0 ? next : nullptr);
     });
   });
 }

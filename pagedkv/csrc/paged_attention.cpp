@@ -33,6 +33,7 @@
 
 #include <omp.h>
 
+#include "micro.h"
 #include "pagedkv_abi.h"
 #include "vec.h"
 
@@ -96,10 +97,15 @@ constexpr int kStripes = 4;
 static_assert(kTile % (kStripes * W) == 0, "whole stripes, whole vectors of scores");
 constexpr int kRowBlock = kRegisters >= 32 ? 4 : 3;  // query rows whose accumulators stay in registers
 constexpr int kMaxRows = 32;    // query rows (tokens x group heads) per item, when G allows
+constexpr int kPanelItemRows = 64;  // the same where many rows take the panel path (bench: 1.1x 32)
 constexpr int kSplitMin = 128;  // fewest keys worth a split-K part of their own
 // Most query rows (members x group heads) per shared-prefix item: larger items reuse each K/V
 // tile more while it is in L1 (measured on one core: 32 rows 1.17x plain, 64 1.22x, 96 1.31x).
 constexpr int kSharedRows = 128;
+// Fewest query rows for which an item takes the panel path (Attend::panel_tile): a second panel at
+// least half full. With fewer, padding costs more than the panels save (one half-full panel: 0.4-
+// 0.6x the dot products; 96 rows of a shared prefix: 1.1-1.2x).
+constexpr int kPanelMinRows = kColsF * 3 / 2;
 
 struct Problem {
   const void* q; const void* k; const void* v; void* out;
@@ -155,17 +161,23 @@ struct Upcoming {
   }
 };
 
-// Per-thread scratch, sized once per call.
+// Per-thread scratch, sized once per call. Scores and probabilities sit in s row by row
+// (s[r * kTile + t]), or key by key (s[t * rp + r]) for an item taken in panels (Attend::panel_tile).
 struct Scratch {
   int dp;                       // D rounded up to whole vectors
+  int rp;                       // rows rounded up to whole panels (kColsF)
   std::vector<float> qf, acc, s, m, l;
+  // Panels: query panels [rp / kColsF][D][kColsF], the tile's keys and values in float [kTile][dp],
+  // the rows' accumulators transposed [D][rp].
+  std::vector<float> qt, kt, vf, acct;
   std::vector<uint16_t> vt;     // the tile's V rows as bf16 pairs (tile_values_pairs)
   TileRows tiles[2];  // the tile in use (tiles[cur]) and the next one
   int cur = 0;
   Upcoming ahead;     // of tiles[cur ^ 1]
   bool primed = false;  // tiles[cur] holds the first tile of the thread's next item, prefetched
-  Scratch(int rows, int dp_) : dp(dp_), qf(size_t(rows) * dp_), acc(size_t(rows) * dp_),
-      s(size_t(rows) * kTile), m(rows), l(rows), vt(size_t(kTile) * dp_) {}
+  Scratch(int rows, int dp_) : dp(dp_), rp((rows + kColsF - 1) / kColsF * kColsF), qf(size_t(rows) * dp_),
+      acc(size_t(rows) * dp_), s(size_t(rp) * kTile), m(rp), l(rp), qt(size_t(rp) * dp_), kt(size_t(kTile) * dp_),
+      vf(size_t(kTile) * dp_), acct(size_t(rp) * dp_), vt(size_t(kTile) * dp_) {}
 };
 
 // Scores for rows [0, NR) of a row block against the tile's keys: s[i][t] = q_i . k_t, for
@@ -369,6 +381,9 @@ struct Attend {
   static constexpr int NS = NC * W % Dot::kElems ? 0 : NC * W / Dot::kElems;
   // bf16 V as pairs with p (tile_values_pairs): a known head size of whole 32-dim chunks
   static constexpr bool kPairs = kPairValues && std::is_same_v<C, bf16> && NC > 0 && NC * W % 32 == 0;
+  // Scores of many rows through query panels: float dot products only (bf16 pairs with
+  // AVX512_BF16 keep their own form, at twice the multiply-adds an instruction).
+  static constexpr bool kPanels = std::is_same_v<Dot, FloatDot<C>>;
 
   const Problem& P;
   const int D, nc, G, ns;
@@ -471,15 +486,33 @@ struct Attend {
     }
   }
 
+  // The item's query rows as panels of kColsF rows, [panel][d][kColsF] (zero rows after the last),
+  // scaled as load_queries scales them.
+  void load_query_panels(const Item& it, Scratch& ws, int rows) const {
+    load_queries(it, ws, rows);
+    for (int p = 0; p < ws.rp / kColsF; ++p)
+      for (int d = 0; d < D; ++d)
+        for (int j = 0; j < kColsF; ++j) {
+          const int r = p * kColsF + j;
+          ws.qt[(size_t(p) * D + d) * kColsF + j] = r < rows ? ws.qf[size_t(r) * ws.dp + d] : 0.f;
+        }
+  }
+
   // Row r = token index within the item * G + group head; rows are ordered by position. `then`:
   // the item this thread runs next, if any.
   void run(const Item& it, const Item* then, Scratch& ws, float* partial) const {
     const int rows = (it.q1 - it.q0) * G;
     const int64_t first_pos = this->first_pos(it);
-    load_queries(it, ws, rows);
+    const bool panels = kPanels && rows >= kPanelMinRows;
+    if (panels) {
+      load_query_panels(it, ws, rows);
+      std::fill(ws.acct.begin(), ws.acct.begin() + size_t(D) * ws.rp, 0.f);
+    } else {
+      load_queries(it, ws, rows);
+    }
     std::fill(ws.acc.begin(), ws.acc.begin() + size_t(rows) * ws.dp, 0.f);
-    std::fill(ws.m.begin(), ws.m.begin() + rows, -std::numeric_limits<float>::infinity());
-    std::fill(ws.l.begin(), ws.l.begin() + rows, 0.f);
+    std::fill(ws.m.begin(), ws.m.end(), -std::numeric_limits<float>::infinity());  // panel rows too
+    std::fill(ws.l.begin(), ws.l.end(), 0.f);
 
     // Each tile locates the next one (in this item, else the thread's next item's first), whose
     // rows it prefetches as it goes; only an item not so prepared prefetches its first tile here.
@@ -497,19 +530,26 @@ struct Attend {
       else next.n = 0;
       ws.ahead = Upcoming{&next, row_bytes};
       const int r0 = first_row(it, t0);
-      for_row_blocks<Scores>(r0, rows, *this, ws, nt, r0);
-      for (int r = r0; r < rows; ++r) softmax_step(ws, r, int(std::min<int64_t>(nt, first_pos + r / G - t0 + 1)));
-      if constexpr (kQuantized) {  // sum_t p_t (v_t * scale_t): fold each key's V scale into p_t
-        for (int r = r0; r < rows; ++r) {
-          float* p = ws.s.data() + size_t(r) * kTile;
-          for (int t = 0; t < nt; ++t) p[t] *= cur.vs[t];
+      if (panels) {
+        panel_tile(ws, cur, nt, r0, rows, first_pos - t0);
+      } else {
+        for_row_blocks<Scores>(r0, rows, *this, ws, nt, r0);
+        for (int r = r0; r < rows; ++r) softmax_step(ws, r, int(std::min<int64_t>(nt, first_pos + r / G - t0 + 1)));
+        if constexpr (kQuantized) {  // sum_t p_t (v_t * scale_t): fold each key's V scale into p_t
+          for (int r = r0; r < rows; ++r) {
+            float* p = ws.s.data() + size_t(r) * kTile;
+            for (int t = 0; t < nt; ++t) p[t] *= cur.vs[t];
+          }
         }
+        values(ws, cur, nt, r0, rows);
       }
-      values(ws, cur, nt, r0, rows);
       ws.ahead.fetch_to(kTile);  // what a shorter tile left
       ws.cur ^= 1;
       ws.primed = t0 + kTile >= it.k1 && then;
     }
+    if (panels)  // acct back to rows
+      for (int r = 0; r < rows; ++r)
+        for (int d = 0; d < D; ++d) ws.acc[size_t(r) * ws.dp + d] = ws.acct[size_t(d) * ws.rp + r];
     finish(it, ws, rows, partial);
   }
 
@@ -528,6 +568,80 @@ struct Attend {
     }
 #endif
     for_row_blocks<Values>(r0, rows, *this, ws, nt, r0);
+  }
+
+  // The tile for rows [r0, rows) of an item of many rows, as two small GEMMs over panels of kColsF
+  // query rows with micro_f32 (the float32 GEMM's kernel): the scores key by key, s[t][r] = k_t .
+  // q_r, each key element broadcast against a query panel; then, after the softmax, acc^T[d][r]
+  // += sum_t v_t[d] p[t][r], each value element broadcast against a panel of p. Two vector loads
+  // feed 2 kColsF FMAs, where a dot product (tile_scores) loads a query vector for each. The tile's
+  // K and V rows are first copied to float (times a quantized cache's scales). The first panel of
+  // each pass prefetches half the next tile's rows.
+  void panel_tile(Scratch& ws, const TileRows& cur, int nt, int r0, int rows, int64_t first) const {
+    to_float(cur.kp, cur.ks, nt, ws.kt.data(), ws.dp);
+    to_float(cur.vp, cur.vs, nt, ws.vf.data(), ws.dp);
+    const int p0 = r0 / kColsF, rp = ws.rp;
+    for (int p = p0; p * kColsF < rows; ++p)
+      by_row_blocks<kRowBlockF>(nt, [&](auto R, int64_t t) {
+        if (p == p0) ws.ahead.fetch_to(int(t + R) / 2);
+        micro_f32<R>({ws.kt.data() + t * ws.dp, ws.dp, 1, ws.qt.data() + size_t(p) * D * kColsF, kColsF, D, rp},
+                     ws.s.data() + t * rp + p * kColsF, kColsF, nullptr);
+      });
+    panel_softmax(ws, nt, r0, rows, first);
+    for (int p = p0; p * kColsF < rows; ++p)
+      by_row_blocks<kRowBlockF>(D, [&](auto R, int64_t d) {
+        if (p == p0) ws.ahead.fetch_to(int((nt + 1) / 2 + (d + R) * (nt / 2) / D));
+        micro_f32<R, true>({ws.vf.data() + d, 1, ws.dp, ws.s.data() + p * kColsF, rp, nt, rp},
+                           ws.acct.data() + d * rp + p * kColsF, kColsF, nullptr);
+      });
+  }
+
+  // The tile's n rows (K or V) in float, times their scales when the cache is quantized.
+  void to_float(const void* const* rows, const float* scales, int n, float* dst, int dp) const {
+    for (int t = 0; t < n; ++t) {
+      const C* src = static_cast<const C*>(rows[t]);
+      const Vec sc = set1(kQuantized ? scales[t] : 1.f);
+      for (int c = 0; c < nc; ++c) {
+        const Vec v = load(src + c * W, c + 1 < nc ? kFull : tail);
+        store(dst + size_t(t) * dp + c * W, kQuantized ? mul(v, sc) : v, kFull);
+      }
+    }
+  }
+
+  // The softmax step of panel_tile's rows [r0, rows), W rows at a time across the keys: row r sees
+  // the tile's keys t < first + r / G + 1 (first: the item's first query position less t0). A row
+  // that has seen no key yet keeps max -FLT_MAX and sum 0, so it adds nothing when merged.
+  void panel_softmax(Scratch& ws, int nt, int r0, int rows, int64_t first) const {
+    const Vec ninf = set1(-std::numeric_limits<float>::infinity());
+    const int v0 = r0 / kColsF * kColsF;  // the values pass takes whole panels: rows before r0 get p = 0
+    const bool whole = first + v0 / G >= nt - 1;  // every row from v0 sees every key
+    for (int j = v0; j < rows; j += W) {
+      I32 seen;
+      for (int i = 0; i < W; ++i) seen[i] = int32_t(std::clamp<int64_t>(first + (j + i) / G + 1, 0, nt));
+      float* col = ws.s.data() + j;
+      Vec mx = ninf;
+      for (int t = 0; t < nt; ++t) {
+        const Vec v = load(col + size_t(t) * ws.rp, kFull);
+        mx = vmax(mx, whole ? v : (Vec)(seen > t ? (F32)v : (F32)ninf));
+      }
+      const Vec m_old = load(ws.m.data() + j, kFull);
+      const Vec m_new = vmax(vmax(m_old, mx), set1(-std::numeric_limits<float>::max()));
+      Vec sum = zero();
+      for (int t = 0; t < nt; ++t) {
+        float* at = col + size_t(t) * ws.rp;
+        const Vec e = vexp(sub(load(at, kFull), m_new));
+        const Vec p = whole ? e : (Vec)(seen > t ? (F32)e : F32{});
+        store(at, p, kFull);
+        sum = add(sum, p);
+      }
+      const Vec alpha = vexp(sub(m_old, m_new));  // 0 while the max was -inf or -FLT_MAX
+      store(ws.l.data() + j, fma(load(ws.l.data() + j, kFull), alpha, sum), kFull);
+      store(ws.m.data() + j, m_new, kFull);
+      for (int d = 0; d < D; ++d) {
+        float* acc = ws.acct.data() + size_t(d) * ws.rp + j;
+        store(acc, mul(load(acc, kFull), alpha), kFull);
+      }
+    }
   }
 
   // Turns the first n scores of row r into probabilities under the row's running max and
@@ -742,7 +856,7 @@ template <int NC, typename T, typename C>
 void run_problem(const Problem& P, int threads) {
   const Attend<NC, T, C> attend(P);
   const int G = P.G();
-  const int rows_max = std::max(G, kMaxRows / G * G);
+  const int rows_max = std::max(G, (Attend<NC, T, C>::kPanels ? kPanelItemRows : kMaxRows) / G * G);
   const int dp = attend.nc * W;
   std::vector<Item> items = plan(P, threads, rows_max);
   if (items.empty()) return;
