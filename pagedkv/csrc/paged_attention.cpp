@@ -7,7 +7,9 @@
 // keep every thread busy have their keys split across items (split-K); the partial results
 // are merged by log-sum-exp afterwards. Items run longest first on the caller's OpenMP
 // threads (torch's own libgomp), claimed from an atomic counter. How K/V rows are read and
-// prefetched: see kTile.
+// prefetched: see kTile. An item of few rows (decode: a KV head's G query heads) meets each key
+// as dot products (tile_scores, tile_values); one of many rows (a prompt chunk, a cascade's
+// shared prefix) as two small GEMMs over panels of query rows (Attend::panel_tile).
 //
 // Deliberately free of torch headers: the library compiles in about 5 s (an extension that
 // includes torch's headers takes about 25 s here) and is called through ctypes, which
