@@ -359,19 +359,6 @@ inline void tile_values_pairs(const float* p, const uint16_t* vt, int nt, int ch
 constexpr bool kPairValues = false;
 #endif
 
-// Calls F<NR> on each block of up to kRowBlock rows in [r0, r1).
-template <template <int> class F, int NR, typename... A>
-inline void run_rows(int n, int r, A&... args) {
-  if constexpr (NR > 1) {
-    if (n < NR) return run_rows<F, NR - 1>(n, r, args...);
-  }
-  F<NR>::run(r, args...);
-}
-template <template <int> class F, typename... A>
-inline void for_row_blocks(int r0, int r1, A&&... args) {
-  for (int r = r0; r < r1; r += kRowBlock) run_rows<F, kRowBlock>(std::min(kRowBlock, r1 - r), r, args...);
-}
-
 // T: the queries' and output's type; C: the cache's (T itself, or a quantized i8 / e4m3 whose
 // blocks carry scales).
 template <int NC, typename T, typename C>
@@ -398,31 +385,23 @@ struct Attend {
         tail(first_lanes(int(p.D - (nc - 1) * W))), dot_tail(Dot::tail(int(p.D - (ns - 1) * Dot::kElems))),
         row_bytes(int(p.D * int64_t(sizeof(C)))) {}
 
-  // The row block at r against the tile's keys: scores, then values. The first row block also
-  // prefetches the next tile's rows.
-  template <int NR> struct Scores {
-    static void run(int r, const Attend& a, Scratch& ws, int nt, int r0) {
-      const int qstride = ws.dp * kQPerFloat;
-      const TileRows& cur = ws.tiles[ws.cur];
-      tile_scores<NR, NS, Dot, C>(reinterpret_cast<const Q*>(ws.qf.data()) + size_t(r) * qstride, qstride,
-                                  cur.kp, kQuantized ? cur.ks : nullptr, nt, a.ns, a.dot_tail,
-                                  a.P.scale, ws.s.data() + size_t(r) * kTile, r == r0 ? &ws.ahead : nullptr);
-    }
-  };
-#if defined(PAGEDKV_ISA_AVX512) && defined(__AVX512BF16__)
-  template <int NR> struct PairValues {
-    static void run(int r, const Attend&, Scratch& ws, int nt, int r0) {
-      tile_values_pairs<NR>(ws.s.data() + size_t(r) * kTile, ws.vt.data(), nt, NC * W / 32,
-                            ws.acc.data() + size_t(r) * ws.dp, ws.dp, r == r0 ? &ws.ahead : nullptr);
-    }
-  };
-#endif
-  template <int NR> struct Values {
-    static void run(int r, const Attend& a, Scratch& ws, int nt, int r0) {
-      tile_values<NR, NC, C>(ws.s.data() + size_t(r) * kTile, ws.tiles[ws.cur].vp, nt, a.nc, a.tail,
-                             ws.acc.data() + size_t(r) * ws.dp, ws.dp, r == r0 ? &ws.ahead : nullptr);
-    }
-  };
+  // Calls f(R, r) for the row blocks of [r0, rows): kRowBlock rows each, the last one fewer.
+  template <typename F>
+  static void row_blocks(int r0, int rows, F&& f) {
+    by_row_blocks<kRowBlock>(rows - r0, [&](auto R, int64_t i) { f(R, r0 + int(i)); });
+  }
+
+  // Scores of rows [r0, rows) against the tile's keys; the first row block also prefetches half
+  // the next tile's rows.
+  void scores(Scratch& ws, int nt, int r0, int rows) const {
+    const int qstride = ws.dp * kQPerFloat;
+    const TileRows& cur = ws.tiles[ws.cur];
+    row_blocks(r0, rows, [&](auto R, int r) {
+      tile_scores<R, NS, Dot, C>(reinterpret_cast<const Q*>(ws.qf.data()) + size_t(r) * qstride, qstride, cur.kp,
+                                 kQuantized ? cur.ks : nullptr, nt, ns, dot_tail, P.scale,
+                                 ws.s.data() + size_t(r) * kTile, r == r0 ? &ws.ahead : nullptr);
+    });
+  }
 
   // Position of the item's first query row (shared-prefix rows see all of [k0, k1)).
   int64_t first_pos(const Item& it) const {
@@ -535,7 +514,7 @@ struct Attend {
       if (panels) {
         panel_tile(ws, cur, nt, r0, rows, first_pos - t0);
       } else {
-        for_row_blocks<Scores>(r0, rows, *this, ws, nt, r0);
+        scores(ws, nt, r0, rows);
         for (int r = r0; r < rows; ++r) softmax_step(ws, r, int(std::min<int64_t>(nt, first_pos + r / G - t0 + 1)));
         if constexpr (kQuantized) {  // sum_t p_t (v_t * scale_t): fold each key's V scale into p_t
           for (int r = r0; r < rows; ++r) {
@@ -564,12 +543,18 @@ struct Attend {
       if (rows - r0 > kRowBlock) {
         interleave_values(cur.vp, nt, NC * W / 32, ws.vt.data());
         for (int r = r0; r < rows; ++r) pair_probs(ws.s.data() + size_t(r) * kTile);
-        for_row_blocks<PairValues>(r0, rows, *this, ws, nt, r0);
+        row_blocks(r0, rows, [&](auto R, int r) {
+          tile_values_pairs<R>(ws.s.data() + size_t(r) * kTile, ws.vt.data(), nt, NC * W / 32,
+                               ws.acc.data() + size_t(r) * ws.dp, ws.dp, r == r0 ? &ws.ahead : nullptr);
+        });
         return;
       }
     }
 #endif
-    for_row_blocks<Values>(r0, rows, *this, ws, nt, r0);
+    row_blocks(r0, rows, [&](auto R, int r) {
+      tile_values<R, NC, C>(ws.s.data() + size_t(r) * kTile, cur.vp, nt, nc, tail, ws.acc.data() + size_t(r) * ws.dp,
+                            ws.dp, r == r0 ? &ws.ahead : nullptr);
+    });
   }
 
   // The tile for rows [r0, rows) of an item of many rows, as two small GEMMs over panels of kColsF
