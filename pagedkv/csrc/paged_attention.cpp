@@ -471,7 +471,7 @@ struct Attend {
   // scaled as load_queries scales them.
   void load_query_panels(const Item& it, Scratch& ws, int rows) const {
     load_queries(it, ws, rows);
-    for (int p = 0; p < ws.rp / kColsF; ++p)
+    for (int p = 0; p * kColsF < rows; ++p)
       for (int d = 0; d < D; ++d)
         for (int j = 0; j < kColsF; ++j) {
           const int r = p * kColsF + j;
