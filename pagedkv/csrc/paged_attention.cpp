@@ -169,17 +169,18 @@ struct Scratch {
   int dp;                       // D rounded up to whole vectors
   int rp;                       // rows rounded up to whole panels (kColsF)
   std::vector<float> qf, acc, s, m, l;
-  // Panels: query panels [rp / kColsF][D][kColsF], the tile's keys and values in float [kTile][dp],
-  // the rows' accumulators transposed [D][rp].
+  // Panels (sized only where a call's items may take them): query panels [rp / kColsF][D][kColsF],
+  // the tile's keys and values in float [kTile][dp], the rows' accumulators transposed [D][rp].
   std::vector<float> qt, kt, vf, acct;
   std::vector<uint16_t> vt;     // the tile's V rows as bf16 pairs (tile_values_pairs)
   TileRows tiles[2];  // the tile in use (tiles[cur]) and the next one
   int cur = 0;
   Upcoming ahead;     // of tiles[cur ^ 1]
   bool primed = false;  // tiles[cur] holds the first tile of the thread's next item, prefetched
-  Scratch(int rows, int dp_) : dp(dp_), rp((rows + kColsF - 1) / kColsF * kColsF), qf(size_t(rows) * dp_),
-      acc(size_t(rows) * dp_), s(size_t(rp) * kTile), m(rp), l(rp), qt(size_t(rp) * dp_), kt(size_t(kTile) * dp_),
-      vf(size_t(kTile) * dp_), acct(size_t(rp) * dp_), vt(size_t(kTile) * dp_) {}
+  Scratch(int rows, int dp_, bool panels)
+      : dp(dp_), rp((rows + kColsF - 1) / kColsF * kColsF), qf(size_t(rows) * dp_), acc(size_t(rows) * dp_),
+        s(size_t(rp) * kTile), m(rp), l(rp), qt(panels ? size_t(rp) * dp_ : 0), kt(panels ? size_t(kTile) * dp_ : 0),
+        vf(kt.size()), acct(qt.size()), vt(size_t(kTile) * dp_) {}
 };
 
 // Scores for rows [0, NR) of a row block against the tile's keys: s[i][t] = q_i . k_t, for
@@ -385,6 +386,9 @@ struct Attend {
         tail(first_lanes(int(p.D - (nc - 1) * W))), dot_tail(Dot::tail(int(p.D - (ns - 1) * Dot::kElems))),
         row_bytes(int(p.D * int64_t(sizeof(C)))) {}
 
+  // Whether an item of this many query rows takes the panel path (panel_tile).
+  static bool takes_panels(int rows) { return kPanels && rows >= kPanelMinRows; }
+
   // Calls f(R, r) for the row blocks of [r0, rows): kRowBlock rows each, the last one fewer.
   template <typename F>
   static void row_blocks(int r0, int rows, F&& f) {
@@ -484,7 +488,7 @@ struct Attend {
   void run(const Item& it, const Item* then, Scratch& ws, float* partial) const {
     const int rows = (it.q1 - it.q0) * G;
     const int64_t first_pos = this->first_pos(it);
-    const bool panels = kPanels && rows >= kPanelMinRows;
+    const bool panels = takes_panels(rows);
     if (panels) {
       load_query_panels(it, ws, rows);
       std::fill(ws.acct.begin(), ws.acct.begin() + size_t(D) * ws.rp, 0.f);
@@ -492,8 +496,9 @@ struct Attend {
       load_queries(it, ws, rows);
     }
     std::fill(ws.acc.begin(), ws.acc.begin() + size_t(rows) * ws.dp, 0.f);
-    std::fill(ws.m.begin(), ws.m.end(), -std::numeric_limits<float>::infinity());  // panel rows too
-    std::fill(ws.l.begin(), ws.l.end(), 0.f);
+    const int stats = panels ? (rows + kColsF - 1) / kColsF * kColsF : rows;  // panel_softmax takes whole panels
+    std::fill(ws.m.begin(), ws.m.begin() + stats, -std::numeric_limits<float>::infinity());
+    std::fill(ws.l.begin(), ws.l.begin() + stats, 0.f);
 
     // Each tile locates the next one (in this item, else the thread's next item's first), whose
     // rows it prefetches as it goes; only an item not so prepared prefetches its first tile here.
@@ -826,7 +831,7 @@ void execute(const A& attend, const std::vector<Item>& items, float* partials, c
   const int nthreads = int(std::min<size_t>(size_t(threads), items.size()));
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
-    Scratch ws(rows_max, dp);
+    Scratch ws(rows_max, dp, A::takes_panels(rows_max));
     // Each thread claims its next item before running the present one, whose last tile then
     // prefetches the next one's first.
     const auto claim = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
