@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from attention_args import add_attention_args, parse_timed  # same folder
 
-from pagedkv import native
+from pagedkv import hugepages, native
 from pagedkv.attention import kernel, paged
 
 
@@ -56,9 +56,13 @@ def make_batch(args: argparse.Namespace, dtype: torch.dtype, gen: torch.Generato
         block_tables[b, :n] = pool[used : used + n]
         used += n
     shape = (num_blocks, args.kv_heads, args.block_size, args.head_dim)
+    # on 2 MiB pages where the OS gives them, as the engine's pool (pagedkv/hugepages.py)
     layers = [
         Layer(
-            torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+            *(
+                hugepages.empty(*shape, dtype=dtype).copy_(torch.randn(shape, generator=gen))
+                for _ in "kv"
+            )
         )
         for _ in range(args.layers)
     ]
@@ -112,33 +116,27 @@ WAYS: dict[str, Callable[[Batch, Layer], torch.Tensor]] = {
 
 
 def time_per_layer(
-    batch: Batch, rounds: int, clock: Callable[[], float] = time.perf_counter
-) -> dict[str, float]:
-    """Best milliseconds per layer of each way over `rounds` passes through all layers. The ways
-    take turns within each round, so that load from elsewhere on the machine hits them alike."""
+    batch: Batch, rounds: int, probe: torch.Tensor, clock: Callable[[], float] = time.perf_counter
+) -> tuple[dict[str, float], float]:
+    """Best milliseconds per layer of each way over `rounds` passes through all layers, and the best
+    bytes per second of a plain read (`probe.sum()`, a buffer much larger than the caches). The
+    ways and the read take turns within each round, so that load from elsewhere on the machine
+    hits the kernel and its bound alike (a bound measured once, before, moved 30% between runs)."""
     best = dict.fromkeys(WAYS, float("inf"))
+    read = float("inf")
     for fn in WAYS.values():
         fn(batch, batch.layers[0])
+    probe.sum()
     for _ in range(rounds):
         for name, fn in WAYS.items():
             start = clock()
             for layer in batch.layers:
                 fn(batch, layer)
             best[name] = min(best[name], (clock() - start) * 1e3 / len(batch.layers))
-    return best
-
-
-def read_bandwidth(gib: float = 1.0, clock: Callable[[], float] = time.perf_counter) -> float:
-    """Bytes per second that torch reads (a sum over a buffer much larger than the caches), timed by
-    the same clock as the kernels."""
-    x = torch.ones(int(gib * 2**30) // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(5):
-        start = clock()
-        x.sum()
-        best = min(best, clock() - start)
-    return x.numel() * 4 / best
+            start = clock()
+            probe.sum()
+            read = min(read, clock() - start)
+    return best, probe.numel() * probe.element_size() / read
 
 
 def main() -> None:
@@ -162,15 +160,23 @@ def main() -> None:
         f"threads={torch.get_num_threads()}"
         f"{', timed by CPU time' if args.cpu_time else ''}"
     )
-    bandwidth = args.bandwidth * 1e9 if args.bandwidth else read_bandwidth(clock=clock)
+    probe = hugepages.empty(2**30 // 4, dtype=torch.float32).fill_(
+        1.0
+    )  # 1 GiB, pages as the caches'
     print(
-        f"memory bound at {bandwidth / 1e9:.1f} GB/s ({'given' if args.bandwidth else 'measured: sum over 1 GiB'})"
+        "memory bound: "
+        + (
+            f"{args.bandwidth:.1f} GB/s (given)"
+            if args.bandwidth
+            else "a sum over 1 GiB, timed between the ways"
+        )
     )
     print(
-        "| dtype | K/V read (MiB) | memory bound (ms) | kernel (ms) | torch path (ms) "
-        "| gather + SDPA (ms) | torch / kernel | gather / kernel | kernel / bound |"
+        "| dtype | read (GB/s) | K/V read (MiB) | memory bound (ms) | kernel (ms) "
+        "| torch path (ms) | gather + SDPA (ms) | torch / kernel | gather / kernel "
+        "| kernel / bound |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         batch = make_batch(args, dtype, torch.Generator().manual_seed(args.seed))
@@ -183,11 +189,13 @@ def main() -> None:
         )
         elem = layer.k.element_size()
         kv_bytes = int(batch.seq_lens.sum()) * args.kv_heads * args.head_dim * 2 * elem
+        ms, measured = time_per_layer(batch, args.rounds, probe, clock)
+        bandwidth = args.bandwidth * 1e9 if args.bandwidth else measured
         bound = kv_bytes / bandwidth * 1e3
-        ms = time_per_layer(batch, args.rounds, clock)
         fast, slow, gather = ms["kernel"], ms["torch"], ms["gather"]
         print(
-            f"| {name} | {kv_bytes / 2**20:.1f} | {bound:.2f} | {fast:.2f} | {slow:.1f} | {gather:.1f} "
+            f"| {name} | {bandwidth / 1e9:.1f} | {kv_bytes / 2**20:.1f} | {bound:.2f} | {fast:.2f} "
+            f"| {slow:.1f} | {gather:.1f} "
             f"| {slow / fast:.0f}x | {gather / fast:.0f}x | {fast / bound:.2f} |"
         )
 

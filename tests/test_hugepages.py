@@ -1,0 +1,62 @@
+"""The KV pool asks Linux for 2 MiB pages (pagedkv/hugepages.py): the advice must reach the kernel
+for the pool's memory, and the memory must still read as zeros."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedkv import hugepages
+from pagedkv.kvstore.storage import KVStorage
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+linux_thp = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not THP.exists(),
+    reason="transparent huge pages are a Linux feature this kernel lacks",
+)
+
+
+def advised_bytes(t: torch.Tensor) -> int:
+    """Bytes of t's storage inside mappings whose VmFlags carry `hg` (MADV_HUGEPAGE), read from
+    /proc/self/smaps."""
+    start = t.untyped_storage().data_ptr()
+    end = start + t.untyped_storage().nbytes()
+    total, lo, hi = 0, 0, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+        elif head == "VmFlags:" and " hg" in f" {line}":
+            total += max(0, min(hi, end) - max(lo, start))
+    return total
+
+
+@linux_thp
+def test_large_tensors_are_advised_and_small_ones_left_alone():
+    big = hugepages.zeros(3, 5 << 20, dtype=torch.float32)  # 60 MiB
+    assert big.shape == (3, 5 << 20) and big.dtype == torch.float32 and big.is_contiguous()
+    assert not big.any()
+    # every whole 2 MiB page of the storage is advised (the edges fall outside them)
+    assert advised_bytes(big) >= big.nbytes - 2 * (2 << 20)
+
+    small = torch.empty(1024)
+    assert not hugepages.advise(small)
+
+
+@linux_thp
+def test_the_kv_pool_is_advised_and_zeroed():
+    storage = KVStorage(4, 256, 3, 16, 64, torch.float32)  # 24 MiB
+    assert not storage.data.any()
+    assert advised_bytes(storage.data) >= storage.data.nbytes - 2 * (2 << 20)
+    k, v = storage.layer(0)
+    k[7, 1].fill_(1.0)
+    assert storage.data[0, 0, 7, 1].eq(1.0).all() and not v.any()  # still views of one tensor
+
+
+def test_other_devices_and_platforms_fall_back_to_plain_tensors():
+    t = hugepages.empty(2, 3, dtype=torch.bfloat16)
+    assert t.shape == (2, 3) and t.dtype == torch.bfloat16
+    assert not hugepages.advise(t)  # too small to be worth a call, on any platform
