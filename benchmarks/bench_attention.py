@@ -160,9 +160,8 @@ def main() -> None:
         f"threads={torch.get_num_threads()}"
         f"{', timed by CPU time' if args.cpu_time else ''}"
     )
-    probe = hugepages.empty(2**30 // 4, dtype=torch.float32).fill_(
-        1.0
-    )  # 1 GiB, pages as the caches'
+    # 1 GiB to read, on the same kind of pages as the caches
+    probe = hugepages.empty(2**30 // 4, dtype=torch.float32).fill_(1.0)
     print(
         "memory bound: "
         + (

@@ -4,7 +4,7 @@ Decode reads the KV pool in runs of one block and head (4 KiB of float32 with 16
 scattered through it. On 4 KiB pages nearly every such run costs a TLB miss and a page walk (two
 levels of them in a VM); on 2 MiB pages the second-level TLB covers gigabytes. Measured on this
 2-core EPYC VM (BENCHMARKS.md "Huge pages for the KV pool"): the decode kernel 4-8% faster, a
-plain read of 1 GiB up to 1.7x. The matmul weights gained nothing measurable, so they stay put.
+plain read of 1 GiB 1.0-1.25x. The matmul weights gained nothing measurable, so they stay put.
 Debian's kernel gives anonymous memory huge pages only where asked (THP "madvise"), and only at the
 first touch: hence `empty` advises before anything is written. Elsewhere (THP off, not Linux) the
 advice is refused and the tensor keeps small pages; nothing else changes.

@@ -56,7 +56,8 @@ def test_the_kv_pool_is_advised_and_zeroed():
     assert storage.data[0, 0, 7, 1].eq(1.0).all() and not v.any()  # still views of one tensor
 
 
-def test_other_devices_and_platforms_fall_back_to_plain_tensors():
+def test_only_cpu_tensors_are_advised():
+    meta = torch.empty(3, 5 << 20, device="meta")  # large, but no memory of ours to advise
+    assert not hugepages.advise(meta)
     t = hugepages.empty(2, 3, dtype=torch.bfloat16)
     assert t.shape == (2, 3) and t.dtype == torch.bfloat16
-    assert not hugepages.advise(t)  # too small to be worth a call, on any platform
