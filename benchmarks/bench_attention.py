@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from attention_args import add_attention_args, parse_timed  # same folder
 
-from pagedkv import hugepages, native
+from pagedkv import cpu_memory, native
 from pagedkv.attention import kernel, paged
 
 
@@ -56,11 +56,11 @@ def make_batch(args: argparse.Namespace, dtype: torch.dtype, gen: torch.Generato
         block_tables[b, :n] = pool[used : used + n]
         used += n
     shape = (num_blocks, args.kv_heads, args.block_size, args.head_dim)
-    # on 2 MiB pages where the OS gives them, as the engine's pool (pagedkv/hugepages.py)
+    # on 2 MiB pages where the OS gives them, as the engine's pool (pagedkv/cpu_memory.py)
     layers = [
         Layer(
             *(
-                hugepages.empty(*shape, dtype=dtype).copy_(torch.randn(shape, generator=gen))
+                cpu_memory.empty(*shape, dtype=dtype).copy_(torch.randn(shape, generator=gen))
                 for _ in "kv"
             )
         )
@@ -161,7 +161,7 @@ def main() -> None:
         f"{', timed by CPU time' if args.cpu_time else ''}"
     )
     # 1 GiB to read, on the same kind of pages as the caches
-    probe = hugepages.empty(2**30 // 4, dtype=torch.float32).fill_(1.0)
+    probe = cpu_memory.empty(2**30 // 4, dtype=torch.float32).fill_(1.0)
     print(
         "memory bound: "
         + (

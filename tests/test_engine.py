@@ -306,7 +306,7 @@ def test_cpu_engine_keeps_freed_memory_for_reuse():
     """glibc takes the setting (the machine this runs on is glibc Linux); a second call is harmless."""
     import platform
 
-    from pagedkv.engine.setup import keep_freed_memory
+    from pagedkv.cpu_memory import keep_freed_memory
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")

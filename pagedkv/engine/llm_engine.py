@@ -14,6 +14,7 @@ import time
 import torch
 
 from pagedkv.config import ConfigError, EngineConfig
+from pagedkv.cpu_memory import keep_freed_memory
 from pagedkv.engine import prompt_logprobs
 from pagedkv.engine.admission import tokenize, validate_request
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
@@ -28,7 +29,7 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler
 from pagedkv.engine.sequence import Sequence, SequenceGroup
-from pagedkv.engine.setup import build_engine_kv, keep_freed_memory, load_engine_model, pick_device
+from pagedkv.engine.setup import build_engine_kv, load_engine_model, pick_device
 from pagedkv.engine.spec_decode import NgramProposer, SpecDecodeStats
 from pagedkv.engine.step_stats import StepTokens
 from pagedkv.engine.structured import StructuredOutputs

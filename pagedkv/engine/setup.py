@@ -25,29 +25,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("pagedkv")
 
 CPU_DEFAULT_KV_CAP = 4 * 2**30  # on CPU, --memory-utilization alone never takes more than this
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
 def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def keep_freed_memory() -> bool:
-    """Tells glibc's malloc to keep freed memory for reuse instead of returning it to the system.
-
-    Every CPU step allocates and frees tens of MB of activations per layer. By default glibc trims
-    the heap (or unmaps) on free, so the next step faults the same pages in again: on a 2048-token
-    prefill step that was 17% of the step (W1's prefill: 7.5 -> 6.2 s). True when it took effect.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30) and mallopt(_M_MMAP_THRESHOLD, 32 << 20))
 
 
 def free_device_memory(device: torch.device) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pagedkv import hugepages
+from pagedkv import cpu_memory
 from pagedkv.config import ConfigError
 from pagedkv.kvstore.quant import FORMATS, SCALE_DTYPE, QuantizedCache
 
@@ -79,7 +79,7 @@ class KVStorage:
         self.quant = FORMATS.get(self.dtype)
         shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
         if self.device.type == "cpu":  # decode reads it in 4 KiB runs: 2 MiB pages spare TLB misses
-            self.data = hugepages.zeros(*shape, dtype=self.dtype)
+            self.data = cpu_memory.zeros(*shape, dtype=self.dtype)
         else:
             self.data = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.scales: Tensor | None = None

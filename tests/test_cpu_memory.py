@@ -1,4 +1,4 @@
-"""The KV pool asks Linux for 2 MiB pages (pagedkv/hugepages.py): the advice must reach the kernel
+"""The KV pool asks Linux for 2 MiB pages (pagedkv/cpu_memory.py): the advice must reach the kernel
 for the pool's memory, and the memory must still read as zeros."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedkv import hugepages
+from pagedkv import cpu_memory
 from pagedkv.kvstore.storage import KVStorage
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -36,14 +36,14 @@ def advised_bytes(t: torch.Tensor) -> int:
 
 @linux_thp
 def test_large_tensors_are_advised_and_small_ones_left_alone():
-    big = hugepages.zeros(3, 5 << 20, dtype=torch.float32)  # 60 MiB
+    big = cpu_memory.zeros(3, 5 << 20, dtype=torch.float32)  # 60 MiB
     assert big.shape == (3, 5 << 20) and big.dtype == torch.float32 and big.is_contiguous()
     assert not big.any()
     # every whole 2 MiB page of the storage is advised (the edges fall outside them)
     assert advised_bytes(big) >= big.nbytes - 2 * (2 << 20)
 
     small = torch.empty(1024)
-    assert not hugepages.advise(small)
+    assert not cpu_memory.advise(small)
 
 
 @linux_thp
@@ -58,6 +58,6 @@ def test_the_kv_pool_is_advised_and_zeroed():
 
 def test_only_cpu_tensors_are_advised():
     meta = torch.empty(3, 5 << 20, device="meta")  # large, but no memory of ours to advise
-    assert not hugepages.advise(meta)
-    t = hugepages.empty(2, 3, dtype=torch.bfloat16)
+    assert not cpu_memory.advise(meta)
+    t = cpu_memory.empty(2, 3, dtype=torch.bfloat16)
     assert t.shape == (2, 3) and t.dtype == torch.bfloat16

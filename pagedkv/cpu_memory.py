@@ -1,4 +1,9 @@
-"""Large CPU tensors on 2 MiB pages, where Linux gives them (transparent huge pages).
+"""How the process uses CPU memory, through libc: malloc's reuse of freed memory, and large tensors
+on 2 MiB pages.
+
+Every CPU step allocates and frees tens of MB of activations per layer. By default glibc trims the
+heap (or unmaps) on free, so the next step faults the same pages in again: on a 2048-token prefill
+step that was 17% of the step (W1's prefill: 7.5 -> 6.2 s); `keep_freed_memory` stops that.
 
 Decode reads the KV pool in runs of one block and head (4 KiB of float32 with 16-token blocks)
 scattered through it. On 4 KiB pages nearly every such run costs a TLB miss and a page walk (two
@@ -21,16 +26,34 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 _MIN_BYTES = 4 * _HUGE  # smaller tensors gain nothing worth a call
 
 
 @functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
         return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def keep_freed_memory() -> bool:
+    """Tells glibc's malloc to keep freed memory for reuse instead of returning it to the system
+    (see the module docstring). True when it took effect."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:  # not glibc
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30) and mallopt(_M_MMAP_THRESHOLD, 32 << 20))
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    libc = _libc()
+    if libc is None or not sys.platform.startswith("linux"):  # (MADV_HUGEPAGE's value is Linux's)
+        return None
     fn = libc.madvise
     fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     fn.restype = ctypes.c_int
