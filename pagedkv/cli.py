@@ -59,7 +59,6 @@ class NoteAction(argparse.Action):
 
 _NOOP_BOOL = (
     "trust_remote_code",
-    "enforce_eager",
     "enable_chunked_prefill",
     "enable_prompt_tokens_details",
     "disable_log_requests",
@@ -233,6 +232,12 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
         help='n-gram speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 32}\'; '
         '"auto" (default: that config, off with a quantized KV cache) or "off"',
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step through Python; by default a decode step of a batch size seen "
+        "before replays its recorded kernel calls in one C++ call (same results)",
     )
 
 

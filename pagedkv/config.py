@@ -52,7 +52,6 @@ OPTION_ALIASES = {
 # vLLM options with no meaning on this engine: accepted with a note saying why
 NOOP_OPTIONS = {
     "trust_remote_code": "models run on pagedkv's own Llama code, never the checkpoint's",
-    "enforce_eager": "pagedkv always runs eagerly (no CUDA graphs)",
     "enable_chunked_prefill": "chunked prefill is always on here",
     "enable_prompt_tokens_details": "usage.prompt_tokens_details.cached_tokens is always reported",
     "disable_log_requests": "pagedkv does not log requests",
@@ -226,6 +225,7 @@ class EngineConfig:
     data_parallel_size: int = 1  # engine replicas on Ray Serve (`pagedkv serve` only)
     # vLLM's JSON ({"method": "ngram", ...}), "auto" (ngram while batches are small) or "off"
     speculative_config: Any = "auto"
+    enforce_eager: bool = False  # no decode graphs (model/decode_graph.py)
     # server
     api_key: str | None = None
     served_model_names: list[str] = field(init=False, default_factory=list)

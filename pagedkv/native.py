@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
-    _CSRC / f"{name}.cpp" for name in ("paged_attention", "layer_ops", "kv_quant", "gemm", "argmax")
+    _CSRC / f"{name}.cpp"
+    for name in ("paged_attention", "layer_ops", "kv_quant", "gemm", "argmax", "graph")
 )
 # everything else the binary depends on: the headers, and the generator of its layout table
 _INPUTS = (*sorted(_CSRC.glob("*.h")), Path(native_abi.__file__))
@@ -92,6 +93,8 @@ class Library:
             )
             for kernel, s in abi.kernels().items()
         }
+        # where a recording goes (record()): the recording thread and its list; None: nowhere
+        self._recording: tuple[int, list[tuple[str, ctypes.Structure]]] | None = None
         self.isa: str = dll.pagedkv_isa().decode()
         self.vector_width: int = dll.pagedkv_vector_width()
         self.bf16_gemm: bool = bool(dll.pagedkv_bf16_gemm())
@@ -119,6 +122,54 @@ class Library:
             message = err.value.decode(errors="replace") or f"failed with status {status}"
             err[0] = b"\0"  # (cleared after a failure, so a message is never a stale one)
             raise KernelError(f"{kernel}: {message}")
+        recording = self._recording
+        if recording is not None and recording[0] == threading.get_ident():
+            recording[1].append((kernel, type(params).from_buffer_copy(params)))
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[list[tuple[str, ctypes.Structure]]]:
+        """Meanwhile every kernel this thread runs is also recorded, as (kernel, a copy of its
+        parameter struct), for a KernelGraph to run again. One recording at a time."""
+        if self._recording is not None:
+            raise RuntimeError("a recording of kernel calls is already under way")
+        calls: list[tuple[str, ctypes.Structure]] = []
+        self._recording = (threading.get_ident(), calls)
+        try:
+            yield calls
+        finally:
+            self._recording = None
+
+    def graph(self, calls: list[tuple[str, ctypes.Structure]]) -> KernelGraph:
+        return KernelGraph(self, calls)
+
+    def address(self, kernel: str) -> int | None:
+        """The kernel's function address (for graph.cpp to call)."""
+        return ctypes.cast(self._kernels[kernel][0], ctypes.c_void_p).value
+
+
+class KernelGraph:
+    """Recorded kernel calls (Library.record), run again in order by one C++ call (graph.cpp)
+    with the same parameter structs, which the owner may change between runs (`structs`)."""
+
+    def __init__(self, lib: Library, calls: list[tuple[str, ctypes.Structure]]) -> None:
+        self.lib = lib
+        self.calls = calls
+        n = len(calls)
+        self._functions = (ctypes.c_void_p * n)(*(lib.address(k) for k, _ in calls))
+        self._params = (ctypes.c_void_p * n)(*(ctypes.addressof(p) for _, p in calls))
+        self._run = lib.params(
+            "run_graph",
+            kernels=ctypes.addressof(self._functions),
+            params=ctypes.addressof(self._params),
+            count=n,
+        )
+
+    def structs(self, kernel: str) -> list[ctypes.Structure]:
+        """The parameter structs of every recorded call of `kernel`, in order."""
+        return [p for k, p in self.calls if k == kernel]
+
+    def run(self) -> None:
+        self.lib.run("run_graph", self._run)
 
 
 _lock = threading.Lock()
@@ -167,6 +218,14 @@ def library_for(*tensors: torch.Tensor) -> Library | None:
         if t.dtype != dtype or not t.is_cpu or t.stride(-1) != 1:
             return None
     return library()
+
+
+def output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Where a kernel writes its result: `out`, a buffer the caller reuses, when it is a
+    contiguous CPU tensor of this shape and dtype, else a new tensor."""
+    if out is not None and out.shape == shape and out.dtype == dtype and out.is_contiguous():
+        return out
+    return torch.empty(shape, dtype=dtype)
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

@@ -42,6 +42,7 @@ def test_the_header_declares_every_kernel_with_its_struct() -> None:
             "gemm_int4",
             "gemm_f32",
             "argmax",
+            "run_graph",
         )
     }
     assert native.DTYPES == {

@@ -33,7 +33,6 @@ TEMPLATE = (
 )
 NOOP_FLAGS = [
     "--trust-remote-code",
-    "--enforce-eager",
     "--enable-chunked-prefill",
     "--disable-log-requests",
     "--enable-prompt-tokens-details",
@@ -69,6 +68,7 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         "--seed",
         "1",
         *NOOP_FLAGS,
+        "--enforce-eager",  # (has a meaning here: no decode graphs)
         "-tp",
         "1",
         "--served-model-name",

@@ -245,7 +245,12 @@ def _use_kernel(q: Tensor, k_cache: Cache) -> bool:
 
 
 def _kernel_attend(
-    q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float
+    q: Tensor,
+    k_cache: Cache,
+    v_cache: Cache,
+    meta: AttentionMetadata,
+    scale: float,
+    out: Tensor | None = None,
 ) -> Tensor:
     """The whole step in one kernel call, reading blocks in place (quantized ones with their
     scales): 4x faster than gathering them for decode, and 1.5-4x faster than the GEMM path for
@@ -257,16 +262,18 @@ def _kernel_attend(
         k, v = k_cache.data, v_quant.data
     else:
         k, v = k_cache, cast(Tensor, v_cache)
+    out = native.output(out, tuple(q.shape), q.dtype)
     if meta.is_decode:
+        cascade = cascade_plan(meta)
         return kernel.paged_attention_decode(
-            q, k, v, meta.seq_lens, meta.block_tables, scale, cascade=_cascade_plan(meta), **scales
+            q, k, v, meta.seq_lens, meta.block_tables, scale, out, cascade=cascade, **scales
         )
     return kernel.paged_attention_varlen(
-        q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, **scales
+        q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, out, **scales
     )
 
 
-def _cascade_plan(meta: AttentionMetadata) -> cascade.CascadePlan | None:
+def cascade_plan(meta: AttentionMetadata) -> cascade.CascadePlan | None:
     """The decode step's shared-prefix groups (attention/cascade.py), found once per step."""
     if "cascade" not in meta._cache:
         which = cascade.mode()
@@ -281,24 +288,36 @@ def _cascade_plan(meta: AttentionMetadata) -> cascade.CascadePlan | None:
 
 
 def paged_attention(
-    q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float
+    q: Tensor,
+    k_cache: Cache,
+    v_cache: Cache,
+    meta: AttentionMetadata,
+    scale: float,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Attention of the step's new tokens over their sequences' cached context: [T, Hq, D].
 
-    Through the C++ kernel when it serves (see _use_kernel), else torch_attention.
+    Through the C++ kernel when it serves (see _use_kernel), else torch_attention. The kernel
+    writes a float cache's result into `out` when it fits (native.output: the forward's reused
+    buffer).
     """
     if not isinstance(k_cache, QuantizedCache):
-        return _attend(q, k_cache, v_cache, meta, scale)
+        return _attend(q, k_cache, v_cache, meta, scale, out)
     # K/V are stored rotated (rotation.py): rotate q alike, and the output back.
-    out = _attend(rotation.rotate(q).to(q.dtype), k_cache, v_cache, meta, scale)
-    return rotation.unrotate(out).to(q.dtype)
+    rotated = _attend(rotation.rotate(q).to(q.dtype), k_cache, v_cache, meta, scale)
+    return rotation.unrotate(rotated).to(q.dtype)
 
 
 def _attend(
-    q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float
+    q: Tensor,
+    k_cache: Cache,
+    v_cache: Cache,
+    meta: AttentionMetadata,
+    scale: float,
+    out: Tensor | None = None,
 ) -> Tensor:
     if _use_kernel(q, k_cache):
-        return _kernel_attend(q, k_cache, v_cache, meta, scale)
+        return _kernel_attend(q, k_cache, v_cache, meta, scale, out)
     return torch_attention(q, k_cache, v_cache, meta, scale)
 
 

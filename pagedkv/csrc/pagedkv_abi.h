@@ -181,6 +181,13 @@ typedef struct {
   int64_t n;                        // at most 2^24 (indices are counted in float32 lanes)
   int32_t threads;
 } pagedkv_argmax_params;
+// A recorded sequence of kernel calls, run in order (graph.cpp; model/decode_graph.py): stops at
+// the first that fails, its message prefixed with its index.
+typedef struct {
+  const void* kernels;              // [count] the kernels' functions (pagedkv_<kernel> above)
+  const void* params;               // [count] pointers to their parameter structs
+  int64_t count;
+} pagedkv_run_graph_params;
 int pagedkv_paged_attention(const pagedkv_paged_attention_params* params, char* err, int err_len);
 int pagedkv_rms_norm(const pagedkv_rms_norm_params* params, char* err, int err_len);
 int pagedkv_silu_mul(const pagedkv_silu_mul_params* params, char* err, int err_len);
@@ -190,6 +197,7 @@ int pagedkv_gemm_bf16(const pagedkv_gemm_bf16_params* params, char* err, int err
 int pagedkv_gemm_int4(const pagedkv_gemm_int4_params* params, char* err, int err_len);
 int pagedkv_gemm_f32(const pagedkv_gemm_f32_params* params, char* err, int err_len);
 int pagedkv_argmax(const pagedkv_argmax_params* params, char* err, int err_len);
+int pagedkv_run_graph(const pagedkv_run_graph_params* params, char* err, int err_len);
 
 // The vector backend the library was built for (vec.h): avx512, avx2, neon or portable.
 const char* pagedkv_isa(void);

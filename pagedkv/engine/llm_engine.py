@@ -76,7 +76,14 @@ class LLMEngine:
             proposer=proposer,
         )
         self.runner = ModelRunner(
-            self.loaded.model, self.storage, kv.host, self.device, self.kv, self.offload, self.tp
+            self.loaded.model,
+            self.storage,
+            kv.host,
+            self.device,
+            self.kv,
+            self.offload,
+            self.tp,
+            eager=config.enforce_eager,
         )
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, self.structured)

@@ -29,6 +29,8 @@ from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.plan import BlockLoad, BlockSave
 from pagedkv.kvstore.offload import KVOffload
 from pagedkv.kvstore.storage import KVStorage
+from pagedkv.model.decode_graph import DecodeGraphs
+from pagedkv.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from pagedkv.distributed.group import TensorParallelGroup
@@ -79,7 +81,9 @@ class ModelRunner:
         kv: KVCacheManager | None = None,
         offload: KVOffload | None = None,
         tp: TensorParallelGroup | None = None,
+        eager: bool = False,
     ) -> None:
+        """eager: never replay decode steps from recorded kernel calls (--enforce-eager)."""
         self.model = model
         self.storage = storage
         self.host_storage = host_storage
@@ -88,6 +92,8 @@ class ModelRunner:
         self.device = device
         self.offload = offload
         self.tp = tp
+        replay = not eager and tp is None and isinstance(model, LlamaForCausalLM)
+        self.graphs = DecodeGraphs(model, storage.kv_caches) if replay else None
 
     def apply_copies(self, out: SchedulerOutput) -> None:
         moves = BlockMoves(
@@ -122,6 +128,11 @@ class ModelRunner:
             self.storage.write_blocks([dst for _, dst in moves.swap_in], data)
 
     def run_model(self, inputs: ForwardInputs) -> torch.Tensor:
+        """The step's hidden states: replayed (decode_graph.py) where it can be, else eagerly."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            if hidden is not None:
+                return hidden
         return self.model(inputs.input_ids, inputs.positions, self.storage.kv_caches, inputs.meta)
 
     def run(self, item: BlockMoves | ForwardInputs | DiskWrites) -> None:

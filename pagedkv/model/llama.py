@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -89,14 +90,45 @@ class Rotary(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """A norm's weight and epsilon (ops.rms_norm applies them)."""
+
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = _param(size, dtype=dtype)
         self.eps = eps
 
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Normalises x + residual (x alone without one); returns it and the new residual."""
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+@dataclass(slots=True)
+class ForwardBuffers:
+    """Where one forward's layers write their results, the same tensors in every layer (a layer
+    reads its input before it overwrites the buffer it came in): a forward allocates these six
+    instead of eight tensors a layer, and a decode graph (decode_graph.py) records its kernels
+    writing at fixed addresses. Kernels that cannot write into them return new tensors."""
+
+    h: Tensor  # [T, hidden] the norms' outputs (and the forward's result)
+    qkv: Tensor  # [T, (Hq + 2 Hkv) D]
+    attn: Tensor  # [T, Hq, D]
+    o: Tensor  # [T, hidden] o_proj's and down_proj's outputs: the layer's output
+    gate_up: Tensor  # [T, 2 I]
+    act: Tensor  # [T, I]
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM, tokens: int) -> ForwardBuffers:
+        layer = cast(DecoderLayer, model.layers[0])
+        _, qkv, _, _, gate_up, _ = layer._weights
+        hidden, inter = model.config.hidden_size, gate_up.shape[0]
+
+        def empty(*shape: int) -> Tensor:
+            return torch.empty(tokens, *shape, dtype=model.dtype)
+
+        return cls(
+            empty(hidden),
+            empty(qkv.shape[0]),
+            empty(layer.num_heads, layer.head_dim),
+            empty(hidden),
+            empty(inter),
+            empty(inter // 2),
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -160,13 +192,14 @@ class DecoderLayer(nn.Module):
         positions: Tensor,
         kv_cache: tuple[Cache, Cache],
         meta: AttentionMetadata,
+        buf: ForwardBuffers,
     ) -> tuple[Tensor, Tensor]:
         """The layer's output still to be added to the residual stream, and that stream so far
         (vLLM's layout: the add is fused into the next norm)."""
         norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj = self._weights
         tokens = x.shape[0]
-        h, residual = ops.rms_norm(x, norm1, self.eps, residual)
-        qkv = linear(h, qkv_proj)
+        h, residual = ops.rms_norm(x, norm1, self.eps, residual, buf.h)
+        qkv = linear(h, qkv_proj, buf.qkv)
         q = rope_and_store(
             qkv,
             self.num_heads,
@@ -177,13 +210,14 @@ class DecoderLayer(nn.Module):
             kv_cache,
             meta.slot_mapping,
         )
-        attn = paged_attention(q, *kv_cache, meta, self.scale)
-        o = linear(attn.reshape(tokens, self.q_size), o_proj)
+        attn = paged_attention(q, *kv_cache, meta, self.scale, buf.attn)
+        o = linear(attn.reshape(tokens, self.q_size), o_proj, buf.o)
         reduce = self.all_reduce
         if reduce is not None:
             reduce(o)
-        h, residual = ops.rms_norm(o, norm2, self.eps, residual)
-        out = linear(ops.silu_mul(linear(h, gate_up_proj)), down_proj)
+        h, residual = ops.rms_norm(o, norm2, self.eps, residual, buf.h)
+        act = ops.silu_mul(linear(h, gate_up_proj, buf.gate_up), buf.act)
+        out = linear(act, down_proj, buf.o)
         if reduce is not None:
             reduce(out)
         return out, residual
@@ -252,13 +286,30 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> Tensor:
         """Hidden states [T, hidden] (after the final norm) of the step's new tokens."""
-        x, residual = embed(input_ids, self.embed_tokens, self.dtype), None
-        rotary = self.rotary
+        x = self.embed(input_ids)
+        return self.run_layers(x, positions, kv_caches, meta, ForwardBuffers.of(self, x.shape[0]))
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The tokens' embeddings [T, hidden], the first layer's input."""
+        return embed(input_ids, self.embed_tokens, self.dtype)
+
+    def run_layers(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        kv_caches: list[tuple[Cache, Cache]],
+        meta: AttentionMetadata,
+        buf: ForwardBuffers,
+    ) -> Tensor:
+        """The layers and the final norm over embeddings x (which become the residual stream,
+        updated in place); the result is in buf.h where the kernels wrote it there."""
+        residual = None
+        rotary, norm = self.rotary, self.norm
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer.forward(
-                x, residual, rotary, positions, kv_cache, meta
+                x, residual, rotary, positions, kv_cache, meta, buf
             )  # (no hooks: saves ~2 us)
-        return self.norm(x, residual)[0]
+        return ops.rms_norm(x, norm.weight, norm.eps, residual, buf.h)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, vocab] float32 logits of the rows the sampler needs."""

@@ -17,12 +17,17 @@ from pagedkv import native
 
 
 def rms_norm(
-    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+    x: Tensor,
+    weight: Tensor,
+    eps: float,
+    residual: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """RMSNorm of x, or of x + residual when a residual is given (vLLM's fused add).
 
     Returns (normed, the new residual); the residual tensor given is updated in place. With no
-    residual, x itself is the new residual.
+    residual, x itself is the new residual. The kernel writes into `out` when it fits
+    (native.output; a buffer the forward reuses), the torch path into a new tensor.
     """
     rows, n = x.shape
     lib = (
@@ -36,7 +41,7 @@ def rms_norm(
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype), x
-    out = torch.empty((rows, n), dtype=x.dtype)
+    out = native.output(out, (rows, n), x.dtype)
     lib.call(
         "rms_norm",
         dtype=native.DTYPES[x.dtype],
@@ -53,14 +58,15 @@ def rms_norm(
     return out, (x if residual is None else residual)
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
-    """SiLU(gate) * up of a fused [rows, 2 * n] gate | up projection: [rows, n]."""
+def silu_mul(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
+    """SiLU(gate) * up of a fused [rows, 2 * n] gate | up projection: [rows, n] (in `out` as
+    rms_norm's)."""
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     lib = native.library_for(gate_up)
     if lib is None:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
-    out = torch.empty((rows, n), dtype=gate_up.dtype)
+    out = native.output(out, (rows, n), gate_up.dtype)
     lib.call(
         "silu_mul",
         dtype=native.DTYPES[gate_up.dtype],

@@ -148,9 +148,9 @@ class GemmCall:
         fields = dict(x=0, x_stride=0, out=0, out_stride=n, rows=0, n=n, threads=1)
         return cls(lib, kernel, lib.params(kernel, **fields, **weight), n)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """[rows, n] in x's dtype for x [rows, k] (unit stride)."""
-        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+    def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """[rows, n] in x's dtype for x [rows, k] (unit stride), in `out` when it fits."""
+        out = native.output(out, (x.shape[0], self.n), x.dtype)
         p = self.params
         p.x, p.x_stride, p.out = x.data_ptr(), x.stride(0), out.data_ptr()
         p.rows, p.threads = x.shape[0], torch.get_num_threads()
@@ -189,7 +189,8 @@ class PrepackedWeight:
         call = GemmCall.of(_KERNELS[kind][0], n, w=packed.data_ptr(), k=k)
         return cls(packed, (n, k), kind, call)
 
-    def mm(self, x: Tensor) -> Tensor:
+    def mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """x @ W.T; our GEMMs write it into `out` when it fits (GemmCall), oneDNN anywhere."""
         if self.call is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         n, k = self.shape
@@ -198,7 +199,7 @@ class PrepackedWeight:
         kernel, dtype = _KERNELS[self.kind]
         if x.dtype != dtype:
             raise native.KernelError(f"{kernel}: x must be {dtype}, got {x.dtype}")
-        return self.call(x if x.stride(-1) == 1 else x.contiguous())
+        return self.call(x if x.stride(-1) == 1 else x.contiguous(), out)
 
     @property
     def nbytes(self) -> int:

@@ -60,18 +60,21 @@ class PackedWeight:
     dense_dtype: torch.dtype = ACT_DTYPE  # the copy's (dense_weights.copy_dtype)
     dense_from: int = 1  # rows
 
-    def mm(self, x: Tensor) -> Tensor:
+    def mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         n, k = self.shape
         dense = self.dense
         if dense is not None and x.numel() >= self.dense_from * k:  # (few torch calls: a step
             if x.dtype == self.dense_dtype:  # makes 121 of them)
-                return linear(x, dense)
+                return linear(x, dense, out)
             return linear(x.to(self.dense_dtype), dense).to(x.dtype)
-        y = self.packed_mm(x.reshape(-1, k).to(ACT_DTYPE).contiguous())
+        y = self.packed_mm(
+            x.reshape(-1, k).to(ACT_DTYPE).contiguous(), out if x.dtype == ACT_DTYPE else None
+        )
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
-    def packed_mm(self, x: Tensor) -> Tensor:
-        """x [T, K] in ACT_DTYPE -> [T, N] through the packed kernel."""
+    def packed_mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """x [T, K] in ACT_DTYPE -> [T, N] through the packed kernel (ours writes into `out`
+        when it fits, torch's into a new tensor)."""
         raise NotImplementedError
 
     def dequantize(self) -> Tensor:
@@ -154,12 +157,12 @@ class Int4Weight(PackedWeight):
                 k=k, group=self.group,
             )  # fmt: skip
 
-    def packed_mm(self, x: Tensor) -> Tensor:
+    def packed_mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         if self._call is None:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.packed, self.group, self.scales_zeros
             )
-        return self._call(x)
+        return self._call(x, out)
 
     @property
     def packed_kind(self) -> str:
@@ -243,7 +246,7 @@ class Int8Weight(PackedWeight):
         q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
         return cls(q.contiguous(), scale.contiguous())
 
-    def packed_mm(self, x: Tensor) -> Tensor:
+    def packed_mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
     def _rows(self, start: int, stop: int) -> Int8Weight:
@@ -265,9 +268,10 @@ QuantWeight = Int4Weight | Int8Weight  # (PackedWeight's two kinds)
 Weight = Tensor | QuantWeight | PrepackedWeight  # what a matmul of the model multiplies by
 
 
-def linear(x: Tensor, w: Weight) -> Tensor:
-    """x @ w.T for a plain, prepacked or quantized weight."""
-    return F.linear(x, w) if isinstance(w, Tensor) else w.mm(x)
+def linear(x: Tensor, w: Weight, out: Tensor | None = None) -> Tensor:
+    """x @ w.T for a plain, prepacked or quantized weight; our GEMMs write it into `out` when it
+    fits (native.output: a buffer the forward reuses), the others into a new tensor."""
+    return F.linear(x, w) if isinstance(w, Tensor) else w.mm(x, out)
 
 
 def embed(ids: Tensor, w: Tensor | QuantWeight, dtype: torch.dtype) -> Tensor:

@@ -1,0 +1,199 @@
+"""Decode graphs: a decode step's kernel calls recorded once, then replayed by one C++ call.
+
+A decode step of the default model makes ~300 C++ kernel calls, and between them Python builds
+each call's arguments: 8 ms of a 105 ms step at 64 sequences and 5 ms of an 11.5 ms single-stream
+step, measured (BENCHMARKS.md). The calls of two decode steps of the same batch size differ only
+in the contents of a few index tensors (positions, slots, sequence lengths, block tables, the
+cascade plan) and in the plan's group count. So, as vLLM does with CUDA graphs, the first decode
+step of each batch size runs the model once with its inputs in tensors kept for the purpose,
+writing every intermediate result into buffers kept with them (llama.ForwardBuffers), while the
+library records each kernel call with its parameter struct (native.Library.record); later steps
+of that size copy their inputs into those tensors, set the group count, and run the recorded
+calls again in C++ (csrc/graph.cpp, native.KernelGraph). Same kernels, same order, same
+arguments: the same result, bit for bit.
+
+Only a forward made entirely of our kernels can be replayed: while recording, any torch op that
+computes (anything but a view) marks the forward as not replayable (a quantized KV cache's
+rotation, an int4 matmul on torch's kernel, the torch paths), and such a model runs eagerly from
+then on. Tensor parallelism runs eagerly too (its all-reduce is not a kernel of ours), as does
+`--enforce-eager`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pagedkv import native
+from pagedkv.attention.cascade import CascadePlan
+from pagedkv.attention.paged import AttentionMetadata, Cache, cascade_plan
+from pagedkv.model.llama import ForwardBuffers, LlamaForCausalLM
+
+log = logging.getLogger("pagedkv")
+
+MAX_GRAPHS = 64  # batch sizes kept (least recently used dropped); ~35 KB of buffers a row each
+
+
+class NotReplayable(Exception):
+    """The forward ran a torch op that computes: its kernel calls alone do not make the step."""
+
+
+class _ViewsOnly(TorchDispatchMode):
+    """Raises NotReplayable at the first torch op that is not a view (the kernels write through
+    pointers, unseen by torch; any other op's result would not be recomputed by a replay)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            raise NotReplayable(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class _Graph:
+    """One batch size's recorded step and the tensors its kernels read and write."""
+
+    x: Tensor  # [B, hidden] embeddings in, then the residual stream
+    positions: Tensor  # [B] int64
+    slots: Tensor  # [B] int64
+    seq_lens: Tensor  # [B] int32
+    block_tables: Tensor  # [B, width] int32
+    plan: CascadePlan | None  # pre [B], group_start [B + 1], members [B] (int32, full size)
+    hidden: Tensor  # [B, hidden] the result (buffers.h)
+    buffers: ForwardBuffers
+    kernels: native.KernelGraph
+
+    def fits(self, meta: AttentionMetadata) -> bool:
+        return meta.block_tables.shape[1] <= self.block_tables.shape[1]
+
+
+class DecodeGraphs:
+    """The recorded decode steps of one model over one KV pool, by batch size and whether the
+    step has a cascade plan."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[Cache, Cache]]) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.lib = native.library()
+        self.graphs: OrderedDict[tuple[int, bool], _Graph] = OrderedDict()
+        self.replayable = self.lib is not None and all(
+            getattr(layer, "all_reduce", None) is None for layer in model.layers
+        )
+        # keys whose forward is not replayable (whether a matmul runs on torch's kernel may
+        # depend on the rows: quant_linear's dense copies serve from a row count up)
+        self.eager: set[tuple[int, bool]] = set()
+
+    def run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor | None:
+        """The step's hidden states [B, hidden] (valid until the next step of this batch size),
+        or None when it is not a decode step or this model's forward cannot be replayed (the
+        caller then runs it eagerly)."""
+        if not (self.replayable and meta.is_decode):
+            return None
+        plan = cascade_plan(meta)
+        key = (input_ids.shape[0], plan is not None)
+        if key in self.eager:
+            return None
+        graph = self.graphs.get(key)
+        if graph is None or not graph.fits(meta):
+            return self._record(key, input_ids, positions, meta, plan)
+        self.graphs.move_to_end(key)
+        self._load(graph, input_ids, positions, meta, plan)
+        graph.kernels.run()
+        return graph.hidden
+
+    def _load(
+        self,
+        graph: _Graph,
+        input_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        plan: CascadePlan | None,
+    ) -> None:
+        """This step's inputs into the graph's tensors (and its group count into its structs)."""
+        graph.x.copy_(self.model.embed(input_ids))
+        graph.positions.copy_(positions)
+        graph.slots.copy_(meta.slot_mapping)
+        graph.seq_lens.copy_(meta.seq_lens)
+        graph.block_tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if plan is not None and graph.plan is not None:
+            graph.plan.pre.copy_(plan.pre)
+            graph.plan.group_start[: plan.num_groups + 1].copy_(plan.group_start)
+            graph.plan.members[: plan.members.numel()].copy_(plan.members)
+            for params in graph.kernels.structs("paged_attention"):
+                params.num_groups = plan.num_groups
+
+    def _record(
+        self,
+        key: tuple[int, bool],
+        input_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        plan: CascadePlan | None,
+    ) -> Tensor | None:
+        """Runs this step while recording its kernel calls; keeps them as its batch size's graph
+        when the forward was made of kernels alone. Returns the step's hidden states, or None
+        (the step did not run) when it was not."""
+        assert self.lib is not None
+        batch = key[0]
+        old = self.graphs.pop(key, None)
+        width = max(meta.block_tables.shape[1], 0 if old is None else old.block_tables.shape[1])
+        width = 1 << max(width - 1, 0).bit_length()  # room to grow: recorded again at most log2 x
+        static_plan = None
+        if plan is not None:
+            static_plan = CascadePlan(
+                torch.zeros(batch, dtype=torch.int32),
+                torch.zeros(batch + 1, dtype=torch.int32),
+                torch.zeros(batch, dtype=torch.int32),
+            )
+        graph = _Graph(
+            x=torch.empty(batch, self.model.config.hidden_size, dtype=self.model.dtype),
+            positions=torch.zeros(batch, dtype=torch.int64),
+            slots=torch.zeros(batch, dtype=torch.int64),
+            seq_lens=torch.zeros(batch, dtype=torch.int32),
+            block_tables=torch.zeros(batch, width, dtype=torch.int32),
+            plan=static_plan,
+            hidden=torch.empty(0),
+            buffers=ForwardBuffers.of(self.model, batch),
+            kernels=self.lib.graph([]),
+        )
+        self._load(graph, input_ids, positions, meta, plan)
+        static_meta = AttentionMetadata(
+            slot_mapping=graph.slots,
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+            seq_lens=graph.seq_lens,
+            block_tables=graph.block_tables,
+            query_lens=meta.query_lens,
+            seq_lens_list=meta.seq_lens_list,
+            block_size=meta.block_size,
+            is_decode=True,
+        )
+        if static_plan is not None:  # this step's plan, in the graph's tensors
+            assert plan is not None
+            starts, members = plan.group_start.numel(), plan.members.numel()
+            static_plan = CascadePlan(
+                static_plan.pre, static_plan.group_start[:starts], static_plan.members[:members]
+            )
+        static_meta._cache["cascade"] = static_plan
+        try:
+            with self.lib.record() as calls, _ViewsOnly():
+                hidden = self.model.run_layers(
+                    graph.x, graph.positions, self.kv_caches, static_meta, graph.buffers
+                )
+        except NotReplayable as e:
+            # The kernels before the op ran (e.g. the first layer's K/V store): the eager
+            # forward the caller now runs writes the same values again.
+            log.info("decode steps of %d sequences run eagerly: torch computes (%s)", batch, e)
+            self.eager.add(key)
+            return None
+        if hidden.data_ptr() != graph.buffers.h.data_ptr():
+            self.eager.add(key)  # (cannot happen when no op but views ran)
+            return None
+        graph.hidden, graph.kernels = hidden, self.lib.graph(calls)
+        self.graphs[key] = graph
+        while len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        return hidden

@@ -1,0 +1,110 @@
+"""Decode graphs (model/decode_graph.py): replayed decode steps give the eager steps' results bit
+for bit, for every batch size, block-table width and cascade plan a run goes through; a forward
+that torch computes in runs eagerly; a kernel failing inside a replay is reported as such."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from pagedkv import LLM, SamplingParams, native
+from pagedkv.model import decode_graph
+
+needs_library = pytest.mark.skipif(not native.available(), reason="the C++ library is not built")
+
+PROMPT = "Memory is cut into fixed-size blocks handed out on demand, mapped by a block table. "
+
+
+def _generate(model: str, monkeypatch, eager: bool, **options):
+    """Outputs (tokens and top-3 logprobs of every sample) of a batch whose size changes as its
+    requests finish, sharing a prefix, and the replays and recordings the run made."""
+    counts = {"replays": 0, "records": 0}
+    run, record = native.KernelGraph.run, decode_graph.DecodeGraphs._record
+
+    def counting_run(self):
+        counts["replays"] += 1
+        return run(self)
+
+    def counting_record(self, *args):
+        counts["records"] += 1
+        return record(self, *args)
+
+    monkeypatch.setattr(native.KernelGraph, "run", counting_run)
+    monkeypatch.setattr(decode_graph.DecodeGraphs, "_record", counting_record)
+    llm = LLM(model, block_size=4, num_gpu_blocks_override=512, enforce_eager=eager, **options)
+    prompts = [PROMPT * 2 + "Hello", PROMPT * 2 + "The quick", "Paged attention", PROMPT * 2]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3)
+        for n in (40, 23, 9, 31)
+    ] + [SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=17, ignore_eos=True)]
+    outs = llm.generate([*prompts, prompts[0]], params, use_tqdm=False)
+    result = [
+        [(c.token_ids, [sorted(lp.items()) for lp in c.logprobs or []]) for c in o.outputs]
+        for o in outs
+    ]
+    return result, counts, llm.engine.runner.graphs
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cascade", ["0", "1"])
+def test_replayed_steps_equal_eager_ones(tiny_model_dir, monkeypatch, dtype, cascade) -> None:
+    monkeypatch.setenv("PAGEDKV_CASCADE", cascade)
+    eager, counts, graphs = _generate(tiny_model_dir, monkeypatch, True, dtype=dtype)
+    assert graphs is None and counts == {"replays": 0, "records": 0}
+    replayed, counts, graphs = _generate(tiny_model_dir, monkeypatch, False, dtype=dtype)
+    assert replayed == eager
+    # batch sizes 7 down to 1 as requests finish; block tables grow past 4, 8 and 16 blocks
+    assert counts["replays"] >= 30 and counts["records"] >= 5
+    assert not graphs.eager and len({b for b, _ in graphs.graphs}) >= 4
+    assert any(c for _, c in graphs.graphs) == (cascade == "1")  # steps with a plan, and without
+    widths = {g.block_tables.shape[1] for g in graphs.graphs.values()}
+    assert all(w & (w - 1) == 0 for w in widths) and max(widths) >= 16
+
+
+@needs_library
+def test_a_forward_torch_computes_in_runs_eagerly(tiny_model_dir, monkeypatch) -> None:
+    """An int8 KV cache rotates q in torch: the step is not replayable, runs eagerly, the same."""
+    eager, _, _ = _generate(tiny_model_dir, monkeypatch, True, kv_cache_dtype="int8")
+    got, counts, graphs = _generate(tiny_model_dir, monkeypatch, False, kv_cache_dtype="int8")
+    assert got == eager
+    assert counts["replays"] == 0 and not graphs.graphs and graphs.eager
+    assert all(key in graphs.eager for key in [(1, False)])
+
+
+@needs_library
+def test_views_are_allowed_and_computing_is_not() -> None:
+    x = torch.arange(12.0)
+    with decode_graph._ViewsOnly():
+        y = x.view(3, 4)[:, 1:].t().reshape(3, 3)
+        with pytest.raises(decode_graph.NotReplayable, match="aten.add"):
+            x + 1
+        with pytest.raises(decode_graph.NotReplayable, match="aten.empty"):
+            torch.empty(2)
+    assert y.data_ptr() == x.data_ptr() + x.element_size()  # (a view of x from x[1])
+
+
+@needs_library
+def test_a_kernel_failing_in_a_replay_says_which_call() -> None:
+    lib = native.library()
+    assert lib is not None
+    x = torch.tensor([[1.0, 3.0, 2.0]])
+    out = torch.zeros(1, dtype=torch.int64)
+    fields = dict(x=x.data_ptr(), x_stride=3, out=out.data_ptr(), rows=1, n=3, threads=1)
+    with lib.record() as calls:
+        lib.call("argmax", **fields)
+        lib.call("argmax", **fields)
+        with pytest.raises(RuntimeError, match="already under way"):
+            with lib.record():
+                pass
+    assert [k for k, _ in calls] == ["argmax", "argmax"] and out.item() == 1
+    graph = lib.graph(calls)
+    x[0, 2], out[0] = 5.0, -1
+    graph.run()  # the recorded structs point at x and out: the replay reads x anew
+    assert out.item() == 2
+    graph.structs("argmax")[1].n = 0
+    with pytest.raises(native.KernelError, match=r"run_graph: call 1 of 2: need rows >= 0, 1 <= n"):
+        graph.run()
+    assert isinstance(graph.structs("argmax")[0], ctypes.Structure)
