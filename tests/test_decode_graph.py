@@ -1,6 +1,6 @@
-"""Decode graphs (model/decode_graph.py): replayed decode steps give the eager steps' results bit
-for bit, for every batch size, block-table width and cascade plan a run goes through; a forward
-that torch computes in runs eagerly; a kernel failing inside a replay is reported as such."""
+"""Decode graphs (model/decode_graph.py): replayed steps give the eager steps' results bit for bit,
+for every batch size, block-table width, cascade plan and speculative verify a run goes through; a
+forward that torch computes in runs eagerly; a kernel failing inside a replay says which call."""
 
 from __future__ import annotations
 
@@ -58,8 +58,9 @@ def test_replayed_steps_equal_eager_ones(tiny_model_dir, monkeypatch, dtype, cas
     assert replayed == eager
     # batch sizes 7 down to 1 as requests finish; block tables grow past 4, 8 and 16 blocks
     assert counts["replays"] >= 30 and counts["records"] >= 5
-    assert not graphs.eager and len({b for b, _ in graphs.graphs}) >= 4
-    assert any(c for _, c in graphs.graphs) == (cascade == "1")  # steps with a plan, and without
+    assert not graphs.eager and len({b for _, b, _ in graphs.graphs}) >= 4
+    assert any(c for _, _, c in graphs.graphs) == (cascade == "1")  # steps with a plan, and without
+    assert any(t > b for t, b, _ in graphs.graphs)  # verify steps of n-gram drafts (the prompts repeat)
     widths = {g.block_tables.shape[1] for g in graphs.graphs.values()}
     assert all(w & (w - 1) == 0 for w in widths) and max(widths) >= 16
 
@@ -71,7 +72,7 @@ def test_a_forward_torch_computes_in_runs_eagerly(tiny_model_dir, monkeypatch) -
     got, counts, graphs = _generate(tiny_model_dir, monkeypatch, False, kv_cache_dtype="int8")
     assert got == eager
     assert counts["replays"] == 0 and not graphs.graphs and graphs.eager
-    assert all(key in graphs.eager for key in [(1, False)])
+    assert (1, 1, False) in graphs.eager
 
 
 @needs_library

@@ -204,7 +204,8 @@ class ModelRunner:
                 first = max(start, len(seq.group.prompt_logprobs))
                 last = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
                 if first < last:
-                    s.prompt_hidden = (first, hidden[row + first - start : row + last - start])
+                    rows = hidden[row + first - start : row + last - start]
+                    s.prompt_hidden = (first, rows.clone())  # (hidden may be a graph's buffer)
             row += s.num_new_tokens + len(s.drafts)
 
     def write_through(self, writes: list[BlockSave], skip: Set[int] = frozenset()) -> None:

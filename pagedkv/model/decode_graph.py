@@ -4,11 +4,13 @@ A decode step of the default model makes ~300 C++ kernel calls, and between them
 each call's arguments: 8 ms of a 105 ms step at 64 sequences and 5 ms of an 11.5 ms single-stream
 step, measured (BENCHMARKS.md). The calls of two decode steps of the same batch size differ only
 in the contents of a few index tensors (positions, slots, sequence lengths, block tables, the
-cascade plan) and in the plan's group count. So, as vLLM does with CUDA graphs, the first decode
-step of each batch size runs the model once with its inputs in tensors kept for the purpose,
+cascade plan, the query starts) and in the plan's group count. So, as vLLM does with CUDA
+graphs, the first step of each shape (tokens, sequences, with a cascade plan or not) of at most
+MAX_TOKENS tokens (decode steps, and speculative verify steps of a few tokens a sequence) runs
+the model once with its inputs in tensors kept for the purpose,
 writing every intermediate result into buffers kept with them (llama.ForwardBuffers), while the
 library records each kernel call with its parameter struct (native.Library.record); later steps
-of that size copy their inputs into those tensors, set the group count, and run the recorded
+of that shape copy their inputs into those tensors, set the group count, and run the recorded
 calls again in C++ (csrc/graph.cpp, native.KernelGraph). Same kernels, same order, same
 arguments: the same result, bit for bit.
 
@@ -36,7 +38,8 @@ from pagedkv.model.llama import ForwardBuffers, LlamaForCausalLM
 
 log = logging.getLogger("pagedkv")
 
-MAX_GRAPHS = 64  # batch sizes kept (least recently used dropped); ~35 KB of buffers a row each
+MAX_TOKENS = 256  # the largest step recorded (more is a prompt: its matmuls dwarf the calls)
+MAX_ROWS = 4096  # token rows of all graphs kept (least recently used dropped), ~32 KB each
 
 
 class NotReplayable(Exception):
@@ -57,13 +60,14 @@ class _ViewsOnly(TorchDispatchMode):
 class _Graph:
     """One batch size's recorded step and the tensors its kernels read and write."""
 
-    x: Tensor  # [B, hidden] embeddings in, then the residual stream
-    positions: Tensor  # [B] int64
-    slots: Tensor  # [B] int64
+    x: Tensor  # [T, hidden] embeddings in, then the residual stream
+    positions: Tensor  # [T] int64
+    slots: Tensor  # [T] int64
+    query_start_loc: Tensor  # [B + 1] int32
     seq_lens: Tensor  # [B] int32
     block_tables: Tensor  # [B, width] int32
     plan: CascadePlan | None  # pre [B], group_start [B + 1], members [B] (int32, full size)
-    hidden: Tensor  # [B, hidden] the result (buffers.h)
+    hidden: Tensor  # [T, hidden] the result (buffers.h)
     buffers: ForwardBuffers
     kernels: native.KernelGraph
 
@@ -71,30 +75,33 @@ class _Graph:
         return meta.block_tables.shape[1] <= self.block_tables.shape[1]
 
 
+Key = tuple[int, int, bool]  # a step's tokens, sequences, and whether it has a cascade plan
+
+
 class DecodeGraphs:
-    """The recorded decode steps of one model over one KV pool, by batch size and whether the
-    step has a cascade plan."""
+    """The recorded steps of one model over one KV pool, by shape (Key)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[Cache, Cache]]) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.lib = native.library()
-        self.graphs: OrderedDict[tuple[int, bool], _Graph] = OrderedDict()
+        self.graphs: OrderedDict[Key, _Graph] = OrderedDict()
         self.replayable = self.lib is not None and all(
             getattr(layer, "all_reduce", None) is None for layer in model.layers
         )
         # keys whose forward is not replayable (whether a matmul runs on torch's kernel may
         # depend on the rows: quant_linear's dense copies serve from a row count up)
-        self.eager: set[tuple[int, bool]] = set()
+        self.eager: set[Key] = set()
 
     def run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor | None:
-        """The step's hidden states [B, hidden] (valid until the next step of this batch size),
-        or None when it is not a decode step or this model's forward cannot be replayed (the
-        caller then runs it eagerly)."""
-        if not (self.replayable and meta.is_decode):
+        """The step's hidden states [T, hidden] (valid until the next step of its shape), or None
+        when the step is too long or this model's forward cannot be replayed (the caller then
+        runs it eagerly)."""
+        tokens = input_ids.shape[0]
+        if not self.replayable or tokens > MAX_TOKENS:
             return None
-        plan = cascade_plan(meta)
-        key = (input_ids.shape[0], plan is not None)
+        plan = cascade_plan(meta) if meta.is_decode else None
+        key = (tokens, meta.seq_lens.shape[0], plan is not None)
         if key in self.eager:
             return None
         graph = self.graphs.get(key)
@@ -117,6 +124,8 @@ class DecodeGraphs:
         graph.x.copy_(self.model.embed(input_ids))
         graph.positions.copy_(positions)
         graph.slots.copy_(meta.slot_mapping)
+        if not meta.is_decode:
+            graph.query_start_loc.copy_(meta.query_start_loc)
         graph.seq_lens.copy_(meta.seq_lens)
         graph.block_tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         if plan is not None and graph.plan is not None:
@@ -128,7 +137,7 @@ class DecodeGraphs:
 
     def _record(
         self,
-        key: tuple[int, bool],
+        key: Key,
         input_ids: Tensor,
         positions: Tensor,
         meta: AttentionMetadata,
@@ -138,7 +147,7 @@ class DecodeGraphs:
         when the forward was made of kernels alone. Returns the step's hidden states, or None
         (the step did not run) when it was not."""
         assert self.lib is not None
-        batch = key[0]
+        tokens, batch, _ = key
         old = self.graphs.pop(key, None)
         width = max(meta.block_tables.shape[1], 0 if old is None else old.block_tables.shape[1])
         width = 1 << max(width - 1, 0).bit_length()  # room to grow: recorded again at most log2 x
@@ -150,26 +159,27 @@ class DecodeGraphs:
                 torch.zeros(batch, dtype=torch.int32),
             )
         graph = _Graph(
-            x=torch.empty(batch, self.model.config.hidden_size, dtype=self.model.dtype),
-            positions=torch.zeros(batch, dtype=torch.int64),
-            slots=torch.zeros(batch, dtype=torch.int64),
+            x=torch.empty(tokens, self.model.config.hidden_size, dtype=self.model.dtype),
+            positions=torch.zeros(tokens, dtype=torch.int64),
+            slots=torch.zeros(tokens, dtype=torch.int64),
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
             seq_lens=torch.zeros(batch, dtype=torch.int32),
             block_tables=torch.zeros(batch, width, dtype=torch.int32),
             plan=static_plan,
             hidden=torch.empty(0),
-            buffers=ForwardBuffers.of(self.model, batch),
+            buffers=ForwardBuffers.of(self.model, tokens),
             kernels=self.lib.graph([]),
         )
         self._load(graph, input_ids, positions, meta, plan)
         static_meta = AttentionMetadata(
             slot_mapping=graph.slots,
-            query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+            query_start_loc=graph.query_start_loc,
             seq_lens=graph.seq_lens,
             block_tables=graph.block_tables,
             query_lens=meta.query_lens,
             seq_lens_list=meta.seq_lens_list,
             block_size=meta.block_size,
-            is_decode=True,
+            is_decode=meta.is_decode,
         )
         if static_plan is not None:  # this step's plan, in the graph's tensors
             assert plan is not None
@@ -186,7 +196,9 @@ class DecodeGraphs:
         except NotReplayable as e:
             # The kernels before the op ran (e.g. the first layer's K/V store): the eager
             # forward the caller now runs writes the same values again.
-            log.info("decode steps of %d sequences run eagerly: torch computes (%s)", batch, e)
+            log.info(
+                "steps of %d tokens, %d sequences run eagerly: torch computes (%s)", *key[:2], e
+            )
             self.eager.add(key)
             return None
         if hidden.data_ptr() != graph.buffers.h.data_ptr():
@@ -194,6 +206,6 @@ class DecodeGraphs:
             return None
         graph.hidden, graph.kernels = hidden, self.lib.graph(calls)
         self.graphs[key] = graph
-        while len(self.graphs) > MAX_GRAPHS:
+        while sum(k[0] for k in self.graphs) > MAX_ROWS:
             self.graphs.popitem(last=False)
         return hidden
