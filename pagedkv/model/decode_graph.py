@@ -2,23 +2,23 @@
 
 A decode step of the default model makes ~300 C++ kernel calls, and between them Python builds
 each call's arguments: 8 ms of a 105 ms step at 64 sequences and 5 ms of an 11.5 ms single-stream
-step, measured (BENCHMARKS.md). The calls of two decode steps of the same batch size differ only
-in the contents of a few index tensors (positions, slots, sequence lengths, block tables, the
-cascade plan, the query starts) and in the plan's group count. So, as vLLM does with CUDA
-graphs, the first step of each shape (tokens, sequences, with a cascade plan or not) of at most
-MAX_TOKENS tokens (decode steps, and speculative verify steps of a few tokens a sequence) runs
-the model once with its inputs in tensors kept for the purpose,
-writing every intermediate result into buffers kept with them (llama.ForwardBuffers), while the
-library records each kernel call with its parameter struct (native.Library.record); later steps
-of that shape copy their inputs into those tensors, set the group count, and run the recorded
-calls again in C++ (csrc/graph.cpp, native.KernelGraph). Same kernels, same order, same
-arguments: the same result, bit for bit.
+step, measured (BENCHMARKS.md). The calls of two steps of the same shape differ only in the
+contents of a few index tensors (positions, slots, sequence lengths, block tables, the cascade
+plan, the query starts) and in the plan's group count. So, as vLLM does with CUDA graphs, the
+first step of each shape (tokens, sequences, with a cascade plan or not) of at most MAX_TOKENS
+tokens (decode steps, and speculative verify steps of a few tokens a sequence) runs the model
+with its inputs in tensors kept for the purpose, writing every intermediate result into buffers
+kept with them (llama.ForwardBuffers), while the library records each kernel call with its
+parameter struct (native.Library.record); later steps of that shape copy their inputs into those
+tensors, set the group count, and run the recorded calls again in C++ (csrc/graph.cpp,
+native.KernelGraph). Same kernels, same order, same arguments: the same result, bit for bit.
 
 Only a forward made entirely of our kernels can be replayed: while recording, any torch op that
 computes (anything but a view) marks the forward as not replayable (a quantized KV cache's
-rotation, an int4 matmul on torch's kernel, the torch paths), and such a model runs eagerly from
-then on. Tensor parallelism runs eagerly too (its all-reduce is not a kernel of ours), as does
-`--enforce-eager`.
+rotation, an int4 matmul on torch's kernel, the torch paths), and steps of that shape run
+eagerly from then on. The kernels read only the metadata's tensors, never its Python lists (the
+torch paths do). Tensor parallelism runs eagerly too (its all-reduce is not a kernel of ours),
+as does `--enforce-eager`.
 """
 
 from __future__ import annotations
@@ -49,6 +49,12 @@ class NotReplayable(Exception):
 class _ViewsOnly(TorchDispatchMode):
     """Raises NotReplayable at the first torch op that is not a view (the kernels write through
     pointers, unseen by torch; any other op's result would not be recomputed by a replay)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No torch.compile runs under this mode: leave __torch_dispatch__ unwrapped (the wrapper
+        imports torch._dynamo at its first call, 1.5 s here)."""
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view:
@@ -143,8 +149,8 @@ class DecodeGraphs:
         meta: AttentionMetadata,
         plan: CascadePlan | None,
     ) -> Tensor | None:
-        """Runs this step while recording its kernel calls; keeps them as its batch size's graph
-        when the forward was made of kernels alone. Returns the step's hidden states, or None
+        """Runs this step while recording its kernel calls; keeps them as its shape's graph when
+        the forward was made of kernels alone. Returns the step's hidden states, or None
         (the step did not run) when it was not."""
         assert self.lib is not None
         tokens, batch, _ = key
