@@ -227,10 +227,28 @@ def test_int4_panels_hold_aten_layouts_weights_and_multiply_them(n, k, group, pr
             exact = x.double() @ w.double().T
             bound = exact.abs() * 2**-8 + (x.double().abs() @ w.double().abs().T) * 2**-20
             assert ((ours.packed_mm(x).double() - exact).abs() <= bound).all(), (rows, t)
+            # float32 activations as they are: through bf16 rows with AVX512_BF16 (x and the
+            # result rounded as torch would round them), else float32 FMAs from end to end
+            xf = torch.randn(rows, k, generator=gen)
+            assert ours.takes(torch.float32)
+            out = torch.empty(rows, n)
+            got = ours.mm(xf, out)
+            exact, size = xf.double() @ w.double().T, xf.double().abs() @ w.double().abs().T
+            tol = 2**-7 if lib.bf16_gemm else k * 2**-23
+            assert got.data_ptr() == out.data_ptr(), "written where it was asked"
+            assert ((got.double() - exact).abs() <= size * tol).all(), (rows, t)
+            if lib.bf16_gemm:
+                via_bf16 = ours.packed_mm(xf.to(torch.bfloat16)).float()
+                assert torch.equal(got, via_bf16)
     finally:
         torch.set_num_threads(threads)
     with pytest.raises(native.KernelError, match="multiple of 32"):
         lib.call(
             "gemm_int4", x=0, x_stride=k, codes=0, scales=0, out=0, out_stride=48, rows=1, n=48,
-            k=k, group=group, threads=1,
+            k=k, group=group, threads=1, dtype=native.DTYPES[torch.bfloat16],
+        )  # fmt: skip
+    with pytest.raises(native.KernelError, match="bfloat16 or float32"):
+        lib.call(
+            "gemm_int4", x=0, x_stride=k, codes=0, scales=0, out=0, out_stride=n, rows=1, n=n,
+            k=k, group=group, threads=1, dtype=native.DTYPES[torch.float16],
         )  # fmt: skip

@@ -86,9 +86,10 @@ void over_items(int64_t rows, int64_t panels, int64_t row_bytes, int64_t block, 
 }
 
 // Each row's sum of x over each group of k (the zeros' term of the 4-bit kernels), [rows][groups],
-// once for all panels; and x itself in float [rows][k] into xf unless null.
+// once for all panels; and x itself in float [rows][k] into xf unless null. X: x's type.
+template <typename X>
 std::vector<float> group_sums(const pagedkv_gemm_int4_params& P, float* xf) {
-  const auto* x = static_cast<const bf16*>(P.x);
+  const auto* x = static_cast<const X*>(P.x);
   const int64_t groups = P.k / P.group;
   std::vector<float> sums(size_t(P.rows * groups));
   for (int64_t r = 0; r < P.rows; ++r)
@@ -256,7 +257,7 @@ void gemm_int4_bf16(const pagedkv_gemm_int4_params& P) {
   const auto* x = static_cast<const uint16_t*>(P.x);
   bf16* y = static_cast<bf16*>(P.out);
   const int64_t groups = P.k / P.group;
-  const std::vector<float> xsum = group_sums(P, nullptr);
+  const std::vector<float> xsum = group_sums<bf16>(P, nullptr);
   over_int4_items<kRowBlock4>(P, 2 * P.k, [&](auto R, int64_t r, int64_t p, const uint8_t* c, const uint16_t* s,
                                               const char* next, int64_t next_bytes) {
     micro4<R>(x + r * P.x_stride, P.x_stride, xsum.data() + r * groups, groups, c, s, P.group,
@@ -312,9 +313,9 @@ constexpr int kHalfVecs = kHalf / W;  // vectors of a row's 16 sums
 static_assert(kHalf % W == 0, "whole vectors in half a panel");
 constexpr int kRowBlockQ = std::min(6, (kRegisters - 4) / kHalfVecs);
 
-template <int R, int H>
+template <int R, int H, typename Y>
 __attribute__((always_inline)) inline void micro4_f32(const float* x, int64_t k, const float* xsum, int64_t groups,
-                                                      const uint8_t* codes, const uint16_t* sz, int64_t group, bf16* y,
+                                                      const uint8_t* codes, const uint16_t* sz, int64_t group, Y* y,
                                                       int64_t y_stride, const char* ahead, int64_t ahead_bytes) {
   alignas(32) float total[R][kHalf] = {};
   alignas(16) int8_t rows[2][kHalf];
@@ -363,16 +364,18 @@ __attribute__((always_inline)) inline void micro4_f32(const float* x, int64_t k,
       store(y + r * y_stride + H * kHalf + v * W, load(total[r] + v * W, kFull), kFull);
 }
 
+// X: the type of x and out (bf16, or float32 for a float32 model: no rounding to bf16 between).
+template <typename X>
 void gemm_int4_f32(const pagedkv_gemm_int4_params& P) {
-  bf16* y = static_cast<bf16*>(P.out);
+  X* y = static_cast<X*>(P.out);
   const int64_t groups = P.k / P.group;
   std::vector<float> xf(size_t(P.rows * P.k));  // x in float, once for every panel
-  const std::vector<float> xsum = group_sums(P, xf.data());
+  const std::vector<float> xsum = group_sums<X>(P, xf.data());
   over_int4_items<kRowBlockQ>(P, 4 * P.k, [&](auto R, int64_t r, int64_t p, const uint8_t* c, const uint16_t* s,
                                               const char* next, int64_t next_bytes) {
     const float* xr = xf.data() + r * P.k;
     const float* xs = xsum.data() + r * groups;
-    bf16* yr = y + r * P.out_stride + p * kCols;
+    X* yr = y + r * P.out_stride + p * kCols;
     micro4_f32<R, 0>(xr, P.k, xs, groups, c, s, P.group, yr, P.out_stride, next, next_bytes);
     micro4_f32<R, 1>(xr, P.k, xs, groups, c, s, P.group, yr, P.out_stride, nullptr, 0);
   });
@@ -401,12 +404,34 @@ int pagedkv_gemm_int4(const pagedkv_gemm_int4_params* p, char* err, int errlen) 
   if (P.rows < 0 || P.n < kCols || P.n % kCols || P.group < 2 || P.group % 2 || P.k < P.group || P.k % P.group)
     return fail(err, errlen, "need n a multiple of 32 and k a multiple of an even group (n = %lld, k = %lld)", P.n,
                 P.k);
+  if (P.dtype != PAGEDKV_DTYPE_BFLOAT16 && P.dtype != PAGEDKV_DTYPE_FLOAT32)
+    return fail(err, errlen, "x and out must be bfloat16 or float32 (dtype %lld)", P.dtype, 0);
   if (check_strides(P, err, errlen)) return 1;
   if (P.rows == 0) return 0;
 #ifdef PAGEDKV_BF16_GEMM
+  if (P.dtype == PAGEDKV_DTYPE_FLOAT32) {  // through bf16 rows (x rounded as torch rounds it)
+    std::vector<bf16> xb(size_t(P.rows * P.k)), yb(size_t(P.rows * P.n));
+    const auto* x = static_cast<const float*>(P.x);
+    auto* y = static_cast<float*>(P.out);
+    for (int64_t r = 0; r < P.rows; ++r)
+      for (int64_t c = 0; c < P.k; c += W) {
+        const Mask m = lanes(P.k, c);
+        store(xb.data() + r * P.k + c, load(x + r * P.x_stride + c, m), m);
+      }
+    pagedkv_gemm_int4_params Q = P;
+    Q.dtype = PAGEDKV_DTYPE_BFLOAT16;
+    Q.x = xb.data(), Q.x_stride = P.k, Q.out = yb.data(), Q.out_stride = P.n;
+    gemm_int4_bf16(Q);
+    for (int64_t r = 0; r < P.rows; ++r)
+      for (int64_t c = 0; c < P.n; c += W) store(y + r * P.out_stride + c, load(yb.data() + r * P.n + c, kFull), kFull);
+    return 0;
+  }
   gemm_int4_bf16(P);
 #else
-  gemm_int4_f32(P);
+  if (P.dtype == PAGEDKV_DTYPE_FLOAT32)
+    gemm_int4_f32<float>(P);
+  else
+    gemm_int4_f32<bf16>(P);
 #endif
   return 0;
 }

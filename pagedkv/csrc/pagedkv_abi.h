@@ -144,13 +144,15 @@ typedef struct {
   int64_t k;                        // even
   int32_t threads;
 } pagedkv_gemm_bf16_params;
-// The same with 4-bit weights, w = (q - 8) * scale + zero per group of k (gemm.cpp; AVX512_BF16).
+// The same with 4-bit weights, w = (q - 8) * scale + zero per group of k (gemm.cpp: in bf16 with
+// AVX512_BF16, else in float32 FMAs), for x and out in bfloat16 or float32.
 typedef struct {
-  const void* x;                    // [rows, k] bfloat16, rows x_stride apart
+  pagedkv_dtype dtype;              // of x and out: BFLOAT16 or FLOAT32
+  const void* x;                    // [rows, k], rows x_stride apart
   int64_t x_stride;
   const void* codes;                // uint8 [n / 32, k / 2, 32]: a panel's codes per k pair (gemm.cpp)
   const void* scales;               // bfloat16 [n / 32, k / group, 2, 32]: scales, then zeros
-  void* out;                        // [rows, n] bfloat16, rows out_stride apart
+  void* out;                        // [rows, n], rows out_stride apart
   int64_t out_stride;
   int64_t rows;
   int64_t n;                        // a multiple of 32

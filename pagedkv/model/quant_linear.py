@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from torch import Tensor
 
+from pagedkv import native
 from pagedkv.model.prepacked import GemmCall, PrepackedWeight, int4_form, prepack
 
 ACT_DTYPE = torch.bfloat16  # what the packed kernels take and return
@@ -67,14 +68,21 @@ class PackedWeight:
             if x.dtype == self.dense_dtype:  # makes 121 of them)
                 return linear(x, dense, out)
             return linear(x.to(self.dense_dtype), dense).to(x.dtype)
-        y = self.packed_mm(
-            x.reshape(-1, k).to(ACT_DTYPE).contiguous(), out if x.dtype == ACT_DTYPE else None
-        )
-        return y.to(x.dtype).reshape(*x.shape[:-1], n)
+        rows = x.reshape(-1, k)
+        if self.takes(x.dtype):
+            y = self.packed_mm(rows.contiguous(), out)
+        else:
+            y = self.packed_mm(rows.to(ACT_DTYPE).contiguous()).to(x.dtype)
+        return y.reshape(*x.shape[:-1], n)
+
+    def takes(self, dtype: torch.dtype) -> bool:
+        """Whether the packed kernel takes activations of this dtype as they are (others go
+        through ACT_DTYPE)."""
+        return dtype == ACT_DTYPE
 
     def packed_mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        """x [T, K] in ACT_DTYPE -> [T, N] through the packed kernel (ours writes into `out`
-        when it fits, torch's into a new tensor)."""
+        """x [T, K] in a dtype it `takes` -> [T, N] in the same, through the packed kernel (ours
+        writes into `out` when it fits, torch's into a new tensor)."""
         raise NotImplementedError
 
     def dequantize(self) -> Tensor:
@@ -154,14 +162,20 @@ class Int4Weight(PackedWeight):
             n, k = self.shape
             self._call = GemmCall.of(
                 "gemm_int4", n, codes=self.packed.data_ptr(), scales=self.scales_zeros.data_ptr(),
-                k=k, group=self.group,
+                k=k, group=self.group, dtype=native.DTYPES[ACT_DTYPE],
             )  # fmt: skip
+
+    def takes(self, dtype: torch.dtype) -> bool:
+        """Ours also takes float32 (a float32 model: no rounding to bf16 on the way in or out,
+        no conversions around the call)."""
+        return dtype == ACT_DTYPE or (self._call is not None and dtype == torch.float32)
 
     def packed_mm(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         if self._call is None:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.packed, self.group, self.scales_zeros
             )
+        self._call.params.dtype = native.DTYPES[x.dtype]
         return self._call(x, out)
 
     @property
