@@ -61,6 +61,7 @@ def test_replayed_steps_equal_eager_ones(tiny_model_dir, monkeypatch, dtype, cas
     assert not graphs.eager and len({b for _, b, _ in graphs.graphs}) >= 4
     assert any(c for _, _, c in graphs.graphs) == (cascade == "1")  # steps with a plan, and without
     assert any(t > b for t, b, _ in graphs.graphs)  # verify steps of n-gram drafts (the prompts repeat)
+    assert len({g.hidden.data_ptr() for g in graphs.graphs.values()}) == 1  # one shared arena
     widths = {g.block_tables.shape[1] for g in graphs.graphs.values()}
     assert all(w & (w - 1) == 0 for w in widths) and max(widths) >= 16
 

@@ -39,7 +39,7 @@ from pagedkv.model.llama import ForwardBuffers, LlamaForCausalLM
 log = logging.getLogger("pagedkv")
 
 MAX_TOKENS = 256  # the largest step recorded (more is a prompt: its matmuls dwarf the calls)
-MAX_ROWS = 4096  # token rows of all graphs kept (least recently used dropped), ~32 KB each
+MAX_GRAPHS = 128  # shapes kept (least recently used dropped), ~60 KB of parameter structs each
 
 
 class NotReplayable(Exception):
@@ -63,18 +63,30 @@ class _ViewsOnly(TorchDispatchMode):
 
 
 @dataclass
-class _Graph:
-    """One batch size's recorded step and the tensors its kernels read and write."""
+class _Arena:
+    """The tensors every graph's forward runs in, MAX_TOKENS rows each; a graph of T tokens uses
+    their first T rows. One step runs at a time, and its result (in buffers.h) is used before
+    the next step: so all graphs share them (8 MB for the default model)."""
 
-    x: Tensor  # [T, hidden] embeddings in, then the residual stream
-    positions: Tensor  # [T] int64
-    slots: Tensor  # [T] int64
+    x: Tensor  # [MAX_TOKENS, hidden] embeddings in, then the residual stream
+    positions: Tensor  # [MAX_TOKENS] int64
+    slots: Tensor  # [MAX_TOKENS] int64
+    buffers: ForwardBuffers
+
+
+@dataclass
+class _Graph:
+    """One shape's recorded step and the tensors its kernels read and write."""
+
+    x: Tensor  # [T, hidden] (the arena's rows)
+    positions: Tensor  # [T]
+    slots: Tensor  # [T]
     query_start_loc: Tensor  # [B + 1] int32
     seq_lens: Tensor  # [B] int32
     block_tables: Tensor  # [B, width] int32
     plan: CascadePlan | None  # pre [B], group_start [B + 1], members [B] (int32, full size)
-    hidden: Tensor  # [T, hidden] the result (buffers.h)
-    buffers: ForwardBuffers
+    hidden: Tensor  # [T, hidden] the result (the arena's buffers.h)
+    buffers: ForwardBuffers  # the arena's rows
     kernels: native.KernelGraph
 
     def fits(self, meta: AttentionMetadata) -> bool:
@@ -92,6 +104,7 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.lib = native.library()
         self.graphs: OrderedDict[Key, _Graph] = OrderedDict()
+        self.arena: _Arena | None = None  # made at the first recording
         self.replayable = self.lib is not None and all(
             getattr(layer, "all_reduce", None) is None for layer in model.layers
         )
@@ -100,9 +113,9 @@ class DecodeGraphs:
         self.eager: set[Key] = set()
 
     def run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor | None:
-        """The step's hidden states [T, hidden] (valid until the next step of its shape), or None
-        when the step is too long or this model's forward cannot be replayed (the caller then
-        runs it eagerly)."""
+        """The step's hidden states [T, hidden] (valid until the next step), or None when the
+        step is too long or this model's forward cannot be replayed (the caller then runs it
+        eagerly)."""
         tokens = input_ids.shape[0]
         if not self.replayable or tokens > MAX_TOKENS:
             return None
@@ -164,16 +177,25 @@ class DecodeGraphs:
                 torch.zeros(batch + 1, dtype=torch.int32),
                 torch.zeros(batch, dtype=torch.int32),
             )
+        if self.arena is None:
+            model = self.model
+            self.arena = _Arena(
+                x=torch.empty(MAX_TOKENS, model.config.hidden_size, dtype=model.dtype),
+                positions=torch.zeros(MAX_TOKENS, dtype=torch.int64),
+                slots=torch.zeros(MAX_TOKENS, dtype=torch.int64),
+                buffers=ForwardBuffers.of(model, MAX_TOKENS),
+            )
+        arena = self.arena
         graph = _Graph(
-            x=torch.empty(tokens, self.model.config.hidden_size, dtype=self.model.dtype),
-            positions=torch.zeros(tokens, dtype=torch.int64),
-            slots=torch.zeros(tokens, dtype=torch.int64),
+            x=arena.x[:tokens],
+            positions=arena.positions[:tokens],
+            slots=arena.slots[:tokens],
             query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
             seq_lens=torch.zeros(batch, dtype=torch.int32),
             block_tables=torch.zeros(batch, width, dtype=torch.int32),
             plan=static_plan,
             hidden=torch.empty(0),
-            buffers=ForwardBuffers.of(self.model, tokens),
+            buffers=arena.buffers.rows(tokens),
             kernels=self.lib.graph([]),
         )
         self._load(graph, input_ids, positions, meta, plan)
@@ -212,6 +234,6 @@ class DecodeGraphs:
             return None
         graph.hidden, graph.kernels = hidden, self.lib.graph(calls)
         self.graphs[key] = graph
-        while sum(k[0] for k in self.graphs) > MAX_ROWS:
+        if len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)
         return hidden

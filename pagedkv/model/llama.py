@@ -130,6 +130,17 @@ class ForwardBuffers:
             empty(inter // 2),
         )
 
+    def rows(self, tokens: int) -> ForwardBuffers:
+        """The first `tokens` rows of each (contiguous views): buffers for a shorter forward."""
+        return ForwardBuffers(
+            self.h[:tokens],
+            self.qkv[:tokens],
+            self.attn[:tokens],
+            self.o[:tokens],
+            self.gate_up[:tokens],
+            self.act[:tokens],
+        )
+
 
 class DecoderLayer(nn.Module):
     # set by refresh_weights in __dict__ (declared for mypy): norm1, qkv, o, norm2, gate_up, down
