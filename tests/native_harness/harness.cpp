@@ -346,10 +346,10 @@ void gemm_bf16(int64_t rows, int64_t n, int64_t k) {
 
 // The int4 GEMM (every build: vdpbf16ps with AVX512_BF16, dequantized into float32 elsewhere)
 // against the product in double of its dequantized weights, w = (q - 8) * scale + zero per group
-// of k, from panels packed as quant_linear.pack_int4 does.
-void gemm_int4(int64_t rows, int64_t n, int64_t k, int64_t group) {
+// of k, from panels packed as quant_linear.pack_int4 does; x and out in bfloat16 or float32.
+void gemm_int4(int64_t rows, int64_t n, int64_t k, int64_t group, pagedkv_dtype dtype) {
   const int64_t groups = k / group;
-  Buf x(PAGEDKV_DTYPE_BFLOAT16, rows * k), out(PAGEDKV_DTYPE_BFLOAT16, rows * n);
+  Buf x(dtype, rows * k), out(dtype, rows * n);
   x.fill_random(-1, 1);
   std::vector<int> q(n * k);
   for (int& c : q) c = randint(0, 15);
@@ -370,8 +370,9 @@ void gemm_int4(int64_t rows, int64_t n, int64_t k, int64_t group) {
         const int64_t lo = (p * 32 + j / 2) * k + 2 * kp + j % 2, hi = (p * 32 + 16 + j / 2) * k + 2 * kp + j % 2;
         codes[(p * (k / 2) + kp) * 32 + j] = uint8_t(q[lo] | (q[hi] << 4));
       }
-  pagedkv_gemm_int4_params p{x.data(), k, codes.data(), sz.data(), out.data(), n, rows, n, k, group, 2};
-  const std::string tag = "gemm_int4 " + std::to_string(rows) + "x" + std::to_string(n) + "x" + std::to_string(k);
+  pagedkv_gemm_int4_params p{dtype, x.data(), k, codes.data(), sz.data(), out.data(), n, rows, n, k, group, 2};
+  const std::string tag = "gemm_int4 " + std::to_string(rows) + "x" + std::to_string(n) + "x" + std::to_string(k) +
+                          (dtype == PAGEDKV_DTYPE_FLOAT32 ? " float32" : " bfloat16");
   ran(pagedkv_gemm_int4(&p, err, sizeof err), "gemm_int4");
   std::vector<double> want(rows * n);
   for (int64_t r = 0; r < rows; ++r)
@@ -381,7 +382,7 @@ void gemm_int4(int64_t rows, int64_t n, int64_t k, int64_t group) {
         s += x.get(r * k + i) * ((q[c * k + i] - 8) * scale[c * groups + i / group] + zero[c * groups + i / group]);
       want[r * n + c] = s;
     }
-  check(tag, want, out, kTol[PAGEDKV_DTYPE_BFLOAT16]);
+  check(tag, want, out, kTol[PAGEDKV_DTYPE_BFLOAT16]);  // (float32 x: rounded to bf16 on some builds)
 }
 
 // The float32 GEMM (every build) against the product in double, W packed as prepacked.py does:
@@ -419,10 +420,12 @@ int main() {
   for (int64_t n : {1, 37, 1000}) argmax(n);
   gemm_bf16(3, 40, 64);
   gemm_bf16(29, 96, 576);
-  gemm_int4(1, 64, 64, 32);
-  gemm_int4(13, 96, 576, 32);
-  gemm_int4(7, 32, 256, 128);
-  gemm_int4(64, 64, 96, 32);
+  for (pagedkv_dtype d : {PAGEDKV_DTYPE_BFLOAT16, PAGEDKV_DTYPE_FLOAT32}) {
+    gemm_int4(1, 64, 64, 32, d);
+    gemm_int4(13, 96, 576, 32, d);
+    gemm_int4(7, 32, 256, 128, d);
+    gemm_int4(64, 64, 96, 32, d);
+  }
   for (int64_t rows : {1, 5, 13, 64}) gemm_f32(rows, 40, 96);  // every row block and tail, a partial panel
   gemm_f32(7, 100, 576);
   std::printf("%d passed, %d failed\n", passed, failed);
