@@ -87,7 +87,7 @@ class _Graph:
     plan: CascadePlan | None  # pre [B], group_start [B + 1], members [B] (int32, full size)
     hidden: Tensor  # [T, hidden] the result (the arena's buffers.h)
     buffers: ForwardBuffers  # the arena's rows
-    kernels: native.KernelGraph
+    kernels: native.KernelGraph | None = None  # once recorded
 
     def fits(self, meta: AttentionMetadata) -> bool:
         return meta.block_tables.shape[1] <= self.block_tables.shape[1]
@@ -128,7 +128,12 @@ class DecodeGraphs:
             return self._record(key, input_ids, positions, meta, plan)
         self.graphs.move_to_end(key)
         self._load(graph, input_ids, positions, meta, plan)
-        graph.kernels.run()
+        kernels = graph.kernels
+        assert kernels is not None  # (kept graphs are recorded ones)
+        if plan is not None:
+            for params in kernels.structs("paged_attention"):
+                params.num_groups = plan.num_groups
+        kernels.run()
         return graph.hidden
 
     def _load(
@@ -139,7 +144,7 @@ class DecodeGraphs:
         meta: AttentionMetadata,
         plan: CascadePlan | None,
     ) -> None:
-        """This step's inputs into the graph's tensors (and its group count into its structs)."""
+        """This step's inputs into the graph's tensors."""
         graph.x.copy_(self.model.embed(input_ids))
         graph.positions.copy_(positions)
         graph.slots.copy_(meta.slot_mapping)
@@ -151,21 +156,9 @@ class DecodeGraphs:
             graph.plan.pre.copy_(plan.pre)
             graph.plan.group_start[: plan.num_groups + 1].copy_(plan.group_start)
             graph.plan.members[: plan.members.numel()].copy_(plan.members)
-            for params in graph.kernels.structs("paged_attention"):
-                params.num_groups = plan.num_groups
 
-    def _record(
-        self,
-        key: Key,
-        input_ids: Tensor,
-        positions: Tensor,
-        meta: AttentionMetadata,
-        plan: CascadePlan | None,
-    ) -> Tensor | None:
-        """Runs this step while recording its kernel calls; keeps them as its shape's graph when
-        the forward was made of kernels alone. Returns the step's hidden states, or None
-        (the step did not run) when it was not."""
-        assert self.lib is not None
+    def _new_graph(self, key: Key, meta: AttentionMetadata, plan: CascadePlan | None) -> _Graph:
+        """A graph's tensors for a step of this shape (its calls come when it is recorded)."""
         tokens, batch, _ = key
         old = self.graphs.pop(key, None)
         width = max(meta.block_tables.shape[1], 0 if old is None else old.block_tables.shape[1])
@@ -186,7 +179,7 @@ class DecodeGraphs:
                 buffers=ForwardBuffers.of(model, MAX_TOKENS),
             )
         arena = self.arena
-        graph = _Graph(
+        return _Graph(
             x=arena.x[:tokens],
             positions=arena.positions[:tokens],
             slots=arena.slots[:tokens],
@@ -196,8 +189,22 @@ class DecodeGraphs:
             plan=static_plan,
             hidden=torch.empty(0),
             buffers=arena.buffers.rows(tokens),
-            kernels=self.lib.graph([]),
         )
+
+    def _record(
+        self,
+        key: Key,
+        input_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        plan: CascadePlan | None,
+    ) -> Tensor | None:
+        """Runs this step while recording its kernel calls; keeps them as its shape's graph when
+        the forward was made of kernels alone. Returns the step's hidden states, or None
+        (the step did not run) when it was not."""
+        assert self.lib is not None
+        with torch.inference_mode(False):  # normal tensors: written in and out of inference mode
+            graph = self._new_graph(key, meta, plan)
         self._load(graph, input_ids, positions, meta, plan)
         static_meta = AttentionMetadata(
             slot_mapping=graph.slots,
@@ -209,6 +216,7 @@ class DecodeGraphs:
             block_size=meta.block_size,
             is_decode=meta.is_decode,
         )
+        static_plan = graph.plan
         if static_plan is not None:  # this step's plan, in the graph's tensors
             assert plan is not None
             starts, members = plan.group_start.numel(), plan.members.numel()
