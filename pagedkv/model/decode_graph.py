@@ -93,7 +93,9 @@ class _Graph:
         return meta.block_tables.shape[1] <= self.block_tables.shape[1]
 
 
-Key = tuple[int, int, bool]  # a step's tokens, sequences, and whether it has a cascade plan
+# A step's tokens, sequences, whether it has a cascade plan, and torch's thread count (the
+# kernels' splits, hence their sums' order, follow the threads they were given).
+Key = tuple[int, int, bool, int]
 
 
 class DecodeGraphs:
@@ -120,7 +122,7 @@ class DecodeGraphs:
         if not self.replayable or tokens > MAX_TOKENS:
             return None
         plan = cascade_plan(meta) if meta.is_decode else None
-        key = (tokens, meta.seq_lens.shape[0], plan is not None)
+        key = (tokens, meta.seq_lens.shape[0], plan is not None, torch.get_num_threads())
         if key in self.eager:
             return None
         graph = self.graphs.get(key)
@@ -159,7 +161,7 @@ class DecodeGraphs:
 
     def _new_graph(self, key: Key, meta: AttentionMetadata, plan: CascadePlan | None) -> _Graph:
         """A graph's tensors for a step of this shape (its calls come when it is recorded)."""
-        tokens, batch, _ = key
+        tokens, batch = key[:2]
         old = self.graphs.pop(key, None)
         width = max(meta.block_tables.shape[1], 0 if old is None else old.block_tables.shape[1])
         width = 1 << max(width - 1, 0).bit_length()  # room to grow: recorded again at most log2 x
