@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams, native
-from pagedkv.model import decode_graph
+from pagedkv.model import decode_graph, prepacked
 
 needs_library = pytest.mark.skipif(not native.available(), reason="the C++ library is not built")
 
@@ -56,6 +56,10 @@ def test_replayed_steps_equal_eager_ones(tiny_model_dir, monkeypatch, dtype, cas
     assert graphs is None and counts == {"replays": 0, "records": 0}
     replayed, counts, graphs = _generate(tiny_model_dir, monkeypatch, False, dtype=dtype)
     assert replayed == eager
+    if dtype == "bfloat16" and prepacked.form() != "pairs":
+        # bfloat16 matmuls run on oneDNN or torch here (no AVX512_BF16): every step is eager
+        assert counts["replays"] == 0 and graphs.eager and not graphs.graphs
+        return
     # batch sizes 7 down to 1 as requests finish; block tables grow past 4, 8 and 16 blocks
     assert counts["replays"] >= 30 and counts["records"] >= 5
     assert not graphs.eager and len({key[1] for key in graphs.graphs}) >= 4
