@@ -15,10 +15,10 @@ native.KernelGraph). Same kernels, same order, same arguments: the same result, 
 
 Only a forward made entirely of our kernels can be replayed: while recording, any torch op that
 computes (anything but a view) marks the forward as not replayable (a quantized KV cache's
-rotation, an int4 matmul on torch's kernel, the torch paths), and steps of that shape run
-eagerly from then on. The kernels read only the metadata's tensors, never its Python lists (the
-torch paths do). Tensor parallelism runs eagerly too (its all-reduce is not a kernel of ours),
-as does `--enforce-eager`.
+rotation, an int4 matmul on torch's kernel, a bf16 one on oneDNN's where our bf16 GEMM does not
+run, the torch paths), and steps of that shape run eagerly from then on. The kernels read only
+the metadata's tensors, never its Python lists (the torch paths do). Tensor parallelism runs
+eagerly too (its all-reduce is not a kernel of ours), as does `--enforce-eager`.
 """
 
 from __future__ import annotations
