@@ -23,9 +23,10 @@ eagerly too (its all-reduce is not a kernel of ours), as does `--enforce-eager`.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -88,6 +89,7 @@ class _Graph:
     hidden: Tensor  # [T, hidden] the result (the arena's buffers.h)
     buffers: ForwardBuffers  # the arena's rows
     kernels: native.KernelGraph | None = None  # once recorded
+    attention: list[ctypes.Structure] = field(default_factory=list)  # its paged_attention calls
 
     def fits(self, meta: AttentionMetadata) -> bool:
         return meta.block_tables.shape[1] <= self.block_tables.shape[1]
@@ -133,7 +135,7 @@ class DecodeGraphs:
         kernels = graph.kernels
         assert kernels is not None  # (kept graphs are recorded ones)
         if plan is not None:
-            for params in kernels.structs("paged_attention"):
+            for params in graph.attention:
                 params.num_groups = plan.num_groups
         kernels.run()
         return graph.hidden
@@ -159,12 +161,9 @@ class DecodeGraphs:
             graph.plan.group_start[: plan.num_groups + 1].copy_(plan.group_start)
             graph.plan.members[: plan.members.numel()].copy_(plan.members)
 
-    def _new_graph(self, key: Key, meta: AttentionMetadata, plan: CascadePlan | None) -> _Graph:
+    def _new_graph(self, key: Key, width: int, plan: CascadePlan | None) -> _Graph:
         """A graph's tensors for a step of this shape (its calls come when it is recorded)."""
         tokens, batch = key[:2]
-        old = self.graphs.pop(key, None)
-        width = max(meta.block_tables.shape[1], 0 if old is None else old.block_tables.shape[1])
-        width = 1 << max(width - 1, 0).bit_length()  # room to grow: recorded again at most log2 x
         static_plan = None
         if plan is not None:
             static_plan = CascadePlan(
@@ -205,8 +204,11 @@ class DecodeGraphs:
         the forward was made of kernels alone. Returns the step's hidden states, or None
         (the step did not run) when it was not."""
         assert self.lib is not None
+        old = self.graphs.pop(key, None)  # (a table grown past its width)
+        width = max(meta.block_tables.shape[1], 0 if old is None else old.block_tables.shape[1])
+        width = 1 << max(width - 1, 0).bit_length()  # room to grow: recorded again at most log2 x
         with torch.inference_mode(False):  # normal tensors: written in and out of inference mode
-            graph = self._new_graph(key, meta, plan)
+            graph = self._new_graph(key, width, plan)
         self._load(graph, input_ids, positions, meta, plan)
         static_meta = AttentionMetadata(
             slot_mapping=graph.slots,
@@ -243,6 +245,7 @@ class DecodeGraphs:
             self.eager.add(key)  # (cannot happen when no op but views ran)
             return None
         graph.hidden, graph.kernels = hidden, self.lib.graph(calls)
+        graph.attention = graph.kernels.structs("paged_attention")
         self.graphs[key] = graph
         if len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)
