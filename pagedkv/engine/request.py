@@ -319,14 +319,6 @@ class SamplingParams:
             return prompt_ids
         return prompt_ids[-(max_model_len if n == -1 else n) :]
 
-    def token_ids_used(self) -> list[int]:
-        """Every token id the parameters name (checked against the vocabulary by the engine)."""
-        return [
-            *(self.stop_token_ids or []),
-            *(self.logit_bias or {}),
-            *(self.allowed_token_ids or []),
-        ]
-
     def _normalise(self) -> None:
         """vLLM's meanings: seed -1 is no seed, top_k 0 is off, a tiny temperature is greedy."""
         if self.seed == -1:
