@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from pagedkv import native
 from pagedkv.attention import kernel, paged
+from pagedkv.attention.rotation import unrotate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -540,7 +541,9 @@ def test_concurrent_first_builds_share_one_compile(tmp_path: Path) -> None:
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_cache_is_read_in_place_with_its_scales(cache_dtype, dtype, kernel_isa) -> None:
-    """int8 / fp8 blocks with a scale per (block, KV head) give the attention of the values they stand for."""
+    """int8 / fp8 blocks with a scale per (block, KV head) give the attention of the values they
+    stand for, rotated back: a quantized cache holds K and V rotated (attention/rotation.py), and
+    the kernel rotates q in and its output back."""
     gen = torch.Generator().manual_seed(11)
     c = make_case(
         gen,
@@ -567,7 +570,7 @@ def test_quantized_cache_is_read_in_place_with_its_scales(cache_dtype, dtype, ke
             ).any()
         scales[f"{name}_scales"], stored[name] = scale, data
         setattr(
-            c, f"{name}_cache", (data.float() * scale[:, :, None, None]).to(dtype)
+            c, f"{name}_cache", unrotate(data.float() * scale[:, :, None, None]).to(dtype)
         )  # what they stand for
     c.q = c.q.to(dtype)
     got = kernel.paged_attention_varlen(

@@ -75,10 +75,24 @@ def test_replayed_steps_equal_eager_ones(tiny_model_dir, monkeypatch, dtype, cas
 
 
 @needs_library
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_cache_steps_replay(tiny_model_dir, monkeypatch, kv_cache_dtype) -> None:
+    """A quantized cache's rotation runs inside the kernels that write and read it, so its steps
+    replay too, equal to eager ones bit for bit."""
+    monkeypatch.setenv("PAGEDKV_CASCADE", "1")
+    options = {"kv_cache_dtype": kv_cache_dtype}
+    eager, _, _ = _generate(tiny_model_dir, monkeypatch, True, **options)
+    got, counts, graphs = _generate(tiny_model_dir, monkeypatch, False, **options)
+    assert got == eager
+    assert counts["replays"] >= 30 and not graphs.eager and any(key[2] for key in graphs.graphs)
+
+
+@needs_library
 def test_a_forward_torch_computes_in_runs_eagerly(tiny_model_dir, monkeypatch) -> None:
-    """An int8 KV cache rotates q in torch: the step is not replayable, runs eagerly, the same."""
-    eager, _, _ = _generate(tiny_model_dir, monkeypatch, True, kv_cache_dtype="int8")
-    got, counts, graphs = _generate(tiny_model_dir, monkeypatch, False, kv_cache_dtype="int8")
+    """int8 weights multiply on torch's kernel: the step is not replayable, runs eagerly, the
+    same."""
+    eager, _, _ = _generate(tiny_model_dir, monkeypatch, True, quantization="int8")
+    got, counts, graphs = _generate(tiny_model_dir, monkeypatch, False, quantization="int8")
     assert got == eager
     assert counts["replays"] == 0 and not graphs.graphs and graphs.eager
     assert (1, 1, False, torch.get_num_threads()) in graphs.eager

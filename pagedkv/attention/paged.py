@@ -19,7 +19,7 @@ place of the two tensors: writes quantize into the slots, and attention
 reads them with their scales: the kernel in place, the torch path by
 dequantizing the blocks it gathers into the query's dtype. Quantized caches
 hold K/V rotated (rotation.py), so q is rotated on the way in and the output
-back on the way out.
+back on the way out (by the kernel itself; here around the torch path).
 
 `_use_kernel` is the one choice between the kernel and the torch path below,
 the only torch implementation of paged attention (`contiguous_attention` at
@@ -301,10 +301,10 @@ def paged_attention(
     writes a float cache's result into `out` when it fits (native.output: the forward's reused
     buffer).
     """
-    if not isinstance(k_cache, QuantizedCache):
-        return _attend(q, k_cache, v_cache, meta, scale, out)
+    if not isinstance(k_cache, QuantizedCache) or _use_kernel(q, k_cache):
+        return _attend(q, k_cache, v_cache, meta, scale, out)  # (the kernel rotates: rotation.py)
     # K/V are stored rotated (rotation.py): rotate q alike, and the output back.
-    rotated = _attend(rotation.rotate(q).to(q.dtype), k_cache, v_cache, meta, scale)
+    rotated = torch_attention(rotation.rotate(q).to(q.dtype), k_cache, v_cache, meta, scale)
     return rotation.unrotate(rotated).to(q.dtype)
 
 

@@ -3,8 +3,8 @@
 The model hands over its fused q | k | v projection and the rotary tables (rope_and_store):
 where the library serves a float cache, one C++ pass (csrc/layer_ops.cpp) rotates q and k and
 stores k and v at their slots; otherwise q and k are rotated (in C++ or torch) and write_kv stores
-k and v, quantizing them for an fp8 / int8 cache, after the Hadamard rotation such a cache holds
-(rotation.py; csrc/kv_quant.cpp writes them when the library serves).
+k and v, quantizing them for an fp8 / int8 cache after the Hadamard rotation such a cache holds
+(QuantizedCache.write: in C++, csrc/kv_quant.cpp, when the library serves; rotation.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 from pagedkv import native
-from pagedkv.attention import rotation
 from pagedkv.attention.paged import Cache
 from pagedkv.kvstore.quant import QuantizedCache, SlotWrite
 
@@ -87,8 +86,8 @@ def write_kv(k_cache: Cache, v_cache: Cache, k: Tensor, v: Tensor, slot_mapping:
     block_size = k_cache.shape[2]
     if isinstance(k_cache, QuantizedCache):
         where = None if k_cache.native_writer(k) else SlotWrite.of(slot_mapping, block_size)
-        k_cache.write(rotation.rotate(k), slot_mapping, where)
-        cast(QuantizedCache, v_cache).write(rotation.rotate(v), slot_mapping, where)
+        k_cache.write(k, slot_mapping, where)
+        cast(QuantizedCache, v_cache).write(v, slot_mapping, where)
         return
     # As rows of the cache seen as [num_blocks * Hkv * block_size, D]: index_copy_ is ~200x faster
     # on CPU than advanced-index assignment (cache[blocks, :, offsets] = k), which took ~12 ms a

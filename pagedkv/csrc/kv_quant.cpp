@@ -1,7 +1,8 @@
 // Writes new K or V rows into a quantized cache (int8 or float8 e4m3fn, one float32 scale per
 // (block, KV head)): the arithmetic of QuantizedCache.write in kv/quant.py, in one pass instead
 // of a dozen torch ops per layer per step (about 70 us a call at one token, most of an fp8
-// decode step's overhead).
+// decode step's overhead). The rows come as the model made them (any float type, a view into
+// its fused projection) and are rotated here (vec.h: hadamard), as such a cache holds them.
 //
 // Per (block, head) touched by the write: a block written at offset 0 starts afresh; otherwise
 // its scale only grows, to cover the new values, and the entries already stored are requantized
@@ -89,6 +90,18 @@ void write(const float* x, int64_t T, int64_t H, int64_t D, const int64_t* slots
   }
 }
 
+// The rows [T, H, D] (tokens `stride` elements apart) as float32, each rotated, into out.
+template <typename T>
+void rotated(const T* x, int64_t stride, int64_t tokens, int64_t H, int64_t D, float* out) {
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const T* src = x + t * stride + h * D;
+      float* dst = out + (t * H + h) * D;
+      for (int64_t d = 0; d < D; d += W) store(dst + d, load(src + d, lanes(D, d)), lanes(D, d));
+      hadamard(dst, D);
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -104,12 +117,21 @@ int pagedkv_quant_write(const pagedkv_quant_write_params* p, char* err, int errl
     }
   }
   const int64_t T = p->num_tokens, H = p->num_heads, D = p->head_dim;
+  std::vector<float> x(size_t(T * H * D));
+  switch (p->x_dtype) {
+    case PAGEDKV_DTYPE_FLOAT32: rotated(static_cast<const float*>(p->x), p->x_stride, T, H, D, x.data()); break;
+    case PAGEDKV_DTYPE_BFLOAT16: rotated(static_cast<const bf16*>(p->x), p->x_stride, T, H, D, x.data()); break;
+    case PAGEDKV_DTYPE_FLOAT16: rotated(static_cast<const fp16*>(p->x), p->x_stride, T, H, D, x.data()); break;
+    default:
+      std::snprintf(err, size_t(errlen), "rows of dtype %d: want float32, bfloat16 or float16", int(p->x_dtype));
+      return 1;
+  }
   switch (p->dtype) {
     case PAGEDKV_DTYPE_INT8:
-      write<Int8Format>(p->x, T, H, D, p->slots, static_cast<i8*>(p->data), p->scales, p->block_size);
+      write<Int8Format>(x.data(), T, H, D, p->slots, static_cast<i8*>(p->data), p->scales, p->block_size);
       return 0;
     case PAGEDKV_DTYPE_FLOAT8_E4M3FN:
-      write<Fp8Format>(p->x, T, H, D, p->slots, static_cast<e4m3*>(p->data), p->scales, p->block_size);
+      write<Fp8Format>(x.data(), T, H, D, p->slots, static_cast<e4m3*>(p->data), p->scales, p->block_size);
       return 0;
     default:
       std::snprintf(err, size_t(errlen), "unknown quantized format %d", int(p->dtype));

@@ -22,6 +22,9 @@
 //   query_start_loc [B+1] (null: every sequence has one query), seq_lens [B],
 //   block_tables [B, max_blocks]; query i of sequence b sits at position
 //   seq_lens[b] - qlen_b + i and sees keys at positions <= its own.
+// A quantized cache (int8, e4m3, with per-(block, head) scales) holds K and V rotated by the
+// Hadamard matrix H (vec.h: hadamard): q is rotated as it is loaded and each row's result
+// rotated back, so q and out are as for a float cache.
 
 #include <algorithm>
 #include <atomic>
@@ -464,6 +467,7 @@ struct Attend {
       float* dst = ws.qf.data() + size_t(r) * ws.dp;
       if constexpr (Dot::kPrescaled) {
         for (int c = 0; c < nc; ++c) store(dst + c * W, mul(load(src + c * W, c + 1 < nc ? kFull : tail), scale), kFull);
+        if constexpr (kQuantized) hadamard(dst, D);  // into the space the cache holds K and V in
       } else {
         std::fill(dst, dst + ws.dp, 0.f);
         std::memcpy(dst, src, size_t(D) * sizeof(T));
@@ -536,6 +540,8 @@ struct Attend {
     if (panels)  // acct back to rows
       for (int r = 0; r < rows; ++r)
         for (int d = 0; d < D; ++d) ws.acc[size_t(r) * ws.dp + d] = ws.acct[size_t(d) * ws.rp + r];
+    if constexpr (kQuantized)  // out of the rotated space (linear: partials merge the same after)
+      for (int r = 0; r < rows; ++r) hadamard(ws.acc.data() + size_t(r) * ws.dp, D);
     finish(it, ws, rows, partial);
   }
 

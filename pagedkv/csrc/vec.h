@@ -141,6 +141,24 @@ inline I32 e4m3_codes(Vec x) {
   return (I32)(code | sign);
 }
 
+// x <- x H over its D floats, H the orthonormal Hadamard matrix that quantized KV caches hold K
+// and V rotated by (attention/rotation.py, whose torch path does the same butterflies in the same
+// order: equal bit for bit): Sylvester blocks of P = the largest power of two dividing D. H is
+// symmetric and its own inverse, so this also rotates back.
+inline void hadamard(float* x, int64_t D) {
+  const int64_t P = D & -D;
+  for (int64_t b = 0; b < D; b += P)
+    for (int64_t h = 1; h < P; h *= 2)
+      for (int64_t i = b; i < b + P; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const float a = x[j], c = x[j + h];
+          x[j] = a + c;
+          x[j + h] = a - c;
+        }
+  const float s = float(1.0 / std::sqrt(double(P)));
+  for (int64_t d = 0; d < D; ++d) x[d] *= s;
+}
+
 // The first lanes (m) of one-byte codes to p.
 template <typename T> inline void store_codes(T* p, I32 codes, Mask m) {
   static_assert(sizeof(T) == 1, "codes are bytes");

@@ -19,7 +19,8 @@ amax / 127, where a power of two would waste up to a bit. fp8 scales stop at
 2^7, so magnitudes past 448 * 2^7 = 57344 (no real K or V) saturate; that
 keeps scale * 2^120 finite for the fast dequantization below.
 
-K and V arrive rotated (attention/rotation.py); this module stores whatever it is given.
+K and V are stored rotated (attention/rotation.py): `write` takes them as the model made them and
+rotates them first (the C++ write, csrc/kv_quant.cpp, in the same pass).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor
 
 from pagedkv import native
+from pagedkv.attention import rotation
 
 SCALE_DTYPE = torch.float32
 _MIN_SCALE = 2.0**-64  # scale of an all-zero block (keeps divisions finite)
@@ -119,9 +121,13 @@ class QuantizedCache:
         return self.data.shape
 
     def native_writer(self, x: Tensor) -> native.Library | None:
-        """The C++ write (csrc/kv_quant.cpp) when it serves this cache, else None."""
+        """The C++ write (csrc/kv_quant.cpp) when it serves this cache and these rows (of a float
+        type, each contiguous), else None."""
         if not (
             x.is_cpu
+            and x.dtype in native.FLOAT_DTYPES
+            and x.stride(-1) == 1
+            and x.stride(-2) == x.shape[-1]
             and self.data.is_cpu
             and self.data.is_contiguous()
             and self.scales.is_contiguous()
@@ -130,21 +136,22 @@ class QuantizedCache:
         return native.library()
 
     def write(self, x: Tensor, slot_mapping: Tensor, where: SlotWrite | None = None) -> None:
-        """Store new values x [T, Hkv, D] (rotated) at their slots, growing scales (and
-        requantizing) as needed.
+        """Store new values x [T, Hkv, D] (as the model made them: rotated here) at their slots,
+        growing scales (and requantizing) as needed.
 
         `where` (the torch path's grouping of the slots) may be shared by the K and V writes of a
         step; it is built here when needed and not given.
         """
-        x = x.float()
         lib = self.native_writer(x)
         if lib is not None:
-            x, slots = x.contiguous(), slot_mapping.to(torch.int64).contiguous()
+            slots = slot_mapping.to(torch.int64).contiguous()
             num_blocks, num_heads, block_size, head_dim = self.data.shape
             lib.call(
                 "quant_write",
                 dtype=native.DTYPES[self.fmt.dtype],
+                x_dtype=native.DTYPES[x.dtype],
                 x=x.data_ptr(),
+                x_stride=x.stride(0),
                 num_tokens=x.shape[0],
                 num_heads=num_heads,
                 head_dim=head_dim,
@@ -155,6 +162,7 @@ class QuantizedCache:
                 block_size=block_size,
             )
             return
+        x = rotation.rotate(x)
         where = where or SlotWrite.of(slot_mapping, self.data.shape[2])
         num_heads = x.shape[1]
         amax = torch.zeros(where.touched.numel(), num_heads, dtype=SCALE_DTYPE, device=x.device)

@@ -14,9 +14,10 @@ tensors, set the group count, and run the recorded calls again in C++ (csrc/grap
 native.KernelGraph). Same kernels, same order, same arguments: the same result, bit for bit.
 
 Only a forward made entirely of our kernels can be replayed: while recording, any torch op that
-computes (anything but a view) marks the forward as not replayable (a quantized KV cache's
-rotation, an int4 matmul on torch's kernel, a bf16 one on oneDNN's where our bf16 GEMM does not
-run, the torch paths), and steps of that shape run eagerly from then on. The kernels read only
+computes (anything but a view) marks the forward as not replayable (an int8 or int4 matmul on
+torch's kernel, a bf16 one on oneDNN's where our bf16 GEMM does not run, a float16 model's, the
+torch paths), and steps of that shape run eagerly from then on. (A quantized KV cache replays:
+its rotation runs inside the kernels that write and read it.) The kernels read only
 the metadata's tensors, never its Python lists (the torch paths do). Tensor parallelism runs
 eagerly too (its all-reduce is not a kernel of ours), as does `--enforce-eager`.
 """

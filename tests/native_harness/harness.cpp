@@ -100,6 +100,18 @@ static_assert(PAGEDKV_DTYPE_FLOAT32 == 0 && PAGEDKV_DTYPE_BFLOAT16 == 1 && PAGED
               "kTol and kName are indexed by pagedkv_dtype");
 
 // Varlen paged attention over scattered blocks against softmax(q k^T * scale) v in double.
+// x H for rows of D: the orthonormal Hadamard matrix of quantized caches (vec.h: hadamard),
+// Sylvester blocks of P = D & -D, entries (-1)^popcount(i & j) / sqrt(P); its own inverse.
+std::vector<double> hadamard_ref(const double* x, int64_t D) {
+  const int64_t P = D & -D;
+  std::vector<double> y(D, 0.0);
+  for (int64_t b = 0; b < D; b += P)
+    for (int64_t i = 0; i < P; ++i)
+      for (int64_t j = 0; j < P; ++j) y[b + i] += x[b + j] * (__builtin_popcountll(i & j) % 2 ? -1.0 : 1.0);
+  for (double& v : y) v /= std::sqrt(double(P));
+  return y;
+}
+
 void attention(int dtype, int kv_dtype, int64_t D, int threads) {
   const int64_t Hkv = 2, G = 3, Hq = Hkv * G, bs = 16, B = 3;
   const int32_t seq_lens[B] = {1 + randint(0, 40), 70 + randint(0, 200), 300 + randint(0, 300)};
@@ -139,6 +151,20 @@ void attention(int dtype, int kv_dtype, int64_t D, int threads) {
     ran(1, "paged_attention");
     return;
   }
+  // what each K/V row stands for: code x scale, and for a quantized cache rotated back
+  std::vector<double> kd(k.size()), vd(v.size());
+  for (int64_t r = 0; r < num_blocks * Hkv * bs; ++r) {
+    const int64_t sc = r / bs;
+    for (int64_t d = 0; d < D; ++d) {
+      kd[r * D + d] = double(k.get(r * D + d)) * ks[sc];
+      vd[r * D + d] = double(v.get(r * D + d)) * vs[sc];
+    }
+    if (kv_dtype >= 0)
+      for (std::vector<double>* rows : {&kd, &vd}) {
+        const std::vector<double> back = hadamard_ref(rows->data() + r * D, D);
+        std::copy(back.begin(), back.end(), rows->begin() + r * D);
+      }
+  }
   std::vector<double> want(out.size());
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < qlens[b]; ++i)
@@ -148,19 +174,19 @@ void attention(int dtype, int kv_dtype, int64_t D, int threads) {
         double mx = -1e300, sum = 0;
         const auto row = [&](int64_t pos) {
           const int64_t blk = tables[b * max_blocks + pos / bs];
-          return std::make_pair(((blk * Hkv + h) * bs + pos % bs) * D, blk * Hkv + h);
+          return ((blk * Hkv + h) * bs + pos % bs) * D;
         };
         for (int64_t p = 0; p < keys; ++p) {
-          const auto [at, sc] = row(p);
+          const int64_t at = row(p);
           double dot = 0;
-          for (int64_t d = 0; d < D; ++d) dot += double(q.get((t * Hq + hq) * D + d)) * k.get(at + d) * ks[sc];
+          for (int64_t d = 0; d < D; ++d) dot += double(q.get((t * Hq + hq) * D + d)) * kd[at + d];
           s[p] = dot * scale;
           mx = std::max(mx, s[p]);
         }
         for (double& x : s) sum += (x = std::exp(x - mx));
         for (int64_t d = 0; d < D; ++d) {
           double acc = 0;
-          for (int64_t p = 0; p < keys; ++p) { const auto [at, sc] = row(p); acc += s[p] * v.get(at + d) * vs[sc]; }
+          for (int64_t p = 0; p < keys; ++p) acc += s[p] * vd[row(p) + d];
           want[(t * Hq + hq) * D + d] = acc / sum;
         }
       }
@@ -241,17 +267,26 @@ void rope_cache(int dtype, int64_t D) {
   check("rope v cache " + tag, want_v, vc, 0);
 }
 
-// Quantized writes into fresh blocks: the scale from the rows' largest |x|, each value within
-// half a step of int8 or within e4m3's rounding.
+// Quantized writes into fresh blocks of rows (tokens a padded stride apart) that the write
+// rotates first: the scale from the rotated rows' largest |x|, each value within half a step of
+// int8 or within e4m3's rounding.
 void quant_write(int format, int64_t D) {
-  const int64_t T = 6, H = 2, bs = 4, num_blocks = 4;
-  std::vector<float> x(T * H * D);
-  for (float& f : x) f = uniform(-3, 3) * (randint(0, 9) ? 1.f : 1e-3f);
+  const int64_t T = 6, H = 2, bs = 4, num_blocks = 4, stride = H * D + 7;
+  std::vector<float> raw(T * stride, 1e30f);  // the padding must not be read
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < H * D; ++e) raw[t * stride + e] = uniform(-3, 3) * (randint(0, 9) ? 1.f : 1e-3f);
+  std::vector<double> x(T * H * D);  // the rows rotated
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<double> row(raw.begin() + t * stride + h * D, raw.begin() + t * stride + (h + 1) * D);
+      const std::vector<double> r = hadamard_ref(row.data(), D);
+      std::copy(r.begin(), r.end(), x.begin() + (t * H + h) * D);
+    }
   std::vector<int64_t> slots = {0, 1, 2, 3, 8, 9};  // blocks 0 and 2, both from offset 0
   Buf data(format, num_blocks * H * bs * D);
   std::vector<float> scales(num_blocks * H, 0.f);
-  pagedkv_quant_write_params p{pagedkv_dtype(format), x.data(), T, H, D, slots.data(), data.data(), scales.data(),
-                               num_blocks, bs};
+  pagedkv_quant_write_params p{pagedkv_dtype(format), PAGEDKV_DTYPE_FLOAT32, raw.data(), stride, T, H, D, slots.data(),
+                               data.data(), scales.data(), num_blocks, bs};
   ran(pagedkv_quant_write(&p, err, sizeof err), "quant_write");
   std::vector<double> want(data.size(), 0.0);
   Buf got(0, data.size());
