@@ -8,6 +8,7 @@ import torch
 
 from pagedkv import SamplingParams
 from pagedkv.attention import cascade, kernel
+from pagedkv.attention.rotation import unrotate
 
 BS = 16
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -133,9 +134,10 @@ def test_cascade_reads_quantized_blocks_with_their_scales(cache_dtype, dtype, ke
     )
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), plain.float(), atol=tol, rtol=tol)
-    # and the reference over the values the codes stand for
+    # and the reference over the values the codes stand for (rotated back: a quantized cache
+    # holds K and V rotated, attention/rotation.py, and the kernel rotates q in and its result back)
     deq = {
-        n: (stored[n].float() * scales[f"{n}_scales"][:, :, None, None]).to(dtype)
+        n: unrotate(stored[n].float() * scales[f"{n}_scales"][:, :, None, None]).to(dtype)
         for n in ("k", "v")
     }
     want = cascade.reference(q, deq["k"], deq["v"], seq_lens.tolist(), tables, 0.125, plan)

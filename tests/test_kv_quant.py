@@ -86,6 +86,22 @@ def test_hadamard_is_orthonormal_for_any_head_dim():
     assert (hadamard(64).abs() == 1 / 8).all()  # dense: spreads every channel over all of them
 
 
+def test_rotate_is_the_product_with_the_hadamard_matrix():
+    """rotate's butterflies (the same as the kernels', vec.h: hadamard) compute x @ hadamard(dim),
+    and unrotate takes them back, for any head dim and float type."""
+    gen = torch.Generator().manual_seed(3)
+    for dim in (64, 80, 96, 7):
+        x = torch.randn(5, 3, dim, generator=gen, dtype=torch.float64)
+        want = x @ hadamard(dim).double()
+        for dtype in (torch.float32, torch.bfloat16):
+            got = rotate(x.to(dtype))
+            assert got.dtype == torch.float32 and got.shape == x.shape
+            exact = x.to(dtype).double() @ hadamard(dim).double()
+            torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rotate(x.float()).double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(unrotate(rotate(x.float())).double(), x, atol=1e-5, rtol=1e-5)
+
+
 # ---- writes: scales grow, blocks requantize, fresh blocks start over --------------------------------
 
 

@@ -126,12 +126,12 @@ def test_the_parser_refuses_what_it_does_not_read(old: str, new: str, message: s
 def test_a_failing_kernel_status_raises_its_message() -> None:
     lib = native.library()
     assert lib is not None
-    x, out = torch.randn(2, 4), torch.empty(2, 4)
+    x, weight, out = torch.randn(2, 4), torch.ones(4), torch.empty(2, 4)  # (alive while called)
     fields = dict(
         x=x.data_ptr(),
         x_stride=4,
         residual=None,
-        weight=torch.ones(4).data_ptr(),
+        weight=weight.data_ptr(),
         out=out.data_ptr(),
         rows=2,
         n=4,
