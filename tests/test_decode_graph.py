@@ -89,13 +89,14 @@ def test_quantized_cache_steps_replay(tiny_model_dir, monkeypatch, kv_cache_dtyp
 
 @needs_library
 def test_a_forward_torch_computes_in_runs_eagerly(tiny_model_dir, monkeypatch) -> None:
-    """int8 weights multiply on torch's kernel: the step is not replayable, runs eagerly, the
-    same."""
+    """int8 weights multiply on torch's kernel at a step's few rows: such a step is not
+    replayable, runs eagerly, the same. (From a row count up they multiply a dense copy on our
+    GEMM, where one exists for this CPU: those steps may replay.)"""
     eager, _, _ = _generate(tiny_model_dir, monkeypatch, True, quantization="int8")
-    got, counts, graphs = _generate(tiny_model_dir, monkeypatch, False, quantization="int8")
+    got, _, graphs = _generate(tiny_model_dir, monkeypatch, False, quantization="int8")
     assert got == eager
-    assert counts["replays"] == 0 and not graphs.graphs and graphs.eager
     assert (1, 1, False, torch.get_num_threads()) in graphs.eager
+    assert not set(graphs.eager) & set(graphs.graphs)
 
 
 @needs_library
