@@ -58,11 +58,11 @@ NOOP_OPTIONS = {
     "enable_log_requests": "pagedkv does not log requests",
     "disable_log_stats": "pagedkv does not log periodic stats (see /metrics)",
     "disable_frontend_multiprocessing": "the server and engine share one process here",
-    "disable_custom_all_reduce": "there is no tensor parallelism here",
+    "disable_custom_all_reduce": "-tp all-reduces through torch.distributed, no custom kernel",
     "tokenizer_mode": "the tokenizer always comes from the model's own files",
     "load_format": "the format follows the model path (.gguf file or safetensors folder)",
-    "max_seq_len_to_capture": "pagedkv has no CUDA graphs",
-    "distributed_executor_backend": "pagedkv runs in one process",
+    "max_seq_len_to_capture": "decode graphs cover steps of up to 256 tokens at any length",
+    "distributed_executor_backend": "-tp runs torch.distributed processes; replicas run on Ray",
 }
 ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")  # False cannot be honoured
 PARALLEL_SIZES = (
