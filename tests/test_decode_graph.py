@@ -75,15 +75,18 @@ def test_replayed_steps_equal_eager_ones(tiny_model_dir, monkeypatch, dtype, cas
 
 
 @needs_library
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
-def test_quantized_cache_steps_replay(tiny_model_dir, monkeypatch, kv_cache_dtype) -> None:
+def test_quantized_cache_steps_replay(tiny_model_dir, monkeypatch, kv_cache_dtype, dtype) -> None:
     """A quantized cache's rotation runs inside the kernels that write and read it, so its steps
     replay too, equal to eager ones bit for bit."""
     monkeypatch.setenv("PAGEDKV_CASCADE", "1")
-    options = {"kv_cache_dtype": kv_cache_dtype}
+    options = {"kv_cache_dtype": kv_cache_dtype, "dtype": dtype}
     eager, _, _ = _generate(tiny_model_dir, monkeypatch, True, **options)
     got, counts, graphs = _generate(tiny_model_dir, monkeypatch, False, **options)
     assert got == eager
+    if dtype == "bfloat16" and prepacked.form() != "pairs":
+        return  # bf16 matmuls on oneDNN or torch: eager (test_replayed_steps_equal_eager_ones)
     assert counts["replays"] >= 30 and not graphs.eager and any(key[2] for key in graphs.graphs)
 
 
