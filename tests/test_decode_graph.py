@@ -69,7 +69,7 @@ def test_replayed_steps_equal_eager_ones(tiny_model_dir, monkeypatch, dtype, cas
     assert any(
         key[0] > key[1] for key in graphs.graphs
     )  # verify steps of n-gram drafts (the prompts repeat)
-    assert len({g.hidden.data_ptr() for g in graphs.graphs.values()}) == 1  # one shared arena
+    assert len({g.buffers.h.data_ptr() for g in graphs.graphs.values()}) == 1  # one shared arena
     widths = {g.block_tables.shape[1] for g in graphs.graphs.values()}
     assert all(w & (w - 1) == 0 for w in widths) and max(widths) >= 16
 

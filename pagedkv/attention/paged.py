@@ -301,24 +301,13 @@ def paged_attention(
     writes a float cache's result into `out` when it fits (native.output: the forward's reused
     buffer).
     """
-    if not isinstance(k_cache, QuantizedCache) or _use_kernel(q, k_cache):
-        return _attend(q, k_cache, v_cache, meta, scale, out)  # (the kernel rotates: rotation.py)
+    if _use_kernel(q, k_cache):  # (which rotates for a quantized cache itself: rotation.py)
+        return _kernel_attend(q, k_cache, v_cache, meta, scale, out)
+    if not isinstance(k_cache, QuantizedCache):
+        return torch_attention(q, k_cache, v_cache, meta, scale)
     # K/V are stored rotated (rotation.py): rotate q alike, and the output back.
     rotated = torch_attention(rotation.rotate(q).to(q.dtype), k_cache, v_cache, meta, scale)
     return rotation.unrotate(rotated).to(q.dtype)
-
-
-def _attend(
-    q: Tensor,
-    k_cache: Cache,
-    v_cache: Cache,
-    meta: AttentionMetadata,
-    scale: float,
-    out: Tensor | None = None,
-) -> Tensor:
-    if _use_kernel(q, k_cache):
-        return _kernel_attend(q, k_cache, v_cache, meta, scale, out)
-    return torch_attention(q, k_cache, v_cache, meta, scale)
 
 
 def torch_attention(

@@ -87,8 +87,7 @@ class _Graph:
     seq_lens: Tensor  # [B] int32
     block_tables: Tensor  # [B, width] int32
     plan: CascadePlan | None  # pre [B], group_start [B + 1], members [B] (int32, full size)
-    hidden: Tensor  # [T, hidden] the result (the arena's buffers.h)
-    buffers: ForwardBuffers  # the arena's rows
+    buffers: ForwardBuffers  # the arena's rows; the result lands in buffers.h [T, hidden]
     kernels: native.KernelGraph | None = None  # once recorded
     attention: list[ctypes.Structure] = field(default_factory=list)  # its paged_attention calls
 
@@ -139,7 +138,7 @@ class DecodeGraphs:
             for params in graph.attention:
                 params.num_groups = plan.num_groups
         kernels.run()
-        return graph.hidden
+        return graph.buffers.h
 
     def _load(
         self,
@@ -189,7 +188,6 @@ class DecodeGraphs:
             seq_lens=torch.zeros(batch, dtype=torch.int32),
             block_tables=torch.zeros(batch, width, dtype=torch.int32),
             plan=static_plan,
-            hidden=torch.empty(0),
             buffers=arena.buffers.rows(tokens),
         )
 
@@ -245,7 +243,7 @@ class DecodeGraphs:
         if hidden.data_ptr() != graph.buffers.h.data_ptr():
             self.eager.add(key)  # (cannot happen when no op but views ran)
             return None
-        graph.hidden, graph.kernels = hidden, self.lib.graph(calls)
+        graph.kernels = self.lib.graph(calls)
         graph.attention = graph.kernels.structs("paged_attention")
         self.graphs[key] = graph
         if len(self.graphs) > MAX_GRAPHS:
