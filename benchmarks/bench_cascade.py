@@ -2,12 +2,14 @@
 
 `--batch` sequences in groups of `--group` share a `--shared-prefix`-token prefix (whole blocks:
 the same block ids at the start of their tables), each followed by its own suffix of
-`--min-suffix`..`--max-suffix` tokens in blocks scattered through the pool. The default is W2 of
+`--min-suffix`..`--max-suffix` tokens in blocks scattered through the pool, of which the last
+`--queries` attend (1: a decode step; 4: a token and three drafts; 38: W2's prompt chunks after its
+cached prefix). The default is W2 of
 shared/bench/README.md on the default model: 64 requests, one 384-token prefix, 9 query heads,
 3 KV heads, head dim 64, 16-token blocks. Each way cycles through several layers' caches so
 that K/V come from memory; medians of `--rounds`, the ways taking turns within each round.
 
-    python benchmarks/bench_cascade.py [--batch 64 --group 64 --shared-prefix 384] [--cpu-time]
+    python benchmarks/bench_cascade.py [--batch 64 --group 64 --shared-prefix 384] [--queries 4]
     python benchmarks/bench_cascade.py --sweep --cpu-time      # the grid behind cascade.pays()
 """
 
@@ -50,8 +52,8 @@ def make_case(
         (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
         for _ in range(args.layers)
     ]
-    q = torch.randn(args.batch, args.q_heads, args.head_dim, generator=gen).to(dtype)
-    return q, torch.tensor(lens, dtype=torch.int32), tables, layers
+    q = torch.randn(args.batch * args.queries, args.q_heads, args.head_dim, generator=gen)
+    return q.to(dtype), torch.tensor(lens, dtype=torch.int32), tables, layers
 
 
 def measure(
@@ -68,14 +70,21 @@ def measure(
     )
     lens = seq_lens.tolist()
     scale = args.head_dim**-0.5
+    qlens = [args.queries] * args.batch
+    qsl = torch.arange(0, args.batch * args.queries + 1, args.queries, dtype=torch.int32)
+
+    def attend(k: torch.Tensor, v: torch.Tensor, plan=None) -> torch.Tensor:
+        if args.queries == 1:
+            return kernel.paged_attention_decode(q, k, v, seq_lens, tables, scale, cascade=plan)
+        return kernel.paged_attention_varlen(q, k, v, qsl, seq_lens, tables, scale, cascade=plan)
 
     def plain(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return kernel.paged_attention_decode(q, k, v, seq_lens, tables, scale)
+        return attend(k, v)
 
-    plan = cascade.plan(tables, lens, args.block_size, forced=True)
+    plan = cascade.plan(tables, lens, args.block_size, forced=True, query_lens=qlens)
 
     def cascaded(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return kernel.paged_attention_decode(q, k, v, seq_lens, tables, scale, cascade=plan)
+        return attend(k, v, plan)
 
     torch.testing.assert_close(
         cascaded(*layers[0]).float(), plain(*layers[0]).float(), atol=2e-2, rtol=2e-2
@@ -83,7 +92,7 @@ def measure(
     times: dict[str, list[float]] = {"plain": [], "cascade": [], "plan": []}
     for _ in range(args.rounds):
         start = clock()
-        cascade.plan(tables, lens, args.block_size, forced=True)
+        cascade.plan(tables, lens, args.block_size, forced=True, query_lens=qlens)
         times["plan"].append((clock() - start) * 1e3)
         for name, fn in (("plain", plain), ("cascade", cascaded)):
             start = clock()
@@ -104,13 +113,17 @@ def main() -> None:
     )
     p.add_argument("--min-suffix", type=int, default=16)
     p.add_argument("--max-suffix", type=int, default=128)
+    p.add_argument("--queries", type=int, default=1, help="query tokens a sequence (its last)")
     add_attention_args(p, rounds=7, dtypes="bfloat16,float32")
     p.add_argument("--sweep", action="store_true", help="group sizes x prefix lengths")
     args, clock = parse_timed(p)
+    if not 1 <= args.queries <= args.min_suffix:
+        p.error("--queries must be between 1 and --min-suffix (the queries follow the prefix)")
     assert kernel.available(), "the C++ kernel did not build"
     print(
         f"ISA={native.selected_isa()} threads={torch.get_num_threads()} batch={args.batch} "
-        f"suffix {args.min_suffix}..{args.max_suffix}{' (CPU time)' if args.cpu_time else ''}"
+        f"suffix {args.min_suffix}..{args.max_suffix} queries {args.queries}"
+        f"{' (CPU time)' if args.cpu_time else ''}"
     )
     shapes = (
         [(g, n) for g in (2, 4, 8, 64) for n in (32, 64, 128, 384)]

@@ -1,7 +1,10 @@
-"""Cascade decode attention (attention/cascade.py, the kernel given a plan): groups of sequences
-sharing leading blocks give the same result as the plain kernel and the torch reference."""
+"""Cascade attention (attention/cascade.py, the kernel given a plan): groups of sequences sharing
+leading blocks give the same result as the plain kernel and the torch reference, in decode steps,
+speculative steps and prompt chunks."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -75,45 +78,92 @@ def test_find_groups_takes_the_longest_common_run() -> None:
     assert cascade.find_groups(tables, [3 * BS, BS + 1, 2 * BS], BS) == [(1, [0, 1, 2])]
     assert cascade.find_groups(tables, [3 * BS, BS, 2 * BS], BS) == [(1, [0, 2])]
     assert cascade.plan(tables, [BS, BS, BS], BS, forced=True) is None
+    # several queries: the prefix ends before the first of them
+    assert cascade.find_groups(tables, [3 * BS, 3 * BS, 3 * BS], BS, query_lens=[1, 1, 1]) == [
+        (2, [0, 1, 2])
+    ]
+    assert cascade.find_groups(tables, [3 * BS, 3 * BS, 3 * BS], BS, query_lens=[1, 17, 1]) == [
+        (1, [0, 1, 2])
+    ]
+    assert cascade.find_groups(tables, [3 * BS, 3 * BS, 3 * BS], BS, query_lens=[1, 33, 1]) == [
+        (2, [0, 2])
+    ]
 
 
-def _case(gen: torch.Generator, dtype: torch.dtype, kv_heads: int, group: int, head_dim: int):
+def _case(
+    gen: torch.Generator,
+    dtype: torch.dtype,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    most_queries: int = 1,
+):
+    """A batch over make_tables(GROUPS): one query a sequence, or with most_queries > 1 each
+    sequence's last 1..most_queries tokens (at most its keys past one block), then its keys grown
+    by as many so that the groups' shared blocks stay before every query."""
     tables, lens, blocks = make_tables(gen, GROUPS, singles=4)
+    query_lens = [1] * len(lens)
+    if most_queries > 1:
+        query_lens = torch.randint(1, most_queries + 1, (len(lens),), generator=gen).tolist()
+        grown = [n + q - 1 for n, q in zip(lens, query_lens)]
+        extra = max(-(-n // BS) for n in grown) - tables.shape[1]
+        tables = torch.cat([tables, torch.zeros(len(lens), max(extra, 0), dtype=torch.int32)], 1)
+        for b, (n, m) in enumerate(zip(lens, grown)):  # fresh blocks for the grown keys
+            for j in range(-(-n // BS), -(-m // BS)):
+                tables[b, j] = blocks
+                blocks += 1
+        lens = grown
     shape = (blocks, kv_heads, BS, head_dim)
     k = torch.randn(shape, generator=gen).to(dtype)
     v = torch.randn(shape, generator=gen).to(dtype)
-    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
-    return q, k, v, torch.tensor(lens, dtype=torch.int32), tables
+    q = torch.randn(sum(query_lens), kv_heads * group, head_dim, generator=gen).to(dtype)
+    return q, k, v, torch.tensor(lens, dtype=torch.int32), tables, query_lens
+
+
+def _attend(q, k, v, seq_lens, tables, scale, query_lens, **kw):
+    """The kernel on the batch: its decode entry for one query a sequence, else varlen."""
+    if all(n == 1 for n in query_lens):
+        return kernel.paged_attention_decode(q, k, v, seq_lens, tables, scale, **kw)
+    qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    return kernel.paged_attention_varlen(q, k, v, qsl, seq_lens, tables, scale, **kw)
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv_heads,group,head_dim", [(3, 3, 64), (2, 1, 128), (1, 8, 80)])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_cascade_equals_plain_kernel(dtype, kv_heads, group, head_dim, threads, kernel_isa) -> None:
-    gen = torch.Generator().manual_seed(kv_heads * 100 + head_dim)
-    q, k, v, seq_lens, tables = _case(gen, dtype, kv_heads, group, head_dim)
-    plan = cascade.plan(tables, seq_lens.tolist(), BS, forced=True)
+@pytest.mark.parametrize("most_queries", [1, 5, 40])
+def test_cascade_equals_plain_kernel(
+    dtype, kv_heads, group, head_dim, threads, most_queries, kernel_isa
+) -> None:
+    """Decode steps, speculative steps (a token and its drafts) and prompt chunks (40 tokens
+    make several items of one sequence) after a shared prefix."""
+    gen = torch.Generator().manual_seed(kv_heads * 100 + head_dim + most_queries)
+    q, k, v, seq_lens, tables, qlens = _case(gen, dtype, kv_heads, group, head_dim, most_queries)
+    plan = cascade.plan(tables, seq_lens.tolist(), BS, forced=True, query_lens=qlens)
     assert plan is not None and plan.num_groups == len(GROUPS)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        plain = kernel.paged_attention_decode(q, k, v, seq_lens, tables, 0.11)
-        got = kernel.paged_attention_decode(q, k, v, seq_lens, tables, 0.11, cascade=plan)
+        plain = _attend(q, k, v, seq_lens, tables, 0.11, qlens)
+        got = _attend(q, k, v, seq_lens, tables, 0.11, qlens, cascade=plan)
     finally:
         torch.set_num_threads(before)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), plain.float(), atol=tol, rtol=tol)
-    want = cascade.reference(q, k, v, seq_lens.tolist(), tables, 0.11, plan)
+    want = cascade.reference(q, k, v, seq_lens.tolist(), tables, 0.11, plan, qlens)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 @needs_kernel
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cascade_reads_quantized_blocks_with_their_scales(cache_dtype, dtype, kernel_isa) -> None:
+@pytest.mark.parametrize("most_queries", [1, 5])
+def test_cascade_reads_quantized_blocks_with_their_scales(
+    cache_dtype, dtype, most_queries, kernel_isa
+) -> None:
     gen = torch.Generator().manual_seed(5)
-    q, k, v, seq_lens, tables = _case(gen, torch.float32, 2, 3, 64)
+    q, k, v, seq_lens, tables, qlens = _case(gen, torch.float32, 2, 3, 64, most_queries)
     q = q.to(dtype)
     stored, scales = {}, {}
     for name, values in (("k", k), ("v", v)):
@@ -125,13 +175,9 @@ def test_cascade_reads_quantized_blocks_with_their_scales(cache_dtype, dtype, ke
             else scaled.clamp(-448, 448)
         ).to(cache_dtype)
         scales[f"{name}_scales"] = scale
-    plan = cascade.plan(tables, seq_lens.tolist(), BS, forced=True)
-    plain = kernel.paged_attention_decode(
-        q, stored["k"], stored["v"], seq_lens, tables, 0.125, **scales
-    )
-    got = kernel.paged_attention_decode(
-        q, stored["k"], stored["v"], seq_lens, tables, 0.125, cascade=plan, **scales
-    )
+    plan = cascade.plan(tables, seq_lens.tolist(), BS, forced=True, query_lens=qlens)
+    plain = _attend(q, stored["k"], stored["v"], seq_lens, tables, 0.125, qlens, **scales)
+    got = _attend(q, stored["k"], stored["v"], seq_lens, tables, 0.125, qlens, cascade=plan, **scales)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), plain.float(), atol=tol, rtol=tol)
     # and the reference over the values the codes stand for (rotated back: a quantized cache
@@ -140,7 +186,7 @@ def test_cascade_reads_quantized_blocks_with_their_scales(cache_dtype, dtype, ke
         n: unrotate(stored[n].float() * scales[f"{n}_scales"][:, :, None, None]).to(dtype)
         for n in ("k", "v")
     }
-    want = cascade.reference(q, deq["k"], deq["v"], seq_lens.tolist(), tables, 0.125, plan)
+    want = cascade.reference(q, deq["k"], deq["v"], seq_lens.tolist(), tables, 0.125, plan, qlens)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
@@ -157,7 +203,7 @@ def test_cascade_reads_quantized_blocks_with_their_scales(cache_dtype, dtype, ke
 )
 def test_bad_plans_are_refused_not_read(change, message: str) -> None:
     gen = torch.Generator().manual_seed(2)
-    q, k, v, seq_lens, tables = _case(gen, torch.float32, 2, 2, 64)
+    q, k, v, seq_lens, tables, _ = _case(gen, torch.float32, 2, 2, 64)
     plan = cascade.plan(tables, seq_lens.tolist(), BS, forced=True)
     change(plan)
     with pytest.raises(ValueError, match=message):
@@ -167,11 +213,26 @@ def test_bad_plans_are_refused_not_read(change, message: str) -> None:
 @needs_kernel
 def test_a_group_whose_tables_differ_is_refused() -> None:
     gen = torch.Generator().manual_seed(3)
-    q, k, v, seq_lens, tables = _case(gen, torch.float32, 2, 2, 64)
+    q, k, v, seq_lens, tables, _ = _case(gen, torch.float32, 2, 2, 64)
     plan = cascade.plan(tables, seq_lens.tolist(), BS, forced=True)
     tables[plan.members[1], 0] += 1
     with pytest.raises(ValueError, match="does not share"):
         kernel.paged_attention_decode(q, k, v, seq_lens, tables, 0.1, cascade=plan)
+
+
+@needs_kernel
+def test_a_prefix_reaching_into_the_queries_is_refused() -> None:
+    """A member's queries must all come after the shared blocks (they see every shared key)."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, seq_lens, tables, qlens = _case(gen, torch.float32, 2, 2, 64, most_queries=3)
+    plan = cascade.plan(tables, seq_lens.tolist(), BS, forced=True, query_lens=qlens)
+    b = int(plan.members[0])
+    longer = list(qlens)
+    longer[b] = int(seq_lens[b]) - int(plan.pre[b]) * BS + 1  # its first query inside the prefix
+    extra = longer[b] - qlens[b]
+    q = torch.cat([q, torch.randn(extra, *q.shape[1:], generator=gen)])
+    with pytest.raises(ValueError, match="before its queries"):
+        _attend(q, k, v, seq_lens, tables, 0.1, longer, cascade=plan)
 
 
 def test_mode_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,10 +243,22 @@ def test_mode_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cascade.mode() == "1"
 
 
+SPECULATION = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+
+
 @needs_kernel
-def test_engine_outputs_are_unchanged_with_cascade_forced(tiny_model_dir, monkeypatch) -> None:
+@pytest.mark.parametrize("speculation", ["off", SPECULATION], ids=["plain", "speculative"])
+def test_engine_outputs_are_unchanged_with_cascade_forced(
+    tiny_model_dir, monkeypatch, speculation
+) -> None:
     """Greedy and seeded samples forked from one prompt (sharing its blocks) decode alike with the
-    cascade forced on and off, and the forced run does take the cascade."""
+    cascade forced on and off, and the forced run does take the cascade (with speculation, in
+    its steps of a token and its drafts too)."""
     from pagedkv import LLM
 
     prompt = (
@@ -195,22 +268,32 @@ def test_engine_outputs_are_unchanged_with_cascade_forced(tiny_model_dir, monkey
         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
         SamplingParams(n=6, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True),
     ]
-    used = []
-    plain_decode = kernel.paged_attention_decode
+    used: dict[str, list[bool]] = {"paged_attention_decode": [], "paged_attention_varlen": []}
+    for name, calls in used.items():
 
-    def spy(*args, cascade=None, **kw):
-        used.append(cascade is not None)
-        return plain_decode(*args, cascade=cascade, **kw)
+        def spy(*args, cascade=None, _kernel=getattr(kernel, name), _calls=calls, **kw):
+            _calls.append(cascade is not None)
+            return _kernel(*args, cascade=cascade, **kw)
 
-    monkeypatch.setattr(kernel, "paged_attention_decode", spy)
+        monkeypatch.setattr(kernel, name, spy)
     outputs = {}
     for mode in ("0", "1"):
         monkeypatch.setenv("PAGEDKV_CASCADE", mode)
-        llm = LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks_override=256)
+        llm = LLM(
+            tiny_model_dir,
+            dtype="float32",
+            block_size=4,
+            num_gpu_blocks_override=256,
+            speculative_config=speculation,
+        )
         outs = llm.generate([prompt, prompt], params, use_tqdm=False)
         outputs[mode] = [[c.token_ids for c in o.outputs] for o in outs]
-        assert any(used) == (mode == "1")
-        used.clear()
+        assert any(used["paged_attention_decode"]) == (mode == "1")
+        if speculation != "off":
+            assert any(used["paged_attention_varlen"]) == (mode == "1")
+            assert llm.engine.spec_stats.num_drafts > 0
+        for calls in used.values():
+            calls.clear()
     assert outputs["0"] == outputs["1"]
     assert len({tuple(t) for t in outputs["1"][1]}) > 1
 
@@ -229,3 +312,16 @@ def test_auto_keeps_only_groups_that_pay(monkeypatch: pytest.MonkeyPatch) -> Non
     assert cascade.plan(tables, lens, BS, forced=True).num_groups == 3
     monkeypatch.delenv("PAGEDKV_CASCADE", raising=False)
     assert cascade.mode() == "auto"
+
+
+def test_auto_leaves_out_sequences_of_many_queries() -> None:
+    """Long prompt chunks attend better as their own items; a token and its drafts join."""
+    gen = torch.Generator().manual_seed(5)
+    group = (cascade.MIN_GROUP, cascade.MIN_BLOCKS + 1)  # a block to spare for the queries
+    tables, lens, _ = make_tables(gen, [group], singles=2, diverge=False)
+    few = [cascade.MAX_QUERIES] * len(lens)
+    plan = cascade.plan(tables, lens, BS, forced=False, query_lens=few)
+    assert plan is not None and plan.num_groups == 1
+    many = [cascade.MAX_QUERIES + 1] * len(lens)
+    assert cascade.plan(tables, lens, BS, forced=False, query_lens=many) is None
+    assert cascade.plan(tables, lens, BS, forced=True, query_lens=many) is not None

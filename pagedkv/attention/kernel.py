@@ -55,12 +55,24 @@ def paged_attention_varlen(
     out: torch.Tensor | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    cascade: CascadePlan | None = None,
 ) -> torch.Tensor:
     """Queries q[query_start_loc[b]:query_start_loc[b+1]] of sequence b are its last tokens and
     attend causally to its seq_lens[b] keys in the cache (chunked prefill, speculative decode).
-    Quantized caches as in paged_attention_decode."""
+    Quantized caches and cascade plans as in paged_attention_decode (a group's shared blocks end
+    before each member's first query)."""
     return _attend(
-        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, k_scales, v_scales
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale,
+        out,
+        k_scales,
+        v_scales,
+        cascade,
     )
 
 

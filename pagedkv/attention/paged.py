@@ -263,25 +263,30 @@ def _kernel_attend(
     else:
         k, v = k_cache, cast(Tensor, v_cache)
     out = native.output(out, tuple(q.shape), q.dtype)
+    plan = cascade_plan(meta)
     if meta.is_decode:
-        cascade = cascade_plan(meta)
         return kernel.paged_attention_decode(
-            q, k, v, meta.seq_lens, meta.block_tables, scale, out, cascade=cascade, **scales
+            q, k, v, meta.seq_lens, meta.block_tables, scale, out, cascade=plan, **scales
         )
+    qsl = meta.query_start_loc
     return kernel.paged_attention_varlen(
-        q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, out, **scales
+        q, k, v, qsl, meta.seq_lens, meta.block_tables, scale, out, cascade=plan, **scales
     )
 
 
 def cascade_plan(meta: AttentionMetadata) -> cascade.CascadePlan | None:
-    """The decode step's shared-prefix groups (attention/cascade.py), found once per step."""
+    """The step's shared-prefix groups (attention/cascade.py), found once per step."""
     if "cascade" not in meta._cache:
         which = cascade.mode()
         meta._cache["cascade"] = (
             None
             if which == "0"
             else cascade.plan(
-                meta.block_tables, meta.seq_lens_list, meta.block_size, forced=which == "1"
+                meta.block_tables,
+                meta.seq_lens_list,
+                meta.block_size,
+                forced=which == "1",
+                query_lens=None if meta.is_decode else meta.query_lens,
             )
         )
     return meta._cache["cascade"]

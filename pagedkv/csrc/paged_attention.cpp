@@ -118,10 +118,12 @@ struct Problem {
   int64_t T, B, max_blocks, num_blocks, Hq, Hkv, bs, D, q_stride, out_stride;
   float scale;
   const float* k_scales; const float* v_scales;  // [num_blocks * Hkv] for a quantized cache, else null
-  // Cascade (decode only, else null): sequence b's first pre[b] blocks are shared with the other
-  // members of its group; group g's members are members[gstart[g] .. gstart[g + 1]).
+  // Cascade (else null): sequence b's first pre[b] blocks are shared with the other members of
+  // its group, before any of their queries; group g's members are members[gstart[g] ..
+  // gstart[g + 1]). stok: the groups' query tokens, member by member (run_cascade makes it).
   const int32_t* pre = nullptr; const int32_t* gstart = nullptr; const int32_t* members = nullptr;
   int64_t ngroups = 0;
+  const int32_t* stok = nullptr;
   int G() const { return static_cast<int>(Hq / Hkv); }
   int64_t qstart(int64_t b) const { return qsl ? qsl[b] : b; }
   int64_t qlen(int64_t b) const { return qsl ? qsl[b + 1] - qsl[b] : 1; }
@@ -129,8 +131,9 @@ struct Problem {
 
 // One unit of work: query tokens [q0, q1) of sequence b on KV head h, keys [k0, k1).
 // part >= 0 marks a split-K piece whose unnormalised result goes to the partials buffer.
-// A shared-prefix item (cascade) serves the decode queries of members[q0 .. q1) instead, all of
-// which see every key in [k0, k1); b is one of them (its table holds the shared blocks).
+// A shared-prefix item (cascade) serves the query tokens stok[q0 .. q1) of a group's members
+// instead, all of which see every key in [k0, k1); b is one of them (its table holds the shared
+// blocks).
 struct Item {
   int32_t b, h, q0, q1, k0, k1, part;
   int64_t cost;
@@ -455,7 +458,7 @@ struct Attend {
 
   // The query token of the item's row r.
   int64_t token(const Item& it, int r) const {
-    return it.shared ? P.members[it.q0 + r / G] : P.qstart(it.b) + it.q0 + r / G;
+    return it.shared ? P.stok[it.q0 + r / G] : P.qstart(it.b) + it.q0 + r / G;
   }
 
   // Copies the item's query rows into scratch in the form Dot wants, zero-padded.
@@ -747,22 +750,21 @@ int validate(const Problem& P, char* err, int errlen) {
   return 0;
 }
 
-// Checks a cascade plan: decode only; each group's members (each in one group at most) share
-// their first pre blocks, fewer than their keys; a sequence with pre > 0 is in a group.
+// Checks a cascade plan: each group's members (each in one group at most) share their first pre
+// blocks, which end before their first query; a sequence with pre > 0 is in a group.
 int validate_cascade(const Problem& P, char* err, int errlen) {
-  if (P.qsl) return fail(err, errlen, "cascade attention serves decode steps only (%lld queries, %lld sequences)", P.T, P.B);
   if (P.ngroups < 0 || !P.gstart || !P.members || P.gstart[0] != 0)
     return fail(err, errlen, "cascade groups are malformed (%lld groups)%.0lld", P.ngroups, 0);
   std::vector<int> seen(size_t(P.B), 0);
   for (int64_t g = 0; g < P.ngroups; ++g) {
     const int64_t a = P.gstart[g], e = P.gstart[g + 1];
-    if (e - a < 1 || a < 0) return fail(err, errlen, "cascade group %lld is empty or out of order (ends at %lld)", g, e);
+    if (e - a < 1 || a < 0 || e > P.B) return fail(err, errlen, "cascade group %lld is empty or out of order (ends at %lld)", g, e);
     for (int64_t m = a; m < e; ++m) {
       const int64_t b = P.members[m];
       if (b < 0 || b >= P.B || seen[b]++) return fail(err, errlen, "cascade group %lld names sequence %lld twice or outside the batch", g, b);
       const int64_t pre = P.pre[b], first = P.members[a];
-      if (pre <= 0 || pre != P.pre[first] || pre * P.bs >= P.seq_lens[b])
-        return fail(err, errlen, "sequence %lld: its shared prefix (%lld blocks) must be the group's and shorter than its keys", b, pre);
+      if (pre <= 0 || pre != P.pre[first] || pre * P.bs > P.seq_lens[b] - P.qlen(b))
+        return fail(err, errlen, "sequence %lld: its shared prefix (%lld blocks) must be the group's and before its queries", b, pre);
       if (!std::equal(P.block_tables + b * P.max_blocks, P.block_tables + b * P.max_blocks + pre, P.block_tables + first * P.max_blocks))
         return fail(err, errlen, "sequence %lld does not share its first %lld blocks with its group", b, pre);
     }
@@ -869,69 +871,90 @@ void run_problem(const Problem& P, int threads) {
   }
 }
 
-// Cascade decode: one item per (sequence, KV head) for the keys after the sequence's shared
-// prefix, and per (group, KV head, run of members) one item reading the group's prefix once
-// for all of them. Items of grouped sequences leave partials, merged per (sequence, head).
+// Cascade: per (sequence, KV head, run of its query tokens) one item for the keys after the
+// sequence's shared prefix, and per (group, KV head, run of the group's query tokens) one item
+// reading the group's prefix once for all of them. Items of grouped sequences leave partials,
+// merged per (query token, head).
 template <int NC, typename T, typename C>
-void run_cascade(const Problem& P, int threads) {
-  const Attend<NC, T, C> attend(P);
-  const int G = P.G();
-  // Each group's members are cut into runs of equal size, enough of them for two items per
-  // thread over all groups and heads, of at most kSharedRows rows.
-  const int64_t want = (2 * int64_t(threads) + P.Hkv * std::max<int64_t>(P.ngroups, 1) - 1) /
-                       (P.Hkv * std::max<int64_t>(P.ngroups, 1));
-  int32_t per = 1;
+void run_cascade(const Problem& given, int threads) {
+  Problem P = given;
+  std::vector<int32_t> stok, tstart{0};  // the groups' query tokens; group g's from tstart[g]
   for (int64_t g = 0; g < P.ngroups; ++g) {
-    const int64_t n = P.gstart[g + 1] - P.gstart[g];
-    const int64_t pieces = std::max<int64_t>(std::min(want, n), (n * G + kSharedRows - 1) / kSharedRows);
-    per = std::max<int32_t>(per, int32_t((n + pieces - 1) / pieces));
+    for (int64_t m = P.gstart[g]; m < P.gstart[g + 1]; ++m)
+      for (int64_t t = P.qstart(P.members[m]), e = t + P.qlen(P.members[m]); t < e; ++t) stok.push_back(int32_t(t));
+    tstart.push_back(int32_t(stok.size()));
   }
-  const int rows_max = per * G;
+  P.stok = stok.data();
+  using A = Attend<NC, T, C>;
+  const A attend(P);
+  const int G = P.G();
+  // Each group's tokens are cut into runs of equal size, enough of them for two items per thread
+  // over all groups and heads, of at most kSharedRows rows.
+  const int64_t slots = P.Hkv * std::max<int64_t>(P.ngroups, 1);
+  const int64_t want = (2 * int64_t(threads) + slots - 1) / slots;
+  const auto run_of = [&](int64_t n) {  // tokens a shared item of a group of n serves
+    const int64_t pieces = std::max<int64_t>(std::min(want, n), (n * G + kSharedRows - 1) / kSharedRows);
+    return int32_t((n + pieces - 1) / pieces);
+  };
+  int32_t per = 1;
+  for (int64_t g = 0; g < P.ngroups; ++g) per = std::max(per, run_of(tstart[g + 1] - tstart[g]));
+  // a sequence's suffix: runs of query tokens as plan() cuts them
+  const int64_t qchunk = std::max(1, (A::kPanels ? kPanelItemRows : kMaxRows) / G);
+  int64_t qmax = 1;
+  for (int64_t b = 0; b < P.B; ++b) qmax = std::max(qmax, P.qlen(b));
+  const int rows_max = int(std::max<int64_t>(per, std::min(qmax, qchunk))) * G;
   const int dp = attend.nc * W;
   std::vector<Item> items;
-  for (int32_t b = 0; b < int32_t(P.B); ++b)
-    for (int32_t h = 0; h < int32_t(P.Hkv); ++h) {
-      const int32_t k0 = int32_t(P.pre[b] * P.bs), k1 = P.seq_lens[b];
-      items.push_back({b, h, 0, 1, k0, k1, P.pre[b] ? 0 : -1, int64_t(k1 - k0) * G});
+  for (int32_t b = 0; b < int32_t(P.B); ++b) {
+    const int64_t ql = P.qlen(b), ctx = P.seq_lens[b], k0 = P.pre[b] * P.bs;
+    for (int64_t q0 = 0; q0 < ql; q0 += qchunk) {
+      const int64_t q1 = std::min(ql, q0 + qchunk), k1 = ctx - ql + q1;
+      for (int32_t h = 0; h < int32_t(P.Hkv); ++h)
+        items.push_back({b, h, int32_t(q0), int32_t(q1), int32_t(k0), int32_t(k1), P.pre[b] ? 0 : -1, (k1 - k0) * (q1 - q0) * G});
     }
+  }
   const size_t first_shared = items.size();
   for (int64_t g = 0; g < P.ngroups; ++g) {
-    const int32_t keys = int32_t(P.pre[P.members[P.gstart[g]]] * P.bs);
-    const int64_t n = P.gstart[g + 1] - P.gstart[g];
-    const int64_t pieces = std::max<int64_t>(std::min(want, n), (n * G + kSharedRows - 1) / kSharedRows);
-    const int32_t step = int32_t((n + pieces - 1) / pieces);
+    const int32_t leader = P.members[P.gstart[g]], keys = int32_t(P.pre[leader] * P.bs);
+    const int32_t step = run_of(tstart[g + 1] - tstart[g]);
     for (int32_t h = 0; h < int32_t(P.Hkv); ++h)
-      for (int32_t m0 = P.gstart[g]; m0 < P.gstart[g + 1]; m0 += step) {
-        const int32_t m1 = std::min(P.gstart[g + 1], m0 + step);
-        items.push_back({P.members[m0], h, m0, m1, 0, keys, 0, int64_t(keys) * (m1 - m0) * G, true});
+      for (int32_t t0 = tstart[g]; t0 < tstart[g + 1]; t0 += step) {
+        const int32_t t1 = std::min(tstart[g + 1], t0 + step);
+        items.push_back({leader, h, t0, t1, 0, keys, 0, int64_t(keys) * (t1 - t0) * G, true});
       }
   }
   if (items.empty()) return;
   std::vector<float> partials;
   const std::vector<size_t> slot = partial_slots(items, G, dp, partials);
-  // Each grouped (sequence, head): its suffix partial (item b * Hkv + h) and its rows in the
-  // shared item that serves it. Whichever of the two items finishes last merges them, so the
-  // merge needs no second parallel region.
-  std::vector<const float*> shared(size_t(P.B * P.Hkv), nullptr);
-  for (size_t i = first_shared; i < items.size(); ++i)
-    for (int32_t m = items[i].q0; m < items[i].q1; ++m)
-      shared[size_t(P.members[m] * P.Hkv + items[i].h)] = partials.data() + slot[i] + size_t((m - items[i].q0) * G) * (dp + 2);
-  std::vector<std::atomic<int>> pending(shared.size());
-  for (size_t i = 0; i < shared.size(); ++i) pending[i].store(shared[i] ? 2 : 0, std::memory_order_relaxed);
+  // Each grouped (query token, head): its rows in the suffix item and in the shared item that
+  // serve it. Whichever of the two items finishes last merges them, so the merge needs no second
+  // parallel region.
+  const size_t pairs = size_t(P.T * P.Hkv);
+  std::vector<const float*> suffix(pairs, nullptr), shared(pairs, nullptr);
+  const auto rows_of = [&](size_t i, int64_t r) { return partials.data() + slot[i] + size_t(r * G) * (dp + 2); };
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& it = items[i];
+    if (it.part < 0) continue;
+    for (int32_t q = it.q0; q < it.q1; ++q) {
+      if (it.shared) shared[size_t(stok[q] * P.Hkv + it.h)] = rows_of(i, q - it.q0);
+      else suffix[size_t((P.qstart(it.b) + q) * P.Hkv + it.h)] = rows_of(i, q - it.q0);
+    }
+  }
+  std::vector<std::atomic<int>> pending(pairs);
+  for (size_t i = 0; i < pairs; ++i) pending[i].store(shared[i] ? 2 : 0, std::memory_order_relaxed);
   const auto merge_pair = [&](size_t i, float* acc) {
     if (pending[i].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-    const int64_t b = int64_t(i) / P.Hkv, h = int64_t(i) % P.Hkv;
+    const int64_t tok = int64_t(i) / P.Hkv, h = int64_t(i) % P.Hkv;
     for (int g = 0; g < G; ++g) {
-      const float* src[2] = {partials.data() + slot[i] + size_t(g) * (dp + 2), shared[i] + size_t(g) * (dp + 2)};
-      attend.combine(src, 2, dp, acc, static_cast<T*>(P.out) + b * P.out_stride + (h * G + g) * P.D);
+      const float* src[2] = {suffix[i] + size_t(g) * (dp + 2), shared[i] + size_t(g) * (dp + 2)};
+      attend.combine(src, 2, dp, acc, static_cast<T*>(P.out) + tok * P.out_stride + (h * G + g) * P.D);
     }
   };
   execute(attend, items, partials.data(), slot, threads, rows_max, dp, [&](size_t j, float* acc) {
-    if (j < first_shared) {
-      if (items[j].part == 0) merge_pair(j, acc);
-    } else {
-      for (int32_t m = items[j].q0; m < items[j].q1; ++m) merge_pair(size_t(P.members[m] * P.Hkv + items[j].h), acc);
-    }
+    const Item& it = items[j];
+    if (it.part < 0) return;
+    for (int32_t q = it.q0; q < it.q1; ++q)
+      merge_pair(size_t((it.shared ? stok[q] : P.qstart(it.b) + q) * P.Hkv + it.h), acc);
   });
 }
 

@@ -61,8 +61,9 @@ typedef struct {
   int64_t out_stride;               // elements between the rows of out
   float scale;                      // applied to q . k
   int32_t threads;
-  // Cascade (decode only; null pre: none): sequence b's first pre[b] blocks are shared with the
-  // other members of its group, group g being group_members[group_start[g] .. group_start[g+1]).
+  // Cascade (null pre: none): sequence b's first pre[b] blocks, all before its first query, are
+  // shared with the other members of its group, group g being group_members[group_start[g] ..
+  // group_start[g+1]).
   const int32_t* pre;               // [num_seqs]
   const int32_t* group_start;       // [num_groups + 1]
   const int32_t* group_members;

@@ -123,7 +123,7 @@ class DecodeGraphs:
         tokens = input_ids.shape[0]
         if not self.replayable or tokens > MAX_TOKENS:
             return None
-        plan = cascade_plan(meta) if meta.is_decode else None
+        plan = cascade_plan(meta)
         key = (tokens, meta.seq_lens.shape[0], plan is not None, torch.get_num_threads())
         if key in self.eager:
             return None
