@@ -27,10 +27,11 @@ MODES = ("0", "1", "auto")
 # blocks) for which the cascade beat the plain kernel by 10% or more.
 MIN_GROUP = 4
 MIN_BLOCKS = 8
-# The most queries of a sequence that joins a group in auto mode (`bench_cascade.py --queries`:
-# the cascade 1.1-1.4x the plain kernel at 1-4 queries a sequence, even at 8, behind from 16 on:
-# long prompt chunks attend better as their own items).
-MAX_QUERIES = 8
+# The most queries of a sequence that joins a group in auto mode: a token and the default's four
+# drafts (`bench_cascade.py --queries`, W2's shape: the cascade 1.35x / 1.24x the plain kernel at
+# one query (AVX2 float32 / AVX-512 bfloat16), 1.10x / 1.02x at five, 1.14x / 0.97x at eight,
+# 0.86x / 0.95x at 16: long prompt chunks attend better as their own items).
+MAX_QUERIES = 5
 
 
 @dataclass(frozen=True, slots=True)
