@@ -4,7 +4,7 @@ Sequences forked from one prompt (or hitting the same cached prefix) hold the sa
 block ids at the start of their block tables. Plain attention rereads those blocks once per
 sequence; the cascade (csrc/paged_attention.cpp, the paged attention kernel given this plan)
 reads a group's shared blocks once for all of its members' queries (a decode's one, a speculative
-step's token and drafts, a prompt chunk after a cached prefix) and attends each suffix apart,
+step's token and drafts, a short prompt chunk after a cached prefix) and attends each suffix apart,
 merging the two by log-sum-exp. The plan here is found per step from the block tables alone
 (the block manager already shares the ids), once per step and shared by all layers.
 
@@ -149,7 +149,9 @@ def reference(
     def keys(cache: Tensor, blocks: Tensor) -> Tensor:  # [Hkv, L, D]
         return cache[blocks.long()].double().transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
 
-    def partial(qs: Tensor, k: Tensor, v: Tensor, seen: Tensor | None = None):
+    def partial(
+        qs: Tensor, k: Tensor, v: Tensor, seen: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         s = torch.einsum("nhgd,hld->nhgl", qs, k)  # qs [n, Hkv, G, D]
         if seen is not None:  # [n, L]: which keys each query sees
             s = s.masked_fill(~seen[:, None, None, :], -math.inf)
