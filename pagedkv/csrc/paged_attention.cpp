@@ -395,6 +395,9 @@ struct Attend {
   // Whether an item of this many query rows takes the panel path (panel_tile).
   static bool takes_panels(int rows) { return kPanels && rows >= kPanelMinRows; }
 
+  // Most query rows of a sequence's item (whole groups of G heads, at least one).
+  static int item_rows(int G) { return std::max(G, (kPanels ? kPanelItemRows : kMaxRows) / G * G); }
+
   // Calls f(R, r) for the row blocks of [r0, rows): kRowBlock rows each, the last one fewer.
   template <typename F>
   static void row_blocks(int r0, int rows, F&& f) {
@@ -776,19 +779,21 @@ int validate_cascade(const Problem& P, char* err, int errlen) {
 
 // Cuts the batch into items; long keys ranges are split when there are too few items to
 // keep `threads` busy.
+// Appends sequence b's items: per run of at most qchunk of its query tokens and per KV head, its
+// keys from k0 up to the run's last query (part: as Item's).
+void sequence_items(const Problem& P, int64_t b, int64_t qchunk, int64_t k0, int32_t part, std::vector<Item>& items) {
+  const int64_t ql = P.qlen(b), ctx = P.seq_lens[b];
+  for (int64_t q0 = 0; q0 < ql; q0 += qchunk) {
+    const int64_t q1 = std::min(ql, q0 + qchunk), k1 = ctx - ql + q1;
+    for (int64_t h = 0; h < P.Hkv; ++h)
+      items.push_back({int32_t(b), int32_t(h), int32_t(q0), int32_t(q1), int32_t(k0), int32_t(k1), part, (k1 - k0) * (q1 - q0) * P.G()});
+  }
+}
+
 std::vector<Item> plan(const Problem& P, int threads, int rows_per_item) {
   const int G = P.G();
-  const int qchunk = std::max(1, rows_per_item / G);
   std::vector<Item> items;
-  for (int64_t b = 0; b < P.B; ++b) {
-    const int64_t ql = P.qlen(b), ctx = P.seq_lens[b];
-    for (int64_t q0 = 0; q0 < ql; q0 += qchunk) {
-      const int64_t q1 = std::min(ql, q0 + qchunk);
-      const int64_t kend = ctx - ql + q1;
-      for (int64_t h = 0; h < P.Hkv; ++h)
-        items.push_back({int32_t(b), int32_t(h), int32_t(q0), int32_t(q1), 0, int32_t(kend), -1, kend * (q1 - q0) * G});
-    }
-  }
+  for (int64_t b = 0; b < P.B; ++b) sequence_items(P, b, rows_per_item / G, 0, -1, items);
   // Split-K only helps when items are few; each piece keeps at least kSplitMin keys.
   const int64_t want = int64_t(threads) * 4;
   if (threads > 1 && !items.empty() && int64_t(items.size()) < want) {
@@ -856,7 +861,7 @@ template <int NC, typename T, typename C>
 void run_problem(const Problem& P, int threads) {
   const Attend<NC, T, C> attend(P);
   const int G = P.G();
-  const int rows_max = std::max(G, (Attend<NC, T, C>::kPanels ? kPanelItemRows : kMaxRows) / G * G);
+  const int rows_max = Attend<NC, T, C>::item_rows(G);
   const int dp = attend.nc * W;
   std::vector<Item> items = plan(P, threads, rows_max);
   if (items.empty()) return;
@@ -899,20 +904,13 @@ void run_cascade(const Problem& given, int threads) {
   int32_t per = 1;
   for (int64_t g = 0; g < P.ngroups; ++g) per = std::max(per, run_of(tstart[g + 1] - tstart[g]));
   // a sequence's suffix: runs of query tokens as plan() cuts them
-  const int64_t qchunk = std::max(1, (A::kPanels ? kPanelItemRows : kMaxRows) / G);
+  const int64_t qchunk = A::item_rows(G) / G;
   int64_t qmax = 1;
   for (int64_t b = 0; b < P.B; ++b) qmax = std::max(qmax, P.qlen(b));
   const int rows_max = int(std::max<int64_t>(per, std::min(qmax, qchunk))) * G;
   const int dp = attend.nc * W;
   std::vector<Item> items;
-  for (int32_t b = 0; b < int32_t(P.B); ++b) {
-    const int64_t ql = P.qlen(b), ctx = P.seq_lens[b], k0 = P.pre[b] * P.bs;
-    for (int64_t q0 = 0; q0 < ql; q0 += qchunk) {
-      const int64_t q1 = std::min(ql, q0 + qchunk), k1 = ctx - ql + q1;
-      for (int32_t h = 0; h < int32_t(P.Hkv); ++h)
-        items.push_back({b, h, int32_t(q0), int32_t(q1), int32_t(k0), int32_t(k1), P.pre[b] ? 0 : -1, (k1 - k0) * (q1 - q0) * G});
-    }
-  }
+  for (int64_t b = 0; b < P.B; ++b) sequence_items(P, b, qchunk, P.pre[b] * P.bs, P.pre[b] ? 0 : -1, items);
   const size_t first_shared = items.size();
   for (int64_t g = 0; g < P.ngroups; ++g) {
     const int32_t leader = P.members[P.gstart[g]], keys = int32_t(P.pre[leader] * P.bs);
