@@ -349,6 +349,7 @@ BAD_INPUTS = [
         {"messages": [{"role": "user", "content": "x"}], "temperature": -2, "stream": True},
         400,
     ),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400),
     ("/v1/nothing-here", {}, 404),
 ]
 
@@ -381,6 +382,32 @@ def test_the_openai_client_sees_typed_errors(client):
         client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}], top_p=2.0, stream=True
         )
+
+
+def test_fields_nothing_reads_are_named_in_a_header(server, client):
+    """Dropped as vLLM drops them (clients send newer OpenAI fields), but not silently."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi", "reasoning_content": "x"}],
+        max_tokens=2,
+        extra_body={"frobnicate": 1, "max_token": 50, "use_beam_search": False},
+    )
+    assert raw.parse().usage.completion_tokens == 2  # max_token (a typo) did not count
+    assert raw.headers["x-pagedkv-ignored-fields"] == (
+        "frobnicate, max_token, messages[].reasoning_content"
+    )
+    streamed = server.http.post(
+        "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 2, "stream": True, "store": True, "\n\u00e9": 1},
+    )
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    assert streamed.headers["x-pagedkv-ignored-fields"] == "store, (+1 not shown)"
+    plain = complete(client, "hi", max_tokens=2)  # nothing dropped: no header
+    raw = client.completions.with_raw_response.create(model="tiny", prompt="hi", max_tokens=2)
+    assert "x-pagedkv-ignored-fields" not in raw.headers and plain.usage.completion_tokens == 2
+    tokenized = server.http.post("/tokenize", json={"prompt": "hi", "bogus": 1})
+    assert tokenized.headers["x-pagedkv-ignored-fields"] == "bogus"
+    assert "request fields that pagedkv does not use were ignored: bogus" in server.output()
 
 
 def test_oversized_body_is_413(server):

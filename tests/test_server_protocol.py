@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from pagedkv.config import ConfigError
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.engine.request import ParamError
+from pagedkv.server.protocol import IGNORED, ChatCompletionRequest, CompletionRequest
 from pagedkv.server.responses import ChatDelta
 
 
@@ -174,8 +175,42 @@ def test_chat_messages_accept_text_parts_and_reject_others():
             ChatCompletionRequest.model_validate({"messages": bad})
 
 
-def test_unknown_fields_are_ignored_like_openai():
-    assert completion(frobnicate=1, user="me").prompt == ["hi"]
+def test_unknown_fields_are_dropped_and_named():
+    assert completion(frobnicate=1, user="me").prompt == ["hi"]  # no context: dropped only
+    context: dict = {}
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]},
+                {"role": "assistant", "content": "b", "reasoning_content": "c"},
+            ],
+            "frobnicate": 1,
+            "user": "me",  # a field: read (and answered), not dropped
+            "use_beam_search": False,  # vLLM's, at its "not used" value: understood
+            "stream": True,
+            "stream_options": {"include_usage": True, "chunk_size": 4},
+        },
+        context=context,
+    )
+    assert req.messages[0].content == "a" and req.include_usage
+    assert context[IGNORED] == {
+        "frobnicate",
+        "messages[].content[].cache_control",
+        "messages[].reasoning_content",
+        "stream_options.chunk_size",
+    }
+    context = {}
+    CompletionRequest.model_validate({"prompt": "hi", "max_tokens": 3}, context=context)
+    assert IGNORED not in context
+
+
+def test_stream_options_need_a_stream():
+    with pytest.raises(ParamError, match="only allowed when stream is true") as e:
+        completion(stream_options={"include_usage": True}).sampling_params()
+    assert e.value.param == "stream_options"
+    with pytest.raises(ParamError, match="only allowed when stream is true"):
+        chat(stream_options={"include_usage": True}).sampling_params()
+    completion(stream_options={"include_usage": False}).sampling_params()  # asks for nothing
 
 
 def test_include_usage():

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import copy
 import logging
+import re
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -30,7 +31,12 @@ from pagedkv.engine.request import INT64_MAX, INT64_MIN
 from pagedkv.server import protocol as api
 from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.metrics import ServerMetrics
-from pagedkv.server.middleware import MAX_BODY_BYTES, BearerAuth, BodySizeLimit
+from pagedkv.server.middleware import (
+    MAX_BODY_BYTES,
+    BearerAuth,
+    BodySizeLimit,
+    IgnoredFieldsHeader,
+)
 from pagedkv.server.openapi import install_openapi, json_body
 from pagedkv.server.responses import ModelCard, ModelList
 from pagedkv.server.routes_extra import add_vllm_routes
@@ -49,15 +55,37 @@ CORS_DEFAULTS = {
 }
 
 
+MAX_NAMED = 16  # dropped fields named in a reply's header; the rest are counted
+_PLAIN_NAME = re.compile(r"[\w.\[\]-]{1,64}", re.ASCII)
+_logged_ignored: set[str] = set()
+
+
 async def read_json(request: Request, model: type[M]) -> M:
     """The body as `model`, whatever its Content-Type (curl -d sends form-encoded).
 
-    A 400 if the body does not fit `model`."""
+    A 400 if the body does not fit `model`. Fields it does not know are dropped and named: in a
+    warning (once per name) and in the reply's X-PagedKV-Ignored-Fields header."""
     data = load_json_object(await request.body())
+    context: dict = {}
     try:
-        return model.model_validate(data)
+        parsed = model.model_validate(data, context=context)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
+    if ignored := context.get(api.IGNORED):
+        request.state.ignored = _name_ignored(ignored)
+    return parsed
+
+
+def _name_ignored(ignored: set[str]) -> str:
+    """The header's value, logging names not seen before; a name that could not be shown as sent
+    (odd characters, too long) is only counted."""
+    plain = sorted(n for n in ignored if _PLAIN_NAME.fullmatch(n))
+    new = [n for n in plain if n not in _logged_ignored]
+    if new and len(_logged_ignored) < 1024:  # a client sending random names cannot grow it forever
+        _logged_ignored.update(new)
+        log.warning("request fields that pagedkv does not use were ignored: %s", ", ".join(new))
+    rest = len(ignored) - min(len(plain), MAX_NAMED)
+    return ", ".join(plain[:MAX_NAMED] + ([f"(+{rest} not shown)"] if rest else []))
 
 
 def build_app(
@@ -89,6 +117,7 @@ def build_app(
     install_openapi(app, [api.CompletionRequest, api.ChatCompletionRequest])
     app.state.ready = False
     install_error_handlers(app)
+    app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)

@@ -1,8 +1,8 @@
-"""ASGI middleware: the request-body cap and the API key.
+"""ASGI middleware: the request-body cap, the API key, and the header naming dropped fields.
 
-Both are plain ASGI so they run before FastAPI parses anything: an oversized
+All are plain ASGI: the first two run before FastAPI parses anything (an oversized
 body is refused without being held in memory, a request without the key never
-reaches the engine.
+reaches the engine); the third adds a header to a reply, streamed or not.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedkv.server.errors import APIError, error_response
 
 MAX_BODY_BYTES = 8 * 2**20
+IGNORED_HEADER = "x-pagedkv-ignored-fields"
 
 
 class BodySizeLimit:
@@ -76,3 +77,25 @@ class BearerAuth:
             await error_response(err)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class IgnoredFieldsHeader:
+    """Names, in IGNORED_HEADER, the request fields the route dropped (`request.state.ignored`,
+    set by app.read_json), so that a client can see what was not used."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def named(message: Message) -> None:
+            ignored = scope.get("state", {}).get("ignored")
+            if message["type"] == "http.response.start" and ignored:
+                header = (IGNORED_HEADER.encode(), ignored.encode("ascii"))
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
+        await self.app(scope, receive, named)

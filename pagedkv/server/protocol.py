@@ -1,7 +1,10 @@
 """The OpenAI wire format's requests and their mapping to SamplingParams (responses.py: replies).
 
 Requests are validated strictly (a string where a number belongs is a 400, not
-a silent coercion); unknown fields are ignored as OpenAI's own server does.
+a silent coercion). Unknown fields are dropped, as vLLM drops them (clients send
+newer OpenAI fields such as `store`), but not silently: validation with a context
+collects their names (`IGNORED`), which the server logs and returns in the
+`X-PagedKV-Ignored-Fields` header.
 Every field has a type from `validation` (64-bit ints, finite floats, text
 without lone surrogates, bounded lists); range checks live in one place,
 `SamplingParams.validate`, so the server, the offline API and the CLI reject
@@ -11,13 +14,15 @@ exactly the same values.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from collections.abc import Iterable
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     model_validator,
 )
 
@@ -34,6 +39,7 @@ from pagedkv.engine.request import (
     SamplingParams,
 )
 from pagedkv.server.request_fields import (
+    UNSUPPORTED,
     NamedToolChoice,
     ResponseFormat,
     ToolCall,
@@ -109,7 +115,17 @@ StopField = Annotated[
 ]
 
 
-def _check_content(v: Any) -> str | None:
+IGNORED = "ignored"  # the validation context's key for the names of the fields dropped
+
+
+def note_ignored(info: ValidationInfo, where: str, keys: Iterable[object]) -> None:
+    """Adds fields that nothing reads to the context's IGNORED set (when validating with one)."""
+    names = {f"{where}{k}" for k in keys}
+    if names and isinstance(info.context, dict):
+        info.context.setdefault(IGNORED, set()).update(names)
+
+
+def _check_content(v: Any, info: ValidationInfo) -> str | None:
     """OpenAI content: a string or a list of parts; only text parts are supported."""
     if isinstance(v, list):
         texts = []
@@ -122,6 +138,7 @@ def _check_content(v: Any) -> str | None:
                 raise ValueError(
                     "only text content parts ({'type': 'text', 'text': ...}) are supported"
                 )
+            note_ignored(info, "messages[].content[].", part.keys() - {"type", "text"})
             texts.append(part["text"])
         v = "".join(texts)
     elif v is not None and not isinstance(v, str):
@@ -141,10 +158,24 @@ ContentInput = SafeStr | list[TextPart] | None
 
 
 class _Strict(BaseModel):
+    """A request model: strict types; unknown fields dropped and named (see IGNORED)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
+    where: ClassVar[str] = ""  # this model's place in a request, prefixed to the names
+    understood: ClassVar[frozenset[str]] = frozenset()  # read by a validator, not a field
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _name_unknown(cls, data: Any, handler: Any, info: ValidationInfo) -> Any:
+        if isinstance(data, dict) and isinstance(info.context, dict):
+            fields = cls.model_fields
+            known = fields.keys() | {f.alias for f in fields.values() if f.alias}
+            note_ignored(info, cls.where, data.keys() - known - cls.understood)
+        return handler(data)
 
 
 class StreamOptions(_Strict):
+    where = "stream_options."
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's; not implemented: a 400 when true
 
@@ -190,12 +221,15 @@ class _SamplingRequest(_Strict):
     guided_grammar: SafeStr | None = None
     guided_decoding_backend: Name | None = None
     _unsupported = model_validator(mode="before")(reject_unsupported)
+    understood = frozenset(UNSUPPORTED)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _extension_params(self) -> dict:
+        if self.include_usage and not self.stream:  # as OpenAI and vLLM answer it
+            raise ParamError("stream_options", "stream_options is only allowed when stream is true")
         if self.stream_options and self.stream_options.continuous_usage_stats:
             raise ParamError(
                 "stream_options", "stream_options.continuous_usage_stats is not supported"
@@ -264,6 +298,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(_Strict):
+    where = "messages[]."
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[
         str | None, BeforeValidator(_check_content, json_schema_input_type=ContentInput)
