@@ -230,6 +230,7 @@ class EngineConfig:
     api_key: str | None = None
     served_model_names: list[str] = field(init=False, default_factory=list)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse the output for tool calls
+    trust_request_chat_template: bool = False  # run chat templates that requests send
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with ServerProcess(tiny_model_dir, *TINY_SERVER, "--max-model-len", "1024") as srv:
+    with ServerProcess(
+        tiny_model_dir, *TINY_SERVER, "--max-model-len", "1024", "--trust-request-chat-template"
+    ) as srv:
         yield srv
 
 
@@ -229,6 +231,39 @@ def test_chat_template_and_its_kwargs(client, tok):
     assert r.usage.prompt_tokens == len(tok.encode("Hello:there", add_special_tokens=False))
 
 
+def test_tokenize_renders_a_chat_as_chat_completions_does(server, client):
+    """Tools, documents and a request's template included: /tokenize counts what a chat sends."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    for extra in (
+        {"tools": tools, "tool_choice": "required"},
+        {
+            "chat_template": "{{ documents[0]['t'] }}|{{ messages[0]['content'] }}",
+            "documents": [{"t": "doc"}],
+        },
+    ):
+        msgs = [{"role": "user", "content": "Weather in Paris?"}]
+        sent = chat(client, msgs, extra_body=extra).usage.prompt_tokens
+        body = {"messages": msgs, **{k: v for k, v in extra.items() if k != "tool_choice"}}
+        counted = server.http.post("/tokenize", json=body).json()["count"]
+        assert counted == sent
+
+
+@pytest.mark.parametrize(
+    "template, words",
+    [
+        ("{% for i in range(10**9) %}x{% endfor %}", "OverflowError"),  # jinja's sandbox refuses
+        ("{{ 1 / 0 }}", "ZeroDivisionError"),
+        ("{{ ''.__class__.__mro__ }}", "unsafe"),
+        ("{{ raise_exception('no system role') }}", "no system role"),
+    ],
+)
+def test_a_template_that_fails_as_it_runs_is_a_400(server, client, template, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, [{"role": "user", "content": "hi"}], extra_body={"chat_template": template})
+    assert "chat template" in e.value.message and words in e.value.message
+    assert "Traceback" not in server.output()
+
+
 def test_documents_reach_the_template(client, tok):
     template = "{% for d in documents %}{{ d['title'] }};{% endfor %}{{ messages[0]['content'] }}"
     r = chat(
@@ -301,6 +336,7 @@ def test_unsupported_fields_are_400_naming_them(server, field, value):
         ({"structural_tag": "{}"}, "structural_tag"),
         ({"continue_final_message": True}, "add_generation_prompt"),
         ({"chat_template_kwargs": {"messages": []}}, "messages"),
+        ({"chat_template_kwargs": {"chat_template": "x"}}, "'chat_template'"),
         ({"chat_template": "{% for %}"}, "chat template"),
         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ({"allowed_token_ids": [10**6]}, "outside the vocabulary"),

@@ -350,6 +350,20 @@ BAD_INPUTS = [
         400,
     ),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400),
+    (  # this server does not trust request templates (--trust-request-chat-template)
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 'x' * 10**9 }}"},
+        400,
+    ),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "x"}, 400),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "chat_template_kwargs": {"chat_template": "x"},
+        },
+        400,
+    ),
     ("/v1/nothing-here", {}, 404),
 ]
 
@@ -364,6 +378,8 @@ def test_bad_input_gets_an_openai_error(server, path, body, status):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["type"] == "invalid_request_error"
+    if "chat_template" in str(body):
+        assert "--trust-request-chat-template" in err["message"]
     assert server.http.get("/health").status_code == 200
 
 

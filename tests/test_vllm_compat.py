@@ -499,6 +499,10 @@ def test_chat_options(llm):
     assert normal.outputs[0].token_ids
     with pytest.raises(ConfigError, match="cannot both be true"):
         llm.chat(msgs, GREEDY, continue_final_message=True)
+    own = llm.chat(  # offline, the caller's own template runs (no server to protect)
+        msgs[:1], GREEDY, use_tqdm=False, chat_template="{{ messages[0]['content'] }}!"
+    )[0]
+    assert own.prompt_token_ids == llm.get_tokenizer().encode("Hi!", add_special_tokens=False)
 
 
 def model_with_generation_config(tiny_model_dir: str, folder: Path, config: dict) -> str:

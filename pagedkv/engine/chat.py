@@ -1,7 +1,8 @@
 """A conversation -> prompt text with the model's chat template, as vLLM renders it.
 
-Shared by `LLM.chat` and the server's /tokenize, so both read
-add_generation_prompt, continue_final_message and chat_template_kwargs alike.
+Shared by `LLM.chat`, the server's chat completions and its /tokenize (server/tools.py:
+chat_prompt), so all three read add_generation_prompt, continue_final_message, tools, documents
+and chat_template_kwargs alike.
 """
 
 from __future__ import annotations
@@ -10,7 +11,19 @@ from typing import Any
 
 from pagedkv.config import ConfigError
 
-_RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+# template variables with an argument of their own, which chat_template_kwargs may not set
+RESERVED_TEMPLATE_ARGS = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tools",
+        "documents",
+        "bos_token",
+        "eos_token",
+    }
+)
 
 
 def render_chat(
@@ -19,24 +32,25 @@ def render_chat(
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    chat_template: str | None = None,
+    tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The prompt text; with continue_final_message the last (assistant) message is left open."""
+    """The prompt text; with continue_final_message the last (assistant) message is left open.
+    `chat_template` replaces the model's; template errors are ConfigErrors."""
     kwargs = dict(chat_template_kwargs or {})
-    clash = sorted(set(kwargs) & set(_RESERVED))
+    clash = sorted(RESERVED_TEMPLATE_ARGS & set(kwargs))
     if clash:
-        raise ConfigError(f"chat_template_kwargs must not set {', '.join(clash)}")
-    if continue_final_message and add_generation_prompt:
-        raise ConfigError("add_generation_prompt and continue_final_message cannot both be true")
-    text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, **kwargs
-    )
-    if not continue_final_message:
-        return text
-    final = str(messages[-1].get("content") or "").strip() if messages else ""
-    at = text.rfind(final) if final else -1
-    if at < 0:
         raise ConfigError(
-            "continue_final_message: the final message's text is not in the rendered template"
+            f"chat_template_kwargs must not set {clash[0]!r}; it has its own argument"
         )
-    return text[: at + len(final)]  # cut the end-of-turn the template put after it
+    return tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=chat_template,
+        continue_final_message=continue_final_message,
+        tools=tools,
+        documents=documents,
+        **kwargs,
+    )

@@ -128,10 +128,6 @@ class LLM:
         if "params" in kwargs:
             sampling_params = kwargs.pop("params")
         reject_unsupported("chat", kwargs)
-        if chat_template is not None:
-            raise ConfigError(
-                "chat(chat_template=...) is not supported: start the LLM with chat_template=..."
-            )
         convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         ids = [
@@ -141,6 +137,7 @@ class LLM:
                     c,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
+                    chat_template=chat_template,
                     chat_template_kwargs=chat_template_kwargs,
                 ),
                 add_special_tokens=False,

@@ -145,8 +145,10 @@ class Tokenizer:
             )
         except TemplateError as e:  # the template's own raise_exception, or a broken template
             raise ConfigError(f"chat template: {e}") from None
-        if continue_final_message:
-            last: str = (messages[-1].get("content") if messages else None) or ""
+        except Exception as e:  # what the template did went wrong (1/0, a sandbox limit, ...)
+            raise ConfigError(f"chat template: {type(e).__name__}: {e}") from None
+        if continue_final_message:  # stripped, as templates often strip what they show
+            last: str = str((messages[-1].get("content") if messages else None) or "").strip()
             at = rendered.rfind(last) if last else -1
             if at == -1:
                 raise ConfigError(

@@ -48,6 +48,12 @@ def add_parser(subparsers) -> None:
         "--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"'
     )
     p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="run a chat template sent with a request (off: a 400, as in vLLM; a template can "
+        "take the server's CPU and memory)",
+    )
+    p.add_argument(
         "--tool-call-parser", default=None, help="how tool calls are read from the output: hermes"
     )
     p.add_argument(

@@ -12,6 +12,8 @@ from typing import Any
 from pydantic import BaseModel, Field, model_validator
 
 from pagedkv.server.protocol import ChatMessage, _Strict
+from pagedkv.server.request_fields import ToolDefinition
+from pagedkv.server.validation import SafeStr
 
 
 class TokenizeRequest(_Strict):
@@ -25,7 +27,10 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: SafeStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    documents: list[dict] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")

@@ -12,9 +12,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from pagedkv import __version__
-from pagedkv.engine.chat import render_chat
 from pagedkv.server import protocol_extra as api
 from pagedkv.server.errors import APIError
+from pagedkv.server.tools import chat_prompt
 
 
 def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
@@ -29,13 +29,7 @@ def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
         req = await read_json(request, api.TokenizeRequest)
         check_model(req.model)
         if req.messages is not None:
-            text = render_chat(
-                tok,
-                [m.as_template_input() for m in req.messages],
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                chat_template_kwargs=req.chat_template_kwargs,
-            )
+            text = chat_prompt(tok, req, engine.config.trust_request_chat_template)
             special = bool(req.add_special_tokens)  # the template already has BOS and the like
         else:
             text, special = req.prompt, req.add_special_tokens is not False

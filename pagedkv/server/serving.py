@@ -34,7 +34,7 @@ from pagedkv.server.errors import APIError, error_body, to_api_error
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.response_format import Delta, ResponseFormat, token_decoder, usage_of
 from pagedkv.server.streaming import ClientGone, EventStream, merge, sse, until_disconnect
-from pagedkv.server.tools import plan_tools, render_chat
+from pagedkv.server.tools import chat_prompt, plan_tools
 
 
 async def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -134,7 +134,7 @@ class OpenAIServing:
                 )
             params.structured_outputs = StructuredOutputsParams(grammar=plan.grammar)
         tok = self.engine.tokenizer
-        text = render_chat(tok, req)
+        text = chat_prompt(tok, req, self.engine.config.trust_request_chat_template)
         prompt = await encode(tok, text, add_special_tokens=req.add_special_tokens)
         prompt = params.truncate(prompt, self.engine.max_model_len)
         last = req.messages[-1]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedkv.config import ConfigError
+from pagedkv.engine.chat import render_chat
 from pagedkv.engine.structured import JSON_OPTIONS
 from pagedkv.server.tool_parsers import HermesToolParser
 
@@ -33,14 +34,6 @@ HERMES_SYSTEM_PROMPT = (
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
-_RESERVED_TEMPLATE_ARGS = {
-    "messages",
-    "add_generation_prompt",
-    "tools",
-    "documents",
-    "bos_token",
-    "eos_token",
-}
 
 
 @dataclass
@@ -104,27 +97,33 @@ def call_grammar(tools: list, single: bool) -> str:
     return f'start: call{"" if single else " (chr_nl call)*"}\nchr_nl: "\\n"\ncall: {call}\n'
 
 
-def render_chat(tokenizer, req) -> str:
-    """The chat request as prompt text: template arguments, tools, history, continuation."""
+def chat_prompt(tokenizer, req, trust_request_template: bool) -> str:
+    """A chat request (chat completions or /tokenize) as prompt text: template arguments, tools,
+    history, continuation. A template sent with the request runs only on a server started with
+    --trust-request-chat-template (as in vLLM: rendering one can take the server's CPU and
+    memory)."""
+    kwargs = req.chat_template_kwargs or {}
+    if not trust_request_template and (
+        req.chat_template is not None or kwargs.get("chat_template") is not None
+    ):
+        raise ConfigError(
+            "a chat template sent with the request runs only on a server started with "
+            "--trust-request-chat-template"
+        )
     messages = [m.as_template_input() for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     template = req.chat_template or tokenizer.chat_template or ""
     if "tool" not in template:
         messages = hermes_messages(messages, tools)
-    kwargs = dict(req.chat_template_kwargs or {})
-    clash = sorted(_RESERVED_TEMPLATE_ARGS & set(kwargs))
-    if clash:
-        raise ConfigError(
-            f"chat_template_kwargs must not set {clash[0]!r}; it has its own request field"
-        )
-    return tokenizer.apply_chat_template(
+    return render_chat(
+        tokenizer,
         messages,
         add_generation_prompt=req.add_generation_prompt,
-        chat_template=req.chat_template,
         continue_final_message=req.continue_final_message,
+        chat_template=req.chat_template,
         tools=tools,
         documents=req.documents,
-        **kwargs,
+        chat_template_kwargs=kwargs,
     )
 
 
