@@ -7,8 +7,9 @@ from pydantic import ValidationError
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.request import ParamError
-from pagedkv.server.protocol import IGNORED, ChatCompletionRequest, CompletionRequest
+from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv.server.responses import ChatDelta
+from pagedkv.server.validation import IGNORED
 
 
 def completion(**fields) -> CompletionRequest:
@@ -182,7 +183,18 @@ def test_unknown_fields_are_dropped_and_named():
         {
             "messages": [
                 {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]},
-                {"role": "assistant", "content": "b", "reasoning_content": "c"},
+                {
+                    "role": "assistant",
+                    "content": "b",
+                    "reasoning_content": "c",
+                    "tool_calls": [
+                        {
+                            "id": "1",
+                            "index": 0,
+                            "function": {"name": "f", "arguments": "{}", "x": 1},
+                        }
+                    ],
+                },
             ],
             "frobnicate": 1,
             "user": "me",  # a field: read (and answered), not dropped
@@ -197,6 +209,8 @@ def test_unknown_fields_are_dropped_and_named():
         "frobnicate",
         "messages[].content[].cache_control",
         "messages[].reasoning_content",
+        "messages[].tool_calls[].index",
+        "messages[].tool_calls[].function.x",
         "stream_options.chunk_size",
     }
     context = {}

@@ -41,7 +41,7 @@ from pagedkv.server.openapi import install_openapi, json_body
 from pagedkv.server.responses import ModelCard, ModelList
 from pagedkv.server.routes_extra import add_vllm_routes
 from pagedkv.server.serving import OpenAIServing
-from pagedkv.server.validation import checked, load_json_object
+from pagedkv.server.validation import IGNORED, checked, load_json_object
 
 log = logging.getLogger("pagedkv.server")
 STATIC = Path(__file__).parent / "static"
@@ -71,7 +71,7 @@ async def read_json(request: Request, model: type[M]) -> M:
         parsed = model.model_validate(data, context=context)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
-    if ignored := context.get(api.IGNORED):
+    if ignored := context.get(IGNORED):
         request.state.ignored = _name_ignored(ignored)
     return parsed
 

@@ -1,10 +1,7 @@
 """The OpenAI wire format's requests and their mapping to SamplingParams (responses.py: replies).
 
 Requests are validated strictly (a string where a number belongs is a 400, not
-a silent coercion). Unknown fields are dropped, as vLLM drops them (clients send
-newer OpenAI fields such as `store`), but not silently: validation with a context
-collects their names (`IGNORED`), which the server logs and returns in the
-`X-PagedKV-Ignored-Fields` header.
+a silent coercion); unknown fields are dropped and named (validation.RequestModel).
 Every field has a type from `validation` (64-bit ints, finite floats, text
 without lone surrogates, bounded lists); range checks live in one place,
 `SamplingParams.validate`, so the server, the offline API and the CLI reject
@@ -14,13 +11,11 @@ exactly the same values.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     ValidationInfo,
     model_validator,
@@ -53,9 +48,11 @@ from pagedkv.server.validation import (
     FiniteFloat,
     Int64,
     Name,
+    RequestModel,
     SafeStr,
     TokenId,
     check_text,
+    note_ignored,
 )
 from pagedkv.server.validation import documented as doc
 
@@ -115,16 +112,6 @@ StopField = Annotated[
 ]
 
 
-IGNORED = "ignored"  # the validation context's key for the names of the fields dropped
-
-
-def note_ignored(info: ValidationInfo, where: str, keys: Iterable[object]) -> None:
-    """Adds fields that nothing reads to the context's IGNORED set (when validating with one)."""
-    names = {f"{where}{k}" for k in keys}
-    if names and isinstance(info.context, dict):
-        info.context.setdefault(IGNORED, set()).update(names)
-
-
 def _check_content(v: Any, info: ValidationInfo) -> str | None:
     """OpenAI content: a string or a list of parts; only text parts are supported."""
     if isinstance(v, list):
@@ -157,30 +144,13 @@ class TextPart(BaseModel):
 ContentInput = SafeStr | list[TextPart] | None
 
 
-class _Strict(BaseModel):
-    """A request model: strict types; unknown fields dropped and named (see IGNORED)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    where: ClassVar[str] = ""  # this model's place in a request, prefixed to the names
-    understood: ClassVar[frozenset[str]] = frozenset()  # read by a validator, not a field
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _name_unknown(cls, data: Any, handler: Any, info: ValidationInfo) -> Any:
-        if isinstance(data, dict) and isinstance(info.context, dict):
-            fields = cls.model_fields
-            known = fields.keys() | {f.alias for f in fields.values() if f.alias}
-            note_ignored(info, cls.where, data.keys() - known - cls.understood)
-        return handler(data)
-
-
-class StreamOptions(_Strict):
+class StreamOptions(RequestModel):
     where = "stream_options."
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's; not implemented: a 400 when true
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: Name | None = None
@@ -297,7 +267,7 @@ class CompletionRequest(_SamplingRequest):
         return params
 
 
-class ChatMessage(_Strict):
+class ChatMessage(RequestModel):
     where = "messages[]."
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[

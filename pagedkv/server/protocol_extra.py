@@ -11,12 +11,12 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from pagedkv.server.protocol import ChatMessage, _Strict
+from pagedkv.server.protocol import ChatMessage
 from pagedkv.server.request_fields import ToolDefinition
-from pagedkv.server.validation import SafeStr
+from pagedkv.server.validation import RequestModel, SafeStr
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(RequestModel):
     """vLLM's two forms: {"prompt": ...} or {"messages": [...]}.
 
     Messages are rendered with the chat template."""
@@ -49,7 +49,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.request import StructuredOutputsParams
+from pagedkv.server.validation import RequestModel
 
 # field -> the value that means "not used"; any other value is a 400 naming the field
 UNSUPPORTED: dict[str, Any] = {
@@ -86,13 +87,14 @@ class NamedToolChoice(_Model):
     function: ToolChoiceFunction
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(RequestModel):
+    where = "messages[].tool_calls[].function."
     name: str
     arguments: str
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ToolCall(RequestModel):
+    where = "messages[].tool_calls[]."
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall

@@ -6,15 +6,20 @@ bounded lists. What a value means (top_p in (0, 1], a token id inside the
 vocabulary) is decided in one place, `SamplingParams.validate` and the
 engine, so the server and the offline API agree. New request fields should
 be declared with these types so they get the same checks.
+
+Unknown fields are dropped, as vLLM drops them (clients send newer OpenAI fields
+such as `store`), but not silently: a RequestModel validated with a context
+collects their names under IGNORED, which the server logs and returns in the
+`X-PagedKV-Ignored-Fields` header (app.read_json).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Annotated, Any, ClassVar, TypeVar
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 from pydantic.fields import FieldInfo
 
 from pagedkv.config import ConfigError
@@ -87,3 +92,30 @@ def checked(param: str, check: Callable[[Any], T], value: Any) -> T:
         return check(value)
     except ConfigError as e:
         raise APIError(400, str(e), param=param) from None
+
+
+IGNORED = "ignored"  # the validation context's key for the names of the fields dropped
+
+
+def note_ignored(info: ValidationInfo, where: str, keys: Iterable[object]) -> None:
+    """Adds fields that nothing reads to the context's IGNORED set (when validating with one)."""
+    names = {f"{where}{k}" for k in keys}
+    if names and isinstance(info.context, dict):
+        info.context.setdefault(IGNORED, set()).update(names)
+
+
+class RequestModel(BaseModel):
+    """A request body or a part of one: strict types; unknown fields dropped and named."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    where: ClassVar[str] = ""  # this model's place in a request, prefixed to the names
+    understood: ClassVar[frozenset[str]] = frozenset()  # read by a validator, not a field
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _name_unknown(cls, data: Any, handler: Any, info: ValidationInfo) -> Any:
+        if isinstance(data, dict) and isinstance(info.context, dict):
+            fields = cls.model_fields
+            known = fields.keys() | {f.alias for f in fields.values() if f.alias}
+            note_ignored(info, cls.where, data.keys() - known - cls.understood)
+        return handler(data)
