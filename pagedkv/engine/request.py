@@ -64,7 +64,8 @@ def _check_int(param: str, value: Any, lo: int, hi: int = INT64_MAX) -> None:
     _need(lo <= value <= hi, param, f"{param} must be {span}, got {shown(value)}")
 
 
-def _check_float(param: str, value: Any, lo: float, hi: float) -> None:
+def _check_float(param: str, value: Any, lo: float, hi: float, above_lo: bool = False) -> None:
+    """A finite number in [lo, hi], or in (lo, hi] with above_lo."""
     _need(
         isinstance(value, (int, float)) and not isinstance(value, bool),
         param,
@@ -75,7 +76,11 @@ def _check_float(param: str, value: Any, lo: float, hi: float) -> None:
         param,
         f"{param} must be a finite number, got {value}",
     )
-    _need(lo <= value <= hi, param, f"{param} must be in [{lo:g}, {hi:g}], got {shown(value)}")
+    _need(
+        (lo < value if above_lo else lo <= value) and value <= hi,
+        param,
+        f"{param} must be in {'(' if above_lo else '['}{lo:g}, {hi:g}], got {shown(value)}",
+    )
 
 
 def _check_bool(param: str, value: Any) -> None:
@@ -195,8 +200,7 @@ class SamplingParams:
     def _check_numbers(self) -> None:
         _check_int("n", self.n, 1)
         _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
-        _check_float("top_p", self.top_p, 0.0, 1.0)
-        _need(self.top_p > 0, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_float("top_p", self.top_p, 0.0, 1.0, above_lo=True)
         _check_int("top_k", self.top_k, -1)
         _check_float("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
