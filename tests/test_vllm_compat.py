@@ -341,6 +341,11 @@ def test_cors(server):
     assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
     r = server.http.get("/v1/models", headers={"Origin": "https://ok.example"})
     assert r.headers["access-control-allow-origin"] == "https://ok.example"
+    r = server.http.post(  # a page's script may read which fields were dropped
+        "/tokenize", json={"prompt": "hi", "x": 1}, headers={"Origin": "https://ok.example"}
+    )
+    assert r.headers["x-pagedkv-ignored-fields"] == "x"
+    assert "x-pagedkv-ignored-fields" in r.headers["access-control-expose-headers"].lower()
 
 
 def test_chat_uses_the_given_template(server):

@@ -32,6 +32,7 @@ from pagedkv.server import protocol as api
 from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import (
+    IGNORED_HEADER,
     MAX_BODY_BYTES,
     BearerAuth,
     BodySizeLimit,
@@ -52,6 +53,7 @@ CORS_DEFAULTS = {
     "allow_methods": ["*"],
     "allow_headers": ["*"],
     "allow_credentials": False,
+    "expose_headers": [IGNORED_HEADER],  # so a page's own script can read it too
 }
 
 
