@@ -288,6 +288,10 @@ class EngineConfig:
             f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
         )
         need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        need(  # `--api-key "$KEY"` with KEY unset must not start a server open to everyone
+            self.api_key is None or self.api_key.strip() != "",
+            "--api-key is empty: give a key, or leave the flag out to serve without one",
+        )
         need(
             self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
             "--max-num-batched-tokens must be >= 1",
