@@ -36,9 +36,14 @@ COMMANDS = {
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but errors are one line and exit 2 (argparse prints usage first)."""
+    """argparse, but errors are one line and exit 2 (argparse prints usage first), and no flag
+    may be abbreviated: vLLM's `--tokenizer PATH` must not pass for our `--tokenizer-mode`."""
 
     commands: Mapping[str, argparse.ArgumentParser]  # the top parser's subparsers, by name
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         print(

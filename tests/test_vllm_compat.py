@@ -68,6 +68,8 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         "--seed",
         "1",
         *NOOP_FLAGS,
+        "--tokenizer",  # as vLLM's GGUF guide writes it: the base model's tokenizer
+        "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
         "--enforce-eager",  # (has a meaning here: no decode graphs)
         "-tp",
         "1",
@@ -93,7 +95,7 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
     out = json.loads(r.stdout)
     assert len(out["output_token_ids"]) == 2
     notes = [line for line in r.stderr.splitlines() if line.startswith("pagedkv: note:")]
-    assert [n.split()[2] for n in notes] == NOOP_FLAGS
+    assert [n.split()[2] for n in notes] == [*NOOP_FLAGS, "--tokenizer"]
     assert all("no effect" in n for n in notes)
 
 
@@ -116,7 +118,8 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         (["--served-model-name"], "--served-model-name"),
         (["--model", "/a.gguf", "/b.gguf"], "two models"),
         (["--uvicorn-log-level", "loud"], "--uvicorn-log-level"),
-        (["--api-key", ""], "--api-key is empty"),  # `--api-key "$KEY"` with KEY unset
+        (["--api-key", ""], "--api-key is empty"),
+        (["--kv-cache-mem", "1GiB"], "unrecognized arguments: --kv-cache-mem"),  # no abbreviations  # `--api-key "$KEY"` with KEY unset
         (["--api-key", " "], "--api-key is empty"),
     ],
 )
