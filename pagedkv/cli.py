@@ -71,7 +71,10 @@ _NOOP_BOOL = (
     "disable_log_stats",
     "disable_frontend_multiprocessing",
     "disable_custom_all_reduce",
+    "async_scheduling",
+    "disable_fastapi_docs",
 )
+_NOOP_SHORT = {"compilation_config": "-O"}  # vLLM's -O3 is --compilation-config 3
 
 
 def add_noop_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +83,7 @@ def add_noop_args(p: argparse.ArgumentParser) -> None:
     for name in NOOP_OPTIONS:
         flag = "--" + name.replace("_", "-")
         flags = [flag, "--no-" + flag[2:]] if name in ALWAYS_ON else [flag]
+        flags += [_NOOP_SHORT[name]] if name in _NOOP_SHORT else []
         g.add_argument(
             *flags,
             dest=name,

@@ -66,6 +66,12 @@ NOOP_OPTIONS = {
     "load_format": "the format follows the model path (.gguf file or safetensors folder)",
     "max_seq_len_to_capture": "decode graphs cover steps of up to 256 tokens at any length",
     "distributed_executor_backend": "-tp runs torch.distributed processes; replicas run on Ray",
+    "guided_decoding_backend": "structured outputs always run on llguidance here",
+    "structured_outputs_config": "structured outputs always run on llguidance here",
+    "compilation_config": "nothing is torch.compiled; decode graphs are pagedkv's own "
+    "(--enforce-eager turns them off)",
+    "async_scheduling": "steps are scheduled one after another here",
+    "disable_fastapi_docs": "pagedkv serves no documentation pages (only /openapi.json)",
 }
 ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")  # False cannot be honoured
 PARALLEL_SIZES = (

@@ -70,6 +70,9 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         *NOOP_FLAGS,
         "--tokenizer",  # as vLLM's GGUF guide writes it: the base model's tokenizer
         "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+        "-O3",
+        "--guided-decoding-backend",
+        "xgrammar",
         "--enforce-eager",  # (has a meaning here: no decode graphs)
         "-tp",
         "1",
@@ -95,7 +98,12 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
     out = json.loads(r.stdout)
     assert len(out["output_token_ids"]) == 2
     notes = [line for line in r.stderr.splitlines() if line.startswith("pagedkv: note:")]
-    assert [n.split()[2] for n in notes] == [*NOOP_FLAGS, "--tokenizer"]
+    assert [n.split()[2] for n in notes] == [
+        *NOOP_FLAGS,
+        "--tokenizer",
+        "-O",
+        "--guided-decoding-backend",
+    ]
     assert all("no effect" in n for n in notes)
 
 
