@@ -163,7 +163,7 @@ def test_chat_messages_accept_text_parts_and_reject_others():
     )
     assert [m.as_template_input() for m in req.messages] == [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "ab"},
+        {"role": "user", "content": "a\nb"},  # joined as vLLM joins them
         {"role": "assistant", "content": ""},
     ]
     for bad in (

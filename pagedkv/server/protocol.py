@@ -113,7 +113,8 @@ StopField = Annotated[
 
 
 def _check_content(v: Any, info: ValidationInfo) -> str | None:
-    """OpenAI content: a string or a list of parts; only text parts are supported."""
+    """OpenAI content: a string or a list of parts; only text parts are supported, joined by
+    newlines as vLLM's default ("string") content format joins them."""
     if isinstance(v, list):
         texts = []
         for part in v:
@@ -127,7 +128,7 @@ def _check_content(v: Any, info: ValidationInfo) -> str | None:
                 )
             note_ignored(info, "messages[].content[].", part.keys() - {"type", "text"})
             texts.append(part["text"])
-        v = "".join(texts)
+        v = "\n".join(texts)  # as vLLM joins them for a template that takes text
     elif v is not None and not isinstance(v, str):
         raise ValueError("content must be a string or a list of text parts")
     check_text(v, "content")
