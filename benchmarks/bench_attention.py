@@ -6,8 +6,13 @@ layers' caches in turn so that the K/V come from memory, not from the last-level
 
     python benchmarks/bench_attention.py [--requests 64] [--dtypes float32,bfloat16] [--cpu-time]
 
-The last column times the kernel with K/V held in L1/L2 (every table entry pointing at one of two
-blocks): its arithmetic alone, to set beside the memory bound.
+Two more columns set the kernel beside what it cannot avoid: "runs read alone" reads the same K/V
+lines in the kernel's order with no arithmetic (benchmarks/read_runs.cpp, compiled here), the cost
+of the access pattern itself; "K/V in cache" times the kernel with every table entry pointing at
+one of two blocks, so that K/V stay in L1/L2: its arithmetic alone. The machine's read rate can
+swing by 2x from one second to the next where other guests share it, so besides the best kernel
+time against the best read ("kernel / bound"), each round's kernel time is set against the read
+timed right after it (median and range over the rounds).
 
 The kernel is the variant for the best vector ISA of this CPU; PAGEDKV_CPU_ISA=avx2 (or avx512,
 neon, portable) times another (see pagedkv/native.py).
@@ -16,9 +21,13 @@ neon, portable) times another (see pagedkv/native.py).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -119,23 +128,73 @@ def resident_kernel(batch: Batch, layer: Layer) -> torch.Tensor:
     )
 
 
+def load_reader(folder: str) -> ctypes.CDLL:
+    """benchmarks/read_runs.cpp, compiled for this CPU as the kernels are (its threads torch's)."""
+    from torch.utils import cpp_extension
+
+    source = Path(__file__).with_name("read_runs.cpp")
+    cpp_extension.load(
+        name="read_runs",
+        sources=[str(source)],
+        extra_cflags=["-O2", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=folder,
+        is_python_module=False,
+    )
+    reader = ctypes.CDLL(str(Path(folder) / "read_runs.so"))
+    reader.pk_read_runs.restype = ctypes.c_float
+    return reader
+
+
+READER: ctypes.CDLL | None = None  # set by main
+
+
+def read_runs(batch: Batch, layer: Layer) -> torch.Tensor:
+    """The kernel's K/V lines in its order, summed: its access pattern without its arithmetic."""
+    assert READER is not None
+    _, heads, block_size, dim = layer.k.shape
+    tables = batch.block_tables
+    nblocks = ((batch.seq_lens + block_size - 1) // block_size).to(torch.int32)
+    total = READER.pk_read_runs(
+        ctypes.c_void_p(layer.k.data_ptr()),
+        ctypes.c_void_p(layer.v.data_ptr()),
+        ctypes.c_void_p(tables.data_ptr()),
+        tables.shape[1],
+        ctypes.c_void_p(nblocks.data_ptr()),
+        tables.shape[0],
+        heads,
+        ctypes.c_int64(block_size * dim * layer.k.element_size()),
+    )
+    return torch.tensor(total)
+
+
 WAYS: dict[str, Callable[[Batch, Layer], torch.Tensor]] = {
     "kernel": paged_kernel,
+    "runs": read_runs,
     "torch": torch_path,
     "gather": gather_sdpa,
     "resident": resident_kernel,
 }
 
 
+@dataclass(slots=True)
+class Timings:
+    best: dict[str, float]  # ms per layer, best round, by way
+    read: float  # bytes per second of the plain read, best round
+    paired: list[tuple[float, float]]  # each round's kernel ms and the read (bytes/s) right after
+
+
 def time_per_layer(
     batch: Batch, rounds: int, probe: torch.Tensor, clock: Callable[[], float] = time.perf_counter
-) -> tuple[dict[str, float], float]:
-    """Best milliseconds per layer of each way over `rounds` passes through all layers, and the best
-    bytes per second of a plain read (`probe.sum()`, a buffer much larger than the caches). The
-    ways and the read take turns within each round, so that load from elsewhere on the machine
-    hits the kernel and its bound alike (a bound measured once, before, moved 30% between runs)."""
+) -> Timings:
+    """Milliseconds per layer of each way over `rounds` passes through all layers, and the bytes
+    per second of a plain read (`probe.sum()`, a buffer much larger than the caches). The ways
+    and the read take turns within each round, so that load from elsewhere on the machine hits
+    the kernel and its bound alike (a bound measured once, before, moved 30% between runs)."""
     best = dict.fromkeys(WAYS, float("inf"))
-    read = float("inf")
+    probe_bytes = probe.numel() * probe.element_size()
+    read = 0.0
+    paired = []
     for fn in WAYS.values():
         fn(batch, batch.layers[0])
     probe.sum()
@@ -144,11 +203,15 @@ def time_per_layer(
             start = clock()
             for layer in batch.layers:
                 fn(batch, layer)
-            best[name] = min(best[name], (clock() - start) * 1e3 / len(batch.layers))
+            ms = (clock() - start) * 1e3 / len(batch.layers)
+            best[name] = min(best[name], ms)
             start = clock()
             probe.sum()
-            read = min(read, clock() - start)
-    return best, probe.numel() * probe.element_size() / read
+            rate = probe_bytes / (clock() - start)
+            read = max(read, rate)
+            if name == "kernel":
+                paired.append((ms, rate))
+    return Timings(best, read, paired)
 
 
 def main() -> None:
@@ -182,12 +245,15 @@ def main() -> None:
             else "a sum over 1 GiB, timed between the ways"
         )
     )
+    global READER
+    folder = tempfile.TemporaryDirectory()
+    READER = load_reader(folder.name)
     print(
-        "| dtype | read (GB/s) | K/V read (MiB) | memory bound (ms) | kernel (ms) "
-        "| torch path (ms) | gather + SDPA (ms) | torch / kernel | gather / kernel "
-        "| kernel / bound | K/V in cache (ms) |"
+        "| dtype | read (GB/s) | K/V read (MiB) | memory bound (ms) | kernel (ms) | kernel / bound "
+        "| kernel / bound, each round: median (range) | runs read alone (ms) | K/V in cache (ms) "
+        "| torch path (ms) | gather + SDPA (ms) | torch / kernel | gather / kernel |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         batch = make_batch(args, dtype, torch.Generator().manual_seed(args.seed))
@@ -200,15 +266,21 @@ def main() -> None:
         )
         elem = layer.k.element_size()
         kv_bytes = int(batch.seq_lens.sum()) * args.kv_heads * args.head_dim * 2 * elem
-        ms, measured = time_per_layer(batch, args.rounds, probe, clock)
-        bandwidth = args.bandwidth * 1e9 if args.bandwidth else measured
+        timed = time_per_layer(batch, args.rounds, probe, clock)
+        ms = timed.best
+        bandwidth = args.bandwidth * 1e9 if args.bandwidth else timed.read
         bound = kv_bytes / bandwidth * 1e3
+        # each round's kernel against the read timed right after it (or the given rate)
+        ratios = [
+            kernel_ms / (kv_bytes / (args.bandwidth * 1e9 if args.bandwidth else rate) * 1e3)
+            for kernel_ms, rate in timed.paired
+        ]
         fast, slow, gather = ms["kernel"], ms["torch"], ms["gather"]
         print(
             f"| {name} | {bandwidth / 1e9:.1f} | {kv_bytes / 2**20:.1f} | {bound:.2f} | {fast:.2f} "
-            f"| {slow:.1f} | {gather:.1f} "
-            f"| {slow / fast:.0f}x | {gather / fast:.0f}x | {fast / bound:.2f} "
-            f"| {ms['resident']:.2f} |"
+            f"| {fast / bound:.2f} | {statistics.median(ratios):.2f} "
+            f"({min(ratios):.2f}-{max(ratios):.2f}) | {ms['runs']:.2f} | {ms['resident']:.2f} "
+            f"| {slow:.1f} | {gather:.1f} | {slow / fast:.0f}x | {gather / fast:.0f}x |"
         )
 
 

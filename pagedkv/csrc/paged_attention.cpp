@@ -87,12 +87,13 @@ template <typename T> struct DotFor { using type = FloatDot<T>; };
 // ---------------------------------------------------------------------------------------
 
 // Memory. Decode reads each sequence's K/V once, in runs of one block and head (4 KiB of float32
-// with 16-token blocks of 64 dims) scattered through the pool. On one core of this AMD EPYC
-// (benchmarks/read_pattern.cpp: sequential 35 GB/s) a plain read of such runs reaches 21 GB/s
-// one run after the other and 31 GB/s four at a time, where the hardware prefetcher follows
-// four streams. Between the kernel's loads there is arithmetic, so that prefetcher falls
-// behind; what keeps the misses in flight is software prefetch, spread out (a burst of
-// prefetches stalls the core until the misses drain). Hence:
+// with 16-token blocks of 64 dims) scattered through the pool. On one core of this AMD EPYC a
+// plain read of such runs (sequential: 35 GB/s) reached 21 GB/s one run after the other and 31
+// GB/s four at a time, where the hardware prefetcher follows four streams. Between the kernel's
+// loads there is arithmetic, so that prefetcher falls behind; what keeps the misses in flight is
+// software prefetch, spread out (a burst of prefetches stalls the core until the misses drain).
+// bench_attention.py times the kernel beside a plain read of its own runs in its order
+// (benchmarks/read_runs.cpp): about as fast. Hence:
 // - a tile of kTile keys visits its keys as kStripes interleaved runs (four blocks at a time);
 // - the next tile's rows (at an item's last tile, the next item's first) are prefetched a few
 //   keys at a time while this tile's rows are used.
