@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from pagedkv.config import ConfigError
+from pagedkv.model.config import LlamaConfig
 from pagedkv.model.gguf_loader import dequantize, open_gguf
 from pagedkv.model.loader import fingerprint, load_model, resolve_dtype
 from pagedkv.model.tokenizer import Tokenizer
@@ -136,7 +137,7 @@ def test_missing_weight_is_named(tiny_model_dir, tmp_path):
         load_model(folder, torch.float32)
 
 
-def test_resolve_dtype_and_fingerprint(tmp_path):
+def test_resolve_dtype_and_fingerprint(tiny_model_dir, tmp_path):
     assert resolve_dtype("float32") == torch.float32 and resolve_dtype("bfloat16") == torch.bfloat16
     assert resolve_dtype("auto") == torch.float32  # no model to measure: the exact dtype
     with pytest.raises(ConfigError, match="unknown dtype"):
@@ -147,6 +148,14 @@ def test_resolve_dtype_and_fingerprint(tmp_path):
     assert fingerprint([a]) == first
     a.write_bytes(b"x" * 2_999_999 + b"y")  # the tail changed
     assert fingerprint([a]) != first
+    a.write_bytes(b"x" * 1_500_000 + b"y" + b"x" * 1_499_999)  # the middle (a fine-tune)
+    assert fingerprint([a]) != first
+    a.write_bytes(b"x" * 3_000_000)
+    config = LlamaConfig.from_hf_dict(json.loads(Path(tiny_model_dir, "config.json").read_text()))
+    keyed = fingerprint([a], config)
+    assert keyed != first and fingerprint([a], config) == keyed
+    config.rope_theta *= 2  # an edited config.json: other K/V from the same weights
+    assert fingerprint([a], config) != keyed
 
 
 # ---- dequantization against the formats' definitions ----------------------------------------------

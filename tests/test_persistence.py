@@ -122,6 +122,41 @@ def test_engines_sharing_a_folder_find_each_others_blocks_while_running(
     b.engine.close()
 
 
+def test_another_model_in_the_same_folder_finds_nothing_of_the_first(tiny_model_dir, tmp_path):
+    """Blocks are keyed by every byte of the weights and by the config: a copy whose config.json
+    changes RoPE, or whose weights differ only in the middle of the file (a fine-tune), loads none
+    of the first model's blocks and answers as it does with no tier."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    rope = tmp_path / "rope"
+    shutil.copytree(tiny_model_dir, rope)
+    config = json.loads((rope / "config.json").read_text())
+    for place in (config, config.get("rope_parameters") or {}):  # either style of config.json
+        place["rope_theta"] = place.get("rope_theta", 10000.0) / 100
+    (rope / "config.json").write_text(json.dumps(config))
+    tuned = tmp_path / "tuned"
+    shutil.copytree(tiny_model_dir, tuned)
+    weights = load_file(tuned / "model.safetensors")
+    names = sorted(n for n in weights if ".self_attn.k_proj." in n)
+    weights[names[len(names) // 2]] = -weights[names[len(names) // 2]]  # not at either end
+    save_file(weights, tuned / "model.safetensors", metadata={"format": "pt"})
+
+    store = tmp_path / "tier"
+    first = make_llm(tiny_model_dir, kv_offload_dir=str(store))
+    run(first, [PROMPT])
+    first.engine.close()
+    assert block_files(store)
+    for other in (rope, tuned):
+        expected = run(make_llm(other), [PROMPT])[0][0]
+        llm = make_llm(other, kv_offload_dir=str(store))
+        assert run(llm, [PROMPT]) == [(expected, 0)], other.name
+        assert llm.engine.offload.stats().loaded_disk == 0
+        llm.engine.close()
+
+
 def _block_path(llm: LLM, prompt: str, index: int) -> Path:
     block_hash = llm.engine.kv.block_hashes(llm.get_tokenizer().encode(prompt)).hashes[index]
     return llm.engine.offload.disk.dir / f"{block_hash.hex()}{SUFFIX}"

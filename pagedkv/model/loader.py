@@ -9,7 +9,7 @@ comes back as a one-line ConfigError.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SAMPLE = 1 << 20  # bytes hashed from each end of every weight file
+_CHUNK = 8 << 20  # bytes hashed at a time
 
 
 @dataclass
@@ -59,18 +59,19 @@ def resolve_dtype(
     return _DTYPES[name]
 
 
-def fingerprint(files: list[Path]) -> str:
-    """sha256 over each file's size, head (headers and metadata) and tail.
-
-    Cheap even for big models."""
+def fingerprint(files: list[Path], config: LlamaConfig | None = None) -> str:
+    """sha256 over every byte of the weight files and the model config (RoPE, norms): whatever
+    changes a token's K/V changes the key, so a persistent tier never serves another model's
+    blocks (a fine-tune differs in the middle of its file, a config.json edit in no weight file).
+    About 1.7 GB/s here: 0.06 s for the default model, a few seconds for a 7B one, as it loads."""
     h = hashlib.sha256()
+    if config is not None:
+        h.update(repr(sorted(asdict(config).items())).encode())
     for path in files:
-        size = path.stat().st_size
-        h.update(size.to_bytes(8, "little"))
+        h.update(path.stat().st_size.to_bytes(8, "little"))
         with open(path, "rb") as f:
-            h.update(f.read(_SAMPLE))
-            f.seek(max(0, size - _SAMPLE))
-            h.update(f.read(_SAMPLE))
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
     return h.hexdigest()
 
 
@@ -145,7 +146,9 @@ def load_model(
     if pack:
         finish_weights(model)
     # quantized weights give other K/V: a persistent KV tier must not mix them up
-    key = fingerprint(ckpt.files) + ("" if quantization == "none" else f":{quantization}")
+    key = fingerprint(ckpt.files, ckpt.config) + (
+        "" if quantization == "none" else f":{quantization}"
+    )
     return LoadedModel(
         model=model,
         config=ckpt.config,
