@@ -259,6 +259,9 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
         if self._drain is not None:
             self._drain.cancel()
+        # uvicorn raises the caught signal again once it has stopped, which kills the process
+        # (exit status 143 for SIGTERM): a stop it handled cleanly exits 0, as serve() says.
+        self._captured_signals.clear()
 
 
 def serve(
