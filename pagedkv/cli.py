@@ -200,7 +200,9 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
         help="disk tier folder: every full prefix block is written "
         "through in the background, so a restart on it finds them",
     )
-    p.add_argument("--kv-offload-disk-size", default="10GiB")
+    p.add_argument(
+        "--kv-offload-disk-size", default=None, help="most the disk tier holds (default 10GiB)"
+    )
 
 
 def _add_scheduler_args(p: argparse.ArgumentParser) -> None:

@@ -223,7 +223,7 @@ class EngineConfig:
     allocation_policy: str = "paged"
     kv_offload_host_memory: int | None = None
     kv_offload_dir: str | None = None
-    kv_offload_disk_size: int = 10 * 2**30
+    kv_offload_disk_size: int | None = None  # 10 GiB with a folder; needs one
     # scheduler
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
@@ -259,7 +259,17 @@ class EngineConfig:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         self.swap_space_bytes = parse_swap_space(self.swap_space)
         self.kv_offload_host_memory = parse_size(self.kv_offload_host_memory)
-        self.kv_offload_disk_size = parse_size(self.kv_offload_disk_size)
+        if self.kv_offload_dir is not None:
+            # `--kv-offload-dir "$DIR"` with DIR unset must not quietly run without the tier
+            require(bool(self.kv_offload_dir.strip()), "--kv-offload-dir needs a folder, got ''")
+            self.kv_offload_dir = str(Path(self.kv_offload_dir).expanduser())
+        require(
+            self.kv_offload_disk_size is None or self.kv_offload_dir is not None,
+            "--kv-offload-disk-size limits the disk tier: it needs --kv-offload-dir",
+        )
+        if self.kv_offload_dir is not None:
+            size = self.kv_offload_disk_size
+            self.kv_offload_disk_size = parse_size(10 * 2**30 if size is None else size)
         from pagedkv.engine.spec_decode import SpeculativeConfig  # late: config is imported first
 
         spec = SpeculativeConfig.parse(self.speculative_config)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.config import ConfigError
+from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.kv.hashing import hash_block_tokens
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kvstore.block_file import SUFFIX
@@ -566,3 +568,48 @@ def test_offload_flags_too_small_for_one_block_are_config_errors(tiny_model_dir,
         make_llm(tiny_model_dir, kv_offload_host_memory=100)
     with pytest.raises(ConfigError, match="kv-offload-disk-size"):
         make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path), kv_offload_disk_size=100)
+    # room for the payload but not the header: no file would ever fit
+    payload = TINY_BLOCK_BYTES
+    with pytest.raises(ConfigError, match="kv-offload-disk-size .* holds no KV block"):
+        make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path), kv_offload_disk_size=payload)
+    fits = make_llm(
+        tiny_model_dir, kv_offload_dir=str(tmp_path), kv_offload_disk_size=payload + 4096
+    )
+    run(fits, CONVERSATIONS[:1])
+    fits.engine.close()
+    assert fits.engine.offload.stats().written > 0  # the smallest size accepted holds a file
+
+
+def test_offload_folder_flags_that_would_do_nothing_are_config_errors(tmp_path, monkeypatch):
+    """`--kv-offload-dir "$DIR"` with DIR unset, and a disk size with no folder, would run
+    without the tier the user asked for; `~` means the home folder, as for --model."""
+    with pytest.raises(ConfigError, match="kv-offload-dir needs a folder"):
+        EngineConfig(kv_offload_dir="")
+    with pytest.raises(ConfigError, match="needs --kv-offload-dir"):
+        EngineConfig(kv_offload_disk_size="1GiB")
+    assert EngineConfig().kv_offload_disk_size is None
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = EngineConfig(kv_offload_dir="~/tier")
+    assert config.kv_offload_dir == str(tmp_path / "tier")
+    assert config.kv_offload_disk_size == 10 * 2**30
+    assert (
+        dataclasses.replace(config, kv_offload_dir=str(tmp_path)).kv_offload_disk_size == 10 * 2**30
+    )
+
+
+def test_a_fifo_named_like_a_block_file_is_skipped_not_waited_on(tmp_path):
+    """Opening a FIFO blocks until a writer comes: the tier must never hang on one."""
+    first = disk_tier(tmp_path)
+    first.close()
+    fifo = first.dir / f"{h(1).hex()}{SUFFIX}"
+    os.mkfifo(fifo)
+    done = threading.Event()
+    found: list[DiskTier] = []
+    threading.Thread(
+        target=lambda: (found.append(disk_tier(tmp_path)), done.set()), daemon=True
+    ).start()
+    assert done.wait(30), "the scan hung on the FIFO"
+    again = found[0]
+    assert again.num_blocks == 0 and again.bad_files == 1 and fifo.exists()  # not ours: kept
+    assert not again.contains(h(1), tokens(1))  # looked up again while serving: no hang either
+    again.close()

@@ -126,9 +126,11 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         (["--served-model-name"], "--served-model-name"),
         (["--model", "/a.gguf", "/b.gguf"], "two models"),
         (["--uvicorn-log-level", "loud"], "--uvicorn-log-level"),
-        (["--api-key", ""], "--api-key is empty"),
-        (["--kv-cache-mem", "1GiB"], "unrecognized arguments: --kv-cache-mem"),  # no abbreviations  # `--api-key "$KEY"` with KEY unset
+        (["--api-key", ""], "--api-key is empty"),  # `--api-key "$KEY"` with KEY unset
         (["--api-key", " "], "--api-key is empty"),
+        (["--kv-cache-mem", "1GiB"], "unrecognized arguments: --kv-cache-mem"),  # no abbreviations
+        (["--kv-offload-dir", ""], "--kv-offload-dir needs a folder"),
+        (["--kv-offload-disk-size", "1GiB"], "needs --kv-offload-dir"),
     ],
 )
 def test_bad_values_exit_2(args, message):

@@ -63,6 +63,12 @@ class BlockFormat:
         layout = f"{self.key}|{list(self.shape)}|{self.dtype}".encode()
         return hashlib.blake2b(layout, digest_size=8).hexdigest()
 
+    def largest_file(self, block_tokens: int) -> int:
+        """Bytes of a file for a block of `block_tokens` tokens with the widest token ids."""
+        payload = np.zeros(self.payload_size, np.uint8)
+        head = self.encode(BlockHash(bytes(32)), (2**31 - 1,) * block_tokens, payload)
+        return len(head) + self.payload_size
+
     def encode(self, block_hash: BlockHash, token_ids: TokenIds, payload: np.ndarray) -> bytes:
         """Everything before the payload: prefix and padded header."""
         header = json.dumps(

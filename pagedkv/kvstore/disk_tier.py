@@ -24,6 +24,7 @@ import atexit
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -101,7 +102,7 @@ class DiskTier:
         max_bytes: int,
         queue_blocks: int | None = None,
     ) -> None:
-        self.format = BlockFormat(key.decode("utf-8", "replace"), tuple(block_shape), dtype)
+        self.format = self.block_format(key, block_shape, dtype)
         self.dir = Path(root) / self.format.folder
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -122,6 +123,10 @@ class DiskTier:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._scan()
+
+    @staticmethod
+    def block_format(key: bytes, block_shape: Sequence[int], dtype: torch.dtype) -> BlockFormat:
+        return BlockFormat(key.decode("utf-8", "replace"), tuple(block_shape), dtype)
 
     @property
     def num_blocks(self) -> int:
@@ -168,7 +173,10 @@ class DiskTier:
         """`load(file)`, or None when the file is gone (forgotten: a plain miss) or fails a check
         (skipped: never crash, never use it)."""
         try:
-            with open(path, "rb") as f:
+            # non-blocking, so that a FIFO someone named *.kvb cannot hang the engine on open
+            with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise BadFile("not a regular file", keep=True)
                 return load(f)
         except FileNotFoundError:  # deleted since: the size limit, or a sibling's
             with self._lock:

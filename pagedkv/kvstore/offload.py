@@ -226,7 +226,7 @@ class KVOffload:
         """The tiers the flags ask for, shaped like the device `storage`; None when neither is set.
         `key` names the model and KV dtype (the engine's hash_extra)."""
         host_bytes, folder = config.kv_offload_host_memory, config.kv_offload_dir
-        disk_bytes = config.kv_offload_disk_size
+        disk_bytes = config.kv_offload_disk_size or 0  # set (10 GiB by default) with a folder
         if not host_bytes and not folder:
             return None
         per_block = math.prod(storage.block_shape) * storage.dtype.itemsize
@@ -255,10 +255,13 @@ class KVOffload:
                 format_size(n * per_block),
             )
         if folder:
-            if disk_bytes < per_block:
+            file_bytes = DiskTier.block_format(
+                key, storage.block_shape, storage.dtype
+            ).largest_file(storage.block_size)
+            if disk_bytes < file_bytes:
                 raise ConfigError(
                     f"--kv-offload-disk-size {format_size(disk_bytes)} holds no "
-                    f"KV block ({format_size(per_block)} each)"
+                    f"KV block (a file takes up to {format_size(file_bytes)})"
                 )
             disk = DiskTier(folder, key, storage.block_shape, storage.dtype, disk_bytes)
             log.info("KV offload disk tier: %s, up to %s", disk.dir, format_size(disk_bytes))
