@@ -160,6 +160,14 @@ def test_stop_strings_and_tokens(tiny_model_dir, reference):
     )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert stop not in out.text and full_text.startswith(out.text)
+    # until min_tokens are out a stop string does not end the output (as in vLLM)
+    late = llm.generate(
+        PROMPTS[0],
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=12),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(late.token_ids) >= 12 and late.token_ids == reference[0][: len(late.token_ids)]
+    assert late.text.startswith(out.text + stop)
     stop_tok = reference[0][5]
     out = llm.generate(
         PROMPTS[0],

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import gguf
@@ -481,6 +483,34 @@ def test_chat_template_helpers_and_errors(tiny_model_dir, tmp_path):
     )
     with pytest.raises(ConfigError, match="no chat template"):
         bare.apply_chat_template([{"role": "user", "content": "a"}])
+
+
+def test_encode_long_text_lets_other_threads_run_and_refuses_a_lone_surrogate(tiny_model_dir):
+    """A megabyte prompt is cut up without the GIL (the server's other requests keep streaming),
+    into the same ids; text with a lone surrogate that reaches the tokenizer is a ConfigError."""
+    tok = Tokenizer.from_hf_folder(tiny_model_dir)
+    text = "The quick brown fox jumps over the lazy dog. " * 40_000
+    ticks, done = [0], threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        ids = tok.encode(text)
+        during = ticks[0]
+    finally:
+        done.set()
+        ticker.join()
+    assert ids == tok._tok.encode(text).ids
+    assert during >= 10  # holding the GIL, the ticker gets one or two turns in a second's encode
+    with pytest.raises(ConfigError, match="lone surrogate"):
+        tok.encode("a\ud800b")
+    with pytest.raises(ConfigError, match="lone surrogate"):
+        tok.encode("a\ud800b" * 10_000)
 
 
 def test_add_bos_from_tokenizer_config(tiny_model_dir, tmp_path):

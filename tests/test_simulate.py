@@ -118,7 +118,17 @@ def test_policies_parse_and_name_themselves():
 
 
 @pytest.mark.parametrize(
-    "bad", ["paged", "paged:0", "paged:-4", "paged:x", "reserve", "", "reserve-max,,paged:16"]
+    "bad",
+    [
+        "paged",
+        "paged:0",
+        "paged:-4",
+        "paged:x",
+        "paged:\u00b2",
+        "reserve",
+        "",
+        "reserve-max,,paged:16",
+    ],
 )
 def test_bad_policies_are_config_errors(bad):
     with pytest.raises(ConfigError):

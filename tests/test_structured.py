@@ -199,6 +199,7 @@ def test_constrained_requests_do_not_change_others(server, client):
         ),
         ({"guided_grammar": "start: undefined_rule"}, "undefined_rule"),
         ({"guided_json": "{not json"}, "structured output"),
+        ({"guided_json": "[" * 50_000}, "structured output"),  # deeper than Python parses JSON
         ({"guided_choice": ["a"], "guided_regex": "a"}, "only one output constraint"),
         ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "exactly one"),
         ({"structured_outputs": {"whitespace_pattern": " "}}, "whitespace_pattern"),
@@ -212,6 +213,29 @@ def test_a_bad_constraint_is_a_400_before_any_work(server, body, words):
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"]
     assert server.metrics()["pagedkv:prompt_tokens_total"] == before  # never queued
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"guided_regex": ""},
+        {"structured_outputs": {"regex": ""}},
+        {"guided_json": {}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+    ],
+)
+def test_empty_constraints_are_constraints(server, body):
+    """An empty regex allows only the empty text; an empty schema allows any JSON value."""
+    r = server.http.post(
+        "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 24, "seed": 1, "temperature": 1.0, **body},
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if "guided_regex" in body or "structured_outputs" in body:
+        assert (choice["text"], choice["finish_reason"]) == ("", "stop")
+    elif choice["finish_reason"] == "stop":
+        json.loads(choice["text"])
 
 
 def test_offline_llm_takes_structured_outputs(tiny_model_dir, one_torch_thread):

@@ -100,7 +100,7 @@ def test_streamed_pieces_add_up_to_the_whole():
 
 def test_tools_and_history_reach_a_template_that_knows_no_tools(tiny_model_dir):
     history = [
-        {"role": "user", "content": "Weather?"},
+        {"role": "user", "content": "Weather?", "name": "alice"},
         {
             "role": "assistant",
             "content": "",
@@ -120,7 +120,13 @@ def test_tools_and_history_reach_a_template_that_knows_no_tools(tiny_model_dir):
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n'
         "</tool_call>" in msgs[2]["content"]
     )
-    assert msgs[3] == {"role": "tool", "content": "<tool_response>\nsunny\n</tool_response>"}
+    assert msgs[1] == history[0]  # other keys (a name) stay for the template
+    assert msgs[3] == {
+        "role": "tool",
+        "content": "<tool_response>\nsunny\n</tool_response>",
+        "tool_call_id": "c1",
+    }
+    assert "tool_calls" not in msgs[2]
     text = Tokenizer.from_hf_folder(tiny_model_dir).apply_chat_template(msgs)
     assert "<tool_response>" in text and "Weather forecast" in text
 
@@ -155,7 +161,7 @@ def chat(client, **kw):
     kw.setdefault("max_tokens", 200)
     kw.setdefault("temperature", 1.0)
     return client.chat.completions.create(
-        model="tiny", messages=kw.pop("messages", MESSAGES), tools=TOOLS, **kw
+        model="tiny", messages=kw.pop("messages", MESSAGES), tools=kw.pop("tools", TOOLS), **kw
     )
 
 
@@ -287,6 +293,36 @@ def test_history_with_tool_calls_and_results_is_accepted(client):
             },
             "not JSON",
         ),
+        (  # nested deeper than Python's JSON parser goes: a 400, not a RecursionError
+            {
+                "messages": [
+                    *MESSAGES,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "[" * 50_000},
+                            }
+                        ],
+                    },
+                ]
+            },
+            "not JSON",
+        ),
+        (
+            {
+                "tool_choice": "required",
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object", "$defs": None}},
+                    }
+                ],
+            },
+            "$defs",
+        ),
     ],
 )
 def test_bad_tool_requests_are_400(client, kw, words):
@@ -350,19 +386,45 @@ def test_a_name_inside_the_arguments_is_not_the_call_name():
     assert HermesToolParser().parse(stringified, final=True).calls[0].arguments == '{"a": 1}'
 
 
-def test_tool_parameters_with_defs_and_refs(client):
+def test_odd_call_text_is_not_an_error():
+    """A name with an escape JSON does not know, or arguments nested deeper than Python parses,
+    mid-stream or whole: no call (yet), never an exception."""
+    odd_name = '<tool_call>\n{"name": "a\\q", "arguments": {"x": 1}}\n</tool_call>'
+    deep = '<tool_call>\n{"name": "f", "arguments": ' + "[" * 5000 + "\n</tool_call>"
+    for text in (odd_name, deep):
+        for end in range(1, len(text), 7):
+            for call in HermesToolParser().parse(text[:end], final=False).calls:
+                assert call.name in (None, "f")
+        assert HermesToolParser().parse(text, final=True).calls == []
+
+
+@pytest.mark.parametrize("where", ["$defs", "definitions", "properties"])
+def test_tool_parameters_with_defs_and_refs(client, where):
+    """References are relative to the tool's parameters, as they are in a response_format schema;
+    a second tool's `$defs` of the same name but another meaning stays its own."""
+    day = {"enum": ["mon", "tue"]}
     params = {
         "type": "object",
         "additionalProperties": False,
         "required": ["when"],
-        "properties": {"when": {"$ref": "#/$defs/day"}},
-        "$defs": {"day": {"enum": ["mon", "tue"]}},
+        "properties": {"when": {"$ref": f"#/{where}/day"}},
+        where: {"day": day},
     }
-    tool = {"type": "function", "function": {"name": "book", "parameters": params}}
+    if where == "properties":  # a reference to a sibling property
+        params["properties"] = {"day": day, "when": {"$ref": "#/properties/day"}}
+    other = {
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/day"}},
+        "$defs": {"day": {"type": "integer"}},
+    }
+    tools = [
+        {"type": "function", "function": {"name": "book", "parameters": params}},
+        {"type": "function", "function": {"name": "other", "parameters": other}},
+    ]
     r = client.chat.completions.create(
         model="tiny",
         messages=MESSAGES,
-        tools=[tool],
+        tools=tools,
         seed=1,
         tool_choice={"type": "function", "function": {"name": "book"}},
         temperature=1.0,

@@ -285,6 +285,14 @@ def chat(**fields) -> dict:
             "messages.0.content",
         ),
         (chat(messages=[{"role": "user", "content": "hi", "name": "\ud800"}]), "messages.0.name"),
+        (
+            chat(tools=[{"type": "function", "function": {"name": "f", "description": "\ud800"}}]),
+            "tools.0.function.description",
+        ),
+        # a digit Python's isdigit() knows and int() does not
+        (completion(logit_bias={"\u00b2": 1}), "logit_bias"),
+        # a union's member tags stay out of the parameter's name
+        (chat(tool_choice="bogus"), "tool_choice"),
         # list sizes
         (completion(prompt=["hi"] * (MAX_PROMPTS + 1)), "prompt"),
         (chat(messages=CHAT * (MAX_MESSAGES + 1)), "messages"),

@@ -52,5 +52,5 @@ def render_chat(
         continue_final_message=continue_final_message,
         tools=tools,
         documents=documents,
-        **kwargs,
+        template_vars=kwargs,
     )

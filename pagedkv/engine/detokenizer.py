@@ -35,6 +35,8 @@ class Detokenizer:
         old_len = len(seq.text)
         seq.text += full[len(prefix) :]
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        if seq.num_output_tokens <= seq.params.min_tokens:
+            return False  # stop strings wait for min_tokens too (as in vLLM), like EOS does
         return self._check_stop(seq, old_len)
 
     @staticmethod

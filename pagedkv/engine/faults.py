@@ -56,7 +56,7 @@ class FaultInjector:
             return None
         stage, _, marker = spec.partition(":")
         marker, _, after = marker.partition(":")
-        if after and not after.isdigit():
+        if after and not (after.isascii() and after.isdigit()):
             raise ConfigError(f"{ENV}: AFTER must be a number of tokens, got {after!r}")
         return cls(stage, marker, tokenizer, int(after or 0))
 

@@ -117,7 +117,7 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         kinds = ("json", "regex", "choice", "grammar", "json_object")
-        given = [k for k in kinds if getattr(self, k)]
+        given = [k for k in kinds if getattr(self, k) not in (None, False)]  # {} and "" are given
         _need(
             len(given) == 1,
             "structured_outputs",
@@ -266,7 +266,9 @@ class SamplingParams:
         top = INT64_MAX if vocab_size is None else vocab_size - 1
 
         def token_id(param: str, t: Any) -> int:
-            if isinstance(t, str) and t.isdigit() and len(t) <= 19:  # JSON object keys are strings
+            if (
+                isinstance(t, str) and t.isascii() and t.isdigit() and len(t) <= 19
+            ):  # JSON object keys are strings
                 t = int(t)
             _need(
                 type(t) is int and 0 <= t <= top,

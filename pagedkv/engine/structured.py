@@ -57,7 +57,7 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
             return llguidance.grammar_from("choice", spec.choice)  # type: ignore[arg-type]
         assert spec.grammar is not None  # exactly one field is set (StructuredOutputsParams)
         return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to Lark
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:  # RecursionError: JSON nested too deep
         raise ConfigError(f"structured output: {e}") from None
 
 

@@ -55,7 +55,7 @@ def fixed_rows() -> int | None:
     value = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if value == "auto":
         return None
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise ConfigError(
             f"{ENV} must be auto, 0 (packed weights only) or a row count, got {value!r}"
         )

@@ -25,6 +25,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from pagedkv.config import ConfigError
 
+_LONG_TEXT = 16_384  # characters from which encoding leaves the GIL to other threads
+
 log = logging.getLogger(__name__)
 
 
@@ -102,8 +104,16 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids; with add_special_tokens, BOS first when the model wants it."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids; with add_special_tokens, BOS first when the model wants it.
+
+        A long text goes through `encode_batch`, which releases the GIL (`encode` holds it), so that
+        a megabyte prompt does not stall every other request's stream while it is cut up."""
+        try:
+            if len(text) < _LONG_TEXT:
+                return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError:  # a lone surrogate ("\ud800") in text that reached here untyped
+            raise ConfigError("the text holds a lone surrogate: it is not valid Unicode") from None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -119,10 +129,12 @@ class Tokenizer:
         *,
         chat_template: str | None = None,
         continue_final_message: bool = False,
+        template_vars: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render messages with the model's template, or `chat_template`; kwargs (tools, documents,
-        chat_template_kwargs) become template variables. With continue_final_message the text ends
+        """Render messages with the model's template, or `chat_template`; kwargs (tools, documents)
+        and template_vars (a request's chat_template_kwargs, whose keys may be any string, "self"
+        included) become template variables. With continue_final_message the text ends
         inside the last message, for the model to go on with it. Template errors: ConfigError."""
         template = chat_template or self.chat_template
         if not template:
@@ -137,11 +149,14 @@ class Tokenizer:
 
         try:
             rendered = _compile_template(template).render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=text(self.bos_token_id),
-                eos_token=text(self.eos_token_id),
-                **kwargs,
+                {
+                    **(template_vars or {}),
+                    **kwargs,
+                    "messages": messages,
+                    "add_generation_prompt": add_generation_prompt,
+                    "bos_token": text(self.bos_token_id),
+                    "eos_token": text(self.eos_token_id),
+                }
             )
         except TemplateError as e:  # the template's own raise_exception, or a broken template
             raise ConfigError(f"chat template: {e}") from None

@@ -8,6 +8,7 @@ FastAPI `{"detail": ...}`.
 from __future__ import annotations
 
 import logging
+import re
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -111,13 +112,22 @@ def to_api_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal server error: {type(exc).__name__}")
 
 
+# the tag pydantic puts in an error's location for the member of a union that was tried
+# ("literal[...]", "function-after[...]", "list[int]", "str", "NamedToolChoice"): not a field
+_UNION_TAG = re.compile(r"[\[\]()']|^(str|int|float|bool|dict|list|none)$|^[A-Z]")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """First pydantic error as one readable line, plus the parameter it concerns."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query")]
+    loc = [
+        str(p)
+        for p in first.get("loc", ())
+        if p not in ("body", "query") and not (isinstance(p, str) and _UNION_TAG.search(p))
+    ]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
     if param is None or (first.get("type") == "value_error" and msg.startswith(loc[0])):

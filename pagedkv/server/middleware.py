@@ -32,7 +32,9 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         length = Headers(scope=scope).get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+        if length is not None and (
+            not (length.isascii() and length.isdigit()) or int(length) > self.max_bytes
+        ):
             await error_response(self._too_large())(scope, receive, send)
             return
         seen = 0

@@ -303,7 +303,7 @@ class ChatMessage(RequestModel):
 def _arguments_object(arguments: str) -> Any:
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep
         raise ConfigError(f"tool call arguments are not JSON: {arguments[:80]!r}") from None
 
 

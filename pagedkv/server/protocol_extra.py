@@ -22,7 +22,7 @@ class TokenizeRequest(RequestModel):
     Messages are rendered with the chat template."""
 
     model: str | None = None
-    prompt: str | None = None
+    prompt: SafeStr | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True

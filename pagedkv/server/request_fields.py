@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.request import StructuredOutputsParams
-from pagedkv.server.validation import RequestModel
+from pagedkv.server.validation import RequestModel, SafeStr
 
 # field -> the value that means "not used"; any other value is a 400 naming the field
 UNSUPPORTED: dict[str, Any] = {
@@ -67,8 +67,8 @@ class ResponseFormat(_Model):
 
 
 class FunctionDefinition(_Model):
-    name: str
-    description: str | None = None
+    name: SafeStr
+    description: SafeStr | None = None
     parameters: dict | None = None
     strict: bool | None = None
 
@@ -79,7 +79,7 @@ class ToolDefinition(_Model):
 
 
 class ToolChoiceFunction(_Model):
-    name: str
+    name: SafeStr
 
 
 class NamedToolChoice(_Model):
@@ -89,13 +89,13 @@ class NamedToolChoice(_Model):
 
 class FunctionCall(RequestModel):
     where = "messages[].tool_calls[].function."
-    name: str
-    arguments: str
+    name: SafeStr
+    arguments: SafeStr
 
 
 class ToolCall(RequestModel):
     where = "messages[].tool_calls[]."
-    id: str | None = None
+    id: SafeStr | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 

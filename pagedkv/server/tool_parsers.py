@@ -73,7 +73,10 @@ def _complete_call(body: str) -> ParsedCall | None:
     (so they equal what was streamed), else they are re-serialized."""
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (
+        ValueError,
+        RecursionError,
+    ):  # not JSON, or nested deeper than Python parses: not a call
         return None
     if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
         return None
@@ -90,7 +93,10 @@ def _partial_call(body: str) -> ParsedCall:
     """A block still being written: the name once its closing quote is out, the arguments so far."""
     args = _ARGS.search(body)
     name = _NAME.search(body, 0, args.start() if args else len(body))
-    name_text = json.loads(f'"{name.group(1)}"') if name else None
+    try:  # a name with an escape JSON does not know ("a\\q") is not a name yet
+        name_text = json.loads(f'"{name.group(1)}"') if name else None
+    except ValueError:
+        name_text = None
     return ParsedCall(name_text, _raw_arguments(body)[0] if args else "", False)
 
 
@@ -103,7 +109,7 @@ def _raw_arguments(body: str) -> tuple[str, bool]:
     try:
         _, end = _DECODER.raw_decode(body, args.end())
         return body[args.end() : end], True
-    except ValueError:
+    except (ValueError, RecursionError):
         return body[args.end() :].rstrip(" \t\r\n}"), False
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.chat import render_chat
@@ -73,28 +73,59 @@ def plan_tools(req: ChatCompletionRequest, auto_tool_choice: bool) -> ToolPlan:
 def call_grammar(tools: list, single: bool) -> str:
     """Lark (llguidance) for one or more `<tool_call>` blocks calling one of `tools`.
 
-    Each tool's `$defs` move to the schema's root, where its `#/$defs/...` references point."""
+    Each tool's parameters sit whole under the root's `$defs` (as `tool<i>`), their references
+    rebased there, so that a schema means here what it means as a response_format (`#/$defs/x`,
+    `#/definitions/x`, `#/properties/a`, `#`), and two tools' `$defs` never meet."""
     defs: dict = {}
     schemas = []
-    for t in tools:
-        params = dict(t.function.parameters or {"type": "object"})
-        for name, sub in params.pop("$defs", {}).items():
-            if defs.setdefault(name, sub) != sub:
-                raise ConfigError(f"two tools define $defs {name!r} differently")
+    for i, t in enumerate(tools):
+        try:
+            defs[f"tool{i}"] = _rebased(
+                t.function.parameters or {"type": "object"}, f"#/$defs/tool{i}"
+            )
+        except ConfigError as e:
+            raise ConfigError(f"tool {t.function.name!r}: parameters: {e}") from None
         schemas.append(
             {
                 "type": "object",
                 "additionalProperties": False,
                 "required": ["name", "arguments"],
-                "properties": {"name": {"const": t.function.name}, "arguments": params},
+                "properties": {
+                    "name": {"const": t.function.name},
+                    "arguments": {"$ref": f"#/$defs/tool{i}"},
+                },
             }
         )
     schema = dict(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
     schema["x-guidance"] = JSON_OPTIONS
-    if defs:
-        schema["$defs"] = defs
+    schema["$defs"] = defs
     call = '"<tool_call>\\n" %json ' + json.dumps(schema) + ' "\\n</tool_call>"'
     return f'start: call{"" if single else " (chr_nl call)*"}\nchr_nl: "\\n"\ncall: {call}\n'
+
+
+_LITERALS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with every local reference ("#...") made relative to `base` instead of the root."""
+    if isinstance(schema, list):
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = base + v[1:]
+        elif k in _SCHEMA_MAPS:  # names -> schemas: any name is a name
+            if not isinstance(v, dict):
+                raise ConfigError(f"{k} must be an object, got {type(v).__name__}")
+            out[k] = {name: _rebased(s, base) for name, s in v.items()}
+        else:
+            out[k] = v if k in _LITERALS else _rebased(v, base)
+    return out
 
 
 def chat_prompt(tokenizer, req, trust_request_template: bool) -> str:
@@ -113,7 +144,9 @@ def chat_prompt(tokenizer, req, trust_request_template: bool) -> str:
     messages = [m.as_template_input() for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     template = req.chat_template or tokenizer.chat_template or ""
-    if "tool" not in template:
+    if "tool" not in template and (
+        tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    ):
         messages = hermes_messages(messages, tools)
     return render_chat(
         tokenizer,
@@ -143,7 +176,7 @@ def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict
             )
         elif m["role"] == "tool":
             content = f"<tool_response>\n{content}\n</tool_response>"
-        out.append({"role": m["role"], "content": content})
+        out.append({**{k: v for k, v in m.items() if k != "tool_calls"}, "content": content})
     if tools:
         prompt = HERMES_SYSTEM_PROMPT.format(tools=json.dumps(tools))
         if out and out[0]["role"] == "system":

@@ -43,7 +43,7 @@ def parse_policy(text: str) -> Policy:
     if name in RESERVATION_KINDS:
         return Policy(name)
     kind, _, size = name.partition(":")
-    if kind == "paged" and size.isdigit() and int(size) >= 1:
+    if kind == "paged" and size.isascii() and size.isdigit() and int(size) >= 1:
         return Policy("paged", int(size))
     raise ConfigError(
         f"unknown policy {text!r} (use reserve-max, reserve-output or paged:B with B >= 1)"
