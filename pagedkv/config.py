@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -117,6 +118,8 @@ def parse_size(value: str | int | float | None) -> int | None:
     """'1GiB' -> 1073741824, '80GB' -> 80e9, 1024 -> 1024. None stays None."""
     if value is None:
         return None
+    if isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
+        raise ConfigError(f"invalid size {value!r} (use e.g. 512MiB, 1GiB, 80GB, or bytes)")
     if isinstance(value, (int, float)):
         if value < 0:
             raise ConfigError(f"size must not be negative: {value}")
@@ -131,7 +134,10 @@ def parse_swap_space(value: str | int | float) -> int:
     """vLLM's unit: a bare number is GiB (4 -> 4 GiB); '512MiB' says its own unit."""
     if isinstance(value, (int, float)) or re.fullmatch(r"\s*-?[0-9]*\.?[0-9]+\s*", str(value)):
         gib = float(value)
-        require(gib >= 0, f"--swap-space must not be negative, got {value}")
+        require(
+            not isinstance(value, bool) and math.isfinite(gib) and gib >= 0,
+            f"--swap-space must be a number of GiB >= 0, got {value!r}",
+        )
         return int(gib * 2**30)
     try:
         return parse_size(value)
@@ -189,6 +195,30 @@ def format_size(n: int) -> str:
         if n >= div:
             return f"{n / div:.2f} {unit}"
     return f"{n} B"
+
+
+# options that only `pagedkv serve` acts on
+SERVE_ONLY = frozenset(
+    {
+        "served_model_name",
+        "max_waiting",
+        "data_parallel_size",
+        "api_key",
+        "enable_auto_tool_choice",
+        "tool_call_parser",
+        "trust_request_chat_template",
+    }
+)
+# integer options >= 1, and those of them that may be None (not set)
+_OPTIONAL_COUNTS = ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override")
+_COUNTS = (
+    "block_size",
+    "max_num_seqs",
+    "max_waiting",
+    "data_parallel_size",
+    "tensor_parallel_size",
+    *_OPTIONAL_COUNTS,
+)
 
 
 @dataclass
@@ -252,6 +282,8 @@ class EngineConfig:
             "--served-model-name needs non-empty names",
         )
         self.served_model_names = names  # (served_model_name stays as given: replace() again)
+        if type(self.dtype).__module__ == "torch":  # LLM(dtype=torch.bfloat16), as vLLM takes it
+            self.dtype = str(self.dtype).removeprefix("torch.")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         self.max_model_len = parse_human_int(self.max_model_len)
@@ -281,13 +313,19 @@ class EngineConfig:
 
     def validate(self) -> None:
         need = require
+        for f in dataclasses.fields(self):  # LLM(enable_prefix_caching="False") is not True
+            if isinstance(f.default, bool):
+                value = getattr(self, f.name)
+                need(isinstance(value, bool), f"{f.name} must be True or False, got {value!r}")
+        for name in _COUNTS:  # LLM(max_num_seqs=2.5) or ("8") must not reach the scheduler
+            value = getattr(self, name)
+            need(
+                (value is None and name in _OPTIONAL_COUNTS) or (type(value) is int and value >= 1),
+                f"--{name.replace('_', '-')} must be a positive integer, got {value!r}",
+            )
         need(
-            isinstance(self.block_size, int) and self.block_size >= 1,
-            f"--block-size must be a positive integer, got {self.block_size}",
-        )
-        need(
-            0.0 < self.memory_utilization <= 1.0,
-            f"--memory-utilization must be in (0, 1], got {self.memory_utilization}",
+            type(self.memory_utilization) in (int, float) and 0.0 < self.memory_utilization <= 1.0,
+            f"--memory-utilization must be in (0, 1], got {self.memory_utilization!r}",
         )
         need(
             self.preemption_mode in PREEMPTION_MODES,
@@ -306,28 +344,17 @@ class EngineConfig:
             self.quantization is None or self.quantization in QUANTIZATIONS,
             f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
         )
-        need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         need(  # `--api-key "$KEY"` with KEY unset must not start a server open to everyone
             self.api_key is None or self.api_key.strip() != "",
             "--api-key is empty: give a key, or leave the flag out to serve without one",
         )
         need(
-            self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
-            "--max-num-batched-tokens must be >= 1",
-        )
-        need(self.max_model_len is None or self.max_model_len >= 1, "--max-model-len must be >= 1")
-        need(self.max_waiting >= 1, "--max-waiting must be >= 1")
-        need(
-            isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
-            f"--data-parallel-size must be a positive integer, got {self.data_parallel_size}",
+            type(self.seed) is int and -(2**63) <= self.seed < 2**64,
+            f"--seed must be an integer in [-2^63, 2^64), got {self.seed!r}",
         )
         need(
-            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
-            f"--tensor-parallel-size must be a positive integer, got {self.tensor_parallel_size}",
-        )
-        need(isinstance(self.seed, int), f"--seed must be an integer, got {self.seed!r}")
-        need(
-            self.generation_config in GENERATION_CONFIGS or Path(self.generation_config).is_dir(),
+            self.generation_config in GENERATION_CONFIGS
+            or (self.generation_config.strip() != "" and Path(self.generation_config).is_dir()),
             "--generation-config must be 'auto', 'vllm' or a folder, "
             f"got {self.generation_config!r}",
         )
@@ -346,6 +373,14 @@ class EngineConfig:
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,
             "--enable-auto-tool-choice needs --tool-call-parser",
         )
+
+    def note_serve_only(self, where: str, flags: bool = False) -> None:
+        """Options only a server acts on, given where none runs: a note, as for vLLM's no-ops
+        (named as flags for a command line)."""
+        for f in dataclasses.fields(self):
+            if f.name in SERVE_ONLY and getattr(self, f.name) != f.default:
+                name = "--" + f.name.replace("_", "-") if flags else f.name
+                note(f"{name} has no effect in {where}: it applies to pagedkv serve only")
 
     @classmethod
     def field_names(cls) -> list[str]:

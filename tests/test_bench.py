@@ -21,7 +21,7 @@ from pagedkv.bench.online import (
 )
 from pagedkv.bench.peers import best_of, from_readme, load_peers
 from pagedkv.bench.result import RunResult
-from pagedkv.bench.suite import PREFIX_OFF, PREFIX_ON, suite_ratios
+from pagedkv.bench.suite import PREFIX_OFF, PREFIX_ON, suite_ratios, suite_specs
 from pagedkv.bench.workloads import (
     BenchRequest,
     Workload,
@@ -282,12 +282,44 @@ def test_bad_trace_exits_2_with_one_line(tmp_path, capsys, content, needle):
         (["--concurrency", "4"], "add --online"),
         (["--suite", "--label", "x"], "--suite names its own"),
         (["--block-size", "0"], "--block-size"),
+        # --suite sets these per run itself: given, they would be overridden or mislabelled
+        (["--suite", "--allocation-policy", "reserve-max"], "drop --allocation-policy"),
+        (["--suite", "--no-enable-prefix-caching"], "--[no-]enable-prefix-caching"),
+        (["--suite", "--enable-prefix-caching"], "--[no-]enable-prefix-caching"),
+        # flags that would have no effect
+        (["--from-json", "r.json", "--workloads", "W1"], "--workloads would have no effect"),
+        (["--from-json", "r.json", "--request-rate", "nan"], "--request-rate would have"),
+        (["--from-json", "r.json", "--allocation-policy", "paged"], "--allocation-policy would"),
+        (["--shared-prefix", "8"], "add --trace"),
+        (["--trace-seed", "3"], "add --trace, or --online with --request-rate"),
+        (["--online", "--trace-seed", "3"], "add --trace, or --online with --request-rate"),
+        (["--server-startup-timeout", "5"], "--server-startup-timeout waits for the server"),
+        (["--online", "--server-startup-timeout", "0"], "must be > 0, got 0.0"),
+        (["--online", "--server-startup-timeout", "nan"], "must be > 0, got nan"),
     ],
 )
 def test_bad_flags_exit_2(capsys, argv, needle):
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and needle in err[0]
+    assert len(err) == 1 and err[0].startswith("pagedkv bench: error:") and needle in err[0]
+
+
+def test_suite_prefix_rows_run_the_paged_policy():
+    """Their labels say paged: the engine option must say so too, whatever the base options."""
+    specs = {
+        s.label: s
+        for s in suite_specs(
+            ["W1"], equal_memory_workload=None, pool_tokens=1024, max_model_len=256, block_size=16
+        )
+    }
+    assert specs[PREFIX_ON].overrides == {
+        "allocation_policy": "paged",
+        "enable_prefix_caching": True,
+    }
+    assert specs[PREFIX_OFF].overrides == {
+        "allocation_policy": "paged",
+        "enable_prefix_caching": False,
+    }
 
 
 # ---------------------------------------------------------------- online

@@ -239,3 +239,35 @@ def test_dynamic_table(capsys):
 )
 def test_dynamic_bad_flags_are_one_line_and_exit_2(capsys, args):
     assert_one_line_error(*run_main(capsys, "simulate", "--dynamic", "--requests", "5", *args))
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        # the static count reads none of the replay's flags
+        (["--arrival-rate", "nan"], "--arrival-rate without --dynamic"),
+        (["--arrival-rate", "0.5"], "--arrival-rate without --dynamic"),
+        (["--shared-prefix", "64"], "--shared-prefix without --dynamic"),
+        (["--no-prefix-caching"], "--no-prefix-caching without --dynamic"),
+        (["--tenants", "3"], "--tenants without --replicas"),
+        (["--routing", "round-robin"], "--routing without --replicas"),
+        (["--requests-per-replica", "5"], "--requests-per-replica without --replicas"),
+        # nor does the single-pool replay read the replicas' flags
+        (["--dynamic", "--tenants", "3"], "--tenants without --replicas"),
+        (["--dynamic", "--routing", "prefix-aware"], "--routing without --replicas"),
+    ],
+)
+def test_a_flag_of_another_mode_is_refused(capsys, args, needle):
+    rc, out, err = run_main(capsys, "simulate", "--requests", "5", *args)
+    assert_one_line_error(rc, out, err)
+    assert needle in err
+
+
+def test_replay_flags_still_apply_in_their_mode(capsys):
+    def steps(*args: str) -> list[int]:
+        rc, out, err = run_main(capsys, "simulate", "--dynamic", "--requests", "5", "--json", *args)
+        assert rc == 0, err
+        return [p["steps"] for p in json.loads(out)["policies"]]
+
+    # arrivals spread over time: the replay takes longer than with all at step 0
+    assert all(a > b for a, b in zip(steps("--arrival-rate", "0.05"), steps(), strict=True))

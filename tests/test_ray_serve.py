@@ -2,8 +2,8 @@
 
 One server for the module (Ray and two engines take a while to start): the OpenAI routes,
 errors and streaming through the replicas, /metrics and /v1/kv over both, prefix-aware
-routing, a replica killed mid-stream, and the shared --kv-offload-dir seen by the replica
-Ray starts in its place.
+routing, a replica killed mid-stream, the shared --kv-offload-dir seen by the replica
+Ray starts in its place, and the CORS and access-log flags applied by the ingress.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tiny_model import make_tiny_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 REPLICA = "x-pagedkv-replica"
+ORIGIN, OTHER_ORIGIN = "https://a.example", "https://evil.example"  # --allowed-origins: the first
 TENANTS = [
     f"You are assistant number {i}. " + "Paged attention keeps the KV cache in blocks. " * 12
     for i in range(4)
@@ -42,7 +43,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def server(tmp_path_factory):
+    """The server's URL and its log (stdout and stderr, Ray's relayed lines too)."""
     model = make_tiny_model(tmp_path_factory.getbasetemp() / "tiny-ray")
     port, offload = free_port(), tmp_path_factory.mktemp("offload")
     log = tempfile.NamedTemporaryFile("w+", prefix="pagedkv-ray-", suffix=".log", delete=False)
@@ -65,6 +67,9 @@ def cluster(tmp_path_factory):
         str(offload),
         "--shutdown-timeout",
         "2",
+        "--allowed-origins",
+        json.dumps([ORIGIN]),
+        "--disable-uvicorn-access-log",
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
@@ -78,7 +83,7 @@ def cluster(tmp_path_factory):
         while len(replicas(url)) < 2:  # the ingress's router learns of both replicas
             assert time.monotonic() < deadline, "the ingress never saw both replicas"
             time.sleep(0.5)
-        yield url
+        yield url, log.name
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -87,6 +92,11 @@ def cluster(tmp_path_factory):
             proc.kill()
             proc.wait()
         os.unlink(log.name)
+
+
+@pytest.fixture(scope="module")
+def cluster(server) -> str:
+    return server[0]
 
 
 def complete(url: str, prompt: str, replica: int | None = None, **body) -> httpx.Response:
@@ -146,6 +156,44 @@ def test_kv_and_metrics_cover_every_replica(cluster):
         re.search(r"^pagedkv:prefix_cache_queries_total\{.*\} (\S+)$", text, re.M).group(1)
     )
     assert queries == sum(s["prefix_queries"] for s in snaps)
+
+
+def test_cors_and_access_log_flags_reach_the_ingress(server):
+    """The ingress answers HTTP: its CORS is the flags' (not any origin), its log has no
+    access lines; on a replica's answers (/v1/models) as on its own (/v1/kv)."""
+    url, log = server
+
+    def preflight(origin: str) -> httpx.Response:
+        headers = {"Origin": origin, "Access-Control-Request-Method": "POST"}
+        return httpx.options(f"{url}/v1/completions", headers=headers, timeout=60)
+
+    refused, allowed = preflight(OTHER_ORIGIN), preflight(ORIGIN)
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
+    for path in ("/v1/models", "/v1/kv"):
+        mine = httpx.get(f"{url}{path}", headers={"Origin": ORIGIN}, timeout=60)
+        assert mine.status_code == 200 and mine.headers.get_list("access-control-allow-origin") == [
+            ORIGIN
+        ]
+        other = httpx.get(f"{url}{path}", headers={"Origin": OTHER_ORIGIN}, timeout=60)
+        assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
+    complete(url, "an access log line would follow this request")
+    time.sleep(2)  # Ray relays the replicas' log lines to the driver within this
+    assert not re.search(r" -- (GET|POST|OPTIONS) /", Path(log).read_text())
+
+
+def test_uvicorn_trace_level_is_refused_before_ray_starts():
+    out = subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", "serve", "-dp", "2", "--uvicorn-log-level", "trace"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert out.stderr.startswith("pagedkv serve: error: --uvicorn-log-level trace")
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_prefix_aware_routing_keeps_each_tenant_on_one_replica(cluster):

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,7 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         "--tokenizer",
         "-O",
         "--guided-decoding-backend",
+        "--served-model-name",  # a server's name for the model: generate serves none
     ]
     assert all("no effect" in n for n in notes)
 
@@ -131,12 +133,21 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         (["--kv-cache-mem", "1GiB"], "unrecognized arguments: --kv-cache-mem"),  # no abbreviations
         (["--kv-offload-dir", ""], "--kv-offload-dir needs a folder"),
         (["--kv-offload-disk-size", "1GiB"], "needs --kv-offload-dir"),
+        (["--seed", str(2**64)], "--seed must be an integer in"),  # torch's seed range
+        (["--generation-config", ""], "--generation-config"),
+        (
+            ["--shutdown-timeout", "nan"],
+            "--shutdown-timeout must be >= 0",
+        ),  # `"$DIR"` with DIR unset
+        (["--kv-cache-memory", "4096TiB"], "of free memory"),  # an error, not an allocator's trace
+        (["--preemption-mode", "swap", "--swap-space", "1000000"], "of free memory"),
     ],
 )
 def test_bad_values_exit_2(args, message):
     r = cli("serve", *args)
     assert r.returncode == 2, r.stderr
-    errors = [line for line in r.stderr.splitlines() if not line.startswith("pagedkv: note:")]
+    progress = ("pagedkv: note:", "pagedkv: loading")  # what a start prints before it fails
+    errors = [line for line in r.stderr.splitlines() if not line.startswith(progress)]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in r.stderr
 
 
@@ -182,6 +193,44 @@ def test_other_subcommands_keep_the_shared_flags(tiny_model_dir):
     assert r.returncode == 0, r.stderr
 
 
+def test_generate_takes_the_models_defaults_and_fails_loudly(tiny_model_dir, tmp_path):
+    """Unset sampling flags come from generation_config.json (unless --generation-config vllm);
+    text that is not valid UTF-8 is one line and exit 2; a request the engine fails is exit 1."""
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
+    base = ("generate", str(model), "--prompt", "hi", "--ignore-eos", "--json")
+    base += ("--kv-cache-memory", "8MiB")
+
+    def count(*extra: str) -> int:
+        r = cli(*base, *extra)
+        assert r.returncode == 0, r.stderr
+        return len(json.loads(r.stdout)["output_token_ids"])
+
+    assert count() == 3
+    assert count("--max-tokens", "5") == 5
+    assert count("--generation-config", "vllm") == 64
+    r = subprocess.run(
+        [*CLI, *base[:2], "--prompt", b"\xff\xfe", *base[4:]],
+        capture_output=True,
+        env=ENV,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert b"lone surrogate" in r.stderr
+    r = subprocess.run(
+        [*CLI, *base],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**ENV, "PAGEDKV_INJECT_FAULT": "sample:hi"},
+    )
+    assert r.returncode == 1 and r.stdout == "", r.stdout
+    assert r.stderr.strip().splitlines()[-1].startswith("pagedkv generate: error:"), r.stderr
+
+
 def test_units_and_aliases():
     c = EngineConfig(
         model="x.gguf", swap_space=4, max_model_len="32k", dtype="half", kv_cache_dtype="fp8_e4m3"
@@ -201,6 +250,32 @@ def test_units_and_aliases():
     assert (c.memory_utilization, c.kv_cache_memory) == (0.5, 2**30)
     with pytest.raises(ConfigError, match="enable_chunked_prefill=False"):
         EngineConfig.from_options(enable_chunked_prefill=False)
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"enable_prefix_caching": "False"}, "enable_prefix_caching must be True or False"),
+        ({"enforce_eager": "no"}, "enforce_eager"),
+        ({"max_num_seqs": 2.5}, "--max-num-seqs must be a positive integer"),
+        ({"max_num_seqs": "8"}, "--max-num-seqs"),
+        ({"max_num_batched_tokens": 100.5}, "--max-num-batched-tokens"),
+        ({"num_gpu_blocks_override": -5}, "--num-gpu-blocks-override"),
+        ({"block_size": True}, "--block-size"),
+        ({"max_model_len": True}, "--max-model-len"),
+        ({"memory_utilization": True}, "--memory-utilization"),
+        ({"kv_cache_memory": float("inf")}, "invalid size"),
+        ({"kv_offload_host_memory": float("nan")}, "invalid size"),
+        ({"swap_space": float("inf")}, "--swap-space"),
+        ({"seed": 2**64}, "--seed must be an integer in"),
+        ({"seed": -(2**63) - 1}, "--seed"),
+        ({"generation_config": ""}, "--generation-config"),
+    ],
+)
+def test_options_of_the_wrong_type_or_range_are_config_errors(options, words):
+    """The Python API takes what the command line's parser would have refused: checked alike."""
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        EngineConfig(model="x.gguf", **options)
 
 
 @pytest.mark.parametrize(
@@ -447,6 +522,14 @@ def test_llm_engine_args(llm, tiny_model_dir):
         LLM(model=tiny_model_dir, speculative_model="x")
 
 
+def test_llm_takes_a_torch_dtype_and_notes_serve_only_options(tiny_model_dir, capfd):
+    import torch
+
+    llm = LLM(model=tiny_model_dir, dtype=torch.bfloat16, num_gpu_blocks_override=16, max_waiting=1)
+    assert llm.engine.config.dtype == "bfloat16"
+    assert "max_waiting has no effect in LLM" in capfd.readouterr().err
+
+
 def test_generate_prompt_forms(llm):
     ids = llm.get_tokenizer().encode("The quick brown fox")
     by_text = llm.generate("The quick brown fox", sampling_params=GREEDY, use_tqdm=False)[0]
@@ -462,6 +545,10 @@ def test_generate_prompt_forms(llm):
     assert len(single) == 1 and single[0].outputs[0].token_ids == by_text.outputs[0].token_ids
     with pytest.raises(ConfigError, match="multi_modal_data"):
         llm.generate({"prompt": "x", "multi_modal_data": {}}, GREEDY)
+    with pytest.raises(ConfigError, match="'prompt_token_ids' must be a list of ints"):
+        llm.generate({"prompt_token_ids": "Hello"}, GREEDY)  # not run as text
+    with pytest.raises(ConfigError, match="'prompt' must be a string"):
+        llm.generate({"prompt": ids}, GREEDY)  # not run as token ids
     with pytest.raises(ConfigError, match="2 SamplingParams for 1 prompts"):
         llm.generate(["x"], [GREEDY, GREEDY])
     with pytest.raises(ConfigError, match="lora_request"):
@@ -526,6 +613,14 @@ def test_chat_options(llm):
     assert normal.outputs[0].token_ids
     with pytest.raises(ConfigError, match="cannot both be true"):
         llm.chat(msgs, GREEDY, continue_final_message=True)
+    # OpenAI content parts are joined by newlines, as the server joins them
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}
+    ]
+    joined = llm.chat([{"role": "user", "content": "H\ni"}], GREEDY, use_tqdm=False)[0]
+    assert llm.chat(parts, GREEDY, use_tqdm=False)[0].prompt_token_ids == joined.prompt_token_ids
+    with pytest.raises(ConfigError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], GREEDY)
     own = llm.chat(  # offline, the caller's own template runs (no server to protect)
         msgs[:1], GREEDY, use_tqdm=False, chat_template="{{ messages[0]['content'] }}!"
     )[0]

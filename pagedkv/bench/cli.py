@@ -17,19 +17,52 @@ import sys
 
 from pagedkv.config import ConfigError, EngineConfig
 
+# flags --from-json applies; it runs nothing, so any other flag set would be ignored
+FROM_JSON_FLAGS = {"from_json", "out", "markdown", "plot"}
+# the engine options --suite sets itself, per run; None: not given, so a given one is refused
+SUITE_OPTIONS = ("allocation_policy", "enable_prefix_caching")
+
 
 def add_parser(subparsers) -> None:
-    from pagedkv.cli import add_engine_args
-
     p = subparsers.add_parser(
         "bench", help="benchmark the engine or the server on the shared workloads"
     )
+    _add_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    from pagedkv.cli import add_engine_args
+
     add_engine_args(p)
+    p.set_defaults(**dict.fromkeys(SUITE_OPTIONS))
     _add_workload_args(p.add_argument_group("workloads"))
     _add_suite_args(p.add_argument_group("comparison suite"))
     _add_online_args(p.add_argument_group("online (through pagedkv serve)"))
     _add_output_args(p.add_argument_group("output"))
-    p.set_defaults(func=run)
+
+
+def _defaults() -> dict:
+    """Every flag's value when not given: a value that differs was set on the command line."""
+    from pagedkv.cli import Parser
+
+    p = Parser(prog="pagedkv bench")
+    _add_args(p)
+    return vars(p.parse_args([]))
+
+
+def _given(args: argparse.Namespace) -> set[str]:
+    """The flags the command line set (by their dest), as far as a value tells."""
+    defaults = _defaults()
+    return {
+        k
+        for k, v in vars(args).items()
+        if k in defaults and not (v == defaults[k] or v is defaults[k])  # nan is not nan's equal
+    }
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
 def _add_workload_args(g: argparse._ArgumentGroup) -> None:
@@ -117,12 +150,19 @@ def _add_output_args(g: argparse._ArgumentGroup) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.concurrency is not None and args.concurrency < 1:
-        raise ConfigError(f"--concurrency must be >= 1, got {args.concurrency}")
-    if not args.request_rate > 0:
-        raise ConfigError(f"--request-rate must be > 0, got {args.request_rate}")
-    if (args.concurrency is not None or math.isfinite(args.request_rate)) and not args.online:
-        raise ConfigError("--concurrency and --request-rate shape the online load: add --online")
+    given = _given(args)
+    if args.from_json and given - FROM_JSON_FLAGS:
+        flags = ", ".join(sorted(_flag(d) for d in given - FROM_JSON_FLAGS))
+        raise ConfigError(
+            f"--from-json runs nothing, so {flags} would have no effect: "
+            "give only --out, --markdown and --plot with it"
+        )
+    _check_load(args, given)
+    if args.suite and given & set(SUITE_OPTIONS):
+        raise ConfigError(
+            "--suite runs prefix caching on and off and every allocation policy itself: "
+            "drop --allocation-policy and --[no-]enable-prefix-caching"
+        )
     if args.suite and args.label:
         raise ConfigError("--label names a single configuration; --suite names its own")
     if args.suite_pool_tokens < args.block_size:
@@ -131,12 +171,40 @@ def _check(args: argparse.Namespace) -> None:
         )
 
 
+def _check_load(args: argparse.Namespace, given: set[str]) -> None:
+    """The trace and online flags: each in range, and only where it has an effect."""
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ConfigError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if not args.request_rate > 0:
+        raise ConfigError(f"--request-rate must be > 0, got {args.request_rate}")
+    if (args.concurrency is not None or math.isfinite(args.request_rate)) and not args.online:
+        raise ConfigError("--concurrency and --request-rate shape the online load: add --online")
+    if not args.server_startup_timeout > 0:
+        raise ConfigError(
+            f"--server-startup-timeout must be > 0, got {args.server_startup_timeout}"
+        )
+    if "server_startup_timeout" in given and not args.online:
+        raise ConfigError("--server-startup-timeout waits for the server: add --online")
+    if "shared_prefix" in given and not args.trace:
+        raise ConfigError("--shared-prefix shapes the trace's prompts: add --trace")
+    arrivals = args.online and math.isfinite(args.request_rate)
+    if "trace_seed" in given and not (args.trace or arrivals):
+        raise ConfigError(
+            "--trace-seed seeds the trace's prompts and the --request-rate arrivals: "
+            "add --trace, or --online with --request-rate"
+        )
+
+
 def _base_options(args: argparse.Namespace) -> dict:
     """The engine options the command line set.
 
     Defaults are left out, so labels and flags stay short."""
     defaults = {f: EngineConfig.__dataclass_fields__[f].default for f in EngineConfig.field_names()}
-    opts = {k: v for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+    opts = {
+        k: v
+        for k, v in vars(args).items()
+        if k in defaults and v is not None and v != defaults[k]  # None: a --suite option not given
+    }
     EngineConfig.from_options(**opts)  # a bad flag fails here, before anything loads
     return opts
 

@@ -37,9 +37,10 @@ def suite_specs(
     max_model_len: int,
     block_size: int,
 ) -> list[RunSpec]:
+    keys_ = tuple(keys)
     specs = [
-        RunSpec(PREFIX_ON, {"enable_prefix_caching": True}, tuple(keys)),
-        RunSpec(PREFIX_OFF, {"enable_prefix_caching": False}, tuple(keys)),
+        RunSpec(PREFIX_ON, {"allocation_policy": "paged", "enable_prefix_caching": True}, keys_),
+        RunSpec(PREFIX_OFF, {"allocation_policy": "paged", "enable_prefix_caching": False}, keys_),
     ]
     if equal_memory_workload is not None:
         for policy in POLICIES:

@@ -26,6 +26,28 @@ RESERVED_TEMPLATE_ARGS = frozenset(
 )
 
 
+TEXT_PART_KEYS = frozenset({"type", "text"})
+
+
+def content_text(content: Any) -> Any:
+    """OpenAI content parts -> text: text parts joined by newlines, as vLLM's default ("string")
+    content format joins them; any other part is an error. A string (or None) stays as it is."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not (
+            isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            raise ConfigError(
+                "only text content parts ({'type': 'text', 'text': ...}) are supported"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def render_chat(
     tokenizer,
     messages: list[dict],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -21,10 +22,11 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--chat", action="store_true", help="render the prompt with the model's chat template"
     )
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
+    # unset: the model's generation config (--generation-config), else SAMPLING_DEFAULTS
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument(
         "--json", action="store_true", help="print one JSON object with ids, timings and KV stats"
@@ -32,22 +34,27 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+SAMPLING_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": -1}
+
+
 def run(args: argparse.Namespace) -> int:
     from pagedkv.cli import engine_config_from_args
     from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.engine.options import with_defaults
     from pagedkv.engine.request import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        ignore_eos=args.ignore_eos,
-    )
+    given = {k: getattr(args, k) for k in SAMPLING_DEFAULTS if getattr(args, k) is not None}
+    SamplingParams(**given, ignore_eos=args.ignore_eos)  # a bad flag fails before the model loads
     config = engine_config_from_args(args)
+    config.note_serve_only("pagedkv generate", flags=True)
     t0 = time.monotonic()
     engine = LLMEngine(config)
     t_load = time.monotonic() - t0
+    params = with_defaults(
+        SamplingParams(**{**SAMPLING_DEFAULTS, **given}, ignore_eos=args.ignore_eos),
+        engine.generation_defaults,
+        set(engine.generation_defaults) - set(given),  # all the model's defaults, as serve does
+    )
     tok = engine.tokenizer
     if args.chat:
         text = tok.apply_chat_template(
@@ -65,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
         for o in engine.step():
             out = o
     assert out is not None  # the loop ran until the request finished
+    if out.error:  # the request failed in the engine: no output to show, and not a success
+        print(f"pagedkv generate: error: {out.error}", file=sys.stderr)
+        return 1
     if not args.json:
         print(out.outputs[0].text)
         return 0

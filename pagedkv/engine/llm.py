@@ -16,7 +16,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from pagedkv.config import ConfigError, EngineConfig
-from pagedkv.engine.chat import render_chat
+from pagedkv.engine.chat import content_text, render_chat
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import ParamError, SamplingParams
@@ -41,7 +41,14 @@ def to_prompt(p: Any) -> str | list[int]:
             raise ParamError(
                 "prompt", "a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'"
             )
-        return to_prompt(p.get("prompt", p.get("prompt_token_ids")))
+        if "prompt" in p and not isinstance(p["prompt"], str):
+            raise ParamError("prompt", "a prompt dict's 'prompt' must be a string")
+        ids = p.get("prompt_token_ids")
+        if "prompt_token_ids" in p and not (
+            isinstance(ids, list) and all(type(t) is int for t in ids)
+        ):
+            raise ParamError("prompt", "a prompt dict's 'prompt_token_ids' must be a list of ints")
+        return to_prompt(p.get("prompt", ids))
     raise ParamError(
         "prompt",
         f"a prompt must be a string, a list of token ids or a prompt dict, got {type(p).__name__}",
@@ -63,10 +70,18 @@ def to_prompts(prompts: Any) -> list[str | list[int]]:
     return [to_prompt(prompts)] if single else [to_prompt(p) for p in prompts]
 
 
+def _with_text_content(message: Any) -> Any:
+    if isinstance(message, dict) and isinstance(message.get("content"), list):
+        return {**message, "content": content_text(message["content"])}
+    return message
+
+
 class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
         """`engine_args`: every `pagedkv serve` option with underscores, or vLLM's name for it."""
-        self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_args))
+        config = EngineConfig.from_options(model=model, **engine_args)
+        config.note_serve_only("LLM")
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -129,6 +144,9 @@ class LLM:
             sampling_params = kwargs.pop("params")
         reject_unsupported("chat", kwargs)
         convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else messages
+        convs = [  # content parts become text, as the server's chat completions make them
+            [_with_text_content(m) for m in c] for c in convs
+        ]
         tok = self.engine.tokenizer
         ids = [
             self.engine.tokenize(

@@ -16,7 +16,7 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.plan import OffloadTiers
 from pagedkv.kvstore.offload import KVOffload
-from pagedkv.kvstore.storage import KVStorage
+from pagedkv.kvstore.storage import KVStorage, free_memory
 from pagedkv.model.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:
@@ -31,14 +31,6 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def free_device_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    import psutil
-
-    return psutil.virtual_memory().available
-
-
 def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
     """Pool size: an exact block count, else --kv-cache-memory, else a share of free memory."""
     if config.num_gpu_blocks_override is not None:
@@ -46,7 +38,7 @@ def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.devi
     elif config.kv_cache_memory is not None:
         n = config.kv_cache_memory // bytes_per_block
     else:
-        budget = int(free_device_memory(device) * config.memory_utilization)
+        budget = int((free_memory(device) or 0) * config.memory_utilization)
         if device.type == "cpu" and budget > CPU_DEFAULT_KV_CAP:
             log.info(
                 "KV pool capped at %s on CPU; pass --kv-cache-memory for more",

@@ -25,11 +25,13 @@ Swap space is simply another KVStorage on the CPU (`read_blocks` of one feeds
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from pagedkv import cpu_memory
-from pagedkv.config import ConfigError
+from pagedkv.config import ConfigError, format_size
 from pagedkv.kvstore.quant import FORMATS, SCALE_DTYPE, QuantizedCache
 
 _DTYPE_NAMES = {
@@ -50,6 +52,17 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
             f"KV cache dtype {dtype!r} is not supported (use {', '.join(_DTYPE_NAMES)})"
         )
     return _DTYPE_NAMES[dtype]
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on `device` (None where it cannot be asked)."""
+    if device.type == "cpu":
+        import psutil
+
+        return psutil.virtual_memory().available
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return None
 
 
 def _ids(ids: list[int] | Tensor, device: torch.device) -> Tensor:
@@ -78,10 +91,7 @@ class KVStorage:
         self.device = torch.device(device)
         self.quant = FORMATS.get(self.dtype)
         shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
-        if self.device.type == "cpu":  # decode reads it in 4 KiB runs: 2 MiB pages spare TLB misses
-            self.data = cpu_memory.zeros(*shape, dtype=self.dtype)
-        else:
-            self.data = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.data = self._allocate(shape)
         self.scales: Tensor | None = None
         # Block moves are byte copies: float8 has no index_copy_ on CPU, its uint8 view does.
         self._raw = self.data
@@ -91,6 +101,24 @@ class KVStorage:
             )
             self._raw = self.data.view(torch.uint8)
         self.kv_caches: list[tuple] = [self.layer(i) for i in range(num_layers)]
+
+    def _allocate(self, shape: tuple[int, ...]) -> Tensor:
+        """The zeroed pool; one that cannot fit is a ConfigError naming the sizes, not an
+        allocator's traceback (or, on CPU, an OOM kill while zeroing what overcommit granted)."""
+        need = math.prod(shape) * self.dtype.itemsize
+        free = free_memory(self.device)
+        too_big = f"{format_size(need)} of KV blocks ({self.num_blocks} blocks) on {self.device}"
+        hint = "give --kv-cache-memory, --swap-space or --kv-offload-host-memory less"
+        if free is not None and need > free:
+            raise ConfigError(f"{too_big} exceed its {format_size(free)} of free memory: {hint}")
+        try:
+            if (
+                self.device.type == "cpu"
+            ):  # decode reads it in 4 KiB runs: 2 MiB pages spare TLB misses
+                return cpu_memory.zeros(*shape, dtype=self.dtype)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise ConfigError(f"{too_big} could not be allocated ({e}): {hint}") from None
 
     def layer(self, i: int) -> tuple[Tensor, Tensor] | tuple[QuantizedCache, QuantizedCache]:
         """(k_cache, v_cache) of layer i, each [num_blocks, num_kv_heads, block_size, head_dim]."""

@@ -82,7 +82,7 @@ def json_list(flag: str, value: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
-    if args.shutdown_timeout < 0:
+    if not args.shutdown_timeout >= 0:  # nan too (uvicorn would fail on it at SIGTERM)
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.routing and args.data_parallel_size == 1 and not args.ray_address:
         raise ConfigError("--routing chooses among replicas: give --data-parallel-size N (N > 1)")
@@ -93,12 +93,18 @@ def run(args: argparse.Namespace) -> int:
         "allow_credentials": args.allow_credentials,
     }
     config = engine_config_from_args(args)
-    from pagedkv.server.app import serve  # late: keeps `pagedkv --help` free of torch
+    replicated = config.data_parallel_size != 1 or bool(args.ray_address)
+    if replicated:  # checked before anything loads
+        from pagedkv.server.ray_launch import serve_logging
+
+        serve_logs = serve_logging(args.uvicorn_log_level, not args.disable_uvicorn_access_log)
+    # late: keeps `pagedkv --help` free of torch
+    from pagedkv.server.app import CORS_DEFAULTS, serve
 
     print(
         f"pagedkv: loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True
     )
-    if config.data_parallel_size != 1 or args.ray_address:  # late: the default never imports Ray
+    if replicated:  # late: the default never imports Ray
         from pagedkv.server.ray_launch import serve_replicas
 
         replica = copy.copy(config)  # each replica is one engine
@@ -111,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
             args.ray_address,
             args.shutdown_timeout,
             args.routing or "prefix-aware",
+            cors={**CORS_DEFAULTS, **cors},
+            logging_config=serve_logs,
         )
         return 0
     return serve(

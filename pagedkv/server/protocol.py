@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from pagedkv.config import ConfigError
+from pagedkv.engine.chat import TEXT_PART_KEYS, content_text
 from pagedkv.engine.request import (
     INT64_MAX,
     MAX_LOGPROBS,
@@ -116,19 +117,10 @@ def _check_content(v: Any, info: ValidationInfo) -> str | None:
     """OpenAI content: a string or a list of parts; only text parts are supported, joined by
     newlines as vLLM's default ("string") content format joins them."""
     if isinstance(v, list):
-        texts = []
-        for part in v:
-            if not (
-                isinstance(part, dict)
-                and part.get("type") == "text"
-                and isinstance(part.get("text"), str)
-            ):
-                raise ValueError(
-                    "only text content parts ({'type': 'text', 'text': ...}) are supported"
-                )
-            note_ignored(info, "messages[].content[].", part.keys() - {"type", "text"})
-            texts.append(part["text"])
-        v = "\n".join(texts)  # as vLLM joins them for a template that takes text
+        parts = v
+        v = content_text(parts)  # a ConfigError (a ValueError) names what is wrong
+        for part in parts:
+            note_ignored(info, "messages[].content[].", part.keys() - TEXT_PART_KEYS)
     elif v is not None and not isinstance(v, str):
         raise ValueError("content must be a string or a list of text parts")
     check_text(v, "content")

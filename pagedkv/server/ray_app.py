@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 
 import ray
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -36,6 +37,8 @@ REPLICA_HEADER = (
     "x-pagedkv-replica"  # send a request to replica i (tests, debugging); answers say who served
 )
 SSE = "text/event-stream"
+# set by the ingress's CORS middleware on what it sends, so none is taken from a replica's answer
+CORS_HEADERS = (b"access-control-", b"vary")
 START_ATTEMPTS = 2  # tries to start a request while replicas are found dead
 
 
@@ -47,7 +50,9 @@ class ReplicaGone(Exception):
 class EngineReplica:
     """One engine and its FastAPI app, called through ASGI by the ingress."""
 
-    async def __init__(self, config: EngineConfig) -> None:  # type: ignore[misc]  # Serve awaits it
+    async def __init__(  # type: ignore[misc]  # Serve awaits it
+        self, config: EngineConfig, cors: dict | None = None
+    ) -> None:
         import torch
 
         torch.set_num_threads(1)  # replicas share the machine's cores
@@ -56,7 +61,7 @@ class EngineReplica:
 
         self.name = ray.get_runtime_context().get_actor_name() or "replica"
         self.pid = os.getpid()
-        self.app = build_app(AsyncLLM(config))
+        self.app = build_app(AsyncLLM(config), cors=cors)  # for a preflight that reaches it
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
 
@@ -142,17 +147,36 @@ async def _relay(stream) -> AsyncIterator[bytes]:
 class Ingress:
     """The HTTP entry: routes on the prompt's block hashes; /metrics, /v1/kv ask each replica."""
 
-    def __init__(self, engine, model: str | None, block_size: int, num_replicas: int) -> None:
+    def __init__(
+        self,
+        engine,
+        model: str | None,
+        block_size: int,
+        num_replicas: int,
+        cors: dict | None = None,
+    ) -> None:
         from pagedkv.model.loader import read_checkpoint
 
         self.engine = engine.options(stream=True)
         self.tokenizer = read_checkpoint(model)[0].tokenizer
         self.block_size, self.num_replicas = block_size, num_replicas
+        self.cors = cors or {}
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """Serve's hook, called after the constructor: the app with the server's CORS options.
+
+        The ingress answers HTTP, so its CORS decides (preflights, /metrics and /v1/kv too);
+        `app` was copied when the module loaded, before the options were known. Without
+        options CORSMiddleware allows no origin."""
+        # this replica's own copy of `app`, not yet started; Serve's ingress wrapper sets it
+        ingress_app: FastAPI = self.app  # type: ignore[attr-defined]
+        ingress_app.add_middleware(CORSMiddleware, **self.cors)
+        return ingress_app
 
     def route_key(self, request: Request, body: bytes) -> RouteKey:
         """The prompt's block hashes (none for a body we cannot read: the replica will say why)."""
         wanted = request.headers.get(REPLICA_HEADER)
-        if wanted is not None and wanted.isdigit():
+        if wanted is not None and wanted.isascii() and wanted.isdigit():
             return RouteKey(replica=int(wanted))
         try:
             data = json.loads(body) if body else {}
@@ -263,7 +287,9 @@ class Ingress:
         except ReplicaGone as e:
             return _error(503, str(e))
         headers = {
-            k.decode(): v.decode() for k, v in head["headers"] if k.lower() != b"content-length"
+            k.decode(): v.decode()
+            for k, v in head["headers"]
+            if k.lower() != b"content-length" and not k.lower().startswith(CORS_HEADERS)
         }
         headers[REPLICA_HEADER] = head["replica"]
         if not headers.get("content-type", "").startswith(SSE):
@@ -280,8 +306,11 @@ def build(
     num_replicas: int,
     shutdown_timeout: float = 30.0,
     routing: str = "prefix-aware",
+    cors: dict | None = None,
 ):
-    """The Serve application: N engine replicas behind the ingress, routed by `routing`."""
+    """The Serve application: N engine replicas behind the ingress, routed by `routing`.
+
+    `cors` holds CORSMiddleware's options, complete (the ingress adds no defaults)."""
     # ray's pydantic-v1 model is seen as taking dicts; the field is Union[str, Callable]
     router = RequestRouterConfig(
         request_router_class=PagedKVRouter,  # type: ignore[arg-type]
@@ -293,7 +322,7 @@ def build(
         ray_actor_options={"num_cpus": 1},
         graceful_shutdown_timeout_s=shutdown_timeout,
         request_router_config=router,
-    ).bind(config)
+    ).bind(config, cors)
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(  # type: ignore[attr-defined]
-        engine, config.model, config.block_size, num_replicas
+        engine, config.model, config.block_size, num_replicas, cors
     )

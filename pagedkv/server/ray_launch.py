@@ -34,6 +34,16 @@ def _init_ray(ray, num_replicas: int, ray_address: str | None) -> None:
         raise ConfigError(f"--ray-address {ray_address}: cannot join: {e}") from None
 
 
+def serve_logging(log_level: str, access_log: bool) -> dict:
+    """Ray Serve's logging options for uvicorn's flags: its proxy, not uvicorn, answers HTTP
+    here. Python's logging (so Serve's) has no uvicorn "trace"."""
+    if log_level == "trace":
+        raise ConfigError(
+            "--uvicorn-log-level trace is uvicorn's own level; Ray Serve's logs go down to debug"
+        )
+    return {"log_level": log_level.upper(), "enable_access_log": access_log}
+
+
 def serve_replicas(
     config: EngineConfig,
     host: str,
@@ -42,7 +52,10 @@ def serve_replicas(
     ray_address: str | None,
     shutdown_timeout: float,
     routing: str = "prefix-aware",
+    cors: dict | None = None,
+    logging_config: dict | None = None,
 ) -> None:
+    """`cors`: CORSMiddleware's options, complete; `logging_config`: `serve_logging`'s."""
     if num_replicas < 1:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {num_replicas}")
     if port == 0:
@@ -64,9 +77,12 @@ def serve_replicas(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={"host": host, "port": port}, logging_config=logging_config)
         serve.run(
-            build(config, num_replicas, shutdown_timeout, routing), name=APP_NAME, route_prefix="/"
+            build(config, num_replicas, shutdown_timeout, routing, cors),
+            name=APP_NAME,
+            route_prefix="/",
+            logging_config=logging_config,
         )
         replicas = f"{num_replicas} Ray Serve replica{'s' if num_replicas > 1 else ''}"
         print(

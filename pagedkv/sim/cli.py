@@ -10,7 +10,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from pagedkv.config import format_size, parse_size
+from pagedkv.config import ConfigError, format_size, parse_size
 from pagedkv.sim.simulate import (
     DEFAULT_POLICIES,
     SimResult,
@@ -24,6 +24,15 @@ from pagedkv.sim.trace import OUTPUT_CAP, TraceRequest, generate_trace, load_tra
 
 if TYPE_CHECKING:
     from pagedkv.sim.dynamic import DynamicResult
+
+# the defaults of the flags only a replay over time reads (--dynamic; --arrival-rate also
+# --replicas), and of those only --replicas reads: a flag set where it is not read is refused
+DYNAMIC_ONLY = {"arrival_rate": 0.0, "shared_prefix": 0, "no_prefix_caching": False}
+REPLICAS_ONLY = {
+    "routing": "round-robin,least-loaded,prefix-aware",
+    "tenants": 8,
+    "requests_per_replica": 100,
+}
 
 
 def add_parser(subparsers) -> None:
@@ -73,13 +82,13 @@ def _add_dynamic_args(dyn: argparse._ArgumentGroup) -> None:
     dyn.add_argument(
         "--arrival-rate",
         type=float,
-        default=0.0,
+        default=DYNAMIC_ONLY["arrival_rate"],
         help="Poisson arrivals per step (0: every request arrives at step 0)",
     )
     dyn.add_argument(
         "--shared-prefix",
         type=int,
-        default=0,
+        default=DYNAMIC_ONLY["shared_prefix"],
         help="tokens of system prompt every request shares (exercises prefix caching)",
     )
     dyn.add_argument(
@@ -95,13 +104,18 @@ def _add_replica_args(rep: argparse._ArgumentGroup) -> None:
     )
     rep.add_argument(
         "--routing",
-        default="round-robin,least-loaded,prefix-aware",
+        default=REPLICAS_ONLY["routing"],
         help="comma list of round-robin, least-loaded, prefix-aware",
     )
     rep.add_argument(
-        "--tenants", type=int, default=8, help="tenants, each with its own long system prompt"
+        "--tenants",
+        type=int,
+        default=REPLICAS_ONLY["tenants"],
+        help="tenants, each with its own long system prompt",
     )
-    rep.add_argument("--requests-per-replica", type=int, default=100)
+    rep.add_argument(
+        "--requests-per-replica", type=int, default=REPLICAS_ONLY["requests_per_replica"]
+    )
 
 
 def load_requests(args: argparse.Namespace) -> list[TraceRequest]:
@@ -198,7 +212,23 @@ def run_dynamic(args: argparse.Namespace, trace: list[TraceRequest]) -> int:
     return 0
 
 
+def _set(args: argparse.Namespace, defaults: dict) -> list[str]:
+    """The flags among `defaults` that the command line set (nan differs from any default)."""
+    return [f"--{k.replace('_', '-')}" for k, v in defaults.items() if getattr(args, k) != v]
+
+
+def check_mode_flags(args: argparse.Namespace) -> None:
+    """Refuse a --dynamic or --replicas flag given without it: it would be ignored."""
+    if args.replicas is not None:
+        return  # the replicas replay refuses what it does not read itself
+    if given := _set(args, REPLICAS_ONLY):
+        raise ConfigError(f"{', '.join(given)} without --replicas would be ignored: add it")
+    if not args.dynamic and (given := _set(args, DYNAMIC_ONLY)):
+        raise ConfigError(f"{', '.join(given)} without --dynamic would be ignored: add it")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_mode_flags(args)
     if args.replicas is not None:
         from pagedkv.sim.replicas import run_cli
 
