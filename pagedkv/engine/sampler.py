@@ -3,7 +3,8 @@
 Everything is vectorised over the batch; per-row work is limited to building
 small index tensors. Each sample draws from its own random stream (one
 uniform number per token, inverse-CDF), so a seeded request gives the same
-tokens alone or in any batch.
+tokens alone or in any batch, given the same logits: exact in float32; in bfloat16 a batch's
+other matmul shapes round the logits differently and can flip a near-tie (as in vLLM).
 """
 
 from __future__ import annotations

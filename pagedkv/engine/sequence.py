@@ -31,7 +31,7 @@ class Sequence:
     group: SequenceGroup
     token_ids: list[int]  # prompt + output so far
     num_prompt_tokens: int
-    rng: random.Random  # per sample, so a seed gives the same output alone or in a batch
+    rng: random.Random  # per sample: a seed draws the same alone or in a batch (see sampler.py)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     text: str = ""  # detokenized output
