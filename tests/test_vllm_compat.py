@@ -208,6 +208,13 @@ def test_generate_takes_the_models_defaults_and_fails_loudly(tiny_model_dir, tmp
         return len(json.loads(r.stdout)["output_token_ids"])
 
     assert count() == 3
+    r = cli(*base, "--max-tokens", "1", "--block-size", "4")
+    out = json.loads(r.stdout)
+    prompt = len(out["prompt_token_ids"])  # one step: its K/V is the prompt's, 4 tokens a block
+    assert (out["kv"]["tokens_held_peak"], out["kv"]["blocks_used_peak"]) == (
+        prompt,
+        -(-prompt // 4),
+    )
     assert count("--max-tokens", "5") == 5
     assert count("--generation-config", "vllm") == 64
     r = subprocess.run(
