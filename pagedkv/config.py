@@ -104,6 +104,11 @@ def default_model_path() -> Path:
     return Path(spec.origin).parent / DEFAULT_MODEL_FILE
 
 
+def is_digits(text: str) -> bool:
+    """ASCII digits only, what int() reads: str.isdigit() also takes "²", which int() refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def require(ok: bool, message: str) -> None:
     """Raise ConfigError(message) unless ok: one line per rule keeps validation readable."""
     if not ok:

@@ -72,13 +72,13 @@ def run(args: argparse.Namespace) -> int:
         for o in engine.step():
             out = o
     assert out is not None  # the loop ran until the request finished
+    if out.error:  # the request failed in the engine: no output to show, and not a success
+        print(f"pagedkv generate: error: {out.error}", file=sys.stderr)
+        return 1
     # the last step's K/V (all but the last token) was freed inside that step: count it too
     held = len(out.prompt_token_ids or []) + len(out.outputs[0].token_ids) - 1
     bs = engine.kv.block_size
     peak_tokens, peak_slots = max(peak_tokens, held), max(peak_slots, -(-held // bs) * bs)
-    if out.error:  # the request failed in the engine: no output to show, and not a success
-        print(f"pagedkv generate: error: {out.error}", file=sys.stderr)
-        return 1
     if not args.json:
         print(out.outputs[0].text)
         return 0

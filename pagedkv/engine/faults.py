@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedkv.config import ConfigError
+from pagedkv.config import ConfigError, is_digits
 from pagedkv.engine.sequence import SequenceGroup
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class FaultInjector:
             return None
         stage, _, marker = spec.partition(":")
         marker, _, after = marker.partition(":")
-        if after and not (after.isascii() and after.isdigit()):
+        if after and not is_digits(after):
             raise ConfigError(f"{ENV}: AFTER must be a number of tokens, got {after!r}")
         return cls(stage, marker, tokenizer, int(after or 0))
 

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv.config import ConfigError
+from pagedkv.config import ConfigError, is_digits
 
 # Limits on what one request may ask for; the server's request models reuse them.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch and numpy can hold: seeds, top_k, counts
@@ -266,9 +266,7 @@ class SamplingParams:
         top = INT64_MAX if vocab_size is None else vocab_size - 1
 
         def token_id(param: str, t: Any) -> int:
-            if (
-                isinstance(t, str) and t.isascii() and t.isdigit() and len(t) <= 19
-            ):  # JSON object keys are strings
+            if isinstance(t, str) and is_digits(t) and len(t) <= 19:  # JSON keys are strings
                 t = int(t)
             _need(
                 type(t) is int and 0 <= t <= top,

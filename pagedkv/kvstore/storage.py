@@ -112,9 +112,7 @@ class KVStorage:
         if free is not None and need > free:
             raise ConfigError(f"{too_big} exceed its {format_size(free)} of free memory: {hint}")
         try:
-            if (
-                self.device.type == "cpu"
-            ):  # decode reads it in 4 KiB runs: 2 MiB pages spare TLB misses
+            if self.device.type == "cpu":  # read in 4 KiB runs: 2 MiB pages spare TLB misses
                 return cpu_memory.zeros(*shape, dtype=self.dtype)
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError

@@ -33,7 +33,7 @@ import time
 import torch
 from torch import Tensor, nn
 
-from pagedkv.config import ConfigError, format_size
+from pagedkv.config import ConfigError, format_size, is_digits
 from pagedkv.model.calibration_cache import cached, machine_key
 from pagedkv.model.dtype_choice import MIN_BYTES
 from pagedkv.model.prepacked import dense_form, supported
@@ -55,7 +55,7 @@ def fixed_rows() -> int | None:
     value = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if value == "auto":
         return None
-    if not (value.isascii() and value.isdigit()):
+    if not is_digits(value):
         raise ConfigError(
             f"{ENV} must be auto, 0 (packed weights only) or a row count, got {value!r}"
         )

@@ -12,6 +12,7 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedkv.config import is_digits
 from pagedkv.server.errors import APIError, error_response
 
 MAX_BODY_BYTES = 8 * 2**20
@@ -32,9 +33,7 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         length = Headers(scope=scope).get("content-length")
-        if length is not None and (
-            not (length.isascii() and length.isdigit()) or int(length) > self.max_bytes
-        ):
+        if length is not None and (not is_digits(length) or int(length) > self.max_bytes):
             await error_response(self._too_large())(scope, receive, send)
             return
         seen = 0

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from pagedkv.config import EngineConfig
+from pagedkv.config import EngineConfig, is_digits
 from pagedkv.routing import prompt_block_hashes
 from pagedkv.server.aggregate import merge_kv, merge_metrics
 from pagedkv.server.errors import error_body
@@ -176,7 +176,7 @@ class Ingress:
     def route_key(self, request: Request, body: bytes) -> RouteKey:
         """The prompt's block hashes (none for a body we cannot read: the replica will say why)."""
         wanted = request.headers.get(REPLICA_HEADER)
-        if wanted is not None and wanted.isascii() and wanted.isdigit():
+        if wanted is not None and is_digits(wanted):
             return RouteKey(replica=int(wanted))
         try:
             data = json.loads(body) if body else {}

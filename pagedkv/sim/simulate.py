@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from pagedkv.config import ConfigError, parse_size
+from pagedkv.config import ConfigError, is_digits, parse_size
 from pagedkv.sim.trace import TraceRequest
 
 DEFAULT_POLICIES = ("reserve-max", "reserve-output", "paged:16", "paged:256")
@@ -43,7 +43,7 @@ def parse_policy(text: str) -> Policy:
     if name in RESERVATION_KINDS:
         return Policy(name)
     kind, _, size = name.partition(":")
-    if kind == "paged" and size.isascii() and size.isdigit() and int(size) >= 1:
+    if kind == "paged" and is_digits(size) and int(size) >= 1:
         return Policy("paged", int(size))
     raise ConfigError(
         f"unknown policy {text!r} (use reserve-max, reserve-output or paged:B with B >= 1)"
