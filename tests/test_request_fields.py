@@ -139,6 +139,32 @@ def test_echo_with_logprobs_scores_the_prompt_too(client, tok):
     assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, tok):
+    """The legacy way to score text (lm-evaluation-harness): the prompt back with its logprobs,
+    nothing generated; the same scores as when a token is generated after it."""
+    n_prompt = len(tok.encode(PROMPT))
+    r = complete(client, echo=True, logprobs=2, max_tokens=0)
+    (choice,) = r.choices
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == n_prompt and choice.logprobs.token_logprobs[0] is None
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == n_prompt
+    longer = complete(client, echo=True, logprobs=2, max_tokens=1).choices[0].logprobs
+    assert choice.logprobs.token_logprobs == longer.token_logprobs[:n_prompt]
+    assert choice.logprobs.top_logprobs == longer.top_logprobs[:n_prompt]
+    # n choices and token-id prompts alike; streamed: the prompt, then an empty finishing chunk
+    ids = tok.encode(PROMPT)
+    two = complete(client, prompt=[ids, ids], echo=True, max_tokens=0, n=2)
+    assert [c.text for c in two.choices] == [tok.decode(ids)] * 4
+    chunks = list(complete(client, echo=True, max_tokens=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # without echo there is nothing to return; min_tokens cannot be met
+    for kw in ({}, {"min_tokens": 1, "echo": True}):
+        with pytest.raises(openai.BadRequestError) as err:
+            complete(client, max_tokens=0, **kw)
+        assert err.value.body["param"] == ("min_tokens" if kw else "max_tokens")
+
+
 def test_chat_echo_prepends_the_last_assistant_message(client):
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well,"}]
     plain = chat(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 from pydantic import BaseModel
@@ -24,6 +24,25 @@ from pagedkv.server.response_format import (
 class CompletionFormat(ResponseFormat):
     echo: list[str] | None = None  # per prompt: the text shown before its choices' output
     n: int = 1
+    echo_only: bool = False  # max_tokens 0: the prompt is scored; its one sampled token is hidden
+
+    def shown(self, out: RequestOutput) -> RequestOutput:
+        if not self.echo_only:
+            return out
+        hidden = [
+            replace(
+                o,
+                text="",
+                token_ids=[],
+                sample_logprobs=None if o.sample_logprobs is None else [],
+                cumulative_logprob=None,
+                logprobs=None,
+                finish_reason="length" if o.finished() else None,
+                stop_reason=None,
+            )
+            for o in out.outputs
+        ]
+        return replace(out, outputs=hidden)
 
     def _echo(self, index: int) -> str:
         return self.echo[index // self.n] if self.echo else ""

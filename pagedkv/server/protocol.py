@@ -241,11 +241,17 @@ class CompletionRequest(_SamplingRequest):
     prompt: Annotated[
         list[Prompt], BeforeValidator(_check_prompt, json_schema_input_type=PromptInput)
     ]
-    max_tokens: Count | None = 16
+    # 0 with echo: score the prompt only (its prompt logprobs), as OpenAI's legacy API and vLLM
+    max_tokens: Annotated[Int64, doc(minimum=0)] | None = 16
     logprobs: NumLogprobs | None = None
     best_of: Count | None = None
     suffix: SafeStr | None = None
     add_special_tokens: bool = True
+
+    @property
+    def echo_only(self) -> bool:
+        """The prompt alone comes back (with its logprobs when asked): nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     def sampling_params(self) -> SamplingParams:
         if self.stream and self.echo and self.logprobs is not None:
@@ -254,7 +260,16 @@ class CompletionRequest(_SamplingRequest):
             raise ParamError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of", "best_of other than n is not supported")
-        params = self._params(self.max_tokens, self.logprobs)
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise ParamError(
+                    "max_tokens",
+                    "max_tokens must be at least 1, or 0 with echo to score the prompt",
+                )
+            if self.min_tokens:
+                raise ParamError("min_tokens", "min_tokens must be 0 when max_tokens is 0")
+        # echo_only: the engine samples one token, which the response leaves out
+        params = self._params(1 if self.echo_only else self.max_tokens, self.logprobs)
         if self.echo and self.logprobs is not None:  # the echoed prompt's tokens get logprobs too
             params.prompt_logprobs = max(params.prompt_logprobs or 0, self.logprobs)
         return params

@@ -86,6 +86,10 @@ class ResponseFormat(ABC):
         """Chunks sent before any token (chat announces the assistant role)."""
         return []
 
+    def shown(self, out: RequestOutput) -> RequestOutput:
+        """What the client gets of an engine output: all of it, but for a scored prompt."""
+        return out
+
     @abstractmethod
     def chunk(self, d: Delta) -> BaseModel | None:
         """One stream chunk for `d`, or None when it holds nothing to send yet."""

@@ -46,6 +46,14 @@ def request_id(prefix: str, given: str | None) -> str:
     return f"{prefix}-{given if given else uuid.uuid4().hex}"
 
 
+async def _shown(
+    fmt: ResponseFormat, outputs: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[RequestOutput, None]:
+    async with aclosing(outputs) as each:
+        async for out in each:
+            yield fmt.shown(out)
+
+
 def all_final(finals: list[RequestOutput | None]) -> list[RequestOutput]:
     """Each request's final output: every stream ends with one (or raises)."""
     done = [out for out in finals if out is not None]
@@ -119,6 +127,7 @@ class OpenAIServing:
             token_decoder(tok, req.return_tokens_as_token_ids),
             echo=echo,
             n=params.n,
+            echo_only=req.echo_only,
         )
         return await self._run(request, fmt, prompts, params, req.stream, req.include_usage)
 
@@ -168,7 +177,7 @@ class OpenAIServing:
             self.engine.validate(ids, params)
         events = merge(
             [
-                self.engine.generate(ids, params, request_id=f"{fmt.id}-{i}")
+                _shown(fmt, self.engine.generate(ids, params, request_id=f"{fmt.id}-{i}"))
                 for i, ids in enumerate(prompts)
             ]
         )
