@@ -154,6 +154,23 @@ def test_chat_streamed_and_not(client):
     assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
 
 
+def test_chat_stream_ends_with_the_stop_reason(server):
+    """The last chunk says what stopped the answer, as the full response does."""
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "temperature": 0}
+    ids = server.http.post(
+        "/v1/chat/completions",
+        json={**body, "max_tokens": 6, "logprobs": True, "return_tokens_as_token_ids": True},
+    ).json()["choices"][0]["logprobs"]["content"]
+    stop = int(ids[3]["token"].removeprefix("token_id:"))
+    body |= {"max_tokens": 20, "stop_token_ids": [stop]}
+    plain = server.http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert plain["finish_reason"] == "stop" and plain["stop_reason"] == stop
+    with server.http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = [json.loads(e[6:]) for e in r.iter_lines() if e.startswith("data: {")]
+    last = [c for e in events for c in e["choices"] if c["finish_reason"]]
+    assert [(c["finish_reason"], c["stop_reason"]) for c in last] == [("stop", stop)]
+
+
 def test_chat_applies_the_template(client, tokenizer):
     messages = [{"role": "user", "content": "hi"}]
     out = client.chat.completions.create(

@@ -76,6 +76,7 @@ class ChatFormat(ResponseFormat):
                     delta=api.ChatDelta(content=text or None, tool_calls=calls or None),
                     logprobs=self.logprobs(d.logprobs),
                     finish_reason=finish,
+                    stop_reason=d.output.stop_reason if d.finished else None,
                 )
             ]
         )

@@ -103,6 +103,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # on the last chunk, as in the full response (vLLM's)
 
 
 class ChatCompletionChunk(BaseModel):
