@@ -81,11 +81,29 @@ def test_proposer_takes_the_longest_latest_suffix_match():
         '{"num_speculative_tokens": 99}',
         '{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
         '{"num_speculative_tokens": 2, "draft_model": "x"}',
+        '{"num_speculative_tokens": 2, "prompt_lookup_min": "3"}',
     ],
 )
 def test_bad_speculative_config_is_a_clear_error(bad):
     with pytest.raises(ConfigError, match="speculative-config"):
         SpeculativeConfig.parse(bad)
+
+
+@pytest.mark.parametrize(
+    "given, bounds",
+    [
+        ({}, (5, 5)),
+        ({"prompt_lookup_min": 6}, (6, 6)),
+        ({"prompt_lookup_max": 3}, (3, 3)),
+        ({"prompt_lookup_max": 3, "prompt_lookup_min": None}, (3, 3)),
+        ({"prompt_lookup_max": 4, "prompt_lookup_min": 2}, (4, 2)),
+    ],
+)
+def test_lookup_bounds_default_as_in_vllm(given, bounds):
+    """A bound left out is the other one, both left out 5 (vLLM's rule): a config vLLM takes,
+    such as prompt_lookup_min 6 alone, is not refused for a maximum nobody gave."""
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, **given})
+    assert c is not None and (c.prompt_lookup_max, c.prompt_lookup_min) == bounds
 
 
 def test_greedy_equals_plain_decoding(tiny_model_dir):

@@ -28,6 +28,7 @@ import numpy as np
 from pagedkv.config import ConfigError
 
 MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
 OFF = ("off", "none", "null", "")
 
 
@@ -74,8 +75,13 @@ class SpeculativeConfig:
                 "(only ngram)"
             )
         k = _positive_int("num_speculative_tokens", value.get("num_speculative_tokens"))
-        hi = _positive_int("prompt_lookup_max", value.get("prompt_lookup_max", 4))
-        lo = _positive_int("prompt_lookup_min", value.get("prompt_lookup_min", 1))
+        lookup = {
+            name: _positive_int(name, value[name])
+            for name in ("prompt_lookup_max", "prompt_lookup_min")
+            if value.get(name) is not None
+        }  # vLLM's defaults: a bound left out is the other one; both left out, 5
+        hi = lookup.get("prompt_lookup_max", lookup.get("prompt_lookup_min", DEFAULT_LOOKUP))
+        lo = lookup.get("prompt_lookup_min", hi)
         if k > MAX_SPECULATIVE_TOKENS:
             raise ConfigError(
                 f"--speculative-config: num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}"
