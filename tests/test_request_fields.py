@@ -106,6 +106,35 @@ def test_bad_words_are_never_completed(client, tok):
     )
 
 
+def test_allowed_token_ids_all_forbidden_is_400(client, tok):
+    """Every allowed token banned (by a one-token bad word, or as EOS/stop before min_tokens):
+    nothing could be drawn, and the sampler returned tokens outside the list with NaN logprobs."""
+    word, t = next(
+        (w, t)
+        for t in range(100, 2000)
+        if (w := tok.decode([t])).isalpha() and tok.encode(w, add_special_tokens=False) == [t]
+    )
+    eos = sorted(tok.eos_token_ids)
+    for extra in (
+        {"allowed_token_ids": [t], "bad_words": [word]},
+        {"allowed_token_ids": eos, "min_tokens": 2},
+        {"allowed_token_ids": [*eos, 300], "min_tokens": 2, "stop_token_ids": [300]},
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            complete(client, temperature=1.0, seed=0, **extra)
+        assert "allowed_token_ids" in e.value.message
+    # one token left, or EOS allowed from the start: fine
+    r = complete(
+        client,
+        allowed_token_ids=[t, 300],
+        bad_words=[word],
+        logprobs=0,
+        return_tokens_as_token_ids=True,
+    )
+    assert set(ids_of(r.choices[0])) == {300}
+    complete(client, allowed_token_ids=eos, min_tokens=2, ignore_eos=True)
+
+
 def test_completing_tokens_follows_vllm():
     assert completing_tokens([5, 6], [[7]]) == [7]  # one token: always banned
     assert completing_tokens([5, 6], [[6, 8], [5, 9]]) == [8]  # only where the rest ends the output

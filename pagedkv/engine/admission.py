@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from pagedkv.engine.logits_processors import bad_words_token_ids, completing_tokens
 from pagedkv.engine.request import ParamError, SamplingParams, shown, valid_text
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingP
         )
     if params.structured_outputs is not None:
         engine.structured.compile(params.structured_outputs)  # cached: the server compiled it
+    if params.bad_words and not params.bad_words_token_ids:
+        params.bad_words_token_ids = bad_words_token_ids(engine.tokenizer, params.bad_words)
+    _check_first_token_allowed(params, engine.tokenizer.eos_token_ids)
     if n_prompt >= engine.max_model_len:
         raise ParamError(
             "prompt",
@@ -72,3 +76,19 @@ def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingP
             f"({cap} tokens); lower max_tokens or n, or give the pool more memory",
         )
     return max_tokens
+
+
+def _check_first_token_allowed(params: SamplingParams, eos_token_ids: set[int]) -> None:
+    """allowed_token_ids that bad_words (or, before min_tokens, the stop and EOS tokens) all forbid
+    leave the first token nothing to be drawn from: the sampler would return garbage."""
+    if not params.allowed_token_ids:
+        return
+    banned = set(completing_tokens([], params.bad_words_token_ids))
+    if params.min_tokens:
+        banned |= set(params.stop_token_ids or ()) | (set() if params.ignore_eos else eos_token_ids)
+    if banned.issuperset(params.allowed_token_ids):
+        raise ParamError(
+            "allowed_token_ids",
+            "every token of allowed_token_ids is forbidden at the first step (by bad_words, or "
+            "as a stop or EOS token before min_tokens): nothing could be generated",
+        )

@@ -21,7 +21,6 @@ from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
 from pagedkv.engine.engine_stats import EngineStats, engine_stats
 from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.isolation import Failures, IsolatedForward, device_broken
-from pagedkv.engine.logits_processors import bad_words_token_ids
 from pagedkv.engine.options import apply_engine_options
 from pagedkv.engine.outputs import RequestOutput, SampleLogprob
 from pagedkv.engine.request import SamplingParams
@@ -114,8 +113,6 @@ class LLMEngine:
             raise ConfigError(f"request id {request_id!r} is already in use")
         prompt_ids = params.truncate(self.tokenize(prompt, add_special_tokens), self.max_model_len)
         max_tokens = self.validate(prompt_ids, params)
-        if params.bad_words and not params.bad_words_token_ids:
-            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         group = SequenceGroup.create(
             request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params, max_tokens
         )
