@@ -204,6 +204,34 @@ def test_min_tokens_and_logprobs(tiny_model_dir, reference):
     )
 
 
+def test_rules_that_leave_no_token_end_the_output(tiny_model_dir):
+    """allowed_token_ids [w, EOS] with min_tokens, and bad word "ww": after one w nothing may be
+    drawn. The output ends there (EOS) instead of drawing a token outside the list (NaN logprob)."""
+    llm = make_llm(tiny_model_dir)
+    tok = llm.get_tokenizer()
+    eos = min(tok.eos_token_ids)
+    word, t = next(
+        (w, t)
+        for t in range(100, 4000)
+        if (w := tok.decode([t])).isalpha()
+        and tok.encode(w + w, add_special_tokens=False) == [t, t]
+    )
+    for temperature in (0.0, 1.0):
+        p = SamplingParams(
+            temperature=temperature,
+            seed=0,
+            max_tokens=6,
+            min_tokens=4,
+            allowed_token_ids=[t, eos],
+            bad_words=[word + word],
+            logprobs=0,
+        )
+        out = llm.generate(PROMPTS[0], p, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == [t, eos] and out.finish_reason == "stop"
+        assert [lp[x].logprob for lp, x in zip(out.logprobs, out.token_ids)] == [0.0, 0.0]
+    assert_pool_clean(llm.engine)
+
+
 def test_penalties_change_output(tiny_model_dir):
     llm = make_llm(tiny_model_dir)
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -69,6 +69,24 @@ def _block_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[
                 logits[i, sorted(t for t in banned if t < logits.shape[1])] = float("-inf")
 
 
+def _end_dead_rows(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> None:
+    """A row whose rules (allowed_token_ids or a grammar, with bad_words and min_tokens) leave no
+    token ends with EOS: drawing from nothing gave a token outside the rules and a NaN logprob.
+    Only rows with a whitelist can lose every token, so only they are checked."""
+    rows = [
+        i
+        for i, s in enumerate(seqs)
+        if s.params.allowed_token_ids or s.params.structured_outputs is not None
+    ]
+    if not rows:
+        return
+    index = torch.tensor(rows)
+    dead = index[logits.index_select(0, index).amax(-1) == float("-inf")]
+    if len(dead):
+        eos = torch.tensor(sorted(eos_token_ids))
+        logits[dead[:, None], eos[None, :]] = 0.0
+
+
 def _truncate(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
@@ -133,6 +151,7 @@ class Sampler:
         apply_token_rules(logits, seqs)
         if self.structured is not None:
             self.structured.apply(logits, seqs)
+        _end_dead_rows(logits, seqs, self.eos_token_ids)
         params = [s.params for s in seqs]
         greedy = torch.tensor([p.temperature == 0.0 for p in params])
         tokens = greedy_tokens(logits)

@@ -128,10 +128,6 @@ class StructuredOutputs:
         bias = _BYTE_BIAS.index_select(0, bitmask.view(torch.uint8).view(-1).long())
         index = torch.tensor(rows)
         logits.index_add_(0, index, bias.view(len(rows), -1)[:, :vocab])  # branch-free
-        dead = index[logits.index_select(0, index).amax(-1) == float("-inf")]
-        if len(dead):  # another rule (min_tokens, bad_words) took the grammar's last tokens
-            eos = torch.tensor(sorted(self._tokenizer.eos_token_ids))
-            logits[dead[:, None], eos[None, :]] = 0.0
 
     def accept(self, seqs: list[Sequence], tokens: list[int]) -> list[bool]:
         """Advance each constrained row's matcher; True where its grammar is now complete."""
