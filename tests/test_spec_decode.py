@@ -302,3 +302,33 @@ def test_no_drafts_in_a_batch_larger_than_disable_by_batch_size(tiny_model_dir):
         tiny_model_dir, sp, {**SPEC, "disable_by_batch_size": 8}, num_gpu_blocks_override=256
     )
     assert free == ref and llm.engine.spec_stats.num_drafts > 0
+
+
+def test_disk_tier_never_gets_a_reused_block_under_a_drafts_hash(tiny_model_dir, tmp_path):
+    """Blocks that accepted drafts fill are registered after their forward, so their write-through
+    waits for the next step; if the block is evicted and reused in between (here: an abort, then
+    a prompt taking every block), the disk got the next owner's K/V under the old hash, and a
+    later request (or a restart) read it back."""
+    opts = dict(dtype="float32", block_size=4, num_gpu_blocks_override=24, speculative_config=SPEC)
+    llm = LLM(tiny_model_dir, kv_offload_dir=str(tmp_path), kv_offload_host_memory="64MiB", **opts)
+    eng = llm.engine
+    for i, prompt in enumerate(prompts(seed=1, n=8)):  # until accepted drafts fill a block
+        eng.add_request(f"s{i}", prompt, SamplingParams(temperature=0, max_tokens=30))
+        while f"s{i}" in eng.groups and not eng.kv._writes:
+            eng.step()
+        if eng.kv._writes:
+            break
+    assert eng.kv._writes, "no step left a write-through pending"
+    drafted = list(eng.groups[f"s{i}"].seqs[0].token_ids)
+    eng.abort(f"s{i}")
+    eng.add_request("other", list(range(300, 380)), SamplingParams(temperature=0, max_tokens=1))
+    while eng.has_unfinished():
+        eng.step()
+    eng.close()
+    probe = drafted[: len(drafted) // 4 * 4] + [11, 12]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    fresh = LLM(tiny_model_dir, **opts).generate([probe], sp, use_tqdm=False)[0]
+    again = LLM(tiny_model_dir, kv_offload_dir=str(tmp_path), **opts)
+    out = again.generate([probe], sp, use_tqdm=False)[0]
+    assert out.num_cached_tokens > 0
+    assert out.outputs[0].token_ids == fresh.outputs[0].token_ids

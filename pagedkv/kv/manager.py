@@ -112,6 +112,9 @@ class KVCacheManager:
             raise ValueError("block hashes made for another pool: use KVCacheManager.block_hashes")
 
     def _evicted(self, block_id: int, block_hash: BlockHash) -> None:
+        # a write-through not yet taken (a block accept_lookahead filled after its forward) would
+        # read what the block's next owner writes, under this hash
+        self._writes = [w for w in self._writes if w.block_id != block_id]
         if self.offload is not None:
             token_ids = self.pool.blocks[block_id].token_ids
             assert token_ids is not None  # set with the hash; the pool clears both after this call
@@ -138,7 +141,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (False) while any request holds device blocks."""
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        self._writes = []  # their blocks are no longer what the hashes say once reused
+        return True
 
     # ---- allocation ---------------------------------------------------------------------------
 
