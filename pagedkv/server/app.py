@@ -40,7 +40,7 @@ from pagedkv.server.middleware import (
 )
 from pagedkv.server.openapi import install_openapi, json_body
 from pagedkv.server.responses import ModelCard, ModelList
-from pagedkv.server.routes_extra import add_vllm_routes
+from pagedkv.server.routes_extra import add_vllm_routes, is_serving
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.validation import IGNORED, checked, load_json_object
 
@@ -140,7 +140,7 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        if not request.app.state.ready or engine.error is not None:
+        if not is_serving(request, engine):
             raise APIError(503, "the engine is not running")
         return JSONResponse({"status": "ok"})
 
