@@ -130,6 +130,9 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         (["--uvicorn-log-level", "loud"], "--uvicorn-log-level"),
         (["--api-key", ""], "--api-key is empty"),  # `--api-key "$KEY"` with KEY unset
         (["--api-key", " "], "--api-key is empty"),
+        (["--api-key", "key "], "--api-key must be printable ASCII"),  # a header drops the space
+        (["--api-key", "clé"], "--api-key must be printable ASCII"),
+        (["--api-key", "a\nb"], "--api-key must be printable ASCII"),
         (["--kv-cache-mem", "1GiB"], "unrecognized arguments: --kv-cache-mem"),  # no abbreviations
         (["--kv-offload-dir", ""], "--kv-offload-dir needs a folder"),
         (["--kv-offload-disk-size", "1GiB"], "needs --kv-offload-dir"),
