@@ -180,6 +180,7 @@ def add_simulate_route(app: FastAPI) -> None:
 
     @app.get("/v1/simulate")
     async def simulate(
+        request: Request,
         kv_memory: str = Query("64GiB", max_length=32),
         bytes_per_token: int = Query(131072, ge=1, le=INT64_MAX),
         max_model_len: int = Query(8192, ge=1, le=INT64_MAX),
@@ -189,6 +190,13 @@ def add_simulate_route(app: FastAPI) -> None:
         policies: str = Query("reserve-max,reserve-output,paged:16,paged:256", max_length=128),
     ) -> JSONResponse:
         """The seeds' experiment, computed exactly as `pagedkv simulate --json` does."""
+        known = {p.alias for p in request.scope["route"].dependant.query_params}
+        if unknown := sorted(set(request.query_params) - known):  # a typo must not pass unseen
+            raise APIError(
+                400,
+                f"unknown query parameter {unknown[0]!r} (known: {', '.join(sorted(known))})",
+                param=unknown[0],
+            )
         from pagedkv.sim.cli import load_requests
         from pagedkv.sim.simulate import parse_policies, pool_tokens_for
         from pagedkv.sim.simulate import simulate as run_simulation
