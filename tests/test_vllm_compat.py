@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -152,6 +153,17 @@ def test_bad_values_exit_2(args, message):
     progress = ("pagedkv: note:", "pagedkv: loading")  # what a start prints before it fails
     errors = [line for line in r.stderr.splitlines() if not line.startswith(progress)]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in r.stderr
+
+
+def test_an_address_it_cannot_listen_on_exits_2_before_the_model_loads(tiny_model_dir):
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # a second `pagedkv serve`, say
+        port = str(taken.getsockname()[1])
+        for host, message in (("127.0.0.1", "Address already in use"), ("999.1.1.1", "")):
+            r = cli("serve", tiny_model_dir, "--host", host, "--port", port, timeout=60)
+            assert r.returncode == 2, r.stderr
+            errors = [line for line in r.stderr.splitlines() if "loading" not in line]
+            assert errors == [errors[0]] and f"cannot listen on --host {host}" in errors[0]
+            assert message in errors[0] and "Started server process" not in r.stderr
 
 
 def test_help_shows_vllm_names():

@@ -14,6 +14,7 @@ import asyncio
 import copy
 import logging
 import re
+import socket
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -26,7 +27,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
-from pagedkv.config import EngineConfig
+from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.request import INT64_MAX, INT64_MIN
 from pagedkv.server import protocol as api
 from pagedkv.server.errors import APIError, install_error_handlers
@@ -231,6 +232,8 @@ class GracefulServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if sockets is not None:  # uvicorn says where it runs only of the sockets it binds itself
+            self._log_started_message(sockets)
         for server in self.servers:
             for sock in server.sockets:
                 host, port = sock.getsockname()[:2]
@@ -272,6 +275,19 @@ class GracefulServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The server's address, bound (as uvicorn binds it) but not yet listening, so that a client
+    is refused while the model loads; ConfigError (exit code 2) if it cannot be had."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on --host {host} --port {port}: {e.strerror}") from None
+    return sock
+
+
 def serve(
     config: EngineConfig,
     host: str = "127.0.0.1",
@@ -285,6 +301,7 @@ def serve(
     stops on an error (exit code 1, for a supervisor to restart the server)."""
     from pagedkv.engine.async_engine import AsyncLLM
 
+    sock = bind(host, port)  # before the model loads: an address in use fails at once
     engine = AsyncLLM(config)
     app = build_app(engine, cors=cors)
     log_config = copy.deepcopy(
@@ -305,5 +322,5 @@ def serve(
         # annotated int, but uvicorn only hands it to asyncio.wait_for, which takes a float
         timeout_graceful_shutdown=shutdown_timeout + 10,  # type: ignore[arg-type]
     )
-    GracefulServer(uv_config, engine, shutdown_timeout).run()
+    GracefulServer(uv_config, engine, shutdown_timeout).run(sockets=[sock])
     return 1 if engine.error is not None else 0
