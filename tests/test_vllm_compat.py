@@ -717,6 +717,29 @@ def test_async_engine(tiny_model_dir, llm):
     )
 
 
+def test_a_slow_reader_gets_the_latest_output_not_a_backlog(tiny_model_dir):
+    """Outputs are cumulative: one not yet read is replaced by the next, as in vLLM, so a reader
+    that lags (a slow client, a busy event loop) costs memory linear in the output, not one copy
+    of it per token."""
+
+    async def main() -> list:
+        engine = AsyncLLMEngine.from_engine_args(
+            AsyncEngineArgs(model=tiny_model_dir, dtype="float32", num_gpu_blocks_override=64)
+        )
+        p = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+        outs = engine.generate("The quick brown fox", p, request_id="slow")
+        first = await anext(outs)
+        while engine._llm.engine.has_unfinished():  # the whole answer, unread
+            await asyncio.sleep(0.01)
+        rest = [out async for out in outs]
+        await engine.shutdown()
+        return [first, *rest]
+
+    first, *rest = asyncio.run(main())
+    assert len(rest) == 1 and rest[0].finished and len(rest[0].outputs[0].token_ids) == 40
+    assert len(rest[0].outputs[0].logprobs) == 40 and not first.finished
+
+
 def test_tensor_parallel_size_that_does_not_divide_the_heads_exits_2():
     r = cli("serve", "-tp", "2")  # the default model has 9 attention heads
     assert r.returncode == 2, r.stderr
