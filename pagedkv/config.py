@@ -78,6 +78,7 @@ ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")  # False 
 PARALLEL_SIZES = (
     "pipeline_parallel_size",
 )  # tensor: distributed/; data: serve --data-parallel-size
+_HEADER_VALUE = re.compile(r"[!-~]([ -~]*[!-~])?")  # what `Authorization: Bearer KEY` carries
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:i?q\d\w*|b?f16|f32|fp16|bf16)$", re.IGNORECASE)
 TOOL_CALL_PARSERS = ("hermes",)
 QUANTIZATIONS = ("none", "int8", "gguf")  # weights; None = gguf for a GGUF file on CPU, else none
@@ -352,6 +353,11 @@ class EngineConfig:
         need(  # `--api-key "$KEY"` with KEY unset must not start a server open to everyone
             self.api_key is None or self.api_key.strip() != "",
             "--api-key is empty: give a key, or leave the flag out to serve without one",
+        )
+        need(  # a key no HTTP header can carry (clients refuse to send it) would let nobody in
+            self.api_key is None or _HEADER_VALUE.fullmatch(self.api_key) is not None,
+            "--api-key must be printable ASCII with no leading or trailing space: "
+            "clients send it in an HTTP header",
         )
         need(
             type(self.seed) is int and -(2**63) <= self.seed < 2**64,

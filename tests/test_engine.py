@@ -297,12 +297,15 @@ def test_abort_returns_every_block(tiny_model_dir):
     for _ in range(3):
         engine.step()
     assert engine.kv.stats().used > 0
-    for i in range(len(PROMPTS)):
-        out = engine.abort(f"r{i}")
+    engine.add_request("never-run", "an abandoned prompt", SamplingParams(max_tokens=5))
+    for i in [*range(len(PROMPTS)), "never-run"]:
+        out = engine.abort(f"r{i}" if isinstance(i, int) else i)
         assert out.finished and all(
             c.finish_reason in ("abort", "length", "stop") for c in out.outputs
         )
     assert_pool_clean(engine)
+    # /metrics' prompt_tokens_total, as vLLM's: the prompts prefilled, not one abandoned before
+    assert engine.prompt_tokens_total == sum(len(engine.tokenize(p)) for p in PROMPTS)
 
 
 @pytest.mark.parametrize("policy", ["reserve-max", "reserve-output"])

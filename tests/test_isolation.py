@@ -322,10 +322,11 @@ def test_http_an_engine_failure_fails_everyone_and_exits(tiny_model_dir, monkeyp
         assert status == 503
         assert_openai_error(payload, 503)
 
-        try:  # unhealthy until it is gone
-            assert srv.http.get("/health").status_code == 503
-        except httpx.TransportError:
-            pass
+        for method, path in (("GET", "/ping"), ("HEAD", "/health"), ("GET", "/health")):
+            try:  # unhealthy until it is gone, by every probe a load balancer may use
+                assert srv.http.request(method, path).status_code == 503, (method, path)
+            except httpx.TransportError:
+                pass
         assert srv.proc.wait(60) == 1
         assert "the engine loop stopped" in srv.output()
 

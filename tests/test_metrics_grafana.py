@@ -128,3 +128,26 @@ def test_request_metrics_have_vllms_meaning(server):
         and info.labels["block_size"] == "16"
         and info.labels["num_gpu_blocks"] == "128"
     )
+
+
+def test_inter_token_latency_is_one_gap_per_step(server):
+    """As vLLM: the tokens of one step (a token and its accepted drafts) are one gap, not zeros."""
+    before = scrape(server)
+    done = server.openai().completions.create(
+        model="tiny",
+        prompt=[7] * 12,  # with token 7 forced, every n-gram draft is accepted
+        max_tokens=20,
+        temperature=0,
+        logit_bias={"7": 100},
+        extra_body={"ignore_eos": True},
+    )
+    server.wait_idle()
+    after = scrape(server)
+
+    def delta(name: str) -> float:
+        return total(after, name) - total(before, name)
+
+    assert done.usage.completion_tokens == 20
+    assert delta("spec_decode_num_accepted_tokens_total") > 0
+    steps = delta("iteration_tokens_total_count")  # it ran alone: a prefill, then decodes
+    assert delta("inter_token_latency_seconds_count") == steps - 1

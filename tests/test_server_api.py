@@ -322,6 +322,9 @@ def test_simulate_endpoint_is_the_cli_arithmetic(server):
     )
     bad = server.http.get("/v1/simulate", params={"policies": "paged:0"})
     assert bad.status_code == 400 and "policy" in bad.json()["error"]["message"]
+    # a misspelt parameter is named, not answered with the defaults' figures
+    typo = server.http.get("/v1/simulate", params={"request": 5, "kv_memory": "1GiB"})
+    assert typo.status_code == 400 and typo.json()["error"]["param"] == "request"
 
 
 # ---------------------------------------------------------------- bad input

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
+from server_process import REPO
 from tiny_model import make_tiny_model
 
 from pagedkv import LLM, SamplingParams
@@ -129,3 +133,57 @@ def test_bench_runs_tp2_twice(tmp_path_factory):
         finally:
             engine.close()
     assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+
+
+# rank 0 spawns its worker as TensorParallelGroup does, then is killed before it joins the group
+LOST_RANK_0 = """
+    import os, sys, time
+    import torch.multiprocessing as mp
+    from pagedkv.config import EngineConfig
+    from pagedkv.distributed.group import _worker_main
+    config = EngineConfig(model=sys.argv[1], tensor_parallel_size=2, dtype="float32")
+    init = "file://" + os.path.join(sys.argv[2], "rendezvous")
+    worker = mp.get_context("spawn").Process(
+        target=_worker_main, args=(1, 2, init, config, os.getpid()), daemon=True
+    )
+    worker.start()
+    print(worker.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_worker_leaves_when_rank_0_dies_before_the_ranks_meet(tmp_path_factory):
+    """kill -9 (or the OOM killer) on rank 0 at any moment leaves no worker waiting out the
+    collectives' 10-minute timeout."""
+    path = make_tiny_model(tmp_path_factory.mktemp("tp") / "m", heads=4, kv_heads=2)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    code = textwrap.dedent(LOST_RANK_0)
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", code, path, str(tmp_path_factory.mktemp("rdv"))],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert rank0.stdout is not None
+        worker = int(rank0.stdout.readline())
+        time.sleep(5)  # it waits for rank 0 in init_process_group
+        assert os.path.exists(f"/proc/{worker}")
+    finally:
+        rank0.kill()
+        rank0.wait()
+    deadline = time.monotonic() + 20
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _running(worker):
+        os.kill(worker, signal.SIGKILL)
+        pytest.fail("the worker outlived rank 0")
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

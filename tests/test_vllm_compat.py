@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +131,9 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         (["--uvicorn-log-level", "loud"], "--uvicorn-log-level"),
         (["--api-key", ""], "--api-key is empty"),  # `--api-key "$KEY"` with KEY unset
         (["--api-key", " "], "--api-key is empty"),
+        (["--api-key", "key "], "--api-key must be printable ASCII"),  # a header drops the space
+        (["--api-key", "clé"], "--api-key must be printable ASCII"),
+        (["--api-key", "a\nb"], "--api-key must be printable ASCII"),
         (["--kv-cache-mem", "1GiB"], "unrecognized arguments: --kv-cache-mem"),  # no abbreviations
         (["--kv-offload-dir", ""], "--kv-offload-dir needs a folder"),
         (["--kv-offload-disk-size", "1GiB"], "needs --kv-offload-dir"),
@@ -149,6 +153,17 @@ def test_bad_values_exit_2(args, message):
     progress = ("pagedkv: note:", "pagedkv: loading")  # what a start prints before it fails
     errors = [line for line in r.stderr.splitlines() if not line.startswith(progress)]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in r.stderr
+
+
+def test_an_address_it_cannot_listen_on_exits_2_before_the_model_loads(tiny_model_dir):
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # a second `pagedkv serve`, say
+        port = str(taken.getsockname()[1])
+        for host, message in (("127.0.0.1", "Address already in use"), ("999.1.1.1", "")):
+            r = cli("serve", tiny_model_dir, "--host", host, "--port", port, timeout=60)
+            assert r.returncode == 2, r.stderr
+            errors = [line for line in r.stderr.splitlines() if "loading" not in line]
+            assert errors == [errors[0]] and f"cannot listen on --host {host}" in errors[0]
+            assert message in errors[0] and "Started server process" not in r.stderr
 
 
 def test_help_shows_vllm_names():
@@ -700,6 +715,29 @@ def test_async_engine(tiny_model_dir, llm):
     assert len(last.outputs[0].logprobs) == 6 and all(
         isinstance(d, dict) for d in last.outputs[0].logprobs
     )
+
+
+def test_a_slow_reader_gets_the_latest_output_not_a_backlog(tiny_model_dir):
+    """Outputs are cumulative: one not yet read is replaced by the next, as in vLLM, so a reader
+    that lags (a slow client, a busy event loop) costs memory linear in the output, not one copy
+    of it per token."""
+
+    async def main() -> list:
+        engine = AsyncLLMEngine.from_engine_args(
+            AsyncEngineArgs(model=tiny_model_dir, dtype="float32", num_gpu_blocks_override=64)
+        )
+        p = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+        outs = engine.generate("The quick brown fox", p, request_id="slow")
+        first = await anext(outs)
+        while engine._llm.engine.has_unfinished():  # the whole answer, unread
+            await asyncio.sleep(0.01)
+        rest = [out async for out in outs]
+        await engine.shutdown()
+        return [first, *rest]
+
+    first, *rest = asyncio.run(main())
+    assert len(rest) == 1 and rest[0].finished and len(rest[0].outputs[0].token_ids) == 40
+    assert len(rest[0].outputs[0].logprobs) == 40 and not first.finished
 
 
 def test_tensor_parallel_size_that_does_not_divide_the_heads_exits_2():

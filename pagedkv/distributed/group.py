@@ -17,6 +17,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -87,7 +88,7 @@ class TensorParallelGroup:
                 target=_worker_main,
                 name=f"pagedkv-tp-rank{r}",
                 daemon=True,
-                args=(r, self.world, init, worker_config),
+                args=(r, self.world, init, worker_config, os.getpid()),
             )
             for r in range(1, self.world)
         ]
@@ -166,9 +167,20 @@ def _stop(procs: list) -> None:
         dist.destroy_process_group()
 
 
-def _worker_main(rank: int, world: int, init: str, config: EngineConfig) -> None:
+def _leave_with(parent: int) -> None:
+    """Exit once rank 0 is gone: killed (kill -9, the OOM killer) as the ranks meet, it leaves a
+    worker waiting out TIMEOUT in init_process_group, an orphan for ten minutes."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _worker_main(rank: int, world: int, init: str, config: EngineConfig, parent: int) -> None:
     """A worker rank: build its shard and its KV storage as rank 0 does, then run what rank 0 sends
-    until None."""
+    until None. `parent` is rank 0's pid."""
+    threading.Thread(
+        target=_leave_with, args=(parent,), name="pagedkv-tp-parent", daemon=True
+    ).start()
     # late: the spawned child imports torch first
     from pagedkv.distributed.tiers import TierReserve, replay
     from pagedkv.engine.setup import build_worker_runner

@@ -50,6 +50,25 @@ class EngineDeadError(Exception):
     """The engine loop stopped after an error it could not pin on one request (HTTP 503)."""
 
 
+class _Outputs(asyncio.Queue):
+    """A request's outputs on their way to its reader. They are cumulative, so one not read yet
+    is replaced by the next, as in vLLM: a reader that lags (a slow client, a busy event loop)
+    holds memory linear in the output, not a copy of it per token. Errors and the final output
+    are never replaced."""
+
+    def _put(self, item: RequestOutput | Exception) -> None:
+        pending = self._queue  # type: ignore[attr-defined]  # asyncio.Queue's own deque
+        if (
+            pending
+            and isinstance(item, RequestOutput)
+            and isinstance(pending[-1], RequestOutput)
+            and not pending[-1].finished
+        ):
+            pending[-1] = item
+        else:
+            pending.append(item)
+
+
 @dataclass(slots=True)
 class AddRequest:
     request_id: str
@@ -80,7 +99,7 @@ class AsyncLLM:
         self._stats_time = 0.0
         self._inbox: list[Command] = []
         self._num_waiting = 0  # in the scheduler's queue or the inbox
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, _Outputs] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -129,7 +148,7 @@ class AsyncLLM:
         self._ensure_started()
         ids = params.truncate(self.engine.tokenize(prompt, add_special_tokens), self.max_model_len)
         self.engine.validate(ids, params)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = _Outputs()
         with self._wake:
             self._check_accepting()
             if self._num_waiting >= self.config.max_waiting:

@@ -119,7 +119,6 @@ class LLMEngine:
         init_offsets(group.seqs[0])
         self.groups[request_id] = group
         self.scheduler.add(group.seqs[0])
-        self.prompt_tokens_total += len(prompt_ids)
         return group
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -334,6 +333,8 @@ class LLMEngine:
         m = seq.group.metrics
         if m.first_token_time is None:
             m.first_token_time = now
+            # as vLLM, once a request, at its prefill's end: not one abandoned while it waited
+            self.prompt_tokens_total += len(seq.group.prompt_token_ids)
         if seq.index == 0:
             m.token_times.append(now)
             m.last_token_time = now

@@ -14,6 +14,7 @@ import asyncio
 import copy
 import logging
 import re
+import socket
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -26,7 +27,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
-from pagedkv.config import EngineConfig
+from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.request import INT64_MAX, INT64_MIN
 from pagedkv.server import protocol as api
 from pagedkv.server.errors import APIError, install_error_handlers
@@ -40,7 +41,7 @@ from pagedkv.server.middleware import (
 )
 from pagedkv.server.openapi import install_openapi, json_body
 from pagedkv.server.responses import ModelCard, ModelList
-from pagedkv.server.routes_extra import add_vllm_routes
+from pagedkv.server.routes_extra import add_vllm_routes, is_serving
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.validation import IGNORED, checked, load_json_object
 
@@ -140,7 +141,7 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        if not request.app.state.ready or engine.error is not None:
+        if not is_serving(request, engine):
             raise APIError(503, "the engine is not running")
         return JSONResponse({"status": "ok"})
 
@@ -180,6 +181,7 @@ def add_simulate_route(app: FastAPI) -> None:
 
     @app.get("/v1/simulate")
     async def simulate(
+        request: Request,
         kv_memory: str = Query("64GiB", max_length=32),
         bytes_per_token: int = Query(131072, ge=1, le=INT64_MAX),
         max_model_len: int = Query(8192, ge=1, le=INT64_MAX),
@@ -189,6 +191,13 @@ def add_simulate_route(app: FastAPI) -> None:
         policies: str = Query("reserve-max,reserve-output,paged:16,paged:256", max_length=128),
     ) -> JSONResponse:
         """The seeds' experiment, computed exactly as `pagedkv simulate --json` does."""
+        known = {p.alias for p in request.scope["route"].dependant.query_params}
+        if unknown := sorted(set(request.query_params) - known):  # a typo must not pass unseen
+            raise APIError(
+                400,
+                f"unknown query parameter {unknown[0]!r} (known: {', '.join(sorted(known))})",
+                param=unknown[0],
+            )
         from pagedkv.sim.cli import load_requests
         from pagedkv.sim.simulate import parse_policies, pool_tokens_for
         from pagedkv.sim.simulate import simulate as run_simulation
@@ -223,6 +232,8 @@ class GracefulServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if sockets is not None:  # uvicorn says where it runs only of the sockets it binds itself
+            self._log_started_message(sockets)
         for server in self.servers:
             for sock in server.sockets:
                 host, port = sock.getsockname()[:2]
@@ -264,6 +275,19 @@ class GracefulServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The server's address, bound (as uvicorn binds it) but not yet listening, so that a client
+    is refused while the model loads; ConfigError (exit code 2) if it cannot be had."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on --host {host} --port {port}: {e.strerror}") from None
+    return sock
+
+
 def serve(
     config: EngineConfig,
     host: str = "127.0.0.1",
@@ -277,6 +301,7 @@ def serve(
     stops on an error (exit code 1, for a supervisor to restart the server)."""
     from pagedkv.engine.async_engine import AsyncLLM
 
+    sock = bind(host, port)  # before the model loads: an address in use fails at once
     engine = AsyncLLM(config)
     app = build_app(engine, cors=cors)
     log_config = copy.deepcopy(
@@ -297,5 +322,5 @@ def serve(
         # annotated int, but uvicorn only hands it to asyncio.wait_for, which takes a float
         timeout_graceful_shutdown=shutdown_timeout + 10,  # type: ignore[arg-type]
     )
-    GracefulServer(uv_config, engine, shutdown_timeout).run()
+    GracefulServer(uv_config, engine, shutdown_timeout).run(sockets=[sock])
     return 1 if engine.error is not None else 0

@@ -227,7 +227,9 @@ class ServerMetrics:
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = hist(
-            "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS
+            "inter_token_latency_seconds",
+            "Time between a request's steps that made tokens.",
+            ITL_BUCKETS,
         )
         self.e2e = hist(
             "e2e_request_latency_seconds", "Arrival to finish of a request.", E2E_BUCKETS
@@ -275,7 +277,9 @@ class ServerMetrics:
             return
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
-        for a, b in zip(m.token_times, m.token_times[1:]):
+        # one gap per step, as vLLM: a step's tokens (accepted drafts too) share its time
+        steps = list(dict.fromkeys(m.token_times))
+        for a, b in zip(steps, steps[1:]):
             self.itl.observe(b - a)
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)

@@ -17,6 +17,12 @@ from pagedkv.server.errors import APIError
 from pagedkv.server.tools import chat_prompt
 
 
+def is_serving(request: Request, engine) -> bool:
+    """Started, and the engine loop not stopped by an error (the server is then exiting):
+    what /health, HEAD /health and /ping all answer, so every probe agrees."""
+    return request.app.state.ready and engine.error is None
+
+
 def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
     """`read_json(request, Model)` parses a body; `check_model(name)` 404s a model not served."""
     tok = engine.tokenizer
@@ -65,10 +71,10 @@ def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping(request: Request) -> Response:
-        if not request.app.state.ready:
+        if not is_serving(request, engine):
             raise APIError(503, "the engine is not running")
         return Response(status_code=200)
 
     @app.head("/health", include_in_schema=False)
     async def health_head(request: Request) -> Response:
-        return Response(status_code=200 if request.app.state.ready else 503)
+        return Response(status_code=200 if is_serving(request, engine) else 503)
