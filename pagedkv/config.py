@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -296,7 +297,13 @@ class EngineConfig:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         self.swap_space_bytes = parse_swap_space(self.swap_space)
         self.kv_offload_host_memory = parse_size(self.kv_offload_host_memory)
+        if isinstance(self.kv_offload_dir, os.PathLike):  # LLM(kv_offload_dir=Path(...))
+            self.kv_offload_dir = os.fspath(self.kv_offload_dir)
         if self.kv_offload_dir is not None:
+            require(
+                isinstance(self.kv_offload_dir, str),
+                f"--kv-offload-dir needs a folder, got {self.kv_offload_dir!r}",
+            )
             # `--kv-offload-dir "$DIR"` with DIR unset must not quietly run without the tier
             require(bool(self.kv_offload_dir.strip()), "--kv-offload-dir needs a folder, got ''")
             self.kv_offload_dir = str(Path(self.kv_offload_dir).expanduser())

@@ -597,6 +597,16 @@ def test_offload_folder_flags_that_would_do_nothing_are_config_errors(tmp_path, 
     )
 
 
+def test_offload_folder_may_be_a_path_object_and_nothing_else(tiny_model_dir, tmp_path):
+    """LLM(kv_offload_dir=Path(...)) as LLM(Path(model)) takes one; a number is a ConfigError,
+    not an AttributeError from inside the config."""
+    llm = make_llm(tiny_model_dir, kv_offload_dir=tmp_path / "tier")
+    assert llm.engine.offload.disk.dir.parent == tmp_path / "tier"
+    for bad in (123, b"/tmp/tier"):
+        with pytest.raises(ConfigError, match="kv-offload-dir needs a folder"):
+            EngineConfig(kv_offload_dir=bad)
+
+
 def test_a_fifo_named_like_a_block_file_is_skipped_not_waited_on(tmp_path):
     """Opening a FIFO blocks until a writer comes: the tier must never hang on one."""
     first = disk_tier(tmp_path)
