@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import shutil
+import subprocess
 import tempfile
 import threading
 from pathlib import Path
@@ -605,6 +606,28 @@ def test_offload_folder_may_be_a_path_object_and_nothing_else(tiny_model_dir, tm
     for bad in (123, b"/tmp/tier"):
         with pytest.raises(ConfigError, match="kv-offload-dir needs a folder"):
             EngineConfig(kv_offload_dir=bad)
+
+
+def test_an_unwritable_offload_folder_is_refused_at_start(tiny_model_dir, tmp_path):
+    """Not a warning per block while serving, with nothing kept for a restart."""
+    first = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
+    first.engine.close()
+    folder = first.engine.offload.disk.dir
+    folder.chmod(0o555)
+    locked = (  # root ignores the mode: make it immutable
+        os.access(folder, os.W_OK)
+        and shutil.which("chattr") is not None
+        and not subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode
+    )
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("cannot make a folder read-only here")
+        with pytest.raises(ConfigError, match="kv-offload-dir: cannot write .*(denied|permitted)"):
+            make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
+    finally:
+        if locked:
+            subprocess.run(["chattr", "-i", str(folder)])
+        folder.chmod(0o755)
 
 
 def test_a_fifo_named_like_a_block_file_is_skipped_not_waited_on(tmp_path):
