@@ -203,6 +203,8 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
+SWAP_SPACE_GIB = 4  # vLLM's default --swap-space
+
 # options that only `pagedkv serve` acts on
 SERVE_ONLY = frozenset(
     {
@@ -248,7 +250,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes ("1GiB"); wins over memory_utilization
     memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None  # exact pool size in blocks (tests, bench)
-    swap_space: int | float | str = 4  # GiB when a bare number (as vLLM), else a size: 512MiB
+    swap_space: int | float | str = SWAP_SPACE_GIB  # GiB if a bare number (vLLM), or 512MiB
     # Parsed from swap_space by __post_init__. A separate field, as in vLLM, so that swap_space
     # keeps the user's value and a config rebuilt by dataclasses.replace parses it again to
     # the same bytes (4 GiB stays 4 GiB instead of becoming 4 * 2**30 GiB).
@@ -297,6 +299,8 @@ class EngineConfig:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         self.swap_space_bytes = parse_swap_space(self.swap_space)
         self.kv_offload_host_memory = parse_size(self.kv_offload_host_memory)
+        if self.kv_offload_host_memory and self.swap_space_bytes != SWAP_SPACE_GIB << 30:
+            note("--swap-space has no effect with --kv-offload-host-memory: swap uses its slots")
         if isinstance(self.kv_offload_dir, os.PathLike):  # LLM(kv_offload_dir=Path(...))
             self.kv_offload_dir = os.fspath(self.kv_offload_dir)
         if self.kv_offload_dir is not None:

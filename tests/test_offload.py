@@ -564,6 +564,14 @@ def test_swap_preemption_borrows_the_host_tier(tiny_model_dir, tmp_path, monkeyp
     assert llm.engine.kv.stats().host_free == 24
 
 
+def test_swap_space_beside_a_host_tier_is_noted_as_unused(capsys):
+    """Swap borrows the host tier's slots: a --swap-space given with it would be ignored unsaid."""
+    EngineConfig(preemption_mode="swap", kv_offload_host_memory="1MiB")
+    assert "swap-space" not in capsys.readouterr().err
+    EngineConfig(preemption_mode="swap", swap_space=16, kv_offload_host_memory="1MiB")
+    assert "--swap-space has no effect with --kv-offload-host-memory" in capsys.readouterr().err
+
+
 def test_offload_flags_too_small_for_one_block_are_config_errors(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="kv-offload-host-memory"):
         make_llm(tiny_model_dir, kv_offload_host_memory=100)
