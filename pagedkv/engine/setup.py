@@ -116,10 +116,11 @@ def build_offload(
 ) -> tuple[KVOffload | None, KVStorage | None]:
     """The offload tiers behind `storage`, and the host blocks swap uses: the host tier's slots
     when there is one, else `swap`. A tensor-parallel rank's disk files are keyed by the rank and
-    the TP size: no other rank, and no engine of another TP size, reads them."""
+    the TP size: no other rank, and no engine of another TP size, reads them; the ranks share
+    --kv-offload-disk-size."""
     world = config.tensor_parallel_size
     disk_key = key if world == 1 else key + f":tp{rank}of{world}".encode()
-    offload = KVOffload.from_config(config, storage, disk_key)
+    offload = KVOffload.from_config(config, storage, disk_key, ranks=world)
     if offload is not None and offload.host is not None:
         return offload, offload.host.storage
     return offload, swap
