@@ -315,6 +315,10 @@ class EngineConfig:
             self.kv_offload_disk_size is None or self.kv_offload_dir is not None,
             "--kv-offload-disk-size limits the disk tier: it needs --kv-offload-dir",
         )
+        require(  # the disk tier keeps cached prefix blocks only (swap never goes to disk)
+            self.kv_offload_dir is None or self.enable_prefix_caching is not False,
+            "--kv-offload-dir keeps prefix-cache blocks: it needs prefix caching on",
+        )
         if self.kv_offload_dir is not None:
             size = self.kv_offload_disk_size
             self.kv_offload_disk_size = parse_size(10 * 2**30 if size is None else size)

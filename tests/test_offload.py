@@ -591,11 +591,14 @@ def test_offload_flags_too_small_for_one_block_are_config_errors(tiny_model_dir,
 
 def test_offload_folder_flags_that_would_do_nothing_are_config_errors(tmp_path, monkeypatch):
     """`--kv-offload-dir "$DIR"` with DIR unset, and a disk size with no folder, would run
-    without the tier the user asked for; `~` means the home folder, as for --model."""
+    without the tier the user asked for, and a folder without prefix caching would stay empty;
+    `~` means the home folder, as for --model."""
     with pytest.raises(ConfigError, match="kv-offload-dir needs a folder"):
         EngineConfig(kv_offload_dir="")
     with pytest.raises(ConfigError, match="needs --kv-offload-dir"):
         EngineConfig(kv_offload_disk_size="1GiB")
+    with pytest.raises(ConfigError, match="kv-offload-dir keeps prefix-cache blocks"):
+        EngineConfig(kv_offload_dir=str(tmp_path), enable_prefix_caching=False)
     assert EngineConfig().kv_offload_disk_size is None
     monkeypatch.setenv("HOME", str(tmp_path))
     config = EngineConfig(kv_offload_dir="~/tier")
