@@ -575,6 +575,10 @@ def test_swap_space_beside_a_host_tier_is_noted_as_unused(capsys):
 def test_offload_flags_too_small_for_one_block_are_config_errors(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="kv-offload-host-memory"):
         make_llm(tiny_model_dir, kv_offload_host_memory=100)
+    for swap_space in (0, "100B"):  # swap mode with no room to swap to, not one block anyway
+        with pytest.raises(ConfigError, match="--swap-space .* holds no KV block"):
+            make_llm(tiny_model_dir, preemption_mode="swap", swap_space=swap_space)
+    make_llm(tiny_model_dir, swap_space=0)  # recompute needs none
     with pytest.raises(ConfigError, match="kv-offload-disk-size"):
         make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path), kv_offload_disk_size=100)
     # room for the payload but not the header: no file would ever fit

@@ -80,8 +80,13 @@ def build_kv_storage(
     if (
         config.preemption_mode == "swap" and not config.kv_offload_host_memory
     ):  # else the host tier's slots
+        if config.swap_space_bytes < bytes_per_block:  # asked to swap, given no room to
+            raise ConfigError(
+                f"--swap-space {format_size(config.swap_space_bytes)} holds no KV block "
+                f"({format_size(bytes_per_block)} each) for --preemption-mode swap"
+            )
         host = KVStorage(
-            num_blocks=max(config.swap_space_bytes // bytes_per_block, 1),
+            num_blocks=config.swap_space_bytes // bytes_per_block,
             device=torch.device("cpu"),
             **shape,
         )
