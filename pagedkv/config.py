@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -203,6 +204,8 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
+SWAP_SPACE_GIB = 4  # vLLM's default --swap-space
+
 # options that only `pagedkv serve` acts on
 SERVE_ONLY = frozenset(
     {
@@ -248,7 +251,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes ("1GiB"); wins over memory_utilization
     memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None  # exact pool size in blocks (tests, bench)
-    swap_space: int | float | str = 4  # GiB when a bare number (as vLLM), else a size: 512MiB
+    swap_space: int | float | str = SWAP_SPACE_GIB  # GiB if a bare number (vLLM), or 512MiB
     # Parsed from swap_space by __post_init__. A separate field, as in vLLM, so that swap_space
     # keeps the user's value and a config rebuilt by dataclasses.replace parses it again to
     # the same bytes (4 GiB stays 4 GiB instead of becoming 4 * 2**30 GiB).
@@ -297,13 +300,25 @@ class EngineConfig:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         self.swap_space_bytes = parse_swap_space(self.swap_space)
         self.kv_offload_host_memory = parse_size(self.kv_offload_host_memory)
+        if self.kv_offload_host_memory and self.swap_space_bytes != SWAP_SPACE_GIB << 30:
+            note("--swap-space has no effect with --kv-offload-host-memory: swap uses its slots")
+        if isinstance(self.kv_offload_dir, os.PathLike):  # LLM(kv_offload_dir=Path(...))
+            self.kv_offload_dir = os.fspath(self.kv_offload_dir)
         if self.kv_offload_dir is not None:
+            require(
+                isinstance(self.kv_offload_dir, str),
+                f"--kv-offload-dir needs a folder, got {self.kv_offload_dir!r}",
+            )
             # `--kv-offload-dir "$DIR"` with DIR unset must not quietly run without the tier
             require(bool(self.kv_offload_dir.strip()), "--kv-offload-dir needs a folder, got ''")
             self.kv_offload_dir = str(Path(self.kv_offload_dir).expanduser())
         require(
             self.kv_offload_disk_size is None or self.kv_offload_dir is not None,
             "--kv-offload-disk-size limits the disk tier: it needs --kv-offload-dir",
+        )
+        require(  # the disk tier keeps cached prefix blocks only (swap never goes to disk)
+            self.kv_offload_dir is None or self.enable_prefix_caching is not False,
+            "--kv-offload-dir keeps prefix-cache blocks: it needs prefix caching on",
         )
         if self.kv_offload_dir is not None:
             size = self.kv_offload_disk_size

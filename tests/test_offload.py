@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import shutil
+import subprocess
 import tempfile
 import threading
 from pathlib import Path
@@ -563,9 +564,21 @@ def test_swap_preemption_borrows_the_host_tier(tiny_model_dir, tmp_path, monkeyp
     assert llm.engine.kv.stats().host_free == 24
 
 
+def test_swap_space_beside_a_host_tier_is_noted_as_unused(capsys):
+    """Swap borrows the host tier's slots: a --swap-space given with it would be ignored unsaid."""
+    EngineConfig(preemption_mode="swap", kv_offload_host_memory="1MiB")
+    assert "swap-space" not in capsys.readouterr().err
+    EngineConfig(preemption_mode="swap", swap_space=16, kv_offload_host_memory="1MiB")
+    assert "--swap-space has no effect with --kv-offload-host-memory" in capsys.readouterr().err
+
+
 def test_offload_flags_too_small_for_one_block_are_config_errors(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="kv-offload-host-memory"):
         make_llm(tiny_model_dir, kv_offload_host_memory=100)
+    for swap_space in (0, "100B"):  # swap mode with no room to swap to, not one block anyway
+        with pytest.raises(ConfigError, match="--swap-space .* holds no KV block"):
+            make_llm(tiny_model_dir, preemption_mode="swap", swap_space=swap_space)
+    make_llm(tiny_model_dir, swap_space=0)  # recompute needs none
     with pytest.raises(ConfigError, match="kv-offload-disk-size"):
         make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path), kv_offload_disk_size=100)
     # room for the payload but not the header: no file would ever fit
@@ -582,11 +595,14 @@ def test_offload_flags_too_small_for_one_block_are_config_errors(tiny_model_dir,
 
 def test_offload_folder_flags_that_would_do_nothing_are_config_errors(tmp_path, monkeypatch):
     """`--kv-offload-dir "$DIR"` with DIR unset, and a disk size with no folder, would run
-    without the tier the user asked for; `~` means the home folder, as for --model."""
+    without the tier the user asked for, and a folder without prefix caching would stay empty;
+    `~` means the home folder, as for --model."""
     with pytest.raises(ConfigError, match="kv-offload-dir needs a folder"):
         EngineConfig(kv_offload_dir="")
     with pytest.raises(ConfigError, match="needs --kv-offload-dir"):
         EngineConfig(kv_offload_disk_size="1GiB")
+    with pytest.raises(ConfigError, match="kv-offload-dir keeps prefix-cache blocks"):
+        EngineConfig(kv_offload_dir=str(tmp_path), enable_prefix_caching=False)
     assert EngineConfig().kv_offload_disk_size is None
     monkeypatch.setenv("HOME", str(tmp_path))
     config = EngineConfig(kv_offload_dir="~/tier")
@@ -595,6 +611,38 @@ def test_offload_folder_flags_that_would_do_nothing_are_config_errors(tmp_path, 
     assert (
         dataclasses.replace(config, kv_offload_dir=str(tmp_path)).kv_offload_disk_size == 10 * 2**30
     )
+
+
+def test_offload_folder_may_be_a_path_object_and_nothing_else(tiny_model_dir, tmp_path):
+    """LLM(kv_offload_dir=Path(...)) as LLM(Path(model)) takes one; a number is a ConfigError,
+    not an AttributeError from inside the config."""
+    llm = make_llm(tiny_model_dir, kv_offload_dir=tmp_path / "tier")
+    assert llm.engine.offload.disk.dir.parent == tmp_path / "tier"
+    for bad in (123, b"/tmp/tier"):
+        with pytest.raises(ConfigError, match="kv-offload-dir needs a folder"):
+            EngineConfig(kv_offload_dir=bad)
+
+
+def test_an_unwritable_offload_folder_is_refused_at_start(tiny_model_dir, tmp_path):
+    """Not a warning per block while serving, with nothing kept for a restart."""
+    first = make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
+    first.engine.close()
+    folder = first.engine.offload.disk.dir
+    folder.chmod(0o555)
+    locked = (  # root ignores the mode: make it immutable
+        os.access(folder, os.W_OK)
+        and shutil.which("chattr") is not None
+        and not subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode
+    )
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("cannot make a folder read-only here")
+        with pytest.raises(ConfigError, match="kv-offload-dir: cannot write .*(denied|permitted)"):
+            make_llm(tiny_model_dir, kv_offload_dir=str(tmp_path))
+    finally:
+        if locked:
+            subprocess.run(["chattr", "-i", str(folder)])
+        folder.chmod(0o755)
 
 
 def test_a_fifo_named_like_a_block_file_is_skipped_not_waited_on(tmp_path):

@@ -116,3 +116,16 @@ def test_tp2_disk_tier_per_rank_restart_and_a_block_one_rank_lacks(
         assert fourth.engine.offload.stats().loaded_disk > 0 and cached > 0
     finally:
         fourth.engine.close()
+
+
+def test_tp2_ranks_share_the_disk_size_limit(tiny_model_dir, reference, tmp_path):
+    """--kv-offload-disk-size bounds the folder, not each rank's part of it."""
+    limit = 40_000  # about twenty of -tp 2's files, fewer than the workload writes
+    llm = tp2(tiny_model_dir, kv_offload_dir=str(tmp_path), kv_offload_disk_size=limit)
+    try:
+        outputs, _ = run(llm, CONVERSATIONS + OTHERS)
+        assert outputs == reference[0][:8]
+    finally:
+        llm.engine.close()
+    used = sum(p.stat().st_size for p in tmp_path.rglob(f"*{SUFFIX}"))
+    assert 0 < used <= limit and llm.engine.offload.stats().dropped > 0

@@ -80,8 +80,13 @@ def build_kv_storage(
     if (
         config.preemption_mode == "swap" and not config.kv_offload_host_memory
     ):  # else the host tier's slots
+        if config.swap_space_bytes < bytes_per_block:  # asked to swap, given no room to
+            raise ConfigError(
+                f"--swap-space {format_size(config.swap_space_bytes)} holds no KV block "
+                f"({format_size(bytes_per_block)} each) for --preemption-mode swap"
+            )
         host = KVStorage(
-            num_blocks=max(config.swap_space_bytes // bytes_per_block, 1),
+            num_blocks=config.swap_space_bytes // bytes_per_block,
             device=torch.device("cpu"),
             **shape,
         )
@@ -116,10 +121,11 @@ def build_offload(
 ) -> tuple[KVOffload | None, KVStorage | None]:
     """The offload tiers behind `storage`, and the host blocks swap uses: the host tier's slots
     when there is one, else `swap`. A tensor-parallel rank's disk files are keyed by the rank and
-    the TP size: no other rank, and no engine of another TP size, reads them."""
+    the TP size: no other rank, and no engine of another TP size, reads them; the ranks share
+    --kv-offload-disk-size."""
     world = config.tensor_parallel_size
     disk_key = key if world == 1 else key + f":tp{rank}of{world}".encode()
-    offload = KVOffload.from_config(config, storage, disk_key)
+    offload = KVOffload.from_config(config, storage, disk_key, ranks=world)
     if offload is not None and offload.host is not None:
         return offload, offload.host.storage
     return offload, swap

@@ -108,6 +108,7 @@ class DiskTier:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"--kv-offload-dir: cannot create {self.dir}: {e.strerror}") from None
+        self._check_writable()
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockHash, _DiskEntry] = OrderedDict()
@@ -136,6 +137,16 @@ class DiskTier:
         return self.dir / f"{block_hash.hex()}{SUFFIX}"
 
     # ---- start-up -----------------------------------------------------------------------------
+
+    def _check_writable(self) -> None:
+        """Refuse a folder we cannot write at start: serving would fail every block with a
+        warning each, and keep nothing for a restart."""
+        probe = self.dir / f"probe.{os.getpid()}{TMP_SUFFIX}"  # a killed start's is cleaned up
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        except OSError as e:
+            raise ConfigError(f"--kv-offload-dir: cannot write {self.dir}: {e.strerror}") from None
+        _unlink(probe)
 
     def _scan(self) -> None:
         """Index what earlier engines left here (least recently written first), delete what a killed

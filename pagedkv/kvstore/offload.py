@@ -222,11 +222,14 @@ class KVOffload:
         self._dropped = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig, storage: KVStorage, key: bytes) -> KVOffload | None:
+    def from_config(
+        cls, config: EngineConfig, storage: KVStorage, key: bytes, ranks: int = 1
+    ) -> KVOffload | None:
         """The tiers the flags ask for, shaped like the device `storage`; None when neither is set.
-        `key` names the model and KV dtype (the engine's hash_extra)."""
+        `key` names the model and KV dtype (the engine's hash_extra). The `ranks` writing into the
+        folder split --kv-offload-disk-size: it bounds the folder, not each rank."""
         host_bytes, folder = config.kv_offload_host_memory, config.kv_offload_dir
-        disk_bytes = config.kv_offload_disk_size or 0  # set (10 GiB by default) with a folder
+        disk_bytes = (config.kv_offload_disk_size or 0) // ranks  # 10 GiB by default, with a folder
         if not host_bytes and not folder:
             return None
         per_block = math.prod(storage.block_shape) * storage.dtype.itemsize
@@ -259,9 +262,10 @@ class KVOffload:
                 key, storage.block_shape, storage.dtype
             ).largest_file(storage.block_size)
             if disk_bytes < file_bytes:
+                share = f" ({format_size(disk_bytes)} a rank)" if ranks > 1 else ""
                 raise ConfigError(
-                    f"--kv-offload-disk-size {format_size(disk_bytes)} holds no "
-                    f"KV block (a file takes up to {format_size(file_bytes)})"
+                    f"--kv-offload-disk-size {format_size(config.kv_offload_disk_size or 0)}"
+                    f"{share} holds no KV block (a file takes up to {format_size(file_bytes)})"
                 )
             disk = DiskTier(folder, key, storage.block_shape, storage.dtype, disk_bytes)
             log.info("KV offload disk tier: %s, up to %s", disk.dir, format_size(disk_bytes))
