@@ -205,6 +205,7 @@ def format_size(n: int) -> str:
 
 
 SWAP_SPACE_GIB = 4  # vLLM's default --swap-space
+PATH_FIELDS = ("model", "chat_template", "generation_config", "kv_offload_dir")  # Path or str
 
 # options that only `pagedkv serve` acts on
 SERVE_ONLY = frozenset(
@@ -282,6 +283,14 @@ class EngineConfig:
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        for name in PATH_FIELDS:  # LLM(model=Path(...)), as vLLM takes them
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                setattr(self, name, value := os.fspath(value))
+            require(
+                value is None or isinstance(value, str),
+                f"--{name.replace('_', '-')} must be a string or a path, got {value!r}",
+            )
         names = self.served_model_name
         names = (
             [names] if isinstance(names, str) else list(names or [model_display_name(self.model)])
@@ -302,13 +311,7 @@ class EngineConfig:
         self.kv_offload_host_memory = parse_size(self.kv_offload_host_memory)
         if self.kv_offload_host_memory and self.swap_space_bytes != SWAP_SPACE_GIB << 30:
             note("--swap-space has no effect with --kv-offload-host-memory: swap uses its slots")
-        if isinstance(self.kv_offload_dir, os.PathLike):  # LLM(kv_offload_dir=Path(...))
-            self.kv_offload_dir = os.fspath(self.kv_offload_dir)
         if self.kv_offload_dir is not None:
-            require(
-                isinstance(self.kv_offload_dir, str),
-                f"--kv-offload-dir needs a folder, got {self.kv_offload_dir!r}",
-            )
             # `--kv-offload-dir "$DIR"` with DIR unset must not quietly run without the tier
             require(bool(self.kv_offload_dir.strip()), "--kv-offload-dir needs a folder, got ''")
             self.kv_offload_dir = str(Path(self.kv_offload_dir).expanduser())

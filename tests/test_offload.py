@@ -619,7 +619,7 @@ def test_offload_folder_may_be_a_path_object_and_nothing_else(tiny_model_dir, tm
     llm = make_llm(tiny_model_dir, kv_offload_dir=tmp_path / "tier")
     assert llm.engine.offload.disk.dir.parent == tmp_path / "tier"
     for bad in (123, b"/tmp/tier"):
-        with pytest.raises(ConfigError, match="kv-offload-dir needs a folder"):
+        with pytest.raises(ConfigError, match="kv-offload-dir must be a string or a path"):
             EngineConfig(kv_offload_dir=bad)
 
 

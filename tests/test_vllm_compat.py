@@ -292,6 +292,9 @@ def test_units_and_aliases():
         ({"seed": 2**64}, "--seed must be an integer in"),
         ({"seed": -(2**63) - 1}, "--seed"),
         ({"generation_config": ""}, "--generation-config"),
+        ({"generation_config": 3}, "--generation-config must be a string or a path"),
+        ({"chat_template": 3}, "--chat-template must be a string or a path"),
+        ({"kv_offload_dir": b"/tmp/tier"}, "--kv-offload-dir must be a string or a path"),
     ],
 )
 def test_options_of_the_wrong_type_or_range_are_config_errors(options, words):
@@ -668,6 +671,9 @@ def test_generation_config_defaults(tiny_model_dir, tmp_path):
     assert len(auto.generate("Hello", use_tqdm=False)[0].outputs[0].token_ids) <= 3
     off = LLM(model=str(folder), num_gpu_blocks_override=64, generation_config="vllm")
     assert off.get_default_sampling_params() == SamplingParams()
+    # a folder of defaults may be a Path, as the model may
+    other = LLM(model=Path(folder), generation_config=Path(folder), num_gpu_blocks_override=64)
+    assert other.get_default_sampling_params().max_tokens == 3
 
 
 def test_server_applies_generation_config_to_what_requests_leave_out(tiny_model_dir, tmp_path):
