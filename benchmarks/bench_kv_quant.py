@@ -13,9 +13,8 @@ For each KV dtype, through the real paged cache (write_kv quantizes, attention d
   inputs, how often the top token equals auto's (free of the snowball that
   makes one early flip change the rest of a greedy answer);
 - perplexity of the shipped text (pagedkv/data/alice_ch1.txt), fed in chunks
-  of `--ppl-chunk` tokens; a chunk size that is not a multiple of the block
-  size makes blocks straddle chunks, so scales grow and blocks requantize as
-  in decoding.
+  of `--ppl-chunk` tokens (a size that is not a multiple of the block size
+  makes blocks straddle chunks).
 
     python benchmarks/bench_kv_quant.py --attention [--threads 1]
 

@@ -541,7 +541,7 @@ def test_concurrent_first_builds_share_one_compile(tmp_path: Path) -> None:
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_cache_is_read_in_place_with_its_scales(cache_dtype, dtype, kernel_isa) -> None:
-    """int8 / fp8 blocks with a scale per (block, KV head) give the attention of the values they
+    """int8 / fp8 blocks with a scale per (token, KV head) give the attention of the values they
     stand for, rotated back: a quantized cache holds K and V rotated (attention/rotation.py), and
     the kernel rotates q in and its output back."""
     gen = torch.Generator().manual_seed(11)
@@ -555,22 +555,22 @@ def test_quantized_cache_is_read_in_place_with_its_scales(cache_dtype, dtype, ke
         head_dim=64,
         dtype=torch.float32,
     )
-    num_blocks, heads = c.k_cache.shape[:2]
+    num_blocks, heads, block_size = c.k_cache.shape[:3]
     scales = {}
     stored = {}
     for name in ("k", "v"):
         values = getattr(c, f"{name}_cache")
-        scale = torch.rand(num_blocks, heads, generator=gen) * 0.05 + 0.001
+        scale = torch.rand(num_blocks, heads, block_size, generator=gen) * 0.05 + 0.001
         if cache_dtype == torch.int8:
-            data = (values / scale[:, :, None, None]).round().clamp(-127, 127).to(torch.int8)
+            data = (values / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
         else:  # values / scale spans e4m3 from its subnormals to its saturation at 448
-            data = (values / scale[:, :, None, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+            data = (values / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
             assert ((data.float().abs() > 0) & (data.float().abs() < 2.0**-6)).any() and (
                 data.float().abs() == 448
             ).any()
         scales[f"{name}_scales"], stored[name] = scale, data
         setattr(
-            c, f"{name}_cache", unrotate(data.float() * scale[:, :, None, None]).to(dtype)
+            c, f"{name}_cache", unrotate(data.float() * scale[..., None]).to(dtype)
         )  # what they stand for
     c.q = c.q.to(dtype)
     got = kernel.paged_attention_varlen(
@@ -624,7 +624,9 @@ def test_quantized_cache_needs_matching_scales() -> None:
         0.125,
     )
     with pytest.raises(ValueError, match="must be a contiguous float32 CPU tensor"):
-        kernel.paged_attention_decode(*args, k_scales=torch.ones(4, 2), v_scales=torch.ones(4, 3))
+        kernel.paged_attention_decode(
+            *args, k_scales=torch.ones(4, 2, 16), v_scales=torch.ones(4, 2)
+        )
     with pytest.raises(ValueError, match="share a dtype"):
         kernel.paged_attention_decode(*args)
     with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
@@ -633,6 +635,6 @@ def test_quantized_cache_needs_matching_scales() -> None:
             q.new_zeros(4, 2, 16, 64),
             q.new_zeros(4, 2, 16, 64),
             *args[3:],
-            k_scales=torch.ones(4, 2),
-            v_scales=torch.ones(4, 2),
+            k_scales=torch.ones(4, 2, 16),
+            v_scales=torch.ones(4, 2, 16),
         )

@@ -167,8 +167,8 @@ def test_cascade_reads_quantized_blocks_with_their_scales(
     q = q.to(dtype)
     stored, scales = {}, {}
     for name, values in (("k", k), ("v", v)):
-        scale = torch.rand(values.shape[:2], generator=gen) * 0.05 + 0.001
-        scaled = values / scale[:, :, None, None]
+        scale = torch.rand(values.shape[:3], generator=gen) * 0.05 + 0.001
+        scaled = values / scale[..., None]
         stored[name] = (
             scaled.round().clamp(-127, 127)
             if cache_dtype == torch.int8
@@ -177,13 +177,15 @@ def test_cascade_reads_quantized_blocks_with_their_scales(
         scales[f"{name}_scales"] = scale
     plan = cascade.plan(tables, seq_lens.tolist(), BS, forced=True, query_lens=qlens)
     plain = _attend(q, stored["k"], stored["v"], seq_lens, tables, 0.125, qlens, **scales)
-    got = _attend(q, stored["k"], stored["v"], seq_lens, tables, 0.125, qlens, cascade=plan, **scales)
+    got = _attend(
+        q, stored["k"], stored["v"], seq_lens, tables, 0.125, qlens, cascade=plan, **scales
+    )
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), plain.float(), atol=tol, rtol=tol)
     # and the reference over the values the codes stand for (rotated back: a quantized cache
     # holds K and V rotated, attention/rotation.py, and the kernel rotates q in and its result back)
     deq = {
-        n: unrotate(stored[n].float() * scales[f"{n}_scales"][:, :, None, None]).to(dtype)
+        n: unrotate(stored[n].float() * scales[f"{n}_scales"][..., None]).to(dtype)
         for n in ("k", "v")
     }
     want = cascade.reference(q, deq["k"], deq["v"], seq_lens.tolist(), tables, 0.125, plan, qlens)

@@ -20,8 +20,8 @@ def test_llama3_8b_bf16_is_128_kib_per_token():
     s = KNOWN_SHAPES["llama3-8b"]
     assert per_token(s, "auto") == per_token(s, "bfloat16") == 32 * 8 * 128 * 2 * 2 == 128 * 1024
     assert per_token(s, "float32") == 256 * 1024
-    # fp8 and int8: 1 byte per element plus one float32 scale per (layer, K/V, kv head) per 16-token block
-    assert per_token(s, "fp8") == per_token(s, "int8") == 64 * 1024 + 32 * 2 * 8 * 4 / 16
+    # fp8 and int8: 1 byte per element plus one float32 scale per (layer, K/V, kv head) per token
+    assert per_token(s, "fp8") == per_token(s, "int8") == 64 * 1024 + 32 * 2 * 8 * 4
 
 
 def test_smollm2_bf16_is_23040_bytes_per_token():
@@ -115,7 +115,7 @@ def test_plan_cli_table_and_json(capsys):
     rc, out, err = run_main(capsys, "plan", "--shape", "llama3-8b")
     assert rc == 0, err
     rows = {line.split()[0]: line.split() for line in out.splitlines()}
-    assert rows["auto"][1:] == ["131,072", "426,784", "3"] and rows["fp8"][1] == "65,664"
+    assert rows["auto"][1:] == ["131,072", "426,784", "3"] and rows["fp8"][1] == "67,584"
     out = run_cli(
         "plan",
         "--shape",
@@ -131,16 +131,16 @@ def test_plan_cli_table_and_json(capsys):
         "--json",
     )
     d = json.loads(out.stdout)
-    # 512 MiB - 269,030,016 bytes of bf16 weights = 267,840,896; a block is 16 * 11520 bytes of fp8
-    # plus 30 layers * 2 * 3 heads * 4 bytes of scales = 185,040 bytes
+    # 512 MiB - 269,030,016 bytes of bf16 weights = 267,840,896; a token is 11,520 bytes of fp8
+    # plus a 4-byte scale per (layer, K/V, KV head): 30 * 2 * 3 * (64 + 4) = 12,240 bytes
     assert d["kv_memory"] == 2**29 - 2 * 134_515_008 == 267_840_896
     assert d["dtypes"] == [
         {
             "kv_cache_dtype": "fp8",
-            "bytes_per_token": 11565,
-            "bytes_per_block": 185040,
-            "blocks": 1447,
-            "tokens": 23152,
+            "bytes_per_token": 12240,
+            "bytes_per_block": 195840,
+            "blocks": 1367,
+            "tokens": 21872,
             "requests_at_context": 5,
         }
     ]

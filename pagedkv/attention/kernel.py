@@ -34,10 +34,10 @@ def paged_attention_decode(
 ) -> torch.Tensor:
     """One query per sequence (q: [B, Hq, D]) at position seq_lens[b] - 1; returns [B, Hq, D].
 
-    A quantized cache (int8 or float8_e4m3fn) comes with float32 scales [num_blocks, Hkv]: element
-    x of block b, head h stands for x * scales[b, h]. The kernel reads it in place. With a
-    cascade plan (attention/cascade.py), each group's shared blocks are read once for all its
-    members (same result; the torch path ignores the plan).
+    A quantized cache (int8 or float8_e4m3fn) comes with float32 scales [num_blocks, Hkv,
+    block_size]: element x of block b, head h, offset t stands for x * scales[b, h, t]. The kernel
+    reads it in place. With a cascade plan (attention/cascade.py), each group's shared blocks are
+    read once for all its members (same result; the torch path ignores the plan).
     """
     return _attend(
         q, k_cache, v_cache, None, seq_lens, block_tables, scale, out, k_scales, v_scales, cascade
@@ -223,7 +223,7 @@ def _check_dtypes(
             f"scales go with an int8 or float8_e4m3fn cache,"
             f" got {k_cache.dtype} and {v_cache.dtype}"
         )
-    want = tuple(k_cache.shape[:2])
+    want = tuple(k_cache.shape[:3])
     for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
         if (
             t is None

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from pagedkv import native
 from pagedkv.attention.paged import Cache
-from pagedkv.kvstore.quant import QuantizedCache, SlotWrite
+from pagedkv.kvstore.quant import QuantizedCache, slot_rows
 
 
 def rope_and_store(
@@ -83,22 +83,13 @@ def _int64(t: Tensor) -> Tensor:
 
 def write_kv(k_cache: Cache, v_cache: Cache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     """Store new K/V ([T, Hkv, D]) at their slots (rotated and quantized for a quantized cache)."""
-    block_size = k_cache.shape[2]
+    _, num_heads, block_size, head_dim = k_cache.shape
     if isinstance(k_cache, QuantizedCache):
-        where = None if k_cache.native_writer(k) else SlotWrite.of(slot_mapping, block_size)
-        k_cache.write(k, slot_mapping, where)
-        cast(QuantizedCache, v_cache).write(v, slot_mapping, where)
+        rows = None if k_cache.native_writer(k) else slot_rows(slot_mapping, num_heads, block_size)
+        k_cache.write(k, slot_mapping, rows)
+        cast(QuantizedCache, v_cache).write(v, slot_mapping, rows)
         return
-    # As rows of the cache seen as [num_blocks * Hkv * block_size, D]: index_copy_ is ~200x faster
-    # on CPU than advanced-index assignment (cache[blocks, :, offsets] = k), which took ~12 ms a
-    # call.
-    num_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping - blocks * block_size
-    heads = torch.arange(num_heads, device=slot_mapping.device)
-    rows = ((blocks[:, None] * num_heads + heads[None, :]) * block_size + offsets[:, None]).reshape(
-        -1
-    )
+    rows = slot_rows(slot_mapping, num_heads, block_size)
     k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
     v_plain = cast(Tensor, v_cache)
     v_plain.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_plain.dtype))

@@ -1,19 +1,16 @@
 // Writes new K or V rows into a quantized cache (int8 or float8 e4m3fn, one float32 scale per
-// (block, KV head)): the arithmetic of QuantizedCache.write in kv/quant.py, in one pass instead
-// of a dozen torch ops per layer per step (about 70 us a call at one token, most of an fp8
-// decode step's overhead). The rows come as the model made them (any float type, a view into
-// its fused projection) and are rotated here (vec.h: hadamard), as such a cache holds them.
+// (token, KV head)): the arithmetic of QuantizedCache.write in kvstore/quant.py, in one pass
+// instead of a handful of torch ops per layer per step (about 70 us a call at one token, most of
+// an fp8 decode step's overhead). The rows come as the model made them (any float type, a view
+// into its fused projection) and are rotated here (vec.h: hadamard), as such a cache holds them.
 //
-// Per (block, head) touched by the write: a block written at offset 0 starts afresh; otherwise
-// its scale only grows, to cover the new values, and the entries already stored are requantized
-// to the grown scale. Rounding matches torch's: int8 rounds half to even, fp8 rounds to nearest
-// even after clamping to +-448.
+// Each (token, head) row gets the smallest scale that holds its largest value. Rounding matches
+// torch's: int8 rounds half to even, fp8 rounds to nearest even after clamping to +-448.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <utility>
 #include <vector>
 
 #include "pagedkv_abi.h"
@@ -51,42 +48,20 @@ inline float abs_max(const float* x, int64_t n) {
 template <typename F>
 void write(const float* x, int64_t T, int64_t H, int64_t D, const int64_t* slots, typename F::Q* data,
            float* scales, int64_t bs) {
-  using Q = typename F::Q;
-  std::vector<std::pair<int64_t, int64_t>> order(T);  // (block, token), grouped by block
-  for (int64_t t = 0; t < T; ++t) order[t] = {slots[t] / bs, t};
-  std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  for (size_t g = 0; g < order.size();) {
-    const int64_t block = order[g].first;
-    size_t end = g;
-    bool fresh = false;
-    while (end < order.size() && order[end].first == block) fresh |= slots[order[end++].second] % bs == 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t block = slots[t] / bs, off = slots[t] % bs;
     for (int64_t h = 0; h < H; ++h) {
-      float amax = 0.f;
-      for (size_t i = g; i < end; ++i) amax = std::max(amax, abs_max(x + (order[i].second * H + h) * D, D));
-      float& scale = scales[block * H + h];
-      const float old = fresh ? 0.f : scale;
-      const float grown = std::max(old, F::scale_for(amax));
-      Q* rows = data + (block * H + h) * bs * D;
-      if (old > 0.f && grown > old) {
-        const Vec ratio = set1(old / grown);
-        for (int64_t e = 0; e < bs * D; e += W) {
-          const Mask m = lanes(bs * D, e);
-          store_codes(rows + e, F::codes(mul(load(rows + e, m), ratio)), m);
-        }
-      }
-      scale = grown;
-      const Vec divisor = set1(grown);
-      for (size_t i = g; i < end; ++i) {
-        const int64_t t = order[i].second;
-        const float* row = x + (t * H + h) * D;
-        Q* dst = rows + (slots[t] % bs) * D;
-        for (int64_t d = 0; d < D; d += W) {
-          const Mask m = lanes(D, d);
-          store_codes(dst + d, F::codes(vdiv(load(row + d, m), divisor)), m);  // as torch: x / scale
-        }
+      const float* row = x + (t * H + h) * D;
+      const int64_t at = (block * H + h) * bs + off;  // the row's place in [blocks, H, bs]
+      const float scale = F::scale_for(abs_max(row, D));
+      scales[at] = scale;
+      const Vec divisor = set1(scale);
+      typename F::Q* dst = data + at * D;
+      for (int64_t d = 0; d < D; d += W) {
+        const Mask m = lanes(D, d);
+        store_codes(dst + d, F::codes(vdiv(load(row + d, m), divisor)), m);  // as torch: x / scale
       }
     }
-    g = end;
   }
 }
 

@@ -22,7 +22,7 @@
 //   query_start_loc [B+1] (null: every sequence has one query), seq_lens [B],
 //   block_tables [B, max_blocks]; query i of sequence b sits at position
 //   seq_lens[b] - qlen_b + i and sees keys at positions <= its own.
-// A quantized cache (int8, e4m3, with per-(block, head) scales) holds K and V rotated by the
+// A quantized cache (int8, e4m3, with per-(token, head) scales) holds K and V rotated by the
 // Hadamard matrix H (vec.h: hadamard): q is rotated as it is loaded and each row's result
 // rotated back, so q and out are as for a float cache.
 
@@ -118,7 +118,7 @@ struct Problem {
   const int32_t* qsl; const int32_t* seq_lens; const int32_t* block_tables;
   int64_t T, B, max_blocks, num_blocks, Hq, Hkv, bs, D, q_stride, out_stride;
   float scale;
-  const float* k_scales; const float* v_scales;  // [num_blocks * Hkv] for a quantized cache, else null
+  const float* k_scales; const float* v_scales;  // [num_blocks * Hkv * bs] for a quantized cache, else null
   // Cascade (else null): sequence b's first pre[b] blocks are shared with the other members of
   // its group, before any of their queries; group g's members are members[gstart[g] ..
   // gstart[g + 1]). stok: the groups' query tokens, member by member (run_cascade makes it).
@@ -448,8 +448,8 @@ struct Attend {
         tile.kp[at] = k + base + i * P.D;
         tile.vp[at] = v + base + i * P.D;
         if constexpr (kQuantized) {
-          tile.ks[at] = P.k_scales[row];
-          tile.vs[at] = P.v_scales[row];
+          tile.ks[at] = P.k_scales[row * P.bs + off + i];
+          tile.vs[at] = P.v_scales[row * P.bs + off + i];
         }
       }
     }

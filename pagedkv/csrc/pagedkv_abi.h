@@ -44,7 +44,7 @@ typedef struct {
   const void* k;                    // [num_blocks, num_kv_heads, block_size, head_dim] contiguous
   const void* v;                    // as k
   void* out;                        // as q, rows out_stride apart
-  const float* k_scales;            // [num_blocks, num_kv_heads] of a quantized cache (K, V rotated), else null
+  const float* k_scales;            // [num_blocks, num_kv_heads, block_size] of a quantized cache (K, V rotated), else null
   const float* v_scales;            // as k_scales
   const int32_t* query_start_loc;   // [num_seqs + 1]; null: one query per sequence (decode)
   const int32_t* seq_lens;          // [num_seqs] keys of each sequence
@@ -118,8 +118,8 @@ typedef struct {
   int32_t threads;
 } pagedkv_rope_cache_params;
 
-// New K or V rows rotated (vec.h: hadamard), quantized into their slots, growing each touched
-// block's scale (kv_quant.cpp).
+// New K or V rows rotated (vec.h: hadamard), quantized into their slots, each (token, head) row
+// with its own scale (kv_quant.cpp).
 typedef struct {
   pagedkv_dtype dtype;              // of data: INT8 or FLOAT8_E4M3FN
   pagedkv_dtype x_dtype;            // FLOAT32, BFLOAT16 or FLOAT16
@@ -130,7 +130,7 @@ typedef struct {
   int64_t head_dim;
   const int64_t* slots;             // [num_tokens]
   void* data;                       // [num_blocks, num_heads, block_size, head_dim]
-  float* scales;                    // [num_blocks, num_heads]
+  float* scales;                    // [num_blocks, num_heads, block_size]
   int64_t num_blocks;
   int64_t block_size;
 } pagedkv_quant_write_params;

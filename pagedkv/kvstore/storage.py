@@ -1,7 +1,7 @@
 """The K/V tensors of the block pool: one tensor for all layers.
 
     data:   [num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]
-    scales: [num_layers, 2 (K, V), num_blocks, num_kv_heads] float32  (fp8 / int8 only)
+    scales: [num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size] float32  (fp8 / int8 only)
 
 `layer(i)` gives the (k_cache, v_cache) the attention reads: for float
 dtypes two tensors [num_blocks, num_kv_heads, block_size, head_dim]; for the
@@ -17,7 +17,7 @@ unit a host or disk tier stores:
     float dtypes:  block_shape = (num_layers, 2, num_kv_heads, block_size, head_dim)
     fp8 / int8:    block_shape = (bytes_per_block,), packed bytes: the block's data in
                    (layer, K/V, head, offset, dim) order, then its float32 scales in
-                   (layer, K/V, head) order
+                   (layer, K/V, head, offset) order
 
 Swap space is simply another KVStorage on the CPU (`read_blocks` of one feeds
 `write_blocks` of the other), so callers never look inside a block.
@@ -96,9 +96,7 @@ class KVStorage:
         # Block moves are byte copies: float8 has no index_copy_ on CPU, its uint8 view does.
         self._raw = self.data
         if self.quant is not None:
-            self.scales = torch.zeros(
-                num_layers, 2, num_blocks, num_kv_heads, dtype=SCALE_DTYPE, device=self.device
-            )
+            self.scales = torch.zeros(*shape[:-1], dtype=SCALE_DTYPE, device=self.device)
             self._raw = self.data.view(torch.uint8)
         self.kv_caches: list[tuple] = [self.layer(i) for i in range(num_layers)]
 
@@ -155,7 +153,8 @@ class KVStorage:
         picked = self._raw.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
         if self.scales is None:
             return picked
-        scales = self.scales.index_select(2, ids).permute(2, 0, 1, 3).contiguous().view(torch.uint8)
+        scales = self.scales.index_select(2, ids).permute(2, 0, 1, 3, 4).contiguous()
+        scales = scales.view(torch.uint8)
         n = ids.numel()
         return torch.cat([picked.view(n, -1), scales.view(n, -1)], dim=1).view(self.dtype)
 
@@ -181,24 +180,22 @@ class KVStorage:
             packed[:, split:]
             .contiguous()
             .view(SCALE_DTYPE)
-            .view(n, self.num_layers, 2, self.num_kv_heads)
+            .view(n, self.num_layers, 2, self.num_kv_heads, self.block_size)
         )
-        self.scales.index_copy_(2, ids, scales.permute(1, 2, 0, 3))
+        self.scales.index_copy_(2, ids, scales.permute(1, 2, 0, 3, 4))
 
     @staticmethod
     def bytes_per_block(
         num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype | str
     ) -> int:
         """K and V of one block across all layers, with their scales for fp8 / int8."""
-        dtype = as_dtype(dtype)
-        rows = 2 * num_layers * num_kv_heads  # (layer, K/V, head) of one block
-        scales = rows * SCALE_DTYPE.itemsize if dtype in FORMATS else 0
-        return rows * block_size * head_dim * dtype.itemsize + scales
+        return block_size * KVStorage.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
 
     @staticmethod
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str
     ) -> int:
-        """Bytes of one token's K and V elements (fp8 / int8 scales are per block: see
-        bytes_per_block)."""
-        return 2 * num_layers * num_kv_heads * head_dim * as_dtype(dtype).itemsize
+        """Bytes of one token's K and V across all layers, with its scales for fp8 / int8."""
+        dtype = as_dtype(dtype)
+        scale = SCALE_DTYPE.itemsize if dtype in FORMATS else 0
+        return 2 * num_layers * num_kv_heads * (head_dim * dtype.itemsize + scale)

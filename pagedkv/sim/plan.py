@@ -2,8 +2,8 @@
 
 K and V each take num_layers x num_kv_heads x head_dim elements per token.
 The pool is whole blocks, so capacity is counted in blocks first. fp8 and
-int8 keep one float32 scale per (layer, K or V, block, KV head) beside the
-blocks (kv/quant.py), counted in each block's bytes as the engine's pool does.
+int8 keep one float32 scale per (layer, K or V, token, KV head) beside the
+blocks (kvstore/quant.py), counted in each block's bytes as the engine's pool does.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pagedkv.sim.shapes import ModelShape
 
 # bytes per K or V element; "auto" is the model's bf16
 KV_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "int8": 1}
-SCALE_BYTES = 4  # per (layer, K or V, block, KV head) of a quantized dtype
+SCALE_BYTES = 4  # per (layer, K or V, token, KV head) of a quantized dtype
 QUANTIZED = ("fp8", "int8")
 
 
@@ -26,8 +26,8 @@ def kv_bytes_per_block(shape: ModelShape, kv_dtype: str, block_size: int) -> int
             f"--kv-cache-dtype must be one of {', '.join(KV_DTYPE_BYTES)}, got {kv_dtype!r}"
         )
     heads = shape.num_layers * shape.num_kv_heads * 2  # K and V
-    data = heads * shape.head_dim * KV_DTYPE_BYTES[kv_dtype] * block_size
-    return data + (heads * SCALE_BYTES if kv_dtype in QUANTIZED else 0)
+    row = shape.head_dim * KV_DTYPE_BYTES[kv_dtype] + (SCALE_BYTES if kv_dtype in QUANTIZED else 0)
+    return heads * row * block_size
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,7 +133,7 @@ void attention(int dtype, int kv_dtype, int64_t D, int threads) {
   const int64_t T = qsl[B];
   Buf q(dtype, T * Hq * D), out(dtype, T * Hq * D), k(cache, num_blocks * Hkv * bs * D), v(cache, k.size());
   q.fill_random(-1, 1); k.fill_random(-1, 1); v.fill_random(-1, 1);
-  std::vector<float> ks(num_blocks * Hkv, 1.f), vs(num_blocks * Hkv, 1.f);
+  std::vector<float> ks(num_blocks * Hkv * bs, 1.f), vs(num_blocks * Hkv * bs, 1.f);  // per (token, head)
   if (kv_dtype >= 0)
     for (size_t i = 0; i < ks.size(); ++i) { ks[i] = uniform(0.001f, 0.01f); vs[i] = uniform(0.001f, 0.01f); }
   const float scale = float(1.0 / std::sqrt(double(D)));
@@ -154,10 +154,9 @@ void attention(int dtype, int kv_dtype, int64_t D, int threads) {
   // what each K/V row stands for: code x scale, and for a quantized cache rotated back
   std::vector<double> kd(k.size()), vd(v.size());
   for (int64_t r = 0; r < num_blocks * Hkv * bs; ++r) {
-    const int64_t sc = r / bs;
     for (int64_t d = 0; d < D; ++d) {
-      kd[r * D + d] = double(k.get(r * D + d)) * ks[sc];
-      vd[r * D + d] = double(v.get(r * D + d)) * vs[sc];
+      kd[r * D + d] = double(k.get(r * D + d)) * ks[r];
+      vd[r * D + d] = double(v.get(r * D + d)) * vs[r];
     }
     if (kv_dtype >= 0)
       for (std::vector<double>* rows : {&kd, &vd}) {
@@ -267,8 +266,8 @@ void rope_cache(int dtype, int64_t D) {
   check("rope v cache " + tag, want_v, vc, 0);
 }
 
-// Quantized writes into fresh blocks of rows (tokens a padded stride apart) that the write
-// rotates first: the scale from the rotated rows' largest |x|, each value within half a step of
+// Quantized writes of rows (tokens a padded stride apart) that the write rotates first: each
+// (token, head) row's scale from its own largest rotated |x|, each value within half a step of
 // int8 or within e4m3's rounding.
 void quant_write(int format, int64_t D) {
   const int64_t T = 6, H = 2, bs = 4, num_blocks = 4, stride = H * D + 7;
@@ -284,29 +283,25 @@ void quant_write(int format, int64_t D) {
     }
   std::vector<int64_t> slots = {0, 1, 2, 3, 8, 9};  // blocks 0 and 2, both from offset 0
   Buf data(format, num_blocks * H * bs * D);
-  std::vector<float> scales(num_blocks * H, 0.f);
+  std::vector<float> scales(num_blocks * H * bs, 0.f);
   pagedkv_quant_write_params p{pagedkv_dtype(format), PAGEDKV_DTYPE_FLOAT32, raw.data(), stride, T, H, D, slots.data(),
                                data.data(), scales.data(), num_blocks, bs};
   ran(pagedkv_quant_write(&p, err, sizeof err), "quant_write");
   std::vector<double> want(data.size(), 0.0);
   Buf got(0, data.size());
   bool scales_ok = true;
-  for (int64_t blk : {0, 2})
-    for (int64_t h = 0; h < H; ++h) {
-      double amax = 0;
-      for (int64_t t = 0; t < T; ++t)
-        if (slots[t] / bs == blk) for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(double(x[(t * H + h) * D + d])));
-      const double s = format == PAGEDKV_DTYPE_INT8 ? amax / 127 : std::min(std::exp2(std::ceil(std::log2(amax / 448))), 128.0);
-      scales_ok &= std::fabs(scales[blk * H + h] - s) <= 1e-6 * s;
-    }
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < H; ++h)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t row = (slots[t] / bs * H + h) * bs + slots[t] % bs;  // in [blocks, H, bs]
+      double amax = 0;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[(t * H + h) * D + d]));
+      const double s = format == PAGEDKV_DTYPE_INT8 ? amax / 127 : std::min(std::exp2(std::ceil(std::log2(amax / 448))), 128.0);
+      scales_ok &= std::fabs(scales[row] - s) <= 1e-6 * s;
       for (int64_t d = 0; d < D; ++d) {
-        const int64_t blk = slots[t] / bs, at = ((blk * H + h) * bs + slots[t] % bs) * D + d;
-        const double s = scales[blk * H + h];
-        want[at] = x[(t * H + h) * D + d] / s;  // in steps of the scale
-        got.set(at, data.get(at));
+        want[row * D + d] = x[(t * H + h) * D + d] / scales[row];  // in steps of the scale
+        got.set(row * D + d, data.get(row * D + d));
       }
+    }
   (scales_ok ? passed : failed)++;
   std::printf("%s quant_write %s D=%lld scales\n", scales_ok ? "ok  " : "FAIL", kName[format], (long long)D);
   // int8: within half a step; e4m3: within 1/16 relative (3 mantissa bits) or 2^-10 absolute.
