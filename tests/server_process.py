@@ -73,7 +73,9 @@ class ServerProcess:
     def _wait_for_port(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            m = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", self.output())
+            m = re.search(
+                r"Uvicorn running on (http://(?:[\d.]+|\[[\da-f:]+\]):\d+)", self.output()
+            )
             if m:
                 return m.group(1)
             if self.proc.poll() is not None:

@@ -81,6 +81,15 @@ def test_health_and_models(server, client):
     assert models[0].max_model_len == 1024
 
 
+def test_an_ipv6_host_is_served_and_logged_in_brackets(tiny_model_dir):
+    """--host ::1: the start-up line gives a URL a browser or client can take (http://[::1]:PORT,
+    not http://::1:PORT), and that URL answers."""
+    with ServerProcess(tiny_model_dir, "--host", "::1", "--num-gpu-blocks-override", "64") as srv:
+        assert srv.url.startswith("http://[::1]:")
+        assert srv.http.get("/health").status_code == 200
+        assert f"OpenAI API at {srv.url}/v1, dashboard at {srv.url}/" in srv.output()
+
+
 def test_completion_string_and_token_ids_agree(client, tokenizer):
     by_text = complete(client, "Hello world")
     ids = tokenizer.encode("Hello world")

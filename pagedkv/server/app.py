@@ -236,14 +236,12 @@ class GracefulServer(uvicorn.Server):
             self._log_started_message(sockets)
         for server in self.servers:
             for sock in server.sockets:
-                host, port = sock.getsockname()[:2]
+                url = base_url(*sock.getsockname()[:2])
                 log.info(
-                    "pagedkv serves %s: OpenAI API at http://%s:%d/v1, dashboard at http://%s:%d/",
+                    "pagedkv serves %s: OpenAI API at %s/v1, dashboard at %s/",
                     self.engine.model_name,
-                    host,
-                    port,
-                    host,
-                    port,
+                    url,
+                    url,
                 )
 
     def handle_exit(self, sig, frame) -> None:
@@ -273,6 +271,11 @@ class GracefulServer(uvicorn.Server):
         # uvicorn raises the caught signal again once it has stopped, which kills the process
         # (exit status 143 for SIGTERM): a stop it handled cleanly exits 0, as serve() says.
         self._captured_signals.clear()
+
+
+def base_url(host: str, port: int) -> str:
+    """http://host:port, an IPv6 address in brackets (http://[::1]:8000) as URLs write it."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def bind(host: str, port: int) -> socket.socket:

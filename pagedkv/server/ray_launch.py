@@ -70,6 +70,7 @@ def serve_replicas(
     from pagedkv.routing import make_policy
 
     make_policy(routing)  # a bad name fails before Ray starts
+    from pagedkv.server.app import base_url
     from pagedkv.server.ray_app import build
 
     _init_ray(ray, num_replicas, ray_address)
@@ -87,7 +88,7 @@ def serve_replicas(
         replicas = f"{num_replicas} Ray Serve replica{'s' if num_replicas > 1 else ''}"
         print(
             f"pagedkv serves {config.model or 'the default model'} on {replicas}: OpenAI API "
-            f"at http://{host}:{port}/v1, dashboard at http://{host}:{port}/",
+            f"at {base_url(host, port)}/v1, dashboard at {base_url(host, port)}/",
             file=sys.stderr,
             flush=True,
         )
