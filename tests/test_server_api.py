@@ -263,6 +263,21 @@ def test_cached_tokens_are_reported(server, client):
 # ---------------------------------------------------------------- metrics, /v1/kv, /v1/simulate
 
 
+def test_metrics_name_filter_returns_only_those_series(server):
+    """GET /metrics?name[]=a&name[]=b answers those series only, as vLLM's /metrics does."""
+    text = server.http.get("/metrics").text
+    assert "pagedkv:num_requests_waiting" in text
+    wanted = ["pagedkv:num_requests_running", "pagedkv:generation_tokens_total"]
+    reply = server.http.get("/metrics", params=[("name[]", n) for n in wanted])
+    assert reply.status_code == 200
+    samples = {
+        line.split("{")[0].split()[0]
+        for line in reply.text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples == set(wanted)
+
+
 def test_metrics_mirror_the_engine(server, client):
     before = server.metrics()
     out = complete(client, "Counting tokens", max_tokens=6)

@@ -165,8 +165,9 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
         return await serving.chat(await read_json(request, api.ChatCompletionRequest), request)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
-        body, content_type = metrics.render()
+    async def prometheus(request: Request) -> Response:
+        # name[]=...: only those series, as prometheus_client's own /metrics app (vLLM's) answers
+        body, content_type = metrics.render(request.query_params.getlist("name[]"))
         return Response(body, media_type=content_type)
 
     @app.get("/v1/kv")

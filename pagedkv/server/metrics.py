@@ -11,6 +11,7 @@ A private registry keeps several apps in one process (tests) apart.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -297,5 +298,23 @@ class ServerMetrics:
             self.decode.observe(last - first)
             self.inference.observe(last - start)
 
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, names: list[str] | None = None) -> tuple[bytes, str]:
+        """The exposition; with `names`, only the samples of those names (vLLM's name[] filter;
+        restricted_registry cannot see the names of collectors that describe nothing)."""
+        return generate_latest(_Only(self.registry, set(names)) if names else self.registry), (
+            CONTENT_TYPE_LATEST
+        )
+
+
+@dataclass
+class _Only:
+    """A registry's families cut to the samples of some names."""
+
+    registry: CollectorRegistry
+    names: set[str]
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            family.samples = [s for s in family.samples if s.name in self.names]
+            if family.samples:
+                yield family
