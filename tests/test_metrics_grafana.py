@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import REPO, ServerProcess
@@ -151,3 +152,26 @@ def test_inter_token_latency_is_one_gap_per_step(server):
     assert delta("spec_decode_num_accepted_tokens_total") > 0
     steps = delta("iteration_tokens_total_count")  # it ran alone: a prefill, then decodes
     assert delta("inter_token_latency_seconds_count") == steps - 1
+
+
+def test_a_request_whose_client_goes_away_counts_once_as_abort(server):
+    """As vLLM's finished_reason="abort": a stream left after its first chunk, and a plain answer
+    given up on, each count once; the requests that finish count only under their own reason."""
+    before = scrape(server)
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 500, "ignore_eos": True}
+    with server.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert '"text"' in next(line for line in r.iter_lines() if line)
+    with pytest.raises(httpx.ReadTimeout):
+        server.http.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.05))
+    server.wait_idle(timeout=10)
+    send_two(server)
+    after = scrape(server)
+
+    def delta(**labels: str) -> float:
+        return total(after, "request_success_total", **labels) - total(
+            before, "request_success_total", **labels
+        )
+
+    assert delta(finished_reason="abort") == 2
+    assert delta(finished_reason="length") == 2
+    assert delta() == 4

@@ -286,6 +286,11 @@ class ServerMetrics:
             self.e2e.observe(m.finished_time - m.arrival_time)
         self._phases(m)
 
+    def aborted(self) -> None:
+        """Record a request that ended before its final output (its client went away), as
+        vLLM's finished_reason="abort"; its latencies and lengths are not known, so not observed."""
+        self._success.labels(self.model_name, "abort").inc()
+
     def _phases(self, m: RequestMetrics) -> None:
         """vLLM's phases: queued -> scheduled -> first token -> last token."""
         start, first, last = m.first_scheduled_time, m.first_token_time, m.last_token_time

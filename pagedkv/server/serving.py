@@ -46,14 +46,6 @@ def request_id(prefix: str, given: str | None) -> str:
     return f"{prefix}-{given if given else uuid.uuid4().hex}"
 
 
-async def _shown(
-    fmt: ResponseFormat, outputs: AsyncGenerator[RequestOutput, None]
-) -> AsyncGenerator[RequestOutput, None]:
-    async with aclosing(outputs) as each:
-        async for out in each:
-            yield fmt.shown(out)
-
-
 def all_final(finals: list[RequestOutput | None]) -> list[RequestOutput]:
     """Each request's final output: every stream ends with one (or raises)."""
     done = [out for out in finals if out is not None]
@@ -157,6 +149,26 @@ class OpenAIServing:
         )
         return await self._run(request, fmt, [prompt], params, req.stream, req.include_usage)
 
+    async def _shown(
+        self, fmt: ResponseFormat, outputs: AsyncGenerator[RequestOutput, None]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """What the client gets of one engine request, counted once in /metrics: at its final
+        output, or as an abort if its stream is closed or cancelled before (the client went
+        away). A stream that raises (a full queue, a failed request) is not counted."""
+        finished = False
+        try:
+            async with aclosing(outputs) as each:
+                async for out in each:
+                    out = fmt.shown(out)
+                    if out.finished:
+                        finished = True
+                        self.metrics.observe(out)
+                    yield out
+        except (GeneratorExit, asyncio.CancelledError):
+            if not finished:
+                self.metrics.aborted()
+            raise
+
     async def _compile_grammar(self, params: SamplingParams) -> None:
         """Off the event loop and the engine thread; a grammar that does not compile: 400 here."""
         spec = params.structured_outputs
@@ -177,7 +189,7 @@ class OpenAIServing:
             self.engine.validate(ids, params)
         events = merge(
             [
-                _shown(fmt, self.engine.generate(ids, params, request_id=f"{fmt.id}-{i}"))
+                self._shown(fmt, self.engine.generate(ids, params, request_id=f"{fmt.id}-{i}"))
                 for i, ids in enumerate(prompts)
             ]
         )
@@ -204,7 +216,6 @@ class OpenAIServing:
             async for i, out in events:
                 if out.finished:
                     finals[i] = out
-                    self.metrics.observe(out)
         return all_final(finals)
 
     async def _stream(
@@ -231,7 +242,6 @@ class OpenAIServing:
                             yield sse(chunk)
                     if out.finished:
                         finals[i] = out
-                        self.metrics.observe(out)
                     item = await anext(events, None)
             done = all_final(finals)
             check_not_aborted(done)
