@@ -17,6 +17,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -404,6 +406,29 @@ def test_tokenize_detokenize(server):
         http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
         == "<user>Hi\n<assistant>Par"
     )
+
+
+def test_a_huge_tokenize_leaves_the_server_answering(server):
+    """Megabytes of prompt take seconds to tokenize, the token strings and the answer's JSON
+    included: /health must be answered meanwhile, so none of it may run on the event loop."""
+    body = {"prompt": "Paged attention keeps blocks. " * 250_000, "return_token_strs": True}
+    waits: list[float] = []
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(httpx.post, f"{server.url}/tokenize", json=body, timeout=300)
+        while not big.done():
+            start = time.monotonic()
+            assert server.http.get("/health").status_code == 200
+            waits.append(time.monotonic() - start)
+            time.sleep(0.01)
+        r = big.result()
+    assert r.status_code == 200, r.text[:300]
+    answer = r.json()
+    assert answer["count"] == len(answer["tokens"]) == len(answer["token_strs"]) > 1_000_000
+    assert answer["token_strs"][1:4] == [
+        server.http.post("/detokenize", json={"tokens": [t]}).json()["prompt"]
+        for t in answer["tokens"][1:4]
+    ]
+    assert len(waits) > 10 and max(waits) < 0.7, f"/health waited {max(waits):.2f}s"
 
 
 @pytest.mark.parametrize(

@@ -30,16 +30,15 @@ def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
     def json_response(model) -> Response:
         return Response(model.model_dump_json(), media_type="application/json")
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        req = await read_json(request, api.TokenizeRequest)
-        check_model(req.model)
-        if req.messages is not None:
+    def tokenized(req: api.TokenizeRequest) -> Response:
+        """The answer; run off the event loop, as megabytes of prompt take seconds to render,
+        encode, decode token by token and write as JSON, and every other request would wait."""
+        if req.prompt is not None:  # else messages: the request has exactly one of the two
+            text, special = req.prompt, req.add_special_tokens is not False
+        else:
             text = chat_prompt(tok, req, engine.config.trust_request_chat_template)
             special = bool(req.add_special_tokens)  # the template already has BOS and the like
-        else:
-            text, special = req.prompt, req.add_special_tokens is not False
-        ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=special)
+        ids = tok.encode(text, add_special_tokens=special)
         strs = (
             [tok.decode([t], skip_special_tokens=False) for t in ids]
             if req.return_token_strs
@@ -50,6 +49,12 @@ def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
                 count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs
             )
         )
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = await read_json(request, api.TokenizeRequest)
+        check_model(req.model)
+        return await asyncio.to_thread(tokenized, req)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
