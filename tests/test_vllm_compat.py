@@ -413,6 +413,7 @@ def test_a_huge_tokenize_leaves_the_server_answering(server):
     included: /health must be answered meanwhile, so none of it may run on the event loop."""
     body = {"prompt": "Paged attention keeps blocks. " * 250_000, "return_token_strs": True}
     waits: list[float] = []
+    began = time.monotonic()
     with ThreadPoolExecutor(1) as pool:
         big = pool.submit(httpx.post, f"{server.url}/tokenize", json=body, timeout=300)
         while not big.done():
@@ -421,6 +422,7 @@ def test_a_huge_tokenize_leaves_the_server_answering(server):
             waits.append(time.monotonic() - start)
             time.sleep(0.01)
         r = big.result()
+    took = time.monotonic() - began
     assert r.status_code == 200, r.text[:300]
     answer = r.json()
     assert answer["count"] == len(answer["tokens"]) == len(answer["token_strs"]) > 1_000_000
@@ -428,7 +430,11 @@ def test_a_huge_tokenize_leaves_the_server_answering(server):
         server.http.post("/detokenize", json={"tokens": [t]}).json()["prompt"]
         for t in answer["tokens"][1:4]
     ]
-    assert len(waits) > 10 and max(waits) < 0.7, f"/health waited {max(waits):.2f}s"
+    # a share of the request's own time, so that a slow machine passes too (measured: 0.035 of
+    # it; 0.11-0.14 when the token strings were decoded on the event loop)
+    assert len(waits) > 10 and max(waits) < took / 12, (
+        f"/health waited {max(waits):.2f}s of {took:.2f}s"
+    )
 
 
 @pytest.mark.parametrize(
