@@ -6,12 +6,12 @@ One layer's K (or V) is a `QuantizedCache`:
     scales: [num_blocks, num_kv_heads, block_size]             float32
 
 An element stands for data * scale. Each (token, head) row is quantized on its own, with the
-smallest scale that holds its largest value, and never touched again. So what a token's K and V
-become depends on nothing but the token's own values: not on the prompt chunk it came in, the
-tokens beside it in its block, whether it was recomputed after a preemption or read from the prefix
-cache. That keeps a quantized cache's outputs as independent of batching, chunking, preemption and
-caching as a float cache's. (A scale per block, grown as tokens arrive and requantizing the block,
-was 6% smaller and did not: a block's values depended on how its tokens were split into steps.)
+smallest scale that holds its largest value, and never touched again. So the codes of a token's K
+and V depend on nothing but the token's own values: not on the prompt chunk it came in, the tokens
+beside it in its block, whether it was recomputed after a preemption or drafted beside rejected
+tokens. (A scale per block, grown as tokens arrived and requantizing the block, was 6% smaller but
+made a block's codes depend on how its tokens were split into steps.) Quantization still magnifies
+the last-bit differences a float K gets from matmuls of other row counts: see BENCHMARKS.md.
 
 fp8 scales are powers of two: the relative precision of a float format does not depend on the
 scale, so this costs nothing, and it keeps the dequantization below exact. They stop at 2^7, so

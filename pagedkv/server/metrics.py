@@ -306,9 +306,8 @@ class ServerMetrics:
     def render(self, names: list[str] | None = None) -> tuple[bytes, str]:
         """The exposition; with `names`, only the samples of those names (vLLM's name[] filter;
         restricted_registry cannot see the names of collectors that describe nothing)."""
-        return generate_latest(_Only(self.registry, set(names)) if names else self.registry), (
-            CONTENT_TYPE_LATEST
-        )
+        source = _Only(self.registry, set(names)) if names else self.registry
+        return generate_latest(source), CONTENT_TYPE_LATEST
 
 
 @dataclass

@@ -86,9 +86,10 @@ def serve_replicas(
             logging_config=logging_config,
         )
         replicas = f"{num_replicas} Ray Serve replica{'s' if num_replicas > 1 else ''}"
+        url = base_url(host, port)
         print(
             f"pagedkv serves {config.model or 'the default model'} on {replicas}: OpenAI API "
-            f"at {base_url(host, port)}/v1, dashboard at {base_url(host, port)}/",
+            f"at {url}/v1, dashboard at {url}/",
             file=sys.stderr,
             flush=True,
         )
