@@ -22,6 +22,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 
 pytest.importorskip("ray.serve", reason="needs pip install 'pagedkv[ray]'")
 
@@ -156,6 +159,18 @@ def test_kv_and_metrics_cover_every_replica(cluster):
         re.search(r"^pagedkv:prefix_cache_queries_total\{.*\} (\S+)$", text, re.M).group(1)
     )
     assert queries == sum(s["prefix_queries"] for s in snaps)
+    # the merged answer in the form a Prometheus scrape asks for, and the name[] filter
+    scrape = httpx.get(
+        f"{cluster}/metrics",
+        params=[("name[]", "pagedkv:prefix_cache_queries_total")],
+        headers={"Accept": "application/openmetrics-text;version=1.0.0", "Accept-Encoding": "gzip"},
+        timeout=60,
+    )
+    assert scrape.headers["content-type"].startswith("application/openmetrics-text")
+    assert scrape.headers["content-encoding"] == "gzip" and scrape.text.endswith("# EOF\n")
+    families = list(openmetrics_families(scrape.text))
+    assert [f.name for f in families] == ["pagedkv:prefix_cache_queries"]
+    assert sum(s.value for s in families[0].samples if s.name.endswith("_total")) == queries
 
 
 def test_cors_and_access_log_flags_reach_the_ingress(server):

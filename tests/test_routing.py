@@ -187,6 +187,8 @@ def test_routing_without_replicas_is_one_line_exit_2(capsys):
 
 
 def test_replica_metrics_merge_sums_counts_and_averages_ratios():
+    from prometheus_client import generate_latest
+
     from pagedkv.server.aggregate import merge_metrics
 
     one = (
@@ -196,6 +198,6 @@ def test_replica_metrics_merge_sums_counts_and_averages_ratios():
         'pagedkv:kv_cache_usage_perc{model_name="m"} 0.5\n'
     )
     two = one.replace("} 2.0", "} 3.0").replace("} 0.5", "} 0.1")
-    text = merge_metrics([one, two]).decode()
+    text = generate_latest(merge_metrics([one, two])).decode()
     assert 'pagedkv:prompt_tokens_total{model_name="m"} 5.0' in text
     assert 'pagedkv:kv_cache_usage_perc{model_name="m"} 0.3' in text

@@ -278,6 +278,36 @@ def test_metrics_name_filter_returns_only_those_series(server):
     assert samples == set(wanted)
 
 
+PROMETHEUS_ACCEPT = (  # what Prometheus sends when it scrapes
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
+
+def test_metrics_speak_openmetrics_and_gzip_when_asked(server):
+    """A Prometheus scrape gets OpenMetrics, gzipped, as prometheus_client's /metrics app (vLLM's)
+    answers it (Prometheus 2's Accept header, which leaves the escaping to the server); a client
+    asking for neither gets the plain text format."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    scrape = server.http.get(
+        "/metrics", headers={"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip"}
+    )
+    assert scrape.headers["content-type"].startswith("application/openmetrics-text")
+    assert scrape.headers["content-encoding"] == "gzip"  # (httpx has inflated .text)
+    assert scrape.text.endswith("# EOF\n")
+    families = {f.name: f for f in text_string_to_metric_families(scrape.text)}  # raises if bad
+    # every sample under its own family's name (prometheus_client alone writes `pagedkv_...`)
+    assert all(s.name.startswith(n) for n, f in families.items() for s in f.samples)
+    assert (
+        families["pagedkv:generation_tokens"].samples[0].name == "pagedkv:generation_tokens_total"
+    )
+    assert families["pagedkv:num_requests_running"].samples
+    plain = server.http.get("/metrics", headers={"Accept": "*/*", "Accept-Encoding": "identity"})
+    assert plain.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "content-encoding" not in plain.headers and "# EOF" not in plain.text
+
+
 def test_metrics_mirror_the_engine(server, client):
     before = server.metrics()
     out = complete(client, "Counting tokens", max_tokens=6)

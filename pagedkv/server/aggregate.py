@@ -2,12 +2,12 @@
 
 Counters and histograms add up; gauges add up too (running requests, blocks) except ratios
 (usage, utilization, hit rates), which are averaged; `_created` times take the
-earliest. No Ray import: plain text in, text out.
+earliest. No Ray import: plain text in.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,8 +24,9 @@ class _Fixed:
         return iter(self.families)
 
 
-def merge_metrics(texts: list[str]) -> bytes:
-    """Prometheus text of each replica -> one exposition with every series combined."""
+def merge_metrics(texts: list[str]) -> CollectorRegistry:
+    """Prometheus text of each replica -> one registry with every series combined (rendered as
+    the scraper asks: metrics.exposition)."""
     families: dict[str, Metric] = {}
     values: dict[str, dict[tuple, list[float]]] = {}
     for text in texts:
@@ -44,7 +45,7 @@ def merge_metrics(texts: list[str]) -> bytes:
             fam.add_sample(sample, dict(labels), value)
     registry = CollectorRegistry()
     registry.register(_Fixed(list(families.values())))
-    return generate_latest(registry)
+    return registry
 
 
 def merge_kv(snapshots: list[dict]) -> dict:

@@ -167,8 +167,12 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
         # name[]=...: only those series, as prometheus_client's own /metrics app (vLLM's) answers
-        body, content_type = metrics.render(request.query_params.getlist("name[]"))
-        return Response(body, media_type=content_type)
+        body, headers = metrics.render(
+            request.query_params.getlist("name[]"),
+            request.headers.get("accept", ""),
+            request.headers.get("accept-encoding", ""),
+        )
+        return Response(body, headers=headers)
 
     @app.get("/v1/kv")
     async def kv() -> JSONResponse:

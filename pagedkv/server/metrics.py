@@ -10,22 +10,20 @@ A private registry keeps several apps in one process (tests) apart.
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
 from pagedkv.engine.outputs import RequestMetrics, RequestOutput
@@ -303,11 +301,32 @@ class ServerMetrics:
             self.decode.observe(last - first)
             self.inference.observe(last - start)
 
-    def render(self, names: list[str] | None = None) -> tuple[bytes, str]:
-        """The exposition; with `names`, only the samples of those names (vLLM's name[] filter;
-        restricted_registry cannot see the names of collectors that describe nothing)."""
+    def render(
+        self, names: list[str] | None = None, accept: str = "", accept_encoding: str = ""
+    ) -> tuple[bytes, dict[str, str]]:
+        """The exposition (see `exposition`); with `names`, only the samples of those names
+        (vLLM's name[] filter; restricted_registry cannot see the names of collectors that
+        describe nothing)."""
         source = _Only(self.registry, set(names)) if names else self.registry
-        return generate_latest(source), CONTENT_TYPE_LATEST
+        return exposition(source, accept, accept_encoding)
+
+
+def exposition(
+    source: Collector, accept: str = "", accept_encoding: str = ""
+) -> tuple[bytes, dict[str, str]]:
+    """A scrape's body and headers as prometheus_client's own /metrics app (vLLM's) gives them:
+    OpenMetrics when the Accept header asks for it, as Prometheus does, else the text format;
+    gzip when Accept-Encoding takes it."""
+    encode, content_type = choose_encoder(accept)
+    if isinstance(encode, partial) and encode.keywords.get("escaping") == openmetrics.UNDERSCORES:
+        # Underscore escaping keeps a legal legacy name (all of ours: `pagedkv:...`) as it is, but
+        # prometheus_client writes its sample lines with ':' as '_' while HELP and TYPE keep it
+        # (prometheus/client_python#1177): what Prometheus 2 asks for. Written unescaped instead.
+        encode = partial(encode, escaping=openmetrics.ALLOWUTF8)
+    body, headers = encode(source), {"Content-Type": content_type}
+    if gzip_accepted(accept_encoding):
+        body, headers["Content-Encoding"] = gzip.compress(body), "gzip"
+    return body, headers
 
 
 @dataclass

@@ -29,6 +29,7 @@ from pagedkv.config import EngineConfig, is_digits
 from pagedkv.routing import prompt_block_hashes
 from pagedkv.server.aggregate import merge_kv, merge_metrics
 from pagedkv.server.errors import error_body
+from pagedkv.server.metrics import exposition
 from pagedkv.server.middleware import MAX_BODY_BYTES, BodySizeLimit
 from pagedkv.server.ray_router import PagedKVRouter, RouteKey
 
@@ -206,16 +207,16 @@ class Ingress:
             prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else []
         )
 
-    async def _call(self, request: Request, key: RouteKey, body: bytes):
-        """Start the call; returns (head, the rest of the stream). Raises ReplicaGone.
+    async def _call(self, request: Request, key: RouteKey, body: bytes, drop: tuple = ()):
+        """Start the call (without the headers named in `drop`, lower case); returns (head, the
+        rest of the stream). Raises ReplicaGone.
 
         A replica found dead before the answer started (routed there before Ray saw it die,
         or dead mid-way through a non-streamed answer) gets one more try elsewhere: nothing
         reached the client yet and a generation changes nothing. Only one, so a request that
         kills replicas cannot take down more than two."""
-        headers = [
-            (k, v) for k, v in request.scope["headers"] if k.lower() != REPLICA_HEADER.encode()
-        ]
+        drop = (REPLICA_HEADER.encode(), *drop)
+        headers = [(k, v) for k, v in request.scope["headers"] if k.lower() not in drop]
         error: Exception
         for attempt in range(START_ATTEMPTS):
             stream = self.engine.forward.remote(
@@ -242,11 +243,14 @@ class Ingress:
         """The same GET on every replica (deduplicated: a replica that died meanwhile is skipped).
 
         One at a time: Ray gives the calls of one ingress request one internal request id,
-        and its router matches concurrent calls by that id."""
+        and its router matches concurrent calls by that id. Each answers in plain text and
+        uncompressed (the answers are merged here, then given in the form the client asked)."""
         unique: dict[str, tuple[dict, bytes]] = {}
         for i in range(self.num_replicas):
             try:
-                head, stream = await self._call(request, RouteKey(replica=i), b"")
+                head, stream = await self._call(
+                    request, RouteKey(replica=i), b"", drop=(b"accept", b"accept-encoding")
+                )
                 unique[head["replica"]] = head, b"".join([chunk async for chunk in stream])
             except (ReplicaGone, ray.exceptions.RayError):
                 continue
@@ -257,8 +261,11 @@ class Ingress:
         answers = await self._each_replica(request)
         if not answers:
             return _error(503, "no engine replica is running")
-        body = merge_metrics([text.decode() for _, text in answers])
-        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+        merged = merge_metrics([text.decode() for _, text in answers])
+        body, headers = exposition(
+            merged, request.headers.get("accept", ""), request.headers.get("accept-encoding", "")
+        )
+        return Response(body, headers=headers)
 
     @app.get("/v1/kv")
     async def kv(self, request: Request) -> Response:
