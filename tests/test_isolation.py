@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -299,6 +300,14 @@ def test_http_a_failing_request_ends_alone(tiny_model_dir, monkeypatch):
         srv.wait_idle()  # every block back, no request left
         assert srv.http.get("/health").status_code == 200
         assert srv.proc.poll() is None
+        # the two that failed count once each, as vLLM's finished_reason="error"
+        errors = re.findall(
+            r'^pagedkv:request_success_total\{[^}]*finished_reason="error"[^}]*\} (\S+)$',
+            srv.http.get("/metrics").text,
+            re.M,
+        )
+        assert [float(n) for n in errors] == [2.0]
+        assert srv.metrics()["pagedkv:request_success_total"] == 6
 
 
 def test_http_an_engine_failure_fails_everyone_and_exits(tiny_model_dir, monkeypatch):

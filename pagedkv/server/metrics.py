@@ -284,10 +284,11 @@ class ServerMetrics:
             self.e2e.observe(m.finished_time - m.arrival_time)
         self._phases(m)
 
-    def aborted(self) -> None:
-        """Record a request that ended before its final output (its client went away), as
-        vLLM's finished_reason="abort"; its latencies and lengths are not known, so not observed."""
-        self._success.labels(self.model_name, "abort").inc()
+    def ended_early(self, reason: str) -> None:
+        """Record a request that ended before its final output, under vLLM's finished_reason:
+        "abort" (its client went away) or "error" (it failed inside the engine, a 500); its
+        latencies and lengths are not known, so not observed."""
+        self._success.labels(self.model_name, reason).inc()
 
     def _phases(self, m: RequestMetrics) -> None:
         """vLLM's phases: queued -> scheduled -> first token -> last token."""

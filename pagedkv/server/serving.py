@@ -24,6 +24,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from pagedkv.config import ConfigError
+from pagedkv.engine.async_engine import RequestFailedError
 from pagedkv.engine.options import with_defaults
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.request import SamplingParams, StructuredOutputsParams
@@ -153,8 +154,9 @@ class OpenAIServing:
         self, fmt: ResponseFormat, outputs: AsyncGenerator[RequestOutput, None]
     ) -> AsyncGenerator[RequestOutput, None]:
         """What the client gets of one engine request, counted once in /metrics: at its final
-        output, or as an abort if its stream is closed or cancelled before (the client went
-        away). A stream that raises (a full queue, a failed request) is not counted."""
+        output, as an abort if its stream is closed or cancelled before (the client went away),
+        as an error if it failed in the engine. One refused at the door (a full queue, a bad
+        field) is not counted."""
         finished = False
         try:
             async with aclosing(outputs) as each:
@@ -166,7 +168,10 @@ class OpenAIServing:
                     yield out
         except (GeneratorExit, asyncio.CancelledError):
             if not finished:
-                self.metrics.aborted()
+                self.metrics.ended_early("abort")
+            raise
+        except RequestFailedError:
+            self.metrics.ended_early("error")
             raise
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
