@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import random
@@ -172,6 +173,29 @@ def test_disk_tier_keeps_under_its_size_limit_dropping_least_recently_used(tmp_p
     )
     smaller = disk_tier(tmp_path, max_bytes=size)  # restart with a lower limit
     assert smaller.num_blocks == 1 and len(files(smaller)) == 1
+
+
+def test_a_full_disk_warns_once_and_the_tier_writes_again_when_it_has_room(
+    tmp_path, monkeypatch, caplog
+):
+    """Writes failing (ENOSPC) drop their blocks with one warning for the run, not one per block
+    (a busy server writes thousands); the first write that succeeds again says how many went."""
+    tier = disk_tier(tmp_path)
+    real_fsync = os.fsync
+
+    def disk_full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with caplog.at_level(logging.WARNING, logger="pagedkv.offload"):
+        assert not any([tier.write(h(i), tokens(i), block(float(i))) for i in range(5)])
+        assert caplog.text.count("No space left on device") == 1
+        assert tier.dropped == 5 and tier.bytes_used == 0 and files(tier) == []
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        assert tier.write(h(5), tokens(5), block(5.0))
+        assert tier.write(h(6), tokens(6), block(6.0))
+    assert "5 blocks were dropped" in caplog.text and len(caplog.records) == 2
+    assert torch.equal(tier.read(h(5), tokens(5)), block(5.0)) and len(files(tier)) == 2
 
 
 # ---- with the manager: evicted data is saved before it is overwritten, and comes back ----------

@@ -116,6 +116,7 @@ class DiskTier:
         self.bad_files = 0
         self.dropped = 0  # files deleted for the size limit, and writes that failed
         self.written = 0  # files written
+        self._failed_writes = 0  # in a row: one warning for a full disk, not one per block
         self.writes_dropped = 0  # blocks never written: the queue was full (or closed)
         self._queued: dict[BlockHash, _Write] = {}
         if queue_blocks is None:
@@ -388,12 +389,21 @@ class DiskTier:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError as e:
-            log.warning("KV offload: cannot write %s (%s); block dropped", path, e.strerror)
+            if not self._failed_writes:
+                log.warning(
+                    "KV offload: cannot write %s (%s); blocks are dropped until writes succeed",
+                    path,
+                    e.strerror,
+                )
+            self._failed_writes += 1
             _unlink(tmp)
             with self._lock:
                 self.bytes_used -= size
                 self.dropped += 1
             return False
+        if self._failed_writes:
+            log.warning("KV offload: writing again; %d blocks were dropped", self._failed_writes)
+            self._failed_writes = 0
         with self._lock:
             self._index[block_hash] = _DiskEntry(token_ids, size)
             self.written += 1
