@@ -187,3 +187,35 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_sigterm_while_loading_stops_the_workers_and_deletes_their_folder(tmp_path_factory):
+    """`pagedkv serve -tp 2` stopped by SIGTERM while it loads (a supervisor giving up, a rollout
+    undone) exits with status 143, no worker left and no rendezvous folder; the signal's default
+    action left both behind."""
+    import psutil
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tp") / "m", heads=4, kv_heads=2)
+    tmp = tmp_path_factory.mktemp("tmpdir")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
+    command = ["-m", "pagedkv.cli", "serve", "--model", path, "-tp", "2", "--port", "0"]
+    server = subprocess.Popen([sys.executable, *command], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        workers: list[psutil.Process] = []
+        while not (list(tmp.glob("pagedkv-tp-*")) and workers) and time.monotonic() < deadline:
+            assert server.poll() is None, server.stderr.read() if server.stderr else ""
+            workers = psutil.Process(server.pid).children(recursive=True)
+            time.sleep(0.02)
+        assert workers, "the workers never started"
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=120) == 143
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=30)
+    for p in alive:
+        p.kill()
+    assert not alive, "a worker outlived `pagedkv serve`"
+    assert list(tmp.glob("pagedkv-tp-*")) == []

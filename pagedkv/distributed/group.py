@@ -98,7 +98,8 @@ class TensorParallelGroup:
             backend(device), init_method=init, rank=0, world_size=self.world, timeout=TIMEOUT
         )
         self.closed = False
-        self._finalizer = weakref.finalize(self, _stop, self.procs)
+        self._served = threading.Event()  # a step was sent: the workers may have work to save
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self._served)
         threading.Thread(target=self._watch, name="pagedkv-tp-watch", daemon=True).start()
 
     def dead_rank(self) -> tuple[int, int | None] | None:
@@ -121,6 +122,7 @@ class TensorParallelGroup:
     def send(self, item: object) -> None:
         """Broadcast block moves, forward inputs or tier work, after the host tier's
         slot changes since the last one. TensorParallelError when a rank is gone."""
+        self._served.set()
         try:
             dist.broadcast_object_list([(self.host_ops, item)], src=0)
         except RuntimeError as e:
@@ -150,10 +152,15 @@ class TensorParallelGroup:
         self._dir.cleanup()
 
 
-def _stop(procs: list) -> None:
+def _stop(procs: list, served: threading.Event) -> None:
     """Stop the workers (on close, or at exit for an engine never closed): tell them, so each
-    writes what its disk tier has queued and leaves; wait; kill one that hangs."""
-    if dist.is_initialized() and all(p.is_alive() for p in procs):
+    writes what its disk tier has queued and leaves; wait; kill one that hangs. Workers that
+    never got a step (rank 0 stopped while they load: SIGTERM, a ConfigError) have nothing to
+    save and would hear nothing until their own load ends: killed at once."""
+    if not served.is_set():
+        for p in procs:
+            p.kill()
+    elif dist.is_initialized() and all(p.is_alive() for p in procs):
         try:
             dist.broadcast_object_list([([], None)], src=0)
         except RuntimeError:

@@ -14,8 +14,11 @@ import asyncio
 import copy
 import logging
 import re
+import signal
 import socket
-from contextlib import asynccontextmanager
+import threading
+from collections.abc import Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -296,6 +299,26 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+@contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """SIGTERM ends the process through Python's exit (status 143, as the signal's own), so that
+    what the model's load started is undone: -tp workers stopped, their rendezvous folder deleted
+    (the default action left both). uvicorn puts its own handler over this one while it serves."""
+    if threading.current_thread() is not threading.main_thread():  # (signal.signal refuses)
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        log.warning("pagedkv: stopped by SIGTERM before serving")
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def serve(
     config: EngineConfig,
     host: str = "127.0.0.1",
@@ -310,25 +333,24 @@ def serve(
     from pagedkv.engine.async_engine import AsyncLLM
 
     sock = bind(host, port)  # before the model loads: an address in use fails at once
-    engine = AsyncLLM(config)
-    app = build_app(engine, cors=cors)
-    log_config = copy.deepcopy(
-        uvicorn.config.LOGGING_CONFIG
-    )  # pagedkv's messages look like uvicorn's
-    log_config["loggers"]["pagedkv"] = {
-        "handlers": ["default"],
-        "level": "INFO",
-        "propagate": False,
-    }
-    uv_config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        log_config=log_config,
-        access_log=access_log,
-        # annotated int, but uvicorn only hands it to asyncio.wait_for, which takes a float
-        timeout_graceful_shutdown=shutdown_timeout + 10,  # type: ignore[arg-type]
-    )
-    GracefulServer(uv_config, engine, shutdown_timeout).run(sockets=[sock])
+    with exit_on_sigterm():
+        engine = AsyncLLM(config)
+        app = build_app(engine, cors=cors)
+        log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # ours look like uvicorn's
+        log_config["loggers"]["pagedkv"] = {
+            "handlers": ["default"],
+            "level": "INFO",
+            "propagate": False,
+        }
+        uv_config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            log_config=log_config,
+            access_log=access_log,
+            # annotated int, but uvicorn only hands it to asyncio.wait_for, which takes a float
+            timeout_graceful_shutdown=shutdown_timeout + 10,  # type: ignore[arg-type]
+        )
+        GracefulServer(uv_config, engine, shutdown_timeout).run(sockets=[sock])
     return 1 if engine.error is not None else 0
