@@ -83,6 +83,22 @@ def test_defaults_and_nulls_map_to_sampling_defaults():
     assert chat().sampling_params().max_tokens is None  # chat: up to the context
 
 
+def test_fields_openai_lets_be_null_take_their_defaults():
+    """OpenAI's spec (and vLLM) let n, stream, echo, chat logprobs and stream_options' flags be
+    null, meaning the default; SDKs that send every field send them so (they were 400s)."""
+    r = completion(n=None, stream=None, echo=None, stream_options=None)
+    assert (r.n, r.stream, r.echo, r.sampling_params().n) == (1, False, False, 1)
+    c = chat(n=None, logprobs=None, stream=True, stream_options={"include_usage": None})
+    assert (c.n, c.logprobs, c.include_usage, c.sampling_params().logprobs) == (
+        1,
+        False,
+        False,
+        None,
+    )
+    with pytest.raises(ValidationError):  # a field the spec does not let be null still is not
+        completion(ignore_eos=None)
+
+
 def test_every_sampling_field_reaches_sampling_params():
     p = completion(
         n=3,

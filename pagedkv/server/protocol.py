@@ -139,6 +139,7 @@ ContentInput = SafeStr | list[TextPart] | None
 
 class StreamOptions(RequestModel):
     where = "stream_options."
+    nullable = frozenset({"include_usage", "continuous_usage_stats"})
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's; not implemented: a 400 when true
 
@@ -146,6 +147,7 @@ class StreamOptions(RequestModel):
 class _SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    nullable = frozenset({"n", "stream", "echo"})
     model: Name | None = None
     n: Count = 1
     temperature: Annotated[FiniteFloat, doc(minimum=0, maximum=MAX_TEMPERATURE)] | None = None
@@ -315,6 +317,7 @@ def _arguments_object(arguments: str) -> Any:
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    nullable = _SamplingRequest.nullable | {"logprobs"}
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None

@@ -110,12 +110,17 @@ class RequestModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     where: ClassVar[str] = ""  # this model's place in a request, prefixed to the names
     understood: ClassVar[frozenset[str]] = frozenset()  # read by a validator, not a field
+    # fields OpenAI's spec (and vLLM) let be null, meaning their default: SDKs that send every
+    # field send them so
+    nullable: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="wrap")
     @classmethod
     def _name_unknown(cls, data: Any, handler: Any, info: ValidationInfo) -> Any:
-        if isinstance(data, dict) and isinstance(info.context, dict):
-            fields = cls.model_fields
-            known = fields.keys() | {f.alias for f in fields.values() if f.alias}
-            note_ignored(info, cls.where, data.keys() - known - cls.understood)
+        if isinstance(data, dict):
+            if isinstance(info.context, dict):
+                fields = cls.model_fields
+                known = fields.keys() | {f.alias for f in fields.values() if f.alias}
+                note_ignored(info, cls.where, data.keys() - known - cls.understood)
+            data = {k: v for k, v in data.items() if v is not None or k not in cls.nullable}
         return handler(data)
