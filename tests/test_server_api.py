@@ -8,6 +8,7 @@ that caused it.
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -79,6 +80,16 @@ def test_health_and_models(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"]
     assert models[0].max_model_len == 1024
+
+
+def test_the_start_up_log_says_what_was_loaded_and_the_pool(server):
+    """The load's own lines (weights, the KV pool's size and max_model_len) reach the log: they
+    were logged before uvicorn set logging up, so they went nowhere."""
+    kv = server.kv()
+    log = server.output()
+    assert re.search(r"INFO: +loaded \S+ in [\d.]+s: weights [\d.]+ \w+", log)
+    assert f"KV pool: {kv['num_blocks']} blocks of {kv['block_size']} tokens" in log
+    assert "max_model_len 1024" in log
 
 
 def test_an_ipv6_host_is_served_and_logged_in_brackets(tiny_model_dir):

@@ -783,3 +783,28 @@ def test_tensor_parallel_size_that_does_not_divide_the_heads_exits_2():
     assert (
         "does not divide the model's 9 attention heads" in r.stderr and "Traceback" not in r.stderr
     )
+
+
+def test_a_max_model_len_past_the_models_exits_2(tiny_model_dir):
+    """As vLLM refuses it: a longer context than the model's was served shorter, silently."""
+    own = json.loads((Path(tiny_model_dir) / "config.json").read_text())["max_position_embeddings"]
+    r = cli("generate", "--model", tiny_model_dir, "--max-model-len", "100000", "--prompt", "x")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "pagedkv generate: error: --max-model-len 100000 exceeds the model's context length "
+        f"({own}: max_position_embeddings, or a sliding window)"
+    ]
+    assert (
+        cli(
+            "generate",
+            "--model",
+            tiny_model_dir,
+            "--max-model-len",
+            str(own),
+            "--prompt",
+            "x",
+            "--max-tokens",
+            "2",
+        ).returncode
+        == 0
+    )

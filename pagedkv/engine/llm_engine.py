@@ -60,9 +60,12 @@ class LLMEngine:
         apply_engine_options(self, config)  # seed, chat template, generation defaults
         self.vocab_size = self.loaded.config.vocab_size
         self.model_name = config.served_model_names[0]
-        self.max_model_len: int = min(
-            config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len
-        )
+        self.max_model_len: int = config.max_model_len or self.loaded.max_model_len
+        if self.max_model_len > self.loaded.max_model_len:  # as vLLM: a longer one is refused
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} exceeds the model's context length "
+                f"({self.loaded.max_model_len}: max_position_embeddings, or a sliding window)"
+            )
         kv = build_engine_kv(config, self.loaded, num_kv_heads, self.device, self.max_model_len)
         self.tp, self.storage, self.offload, self.kv = kv.tp, kv.storage, kv.offload, kv.manager
         proposer = NgramProposer(config.speculative_config) if config.speculative_config else None

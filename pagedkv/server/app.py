@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import copy
 import logging
+import logging.config
 import re
 import signal
 import socket
@@ -333,15 +334,16 @@ def serve(
     from pagedkv.engine.async_engine import AsyncLLM
 
     sock = bind(host, port)  # before the model loads: an address in use fails at once
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # ours look like uvicorn's
+    log_config["loggers"]["pagedkv"] = {
+        "handlers": ["default"],
+        "level": "INFO",
+        "propagate": False,
+    }
+    logging.config.dictConfig(log_config)  # now, so the load's own lines (weights, KV pool) show
     with exit_on_sigterm():
         engine = AsyncLLM(config)
         app = build_app(engine, cors=cors)
-        log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # ours look like uvicorn's
-        log_config["loggers"]["pagedkv"] = {
-            "handlers": ["default"],
-            "level": "INFO",
-            "propagate": False,
-        }
         uv_config = uvicorn.Config(
             app,
             host=host,
