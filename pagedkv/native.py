@@ -233,8 +233,16 @@ def ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def kernels_wanted() -> bool:
+    """$PAGEDKV_KERNELS (1, the default, or 0), checked."""
+    value = os.environ.get("PAGEDKV_KERNELS", "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"PAGEDKV_KERNELS={value!r} is not one of 0, 1")
+    return value == "1"
+
+
 def _open() -> Library | None:
-    if os.environ.get("PAGEDKV_KERNELS", "1") == "0":
+    if not kernels_wanted():
         logger.info(
             "PAGEDKV_KERNELS=0: the C++ kernels are off; everything runs on the torch paths"
         )

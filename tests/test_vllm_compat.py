@@ -43,9 +43,9 @@ NOOP_FLAGS = [
 ]
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=timeout
+        [*CLI, *args], capture_output=True, text=True, env={**ENV, **env}, cwd=REPO, timeout=timeout
     )
 
 
@@ -808,3 +808,26 @@ def test_a_max_model_len_past_the_models_exits_2(tiny_model_dir):
         ).returncode
         == 0
     )
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("PAGEDKV_CASCADE", "yes"),  # was read at each step: every request failed
+        ("PAGEDKV_KERNELS", "false"),  # only "0" was read: the kernels stayed on
+        ("PAGEDKV_CPU_ISA", "sse"),  # was a warning and the torch paths
+        ("PAGEDKV_PREPACK", "x"),
+        ("PAGEDKV_DENSE_WEIGHTS", "lots"),
+    ],
+)
+def test_a_mistyped_setting_refuses_to_start(tiny_model_dir, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=f"{name}.*{value}"):
+        LLM(tiny_model_dir)
+
+
+def test_a_mistyped_setting_is_one_line_and_exit_2(tiny_model_dir):
+    r = cli("generate", "--model", tiny_model_dir, "--prompt", "x", PAGEDKV_CASCADE="yes")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "pagedkv generate: error: PAGEDKV_CASCADE='yes' is not one of 0, 1, auto"
+    ]

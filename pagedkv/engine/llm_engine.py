@@ -28,7 +28,12 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler
 from pagedkv.engine.sequence import Sequence, SequenceGroup
-from pagedkv.engine.setup import build_engine_kv, load_engine_model, pick_device
+from pagedkv.engine.setup import (
+    build_engine_kv,
+    check_environment,
+    load_engine_model,
+    pick_device,
+)
 from pagedkv.engine.spec_decode import NgramProposer, SpecDecodeStats
 from pagedkv.engine.step_stats import StepTokens
 from pagedkv.engine.structured import StructuredOutputs
@@ -52,6 +57,7 @@ class LLMEngine:
             )
         self.config = config
         self.device = pick_device()
+        check_environment(self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
         self.loaded, num_kv_heads = load_engine_model(config, self.device, loaded)

@@ -11,12 +11,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedkv import native
+from pagedkv.attention import cascade
 from pagedkv.config import ConfigError, EngineConfig, format_size
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.plan import OffloadTiers
 from pagedkv.kvstore.offload import KVOffload
 from pagedkv.kvstore.storage import KVStorage, free_memory
+from pagedkv.model import dense_weights, prepacked
 from pagedkv.model.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:
@@ -140,6 +143,20 @@ def build_worker_runner(config: EngineConfig, rank: int, device: torch.device) -
     )
     offload, host = build_offload(config, storage, swap, block_hash_key(config, loaded), rank)
     return ModelRunner(loaded.model, storage, host, device, offload=offload)
+
+
+def check_environment(device: torch.device) -> None:
+    """The PAGEDKV_* settings, checked before anything loads: a mistyped one is a ConfigError
+    (one line, exit 2), not a failure of every request (PAGEDKV_CASCADE is read each step) or a
+    quiet fall back to the torch paths (PAGEDKV_KERNELS, PAGEDKV_CPU_ISA)."""
+    try:
+        cascade.mode()
+        prepacked.setting()
+        dense_weights.fixed_rows()
+        if native.kernels_wanted() and device.type == "cpu":
+            native.selected_isa()
+    except ValueError as e:  # (a ConfigError is one)
+        raise ConfigError(str(e)) from None
 
 
 def load_engine_model(

@@ -47,7 +47,8 @@ ENV = "PAGEDKV_PREPACK"
 PANEL = 32  # output columns of a "pairs" panel (csrc/gemm.cpp)
 
 
-def _setting() -> str:
+def setting() -> str:
+    """$PAGEDKV_PREPACK, checked."""
     setting = os.environ.get(ENV, "").strip().lower()
     if setting not in ("", "1", "0", "onednn"):
         raise ValueError(f"{ENV}={setting!r}: want 0, onednn, or unset")
@@ -57,10 +58,10 @@ def _setting() -> str:
 @functools.cache
 def form() -> str:
     """How bfloat16 weights are kept here: "pairs", "onednn" or "plain" (module docstring)."""
-    setting = _setting()
-    if setting == "0":
+    chosen = setting()
+    if chosen == "0":
         return "plain"
-    if setting != "onednn" and _probe("pairs"):
+    if chosen != "onednn" and _probe("pairs"):
         return "pairs"
     return "onednn" if _onednn_runs() else "plain"
 
@@ -85,13 +86,13 @@ def int4_form() -> str:
 
 def _own_kernels() -> native.Library | None:
     """The C++ library, unless $PAGEDKV_PREPACK asks for the libraries' matmuls (0 or onednn)."""
-    return None if _setting() in ("0", "onednn") else native.library()
+    return None if setting() in ("0", "onednn") else native.library()
 
 
 def supported() -> bool:
     """Whether bfloat16 weights are prepacked here (in either form). Asks oneDNN first, which
     runs wherever our GEMM does, so that `pagedkv plan` need not build the C++ kernels."""
-    return _setting() != "0" and (_onednn_runs() or form() == "pairs")
+    return setting() != "0" and (_onednn_runs() or form() == "pairs")
 
 
 @functools.cache
