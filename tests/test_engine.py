@@ -176,6 +176,22 @@ def test_stop_strings_and_tokens(tiny_model_dir, reference):
     )[0].outputs[0]
     first = reference[0].index(stop_tok)
     assert out.token_ids == reference[0][: first + 1] and out.stop_reason == stop_tok
+    # the stop token's text is left out unless include_stop_str_in_output (as vLLM)
+    tok = llm.get_tokenizer()
+    assert out.text == tok.decode(reference[0][:first], skip_special_tokens=True)
+    shown = llm.generate(
+        PROMPTS[0],
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=24,
+            ignore_eos=True,
+            stop_token_ids=[stop_tok],
+            include_stop_str_in_output=True,
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert shown.text == tok.decode(reference[0][: first + 1], skip_special_tokens=True)
+    assert shown.text != out.text and shown.token_ids == out.token_ids
     assert_pool_clean(llm.engine)
 
 

@@ -152,7 +152,8 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
 def test_bad_values_exit_2(args, message):
     r = cli("serve", *args)
     assert r.returncode == 2, r.stderr
-    progress = ("pagedkv: note:", "pagedkv: loading")  # what a start prints before it fails
+    # what a start prints before it fails: notes, progress, the load's log lines
+    progress = ("pagedkv: note:", "pagedkv: loading", "INFO: ")
     errors = [line for line in r.stderr.splitlines() if not line.startswith(progress)]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in r.stderr
 

@@ -349,8 +349,12 @@ class LLMEngine:
             m.last_token_time = now
         if self.faults is not None:
             self.faults.check("detokenize", (seq.group,))
-        stopped = self.detokenizer.update(seq)
         p = seq.params
+        stop_token = token in (p.stop_token_ids or ()) or (
+            not p.ignore_eos and token in self.tokenizer.eos_token_ids
+        )
+        # as vLLM: a stop token's text is left out of the output unless asked for
+        stopped = (not stop_token or p.include_stop_str_in_output) and self.detokenizer.update(seq)
         if stopped:
             seq.finish_reason = "stop"
         elif token in (p.stop_token_ids or ()):  # a list once validated
