@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 from pagedkv.config import (
     ALWAYS_ON,
@@ -279,6 +282,31 @@ def build_parser() -> Parser:
     return parser
 
 
+@contextmanager
+def exit_on_sigterm(message: str) -> Iterator[None]:
+    """SIGTERM ends the process through Python's exit (status 143, as the signal's own), so that
+    what was started is undone: -tp workers stopped and their rendezvous folder deleted, a bench's
+    server stopped (the default action left the folder, and the server running). uvicorn puts its
+    own handler over this one while it serves. `message` goes to stderr after the handler, which
+    must not write: stderr may be mid-write (a progress line) when the signal comes."""
+    if threading.current_thread() is not threading.main_thread():  # (signal.signal refuses)
+        yield
+        return
+    stopped = threading.Event()
+
+    def stop(signum: int, frame: object) -> None:
+        stopped.set()
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if stopped.is_set():
+            print(message, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -286,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         merge_model_tag(args)
-        return int(args.func(args) or 0)
+        with exit_on_sigterm(f"pagedkv {args.command}: stopped by SIGTERM"):
+            return int(args.func(args) or 0)
     except (ConfigError, FileNotFoundError) as e:
         print(f"pagedkv {args.command}: error: {e}", file=sys.stderr)
         return 2

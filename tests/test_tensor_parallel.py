@@ -189,17 +189,26 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_sigterm_while_loading_stops_the_workers_and_deletes_their_folder(tmp_path_factory):
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["serve", "--port", "0"],
+        ["generate", "--prompt", "hello"],
+        ["bench", "--workloads", "W1", "--no-progress"],
+    ],
+    ids=lambda args: args[0],
+)
+def test_sigterm_while_loading_stops_the_workers_and_deletes_their_folder(tmp_path_factory, args):
     """`pagedkv serve -tp 2` stopped by SIGTERM while it loads (a supervisor giving up, a rollout
     undone) exits with status 143, no worker left and no rendezvous folder; the signal's default
-    action left both behind."""
+    action left both behind. So do `pagedkv generate` and `pagedkv bench`, which had no handler."""
     import psutil
 
     path = make_tiny_model(tmp_path_factory.mktemp("tp") / "m", heads=4, kv_heads=2)
     tmp = tmp_path_factory.mktemp("tmpdir")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
-    command = ["-m", "pagedkv.cli", "serve", "--model", path, "-tp", "2", "--port", "0"]
-    server = subprocess.Popen([sys.executable, *command], env=env, stderr=subprocess.PIPE)
+    command = ["-m", "pagedkv.cli", *args, "--model", path, "-tp", "2"]
+    server = subprocess.Popen([sys.executable, *command], env=env, cwd=tmp, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
         workers: list[psutil.Process] = []
@@ -217,5 +226,5 @@ def test_sigterm_while_loading_stops_the_workers_and_deletes_their_folder(tmp_pa
     gone, alive = psutil.wait_procs(workers, timeout=30)
     for p in alive:
         p.kill()
-    assert not alive, "a worker outlived `pagedkv serve`"
+    assert not alive, f"a worker outlived `pagedkv {args[0]}`"
     assert list(tmp.glob("pagedkv-tp-*")) == []

@@ -14,11 +14,8 @@ import asyncio
 import copy
 import logging
 import re
-import signal
 import socket
-import threading
-from collections.abc import Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -30,6 +27,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
+from pagedkv.cli import exit_on_sigterm
 from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.request import INT64_MAX, INT64_MIN
 from pagedkv.server import protocol as api
@@ -299,26 +297,6 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-@contextmanager
-def exit_on_sigterm() -> Iterator[None]:
-    """SIGTERM ends the process through Python's exit (status 143, as the signal's own), so that
-    what the model's load started is undone: -tp workers stopped, their rendezvous folder deleted
-    (the default action left both). uvicorn puts its own handler over this one while it serves."""
-    if threading.current_thread() is not threading.main_thread():  # (signal.signal refuses)
-        yield
-        return
-
-    def stop(signum: int, frame: object) -> None:
-        log.warning("pagedkv: stopped by SIGTERM before serving")
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def serve(
     config: EngineConfig,
     host: str = "127.0.0.1",
@@ -333,7 +311,7 @@ def serve(
     from pagedkv.engine.async_engine import AsyncLLM
 
     sock = bind(host, port)  # before the model loads: an address in use fails at once
-    with exit_on_sigterm():
+    with exit_on_sigterm("pagedkv: stopped by SIGTERM before serving"):
         engine = AsyncLLM(config)
         app = build_app(engine, cors=cors)
         log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # ours look like uvicorn's
