@@ -24,6 +24,7 @@ from pagedkv.config import (
     EngineConfig,
     note,
 )
+from pagedkv.signals import exit_on_sigterm
 
 # subcommand -> module that implements it
 COMMANDS = {
@@ -286,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         merge_model_tag(args)
-        return int(args.func(args) or 0)
+        with exit_on_sigterm(f"pagedkv {args.command}: stopped by SIGTERM"):
+            return int(args.func(args) or 0)
     except (ConfigError, FileNotFoundError) as e:
         print(f"pagedkv {args.command}: error: {e}", file=sys.stderr)
         return 2

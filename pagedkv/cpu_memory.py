@@ -30,6 +30,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 _MIN_BYTES = 4 * _HUGE  # smaller tensors gain nothing worth a call
+_ZERO_CHUNK = 64 << 20
 
 
 @functools.cache
@@ -81,4 +82,11 @@ def empty(*shape: int, dtype: torch.dtype) -> Tensor:
 
 
 def zeros(*shape: int, dtype: torch.dtype) -> Tensor:
-    return empty(*shape, dtype=dtype).zero_()
+    """`empty`, zeroed 64 MiB at a time: a signal's Python handler waits for the call it arrives
+    in, and zeroing a 4 GiB pool in one call took 14 s with three tensor-parallel ranks on two
+    cores (a SIGTERM then outlived a supervisor's 10 s grace: SIGKILL, the rendezvous folder left).
+    Measured no slower than one call."""
+    t = empty(*shape, dtype=dtype)
+    for part in t.view(-1).split(max(1, _ZERO_CHUNK // t.element_size())):
+        part.zero_()
+    return t

@@ -14,6 +14,7 @@ import pytest
 from pagedkv.bench.metrics import MIN_METERED_S, CpuMeter
 from pagedkv.bench.online import (
     LoadSpec,
+    ServerProcess,
     engine_flags,
     generate_load,
     parse_metrics,
@@ -358,6 +359,26 @@ def test_online_against_the_real_server(tiny_model_dir, tmp_path):
     assert r["ttft"]["count"] == r["e2e"]["count"] == 4 and r["itl"]["count"] >= 1
     assert r["cached_tokens"] > 0 and r["prompt_tokens_computed"] < r["prompt_tokens"]
     assert r["peak_rss_mb"] > 0 and r["extra"]["concurrency"] == 2
+
+
+def test_a_server_interrupted_while_it_starts_is_stopped(tiny_model_dir, monkeypatch):
+    """SIGTERM (SystemExit, from the CLI's handler) or Ctrl-C while the bench waits for its server:
+    `with` calls no __exit__ when __enter__ fails, and the server, in a session of its own, ran on
+    after the bench had gone."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(httpx, "get", interrupted)  # the first readiness probe
+    server = ServerProcess({"model": tiny_model_dir, "num_gpu_blocks_override": 16})
+    try:
+        with pytest.raises(KeyboardInterrupt), server:
+            pytest.fail("the server cannot be ready")
+        assert server.proc is not None and server.proc.poll() is not None
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
 
 
 # ---------------------------------------------------------------- the load generator, against a fake server

@@ -61,3 +61,16 @@ def test_only_cpu_tensors_are_advised():
     assert not cpu_memory.advise(meta)
     t = cpu_memory.empty(2, 3, dtype=torch.bfloat16)
     assert t.shape == (2, 3) and t.dtype == torch.bfloat16
+
+
+def test_zeros_clears_every_chunk(monkeypatch):
+    """zeros writes a chunk at a time (so a signal's handler need not wait for the whole pool):
+    every element is cleared, the last, shorter chunk too, whatever the memory held."""
+    monkeypatch.setattr(cpu_memory, "_ZERO_CHUNK", 1000)  # 250 float32s: 7 chunks, the last short
+    monkeypatch.setattr(
+        cpu_memory, "empty", lambda *shape, dtype: torch.full(shape, 7, dtype=dtype)
+    )
+    t = cpu_memory.zeros(3, 4, 130, dtype=torch.float32)
+    assert t.shape == (3, 4, 130) and t.dtype == torch.float32 and not t.any()
+    b = cpu_memory.zeros(5, 3, dtype=torch.bfloat16)
+    assert b.shape == (5, 3) and not b.any()

@@ -5,6 +5,7 @@ test_tp_quant.py; the offload tiers: test_tp_tiers.py."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -189,17 +190,26 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_sigterm_while_loading_stops_the_workers_and_deletes_their_folder(tmp_path_factory):
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["serve", "--port", "0"],
+        ["generate", "--prompt", "hello"],
+        ["bench", "--workloads", "W1", "--no-progress"],
+    ],
+    ids=lambda args: args[0],
+)
+def test_sigterm_while_loading_stops_the_workers_and_deletes_their_folder(tmp_path_factory, args):
     """`pagedkv serve -tp 2` stopped by SIGTERM while it loads (a supervisor giving up, a rollout
     undone) exits with status 143, no worker left and no rendezvous folder; the signal's default
-    action left both behind."""
+    action left both behind. So do `pagedkv generate` and `pagedkv bench`, which had no handler."""
     import psutil
 
     path = make_tiny_model(tmp_path_factory.mktemp("tp") / "m", heads=4, kv_heads=2)
     tmp = tmp_path_factory.mktemp("tmpdir")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
-    command = ["-m", "pagedkv.cli", "serve", "--model", path, "-tp", "2", "--port", "0"]
-    server = subprocess.Popen([sys.executable, *command], env=env, stderr=subprocess.PIPE)
+    command = ["-m", "pagedkv.cli", *args, "--model", path, "-tp", "2"]
+    server = subprocess.Popen([sys.executable, *command], env=env, cwd=tmp, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
         workers: list[psutil.Process] = []
@@ -217,5 +227,55 @@ def test_sigterm_while_loading_stops_the_workers_and_deletes_their_folder(tmp_pa
     gone, alive = psutil.wait_procs(workers, timeout=30)
     for p in alive:
         p.kill()
-    assert not alive, "a worker outlived `pagedkv serve`"
+    assert not alive, f"a worker outlived `pagedkv {args[0]}`"
     assert list(tmp.glob("pagedkv-tp-*")) == []
+
+
+# a rank in min_over_ranks while the other takes its time (at load: a worker loading its shard)
+SLOW_RANK = """
+    import datetime, signal, sys, time
+    import torch.distributed as dist
+    from pagedkv.distributed.group import min_over_ranks
+
+    def stop(signum, frame):  # as serve()'s
+        print("stopping", flush=True)
+        sys.exit(128 + signum)
+
+    rank, init = int(sys.argv[1]), sys.argv[2]
+    signal.signal(signal.SIGTERM, stop)
+    timeout = datetime.timedelta(seconds=90)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timeout)
+    if rank == 1:
+        time.sleep(600)
+    print("waiting", flush=True)
+    min_over_ranks(1, poll_s=0.05)
+"""
+
+
+def test_sigterm_is_handled_while_the_ranks_wait_to_size_the_pool(tmp_path):
+    """Rank 0 waits in min_over_ranks until the slowest worker has loaded its shard (10+ s for the
+    default model at -tp 3 on 2 cores): a SIGTERM's handler runs meanwhile. Blocked in one
+    all_reduce call, it ran only once the workers came, too late for a supervisor's grace."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    init = f"file://{tmp_path / 'rendezvous'}"
+    code = textwrap.dedent(SLOW_RANK)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(r), init], env=env, stdout=subprocess.PIPE
+        )
+        for r in (0, 1)
+    ]
+    try:
+        out = ranks[0].stdout
+        assert out is not None
+        assert out.readline() == b"waiting\n"
+        time.sleep(1)  # into the wait
+        ranks[0].send_signal(signal.SIGTERM)
+        assert select.select([out], [], [], 30)[0], "the handler did not run"
+        assert out.readline() == b"stopping\n"
+        ranks[1].kill()  # as serve()'s exit kills the workers, ending the all_reduce still pending
+        assert ranks[0].wait(timeout=30) == 143
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()

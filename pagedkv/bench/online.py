@@ -106,23 +106,29 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-        while time.monotonic() - t0 < self.startup_timeout:
-            if self.proc.poll() is not None:
-                raise ConfigError(
-                    f"pagedkv serve exited with code {self.proc.returncode} before it was ready: "
-                    f"{self._last_log_line()} (log: {self.log_path})"
-                )
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
-                    self.startup_s = round(time.monotonic() - t0, 2)
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise ConfigError(
-            f"pagedkv serve was not ready after {self.startup_timeout:.0f}s (log: {self.log_path})"
-        )
+        try:
+            while time.monotonic() - t0 < self.startup_timeout:
+                if self.proc.poll() is not None:
+                    raise ConfigError(
+                        f"pagedkv serve exited with code {self.proc.returncode} before it was "
+                        f"ready: {self._last_log_line()} (log: {self.log_path})"
+                    )
+                try:
+                    if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
+                        self.startup_s = round(time.monotonic() - t0, 2)
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.25)
+            raise ConfigError(
+                f"pagedkv serve was not ready after {self.startup_timeout:.0f}s "
+                f"(log: {self.log_path})"
+            )
+        except BaseException:
+            # SIGTERM and Ctrl-C too: `with` calls no __exit__ when __enter__ fails, and the
+            # server, in a session of its own, would run on (it did: an orphan on its port)
+            self.stop()
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -55,11 +55,19 @@ def all_reduce(t: Tensor) -> None:
     t.copy_(wide)
 
 
-def min_over_ranks(n: int) -> int:
+def min_over_ranks(n: int, poll_s: float | None = None) -> int:
     """The smallest of every rank's value (the KV pool is sized by the rank with the least
-    memory)."""
+    memory). With `poll_s`, waits in Python, looking that often, so that a SIGTERM's handler runs
+    at once: at load the ranks meet here only when the slowest has loaded its shard (10+ s)."""
     t = torch.tensor([n], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    if poll_s is None:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    else:
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True)
+        assert work is not None  # (async_op)
+        while not work.is_completed():
+            time.sleep(poll_s)
+        work.wait()  # raises what failed it
     return int(t.item())
 
 

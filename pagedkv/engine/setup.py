@@ -77,7 +77,7 @@ def build_kv_storage(
     if config.tensor_parallel_size > 1:
         from pagedkv.distributed.group import min_over_ranks
 
-        num_blocks = min_over_ranks(num_blocks)
+        num_blocks = min_over_ranks(num_blocks, poll_s=0.05)  # (SIGTERM: see its docstring)
     storage = KVStorage(num_blocks=num_blocks, device=device, **shape)
     host = None
     if (

@@ -15,11 +15,8 @@ import copy
 import logging
 import logging.config
 import re
-import signal
 import socket
-import threading
-from collections.abc import Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -48,6 +45,7 @@ from pagedkv.server.responses import ModelCard, ModelList
 from pagedkv.server.routes_extra import add_vllm_routes, is_serving
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.validation import IGNORED, checked, load_json_object
+from pagedkv.signals import exit_on_sigterm
 
 log = logging.getLogger("pagedkv.server")
 STATIC = Path(__file__).parent / "static"
@@ -300,26 +298,6 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-@contextmanager
-def exit_on_sigterm() -> Iterator[None]:
-    """SIGTERM ends the process through Python's exit (status 143, as the signal's own), so that
-    what the model's load started is undone: -tp workers stopped, their rendezvous folder deleted
-    (the default action left both). uvicorn puts its own handler over this one while it serves."""
-    if threading.current_thread() is not threading.main_thread():  # (signal.signal refuses)
-        yield
-        return
-
-    def stop(signum: int, frame: object) -> None:
-        log.warning("pagedkv: stopped by SIGTERM before serving")
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def serve(
     config: EngineConfig,
     host: str = "127.0.0.1",
@@ -341,7 +319,7 @@ def serve(
         "propagate": False,
     }
     logging.config.dictConfig(log_config)  # now, so the load's own lines (weights, KV pool) show
-    with exit_on_sigterm():
+    with exit_on_sigterm("pagedkv: stopped by SIGTERM before serving"):
         engine = AsyncLLM(config)
         app = build_app(engine, cors=cors)
         uv_config = uvicorn.Config(
