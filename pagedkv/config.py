@@ -207,12 +207,12 @@ def format_size(n: int) -> str:
 SWAP_SPACE_GIB = 4  # vLLM's default --swap-space
 PATH_FIELDS = ("model", "chat_template", "generation_config", "kv_offload_dir")  # Path or str
 
-# options that only `pagedkv serve` acts on
+# options that only `pagedkv serve` acts on (--data-parallel-size is not a no-op elsewhere but
+# an error: one engine cannot be N replicas)
 SERVE_ONLY = frozenset(
     {
         "served_model_name",
         "max_waiting",
-        "data_parallel_size",
         "api_key",
         "enable_auto_tool_choice",
         "tool_call_parser",

@@ -116,6 +116,12 @@ def test_plan_cli_table_and_json(capsys):
     assert rc == 0, err
     rows = {line.split()[0]: line.split() for line in out.splitlines()}
     assert rows["auto"][1:] == ["131,072", "426,784", "3"] and rows["fp8"][1] == "67,584"
+    rc, alias, err = run_main(
+        capsys, "plan", "--shape", "llama3-8b", "--kv-cache-dtype", "fp8_e4m3"
+    )
+    assert (
+        rc == 0 and alias.splitlines()[-1].split() == rows["fp8"]
+    )  # vLLM's name, as serve takes it
     out = run_cli(
         "plan",
         "--shape",

@@ -832,3 +832,10 @@ def test_a_mistyped_setting_is_one_line_and_exit_2(tiny_model_dir):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "pagedkv generate: error: PAGEDKV_CASCADE='yes' is not one of 0, 1, auto"
     ]
+
+
+def test_generate_with_data_parallel_is_one_error_line(tiny_model_dir):
+    """-dp is an error outside serve (one engine cannot be N replicas), not a no-op note first."""
+    r = cli("generate", "--model", tiny_model_dir, "-dp", "2", "--prompt", "x")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "--data-parallel-size N runs N engine replicas under `pagedkv serve`" in r.stderr

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagedkv.config import KV_CACHE_DTYPES, QUANTIZATIONS, format_size, parse_size
+from pagedkv.config import (
+    KV_CACHE_DTYPE_ALIASES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    format_size,
+    parse_size,
+)
 from pagedkv.sim.plan import Plan, check_budget, plan_capacity
 from pagedkv.sim.shapes import KNOWN_SHAPES, resolve_shape
 
@@ -26,7 +32,7 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default=None,
-        choices=KV_CACHE_DTYPES,
+        choices=[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES],
         help="one KV dtype (default: all)",
     )
     p.add_argument(
@@ -94,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         memory, args.memory_utilization, args.context, args.block_size
     )  # before reading a model
     shape = resolve_shape(args.model, args.shape, args.quantization)
-    dtypes = (args.kv_cache_dtype,) if args.kv_cache_dtype else KV_CACHE_DTYPES
+    asked = KV_CACHE_DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype)
+    dtypes = (asked,) if asked else KV_CACHE_DTYPES
     plan = plan_capacity(
         shape,
         memory=memory,
