@@ -146,6 +146,8 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
             "--shutdown-timeout must be >= 0",
         ),  # `"$DIR"` with DIR unset
         (["--kv-cache-memory", "4096TiB"], "of free memory"),  # an error, not an allocator's trace
+        # at start, not as every chat request's 400 (which blamed the client)
+        (["--chat-template", "{{% bad"], "--chat-template: chat template does not compile"),
         (["--preemption-mode", "swap", "--swap-space", "1000000"], "of free memory"),
     ],
 )

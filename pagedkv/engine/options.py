@@ -17,6 +17,7 @@ import torch
 
 from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.request import SamplingParams
+from pagedkv.model.tokenizer import compile_template
 
 # generation_config.json key -> SamplingParams field
 _GENERATION_KEYS = {
@@ -60,8 +61,9 @@ def apply_engine_options(engine, config: EngineConfig) -> None:
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     if config.chat_template is not None:
+        try:  # now: a template of the model's own compiles at first use, but one given here is
+            compile_template(config.chat_template)  # a server's mistake, not every request's 400
+        except ConfigError as e:
+            raise ConfigError(f"--chat-template: {e}") from None
         engine.tokenizer.chat_template = config.chat_template
-        engine.tokenizer.__dict__.pop(
-            "_compiled_template", None
-        )  # compiled lazily from the new one
     engine.generation_defaults = generation_defaults(config)

@@ -47,7 +47,7 @@ def _tojson(
 
 
 @functools.lru_cache(maxsize=16)
-def _compile_template(source: str) -> Template:
+def compile_template(source: str) -> Template:
     """Compiled on first use, so a model whose template is broken still loads for plain prompts."""
     try:
         return _template_env().from_string(source)
@@ -148,7 +148,7 @@ class Tokenizer:
             return (self._tok.id_to_token(token_id) or "") if token_id is not None else ""
 
         try:
-            rendered = _compile_template(template).render(
+            rendered = compile_template(template).render(
                 {
                     **(template_vars or {}),
                     **kwargs,
