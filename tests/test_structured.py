@@ -204,6 +204,10 @@ def test_constrained_requests_do_not_change_others(server, client):
         ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "exactly one"),
         ({"structured_outputs": {"whitespace_pattern": " "}}, "whitespace_pattern"),
         ({"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "llguidance"),
+        (
+            {"structured_outputs": {"regex": "a", "backend": "xgrammar"}},
+            "structured_outputs.backend",
+        ),
         ({"response_format": {"type": "json_schema"}}, "json_schema.schema"),
     ],
 )

@@ -152,7 +152,11 @@ def structured_spec(req) -> StructuredOutputsParams | None:
 
 def _from_dict(data: dict) -> StructuredOutputsParams:
     data = {k: v for k, v in data.items() if v is not None}
-    data.pop("backend", None)
+    backend = data.pop("backend", None)
+    if backend not in GUIDED_BACKENDS:  # as guided_decoding_backend: not dropped unread
+        raise ConfigError(
+            f"structured_outputs.backend {backend!r} is not available; pagedkv uses llguidance"
+        )
     data.pop("disable_any_whitespace", None)  # pagedkv's JSON never has optional whitespace
     unknown = sorted(set(data) - {"json", "regex", "choice", "grammar", "json_object"})
     if unknown:
