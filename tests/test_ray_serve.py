@@ -211,6 +211,22 @@ def test_uvicorn_trace_level_is_refused_before_ray_starts():
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+def test_a_malformed_ray_address_is_one_error_line():
+    """Ray's ValueError for an address it cannot parse was a traceback and exit 1."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", "serve", "--ray-address", "1.2.3.4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "pagedkv serve: error: --ray-address 1.2.3.4: cannot join: Invalid address format"
+    )
+
+
 def test_prefix_aware_routing_keeps_each_tenant_on_one_replica(cluster):
     served: dict[int, set[str]] = {}
     cached = []

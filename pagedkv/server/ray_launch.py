@@ -30,7 +30,8 @@ def _init_ray(ray, num_replicas: int, ray_address: str | None) -> None:
         return
     try:
         ray.init(address=ray_address, logging_level=logging.WARNING)
-    except ConnectionError as e:  # wrong address, or a cluster whose auth token we lack
+    except (ConnectionError, ValueError) as e:  # a wrong or malformed address, or a cluster
+        # whose auth token we lack
         raise ConfigError(f"--ray-address {ray_address}: cannot join: {e}") from None
 
 
