@@ -140,7 +140,7 @@ ContentInput = SafeStr | list[TextPart] | None
 class StreamOptions(RequestModel):
     where = "stream_options."
     nullable = frozenset({"include_usage", "continuous_usage_stats"})
-    include_usage: bool = False
+    include_usage: bool = True  # as vLLM: `stream_options: {}` asks for the usage chunk
     continuous_usage_stats: bool = False  # vLLM's; not implemented: a 400 when true
 
 
