@@ -616,3 +616,12 @@ def test_default_model_answers_a_chat():
             == out.choices[0].message.content
         )
         srv.wait_idle()
+
+
+def test_every_operation_in_the_schema_has_its_own_id(server):
+    """GET and POST /ping shared one operationId: a duplicate that FastAPI warns of and that
+    client generators refuse."""
+    schema = server.http.get("/openapi.json").json()
+    ids = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids)) and {"ping_get", "ping_post"} <= set(ids)
+    assert server.http.post("/ping").status_code == server.http.get("/ping").status_code == 200

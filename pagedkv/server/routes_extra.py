@@ -74,11 +74,13 @@ def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
     async def version() -> Response:
         return json_response(api.VersionResponse(version=__version__))
 
-    @app.api_route("/ping", methods=["GET", "POST"])
     async def ping(request: Request) -> Response:
         if not is_serving(request, engine):
             raise APIError(503, "the engine is not running")
         return Response(status_code=200)
+
+    for method in ("GET", "POST"):  # an operation id each (one shared is a duplicate in the schema)
+        app.add_api_route("/ping", ping, methods=[method], operation_id=f"ping_{method.lower()}")
 
     @app.head("/health", include_in_schema=False)
     async def health_head(request: Request) -> Response:
