@@ -349,7 +349,7 @@ class EngineConfig:
             )
         need(
             type(self.memory_utilization) in (int, float) and 0.0 < self.memory_utilization <= 1.0,
-            f"--memory-utilization must be in (0, 1], got {self.memory_utilization!r}",
+            f"--gpu-memory-utilization must be in (0, 1], got {self.memory_utilization!r}",
         )
         need(
             self.preemption_mode in PREEMPTION_MODES,

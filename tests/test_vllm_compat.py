@@ -149,6 +149,7 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         # at start, not as every chat request's 400 (which blamed the client)
         (["--chat-template", "{{% bad"], "--chat-template: chat template does not compile"),
         (["--preemption-mode", "swap", "--swap-space", "1000000"], "of free memory"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
     ],
 )
 def test_bad_values_exit_2(args, message):
