@@ -842,3 +842,16 @@ def test_generate_with_data_parallel_is_one_error_line(tiny_model_dir):
     r = cli("generate", "--model", tiny_model_dir, "-dp", "2", "--prompt", "x")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "--data-parallel-size N runs N engine replicas under `pagedkv serve`" in r.stderr
+
+
+def test_a_chat_template_without_chat_is_noted(tiny_model_dir, tmp_path):
+    """generate renders a template only with --chat: without it the template was unused, unsaid."""
+    template = tmp_path / "t.jinja"
+    template.write_text(TEMPLATE)
+    args = ("generate", tiny_model_dir, "--prompt", "hi", "--max-tokens", "1")
+    r = cli(*args, "--chat-template", str(template))
+    assert r.returncode == 0 and (
+        "pagedkv: note: --chat-template has no effect in pagedkv generate without --chat"
+        in r.stderr.splitlines()
+    )
+    assert "--chat-template" not in cli(*args, "--chat-template", str(template), "--chat").stderr

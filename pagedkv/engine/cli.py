@@ -39,6 +39,7 @@ SAMPLING_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k"
 
 def run(args: argparse.Namespace) -> int:
     from pagedkv.cli import engine_config_from_args
+    from pagedkv.config import note
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.engine.options import with_defaults
     from pagedkv.engine.request import SamplingParams
@@ -47,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     SamplingParams(**given, ignore_eos=args.ignore_eos)  # a bad flag fails before the model loads
     config = engine_config_from_args(args)
     config.note_serve_only("pagedkv generate", flags=True)
+    if config.chat_template is not None and not args.chat:
+        note("--chat-template has no effect in pagedkv generate without --chat")
     t0 = time.monotonic()
     engine = LLMEngine(config)
     t_load = time.monotonic() - t0
