@@ -61,8 +61,10 @@ def apply_engine_options(engine, config: EngineConfig) -> None:
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     if config.chat_template is not None:
-        try:  # now: a template of the model's own compiles at first use, but one given here is
-            compile_template(config.chat_template)  # a server's mistake, not every request's 400
+        # compiled now: a broken one given here is the server's mistake, not each request's 400
+        # (the model's own template compiles at first use, so that plain prompts still run)
+        try:
+            compile_template(config.chat_template)
         except ConfigError as e:
             raise ConfigError(f"--chat-template: {e}") from None
         engine.tokenizer.chat_template = config.chat_template
