@@ -291,7 +291,7 @@ def test_units_and_aliases():
         ({"num_gpu_blocks_override": -5}, "--num-gpu-blocks-override"),
         ({"block_size": True}, "--block-size"),
         ({"max_model_len": True}, "--max-model-len"),
-        ({"memory_utilization": True}, "--memory-utilization"),
+        ({"memory_utilization": True}, "--gpu-memory-utilization"),
         ({"kv_cache_memory": float("inf")}, "invalid size"),
         ({"kv_offload_host_memory": float("nan")}, "invalid size"),
         ({"swap_space": float("inf")}, "--swap-space"),
