@@ -350,16 +350,15 @@ class LLMEngine:
         if self.faults is not None:
             self.faults.check("detokenize", (seq.group,))
         p = seq.params
-        stop_token = token in (p.stop_token_ids or ()) or (
-            not p.ignore_eos and token in self.tokenizer.eos_token_ids
-        )
+        stop_id = token in (p.stop_token_ids or ())  # a list once validated
+        eos = not p.ignore_eos and token in self.tokenizer.eos_token_ids
         # as vLLM: a stop token's text is left out of the output unless asked for
-        stopped = (not stop_token or p.include_stop_str_in_output) and self.detokenizer.update(seq)
-        if stopped:
+        shown = not (stop_id or eos) or p.include_stop_str_in_output
+        if shown and self.detokenizer.update(seq):  # a stop string ends the text
             seq.finish_reason = "stop"
-        elif token in (p.stop_token_ids or ()):  # a list once validated
+        elif stop_id:
             seq.finish_reason, seq.stop_reason = "stop", token
-        elif not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+        elif eos:
             seq.finish_reason = "stop"
         elif grammar_done:  # the structured output is complete: nothing else may follow
             seq.finish_reason = "stop"
