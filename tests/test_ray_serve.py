@@ -227,6 +227,27 @@ def test_a_malformed_ray_address_is_one_error_line():
     )
 
 
+def test_an_address_where_nothing_listens_is_one_error_line():
+    """Ray retried such an address for minutes (3.5 measured) before it failed."""
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", "serve", "--ray-address", f"ray://127.0.0.1:{port}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"pagedkv serve: error: --ray-address ray://127.0.0.1:{port}: cannot join: "
+        f"nothing answers at 127.0.0.1:{port} ("
+    ), out.stderr
+
+
 def test_prefix_aware_routing_keeps_each_tenant_on_one_replica(cluster):
     served: dict[int, set[str]] = {}
     cached = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -28,11 +29,29 @@ def _init_ray(ray, num_replicas: int, ray_address: str | None) -> None:
             log_to_driver=True,
         )
         return
+    _check_reachable(ray_address)
     try:
         ray.init(address=ray_address, logging_level=logging.WARNING)
     except (ConnectionError, ValueError) as e:  # a wrong or malformed address, or a cluster
         # whose auth token we lack
         raise ConfigError(f"--ray-address {ray_address}: cannot join: {e}") from None
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A ConfigError when nothing accepts a TCP connection at a `host:port` (or `ray://host:port`)
+    address: Ray itself retries such an address for minutes (3.5 on this machine) before failing.
+    Other forms ("auto", a malformed address) are left to Ray, which fails on them at once."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    host = host.strip("[]")  # an IPv6 literal
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        why = e.strerror or str(e) or type(e).__name__
+        raise ConfigError(
+            f"--ray-address {address}: cannot join: nothing answers at {host}:{port} ({why})"
+        ) from None
 
 
 def serve_logging(log_level: str, access_log: bool) -> dict:
