@@ -31,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.request import INT64_MAX, INT64_MIN
 from pagedkv.server import protocol as api
+from pagedkv.server import protocol_extra
 from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import (
@@ -119,7 +120,15 @@ def build_app(
             await engine.shutdown()
 
     app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None)
-    install_openapi(app, [api.CompletionRequest, api.ChatCompletionRequest])
+    install_openapi(
+        app,
+        [
+            api.CompletionRequest,
+            api.ChatCompletionRequest,
+            protocol_extra.TokenizeRequest,
+            protocol_extra.DetokenizeRequest,
+        ],
+    )
     app.state.ready = False
     install_error_handlers(app)
     app.add_middleware(IgnoredFieldsHeader)

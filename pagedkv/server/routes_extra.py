@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from pagedkv import __version__
 from pagedkv.server import protocol_extra as api
 from pagedkv.server.errors import APIError
+from pagedkv.server.openapi import json_body
 from pagedkv.server.tools import chat_prompt
 
 
@@ -50,13 +51,13 @@ def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
             )
         )
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=json_body(api.TokenizeRequest))
     async def tokenize(request: Request) -> Response:
         req = await read_json(request, api.TokenizeRequest)
         check_model(req.model)
         return await asyncio.to_thread(tokenized, req)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=json_body(api.DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
         req = await read_json(request, api.DetokenizeRequest)
         check_model(req.model)
