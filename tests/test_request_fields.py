@@ -316,6 +316,7 @@ def test_a_template_that_fails_as_it_runs_is_a_400(server, client, template, wor
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, [{"role": "user", "content": "hi"}], extra_body={"chat_template": template})
     assert "chat template" in e.value.message and words in e.value.message
+    assert e.value.body["param"] == "chat_template"
     assert "Traceback" not in server.output()
 
 

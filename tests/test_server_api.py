@@ -637,3 +637,85 @@ def test_the_utility_routes_show_their_request_bodies(server):
         assert model in schema["components"]["schemas"]
     fields = schema["components"]["schemas"]["TokenizeRequest"]["properties"]
     assert {"prompt", "messages", "return_token_strs"} <= set(fields)
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+    },
+}
+
+
+def NAMED(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+BAD_FIELDS = [  # (route, fields added to a valid body, the field the 400 must name)
+    ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("chat/completions", {"tools": [TOOL]}, "tool_choice"),  # "auto" needs the server's flag
+    ("chat/completions", {"tools": [TOOL], "tool_choice": NAMED("other")}, "tool_choice"),
+    (
+        "chat/completions",
+        {"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+    ),
+    (
+        "chat/completions",
+        {
+            "tools": [{**TOOL, "function": {**TOOL["function"], "parameters": {"properties": 3}}}],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
+    (
+        "chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format",
+    ),
+    ("chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
+    ("chat/completions", {"chat_template_kwargs": {"chat_template": "x"}}, "chat_template_kwargs"),
+    (
+        "chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}
+                    ],
+                },
+            ]
+        },
+        "messages",
+    ),
+    ("completions", {"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ("completions", {"guided_json": {}, "guided_regex": "a+"}, "guided_regex"),
+    (
+        "completions",
+        {"structured_outputs": {"backend": "outlines", "regex": "a"}},
+        "structured_outputs",
+    ),
+    (
+        "completions",
+        {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+        "structured_outputs",
+    ),
+]
+
+
+@pytest.mark.parametrize(("route", "fields", "param"), BAD_FIELDS)
+def test_a_refused_field_is_named_in_param(server, route, fields, param):
+    """OpenAI's SDKs show `error.param`: these 400s named their field only in the message."""
+    body = {"model": "tiny", "max_tokens": 2}
+    body |= (
+        {"messages": [{"role": "user", "content": "hi"}]}
+        if route.startswith("chat")
+        else {"prompt": "hi"}
+    )
+    r = server.http.post(f"/v1/{route}", json=body | fields)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()

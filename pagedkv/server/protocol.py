@@ -21,7 +21,6 @@ from pydantic import (
     model_validator,
 )
 
-from pagedkv.config import ConfigError
 from pagedkv.engine.chat import TEXT_PART_KEYS, content_text
 from pagedkv.engine.request import (
     INT64_MAX,
@@ -313,7 +312,9 @@ def _arguments_object(arguments: str) -> Any:
     try:
         return json.loads(arguments)
     except (ValueError, RecursionError):  # RecursionError: nested too deep
-        raise ConfigError(f"tool call arguments are not JSON: {arguments[:80]!r}") from None
+        raise ParamError(
+            "messages", f"tool call arguments are not JSON: {arguments[:80]!r}"
+        ) from None
 
 
 class ChatCompletionRequest(_SamplingRequest):

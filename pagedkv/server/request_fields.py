@@ -12,8 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from pagedkv.config import ConfigError
-from pagedkv.engine.request import StructuredOutputsParams
+from pagedkv.engine.request import ParamError, StructuredOutputsParams
 from pagedkv.server.validation import RequestModel, SafeStr
 
 # field -> the value that means "not used"; any other value is a 400 naming the field
@@ -125,9 +124,10 @@ class DeltaToolCall(BaseModel):
 def structured_spec(req) -> StructuredOutputsParams | None:
     """The one output constraint a request asks for, from whichever field; 400 if several."""
     if req.guided_decoding_backend not in GUIDED_BACKENDS:
-        raise ConfigError(
+        raise ParamError(
+            "guided_decoding_backend",
             f"guided_decoding_backend {req.guided_decoding_backend!r} is not available; "
-            "pagedkv uses llguidance"
+            "pagedkv uses llguidance",
         )
     found: list[tuple[str, StructuredOutputsParams]] = []
     if req.structured_outputs is not None:
@@ -144,8 +144,9 @@ def structured_spec(req) -> StructuredOutputsParams | None:
     if req.response_format is not None and req.response_format.type != "text":
         found.append(("response_format", _from_response_format(req.response_format)))
     if len(found) > 1:
-        raise ConfigError(
-            f"only one output constraint may be given; got {', '.join(f for f, _ in found)}"
+        raise ParamError(
+            found[1][0],
+            f"only one output constraint may be given; got {', '.join(f for f, _ in found)}",
         )
     return found[0][1] if found else None
 
@@ -154,13 +155,16 @@ def _from_dict(data: dict) -> StructuredOutputsParams:
     data = {k: v for k, v in data.items() if v is not None}
     backend = data.pop("backend", None)
     if backend not in GUIDED_BACKENDS:  # as guided_decoding_backend: not dropped unread
-        raise ConfigError(
-            f"structured_outputs.backend {backend!r} is not available; pagedkv uses llguidance"
+        raise ParamError(
+            "structured_outputs",
+            f"structured_outputs.backend {backend!r} is not available; pagedkv uses llguidance",
         )
     data.pop("disable_any_whitespace", None)  # pagedkv's JSON never has optional whitespace
     unknown = sorted(set(data) - {"json", "regex", "choice", "grammar", "json_object"})
     if unknown:
-        raise ConfigError(f"structured_outputs.{unknown[0]} is not supported by pagedkv")
+        raise ParamError(
+            "structured_outputs", f"structured_outputs.{unknown[0]} is not supported by pagedkv"
+        )
     return StructuredOutputsParams(**data)
 
 
@@ -168,5 +172,5 @@ def _from_response_format(fmt: ResponseFormat) -> StructuredOutputsParams:
     if fmt.type == "json_object":
         return StructuredOutputsParams(json_object=True)
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise ConfigError("response_format json_schema needs json_schema.schema")
+        raise ParamError("response_format", "response_format json_schema needs json_schema.schema")
     return StructuredOutputsParams(json=fmt.json_schema.schema_)

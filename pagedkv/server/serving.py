@@ -23,11 +23,10 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from pagedkv.config import ConfigError
 from pagedkv.engine.async_engine import RequestFailedError
 from pagedkv.engine.options import with_defaults
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.engine.request import SamplingParams, StructuredOutputsParams
+from pagedkv.engine.request import ParamError, SamplingParams, StructuredOutputsParams
 from pagedkv.server import protocol as api
 from pagedkv.server.chat_format import ChatFormat
 from pagedkv.server.completion_format import CompletionFormat
@@ -130,9 +129,10 @@ class OpenAIServing:
         plan = plan_tools(req, self.engine.config.enable_auto_tool_choice)
         if plan.grammar is not None:
             if params.structured_outputs is not None:
-                raise ConfigError(
+                raise ParamError(
+                    "tool_choice",
                     "tool_choice required or a named function cannot be combined "
-                    "with response_format or structured outputs"
+                    "with response_format or structured outputs",
                 )
             params.structured_outputs = StructuredOutputsParams(grammar=plan.grammar)
         tok = self.engine.tokenizer

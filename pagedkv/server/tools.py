@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.chat import render_chat
+from pagedkv.engine.request import ParamError
 from pagedkv.engine.structured import JSON_OPTIONS
 from pagedkv.server.tool_parsers import HermesToolParser
 
@@ -49,13 +50,14 @@ def plan_tools(req: ChatCompletionRequest, auto_tool_choice: bool) -> ToolPlan:
     if choice == "none":
         return ToolPlan()
     if not tools:
-        raise ConfigError("tool_choice needs tools")
+        raise ParamError("tool_choice", "tool_choice needs tools")
     single = req.parallel_tool_calls is False
     if choice == "auto":
         if not auto_tool_choice:
-            raise ConfigError(
+            raise ParamError(
+                "tool_choice",
                 '"auto" tool choice requires --enable-auto-tool-choice and '
-                "--tool-call-parser to be set"
+                "--tool-call-parser to be set",
             )
         return ToolPlan(HermesToolParser(max_calls=1 if single else None))
     if choice == "required":
@@ -63,8 +65,9 @@ def plan_tools(req: ChatCompletionRequest, auto_tool_choice: bool) -> ToolPlan:
     else:
         chosen = [t for t in tools if t.function.name == choice.function.name]
         if not chosen:
-            raise ConfigError(
-                f"tool_choice names {choice.function.name!r}, which is not among the tools"
+            raise ParamError(
+                "tool_choice",
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
             )
         single = True
     return ToolPlan(HermesToolParser(max_calls=1 if single else None), call_grammar(chosen, single))
@@ -84,7 +87,7 @@ def call_grammar(tools: list, single: bool) -> str:
                 t.function.parameters or {"type": "object"}, f"#/$defs/tool{i}"
             )
         except ConfigError as e:
-            raise ConfigError(f"tool {t.function.name!r}: parameters: {e}") from None
+            raise ParamError("tools", f"tool {t.function.name!r}: parameters: {e}") from None
         schemas.append(
             {
                 "type": "object",
@@ -134,12 +137,18 @@ def chat_prompt(tokenizer, req, trust_request_template: bool) -> str:
     --trust-request-chat-template (as in vLLM: rendering one can take the server's CPU and
     memory)."""
     kwargs = req.chat_template_kwargs or {}
-    if not trust_request_template and (
-        req.chat_template is not None or kwargs.get("chat_template") is not None
-    ):
-        raise ConfigError(
+    sent = (  # the field that carries a template sent with the request
+        "chat_template"
+        if req.chat_template is not None
+        else "chat_template_kwargs"
+        if kwargs.get("chat_template") is not None
+        else None
+    )
+    if sent and not trust_request_template:
+        raise ParamError(
+            sent,
             "a chat template sent with the request runs only on a server started with "
-            "--trust-request-chat-template"
+            "--trust-request-chat-template",
         )
     messages = [m.as_template_input() for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -148,16 +157,21 @@ def chat_prompt(tokenizer, req, trust_request_template: bool) -> str:
         tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     ):
         messages = hermes_messages(messages, tools)
-    return render_chat(
-        tokenizer,
-        messages,
-        add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message,
-        chat_template=req.chat_template,
-        tools=tools,
-        documents=req.documents,
-        chat_template_kwargs=kwargs,
-    )
+    try:
+        return render_chat(
+            tokenizer,
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template=req.chat_template,
+            tools=tools,
+            documents=req.documents,
+            chat_template_kwargs=kwargs,
+        )
+    except ParamError:
+        raise
+    except ConfigError as e:  # the template failed: the one sent, or the model's on these messages
+        raise ParamError(sent or "messages", str(e)) from None
 
 
 def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
