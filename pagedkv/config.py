@@ -217,6 +217,7 @@ SERVE_ONLY = frozenset(
         "enable_auto_tool_choice",
         "tool_call_parser",
         "trust_request_chat_template",
+        "response_role",
     }
 )
 # integer options >= 1, and those of them that may be None (not set)
@@ -280,6 +281,7 @@ class EngineConfig:
     served_model_names: list[str] = field(init=False, default_factory=list)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse the output for tool calls
     trust_request_chat_template: bool = False  # run chat templates that requests send
+    response_role: str = "assistant"  # a chat answer's role when add_generation_prompt is true
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:

@@ -21,7 +21,13 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     with ServerProcess(
-        tiny_model_dir, *TINY_SERVER, "--max-model-len", "1024", "--trust-request-chat-template"
+        tiny_model_dir,
+        *TINY_SERVER,
+        "--max-model-len",
+        "1024",
+        "--trust-request-chat-template",
+        "--response-role",
+        "model",
     ) as srv:
         yield srv
 
@@ -205,6 +211,25 @@ def test_chat_echo_prepends_the_last_assistant_message(client):
         extra_body={"add_generation_prompt": False, "continue_final_message": True, "echo": True},
     )
     assert echoed.choices[0].message.content == "Well," + plain.choices[0].message.content
+
+
+def test_the_answer_takes_the_response_role_or_the_last_message_s(client):
+    """As vLLM: --response-role names a generated answer's role; without a generation prompt the
+    answer goes on the last message, in its role, and echo repeats that message."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert chat(client, msgs).choices[0].message.role == "model"
+    chunks = list(chat(client, msgs, stream=True))
+    assert chunks[0].choices[0].delta.role == "model"
+    on = {"add_generation_prompt": False}
+    plain = chat(client, msgs, extra_body=on).choices[0].message
+    echoed = chat(client, msgs, extra_body=on | {"echo": True}).choices[0].message
+    assert plain.role == echoed.role == "user"
+    assert echoed.content == "Hi" + plain.content
+    # with a generation prompt the answer is the model's: a user's last message is not echoed
+    assert (
+        chat(client, msgs, extra_body={"echo": True}).choices[0].message.content
+        == chat(client, msgs).choices[0].message.content
+    )
 
 
 def test_include_stop_str_in_output(client):

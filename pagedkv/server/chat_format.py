@@ -21,6 +21,7 @@ from pagedkv.server.tool_parsers import HermesToolParser, ToolCallStream, final_
 @dataclass
 class ChatFormat(ResponseFormat):
     parser: HermesToolParser | None = None  # tool calls are read from the output
+    role: str = "assistant"  # the answer's
     echo: str = ""  # the last message, when the client asked to echo it
     streams: dict[int, ToolCallStream] = field(default_factory=dict)
 
@@ -54,7 +55,7 @@ class ChatFormat(ResponseFormat):
         )
 
     def start(self, num_choices: int) -> list[BaseModel]:
-        delta = api.ChatDelta(role="assistant", content=self.echo)
+        delta = api.ChatDelta(role=self.role, content=self.echo)
         return [
             self._chunk([api.ChatChunkChoice(index=i, delta=delta)]) for i in range(num_choices)
         ]
@@ -90,10 +91,10 @@ class ChatFormat(ResponseFormat):
                 content = self.echo + parsed.content
                 finish = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
                 message = api.ChatResponseMessage(
-                    content=content if content.strip() else None, tool_calls=calls
+                    role=self.role, content=content if content.strip() else None, tool_calls=calls
                 )
                 return message, finish
-        return api.ChatResponseMessage(content=self.echo + o.text), o.finish_reason
+        return api.ChatResponseMessage(role=self.role, content=self.echo + o.text), o.finish_reason
 
     def response(self, finals: list[RequestOutput]) -> BaseModel:
         final = finals[0]  # a chat request is one prompt: its choices keep their own index

@@ -54,6 +54,11 @@ def add_parser(subparsers) -> None:
         "take the server's CPU and memory)",
     )
     p.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of chat answers (with add_generation_prompt false: the last message's)",
+    )
+    p.add_argument(
         "--tool-call-parser", default=None, help="how tool calls are read from the output: hermes"
     )
     p.add_argument(

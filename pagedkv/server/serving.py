@@ -139,13 +139,17 @@ class OpenAIServing:
         text = chat_prompt(tok, req, self.engine.config.trust_request_chat_template)
         prompt = await encode(tok, text, add_special_tokens=req.add_special_tokens)
         prompt = params.truncate(prompt, self.engine.max_model_len)
+        # as vLLM: the answer goes on the last message when no generation prompt opens a new one,
+        # and echo repeats the last message when the answer is in its role
         last = req.messages[-1]
-        echo = (last.content or "") if req.echo and last.role == "assistant" else ""
+        role = self.engine.config.response_role if req.add_generation_prompt else last.role
+        echo = (last.content or "") if req.echo and last.role == role else ""
         fmt = ChatFormat(
             request_id("chatcmpl", req.request_id),
             self.engine.model_name,
             token_decoder(tok, req.return_tokens_as_token_ids),
             parser=plan.parser,
+            role=role,
             echo=echo,
         )
         return await self._run(request, fmt, [prompt], params, req.stream, req.include_usage)
