@@ -74,6 +74,9 @@ _NOOP_BOOL = (
     "disable_custom_all_reduce",
     "async_scheduling",
     "disable_fastapi_docs",
+    "enable_log_outputs",
+    "disable_sliding_window",
+    "calculate_kv_scales",
 )
 _NOOP_SHORT = {"compilation_config": "-O"}  # vLLM's -O3 is --compilation-config 3
 

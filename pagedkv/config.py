@@ -74,6 +74,14 @@ NOOP_OPTIONS = {
     "(--enforce-eager turns them off)",
     "async_scheduling": "steps are scheduled one after another here",
     "disable_fastapi_docs": "pagedkv serves no documentation pages (only /openapi.json)",
+    "max_log_len": "pagedkv does not log requests",
+    "enable_log_outputs": "pagedkv does not log requests",
+    "disable_sliding_window": "Llama models attend to the whole context: no sliding window",
+    "max_parallel_loading_workers": "the weights load in one process, once",
+    "cpu_offload_gb": "the weights live in CPU memory already",
+    "calculate_kv_scales": "int8 and fp8 caches take a scale per token and head, computed as "
+    "each is written",
+    "model_impl": "models run on pagedkv's own Llama code",
 }
 ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")  # False cannot be honoured
 PARALLEL_SIZES = (
@@ -218,6 +226,9 @@ SERVE_ONLY = frozenset(
         "tool_call_parser",
         "trust_request_chat_template",
         "response_role",
+        "return_tokens_as_token_ids",
+        "enable_force_include_usage",
+        "enable_request_id_headers",
     }
 )
 # integer options >= 1, and those of them that may be None (not set)
@@ -282,6 +293,9 @@ class EngineConfig:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse the output for tool calls
     trust_request_chat_template: bool = False  # run chat templates that requests send
     response_role: str = "assistant"  # a chat answer's role when add_generation_prompt is true
+    return_tokens_as_token_ids: bool = False  # every request's default for that field
+    enable_force_include_usage: bool = False  # every stream ends with a usage chunk
+    enable_request_id_headers: bool = False  # replies carry X-Request-Id
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -38,16 +39,20 @@ class ServerProcess:
         *args: str,
         api_key: str | None = None,
         start_timeout: float = 120.0,
+        verify: ssl.SSLContext | bool = True,
+        uds: Path | None = None,
     ) -> None:
+        """`verify`: the certificate an HTTPS server is checked against; `uds`: the server listens
+        on that Unix socket (--uds), where clients reach it as http://localhost."""
         self.api_key = api_key
+        self.uds, self.verify = uds, verify
         self.log = tempfile.NamedTemporaryFile(
             "w+", prefix="pagedkv-serve-", suffix=".log", delete=False
         )
         cmd = [
             *SERVE,
             *(["--model", model] if model else []),
-            "--port",
-            "0",
+            *(["--uds", str(uds)] if uds else ["--port", "0"]),
             *args,
         ]  # None: the default model
         if api_key:
@@ -63,7 +68,9 @@ class ServerProcess:
         )
         self.url = self._wait_for_port(start_timeout)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=60)
+        self.http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=60, **self.client_options()
+        )
         self._wait_healthy(start_timeout)
 
     # ---------------------------------------------------------------- start / stop
@@ -73,8 +80,10 @@ class ServerProcess:
     def _wait_for_port(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self.uds and "Uvicorn running on unix socket" in self.output():
+                return "http://localhost"
             m = re.search(
-                r"Uvicorn running on (http://(?:[\d.]+|\[[\da-f:]+\]):\d+)", self.output()
+                r"Uvicorn running on (https?://(?:[\d.]+|\[[\da-f:]+\]):\d+)", self.output()
             )
             if m:
                 return m.group(1)
@@ -115,8 +124,16 @@ class ServerProcess:
         self.close()
 
     # ---------------------------------------------------------------- clients
+    def client_options(self) -> dict:
+        """How a client reaches this server: through its Unix socket, or checking its cert."""
+        if self.uds:
+            return {"transport": httpx.HTTPTransport(uds=str(self.uds))}
+        return {"verify": self.verify}
+
     def openai(self, **kwargs) -> openai.OpenAI:
         kwargs.setdefault("api_key", self.api_key or "unused")
+        if self.uds or self.verify is not True:
+            kwargs.setdefault("http_client", httpx.Client(timeout=60, **self.client_options()))
         return openai.OpenAI(base_url=f"{self.url}/v1", max_retries=0, **kwargs)
 
     def async_openai(self, **kwargs) -> openai.AsyncOpenAI:

@@ -719,3 +719,12 @@ def test_a_refused_field_is_named_in_param(server, route, fields, param):
     r = server.http.post(f"/v1/{route}", json=body | fields)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_the_x_request_id_header_names_the_answer(server):
+    """As vLLM: the header's value is the answer's id; without --enable-request-id-headers the
+    reply does not repeat it."""
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1, "request_id": "from-body"}
+    r = server.http.post("/v1/completions", json=body, headers={"X-Request-Id": "from-header"})
+    assert r.json()["id"] == "cmpl-from-header" and "x-request-id" not in r.headers
+    assert server.http.post("/v1/completions", json=body).json()["id"] == "cmpl-from-body"

@@ -40,7 +40,16 @@ NOOP_FLAGS = [
     "--enable-chunked-prefill",
     "--disable-log-requests",
     "--enable-prompt-tokens-details",
+    "--enable-log-outputs",
+    "--disable-sliding-window",
+    "--calculate-kv-scales",
 ]
+NOOP_VALUES = {  # flags with a value, as deployments write them
+    "--max-log-len": "100",
+    "--cpu-offload-gb": "4",
+    "--model-impl": "auto",
+    "--max-parallel-loading-workers": "2",
+}
 
 
 def cli(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
@@ -72,6 +81,7 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         "--seed",
         "1",
         *NOOP_FLAGS,
+        *(x for flag_value in NOOP_VALUES.items() for x in flag_value),
         "--tokenizer",  # as vLLM's GGUF guide writes it: the base model's tokenizer
         "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
         "-O3",
@@ -104,6 +114,7 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
     notes = [line for line in r.stderr.splitlines() if line.startswith("pagedkv: note:")]
     assert [n.split()[2] for n in notes] == [
         *NOOP_FLAGS,
+        *NOOP_VALUES,
         "--tokenizer",
         "-O",
         "--guided-decoding-backend",

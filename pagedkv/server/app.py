@@ -15,7 +15,6 @@ import copy
 import logging
 import logging.config
 import re
-import socket
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -28,11 +27,12 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
-from pagedkv.config import ConfigError, EngineConfig
+from pagedkv.config import EngineConfig
 from pagedkv.engine.request import INT64_MAX, INT64_MIN
 from pagedkv.server import protocol as api
 from pagedkv.server import protocol_extra
 from pagedkv.server.errors import APIError, install_error_handlers
+from pagedkv.server.listen import HTTPOptions, bind, served_url
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import (
     IGNORED_HEADER,
@@ -40,6 +40,7 @@ from pagedkv.server.middleware import (
     BearerAuth,
     BodySizeLimit,
     IgnoredFieldsHeader,
+    RequestIdHeader,
 )
 from pagedkv.server.openapi import install_openapi, json_body
 from pagedkv.server.responses import ModelCard, ModelList
@@ -132,6 +133,8 @@ def build_app(
     app.state.ready = False
     install_error_handlers(app)
     app.add_middleware(IgnoredFieldsHeader)
+    if engine.config.enable_request_id_headers:
+        app.add_middleware(RequestIdHeader)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
@@ -252,12 +255,13 @@ class GracefulServer(uvicorn.Server):
             self._log_started_message(sockets)
         for server in self.servers:
             for sock in server.sockets:
-                url = base_url(*sock.getsockname()[:2])
+                url, how = served_url(sock, self.config)
                 log.info(
-                    "pagedkv serves %s: OpenAI API at %s/v1, dashboard at %s/",
+                    "pagedkv serves %s: OpenAI API at %s/v1, dashboard at %s/%s",
                     self.engine.model_name,
                     url,
                     url,
+                    how,
                 )
 
     def handle_exit(self, sig, frame) -> None:
@@ -289,24 +293,6 @@ class GracefulServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def base_url(host: str, port: int) -> str:
-    """http://host:port, an IPv6 address in brackets (http://[::1]:8000) as URLs write it."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The server's address, bound (as uvicorn binds it) but not yet listening, so that a client
-    is refused while the model loads; ConfigError (exit code 2) if it cannot be had."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ConfigError(f"cannot listen on --host {host} --port {port}: {e.strerror}") from None
-    return sock
-
-
 def serve(
     config: EngineConfig,
     host: str = "127.0.0.1",
@@ -315,12 +301,15 @@ def serve(
     cors: dict | None = None,
     log_level: str = "info",
     access_log: bool = True,
+    http: HTTPOptions | None = None,
 ) -> int:
     """Load the model, then serve until SIGINT/SIGTERM (exit code 0) or until the engine loop
     stops on an error (exit code 1, for a supervisor to restart the server)."""
     from pagedkv.engine.async_engine import AsyncLLM
 
-    sock = bind(host, port)  # before the model loads: an address in use fails at once
+    http = http or HTTPOptions()
+    http.check()
+    sock = bind(host, port, http.uds)  # before the model loads: an address in use fails at once
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # ours look like uvicorn's
     log_config["loggers"]["pagedkv"] = {
         "handlers": ["default"],
@@ -338,6 +327,7 @@ def serve(
             log_level=log_level,
             log_config=log_config,
             access_log=access_log,
+            **http.uvicorn_options(),
             # annotated int, but uvicorn only hands it to asyncio.wait_for, which takes a float
             timeout_graceful_shutdown=shutdown_timeout + 10,  # type: ignore[arg-type]
         )

@@ -13,6 +13,7 @@ import sys
 
 from pagedkv.cli import add_engine_args, engine_config_from_args
 from pagedkv.config import ConfigError
+from pagedkv.server.listen import HTTPOptions
 
 UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
 
@@ -52,6 +53,33 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="run a chat template sent with a request (off: a 400, as in vLLM; a template can "
         "take the server's CPU and memory)",
+    )
+    p.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprobs name tokens as "token_id:N" unless a request says otherwise',
+    )
+    p.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every stream ends with a usage chunk, asked for or not",
+    )
+    p.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="replies carry X-Request-Id (the client's, else a new one the answer's id ends with)",
+    )
+    h = p.add_argument_group("HTTP (as vLLM; not with --data-parallel-size)")
+    h.add_argument("--root-path", default="", help="the path a proxy serves the API under")
+    h.add_argument("--uds", default=None, help="listen on this Unix socket instead of host:port")
+    h.add_argument("--ssl-keyfile", default=None, help="HTTPS: the private key file")
+    h.add_argument("--ssl-certfile", default=None, help="HTTPS: the certificate file")
+    h.add_argument("--ssl-ca-certs", default=None, help="HTTPS: CA certificates for client certs")
+    h.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        help="HTTPS: client certificates 0 not asked for, 1 optional, 2 required",
     )
     p.add_argument(
         "--response-role",
@@ -99,9 +127,23 @@ def run(args: argparse.Namespace) -> int:
     }
     config = engine_config_from_args(args)
     replicated = config.data_parallel_size != 1 or bool(args.ray_address)
+    http = HTTPOptions(
+        root_path=args.root_path,
+        uds=args.uds,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+    )
+    http.check()
     if replicated:  # checked before anything loads
         from pagedkv.server.ray_launch import serve_logging
 
+        if http != HTTPOptions():
+            raise ConfigError(
+                "--root-path, --uds and --ssl-* are not available with --data-parallel-size or "
+                "--ray-address: Ray Serve's proxy answers HTTP there"
+            )
         serve_logs = serve_logging(args.uvicorn_log_level, not args.disable_uvicorn_access_log)
     # late: keeps `pagedkv --help` free of torch
     from pagedkv.server.app import CORS_DEFAULTS, serve
@@ -134,4 +176,5 @@ def run(args: argparse.Namespace) -> int:
         cors=cors,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
+        http=http,
     )

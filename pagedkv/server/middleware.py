@@ -1,13 +1,16 @@
-"""ASGI middleware: the request-body cap, the API key, and the header naming dropped fields.
+"""ASGI middleware: the request-body cap, the API key, and the headers naming dropped fields and
+the request's id.
 
 All are plain ASGI: the first two run before FastAPI parses anything (an oversized
 body is refused without being held in memory, a request without the key never
-reaches the engine); the third adds a header to a reply, streamed or not.
+reaches the engine); the others add a header to a reply, streamed or not.
 """
 
 from __future__ import annotations
 
 import hmac
+import uuid
+from collections.abc import Callable
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -17,6 +20,19 @@ from pagedkv.server.errors import APIError, error_response
 
 MAX_BODY_BYTES = 8 * 2**20
 IGNORED_HEADER = "x-pagedkv-ignored-fields"
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def adding_header(send: Send, name: str, value: Callable[[], bytes | None]) -> Send:
+    """`send`, adding the header `name` to the reply's start, with what `value()` gives then
+    (nothing when None)."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start" and (v := value()) is not None:
+            message = {**message, "headers": [*message.get("headers", ()), (name.encode(), v)]}
+        await send(message)
+
+    return sending
 
 
 class BodySizeLimit:
@@ -92,11 +108,27 @@ class IgnoredFieldsHeader:
             await self.app(scope, receive, send)
             return
 
-        async def named(message: Message) -> None:
+        def named() -> bytes | None:
             ignored = scope.get("state", {}).get("ignored")
-            if message["type"] == "http.response.start" and ignored:
-                header = (IGNORED_HEADER.encode(), ignored.encode("ascii"))
-                message = {**message, "headers": [*message.get("headers", ()), header]}
-            await send(message)
+            return ignored.encode("ascii") if ignored else None
 
-        await self.app(scope, receive, named)
+        await self.app(scope, receive, adding_header(send, IGNORED_HEADER, named))
+
+
+class RequestIdHeader:
+    """`--enable-request-id-headers`, as vLLM: every reply carries X-Request-Id, the client's own or
+    a new one. A new one is also set on the request, so that a completion's id ends with it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get(REQUEST_ID_HEADER)
+        value = (given if given is not None else uuid.uuid4().hex).encode("latin-1")
+        if given is None:
+            scope = {**scope, "headers": [*scope["headers"], (REQUEST_ID_HEADER.encode(), value)]}
+
+        await self.app(scope, receive, adding_header(send, REQUEST_ID_HEADER, lambda: value))

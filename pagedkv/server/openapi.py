@@ -28,7 +28,9 @@ def install_openapi(app: FastAPI, bodies: list[type[BaseModel]]) -> None:
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            doc = get_openapi(  # servers: FastAPI puts a proxy's --root-path there
+                title=app.title, version=app.version, routes=app.routes, servers=app.servers
+            )
             _, defs = models_json_schema([(m, "validation") for m in bodies], ref_template=REF)
             doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
             app.openapi_schema = doc

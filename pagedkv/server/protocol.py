@@ -176,7 +176,7 @@ class _SamplingRequest(RequestModel):
     prompt_logprobs: NumLogprobs | None = None
     truncate_prompt_tokens: Int64 | None = None
     request_id: Name | None = None
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: --return-tokens-as-token-ids
     response_format: ResponseFormat | None = None
     structured_outputs: dict | None = None
     guided_json: dict | SafeStr | None = None

@@ -90,7 +90,7 @@ def serve_replicas(
     from pagedkv.routing import make_policy
 
     make_policy(routing)  # a bad name fails before Ray starts
-    from pagedkv.server.app import base_url
+    from pagedkv.server.listen import base_url
     from pagedkv.server.ray_app import build
 
     _init_ray(ray, num_replicas, ray_address)

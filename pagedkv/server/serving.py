@@ -32,6 +32,7 @@ from pagedkv.server.chat_format import ChatFormat
 from pagedkv.server.completion_format import CompletionFormat
 from pagedkv.server.errors import APIError, error_body, to_api_error
 from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.middleware import REQUEST_ID_HEADER
 from pagedkv.server.response_format import Delta, ResponseFormat, token_decoder, usage_of
 from pagedkv.server.streaming import ClientGone, EventStream, merge, sse, until_disconnect
 from pagedkv.server.tools import chat_prompt, plan_tools
@@ -42,7 +43,10 @@ async def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
 
-def request_id(prefix: str, given: str | None) -> str:
+def request_id(prefix: str, request: Request, given: str | None) -> str:
+    """The answer's id: as vLLM, the X-Request-Id header's value, else the body's request_id, else
+    a new one."""
+    given = request.headers.get(REQUEST_ID_HEADER) or given
     return f"{prefix}-{given if given else uuid.uuid4().hex}"
 
 
@@ -114,14 +118,14 @@ class OpenAIServing:
                 for p, full, ids in zip(req.prompt, encoded, prompts)
             ]
         fmt = CompletionFormat(
-            request_id("cmpl", req.request_id),
+            request_id("cmpl", request, req.request_id),
             self.engine.model_name,
-            token_decoder(tok, req.return_tokens_as_token_ids),
+            token_decoder(tok, self.as_token_ids(req)),
             echo=echo,
             n=params.n,
             echo_only=req.echo_only,
         )
-        return await self._run(request, fmt, prompts, params, req.stream, req.include_usage)
+        return await self._run(request, fmt, prompts, params, req.stream, self.usage_chunk(req))
 
     async def chat(self, req: api.ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
@@ -145,14 +149,24 @@ class OpenAIServing:
         role = self.engine.config.response_role if req.add_generation_prompt else last.role
         echo = (last.content or "") if req.echo and last.role == role else ""
         fmt = ChatFormat(
-            request_id("chatcmpl", req.request_id),
+            request_id("chatcmpl", request, req.request_id),
             self.engine.model_name,
-            token_decoder(tok, req.return_tokens_as_token_ids),
+            token_decoder(tok, self.as_token_ids(req)),
             parser=plan.parser,
             role=role,
             echo=echo,
         )
-        return await self._run(request, fmt, [prompt], params, req.stream, req.include_usage)
+        return await self._run(request, fmt, [prompt], params, req.stream, self.usage_chunk(req))
+
+    def as_token_ids(self, req) -> bool:
+        """return_tokens_as_token_ids: the request's, else --return-tokens-as-token-ids."""
+        given = req.return_tokens_as_token_ids
+        return self.engine.config.return_tokens_as_token_ids if given is None else given
+
+    def usage_chunk(self, req) -> bool:
+        """Whether a stream ends with usage: asked for, or --enable-force-include-usage."""
+        forced = bool(req.stream) and self.engine.config.enable_force_include_usage
+        return req.include_usage or forced
 
     async def _shown(
         self, fmt: ResponseFormat, outputs: AsyncGenerator[RequestOutput, None]

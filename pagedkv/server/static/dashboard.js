@@ -272,7 +272,7 @@
     if (document.hidden) { setTimeout(tick, REFRESH_MS); return; }   // no polling from a background tab
     try {
       const [snap, text] = await Promise.all([
-        fetchOk("/v1/kv").then((r) => r.json()), fetchOk("/metrics").then((r) => r.text())]);
+        fetchOk("v1/kv").then((r) => r.json()), fetchOk("metrics").then((r) => r.text())]);
       const row = sample(parseMetrics(text));
       state.history.push(row);
       if (state.history.length > HISTORY) state.history.shift();
@@ -303,7 +303,7 @@
       max_output: $("play-mo").value, requests: $("play-n").value, seed: $("play-seed").value,
       policies: ["reserve-max", "reserve-output", `paged:${block}`].join(","),
     });
-    return { selected, url: `/v1/simulate?${params}` };
+    return { selected, url: `v1/simulate?${params}` };
   }
 
   function renderPlay(result, selected) {

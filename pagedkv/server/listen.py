@@ -1,0 +1,85 @@
+"""Where and how `pagedkv serve` listens: its address bound before the model loads (a busy port
+fails at once), and vLLM's --root-path, --uds and --ssl-* options checked as early.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+from dataclasses import asdict, dataclass
+
+import uvicorn
+
+from pagedkv.config import ConfigError
+
+
+def base_url(host: str, port: int, scheme: str = "http") -> str:
+    """http://host:port, an IPv6 address in brackets (http://[::1]:8000) as URLs write it."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def served_url(sock: socket.socket, config: uvicorn.Config) -> tuple[str, str]:
+    """Where clients reach the app on `sock` (with --root-path, a proxy serves it under that path),
+    and how: for a Unix socket, the URL curl takes with `--unix-socket PATH`."""
+    if sock.family == socket.AF_UNIX:
+        return "http://localhost", f" through the Unix socket {sock.getsockname()}"
+    host, port = sock.getsockname()[:2]
+    return base_url(host, port, "https" if config.is_ssl else "http"), ""
+
+
+def bind(host: str, port: int, uds: str | None = None) -> socket.socket:
+    """The server's address (`uds`: a Unix socket at that path instead), bound (as uvicorn binds
+    it) but not yet listening, so that a client is refused while the model loads; ConfigError
+    (exit code 2) if it cannot be had."""
+    if uds is not None:
+        sock, where, address = socket.socket(socket.AF_UNIX), f"--uds {uds}", uds
+    else:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        where, address = f"--host {host} --port {port}", (host, port)  # type: ignore[assignment]
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {where}: {e.strerror}") from None
+    if uds is not None:
+        os.chmod(uds, 0o666)  # as uvicorn leaves it: any local user may connect
+    return sock
+
+
+@dataclass(frozen=True)
+class HTTPOptions:
+    """How `serve` answers HTTP beyond host and port: vLLM's --root-path, --uds and --ssl-* flags,
+    handed to uvicorn as they are."""
+
+    root_path: str = ""
+    uds: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = ssl.CERT_NONE
+
+    def check(self) -> None:
+        """ConfigError (exit 2, before the model loads) for options uvicorn would fail on later."""
+        if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise ConfigError(
+                f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), "
+                f"got {self.ssl_cert_reqs}"
+            )
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
+        if self.ssl_certfile is None:
+            if self.ssl_ca_certs is not None or self.ssl_cert_reqs != ssl.CERT_NONE:
+                raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")
+            return
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+            if self.ssl_ca_certs is not None:
+                context.load_verify_locations(self.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"--ssl-certfile/--ssl-keyfile/--ssl-ca-certs: {e}") from None
+
+    def uvicorn_options(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}

@@ -1,0 +1,171 @@
+"""vLLM's HTTP flags on a real server: HTTPS (--ssl-*), a Unix socket (--uds), a proxy's
+--root-path, X-Request-Id headers, forced usage chunks and token ids for tokens; and mistakes in
+them refused with one line and exit code 2 before the model loads."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import ssl
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from server_process import REPO, SERVE, TINY_SERVER, ServerProcess
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A key and a certificate for 127.0.0.1, valid today."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    key_file, cert_file = folder / "key.pem", folder / "cert.pem"
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key_file, cert_file
+
+
+def complete(server: ServerProcess, **kw):
+    return server.openai().completions.create(model="tiny", prompt="Hello", max_tokens=2, **kw)
+
+
+def test_https_with_the_ssl_flags(tiny_model_dir, tmp_path):
+    key, cert = self_signed(tmp_path)
+    with ServerProcess(
+        tiny_model_dir,
+        *TINY_SERVER,
+        "--ssl-keyfile",
+        str(key),
+        "--ssl-certfile",
+        str(cert),
+        verify=ssl.create_default_context(cafile=str(cert)),
+    ) as srv:
+        assert srv.url.startswith("https://127.0.0.1:")
+        assert complete(srv).usage.completion_tokens == 2
+        assert f"OpenAI API at {srv.url}/v1" in srv.output()
+        with pytest.raises(httpx.TransportError):  # plain HTTP is not answered
+            httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=10)
+        assert srv.terminate() == 0
+
+
+def test_a_unix_socket_with_uds(tiny_model_dir, tmp_path):
+    path = tmp_path / "pagedkv.sock"
+    with ServerProcess(tiny_model_dir, *TINY_SERVER, uds=path) as srv:
+        assert path.is_socket()
+        assert complete(srv).usage.completion_tokens == 2
+        assert f"through the Unix socket {path}" in srv.output()
+        assert srv.terminate() == 0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with ServerProcess(
+        tiny_model_dir,
+        *TINY_SERVER,
+        "--root-path",
+        "/api",
+        "--enable-request-id-headers",
+        "--enable-force-include-usage",
+        "--return-tokens-as-token-ids",
+    ) as srv:
+        yield srv
+
+
+def test_the_root_path_is_where_a_proxy_serves_the_api(server):
+    """A proxy strips the prefix: the app answers at its own paths, and says where it is."""
+    assert server.http.get("/openapi.json").json()["servers"] == [{"url": "/api"}]
+    assert server.http.get("/v1/models").status_code == 200
+    page = server.http.get("/").text  # the dashboard's own requests stay under the prefix
+    assert 'src="static/dashboard.js"' in page and 'src="/static' not in page
+
+
+def test_replies_carry_the_request_id(server):
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+    r = server.http.post("/v1/completions", json=body, headers={"X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123" and r.json()["id"] == "cmpl-abc-123"
+    r = server.http.post("/v1/completions", json=body)  # none sent: a new one, the answer's too
+    given = r.headers["x-request-id"]
+    assert len(given) == 32 and r.json()["id"] == f"cmpl-{given}"
+    assert server.http.get("/health").headers["x-request-id"]
+
+
+def test_every_stream_ends_with_usage(server):
+    chunks = list(complete(server, stream=True))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2
+    chat = server.openai().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, stream=True
+    )
+    assert list(chat)[-1].usage.completion_tokens == 2
+
+
+def test_tokens_are_named_by_id_unless_a_request_says_otherwise(server):
+    tokens = complete(server, logprobs=1).choices[0].logprobs.tokens
+    assert len(tokens) == 2 and all(t.startswith("token_id:") for t in tokens)
+    own = complete(server, logprobs=1, extra_body={"return_tokens_as_token_ids": False})
+    assert not any(t.startswith("token_id:") for t in own.choices[0].logprobs.tokens)
+
+
+def serve_fails(*args: str) -> str:
+    """The error line of a `pagedkv serve` that must not start (after the line saying it loads, for
+    what only the load itself meets, as a port in use)."""
+    out = subprocess.run(
+        [*SERVE, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    *before, last = out.stderr.strip().splitlines()
+    assert all(line.startswith("pagedkv: loading") for line in before), out.stderr
+    return last
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+        (["--ssl-keyfile", "nope.pem", "--ssl-certfile", "nope.pem"], "--ssl-certfile/"),
+        (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"),
+        (["--uds", "/nonexistent-folder/pagedkv.sock"], "cannot listen on --uds"),
+        (["-dp", "2", "--root-path", "/api"], "not available with --data-parallel-size"),
+    ],
+)
+def test_http_flag_mistakes_are_one_line(tiny_model_dir, args, says):
+    assert says in serve_fails("--model", tiny_model_dir, *args)
+
+
+def test_a_client_certificate_requirement_out_of_range_is_refused(tiny_model_dir, tmp_path):
+    key, cert = self_signed(tmp_path)
+    line = serve_fails(
+        "--model", tiny_model_dir, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+        "--ssl-cert-reqs", "5",
+    )  # fmt: skip
+    assert "--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required)" in line
