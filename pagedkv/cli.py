@@ -24,6 +24,8 @@ from pagedkv.config import (
     EngineConfig,
     note,
 )
+from pagedkv.config_file import FLAG as CONFIG_FLAG
+from pagedkv.config_file import config_tokens, split_config_flag
 from pagedkv.signals import exit_on_sigterm
 
 # subcommand -> module that implements it
@@ -102,6 +104,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Model and cache flags shared by serve, generate and bench.
 
     They use vLLM's names, units and defaults."""
+    p.add_argument(  # read before parsing (main: with_config_file); here for --help
+        CONFIG_FLAG,
+        metavar="FILE",
+        help="a YAML file of these flags, as vLLM's (max-num-seqs: 8); the command line wins",
+    )
     _add_model_args(p)
     _add_cache_args(p)
     _add_scheduler_args(p)
@@ -283,12 +290,31 @@ def build_parser() -> Parser:
     return parser
 
 
+def with_config_file(parser: Parser, argv: list[str]) -> tuple[list[str], str | None]:
+    """argv with its `--config FILE`'s flags put first (see config_file), and the file's model."""
+    command = parser.commands.get(argv[0]) if argv else None
+    try:
+        argv, path = split_config_flag(argv)
+        if path is None:
+            return argv, None
+        if command is None or CONFIG_FLAG not in command._option_string_actions:  # noqa: SLF001
+            raise ConfigError(f"{CONFIG_FLAG} goes after serve, generate or bench")
+        tokens, model = config_tokens(path, command)
+    except ConfigError as e:
+        (command or parser).error(str(e))  # one line, exit code 2
+        raise  # (error exits)
+    return [argv[0], *tokens, *argv[1:]], model
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv, config_model = with_config_file(parser, list(sys.argv[1:] if argv is None else argv))
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # reported by the subcommand they were given to
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        if config_model is not None and args.model is None and args.model_tag is None:
+            args.model = config_model  # the command line's model comes first
         merge_model_tag(args)
         with exit_on_sigterm(f"pagedkv {args.command}: stopped by SIGTERM"):
             return int(args.func(args) or 0)

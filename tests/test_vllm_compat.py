@@ -867,3 +867,44 @@ def test_a_chat_template_without_chat_is_noted(tiny_model_dir, tmp_path):
         in r.stderr.splitlines()
     )
     assert "--chat-template" not in cli(*args, "--chat-template", str(template), "--chat").stderr
+
+
+def test_a_config_file_holds_the_flags_and_the_command_line_wins(tiny_model_dir, tmp_path):
+    """vLLM's `--config FILE`: YAML of long flags (dashes or underscores), the model among them."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        f"model: {tiny_model_dir}\n"
+        "served-model-name: [tiny, tiny-alias]\n"
+        "block_size: 4\n"
+        "num-gpu-blocks-override: 64\n"
+        "max-model-len: 256\n"
+        "enable-prefix-caching: false\n"
+        "speculative-config: {method: ngram, num_speculative_tokens: 2}\n"
+    )
+    with ServerProcess(None, "--config", str(path), "--max-model-len", "128") as srv:
+        cards = srv.http.get("/v1/models").json()["data"]
+        assert [c["id"] for c in cards] == ["tiny", "tiny-alias"]
+        assert cards[0]["max_model_len"] == 128  # the command line's, not the file's 256
+        kv = srv.kv()
+        assert kv["block_size"] == 4 and kv["num_blocks"] == 64
+        assert kv["prefix_caching"] is False  # false: the flag's --no- form
+        out = srv.openai().completions.create(model="tiny", prompt="Hi", max_tokens=2)
+        assert out.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("bogus: 1\n", "'bogus' is not a flag of this command"),
+        ("enforce-eager: 3\n", "'enforce-eager' wants true or false, got 3"),
+        ("max-num-seqs: true\n", "'max-num-seqs' wants a value, not true or false"),
+        ("- max-num-seqs\n", "wants a mapping of flags to values"),
+        ("a: [\n", "not YAML"),
+    ],
+)
+def test_config_file_mistakes_are_one_line(tmp_path, text, says):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    r = cli("serve", "--config", str(path), timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith(f"pagedkv serve: error: --config {path}: ")
+    assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
