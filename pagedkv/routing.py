@@ -31,11 +31,14 @@ POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 
 
 def prompt_block_hashes(
-    token_ids: Sequence[int], block_size: int, max_blocks: int = MAX_ROUTING_BLOCKS
+    token_ids: Sequence[int],
+    block_size: int,
+    max_blocks: int = MAX_ROUTING_BLOCKS,
+    salt: str | None = None,
 ) -> list[BlockHash]:
     """Chained hashes of the prompt's full blocks, as a replica's prefix cache keys them."""
     num_tokens = min(len(token_ids), max_blocks * block_size)
-    return BlockHashes(block_size, b"", token_ids, num_tokens).hashes
+    return BlockHashes(block_size, b"", token_ids, num_tokens, salt).hashes
 
 
 class RoutingPolicy(ABC):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ConfigError
 from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.request import ParamError
 
 PROMPTS = [
     "The quick brown fox",
@@ -366,3 +369,27 @@ def test_cpu_engine_keeps_freed_memory_for_reuse():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")
     assert keep_freed_memory() and keep_freed_memory()
+
+
+def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt(tiny_model_dir, reference):
+    """vLLM's cache_salt (SamplingParams, or a prompt dict's key): the cache serves a prompt's
+    blocks only to requests with the same salt, and the outputs stay the same."""
+    llm = make_llm(tiny_model_dir, block_size=4)
+    prompt = PROMPTS[3]
+    ids = llm.get_tokenizer().encode(prompt)
+
+    def cached(salt: str | None) -> int:
+        params = dataclasses.replace(GREEDY, cache_salt=salt)
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == reference[3]
+        return out.num_cached_tokens
+
+    assert cached(None) == 0
+    assert cached("tenant-a") == 0 and cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+    assert cached(None) > 0
+    by_dict = llm.generate({"prompt_token_ids": ids, "cache_salt": "tenant-b"}, GREEDY)[0]
+    assert by_dict.num_cached_tokens > 0 and by_dict.outputs[0].token_ids == reference[3]
+    with pytest.raises(ParamError, match="cache_salt must be a non-empty string"):
+        SamplingParams(cache_salt="")
+    assert_pool_clean(llm.engine)

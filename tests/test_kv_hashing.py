@@ -208,3 +208,20 @@ def test_speculative_drafts_are_never_hashed(tiny_model_dir, monkeypatch):
     stats = engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # some drafts were rejected
     assert calls[0] == expected_hash_calls(engine, groups)
+
+
+def test_a_cache_salt_keys_every_block_through_the_first():
+    """Different salts share no block hash; no salt hashes as before (a disk tier's files keep
+    their names)."""
+    tokens = list(range(3 * B))
+    plain = BlockHashes(B, b"x", tokens)
+    assert plain.hashes[0] == hash_block_tokens(None, tokens[:B], b"x")
+    a, a_again, b = (BlockHashes(B, b"x", tokens, salt=s) for s in ("a", "a", "b"))
+    assert a.hashes == a_again.hashes
+    for one, other in ((a, plain), (a, b)):
+        assert not set(one.hashes) & set(other.hashes)
+    assert BlockHashes(B, b"", tokens, salt="x").hashes != plain.hashes  # not the pool's extra
+    fork = a.copy()
+    for seq in (a, fork):
+        seq.update(tokens + [7] * B)
+    assert fork.hashes == a.hashes == BlockHashes(B, b"x", tokens + [7] * B, salt="a").hashes

@@ -386,7 +386,6 @@ def test_request_id_names_the_response(client):
     "field, value",
     [
         ("use_beam_search", True),
-        ("cache_salt", "s"),
         ("priority", 1),
         ("logits_processors", ["x"]),
         ("return_token_ids", True),

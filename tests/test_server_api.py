@@ -728,3 +728,30 @@ def test_the_x_request_id_header_names_the_answer(server):
     r = server.http.post("/v1/completions", json=body, headers={"X-Request-Id": "from-header"})
     assert r.json()["id"] == "cmpl-from-header" and "x-request-id" not in r.headers
     assert server.http.post("/v1/completions", json=body).json()["id"] == "cmpl-from-body"
+
+
+def test_a_cache_salt_keeps_a_tenant_s_prefix_to_itself(server, client):
+    """vLLM's cache_salt: only requests with the same salt are served each other's cached blocks."""
+    prompt = "Salted prefixes stay with their tenant. " * 4
+
+    def cached(**extra) -> int:
+        r = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=1, extra_body=extra or None
+        )
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    first = cached(cache_salt="tenant-a")
+    assert first == 0 and cached(cache_salt="tenant-a") > 0
+    assert cached(cache_salt="tenant-b") == 0 and cached() == 0
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=1,
+        extra_body={"cache_salt": "tenant-c"},
+    )
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0
+    for bad in ("", 5):
+        r = server.http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": prompt, "cache_salt": bad}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text

@@ -16,7 +16,7 @@ from typing import Any
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.async_engine import AsyncLLM
-from pagedkv.engine.llm import reject_unsupported, to_prompt, token_text
+from pagedkv.engine.llm import reject_unsupported, to_prompt, token_text, with_salt
 from pagedkv.engine.outputs import Logprob, RequestOutput
 from pagedkv.engine.request import SamplingParams
 
@@ -66,6 +66,7 @@ class AsyncLLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError("sampling_params must be a pagedkv SamplingParams")
         text_or_ids = to_prompt(prompt)
+        sampling_params = with_salt(prompt, sampling_params)
         if not self._started:
             await self._llm.start()
             self._started = True

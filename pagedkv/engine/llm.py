@@ -2,14 +2,15 @@
 `LLM(model, **engine_args).generate(prompts, sampling_params)`.
 
 Prompts come as vLLM takes them: a string, a list of token ids, a
-{"prompt": ...} or {"prompt_token_ids": [...]} dict (TextPrompt / TokensPrompt),
-or a list of those. Outputs carry vLLM's fields and shapes (logprobs as
+{"prompt": ...} or {"prompt_token_ids": [...]} dict (TextPrompt / TokensPrompt, with an
+optional "cache_salt"), or a list of those. Outputs carry vLLM's fields and shapes (logprobs as
 list[dict[int, Logprob]]). What vLLM accepts but this engine cannot do raises
 a ConfigError naming it; nothing is silently ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence as Seq
@@ -23,6 +24,7 @@ from pagedkv.engine.request import ParamError, SamplingParams
 
 Prompt = str | list[int] | dict
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
+_SALT = "cache_salt"  # a prompt dict's prefix-cache salt (SamplingParams.cache_salt)
 
 
 def to_prompt(p: Any) -> str | list[int]:
@@ -30,14 +32,14 @@ def to_prompt(p: Any) -> str | list[int]:
     if isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p)):
         return p
     if isinstance(p, dict):
-        unknown = sorted(set(p) - _PROMPT_KEYS)
+        unknown = sorted(set(p) - _PROMPT_KEYS - {_SALT})
         if unknown:
             raise ParamError(
                 "prompt",
                 f"prompt dict keys {unknown} are not supported "
-                "(use 'prompt' or 'prompt_token_ids')",
+                "(use 'prompt' or 'prompt_token_ids', and 'cache_salt')",
             )
-        if len(p) != 1:
+        if len(set(p) & _PROMPT_KEYS) != 1:
             raise ParamError(
                 "prompt", "a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'"
             )
@@ -62,12 +64,19 @@ def reject_unsupported(method: str, kwargs: dict[str, Any]) -> None:
         raise ConfigError(f"{method}() does not support: {', '.join(given)}")
 
 
-def to_prompts(prompts: Any) -> list[str | list[int]]:
-    """A single prompt or a sequence of them -> a list."""
+def prompt_items(prompts: Any) -> list[Any]:
+    """A single prompt or a sequence of them -> a list, each as given."""
     single = isinstance(prompts, (str, dict)) or (
         isinstance(prompts, list) and bool(prompts) and all(type(t) is int for t in prompts)
     )
-    return [to_prompt(prompts)] if single else [to_prompt(p) for p in prompts]
+    return [prompts] if single else list(prompts)
+
+
+def with_salt(prompt: Any, params: SamplingParams) -> SamplingParams:
+    """`params` with a prompt dict's cache_salt (vLLM's place for it), if it has one."""
+    if not isinstance(prompt, dict) or prompt.get(_SALT) is None:
+        return params
+    return dataclasses.replace(params, cache_salt=prompt[_SALT])
 
 
 def _with_text_content(message: Any) -> Any:
@@ -114,7 +123,8 @@ class LLM:
         if "params" in kwargs:  # pagedkv's earlier name for sampling_params
             sampling_params = kwargs.pop("params")
         reject_unsupported("generate", kwargs)
-        prompt_list = to_prompts(prompts)
+        items = prompt_items(prompts)
+        prompt_list = [to_prompt(p) for p in items]
         params = (
             sampling_params if sampling_params is not None else self.get_default_sampling_params()
         )
@@ -125,6 +135,7 @@ class LLM:
             raise ConfigError(f"got {len(plist)} SamplingParams for {len(prompt_list)} prompts")
         if not all(isinstance(p, SamplingParams) for p in plist):
             raise ConfigError("sampling_params must be a SamplingParams or a list of them")
+        plist = [with_salt(item, p) for item, p in zip(items, plist)]
         return self._run(prompt_list, plist, use_tqdm)
 
     def chat(

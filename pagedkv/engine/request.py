@@ -170,6 +170,9 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never completed (vLLM's semantics)
     prompt_logprobs: int | None = None  # top alternatives per prompt token
     truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens (-1: all fit)
+    # prefix-cache isolation: only requests with the same salt share cached blocks (vLLM takes it
+    # with the prompt; the offline API also reads a prompt dict's "cache_salt")
+    cache_salt: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)  # by the engine
 
@@ -220,6 +223,11 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        _need(
+            self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+            "cache_salt",
+            "cache_salt must be a non-empty string",
+        )
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1)
             _need(

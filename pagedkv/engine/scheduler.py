@@ -81,7 +81,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; its block hashes are computed here, once, and grow with it."""
-        seq.block_hashes = self.kv.block_hashes(seq.token_ids)
+        seq.block_hashes = self.kv.block_hashes(seq.token_ids, salt=seq.params.cache_salt)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:

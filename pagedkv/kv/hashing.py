@@ -6,10 +6,12 @@ caching read hashes instead of re-hashing the prompt:
 
     tokens   [t0 .. t15][t16 .. t31][t32 .. t40]      B = 16, 41 tokens
     hashes   h0          h1           (partial: not hashed until full)
-    h0 = H(None, t0..t15, extra)   h1 = H(h0, t16..t31, extra)
+    h0 = H(None, t0..t15, extra + salt)   h1 = H(h0, t16..t31, extra)
 
-A block's hash covers its whole prefix, so one equal hash means one equal
-prefix (the caches still compare the tokens, so a collision cannot hand out
+A request's cache salt (vLLM's `cache_salt`) enters the first block's hash, so
+requests with different salts never share a cached block, and requests without
+one hash as they always did. A block's hash covers its whole prefix, so one equal
+hash means one equal prefix (the caches still compare the tokens, so a collision cannot hand out
 wrong K/V). Only tokens the sequence really holds are hashed, never
 speculative drafts: they join the token list only once verified.
 """
@@ -42,6 +44,11 @@ def hash_block_tokens(
     return BlockHash(hashlib.blake2b(data, digest_size=HASH_SIZE).digest())
 
 
+def _salt_bytes(salt: str) -> bytes:
+    data = salt.encode("utf-8", "surrogatepass")
+    return b"salt" + struct.pack("<Q", len(data)) + data
+
+
 class BlockHashes:
     """One sequence's full blocks: chained hashes and token tuples, and its token count.
 
@@ -49,7 +56,7 @@ class BlockHashes:
     caching off) nothing is hashed and only `num_tokens` is kept.
     """
 
-    __slots__ = ("block_size", "extra", "hashes", "chunks", "num_tokens")
+    __slots__ = ("block_size", "extra", "salt", "hashes", "chunks", "num_tokens")
 
     def __init__(
         self,
@@ -57,9 +64,12 @@ class BlockHashes:
         extra: bytes = b"",
         token_ids: Sequence[int] = (),
         num_tokens: int | None = None,
+        salt: str | None = None,
     ) -> None:
         self.block_size = block_size
         self.extra = extra
+        # length-prefixed, so that no salt reads as another's prefix
+        self.salt = b"" if salt is None else _salt_bytes(salt)
         self.hashes: list[BlockHash] = []
         self.chunks: list[TokenIds] = []  # the tokens of each hashed block
         self.num_tokens = 0
@@ -79,13 +89,14 @@ class BlockHashes:
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), n // bs):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = hash_block_tokens(parent, chunk, self.extra)
+            parent = hash_block_tokens(parent, chunk, self.extra + (b"" if i else self.salt))
             hashes.append(parent)
             chunks.append(chunk)
 
     def copy(self) -> BlockHashes:
         """For a forked sequence: the same blocks so far, extended on its own from now on."""
         twin = BlockHashes(self.block_size, self.extra)
+        twin.salt = self.salt
         twin.hashes, twin.chunks = list(self.hashes), list(self.chunks)
         twin.num_tokens = self.num_tokens
         return twin

@@ -175,6 +175,7 @@ class _SamplingRequest(RequestModel):
     bad_words: list[SafeStr] | None = None
     prompt_logprobs: NumLogprobs | None = None
     truncate_prompt_tokens: Int64 | None = None
+    cache_salt: SafeStr | None = None  # only requests with the same salt share cached blocks
     request_id: Name | None = None
     return_tokens_as_token_ids: bool | None = None  # None: --return-tokens-as-token-ids
     response_format: ResponseFormat | None = None
@@ -211,6 +212,7 @@ class _SamplingRequest(RequestModel):
             bad_words=self.bad_words,
             prompt_logprobs=self.prompt_logprobs,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            cache_salt=self.cache_salt,
             structured_outputs=structured_spec(self),
         )
 

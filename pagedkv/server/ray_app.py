@@ -182,9 +182,11 @@ class Ingress:
         try:
             data = json.loads(body) if body else {}
             ids = self._prompt_ids(request.url.path, data) if isinstance(data, dict) else []
+            salt = data.get("cache_salt") if isinstance(data, dict) else None
         except Exception:  # noqa: BLE001 - bad input is the replica's to reject, with its own message
-            ids = []
-        return RouteKey(hashes=tuple(prompt_block_hashes(ids, self.block_size)))
+            ids, salt = [], None
+        salt = salt if isinstance(salt, str) and salt else None
+        return RouteKey(hashes=tuple(prompt_block_hashes(ids, self.block_size, salt=salt)))
 
     def _prompt_ids(self, path: str, data: dict) -> list[int]:
         tok = self.tokenizer

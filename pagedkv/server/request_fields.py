@@ -20,7 +20,6 @@ UNSUPPORTED: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "priority": 0,
-    "cache_salt": None,
     "logits_processors": None,
     "kv_transfer_params": None,
     "vllm_xargs": None,
