@@ -388,7 +388,6 @@ def test_request_id_names_the_response(client):
         ("use_beam_search", True),
         ("priority", 1),
         ("logits_processors", ["x"]),
-        ("return_token_ids", True),
         ("kv_transfer_params", {}),
         ("vllm_xargs", {"a": 1}),
         ("length_penalty", 0.5),
@@ -448,3 +447,29 @@ def test_offline_llm_takes_the_new_sampling_fields(tiny_model_dir, one_torch_thr
     assert outs[0].outputs[0].token_ids == [300] * 4
     assert set(outs[1].outputs[0].token_ids) <= {7, 8}
     assert outs[2].prompt_token_ids == ids[-3:] and len(outs[2].prompt_logprobs) == 3
+
+
+def test_return_token_ids_gives_the_prompt_s_and_the_output_s(server, client):
+    """vLLM's return_token_ids: token ids beside the text; a stream sends each chunk's new ones,
+    and the prompt's once (a completion choice's first chunk, chat's role chunk)."""
+    ids = {"return_token_ids": True}
+    prompt_ids = server.http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    full = complete(client, **ids).choices[0]
+    assert full.prompt_token_ids == prompt_ids and len(full.token_ids) == 8
+    chunks = list(complete(client, stream=True, **ids))
+    assert [t for c in chunks for t in c.choices[0].token_ids] == full.token_ids
+    assert [c.choices[0].prompt_token_ids for c in chunks if c.choices[0].prompt_token_ids] == [
+        prompt_ids
+    ]
+    assert getattr(complete(client).choices[0], "token_ids", None) is None
+
+    msgs = [{"role": "user", "content": "Hi"}]
+    answer = chat(client, msgs, extra_body=ids)
+    rendered = server.http.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+    assert answer.prompt_token_ids == rendered
+    assert len(answer.choices[0].token_ids) == answer.usage.completion_tokens
+    streamed = list(chat(client, msgs, extra_body=ids, stream=True))
+    assert streamed[0].prompt_token_ids == rendered
+    assert [t for c in streamed for t in (c.choices[0].token_ids or [])] == answer.choices[
+        0
+    ].token_ids

@@ -48,16 +48,26 @@ class ChatFormat(ResponseFormat):
         )
 
     def _chunk(
-        self, choices: list[api.ChatChunkChoice], usage: api.Usage | None = None
+        self,
+        choices: list[api.ChatChunkChoice],
+        usage: api.Usage | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> BaseModel:
         return api.ChatCompletionChunk(
-            id=self.id, model=self.model, created=self.created, choices=choices, usage=usage
+            id=self.id,
+            model=self.model,
+            created=self.created,
+            choices=choices,
+            usage=usage,
+            prompt_token_ids=prompt_token_ids,
         )
 
-    def start(self, num_choices: int) -> list[BaseModel]:
+    def start(self, num_choices: int, first: RequestOutput) -> list[BaseModel]:
         delta = api.ChatDelta(role=self.role, content=self.echo)
+        prompt = self.ids(first.prompt_token_ids)
         return [
-            self._chunk([api.ChatChunkChoice(index=i, delta=delta)]) for i in range(num_choices)
+            self._chunk([api.ChatChunkChoice(index=i, delta=delta)], prompt_token_ids=prompt)
+            for i in range(num_choices)
         ]
 
     def chunk(self, d: Delta) -> BaseModel | None:
@@ -78,6 +88,7 @@ class ChatFormat(ResponseFormat):
                     logprobs=self.logprobs(d.logprobs),
                     finish_reason=finish,
                     stop_reason=d.output.stop_reason if d.finished else None,
+                    token_ids=self.ids(d.token_ids),
                 )
             ]
         )
@@ -108,6 +119,7 @@ class ChatFormat(ResponseFormat):
                     logprobs=self.logprobs(o.sample_logprobs),
                     finish_reason=finish,
                     stop_reason=o.stop_reason,
+                    token_ids=self.ids(o.token_ids),
                 )
             )
         return api.ChatCompletionResponse(
@@ -117,6 +129,7 @@ class ChatFormat(ResponseFormat):
             usage=usage_of(finals),
             choices=out,
             prompt_logprobs=prompt_logprobs_json(self.token, final.prompt_logprobs),
+            prompt_token_ids=self.ids(final.prompt_token_ids),
         )
 
     def usage_chunk(self, usage: api.Usage) -> BaseModel:

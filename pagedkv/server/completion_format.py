@@ -47,7 +47,7 @@ class CompletionFormat(ResponseFormat):
     def _echo(self, index: int) -> str:
         return self.echo[index // self.n] if self.echo else ""
 
-    def start(self, num_choices: int) -> list[BaseModel]:
+    def start(self, num_choices: int, first: RequestOutput) -> list[BaseModel]:
         if not self.echo:
             return []
         return [
@@ -94,6 +94,8 @@ class CompletionFormat(ResponseFormat):
             finish_reason=o.finish_reason,
             stop_reason=o.stop_reason,
             prompt_logprobs=prompt_logprobs_json(self.token, prompt.prompt_logprobs),
+            token_ids=self.ids(o.token_ids),
+            prompt_token_ids=self.ids(prompt.prompt_token_ids),
         )
 
     def chunk(self, d: Delta) -> BaseModel:
@@ -109,6 +111,8 @@ class CompletionFormat(ResponseFormat):
                     logprobs=self.logprobs(d.logprobs, d.offset),
                     finish_reason=o.finish_reason if d.finished else None,
                     stop_reason=o.stop_reason if d.finished else None,
+                    token_ids=self.ids(d.token_ids),
+                    prompt_token_ids=self.ids(d.prompt_token_ids) if d.first else None,
                 )
             ],
         )

@@ -176,6 +176,7 @@ class _SamplingRequest(RequestModel):
     prompt_logprobs: NumLogprobs | None = None
     truncate_prompt_tokens: Int64 | None = None
     cache_salt: SafeStr | None = None  # only requests with the same salt share cached blocks
+    return_token_ids: bool | None = None  # token ids beside the text (prompt's and output's)
     request_id: Name | None = None
     return_tokens_as_token_ids: bool | None = None  # None: --return-tokens-as-token-ids
     response_format: ResponseFormat | None = None

@@ -25,7 +25,6 @@ UNSUPPORTED: dict[str, Any] = {
     "vllm_xargs": None,
     "prompt_embeds": None,
     "mm_processor_kwargs": None,
-    "return_token_ids": None,
     "guided_whitespace_pattern": None,
     "audio": None,
     "modalities": None,

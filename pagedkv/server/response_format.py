@@ -71,6 +71,9 @@ class Delta:
     offset: int
     output: CompletionOutput  # the whole output so far
     finished: bool
+    token_ids: list[int] = field(default_factory=list)  # the new tokens
+    prompt_token_ids: list[int] = field(default_factory=list)
+    first: bool = False  # the choice's first chunk
 
 
 @dataclass
@@ -81,9 +84,15 @@ class ResponseFormat(ABC):
     model: str
     token: Callable[[int], str]
     created: int = field(default_factory=lambda: int(time.time()))
+    token_ids: bool = False  # return_token_ids: the prompt's and the output's ids too
 
-    def start(self, num_choices: int) -> list[BaseModel]:
-        """Chunks sent before any token (chat announces the assistant role)."""
+    def ids(self, token_ids: list[int]) -> list[int] | None:
+        """`token_ids` where the request asked for them, else None (left out of the body)."""
+        return list(token_ids) if self.token_ids else None
+
+    def start(self, num_choices: int, first: RequestOutput) -> list[BaseModel]:
+        """Chunks sent before any token (chat announces the assistant role); `first` is the first
+        output of the stream."""
         return []
 
     def shown(self, out: RequestOutput) -> RequestOutput:

@@ -38,6 +38,10 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_logprobs: list[dict[int, dict] | None] | None = None
+    # return_token_ids: the output's (a stream: those since the last chunk) and the prompt's (a
+    # stream: in a choice's first chunk), as vLLM places them
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -75,6 +79,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -85,6 +90,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: list[dict[int, dict] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatDelta(BaseModel):
@@ -104,6 +110,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # on the last chunk, as in the full response (vLLM's)
+    token_ids: list[int] | None = None  # return_token_ids: those since the last chunk
 
 
 class ChatCompletionChunk(BaseModel):
@@ -113,6 +120,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the role chunks
 
 
 class ModelCard(BaseModel):

@@ -69,6 +69,8 @@ class _Sent:
 
     chars: int = 0
     logprobs: int = 0
+    tokens: int = 0  # sent in chunks (a chunk held back, as a tool call being written, sends none)
+    chunks: int = 0
     finished: bool = False
 
 
@@ -121,6 +123,7 @@ class OpenAIServing:
             request_id("cmpl", request, req.request_id),
             self.engine.model_name,
             token_decoder(tok, self.as_token_ids(req)),
+            token_ids=bool(req.return_token_ids),
             echo=echo,
             n=params.n,
             echo_only=req.echo_only,
@@ -152,6 +155,7 @@ class OpenAIServing:
             request_id("chatcmpl", request, req.request_id),
             self.engine.model_name,
             token_decoder(tok, self.as_token_ids(req)),
+            token_ids=bool(req.return_token_ids),
             parser=plan.parser,
             role=role,
             echo=echo,
@@ -254,13 +258,13 @@ class OpenAIServing:
         sent: dict[int, _Sent] = {}
         try:
             async with aclosing(events):
-                for start in fmt.start(num * n):
+                for start in fmt.start(num * n, first[1]):
                     yield sse(start)
                 item: tuple[int, RequestOutput] | None = first
                 while item is not None:
                     i, out = item
                     for o in out.outputs:
-                        chunk = self._delta(fmt, i * n + o.index, o, sent)
+                        chunk = self._delta(fmt, i * n + o.index, out, o, sent)
                         if chunk is not None:
                             yield sse(chunk)
                     if out.finished:
@@ -277,9 +281,14 @@ class OpenAIServing:
 
     @staticmethod
     def _delta(
-        fmt: ResponseFormat, index: int, o: CompletionOutput, sent: dict[int, _Sent]
+        fmt: ResponseFormat,
+        index: int,
+        out: RequestOutput,
+        o: CompletionOutput,
+        sent: dict[int, _Sent],
     ) -> BaseModel | None:
-        """The chunk for what choice `index` has produced since the last one, if anything."""
+        """The chunk for what choice `index` (output `o` of `out`) has produced since the last
+        one, if anything."""
         s = sent.setdefault(index, _Sent())
         if s.finished:
             return None
@@ -288,7 +297,20 @@ class OpenAIServing:
         finished = o.finish_reason is not None
         if not (text or logprobs or finished):
             return None
-        chunk = fmt.chunk(Delta(index, text, logprobs, s.chars, o, finished))
+        delta = Delta(
+            index,
+            text,
+            logprobs,
+            s.chars,
+            o,
+            finished,
+            token_ids=o.token_ids[s.tokens :],
+            prompt_token_ids=out.prompt_token_ids,
+            first=s.chunks == 0,
+        )
+        chunk = fmt.chunk(delta)
         s.chars, s.finished = len(o.text), finished
         s.logprobs += len(logprobs or ())
+        if chunk is not None:
+            s.tokens, s.chunks = len(o.token_ids), s.chunks + 1
         return chunk
