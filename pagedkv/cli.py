@@ -193,6 +193,13 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
         help="host memory for swap-preempted blocks: GiB as in vLLM (4), or a size (512MiB)",
     )
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="priority: requests wait and are preempted by their priority (lower first), then "
+        "arrival",
+    )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
         "--kv-cache-dtype", default="auto", choices=[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES]

@@ -39,6 +39,7 @@ _UNITS = {
 
 ALLOCATION_POLICIES = ("paged", "reserve-max", "reserve-output")
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "bfloat16", "float32", "float16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's spellings of the same choices (fp8 here is e4m3)
@@ -270,6 +271,7 @@ class EngineConfig:
     # the same bytes (4 GiB stays 4 GiB instead of becoming 4 * 2**30 GiB).
     swap_space_bytes: int = field(init=False, default=0)
     preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"  # or "priority": a request's priority (lower first) orders it
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     allocation_policy: str = "paged"
@@ -370,6 +372,10 @@ class EngineConfig:
         need(
             self.preemption_mode in PREEMPTION_MODES,
             f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}",
+        )
+        need(
+            self.scheduling_policy in SCHEDULING_POLICIES,
+            f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}",
         )
         need(
             self.allocation_policy in ALLOCATION_POLICIES,

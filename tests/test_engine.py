@@ -393,3 +393,51 @@ def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt(tiny_model_di
     with pytest.raises(ParamError, match="cache_salt must be a non-empty string"):
         SamplingParams(cache_salt="")
     assert_pool_clean(llm.engine)
+
+
+def run_to_end(engine: LLMEngine) -> list[str]:
+    """Step until done; the request ids in the order they finished."""
+    done = []
+    while engine.has_unfinished():
+        done += [out.request_id for out in engine.step() if out.finished]
+    return done
+
+
+def test_the_priority_policy_orders_the_queue(tiny_model_dir, reference):
+    """--scheduling-policy priority (vLLM's): lower priority values first, then arrival."""
+    llm = make_llm(tiny_model_dir, block_size=4, max_num_seqs=1, scheduling_policy="priority")
+    for i, priority in enumerate((5, 0, 5, -1)):
+        params = dataclasses.replace(GREEDY, priority=priority)
+        llm.engine.add_request(f"r{i}", PROMPTS[i], params)
+    assert run_to_end(llm.engine) == ["r3", "r1", "r0", "r2"]  # one at a time: in rank order
+    ranked = llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=[3, 2, 1, 0])
+    assert token_ids(ranked) == reference  # in input order, whatever ran first
+    assert_pool_clean(llm.engine)
+
+
+@pytest.mark.parametrize(("policy", "victim"), [("fcfs", "high"), ("priority", "low")])
+def test_the_priority_policy_preempts_the_lowest_rank(tiny_model_dir, reference, policy, victim):
+    """A low-priority request admitted first, a high-priority one after it: when the pool runs
+    dry, first come first served preempts the later one, the priority policy the lower one."""
+    llm = make_llm(
+        tiny_model_dir, block_size=4, num_gpu_blocks_override=14, scheduling_policy=policy
+    )
+    engine = llm.engine
+    low = 0 if policy == "fcfs" else 7
+    engine.add_request("low", PROMPTS[1], dataclasses.replace(GREEDY, priority=low))
+    engine.step()  # "low" is admitted and prefilled alone
+    engine.add_request("high", PROMPTS[0], GREEDY)
+    preempted = None
+    results = {}
+    while engine.has_unfinished():
+        before = engine.scheduler.num_preemptions
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        if preempted is None and engine.scheduler.num_preemptions > before:
+            preempted = {s.group.request_id for s in engine.scheduler.waiting}
+    assert preempted == {victim}
+    assert results == {"low": reference[1], "high": reference[0]}
+    with pytest.raises(ParamError, match="--scheduling-policy priority"):
+        make_llm(tiny_model_dir).generate("Hi", dataclasses.replace(GREEDY, priority=1))
+    assert_pool_clean(engine)

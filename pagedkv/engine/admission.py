@@ -32,6 +32,10 @@ def tokenize(tokenizer, prompt: str | list[int], add_special_tokens: bool = True
 def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> int:
     """Reject what can never run, with the reason; returns max_tokens resolved."""
     params.validate(engine.vocab_size)  # again: offline callers may have changed fields since
+    if params.priority != 0 and engine.config.scheduling_policy != "priority":
+        raise ParamError(
+            "priority", "priority needs a server started with --scheduling-policy priority"
+        )
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
         raise ParamError("prompt", "the prompt is empty")

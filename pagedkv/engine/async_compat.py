@@ -11,6 +11,7 @@ are RequestOutput with vLLM's shapes (logprobs decoded as list[dict[int, Logprob
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -62,11 +63,14 @@ class AsyncLLMEngine:
         """Cumulative outputs as tokens arrive; the last has finished=True.
 
         Closing the iterator aborts the request."""
+        priority = kwargs.pop("priority", 0)
         reject_unsupported("AsyncLLMEngine.generate", kwargs)
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError("sampling_params must be a pagedkv SamplingParams")
         text_or_ids = to_prompt(prompt)
         sampling_params = with_salt(prompt, sampling_params)
+        if priority != 0:
+            sampling_params = dataclasses.replace(sampling_params, priority=priority)
         if not self._started:
             await self._llm.start()
             self._started = True

@@ -122,6 +122,7 @@ class LLM:
         """One RequestOutput per prompt, in input order. A single prompt may be passed bare."""
         if "params" in kwargs:  # pagedkv's earlier name for sampling_params
             sampling_params = kwargs.pop("params")
+        priority = kwargs.pop("priority", None)
         reject_unsupported("generate", kwargs)
         items = prompt_items(prompts)
         prompt_list = [to_prompt(p) for p in items]
@@ -136,6 +137,10 @@ class LLM:
         if not all(isinstance(p, SamplingParams) for p in plist):
             raise ConfigError("sampling_params must be a SamplingParams or a list of them")
         plist = [with_salt(item, p) for item, p in zip(items, plist)]
+        if priority is not None:  # vLLM's: one per prompt
+            if not isinstance(priority, (list, tuple)) or len(priority) != len(plist):
+                raise ConfigError(f"priority wants a list of {len(plist)} ints, one per prompt")
+            plist = [dataclasses.replace(p, priority=v) for p, v in zip(plist, priority)]
         return self._run(prompt_list, plist, use_tqdm)
 
     def chat(

@@ -82,6 +82,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS,
             preemption_mode=config.preemption_mode,
             proposer=proposer,
+            policy=config.scheduling_policy,
         )
         self.runner = ModelRunner(
             self.loaded.model,

@@ -173,6 +173,7 @@ class SamplingParams:
     # prefix-cache isolation: only requests with the same salt share cached blocks (vLLM takes it
     # with the prompt; the offline API also reads a prompt dict's "cache_salt")
     cache_salt: str | None = None
+    priority: int = 0  # with --scheduling-policy priority: lower runs first (vLLM's request field)
     structured_outputs: StructuredOutputsParams | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)  # by the engine
 
@@ -223,6 +224,7 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        _check_int("priority", self.priority, INT64_MIN)
         _need(
             self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
             "cache_salt",

@@ -5,12 +5,16 @@ Every step forms one batch: the running sequences first, in admission order
 swapped-out sequences coming back, then new requests first come, first served.
 When a running sequence needs a block and the pool is dry, the most recently
 admitted sequence is preempted (recompute: free and requeue at the head;
-swap: move its blocks to host memory). The scheduler decides; it never
-touches tensors: block copies go to the runner as plans.
+swap: move its blocks to host memory). With the priority policy (vLLM's), the
+queues and the running sequences are kept in order of (priority, arrival),
+lower first, and the victim is the running sequence last in that order. The
+scheduler decides; it never touches tensors: block copies go to the runner as
+plans.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,8 +72,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         preemption_mode: str = "recompute",
         proposer: NgramProposer | None = None,
+        policy: str = "fcfs",
     ) -> None:
         self.kv = kv
+        self.by_priority = policy == "priority"
         self.proposer = proposer
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -82,7 +88,22 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; its block hashes are computed here, once, and grow with it."""
         seq.block_hashes = self.kv.block_hashes(seq.token_ids, salt=seq.params.cache_salt)
-        self.waiting.append(seq)
+        self._enqueue(self.waiting, seq, front=False)
+
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple:
+        """The priority policy's order: lower first."""
+        return (seq.params.priority, seq.group.metrics.arrival_time, seq.seq_id)
+
+    def _enqueue(self, queue: deque[Sequence], seq: Sequence, front: bool) -> None:
+        """A new sequence joins at the back, a preempted one at the front; by the priority policy,
+        each in its rank."""
+        if self.by_priority:
+            queue.insert(bisect.bisect_right(queue, self._rank(seq), key=self._rank), seq)
+        elif front:
+            queue.appendleft(seq)
+        else:
+            queue.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -99,6 +120,8 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        if self.by_priority:  # the budget goes in rank order, so victims are the lowest ranked
+            self.running.sort(key=self._rank)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -107,7 +130,8 @@ class Scheduler:
             if copies is None:
                 copies = self.kv.allocate_slots(seq.seq_id, seq.block_hashes, n)
             while copies is None:
-                victim = self.running.pop()
+                victim = self._victim(i)
+                self.running.remove(victim)
                 self._preempt(victim, out)
                 if victim is seq:
                     return budget
@@ -117,6 +141,12 @@ class Scheduler:
             budget -= n + len(drafts)
             i += 1
         return budget
+
+    def _victim(self, i: int) -> Sequence:
+        """Whom to preempt for running[i]: the latest admitted (by the priority policy, the last
+        in rank) of running[i:], those not scheduled yet this step (by the priority policy, the
+        last in rank of all)."""
+        return max(self.running[i:], key=self._rank) if self.by_priority else self.running[-1]
 
     def _speculate(self, seq: Sequence, n: int, budget: int) -> tuple[list[int], list | None]:
         """Drafts for a decoding sequence and the slots for them, or ([], None) to schedule it
@@ -194,14 +224,13 @@ class Scheduler:
             if plan is not None:
                 out.swap_out.extend(plan)
                 seq.status = Status.SWAPPED
-                self.swapped.appendleft(
-                    seq
-                )  # victims leave latest-first, so this keeps admission order
+                # victims leave latest-first, so this keeps admission order
+                self._enqueue(self.swapped, seq, front=True)
                 return
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(self.waiting, seq, front=True)
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out wherever it is and return its blocks."""

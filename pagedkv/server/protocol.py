@@ -177,6 +177,7 @@ class _SamplingRequest(RequestModel):
     truncate_prompt_tokens: Int64 | None = None
     cache_salt: SafeStr | None = None  # only requests with the same salt share cached blocks
     return_token_ids: bool | None = None  # token ids beside the text (prompt's and output's)
+    priority: Int64 = 0  # with --scheduling-policy priority: lower runs first
     request_id: Name | None = None
     return_tokens_as_token_ids: bool | None = None  # None: --return-tokens-as-token-ids
     response_format: ResponseFormat | None = None
@@ -214,6 +215,7 @@ class _SamplingRequest(RequestModel):
             prompt_logprobs=self.prompt_logprobs,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             cache_salt=self.cache_salt,
+            priority=self.priority,
             structured_outputs=structured_spec(self),
         )
 

@@ -19,7 +19,6 @@ from pagedkv.server.validation import RequestModel, SafeStr
 UNSUPPORTED: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "priority": 0,
     "logits_processors": None,
     "kv_transfer_params": None,
     "vllm_xargs": None,
