@@ -163,6 +163,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="'auto': sampling defaults from the model folder's generation_config.json; "
         "'vllm': none",
     )
+    p.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="generation_config.json keys over those defaults, e.g. '{\"temperature\": 0.5}'",
+    )
 
 
 def _add_cache_args(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 import re
@@ -258,6 +259,8 @@ class EngineConfig:
     generation_config: str = (
         "auto"  # 'auto': the model's generation_config.json defaults; 'vllm': none
     )
+    # generation_config.json keys laid over those defaults (a JSON object on the command line)
+    override_generation_config: dict | str | None = None
     quantization: str | None = None  # weights: none, int8, gguf; None: gguf for a GGUF on CPU
     # cache
     block_size: int = 16
@@ -408,6 +411,16 @@ class EngineConfig:
             or (self.generation_config.strip() != "" and Path(self.generation_config).is_dir()),
             "--generation-config must be 'auto', 'vllm' or a folder, "
             f"got {self.generation_config!r}",
+        )
+        if isinstance(self.override_generation_config, str):  # the flag's JSON
+            try:
+                self.override_generation_config = json.loads(self.override_generation_config)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--override-generation-config is not JSON: {e}") from None
+        need(
+            self.override_generation_config is None
+            or isinstance(self.override_generation_config, dict),
+            "--override-generation-config must be a JSON object, e.g. '{\"temperature\": 0.5}'",
         )
         for name in PARALLEL_SIZES:
             size = getattr(self, name)

@@ -152,6 +152,10 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         (["--kv-offload-disk-size", "1GiB"], "needs --kv-offload-dir"),
         (["--seed", str(2**64)], "--seed must be an integer in"),  # torch's seed range
         (["--generation-config", ""], "--generation-config"),
+        (["--override-generation-config", "{"], "--override-generation-config is not JSON"),
+        (["--override-generation-config", "[1]"], "must be a JSON object"),
+        (["--override-generation-config", '{"seed": 1}'], "'seed' is not one of temperature"),
+        (["--override-generation-config", '{"top_p": 7}'], "generation defaults: top_p must be"),
         (
             ["--shutdown-timeout", "nan"],
             "--shutdown-timeout must be >= 0",
@@ -249,6 +253,10 @@ def test_generate_takes_the_models_defaults_and_fails_loudly(tiny_model_dir, tmp
     )
     assert count("--max-tokens", "5") == 5
     assert count("--generation-config", "vllm") == 64
+    # --override-generation-config lays its keys over the file's, and applies with 'vllm' too
+    over = '{"max_new_tokens": 2}'
+    assert count("--override-generation-config", over) == 2
+    assert count("--generation-config", "vllm", "--override-generation-config", over) == 2
     r = subprocess.run(
         [*CLI, *base[:2], "--prompt", b"\xff\xfe", *base[4:]],
         capture_output=True,

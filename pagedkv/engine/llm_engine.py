@@ -21,7 +21,7 @@ from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
 from pagedkv.engine.engine_stats import EngineStats, engine_stats
 from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.isolation import Failures, IsolatedForward, device_broken
-from pagedkv.engine.options import apply_engine_options
+from pagedkv.engine.options import apply_engine_options, generation_defaults
 from pagedkv.engine.outputs import RequestOutput, SampleLogprob
 from pagedkv.engine.request import SamplingParams
 from pagedkv.engine.runner import ModelRunner
@@ -58,12 +58,14 @@ class LLMEngine:
         self.config = config
         self.device = pick_device()
         check_environment(self.device)
+        # read before the load: a mistake in them is one line at once, not after the weights
+        self.generation_defaults = generation_defaults(config)
         if self.device.type == "cpu":
             keep_freed_memory()
         self.loaded, num_kv_heads = load_engine_model(config, self.device, loaded)
         self.weight_bytes = self.loaded.model.weight_bytes()
         self.tokenizer = self.loaded.tokenizer
-        apply_engine_options(self, config)  # seed, chat template, generation defaults
+        apply_engine_options(self, config)  # seed, chat template
         self.vocab_size = self.loaded.config.vocab_size
         self.model_name = config.served_model_names[0]
         self.max_model_len: int = config.max_model_len or self.loaded.max_model_len

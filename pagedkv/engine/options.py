@@ -1,4 +1,5 @@
-"""Engine options that act after the model loads: --seed, --chat-template, --generation-config.
+"""Engine options: --seed and --chat-template act after the model loads; --generation-config and
+--override-generation-config give the sampling defaults, read before it.
 
 `apply_engine_options` runs once in LLMEngine.__init__. The seed goes to the
 process's generators as vLLM does, and each request without a seed of its own
@@ -31,9 +32,32 @@ _GENERATION_KEYS = {
 
 
 def generation_defaults(config: EngineConfig) -> dict:
-    """Sampling defaults from generation_config.json.
+    """Sampling defaults: generation_config.json's, then --override-generation-config's.
 
-    'auto' reads the model's folder; a folder reads that one."""
+    'auto' reads the model's folder; a folder reads that one; 'vllm' none (as vLLM, the override
+    still applies)."""
+    data = _generation_config(config)
+    overrides = config.override_generation_config or {}
+    assert isinstance(overrides, dict)  # EngineConfig parsed the flag's JSON
+    unknown = sorted(set(overrides) - set(_GENERATION_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"--override-generation-config: {unknown[0]!r} is not one of "
+            f"{', '.join(_GENERATION_KEYS)}"
+        )
+    data = {**data, **overrides}
+    defaults = {
+        field: data[key] for key, field in _GENERATION_KEYS.items() if data.get(key) is not None
+    }
+    try:
+        SamplingParams(**defaults)  # a bad value fails at start-up, naming the field
+    except ConfigError as e:
+        raise ConfigError(f"generation defaults: {e}") from None
+    return defaults
+
+
+def _generation_config(config: EngineConfig) -> dict:
+    """The model's (or a folder's) generation_config.json, {} where there is none."""
     if config.generation_config == "vllm":
         return {}
     folder = config.model if config.generation_config == "auto" else config.generation_config
@@ -44,11 +68,9 @@ def generation_defaults(config: EngineConfig) -> dict:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: unreadable ({e})") from None
-    defaults = {
-        field: data[key] for key, field in _GENERATION_KEYS.items() if data.get(key) is not None
-    }
-    SamplingParams(**defaults)  # a bad value fails at start-up, naming the field
-    return defaults
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return data
 
 
 def with_defaults(params: SamplingParams, defaults: dict, unset: set[str]) -> SamplingParams:
@@ -68,4 +90,3 @@ def apply_engine_options(engine, config: EngineConfig) -> None:
         except ConfigError as e:
             raise ConfigError(f"--chat-template: {e}") from None
         engine.tokenizer.chat_template = config.chat_template
-    engine.generation_defaults = generation_defaults(config)
