@@ -79,6 +79,7 @@ _NOOP_BOOL = (
     "enable_log_outputs",
     "disable_sliding_window",
     "calculate_kv_scales",
+    "enable_server_load_tracking",
 )
 _NOOP_SHORT = {"compilation_config": "-O"}  # vLLM's -O3 is --compilation-config 3
 

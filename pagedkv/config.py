@@ -84,6 +84,7 @@ NOOP_OPTIONS = {
     "calculate_kv_scales": "int8 and fp8 caches take a scale per token and head, computed as "
     "each is written",
     "model_impl": "models run on pagedkv's own Llama code",
+    "enable_server_load_tracking": "GET /load always reports the generation requests in flight",
 }
 ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")  # False cannot be honoured
 PARALLEL_SIZES = (

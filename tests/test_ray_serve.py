@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -222,8 +223,12 @@ def test_a_malformed_ray_address_is_one_error_line():
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert out.stderr.strip().splitlines()[-1].startswith(
-        "pagedkv serve: error: --ray-address 1.2.3.4: cannot join: Invalid address format"
+    assert (
+        out.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "pagedkv serve: error: --ray-address 1.2.3.4: cannot join: Invalid address format"
+        )
     )
 
 
@@ -315,3 +320,29 @@ def test_dead_replica_errors_its_stream_and_its_successor_reads_the_shared_tier(
     assert (
         replicas(cluster)[successor]["offload_hits"] >= 16 * 4
     )  # read from the files replica 0 wrote
+
+
+def test_load_sums_the_replicas(cluster):
+    """GET /load at the ingress: every replica's generation requests in flight, summed (four
+    pinned to each replica: more than four at once is both replicas' count)."""
+
+    def load() -> int:
+        return httpx.get(f"{cluster}/load", timeout=60).json()["server_load"]
+
+    def stream(i: int) -> int:
+        body = {"prompt": f"Load {i}", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        headers = {REPLICA: str(i % 2)}
+        with httpx.stream(
+            "POST", f"{cluster}/v1/completions", json=body, headers=headers, timeout=300
+        ) as r:
+            return sum(1 for _ in r.iter_lines())
+
+    assert load() == 0
+    with ThreadPoolExecutor(8) as pool:
+        streams = [pool.submit(stream, i) for i in range(8)]
+        seen = [load()]
+        while not all(s.done() for s in streams):
+            seen.append(load())
+        assert all(s.result() > 500 for s in streams)
+    assert max(seen) > 4, seen
+    assert load() == 0

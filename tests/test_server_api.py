@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -755,3 +758,25 @@ def test_a_cache_salt_keeps_a_tenant_s_prefix_to_itself(server, client):
             "/v1/completions", json={"model": "tiny", "prompt": prompt, "cache_salt": bad}
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
+def test_load_counts_the_generation_requests_in_flight(server):
+    """vLLM's GET /load: from a request's arrival (here its body is still on its way) to its
+    answer's last byte."""
+    assert server.http.get("/load").json() == {"server_load": 0}
+    release = threading.Event()
+
+    def body():
+        yield b'{"model": "tiny", "prompt": "Hello", '
+        release.wait(60)
+        yield b'"max_tokens": 2}'
+
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(server.http.post, "/v1/completions", content=body())
+        deadline = time.monotonic() + 60
+        while server.http.get("/load").json()["server_load"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.http.get("/load").json() == {"server_load": 1}
+        release.set()
+        assert sent.result().status_code == 200
+    assert server.http.get("/load").json() == {"server_load": 0}

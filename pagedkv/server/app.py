@@ -41,6 +41,7 @@ from pagedkv.server.middleware import (
     BodySizeLimit,
     IgnoredFieldsHeader,
     RequestIdHeader,
+    ServerLoad,
 )
 from pagedkv.server.openapi import install_openapi, json_body
 from pagedkv.server.responses import ModelCard, ModelList
@@ -131,10 +132,12 @@ def build_app(
         ],
     )
     app.state.ready = False
+    app.state.server_load = 0
     install_error_handlers(app)
     app.add_middleware(IgnoredFieldsHeader)
     if engine.config.enable_request_id_headers:
         app.add_middleware(RequestIdHeader)
+    app.add_middleware(ServerLoad)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
@@ -158,6 +161,11 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
         if not is_serving(request, engine):
             raise APIError(503, "the engine is not running")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/load")
+    async def load(request: Request) -> JSONResponse:
+        """vLLM's: the generation requests in flight (middleware.ServerLoad)."""
+        return JSONResponse({"server_load": request.app.state.server_load})
 
     @app.get("/v1/models")
     async def models() -> Response:

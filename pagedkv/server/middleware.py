@@ -132,3 +132,24 @@ class RequestIdHeader:
             scope = {**scope, "headers": [*scope["headers"], (REQUEST_ID_HEADER.encode(), value)]}
 
         await self.app(scope, receive, adding_header(send, REQUEST_ID_HEADER, lambda: value))
+
+
+class ServerLoad:
+    """vLLM's GET /load: the generation requests in flight (`app.state.server_load`), from their
+    arrival until their answer's last byte, streamed or not."""
+
+    PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.PATHS:
+            await self.app(scope, receive, send)
+            return
+        state = scope["app"].state
+        state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state.server_load -= 1

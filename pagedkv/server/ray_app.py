@@ -269,6 +269,17 @@ class Ingress:
         )
         return Response(body, headers=headers)
 
+    @app.get("/load")
+    async def load(self, request: Request) -> Response:
+        """The replicas' requests in flight, summed."""
+        answers = await self._each_replica(request)
+        if not answers:
+            return _error(503, "no engine replica is running")
+        total = sum(
+            json.loads(body)["server_load"] for head, body in answers if head["status"] == 200
+        )
+        return JSONResponse({"server_load": total})
+
     @app.get("/v1/kv")
     async def kv(self, request: Request) -> Response:
         answers = await self._each_replica(request)
