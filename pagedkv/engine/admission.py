@@ -34,7 +34,9 @@ def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingP
     params.validate(engine.vocab_size)  # again: offline callers may have changed fields since
     if params.priority != 0 and engine.config.scheduling_policy != "priority":
         raise ParamError(
-            "priority", "priority needs a server started with --scheduling-policy priority"
+            "priority",
+            "priority needs an engine started with --scheduling-policy priority "
+            '(scheduling_policy="priority" offline)',
         )
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
