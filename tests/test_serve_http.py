@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import os
+import socket
 import ssl
 import subprocess
 from pathlib import Path
@@ -83,8 +85,39 @@ def test_a_unix_socket_with_uds(tiny_model_dir, tmp_path):
         assert srv.terminate() == 0
 
 
+ACCESS_FORMAT = "ACCESS %(message)s"
+
+
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
+def access_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("logs") / "access.log"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, access_log):
+    """With a logging configuration of its own: uvicorn's start-up lines on stderr (where
+    ServerProcess reads the port), its access lines in a file."""
+    config = access_log.with_name("logging.json")
+    config.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "formatters": {"access": {"format": ACCESS_FORMAT}},
+                "handlers": {
+                    "err": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr"},
+                    "file": {
+                        "class": "logging.FileHandler",
+                        "filename": str(access_log),
+                        "formatter": "access",
+                    },
+                },
+                "loggers": {
+                    "uvicorn.error": {"handlers": ["err"], "level": "INFO"},
+                    "uvicorn.access": {"handlers": ["file"], "level": "INFO", "propagate": False},
+                },
+            }
+        )
+    )
     with ServerProcess(
         tiny_model_dir,
         *TINY_SERVER,
@@ -93,8 +126,30 @@ def server(tiny_model_dir):
         "--enable-request-id-headers",
         "--enable-force-include-usage",
         "--return-tokens-as-token-ids",
+        "--log-config-file",
+        str(config),
+        "--h11-max-incomplete-event-size",
+        "4096",
     ) as srv:
         yield srv
+
+
+def test_the_log_config_file_decides_where_logs_go(server, access_log):
+    assert complete(server).usage.completion_tokens == 2
+    lines = access_log.read_text().splitlines()
+    assert any(line.startswith("ACCESS ") and "/v1/completions" in line for line in lines), lines
+    assert "/v1/completions" not in server.output()  # the file took them
+
+
+def test_a_request_head_over_the_h11_limit_is_refused(server):
+    """6 KiB of a request's head, still incomplete, passes uvicorn's default limit (16 KiB), not
+    the server's 4 KiB."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"x" * 6144)
+        answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 400"), answer
+    assert server.http.get("/health").status_code == 200
 
 
 def test_the_root_path_is_where_a_proxy_serves_the_api(server):
@@ -156,6 +211,9 @@ def serve_fails(*args: str) -> str:
         (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"),
         (["--uds", "/nonexistent-folder/pagedkv.sock"], "cannot listen on --uds"),
         (["-dp", "2", "--root-path", "/api"], "not available with --data-parallel-size"),
+        (["--h11-max-incomplete-event-size", "0"], "must be >= 1"),
+        (["--log-config-file", "/nonexistent.json"], "--log-config-file /nonexistent.json: "),
+        (["--log-config-file", "/dev/null"], "not JSON"),
     ],
 )
 def test_http_flag_mistakes_are_one_line(tiny_model_dir, args, says):

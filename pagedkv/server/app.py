@@ -301,6 +301,17 @@ class GracefulServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
+def default_log_config() -> dict:
+    """uvicorn's logging, with pagedkv's lines in the same form."""
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["loggers"]["pagedkv"] = {
+        "handlers": ["default"],
+        "level": "INFO",
+        "propagate": False,
+    }
+    return log_config
+
+
 def serve(
     config: EngineConfig,
     host: str = "127.0.0.1",
@@ -318,12 +329,7 @@ def serve(
     http = http or HTTPOptions()
     http.check()
     sock = bind(host, port, http.uds)  # before the model loads: an address in use fails at once
-    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # ours look like uvicorn's
-    log_config["loggers"]["pagedkv"] = {
-        "handlers": ["default"],
-        "level": "INFO",
-        "propagate": False,
-    }
+    log_config = http.log_config() or default_log_config()
     logging.config.dictConfig(log_config)  # now, so the load's own lines (weights, KV pool) show
     with exit_on_sigterm("pagedkv: stopped by SIGTERM before serving"):
         engine = AsyncLLM(config)

@@ -76,6 +76,17 @@ def add_parser(subparsers) -> None:
     h.add_argument("--ssl-certfile", default=None, help="HTTPS: the certificate file")
     h.add_argument("--ssl-ca-certs", default=None, help="HTTPS: CA certificates for client certs")
     h.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=None,
+        help="most bytes of a request's head (uvicorn's default: 16 KiB)",
+    )
+    h.add_argument(
+        "--log-config-file",
+        default=None,
+        help="logging.config.dictConfig as JSON, for the server's and uvicorn's logs",
+    )
+    h.add_argument(
         "--ssl-cert-reqs",
         type=int,
         default=0,
@@ -134,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        log_config_file=args.log_config_file,
     )
     http.check()
     if replicated:  # checked before anything loads
@@ -141,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
 
         if http != HTTPOptions():
             raise ConfigError(
-                "--root-path, --uds and --ssl-* are not available with --data-parallel-size or "
-                "--ray-address: Ray Serve's proxy answers HTTP there"
+                "--root-path, --uds, --ssl-*, --h11-* and --log-config-file are not available with "
+                "--data-parallel-size or --ray-address: Ray Serve's proxy answers HTTP there"
             )
         serve_logs = serve_logging(args.uvicorn_log_level, not args.disable_uvicorn_access_log)
     # late: keeps `pagedkv --help` free of torch

@@ -1,13 +1,17 @@
 """Where and how `pagedkv serve` listens: its address bound before the model loads (a busy port
-fails at once), and vLLM's --root-path, --uds and --ssl-* options checked as early.
+fails at once), and vLLM's HTTP options (--root-path, --uds, --ssl-*, ...) checked as early.
 """
 
 from __future__ import annotations
 
+import copy
+import json
+import logging.config
 import os
 import socket
 import ssl
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import uvicorn
 
@@ -50,8 +54,8 @@ def bind(host: str, port: int, uds: str | None = None) -> socket.socket:
 
 @dataclass(frozen=True)
 class HTTPOptions:
-    """How `serve` answers HTTP beyond host and port: vLLM's --root-path, --uds and --ssl-* flags,
-    handed to uvicorn as they are."""
+    """How `serve` answers HTTP beyond host and port: vLLM's --root-path, --uds, --ssl-*,
+    --h11-max-incomplete-event-size and --log-config-file flags, handed to uvicorn as they are."""
 
     root_path: str = ""
     uds: str | None = None
@@ -59,9 +63,15 @@ class HTTPOptions:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = ssl.CERT_NONE
+    h11_max_incomplete_event_size: int | None = None  # bytes of a request head (uvicorn: 16 KiB)
+    log_config_file: str | None = None  # a logging.config.dictConfig as JSON, replacing ours
 
     def check(self) -> None:
         """ConfigError (exit 2, before the model loads) for options uvicorn would fail on later."""
+        size = self.h11_max_incomplete_event_size
+        if size is not None and size < 1:
+            raise ConfigError(f"--h11-max-incomplete-event-size must be >= 1, got {size}")
+        self.log_config()
         if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
             raise ConfigError(
                 f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), "
@@ -81,5 +91,28 @@ class HTTPOptions:
         except (OSError, ssl.SSLError) as e:
             raise ConfigError(f"--ssl-certfile/--ssl-keyfile/--ssl-ca-certs: {e}") from None
 
+    def log_config(self) -> dict | None:
+        """The --log-config-file's configuration (None without one), applied to check it."""
+        if self.log_config_file is None:
+            return None
+        where = f"--log-config-file {self.log_config_file}"
+        try:
+            data = json.loads(Path(self.log_config_file).expanduser().read_text())
+        except OSError as e:
+            raise ConfigError(f"{where}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where}: not JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: wants a JSON object (logging.config.dictConfig's)")
+        try:
+            logging.config.dictConfig(copy.deepcopy(data))
+        except (ValueError, TypeError, AttributeError, ImportError) as e:
+            raise ConfigError(f"{where}: {e}") from None
+        return data
+
     def uvicorn_options(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        options = {k: v for k, v in asdict(self).items() if v is not None}
+        options.pop("log_config_file", None)  # serve() hands uvicorn the configuration itself
+        if self.h11_max_incomplete_event_size is not None:
+            options["http"] = "h11"  # h11's limit (httptools, uvicorn's first choice, has none)
+        return options
