@@ -99,6 +99,9 @@ TOP_LEVEL = [
     "messages",
     "max_completion_tokens",
     "top_logprobs",
+    "cache_salt",
+    "priority",
+    "return_token_ids",
 ]
 USER = {"role": "user", "content": "hi"}
 NESTED = {  # field -> the top-level entries that put a value there
