@@ -232,6 +232,7 @@ SERVE_ONLY = frozenset(
         "return_tokens_as_token_ids",
         "enable_force_include_usage",
         "enable_request_id_headers",
+        "exclude_tools_when_tool_choice_none",
     }
 )
 # integer options >= 1, and those of them that may be None (not set)
@@ -302,6 +303,7 @@ class EngineConfig:
     return_tokens_as_token_ids: bool = False  # every request's default for that field
     enable_force_include_usage: bool = False  # every stream ends with a usage chunk
     enable_request_id_headers: bool = False  # replies carry X-Request-Id
+    exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none" hides the tools too
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:

@@ -130,6 +130,7 @@ def server(tiny_model_dir, access_log):
         str(config),
         "--h11-max-incomplete-event-size",
         "4096",
+        "--exclude-tools-when-tool-choice-none",
     ) as srv:
         yield srv
 
@@ -184,6 +185,24 @@ def test_tokens_are_named_by_id_unless_a_request_says_otherwise(server):
     assert len(tokens) == 2 and all(t.startswith("token_id:") for t in tokens)
     own = complete(server, logprobs=1, extra_body={"return_tokens_as_token_ids": False})
     assert not any(t.startswith("token_id:") for t in own.choices[0].logprobs.tokens)
+
+
+def tool_prompt_tokens(server: ServerProcess, **tools) -> int:
+    """The prompt tokens of a chat request with these tool fields."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    tools = {k: ([tool] if v is True else v) for k, v in tools.items()}
+    answer = server.openai().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1, **tools
+    )
+    return answer.usage.prompt_tokens
+
+
+def test_tool_choice_none_leaves_the_tools_out(server):
+    """--exclude-tools-when-tool-choice-none (vLLM's): the tools are not shown to the model."""
+    assert tool_prompt_tokens(server, tools=True, tool_choice="none") == tool_prompt_tokens(server)
+    assert tool_prompt_tokens(server, tools=True, tool_choice="required") > tool_prompt_tokens(
+        server
+    )
 
 
 def serve_fails(*args: str) -> str:

@@ -780,3 +780,15 @@ def test_load_counts_the_generation_requests_in_flight(server):
         release.set()
         assert sent.result().status_code == 200
     assert server.http.get("/load").json() == {"server_load": 0}
+
+
+def test_tool_choice_none_still_shows_the_tools(server, client):
+    """As vLLM by default: "none" keeps the model from calling a tool, not from seeing them."""
+
+    def prompt_tokens(**tools) -> int:
+        answer = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1, **tools
+        )
+        return answer.usage.prompt_tokens
+
+    assert prompt_tokens(tools=[TOOL], tool_choice="none") > prompt_tokens()

@@ -98,6 +98,11 @@ def add_parser(subparsers) -> None:
         help="the role of chat answers (with add_generation_prompt false: the last message's)",
     )
     p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='tool_choice "none" leaves the tools out of the prompt (default: shown, as vLLM)',
+    )
+    p.add_argument(
         "--tool-call-parser", default=None, help="how tool calls are read from the output: hermes"
     )
     p.add_argument(

@@ -37,7 +37,7 @@ def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
         if req.prompt is not None:  # else messages: the request has exactly one of the two
             text, special = req.prompt, req.add_special_tokens is not False
         else:
-            text = chat_prompt(tok, req, engine.config.trust_request_chat_template)
+            text = chat_prompt(tok, req, engine.config)
             special = bool(req.add_special_tokens)  # the template already has BOS and the like
         ids = tok.encode(text, add_special_tokens=special)
         strs = (

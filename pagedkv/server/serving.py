@@ -143,7 +143,7 @@ class OpenAIServing:
                 )
             params.structured_outputs = StructuredOutputsParams(grammar=plan.grammar)
         tok = self.engine.tokenizer
-        text = chat_prompt(tok, req, self.engine.config.trust_request_chat_template)
+        text = chat_prompt(tok, req, self.engine.config)
         prompt = await encode(tok, text, add_special_tokens=req.add_special_tokens)
         prompt = params.truncate(prompt, self.engine.max_model_len)
         # as vLLM: the answer goes on the last message when no generation prompt opens a new one,

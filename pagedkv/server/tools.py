@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.config import ConfigError
+from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.chat import render_chat
 from pagedkv.engine.request import ParamError
 from pagedkv.engine.structured import JSON_OPTIONS
@@ -131,11 +131,12 @@ def _rebased(schema: Any, base: str) -> Any:
     return out
 
 
-def chat_prompt(tokenizer, req, trust_request_template: bool) -> str:
+def chat_prompt(tokenizer, req, config: EngineConfig) -> str:
     """A chat request (chat completions or /tokenize) as prompt text: template arguments, tools,
     history, continuation. A template sent with the request runs only on a server started with
     --trust-request-chat-template (as in vLLM: rendering one can take the server's CPU and
-    memory)."""
+    memory). The tools are shown to the model even with tool_choice "none", as in vLLM, unless
+    --exclude-tools-when-tool-choice-none."""
     kwargs = req.chat_template_kwargs or {}
     sent = (  # the field that carries a template sent with the request
         "chat_template"
@@ -144,14 +145,17 @@ def chat_prompt(tokenizer, req, trust_request_template: bool) -> str:
         if kwargs.get("chat_template") is not None
         else None
     )
-    if sent and not trust_request_template:
+    if sent and not config.trust_request_chat_template:
         raise ParamError(
             sent,
             "a chat template sent with the request runs only on a server started with "
             "--trust-request-chat-template",
         )
     messages = [m.as_template_input() for m in req.messages]
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    shown = req.tools and not (
+        config.exclude_tools_when_tool_choice_none and getattr(req, "tool_choice", None) == "none"
+    )
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if shown else None
     template = req.chat_template or tokenizer.chat_template or ""
     if "tool" not in template and (
         tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
