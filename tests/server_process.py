@@ -32,6 +32,20 @@ TINY_SERVER = (
 )
 
 
+def serve_error(*args: str) -> list[str]:
+    """The stderr lines of a `pagedkv serve` that must refuse to start: exit 2, no traceback."""
+    out = subprocess.run(
+        [*SERVE, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    return out.stderr.strip().splitlines()
+
+
 class ServerProcess:
     def __init__(
         self,

@@ -29,6 +29,7 @@ from prometheus_client.openmetrics.parser import (
 
 pytest.importorskip("ray.serve", reason="needs pip install 'pagedkv[ray]'")
 
+from server_process import serve_error  # noqa: E402
 from tiny_model import make_tiny_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -214,21 +215,9 @@ def test_uvicorn_trace_level_is_refused_before_ray_starts():
 
 def test_a_malformed_ray_address_is_one_error_line():
     """Ray's ValueError for an address it cannot parse was a traceback and exit 1."""
-    out = subprocess.run(
-        [sys.executable, "-m", "pagedkv.cli", "serve", "--ray-address", "1.2.3.4"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert (
-        out.stderr.strip()
-        .splitlines()[-1]
-        .startswith(
-            "pagedkv serve: error: --ray-address 1.2.3.4: cannot join: Invalid address format"
-        )
+    last = serve_error("--ray-address", "1.2.3.4")[-1]
+    assert last.startswith(
+        "pagedkv serve: error: --ray-address 1.2.3.4: cannot join: Invalid address format"
     )
 
 
@@ -237,20 +226,11 @@ def test_an_address_where_nothing_listens_is_one_error_line():
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = subprocess.run(
-        [sys.executable, "-m", "pagedkv.cli", "serve", "--ray-address", f"ray://127.0.0.1:{port}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    last = out.stderr.strip().splitlines()[-1]
+    last = serve_error("--ray-address", f"ray://127.0.0.1:{port}")[-1]
     assert last.startswith(
         f"pagedkv serve: error: --ray-address ray://127.0.0.1:{port}: cannot join: "
         f"nothing answers at 127.0.0.1:{port} ("
-    ), out.stderr
+    ), last
 
 
 def test_prefix_aware_routing_keeps_each_tenant_on_one_replica(cluster):

@@ -7,10 +7,8 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
-import os
 import socket
 import ssl
-import subprocess
 from pathlib import Path
 
 import httpx
@@ -19,7 +17,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from server_process import REPO, SERVE, TINY_SERVER, ServerProcess
+from server_process import TINY_SERVER, ServerProcess, serve_error
 
 
 def self_signed(folder: Path) -> tuple[Path, Path]:
@@ -208,17 +206,8 @@ def test_tool_choice_none_leaves_the_tools_out(server):
 def serve_fails(*args: str) -> str:
     """The error line of a `pagedkv serve` that must not start (after the line saying it loads, for
     what only the load itself meets, as a port in use)."""
-    out = subprocess.run(
-        [*SERVE, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    *before, last = out.stderr.strip().splitlines()
-    assert all(line.startswith("pagedkv: loading") for line in before), out.stderr
+    *before, last = serve_error(*args)
+    assert all(line.startswith("pagedkv: loading") for line in before), before
     return last
 
 

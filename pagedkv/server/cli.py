@@ -152,8 +152,7 @@ def run(args: argparse.Namespace) -> int:
         ssl_cert_reqs=args.ssl_cert_reqs,
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
         log_config_file=args.log_config_file,
-    )
-    http.check()
+    )  # checked by serve() before the model loads; -dp takes none of them
     if replicated:  # checked before anything loads
         from pagedkv.server.ray_launch import serve_logging
 

@@ -304,7 +304,7 @@ class OpenAIServing:
             s.chars,
             o,
             finished,
-            token_ids=o.token_ids[s.tokens :],
+            token_ids=o.token_ids[s.tokens :] if fmt.token_ids else [],
             prompt_token_ids=out.prompt_token_ids,
             first=s.chunks == 0,
         )
