@@ -93,6 +93,7 @@ PARALLEL_SIZES = (
 _HEADER_VALUE = re.compile(r"[!-~]([ -~]*[!-~])?")  # what `Authorization: Bearer KEY` carries
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:i?q\d\w*|b?f16|f32|fp16|bf16)$", re.IGNORECASE)
 TOOL_CALL_PARSERS = ("hermes",)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # both read <think> ... </think>
 QUANTIZATIONS = ("none", "int8", "gguf")  # weights; None = gguf for a GGUF file on CPU, else none
 
 
@@ -305,6 +306,8 @@ class EngineConfig:
     enable_request_id_headers: bool = False  # replies carry X-Request-Id
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none" hides the tools too
     tool_call_parser: str | None = None
+    # <think> sections: the chat answer's `reasoning`, and a grammar waits for their end
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         for name in PATH_FIELDS:  # LLM(model=Path(...)), as vLLM takes them
@@ -435,6 +438,10 @@ class EngineConfig:
         need(
             self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}",
+        )
+        need(
+            self.reasoning_parser in (None, *REASONING_PARSERS),
+            f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}",
         )
         need(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,

@@ -492,13 +492,13 @@ def test_fields_nothing_reads_are_named_in_a_header(server, client):
     """Dropped as vLLM drops them (clients send newer OpenAI fields), but not silently."""
     raw = client.chat.completions.with_raw_response.create(
         model="tiny",
-        messages=[{"role": "user", "content": "hi", "reasoning_content": "x"}],
+        messages=[{"role": "user", "content": "hi", "refusal": "x"}],
         max_tokens=2,
         extra_body={"frobnicate": 1, "max_token": 50, "use_beam_search": False},
     )
     assert raw.parse().usage.completion_tokens == 2  # max_token (a typo) did not count
     assert raw.headers["x-pagedkv-ignored-fields"] == (
-        "frobnicate, max_token, messages[].reasoning_content"
+        "frobnicate, max_token, messages[].refusal"
     )
     streamed = server.http.post(
         "/v1/completions",

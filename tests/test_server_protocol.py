@@ -200,7 +200,7 @@ def test_unknown_fields_are_dropped_and_named():
                 {
                     "role": "assistant",
                     "content": "b",
-                    "reasoning_content": "c",
+                    "refusal": "c",
                     "tool_calls": [
                         {
                             "id": "1",
@@ -222,7 +222,7 @@ def test_unknown_fields_are_dropped_and_named():
     assert context[IGNORED] == {
         "frobnicate",
         "messages[].content[].cache_control",
-        "messages[].reasoning_content",
+        "messages[].refusal",
         "messages[].tool_calls[].index",
         "messages[].tool_calls[].function.x",
         "stream_options.chunk_size",

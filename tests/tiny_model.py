@@ -16,7 +16,16 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# a reasoning model's: `enable_thinking: false` closes an empty section (Qwen3's), `open_thinking`
+# opens one for the model to fill (DeepSeek-R1's newer templates)
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{ '<|im_start|>assistant\n' }}",
+    "{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}"
+    "{% elif open_thinking is defined and open_thinking %}{{ '<think>\n' }}{% endif %}",
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+THINK_TAGS = ["<think>", "</think>"]  # added tokens, not special: they stay in decoded text
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in blocks. "
     "Hello world! Serving a model means holding each request's cache while it grows a token at a time. "
@@ -25,19 +34,21 @@ _CORPUS = (
 )
 
 
-def _train_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _train_tokenizer(vocab_size: int, think_tags: bool = False):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - (len(THINK_TAGS) if think_tags else 0),
         special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 20, trainer=trainer)
+    if think_tags:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TAGS])
     return tok
 
 
@@ -53,6 +64,7 @@ def make_tiny_model(
     max_len: int = 2048,
     seed: int = 0,
     tie: bool = False,
+    think_tags: bool = False,
 ) -> str:
     """Write the folder (once) and return its path."""
     import torch
@@ -62,7 +74,7 @@ def make_tiny_model(
     if (path / "config.json").exists():
         return str(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer(vocab_size)
+    tok = _train_tokenizer(vocab_size, think_tags)
     tok.save(str(path / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
     cfg = LlamaConfig(
@@ -89,7 +101,7 @@ def make_tiny_model(
     (path / "tokenizer_config.json").write_text(
         json.dumps(
             {
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": THINKING_TEMPLATE if think_tags else CHAT_TEMPLATE,
                 "bos_token": "<|endoftext|>",
                 "eos_token": "<|im_end|>",
                 "add_bos_token": False,

@@ -23,6 +23,7 @@ from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.isolation import Failures, IsolatedForward, device_broken
 from pagedkv.engine.options import apply_engine_options, generation_defaults
 from pagedkv.engine.outputs import RequestOutput, SampleLogprob
+from pagedkv.engine.reasoning import ReasoningTags
 from pagedkv.engine.request import SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
@@ -66,6 +67,11 @@ class LLMEngine:
         self.weight_bytes = self.loaded.model.weight_bytes()
         self.tokenizer = self.loaded.tokenizer
         apply_engine_options(self, config)  # seed, chat template
+        self.reasoning = (
+            ReasoningTags.of(config.reasoning_parser, self.tokenizer)
+            if config.reasoning_parser
+            else None
+        )
         self.vocab_size = self.loaded.config.vocab_size
         self.model_name = config.served_model_names[0]
         self.max_model_len: int = config.max_model_len or self.loaded.max_model_len
@@ -96,7 +102,7 @@ class LLMEngine:
             self.tp,
             eager=config.enforce_eager,
         )
-        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size)
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.reasoning)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, self.structured)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.faults = FaultInjector.from_env(self.tokenizer)  # tests only: see faults.py

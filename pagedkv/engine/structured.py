@@ -12,6 +12,9 @@ matchers; a sequence whose grammar can take no more tokens is finished.
 
 JSON is generated compact (no optional whitespace): the same values, and a model cannot pad the
 output with blank lines until max_tokens.
+
+With a reasoning parser (engine/reasoning.py) the grammar constrains the answer only: rows still
+thinking are left free, and a row whose first token is undecided may also draw `<think>`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import llguidance
 import torch
 
 from pagedkv.config import ConfigError
+from pagedkv.engine.reasoning import ReasoningTags, Section, ThinkState
 from pagedkv.engine.request import StructuredOutputsParams
 from pagedkv.engine.sequence import Sequence
 
@@ -64,13 +68,17 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
 class StructuredOutputs:
     """Grammar compilation (cached) and the per-sequence matchers of one engine."""
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, reasoning: ReasoningTags | None = None) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
+        self.reasoning = reasoning
         self._lltok: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self._matchers: weakref.WeakKeyDictionary[Sequence, llguidance.LLMatcher] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._thinking: weakref.WeakKeyDictionary[Sequence, ThinkState] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -108,16 +116,39 @@ class StructuredOutputs:
             spec = seq.params.structured_outputs
             assert spec is not None  # only constrained sequences get a matcher
             m = self.compile(spec)
-            m.consume_tokens(seq.output_token_ids)  # empty, unless created after a fork
+            m.consume_tokens(self._answer(seq))  # empty, unless created after a fork
             self._matchers[seq] = m
         return m
+
+    def _answer(self, seq: Sequence) -> list[int]:
+        """The output tokens the grammar has taken: all of them, or the answer's."""
+        if self.reasoning is None:
+            return seq.output_token_ids
+        state = ThinkState.of(self.reasoning, seq.token_ids[: seq.num_prompt_tokens], [])
+        return [t for t in seq.output_token_ids if state.step(t)]
+
+    def _section(self, seq: Sequence) -> Section:
+        """Where the row's next token falls (always the answer without a reasoning parser)."""
+        if self.reasoning is None:
+            return Section.ANSWER
+        state = self._thinking.get(seq)
+        if state is None:
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            state = self._thinking[seq] = ThinkState.of(
+                self.reasoning, prompt, seq.output_token_ids
+            )
+        return state.section
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Mask, in place, every token the grammar of each constrained row forbids.
 
         One bitmask holds the constrained rows (unconstrained ones cost nothing), each filled by
         its matcher; one index_add_ puts the 0 / -inf offsets on those rows of the logits."""
-        rows = [i for i, s in enumerate(seqs) if s.params.structured_outputs is not None]
+        rows = [
+            i
+            for i, s in enumerate(seqs)
+            if s.params.structured_outputs is not None and self._section(s) is not Section.THINK
+        ]
         if not rows:
             return
         vocab = logits.shape[1]
@@ -125,6 +156,9 @@ class StructuredOutputs:
         row_bytes = bitmask.shape[1] * 4
         for k, i in enumerate(rows):  # llguidance writes each row in place, the GIL released
             self._matcher(seqs[i]).unsafe_compute_mask_ptr(bitmask[k].data_ptr(), row_bytes)
+            if self.reasoning is not None and self._section(seqs[i]) is Section.EITHER:
+                byte, bit = divmod(self.reasoning.start_id, 8)  # the model may think first
+                bitmask[k].view(torch.uint8)[byte] |= 1 << bit
         bias = _BYTE_BIAS.index_select(0, bitmask.view(torch.uint8).view(-1).long())
         index = torch.tensor(rows)
         logits.index_add_(0, index, bias.view(len(rows), -1)[:, :vocab])  # branch-free
@@ -133,8 +167,13 @@ class StructuredOutputs:
         """Advance each constrained row's matcher; True where its grammar is now complete."""
         done = [False] * len(seqs)
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            if seq.params.structured_outputs is not None:
-                m = self._matcher(seq)
-                m.consume_token(token)
-                done[i] = m.is_stopped()  # also true in an error state: the output cannot go on
+            if seq.params.structured_outputs is None:
+                continue
+            if self.reasoning is not None:
+                self._section(seq)  # the state as of the output so far, then past this token
+                if not self._thinking[seq].step(token):
+                    continue
+            m = self._matcher(seq)
+            m.consume_token(token)
+            done[i] = m.is_stopped()  # also true in an error state: the output cannot go on
         return done

@@ -120,6 +120,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_id(self, token: str) -> int | None:
+        """The id of one token of the vocabulary, added tokens too; None if there is none."""
+        return self._tok.token_to_id(token)
+
     def to_json(self) -> str:
         """The tokenizer as Hugging Face's tokenizer.json (what llguidance reads)."""
         return self._tok.to_str()

@@ -1,4 +1,4 @@
-"""/v1/chat/completions bodies: assistant messages, tool calls, and chat logprobs."""
+"""/v1/chat/completions bodies: assistant messages, reasoning, tool calls, and chat logprobs."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput, SampleLogprob
+from pagedkv.engine.reasoning import Section, split_reasoning
 from pagedkv.server import responses as api
 from pagedkv.server.response_format import (
     MIN_LOGPROB,
@@ -19,11 +20,24 @@ from pagedkv.server.tool_parsers import HermesToolParser, ToolCallStream, final_
 
 
 @dataclass
+class _Sent:
+    """What one streamed choice has sent of its reasoning and content."""
+
+    tools: ToolCallStream | None
+    reasoning: int = 0
+    content: int = 0
+
+
+@dataclass
 class ChatFormat(ResponseFormat):
     parser: HermesToolParser | None = None  # tool calls are read from the output
     role: str = "assistant"  # the answer's
     echo: str = ""  # the last message, when the client asked to echo it
-    streams: dict[int, ToolCallStream] = field(default_factory=dict)
+    # with a reasoning parser: where the output begins (engine/reasoning.py), and whether the
+    # client gets the reasoning (include_reasoning)
+    thinking: Section | None = None
+    include_reasoning: bool = True
+    streams: dict[int, _Sent] = field(default_factory=dict)
 
     def logprobs(self, items: list[SampleLogprob] | None) -> api.ChatLogprobs | None:
         if items is None:
@@ -70,21 +84,37 @@ class ChatFormat(ResponseFormat):
             for i in range(num_choices)
         ]
 
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, content) of the output so far; no reasoning without a reasoning parser."""
+        if self.thinking is None:
+            return "", text
+        reasoning, content = split_reasoning(text, self.thinking, final)
+        return (reasoning if self.include_reasoning else ""), content
+
     def chunk(self, d: Delta) -> BaseModel | None:
-        text, calls = d.text, None
+        text, reasoning, calls = d.text, "", None
         finish = d.output.finish_reason if d.finished else None
-        if self.parser is not None:
-            stream = self.streams.setdefault(d.index, ToolCallStream(self.parser))
-            text, calls = stream.update(d.output.text, d.finished)
-            if stream.calls and finish == "stop":
-                finish = "tool_calls"
-            if not (text or calls or d.logprobs or d.finished):
-                return None  # nothing the client can use yet (a tool call still being written)
+        if self.parser is not None or self.thinking is not None:
+            sent = self.streams.setdefault(
+                d.index, _Sent(ToolCallStream(self.parser) if self.parser else None)
+            )
+            reasoning, content = self._split(d.output.text, d.finished)
+            reasoning, sent.reasoning = reasoning[sent.reasoning :], len(reasoning)
+            if sent.tools is not None:
+                text, calls = sent.tools.update(content, d.finished)
+                if sent.tools.calls and finish == "stop":
+                    finish = "tool_calls"
+            else:
+                text, sent.content = content[sent.content :], len(content)
+            if not (text or reasoning or calls or d.logprobs or d.finished):
+                return None  # nothing the client can use yet (a tag or tool call being written)
         return self._chunk(
             [
                 api.ChatChunkChoice(
                     index=d.index,
-                    delta=api.ChatDelta(content=text or None, tool_calls=calls or None),
+                    delta=api.ChatDelta(
+                        reasoning=reasoning or None, content=text or None, tool_calls=calls or None
+                    ),
                     logprobs=self.logprobs(d.logprobs),
                     finish_reason=finish,
                     stop_reason=d.output.stop_reason if d.finished else None,
@@ -94,18 +124,31 @@ class ChatFormat(ResponseFormat):
         )
 
     def message(self, o: CompletionOutput) -> tuple[api.ChatResponseMessage, str | None]:
-        """The answer's message and finish reason: tool calls, when the output has them."""
+        """The answer's message and finish reason: reasoning and tool calls, when the output has
+        them."""
+        reasoning, text = self._split(o.text, final=True)
+        reasoning_or_none = reasoning or None
         if self.parser is not None:
-            parsed = self.parser.parse(o.text, final=True)
+            parsed = self.parser.parse(text, final=True)
             calls = final_tool_calls(parsed)
             if calls:
                 content = self.echo + parsed.content
                 finish = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
                 message = api.ChatResponseMessage(
-                    role=self.role, content=content if content.strip() else None, tool_calls=calls
+                    role=self.role,
+                    content=content if content.strip() else None,
+                    reasoning=reasoning_or_none,
+                    tool_calls=calls,
                 )
                 return message, finish
-        return api.ChatResponseMessage(role=self.role, content=self.echo + o.text), o.finish_reason
+        content = self.echo + text
+        message = api.ChatResponseMessage(
+            role=self.role,
+            # with a reasoning parser, as vLLM: no content when it only thought (max_tokens)
+            content=content if content or self.thinking is None else None,
+            reasoning=reasoning_or_none,
+        )
+        return message, o.finish_reason
 
     def response(self, finals: list[RequestOutput]) -> BaseModel:
         final = finals[0]  # a chat request is one prompt: its choices keep their own index

@@ -106,6 +106,12 @@ def add_parser(subparsers) -> None:
         "--tool-call-parser", default=None, help="how tool calls are read from the output: hermes"
     )
     p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="deepseek_r1 or qwen3: a chat answer's <think> section becomes its `reasoning`, and "
+        "a structured output constrains what follows it",
+    )
+    p.add_argument(
         "--ray-address", default=None, help="join this Ray cluster (default: start a local one)"
     )
     p.add_argument(

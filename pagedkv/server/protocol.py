@@ -290,10 +290,17 @@ class ChatMessage(RequestModel):
     name: Name | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Name | None = None
+    # an earlier answer's reasoning, as a client sends it back (vLLM's name and the older one)
+    reasoning: SafeStr | None = None
+    reasoning_content: SafeStr | None = None
 
     def as_template_input(self) -> dict:
-        """What the chat template sees; tool call arguments as objects, as HF templates expect."""
+        """What the chat template sees; tool call arguments as objects, as HF templates expect,
+        and an earlier answer's reasoning as `reasoning_content`, the name templates read."""
         msg: dict = {"role": self.role, "content": self.content or ""}
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
         if self.name is not None:
             msg["name"] = self.name
         if self.tool_call_id is not None:
@@ -339,7 +346,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    include_reasoning: bool = True  # no reasoning parser here: there is never reasoning to drop
+    include_reasoning: bool = True  # false: the answer without its reasoning (--reasoning-parser)
     best_of: Count | None = None
 
     def sampling_params(self) -> SamplingParams:

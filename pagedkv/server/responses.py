@@ -70,6 +70,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"  # --response-role, or the last message's (see serving.chat)
     content: str | None
+    reasoning: str | None = None  # --reasoning-parser: the <think> section (vLLM's name)
     tool_calls: list[ToolCall] = []
 
 
@@ -95,6 +96,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatDelta(BaseModel):
     role: str | None = None
+    reasoning: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

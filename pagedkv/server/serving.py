@@ -151,6 +151,7 @@ class OpenAIServing:
         last = req.messages[-1]
         role = self.engine.config.response_role if req.add_generation_prompt else last.role
         echo = (last.content or "") if req.echo and last.role == role else ""
+        tags = self.engine.engine.reasoning
         fmt = ChatFormat(
             request_id("chatcmpl", request, req.request_id),
             self.engine.model_name,
@@ -159,6 +160,8 @@ class OpenAIServing:
             parser=plan.parser,
             role=role,
             echo=echo,
+            thinking=tags.first_section(prompt) if tags else None,
+            include_reasoning=req.include_reasoning,
         )
         return await self._run(request, fmt, [prompt], params, req.stream, self.usage_chunk(req))
 

@@ -15,6 +15,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from pagedkv.engine.reasoning import hold_back
 from pagedkv.server.request_fields import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -44,7 +45,7 @@ class HermesToolParser:
     def parse(self, text: str, final: bool) -> ParsedOutput:
         at = text.find(self.start)
         if at == -1:
-            return ParsedOutput(text if final else _hold_back(text, self.start))
+            return ParsedOutput(text if final else hold_back(text, self.start))
         calls = []
         for block in text[at:].split(self.start)[1:]:
             body, closed = block.split(self.end, 1)[0], self.end in block
@@ -54,14 +55,6 @@ class HermesToolParser:
             calls.append(call)
         del calls[self.max_calls or len(calls) :]
         return ParsedOutput(text[:at], calls)
-
-
-def _hold_back(text: str, tag: str) -> str:
-    """Text without a tail that could be the start of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return text[:-k]
-    return text
 
 
 def _parse_call(body: str, complete: bool) -> ParsedCall | None:

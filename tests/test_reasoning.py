@@ -1,0 +1,269 @@
+"""--reasoning-parser: the rule on its own, then a real server on a tiny model whose vocabulary has
+`<think>` and `</think>` (added tokens, as DeepSeek-R1's and Qwen3's).
+
+The random model never closes a section by itself, so a small logit_bias on `</think>` makes it
+close one a few tokens in; the output's own token ids (return_token_ids) are the raw text the
+response is checked against.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from server_process import TINY_SERVER, ServerProcess, serve_error
+from tiny_model import make_tiny_model
+
+from pagedkv.engine.reasoning import END, START, ReasoningTags, Section, ThinkState, split_reasoning
+from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.server.protocol import ChatMessage
+
+MESSAGES = [{"role": "user", "content": "Hello world!"}]
+TEXTS = [
+    "",
+    "plain answer",
+    "<think>plan</think>answer",
+    "<think>plan",
+    "plan</think>answer",
+    "plan</think>",
+    "<think></think>",
+    "a</think>b</think>c",
+    "</thi",
+    "<thin",
+]
+
+
+# ---------------------------------------------------------------- the rule
+
+
+@pytest.mark.parametrize("first", [Section.THINK, Section.EITHER])
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_streamed_split_only_grows_and_ends_as_the_whole(first, text):
+    """Every prefix's split (held back while a tag may be forming) is a prefix of the final one,
+    so the stream's pieces add up to the non-streamed answer."""
+    reasoning, content = split_reasoning(text, first, final=True)
+    for k in range(len(text) + 1):
+        r, c = split_reasoning(text[:k], first, final=False)
+        assert reasoning.startswith(r) and content.startswith(c), (text[:k], r, c)
+        assert not (c and len(r) < len(reasoning)), "content came before the reasoning ended"
+
+
+def test_the_split_of_each_section():
+    think, either = Section.THINK, Section.EITHER
+    assert split_reasoning("<think>plan</think>answer", either, True) == ("plan", "answer")
+    assert split_reasoning("<think>plan</think>answer", think, True) == ("plan", "answer")
+    assert split_reasoning("plan</think>answer", think, True) == ("plan", "answer")
+    assert split_reasoning("plan</think>answer", either, True) == ("", "plan</think>answer")
+    assert split_reasoning("plan", think, True) == ("plan", "")  # cut off while thinking
+    assert split_reasoning("plan</thi", think, False) == ("plan", "")  # the tag may be forming
+    assert split_reasoning("a</think>b</think>c", think, True) == ("a", "b</think>c")
+    assert split_reasoning("<thi", either, False) == ("", "")
+    assert split_reasoning("<thi", either, True) == ("", "<thi")
+
+
+def test_the_prompt_and_the_first_token_decide_the_section():
+    dsr1, qwen3 = ReasoningTags("deepseek_r1", 7, 8), ReasoningTags("qwen3", 7, 8)
+    assert dsr1.first_section([1, 2]) is Section.THINK  # R1 thinks first
+    assert qwen3.first_section([1, 2]) is Section.EITHER
+    for tags in (dsr1, qwen3):
+        assert tags.first_section([1, 7, 2]) is Section.THINK  # the template opened one
+        assert tags.first_section([7, 2, 8, 3]) is Section.EITHER  # ... or closed an empty one
+        assert tags.first_section([8, 1, 7]) is Section.THINK  # the last tag decides
+    state = ThinkState.of(qwen3, [1], [])
+    assert [state.step(t) for t in (7, 3, 8, 4, 8)] == [False, False, False, True, True]
+    state = ThinkState.of(qwen3, [1], [])
+    assert [state.step(t) for t in (3, 7)] == [True, True]  # no <think> first: all answer
+    assert ThinkState.of(dsr1, [1], [7, 3, 8]).section is Section.ANSWER
+
+
+def test_a_vocabulary_without_the_tags_is_refused(tiny_model_dir):
+    from pagedkv.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no <think> token"):
+        ReasoningTags.of("deepseek_r1", Tokenizer.from_hf_folder(tiny_model_dir))
+
+
+def test_an_earlier_answers_reasoning_reaches_the_template_under_the_name_templates_read():
+    for field in ("reasoning", "reasoning_content"):
+        msg = ChatMessage(role="assistant", content="4", **{field: "2+2"})
+        assert msg.as_template_input()["reasoning_content"] == "2+2"
+
+
+# ---------------------------------------------------------------- a real server
+
+
+@pytest.fixture(scope="module")
+def think_model(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("think") / "model", think_tags=True)
+
+
+@pytest.fixture(scope="module")
+def server(think_model):
+    with ServerProcess(
+        think_model,
+        *TINY_SERVER,
+        "--reasoning-parser",
+        "deepseek_r1",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tags(think_model) -> ReasoningTags:
+    return ReasoningTags.of("deepseek_r1", Tokenizer.from_hf_folder(think_model))
+
+
+def chat(server, **kw) -> dict:
+    body = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "temperature": 0,
+        "max_tokens": 16,
+        "return_token_ids": True,
+        **kw,
+    }
+    r = server.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def raw_text(server, **kw) -> str:
+    """The same chat request's output as the model wrote it: a completion of its prompt's ids
+    (completions are never split)."""
+    extra = {k: kw.pop(k) for k in ("chat_template_kwargs",) if k in kw}
+    r = server.http.post("/tokenize", json={"model": "tiny", "messages": MESSAGES, **extra})
+    assert r.status_code == 200, r.text
+    body = {"model": "tiny", "prompt": r.json()["tokens"], "temperature": 0, "max_tokens": 16}
+    r = server.http.post("/v1/completions", json={**body, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def stream(server, **kw) -> tuple[str, str, list[dict]]:
+    body = {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_tokens": 16, **kw}
+    reasoning, content, chunks = "", "", []
+    with server.http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                chunks.append(chunk)
+                for choice in chunk["choices"]:
+                    reasoning += choice["delta"].get("reasoning") or ""
+                    content += choice["delta"].get("content") or ""
+    return reasoning, content, chunks
+
+
+@pytest.fixture(scope="module")
+def closing_bias(server, tags) -> dict:
+    """A logit_bias under which the model closes its section a few tokens in, with an answer
+    after it (found on this model, greedy)."""
+    for bias in (1.0, 1.5, 2.0, 2.5, 3.0, 3.5):
+        ids = chat(server, logit_bias={str(tags.end_id): bias})["choices"][0]["token_ids"]
+        if tags.end_id in ids and 1 <= ids.index(tags.end_id) <= 12:
+            return {str(tags.end_id): bias}
+    raise AssertionError("no bias closes the section inside the output")
+
+
+def test_the_section_becomes_reasoning_and_the_rest_content(server, closing_bias):
+    message = chat(server, logit_bias=closing_bias)["choices"][0]["message"]
+    before, after = raw_text(server, logit_bias=closing_bias).split(END, 1)
+    assert message["reasoning"] == before.removeprefix(START) and before
+    assert message["content"] == after and after
+    # streamed: the same pieces, reasoning first
+    reasoning, content, chunks = stream(server, logit_bias=closing_bias)
+    assert (reasoning, content) == (message["reasoning"], message["content"])
+    deltas = [ch["delta"] for c in chunks for ch in c["choices"]]
+    kinds = [k for d in deltas for k in ("reasoning", "content") if d.get(k)]
+    assert kinds == sorted(kinds, key=lambda k: k == "content")  # never reasoning after content
+    # include_reasoning false: the answer alone
+    bare = chat(server, logit_bias=closing_bias, include_reasoning=False)["choices"][0]["message"]
+    assert bare.get("reasoning") is None and bare["content"] == message["content"]
+    assert stream(server, logit_bias=closing_bias, include_reasoning=False)[:2] == ("", content)
+
+
+def test_an_output_that_never_closes_its_section_is_all_reasoning(server):
+    choice = chat(server)["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["reasoning"] == raw_text(server)
+    assert choice["message"]["content"] is None
+
+
+def test_a_prompt_that_closed_the_section_is_answered_as_content(server):
+    """enable_thinking false: the template closes an empty section; the output is the answer."""
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    message = chat(server, **kwargs)["choices"][0]["message"]
+    assert message.get("reasoning") is None
+    assert message["content"] == raw_text(server, **kwargs) and message["content"]
+
+
+def test_a_grammar_constrains_the_answer_after_the_reasoning(server, tags, closing_bias):
+    choice = {"structured_outputs": {"choice": ["yes", "no"]}}
+    free = chat(server, logit_bias=closing_bias)["choices"][0]
+    forced = chat(server, logit_bias=closing_bias, **choice)["choices"][0]
+    k = free["token_ids"].index(tags.end_id)
+    assert forced["token_ids"][: k + 1] == free["token_ids"][: k + 1]  # thinking was free
+    assert forced["message"]["content"] in ("yes", "no")
+    assert forced["message"]["reasoning"] == free["message"]["reasoning"]
+    assert forced["finish_reason"] == "stop"
+    # a prompt that closed the section: the grammar holds from the first token
+    closed = chat(server, chat_template_kwargs={"enable_thinking": False}, **choice)
+    assert closed["choices"][0]["message"]["content"] in ("yes", "no")
+    # ... where the model may still open a section first, which the grammar then waits for
+    opened = chat(
+        server,
+        chat_template_kwargs={"enable_thinking": False},
+        logit_bias={str(tags.start_id): 100},
+        **choice,
+    )["choices"][0]
+    assert opened["token_ids"][0] == tags.start_id
+    assert opened["finish_reason"] == "length" and opened["message"]["content"] is None
+
+
+def test_a_required_tool_call_follows_the_reasoning(server, closing_bias):
+    tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
+    body = chat(
+        server, logit_bias=closing_bias, tools=[tool], tool_choice="required", max_tokens=64
+    )
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "ping"
+    assert choice["message"]["reasoning"]  # the section before the call
+    assert "<tool_call>" not in choice["message"]["reasoning"]
+
+
+def test_an_earlier_answers_reasoning_is_accepted_in_the_conversation(server):
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": "Hi.", "reasoning": "a greeting"},
+        {"role": "user", "content": "Again?"},
+    ]
+    assert chat(server, messages=history)["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_parser_the_model_cannot_serve_is_one_line_and_exit_2(tiny_model_dir):
+    lines = serve_error("--model", tiny_model_dir, "--reasoning-parser", "deepseek_r1")
+    errors = [line for line in lines if "error" in line]  # after the model's loading lines
+    assert len(errors) == 1 and "no <think> token" in lines[-1], lines
+    lines = serve_error("--model", tiny_model_dir, "--reasoning-parser", "granite")
+    assert len(lines) == 1 and "deepseek_r1, qwen3" in lines[0], lines
+
+
+def test_completions_are_left_as_the_model_wrote_them(server, closing_bias):
+    """As in vLLM, only chat answers are split; a completion's text keeps its tags."""
+    r = server.http.post(
+        "/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": "Hello world!",
+            "max_tokens": 16,
+            "temperature": 0,
+            "logit_bias": closing_bias,
+        },
+    )
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert END in choice["text"] and "reasoning" not in choice
