@@ -159,6 +159,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="a Jinja chat template, or its file, replacing the model's",
     )
     p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=d["max_logprobs"].default,
+        help="the most logprobs and prompt_logprobs a request may ask for; -1: the vocabulary",
+    )
+    p.add_argument(
         "--generation-config",
         default="auto",
         help="'auto': sampling defaults from the model folder's generation_config.json; "

@@ -94,6 +94,7 @@ _HEADER_VALUE = re.compile(r"[!-~]([ -~]*[!-~])?")  # what `Authorization: Beare
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:i?q\d\w*|b?f16|f32|fp16|bf16)$", re.IGNORECASE)
 TOOL_CALL_PARSERS = ("hermes",)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # both read <think> ... </think>
+CONTENT_FORMATS = ("auto", "string", "openai")  # --chat-template-content-format
 QUANTIZATIONS = ("none", "int8", "gguf")  # weights; None = gguf for a GGUF file on CPU, else none
 
 
@@ -234,6 +235,7 @@ SERVE_ONLY = frozenset(
         "enable_force_include_usage",
         "enable_request_id_headers",
         "exclude_tools_when_tool_choice_none",
+        "chat_template_content_format",
     }
 )
 # integer options >= 1, and those of them that may be None (not set)
@@ -306,6 +308,10 @@ class EngineConfig:
     enable_request_id_headers: bool = False  # replies carry X-Request-Id
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none" hides the tools too
     tool_call_parser: str | None = None
+    # how the chat template gets a message's content: "string", "openai" (a list of text
+    # parts), or "auto" (parts for a template that loops over them), as vLLM's
+    chat_template_content_format: str = "auto"
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask; -1: no cap
     # <think> sections: the chat answer's `reasoning`, and a grammar waits for their end
     reasoning_parser: str | None = None
 
@@ -375,6 +381,10 @@ class EngineConfig:
                 f"--{name.replace('_', '-')} must be a positive integer, got {value!r}",
             )
         need(
+            type(self.max_logprobs) is int and self.max_logprobs >= -1,
+            f"--max-logprobs must be an integer >= -1 (-1: no cap), got {self.max_logprobs!r}",
+        )
+        need(
             type(self.memory_utilization) in (int, float) and 0.0 < self.memory_utilization <= 1.0,
             f"--gpu-memory-utilization must be in (0, 1], got {self.memory_utilization!r}",
         )
@@ -438,6 +448,10 @@ class EngineConfig:
         need(
             self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}",
+        )
+        need(
+            self.chat_template_content_format in CONTENT_FORMATS,
+            f"--chat-template-content-format must be one of {', '.join(CONTENT_FORMATS)}",
         )
         need(
             self.reasoning_parser in (None, *REASONING_PARSERS),

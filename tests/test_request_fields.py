@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from server_process import TINY_SERVER, ServerProcess
+from server_process import TINY_SERVER, ServerProcess, serve_error
 
 from pagedkv.engine.logits_processors import completing_tokens
 from pagedkv.engine.request import SamplingParams
@@ -326,6 +326,66 @@ def test_tokenize_renders_a_chat_as_chat_completions_does(server, client):
         body = {"messages": msgs, **{k: v for k, v in extra.items() if k != "tool_choice"}}
         counted = server.http.post("/tokenize", json=body).json()["count"]
         assert counted == sent
+
+
+LOOPING = "{% for m in messages %}{% for p in m['content'] %}[{{ p.text }}]{% endfor %}{% endfor %}"
+
+
+def test_content_parts_reach_a_template_that_loops_over_them(server):
+    """--chat-template-content-format auto (the default): a template that loops over a message's
+    content gets the parts (a string becomes one), any other a string (parts joined by lines)."""
+
+    def rendered(content, template: str) -> str:
+        body = {
+            "messages": [{"role": "user", "content": content}],
+            "chat_template": template,
+            "add_generation_prompt": False,
+        }
+        r = server.http.post("/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        return server.http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+
+    parts = [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd", "cache_control": {}}]
+    assert rendered(parts, LOOPING) == "[ab][cd]"
+    assert rendered("abcd", LOOPING) == "[abcd]"
+    assert rendered(parts, "{{ messages[0]['content'] }}") == "ab\ncd"
+
+
+def test_auto_finds_a_loop_over_content_in_either_spelling():
+    from tiny_model import CHAT_TEMPLATE
+
+    from pagedkv.model.tokenizer import template_content_format
+
+    assert template_content_format(LOOPING) == "openai"
+    texts = "m.content | selectattr('type', 'equalto', 'text')"
+    assert template_content_format(f"{{% for p in {texts} %}}{{{{ p.text }}}}{{% endfor %}}") == (
+        "openai"
+    )
+    assert template_content_format(CHAT_TEMPLATE) == "string"
+    assert template_content_format("{% for %}") == "string"  # broken: reported when rendered
+
+
+def test_content_format_offline_and_on_the_command_line(tiny_model_dir):
+    from pagedkv import LLM
+    from pagedkv.config import ConfigError
+
+    llm = LLM(tiny_model_dir, num_gpu_blocks_override=64)
+    msgs = [{"role": "user", "content": "hello"}]
+    length = "{{ messages[0]['content'] | length }}"  # no loop: auto reads it as "string"
+    params = SamplingParams(max_tokens=1)
+    (out,) = llm.chat(msgs, params, chat_template=length, chat_template_content_format="openai")
+    assert out.prompt_token_ids == tok_ids(tiny_model_dir, "1")  # one part
+    (out,) = llm.chat(msgs, params, chat_template=length)
+    assert out.prompt_token_ids == tok_ids(tiny_model_dir, "5")  # five characters
+    with pytest.raises(ConfigError, match="chat_template_content_format must be one of"):
+        llm.chat(msgs, params, chat_template_content_format="text")
+    llm.close()
+    lines = serve_error("--model", tiny_model_dir, "--chat-template-content-format", "text")
+    assert len(lines) == 1 and "invalid choice: 'text'" in lines[0], lines
+
+
+def tok_ids(model_dir: str, text: str) -> list[int]:
+    return Tokenizer.from_hf_folder(model_dir).encode(text, add_special_tokens=False)
 
 
 @pytest.mark.parametrize(

@@ -144,7 +144,7 @@ def test_every_sampling_field_reaches_sampling_params():
         {"logit_bias": {"x": 1.0}},
         {"best_of": 3},
         {"stop": [""]},
-        {"logprobs": 50},
+        {"logprobs": -2},  # past 20 is the engine's to refuse (--max-logprobs)
     ],
 )
 def test_out_of_range_values_are_config_errors(fields):
@@ -177,7 +177,7 @@ def test_chat_messages_accept_text_parts_and_reject_others():
     )
     assert [m.as_template_input() for m in req.messages] == [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "a\nb"},  # joined as vLLM joins them
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": ""},
     ]
     for bad in (
@@ -218,7 +218,7 @@ def test_unknown_fields_are_dropped_and_named():
         },
         context=context,
     )
-    assert req.messages[0].content == "a" and req.include_usage
+    assert req.messages[0].content == [{"type": "text", "text": "a"}] and req.include_usage
     assert context[IGNORED] == {
         "frobnicate",
         "messages[].content[].cache_control",

@@ -14,8 +14,9 @@ import json
 
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import TINY_SERVER, ServerProcess, serve_error
 
+from pagedkv.config import ConfigError
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.request import (
     GREEDY_BELOW,
@@ -73,8 +74,8 @@ CHAT = [{"role": "user", "content": "hi"}]
         ("repetition_penalty", 0.0),
         ("repetition_penalty", 1e-300),
         ("repetition_penalty", 1e300),
-        ("logprobs", 21),
-        ("logprobs", -1),
+        ("logprobs", -2),  # -1 asks for the whole vocabulary; the engine caps the count
+        ("prompt_logprobs", -2),
         ("logprobs", HUGE),
         ("stop", [""]),
         ("stop", ["\ud800"]),
@@ -154,6 +155,8 @@ def test_offline_tiny_temperature_is_greedy(llm):
     [
         ("hi", {"top_k": HUGE}, "top_k"),
         ("hi", {"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+        ("hi", {"logprobs": 21}, "logprobs"),  # past max_logprobs (20 by default)
+        ("hi", {"prompt_logprobs": -1}, "prompt_logprobs"),  # the vocabulary, past 20
         ([VOCAB], {}, "prompt"),
         ([-1], {}, "prompt"),
         ([True], {}, "prompt"),
@@ -170,6 +173,33 @@ def test_offline_generate_rejects_before_any_work(llm, prompt, change, param):
         llm.generate(["fine", prompt], params, use_tqdm=False)
     assert err.value.param == param
     assert_engine_idle(llm)
+
+
+def test_max_logprobs_sets_the_cap_and_minus_one_lifts_it(tiny_model_dir):
+    """As vLLM's max_logprobs: -1 there lets a request's -1 ask for every token of the
+    vocabulary."""
+    llm = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks_override=64, max_logprobs=-1)
+    params = SamplingParams(max_tokens=2, logprobs=-1, prompt_logprobs=-1, temperature=0)
+    (out,) = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert [len(step) for step in out.outputs[0].logprobs] == [VOCAB, VOCAB]
+    assert [len(p.top) for p in out.prompt_logprobs[1:]] == [VOCAB, VOCAB]
+    assert_engine_idle(llm)
+    with pytest.raises(ConfigError, match="--max-logprobs must be an integer >= -1"):
+        LLM(tiny_model_dir, max_logprobs=-2)
+
+
+def test_max_logprobs_over_http(tiny_model_dir):
+    with ServerProcess(tiny_model_dir, *TINY_SERVER, "--max-logprobs", "25") as srv:
+        top = {"logprobs": True, "max_tokens": 1, "messages": CHAT, "model": "tiny"}
+        r = post(srv, "/v1/chat/completions", {**top, "top_logprobs": 25})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25
+        error = assert_400(
+            post(srv, "/v1/chat/completions", {**top, "top_logprobs": 26}), "top_logprobs"
+        )
+        assert "--max-logprobs 25" in error["message"]
+    lines = serve_error("--model", tiny_model_dir, "--max-logprobs", "-5")
+    assert len(lines) == 1 and "--max-logprobs must be an integer >= -1" in lines[0], lines
 
 
 def test_offline_chat_rejects_a_lone_surrogate(llm):
@@ -247,6 +277,9 @@ def chat(**fields) -> dict:
         (completion(logprobs=21), "logprobs"),
         (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
         (chat(max_completion_tokens=0), "max_completion_tokens"),
+        (chat(max_completion_tokens=5000), "max_completion_tokens"),  # past max_model_len
+        (chat(logprobs=True, top_logprobs=-1), "top_logprobs"),  # the vocabulary, past 20
+        (completion(prompt_logprobs=-1), "prompt_logprobs"),
         (completion(max_tokens=5000), "max_tokens"),
         (completion(n=1000), "n"),
         (completion(echo=True, logprobs=1, stream=True), "echo"),

@@ -29,6 +29,23 @@ def tokenize(tokenizer, prompt: str | list[int], add_special_tokens: bool = True
     return list(prompt)
 
 
+def _resolve_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """-1 asks for the whole vocabulary; each count must be within --max-logprobs (as vLLM)."""
+    cap = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name)
+        if asked is None:
+            continue
+        wanted = vocab_size if asked == -1 else asked
+        if wanted > cap:
+            raise ParamError(
+                name,
+                f"{name}={asked} asks for {wanted} logprobs a token; this server gives at most "
+                f"{cap} (--max-logprobs {max_logprobs}, a vocabulary of {vocab_size})",
+            )
+        setattr(params, name, wanted)
+
+
 def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> int:
     """Reject what can never run, with the reason; returns max_tokens resolved."""
     params.validate(engine.vocab_size)  # again: offline callers may have changed fields since
@@ -38,6 +55,7 @@ def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingP
             "priority needs an engine started with --scheduling-policy priority "
             '(scheduling_policy="priority" offline)',
         )
+    _resolve_logprobs(params, engine.config.max_logprobs, engine.vocab_size)
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
         raise ParamError("prompt", "the prompt is empty")

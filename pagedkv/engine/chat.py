@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedkv.config import ConfigError
+from pagedkv.model.tokenizer import template_content_format
 
 # template variables with an argument of their own, which chat_template_kwargs may not set
 RESERVED_TEMPLATE_ARGS = frozenset(
@@ -48,6 +49,17 @@ def content_text(content: Any) -> Any:
     return "\n".join(texts)
 
 
+def shaped_content(content: Any, content_format: str) -> Any:
+    """A message's content as the template takes it: "string" joins text parts, "openai" makes
+    a string one text part (vLLM's --chat-template-content-format)."""
+    if content_format == "string":
+        return content_text(content)
+    if isinstance(content, list):
+        content_text(content)  # only text parts
+        return [{"type": "text", "text": p["text"]} for p in content]
+    return [{"type": "text", "text": content or ""}]
+
+
 def render_chat(
     tokenizer,
     messages: list[dict],
@@ -58,9 +70,17 @@ def render_chat(
     tools: list[dict] | None = None,
     documents: list[dict] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    content_format: str = "auto",
 ) -> str:
     """The prompt text; with continue_final_message the last (assistant) message is left open.
-    `chat_template` replaces the model's; template errors are ConfigErrors."""
+    `chat_template` replaces the model's; template errors are ConfigErrors. `content_format`
+    "auto" gives a template that loops over content parts a list of them, others a string."""
+    if content_format == "auto":
+        template = chat_template or tokenizer.chat_template or ""
+        content_format = template_content_format(template)
+    messages = [
+        {**m, "content": shaped_content(m.get("content"), content_format)} for m in messages
+    ]
     kwargs = dict(chat_template_kwargs or {})
     clash = sorted(RESERVED_TEMPLATE_ARGS & set(kwargs))
     if clash:

@@ -16,8 +16,8 @@ import itertools
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from pagedkv.config import ConfigError, EngineConfig
-from pagedkv.engine.chat import content_text, render_chat
+from pagedkv.config import CONTENT_FORMATS, ConfigError, EngineConfig
+from pagedkv.engine.chat import render_chat
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import ParamError, SamplingParams
@@ -77,12 +77,6 @@ def with_salt(prompt: Any, params: SamplingParams) -> SamplingParams:
     if not isinstance(prompt, dict) or prompt.get(_SALT) is None:
         return params
     return dataclasses.replace(params, cache_salt=prompt[_SALT])
-
-
-def _with_text_content(message: Any) -> Any:
-    if isinstance(message, dict) and isinstance(message.get("content"), list):
-        return {**message, "content": content_text(message["content"])}
-    return message
 
 
 class LLM:
@@ -153,16 +147,21 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        chat_template_content_format: str = "auto",
         **kwargs: Any,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them, then generate."""
+        """Apply the chat template to one conversation or a list of them, then generate;
+        `chat_template_content_format` as the server's flag (content parts for a template that
+        loops over them, else text)."""
         if "params" in kwargs:
             sampling_params = kwargs.pop("params")
         reject_unsupported("chat", kwargs)
         convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else messages
-        convs = [  # content parts become text, as the server's chat completions make them
-            [_with_text_content(m) for m in c] for c in convs
-        ]
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ParamError(
+                "chat_template_content_format",
+                f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}",
+            )
         tok = self.engine.tokenizer
         ids = [
             self.engine.tokenize(
@@ -173,6 +172,7 @@ class LLM:
                     continue_final_message=continue_final_message,
                     chat_template=chat_template,
                     chat_template_kwargs=chat_template_kwargs,
+                    content_format=chat_template_content_format,
                 ),
                 add_special_tokens=False,
             )

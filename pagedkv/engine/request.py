@@ -18,7 +18,6 @@ MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: lower ones (not greedy) are raised t
 MAX_TEMPERATURE = 2.0  # as OpenAI and vLLM
 TOP_P_FLOOR = 1e-8  # smaller ones keep just the top token too, but float32 rounds them to 0
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)  # far past any use; beyond, float32 logits overflow
-MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256  # each step scans every stop string's prefixes against the text's tail
 MAX_STOP_TOKEN_IDS = 256
@@ -161,14 +160,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logprobs: int | None = None  # number of top alternatives to return per token
+    logprobs: int | None = None  # top alternatives to return per token; -1: all (the engine caps)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # as vLLM with a fast tokenizer: no effect
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be drawn
     bad_words: list[str] | None = None  # never completed (vLLM's semantics)
-    prompt_logprobs: int | None = None  # top alternatives per prompt token
+    prompt_logprobs: int | None = None  # top alternatives per prompt token; -1: all
     truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens (-1: all fit)
     # prefix-cache isolation: only requests with the same salt share cached blocks (vLLM takes it
     # with the prompt; the offline API also reads a prompt dict's "cache_salt")
@@ -220,10 +219,9 @@ class SamplingParams:
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_float("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):  # -1: the whole vocabulary (as vLLM)
+            if getattr(self, name) is not None:  # the engine's --max-logprobs caps them
+                _check_int(name, getattr(self, name), -1)
         _check_int("priority", self.priority, INT64_MIN)
         _need(
             self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),

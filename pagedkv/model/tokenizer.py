@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import Template, TemplateError
+from jinja2 import Template, TemplateError, nodes
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
@@ -53,6 +53,27 @@ def compile_template(source: str) -> Template:
         return _template_env().from_string(source)
     except TemplateError as e:
         raise ConfigError(f"chat template does not compile: {e}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def template_content_format(source: str) -> str:
+    """ "openai" for a template that loops over a message's content parts
+    (`{% for part in message['content'] %}`), else "string" (vLLM's "auto" detection)."""
+    try:
+        tree = _template_env().parse(source)
+    except TemplateError:
+        return "string"  # reported where it is rendered
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, nodes.Filter) and it.node is not None:  # content | selectattr(...)
+            it = it.node
+        if (isinstance(it, nodes.Getattr) and it.attr == "content") or (
+            isinstance(it, nodes.Getitem)
+            and isinstance(it.arg, nodes.Const)
+            and it.arg.value == "content"
+        ):
+            return "openai"
+    return "string"
 
 
 def _template_env() -> ImmutableSandboxedEnvironment:
@@ -169,7 +190,10 @@ class Tokenizer:
         except Exception as e:  # what the template did went wrong (1/0, a sandbox limit, ...)
             raise ConfigError(f"chat template: {type(e).__name__}: {e}") from None
         if continue_final_message:  # stripped, as templates often strip what they show
-            last: str = str((messages[-1].get("content") if messages else None) or "").strip()
+            content = (messages[-1].get("content") if messages else None) or ""
+            if isinstance(content, list):  # "openai" content: the text ends with the last part
+                content = content[-1]["text"] if content else ""
+            last: str = str(content).strip()
             at = rendered.rfind(last) if last else -1
             if at == -1:
                 raise ConfigError(

@@ -93,6 +93,13 @@ def add_parser(subparsers) -> None:
         help="HTTPS: client certificates 0 not asked for, 1 optional, 2 required",
     )
     p.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=["auto", "string", "openai"],
+        help="a message's content in the chat template: a string, or a list of text parts "
+        "(openai); auto: parts for a template that loops over them",
+    )
+    p.add_argument(
         "--response-role",
         default="assistant",
         help="the role of chat answers (with add_generation_prompt false: the last message's)",

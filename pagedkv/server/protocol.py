@@ -24,7 +24,6 @@ from pydantic import (
 from pagedkv.engine.chat import TEXT_PART_KEYS, content_text
 from pagedkv.engine.request import (
     INT64_MAX,
-    MAX_LOGPROBS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -65,7 +64,8 @@ StopText = Annotated[SafeStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 StopInput = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None
 Count = Annotated[Int64, doc(minimum=1)]
 Penalty = Annotated[FiniteFloat, doc(minimum=-2, maximum=2)]
-NumLogprobs = Annotated[Int64, doc(minimum=0, maximum=MAX_LOGPROBS)]
+# -1: the whole vocabulary; the server's --max-logprobs (20 by default) caps them
+NumLogprobs = Annotated[Int64, doc(minimum=-1)]
 RepetitionPenalty = Annotated[
     FiniteFloat, doc(minimum=REPETITION_PENALTY_RANGE[0], maximum=REPETITION_PENALTY_RANGE[1])
 ]
@@ -112,15 +112,15 @@ StopField = Annotated[
 ]
 
 
-def _check_content(v: Any, info: ValidationInfo) -> str | None:
-    """OpenAI content: a string or a list of parts; only text parts are supported, joined by
-    newlines as vLLM's default ("string") content format joins them."""
+def _check_content(v: Any, info: ValidationInfo) -> str | list[dict[str, str]] | None:
+    """OpenAI content: a string or a list of parts; only text parts are supported, kept as
+    parts for a template that takes them (engine/chat.py: shaped_content)."""
     if isinstance(v, list):
-        parts = v
-        v = content_text(parts)  # a ConfigError (a ValueError) names what is wrong
-        for part in parts:
+        check_text(content_text(v), "content")  # a ConfigError (a ValueError) names the fault
+        for part in v:
             note_ignored(info, "messages[].content[].", part.keys() - TEXT_PART_KEYS)
-    elif v is not None and not isinstance(v, str):
+        return [{"type": "text", "text": part["text"]} for part in v]
+    if v is not None and not isinstance(v, str):
         raise ValueError("content must be a string or a list of text parts")
     check_text(v, "content")
     return v
@@ -189,6 +189,10 @@ class _SamplingRequest(RequestModel):
     guided_decoding_backend: Name | None = None
     _unsupported = model_validator(mode="before")(reject_unsupported)
     understood = frozenset(UNSUPPORTED)
+
+    def wire_param(self, param: str) -> str:
+        """A SamplingParams field as this request spells it (chat renames some)."""
+        return param
 
     @property
     def include_usage(self) -> bool:
@@ -285,7 +289,8 @@ class ChatMessage(RequestModel):
     where = "messages[]."
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[
-        str | None, BeforeValidator(_check_content, json_schema_input_type=ContentInput)
+        str | list[dict[str, str]] | None,
+        BeforeValidator(_check_content, json_schema_input_type=ContentInput),
     ] = None
     name: Name | None = None
     tool_calls: list[ToolCall] | None = None
@@ -297,7 +302,7 @@ class ChatMessage(RequestModel):
     def as_template_input(self) -> dict:
         """What the chat template sees; tool call arguments as objects, as HF templates expect,
         and an earlier answer's reasoning as `reasoning_content`, the name templates read."""
-        msg: dict = {"role": self.role, "content": self.content or ""}
+        msg: dict = {"role": self.role, "content": self.content or ""}  # parts stay parts
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
         if reasoning is not None:
             msg["reasoning_content"] = reasoning
@@ -361,12 +366,14 @@ class ChatCompletionRequest(_SamplingRequest):
         )
         try:
             return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None)
-        except ParamError as e:  # name the field as this request spelled it
-            wire = {
-                "logprobs": "top_logprobs",
-                "max_tokens": "max_completion_tokens"
-                if self.max_completion_tokens is not None
-                else "max_tokens",
-            }
-            e.param = wire.get(e.param, e.param)
+        except ParamError as e:
+            e.param = self.wire_param(e.param)
             raise
+
+    def wire_param(self, param: str) -> str:
+        """A SamplingParams field as this request spells it."""
+        if param == "logprobs":
+            return "top_logprobs"
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return param

@@ -24,6 +24,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from pagedkv.engine.async_engine import RequestFailedError
+from pagedkv.engine.chat import content_text
 from pagedkv.engine.options import with_defaults
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.request import ParamError, SamplingParams, StructuredOutputsParams
@@ -128,7 +129,7 @@ class OpenAIServing:
             n=params.n,
             echo_only=req.echo_only,
         )
-        return await self._run(request, fmt, prompts, params, req.stream, self.usage_chunk(req))
+        return await self._run(request, req, fmt, prompts, params)
 
     async def chat(self, req: api.ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
@@ -150,7 +151,7 @@ class OpenAIServing:
         # and echo repeats the last message when the answer is in its role
         last = req.messages[-1]
         role = self.engine.config.response_role if req.add_generation_prompt else last.role
-        echo = (last.content or "") if req.echo and last.role == role else ""
+        echo = content_text(last.content) or "" if req.echo and last.role == role else ""
         tags = self.engine.engine.reasoning
         fmt = ChatFormat(
             request_id("chatcmpl", request, req.request_id),
@@ -163,7 +164,7 @@ class OpenAIServing:
             thinking=tags.first_section(prompt) if tags else None,
             include_reasoning=req.include_reasoning,
         )
-        return await self._run(request, fmt, [prompt], params, req.stream, self.usage_chunk(req))
+        return await self._run(request, req, fmt, [prompt], params)
 
     def as_token_ids(self, req) -> bool:
         """return_tokens_as_token_ids: the request's, else --return-tokens-as-token-ids."""
@@ -208,15 +209,19 @@ class OpenAIServing:
     async def _run(
         self,
         request: Request,
+        req: api.CompletionRequest | api.ChatCompletionRequest,
         fmt: ResponseFormat,
         prompts: list[list[int]],
         params: SamplingParams,
-        stream: bool,
-        include_usage: bool,
     ) -> Response:
         await self._compile_grammar(params)
-        for ids in prompts:
-            self.engine.validate(ids, params)
+        try:
+            for ids in prompts:
+                self.engine.validate(ids, params)
+        except ParamError as e:  # name the field as this request spelled it
+            e.param = req.wire_param(e.param)
+            raise
+        stream, include_usage = bool(req.stream), self.usage_chunk(req)
         events = merge(
             [
                 self._shown(fmt, self.engine.generate(ids, params, request_id=f"{fmt.id}-{i}"))

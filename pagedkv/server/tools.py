@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.config import ConfigError, EngineConfig
-from pagedkv.engine.chat import render_chat
+from pagedkv.engine.chat import content_text, render_chat
 from pagedkv.engine.request import ParamError
 from pagedkv.engine.structured import JSON_OPTIONS
 from pagedkv.server.tool_parsers import HermesToolParser
@@ -171,6 +171,7 @@ def chat_prompt(tokenizer, req, config: EngineConfig) -> str:
             tools=tools,
             documents=req.documents,
             chat_template_kwargs=kwargs,
+            content_format=config.chat_template_content_format,
         )
     except ParamError:
         raise
@@ -182,7 +183,7 @@ def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict
     """The conversation for a template that knows no tools (see the module docstring)."""
     out = []
     for m in messages:
-        content = m["content"]
+        content = content_text(m["content"])  # such a template takes text
         if m.get("tool_calls"):
             content += "".join(
                 "<tool_call>\n"
