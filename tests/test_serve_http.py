@@ -128,6 +128,8 @@ def server(tiny_model_dir, access_log):
         str(config),
         "--h11-max-incomplete-event-size",
         "4096",
+        "--h11-max-header-count",
+        "16",
         "--exclude-tools-when-tool-choice-none",
     ) as srv:
         yield srv
@@ -138,6 +140,16 @@ def test_the_log_config_file_decides_where_logs_go(server, access_log):
     lines = access_log.read_text().splitlines()
     assert any(line.startswith("ACCESS ") and "/v1/completions" in line for line in lines), lines
     assert "/v1/completions" not in server.output()  # the file took them
+
+
+def test_a_request_with_more_headers_than_the_limit_is_a_431(server):
+    few = {f"x-{i}": "1" for i in range(4)}  # with httpx's own (host, accept, ...): under 16
+    assert server.http.get("/health", headers=few).status_code == 200
+    many = {f"x-{i}": "1" for i in range(16)}
+    r = server.http.get("/health", headers=many)
+    assert r.status_code == 431
+    assert r.json()["error"]["code"] == "request_header_fields_too_large"
+    assert "the limit is 16" in r.json()["error"]["message"]
 
 
 def test_a_request_head_over_the_h11_limit_is_refused(server):
@@ -220,6 +232,7 @@ def serve_fails(*args: str) -> str:
         (["--uds", "/nonexistent-folder/pagedkv.sock"], "cannot listen on --uds"),
         (["-dp", "2", "--root-path", "/api"], "not available with --data-parallel-size"),
         (["--h11-max-incomplete-event-size", "0"], "must be >= 1"),
+        (["--h11-max-header-count", "0"], "--h11-max-header-count must be >= 1"),
         (["--log-config-file", "/nonexistent.json"], "--log-config-file /nonexistent.json: "),
         (["--log-config-file", "/dev/null"], "not JSON"),
     ],

@@ -85,6 +85,13 @@ def test_health_and_models(server, client):
     assert models[0].max_model_len == 1024
 
 
+def test_headers_past_vllms_default_count_are_a_431(server):
+    """--h11-max-header-count's default, 256 as in vLLM, holds without the flag."""
+    assert server.http.get("/health", headers={f"x-{i}": "1" for i in range(200)}).is_success
+    r = server.http.get("/health", headers={f"x-{i}": "1" for i in range(300)})
+    assert r.status_code == 431 and "the limit is 256" in r.json()["error"]["message"]
+
+
 def test_the_start_up_log_says_what_was_loaded_and_the_pool(server):
     """The load's own lines (weights, the KV pool's size and max_model_len) reach the log: they
     were logged before uvicorn set logging up, so they went nowhere."""

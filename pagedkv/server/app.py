@@ -37,8 +37,10 @@ from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import (
     IGNORED_HEADER,
     MAX_BODY_BYTES,
+    MAX_HEADER_COUNT,
     BearerAuth,
     BodySizeLimit,
+    HeaderCountLimit,
     IgnoredFieldsHeader,
     RequestIdHeader,
     ServerLoad,
@@ -101,6 +103,7 @@ def build_app(
     *,
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    max_header_count: int = MAX_HEADER_COUNT,
     cors: dict | None = None,
 ) -> FastAPI:
     """The app over a constructed (not yet started) AsyncLLM; the lifespan starts and stops it.
@@ -141,6 +144,7 @@ def build_app(
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(HeaderCountLimit, max_count=max_header_count)
     # added last = runs first
     app.add_middleware(CORSMiddleware, **{**CORS_DEFAULTS, **(cors or {})})
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
@@ -333,7 +337,9 @@ def serve(
     logging.config.dictConfig(log_config)  # now, so the load's own lines (weights, KV pool) show
     with exit_on_sigterm("pagedkv: stopped by SIGTERM before serving"):
         engine = AsyncLLM(config)
-        app = build_app(engine, cors=cors)
+        app = build_app(
+            engine, cors=cors, max_header_count=http.h11_max_header_count or MAX_HEADER_COUNT
+        )
         uv_config = uvicorn.Config(
             app,
             host=host,

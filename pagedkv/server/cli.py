@@ -82,6 +82,12 @@ def add_parser(subparsers) -> None:
         help="most bytes of a request's head (uvicorn's default: 16 KiB)",
     )
     h.add_argument(
+        "--h11-max-header-count",
+        type=int,
+        default=None,
+        help="most header lines a request may carry, else 431 (default 256, as vLLM)",
+    )
+    h.add_argument(
         "--log-config-file",
         default=None,
         help="logging.config.dictConfig as JSON, for the server's and uvicorn's logs",
@@ -164,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        h11_max_header_count=args.h11_max_header_count,
         log_config_file=args.log_config_file,
     )  # checked by serve() before the model loads; -dp takes none of them
     if replicated:  # checked before anything loads

@@ -27,6 +27,7 @@ _TYPES = {
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "request_too_large"),
+    431: ("invalid_request_error", "request_header_fields_too_large"),
     429: ("rate_limit_error", "queue_full"),
     500: ("server_error", None),
     503: ("server_error", "service_unavailable"),

@@ -64,13 +64,15 @@ class HTTPOptions:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = ssl.CERT_NONE
     h11_max_incomplete_event_size: int | None = None  # bytes of a request head (uvicorn: 16 KiB)
+    h11_max_header_count: int | None = None  # header lines of a request (None: vLLM's 256)
     log_config_file: str | None = None  # a logging.config.dictConfig as JSON, replacing ours
 
     def check(self) -> None:
         """ConfigError (exit 2, before the model loads) for options uvicorn would fail on later."""
-        size = self.h11_max_incomplete_event_size
-        if size is not None and size < 1:
-            raise ConfigError(f"--h11-max-incomplete-event-size must be >= 1, got {size}")
+        for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+            size = getattr(self, name)
+            if size is not None and size < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {size}")
         self.log_config()
         if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
             raise ConfigError(
@@ -113,6 +115,7 @@ class HTTPOptions:
     def uvicorn_options(self) -> dict:
         options = {k: v for k, v in asdict(self).items() if v is not None}
         options.pop("log_config_file", None)  # serve() hands uvicorn the configuration itself
+        options.pop("h11_max_header_count", None)  # the app's own check (HeaderCountLimit)
         if self.h11_max_incomplete_event_size is not None:
             options["http"] = "h11"  # h11's limit (httptools, uvicorn's first choice, has none)
         return options

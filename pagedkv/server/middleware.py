@@ -1,7 +1,7 @@
-"""ASGI middleware: the request-body cap, the API key, and the headers naming dropped fields and
-the request's id.
+"""ASGI middleware: the header-count and request-body caps, the API key, and the headers naming
+dropped fields and the request's id.
 
-All are plain ASGI: the first two run before FastAPI parses anything (an oversized
+All are plain ASGI: the first three run before FastAPI parses anything (an oversized
 body is refused without being held in memory, a request without the key never
 reaches the engine); the others add a header to a reply, streamed or not.
 """
@@ -19,6 +19,7 @@ from pagedkv.config import is_digits
 from pagedkv.server.errors import APIError, error_response
 
 MAX_BODY_BYTES = 8 * 2**20
+MAX_HEADER_COUNT = 256  # vLLM's --h11-max-header-count default
 IGNORED_HEADER = "x-pagedkv-ignored-fields"
 REQUEST_ID_HEADER = "x-request-id"
 
@@ -64,6 +65,24 @@ class BodySizeLimit:
             return message
 
         await self.app(scope, limited, send)
+
+
+class HeaderCountLimit:
+    """431 for a request with more than `max_count` header lines (vLLM's --h11-max-header-count),
+    before any route reads them."""
+
+    def __init__(self, app: ASGIApp, max_count: int = MAX_HEADER_COUNT) -> None:
+        self.app, self.max_count = app, max_count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and len(scope["headers"]) > self.max_count:
+            err = APIError(
+                431,
+                f"the request has {len(scope['headers'])} headers; the limit is {self.max_count}",
+            )
+            await error_response(err)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class BearerAuth:

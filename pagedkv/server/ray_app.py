@@ -30,7 +30,7 @@ from pagedkv.routing import prompt_block_hashes
 from pagedkv.server.aggregate import merge_kv, merge_metrics
 from pagedkv.server.errors import error_body
 from pagedkv.server.metrics import exposition
-from pagedkv.server.middleware import MAX_BODY_BYTES, BodySizeLimit
+from pagedkv.server.middleware import MAX_BODY_BYTES, BodySizeLimit, HeaderCountLimit
 from pagedkv.server.ray_router import PagedKVRouter, RouteKey
 
 log = logging.getLogger("pagedkv.server")
@@ -124,6 +124,7 @@ class EngineReplica:
 
 app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None, openapi_url=None)
 app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
+app.add_middleware(HeaderCountLimit)  # vLLM's default limit (the HTTP flags are refused here)
 
 
 # Serve pickles the deployment classes where they are declared: what they call must come first.
