@@ -326,3 +326,20 @@ def test_load_sums_the_replicas(cluster):
         assert all(s.result() > 500 for s in streams)
     assert max(seen) > 4, seen
     assert load() == 0
+
+
+def test_a_chats_route_key_is_the_prompt_its_replica_renders(tmp_path):
+    """Content parts included: the ingress hashes the text the replica's template gets."""
+    from pagedkv.engine.chat import render_chat
+    from pagedkv.model.tokenizer import Tokenizer
+    from pagedkv.server.ray_app import Ingress
+
+    tok = Tokenizer.from_hf_folder(make_tiny_model(tmp_path / "model"))
+    ingress = object.__new__(Ingress.func_or_class)  # its routing alone, no cluster
+    ingress.tokenizer = tok
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    ids = ingress._prompt_ids(
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}]}
+    )
+    text = render_chat(tok, [{"role": "user", "content": "Hello\nworld"}])
+    assert ids == tok.encode(text, add_special_tokens=False)

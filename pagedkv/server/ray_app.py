@@ -192,15 +192,13 @@ class Ingress:
     def _prompt_ids(self, path: str, data: dict) -> list[int]:
         tok = self.tokenizer
         if path.endswith("/chat/completions"):
+            from pagedkv.engine.chat import render_chat
             from pagedkv.server.protocol import ChatCompletionRequest
 
             messages = [
                 m.as_template_input() for m in ChatCompletionRequest.model_validate(data).messages
-            ]
-            return tok.encode(
-                tok.apply_chat_template(messages, add_generation_prompt=True),
-                add_special_tokens=False,
-            )
+            ]  # content parts shaped as the replica shapes them (render_chat)
+            return tok.encode(render_chat(tok, messages), add_special_tokens=False)
         prompt = data.get("prompt") if path.endswith("/completions") else None
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]
