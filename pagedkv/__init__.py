@@ -1,7 +1,7 @@
 """pagedkv: an LLM inference engine and OpenAI-compatible server built around a paged KV cache.
 
 The Python API mirrors vLLM's: LLM, SamplingParams, RequestOutput, CompletionOutput,
-Logprob, AsyncLLMEngine, AsyncEngineArgs / EngineArgs, TextPrompt, TokensPrompt.
+Logprob, AsyncLLMEngine, AsyncEngineArgs / EngineArgs, TextPrompt, TokensPrompt, LoRARequest.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ __all__ = [
     "EngineArgs",
     "TextPrompt",
     "TokensPrompt",
+    "LoRARequest",
 ]
 
 # module that defines each lazily imported name
 _LAZY = {
     "LLM": "pagedkv.engine.llm",
     "SamplingParams": "pagedkv.engine.request",
+    "LoRARequest": "pagedkv.engine.request",
     "RequestOutput": "pagedkv.engine.outputs",
     "CompletionOutput": "pagedkv.engine.outputs",
     "Logprob": "pagedkv.engine.outputs",

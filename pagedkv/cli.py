@@ -159,6 +159,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="a Jinja chat template, or its file, replacing the model's",
     )
     p.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters over the base model"
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help='PEFT adapter folders, each served as a model name (or JSON {"name": ..., '
+        '"path": ...})',
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=d["max_lora_rank"].default,
+        help="the largest adapter rank accepted",
+    )
+    p.add_argument(
         "--max-logprobs",
         type=int,
         default=d["max_logprobs"].default,

@@ -85,6 +85,8 @@ NOOP_OPTIONS = {
     "each is written",
     "model_impl": "models run on pagedkv's own Llama code",
     "enable_server_load_tracking": "GET /load always reports the generation requests in flight",
+    "max_loras": "adapters hold no slots here: a batch runs any number of them",
+    "max_cpu_loras": "every adapter given stays loaded",
 }
 ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")  # False cannot be honoured
 PARALLEL_SIZES = (
@@ -250,6 +252,35 @@ _COUNTS = (
 )
 
 
+def lora_paths(modules: list | dict | None) -> dict[str, str]:
+    """vLLM's --lora-modules items (`name=path`, or JSON `{"name": ..., "path": ...}`), or a
+    mapping of name -> path, as a mapping."""
+    if isinstance(modules, dict):
+        items: list = [{"name": k, "path": v} for k, v in modules.items()]
+    else:
+        items = list(modules or [])
+    out: dict[str, str] = {}
+    for item in items:
+        if isinstance(item, str) and item.lstrip().startswith("{"):
+            try:
+                item = json.loads(item)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--lora-modules {item!r} is not JSON: {e}") from None
+        path: Any
+        if isinstance(item, str) and "=" in item:
+            name, path = item.split("=", 1)
+        elif isinstance(item, dict) and isinstance(item.get("name"), str):
+            name, path = item["name"], item.get("path")
+        else:
+            raise ConfigError(f"--lora-modules takes NAME=PATH or a JSON object, got {item!r}")
+        if not (name and isinstance(path, str) and path):
+            raise ConfigError(f"--lora-modules {item!r}: a name and a path are needed")
+        if out.get(name, path) != path:
+            raise ConfigError(f"--lora-modules names {name!r} twice")
+        out[name] = path
+    return out
+
+
 @dataclass
 class EngineConfig:
     """All engine options; field names are the serve flags with underscores."""
@@ -311,6 +342,10 @@ class EngineConfig:
     # how the chat template gets a message's content: "string", "openai" (a list of text
     # parts), or "auto" (parts for a template that loops over them), as vLLM's
     chat_template_content_format: str = "auto"
+    # LoRA adapters: name -> PEFT folder (vLLM's --lora-modules: NAME=PATH or JSON items)
+    enable_lora: bool = False
+    lora_modules: list | dict | None = None
+    max_lora_rank: int = 16
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask; -1: no cap
     # <think> sections: the chat answer's `reasoning`, and a grammar waits for their end
     reasoning_parser: str | None = None
@@ -448,6 +483,19 @@ class EngineConfig:
         need(
             self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}",
+        )
+        self.lora_modules = lora_paths(self.lora_modules)
+        need(
+            self.enable_lora or not self.lora_modules,
+            "--lora-modules needs --enable-lora",
+        )
+        need(
+            not self.enable_lora or self.tensor_parallel_size == 1,
+            "--enable-lora runs on one process: not with --tensor-parallel-size above 1",
+        )
+        need(
+            type(self.max_lora_rank) is int and self.max_lora_rank >= 1,
+            f"--max-lora-rank must be a positive integer, got {self.max_lora_rank!r}",
         )
         need(
             self.chat_template_content_format in CONTENT_FORMATS,

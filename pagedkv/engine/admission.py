@@ -56,6 +56,8 @@ def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingP
             '(scheduling_policy="priority" offline)',
         )
     _resolve_logprobs(params, engine.config.max_logprobs, engine.vocab_size)
+    if params.lora_name is not None and params.lora_name not in engine.loras:
+        raise ParamError("model", f"no LoRA adapter {params.lora_name!r} is loaded")
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
         raise ParamError("prompt", "the prompt is empty")

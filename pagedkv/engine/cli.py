@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument(
+        "--lora", metavar="NAME", help="run the prompt under this --lora-modules adapter"
+    )
+    p.add_argument(
         "--json", action="store_true", help="print one JSON object with ids, timings and KV stats"
     )
     p.set_defaults(func=run)
@@ -50,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     config.note_serve_only("pagedkv generate", flags=True)
     if config.chat_template is not None and not args.chat:
         note("--chat-template has no effect in pagedkv generate without --chat")
+    if config.lora_modules and args.lora is None:
+        note("--lora-modules: the prompt runs on the base model unless --lora NAME picks one")
     t0 = time.monotonic()
     engine = LLMEngine(config)
     t_load = time.monotonic() - t0
@@ -66,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         ids = tok.encode(text, add_special_tokens=False)
     else:
         ids = tok.encode(args.prompt)
+    params.lora_name = args.lora
     group = engine.add_request("generate-0", ids, params)
     peak_tokens = peak_slots = 0
     out = None

@@ -20,7 +20,7 @@ from pagedkv.config import CONTENT_FORMATS, ConfigError, EngineConfig
 from pagedkv.engine.chat import render_chat
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.request import ParamError, SamplingParams
+from pagedkv.engine.request import LoRARequest, ParamError, SamplingParams
 
 Prompt = str | list[int] | dict
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
@@ -117,6 +117,7 @@ class LLM:
         if "params" in kwargs:  # pagedkv's earlier name for sampling_params
             sampling_params = kwargs.pop("params")
         priority = kwargs.pop("priority", None)
+        lora_request = kwargs.pop("lora_request", None)
         reject_unsupported("generate", kwargs)
         items = prompt_items(prompts)
         prompt_list = [to_prompt(p) for p in items]
@@ -135,7 +136,21 @@ class LLM:
             if not isinstance(priority, (list, tuple)) or len(priority) != len(plist):
                 raise ConfigError(f"priority wants a list of {len(plist)} ints, one per prompt")
             plist = [dataclasses.replace(p, priority=v) for p, v in zip(plist, priority)]
+        if lora_request is not None:  # one for all prompts, or one (or None) per prompt
+            loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request]
+            if len(loras) not in (1, len(plist)):
+                raise ConfigError(f"lora_request wants one or {len(plist)} LoRARequests")
+            names = [self._lora_name(r) for r in loras] * (len(plist) // len(loras))
+            plist = [dataclasses.replace(p, lora_name=n) for p, n in zip(plist, names)]
         return self._run(prompt_list, plist, use_tqdm)
+
+    def _lora_name(self, request: LoRARequest | None) -> str | None:
+        """The adapter's name, loaded on first use."""
+        if request is None:
+            return None
+        if not isinstance(request, LoRARequest):
+            raise ConfigError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        return self.engine.add_lora(request.lora_name, request.lora_path).name
 
     def chat(
         self,
@@ -148,6 +163,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         chat_template_content_format: str = "auto",
+        lora_request: LoRARequest | None = None,
         **kwargs: Any,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate;
@@ -178,7 +194,7 @@ class LLM:
             )
             for c in convs
         ]
-        return self.generate(ids, sampling_params, use_tqdm)
+        return self.generate(ids, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(
         self, prompts: list[str | list[int]], plist: list[SamplingParams], use_tqdm: bool

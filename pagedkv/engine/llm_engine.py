@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from pagedkv.config import ConfigError, EngineConfig
+from pagedkv.config import ConfigError, EngineConfig, lora_paths
 from pagedkv.cpu_memory import keep_freed_memory
 from pagedkv.engine import prompt_logprobs
 from pagedkv.engine.admission import tokenize, validate_request
@@ -38,6 +38,7 @@ from pagedkv.engine.setup import (
 from pagedkv.engine.spec_decode import NgramProposer, SpecDecodeStats
 from pagedkv.engine.step_stats import StepTokens
 from pagedkv.engine.structured import StructuredOutputs
+from pagedkv.model.lora import LoRAAdapter, load_adapter
 
 log = logging.getLogger("pagedkv")
 
@@ -72,6 +73,9 @@ class LLMEngine:
             if config.reasoning_parser
             else None
         )
+        self.loras: dict[str, LoRAAdapter] = {}
+        for name, path in lora_paths(config.lora_modules).items():
+            self.add_lora(name, path)
         self.vocab_size = self.loaded.config.vocab_size
         self.model_name = config.served_model_names[0]
         self.max_model_len: int = config.max_model_len or self.loaded.max_model_len
@@ -101,6 +105,7 @@ class LLMEngine:
             self.offload,
             self.tp,
             eager=config.enforce_eager,
+            loras=self.loras,
         )
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.reasoning)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, self.structured)
@@ -113,6 +118,22 @@ class LLMEngine:
         self.generation_tokens_total = 0
 
     # ------------------------------------------------------------------ requests
+    def add_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Load a PEFT adapter under `name` (once: the same name again must be the same path)."""
+        if not self.config.enable_lora:
+            raise ConfigError("LoRA adapters need --enable-lora (enable_lora=True offline)")
+        known = self.loras.get(name)
+        if known is not None:
+            if known.path != str(path):
+                raise ConfigError(f"LoRA adapter {name!r} is already loaded from {known.path}")
+            return known
+        model = self.loaded.model
+        adapter = load_adapter(
+            name, path, self.loaded.config, model.dtype, self.config.max_lora_rank
+        )
+        self.loras[name] = adapter
+        return adapter
+
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         return tokenize(self.tokenizer, prompt, add_special_tokens)
 

@@ -144,6 +144,16 @@ class StructuredOutputsParams:
         )
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's: an adapter for `LLM.generate` / `LLM.chat`, loaded from its PEFT folder on first
+    use (the id is vLLM's and only carried here: the name keys the adapter)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -173,6 +183,9 @@ class SamplingParams:
     # with the prompt; the offline API also reads a prompt dict's "cache_salt")
     cache_salt: str | None = None
     priority: int = 0  # with --scheduling-policy priority: lower runs first (vLLM's request field)
+    # the LoRA adapter the request runs under (the server: the request's model; LLM.generate:
+    # its lora_request); None: the base model
+    lora_name: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)  # by the engine
 
@@ -223,6 +236,11 @@ class SamplingParams:
             if getattr(self, name) is not None:  # the engine's --max-logprobs caps them
                 _check_int(name, getattr(self, name), -1)
         _check_int("priority", self.priority, INT64_MIN)
+        _need(
+            self.lora_name is None or (isinstance(self.lora_name, str) and self.lora_name != ""),
+            "lora_name",
+            "lora_name must be a non-empty string",
+        )
         _need(
             self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
             "cache_salt",

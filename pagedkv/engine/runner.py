@@ -31,6 +31,7 @@ from pagedkv.kvstore.offload import KVOffload
 from pagedkv.kvstore.storage import KVStorage
 from pagedkv.model.decode_graph import DecodeGraphs
 from pagedkv.model.llama import LlamaForCausalLM
+from pagedkv.model.lora import LoRAAdapter, LoRABatch
 
 if TYPE_CHECKING:
     from pagedkv.distributed.group import TensorParallelGroup
@@ -66,6 +67,7 @@ class ForwardInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
+    lora: LoRABatch | None = None  # the rows under adapters (one process only: no -tp)
 
 
 class ModelRunner:
@@ -82,8 +84,11 @@ class ModelRunner:
         offload: KVOffload | None = None,
         tp: TensorParallelGroup | None = None,
         eager: bool = False,
+        loras: dict[str, LoRAAdapter] | None = None,
     ) -> None:
-        """eager: never replay decode steps from recorded kernel calls (--enforce-eager)."""
+        """eager: never replay decode steps from recorded kernel calls (--enforce-eager); loras:
+        the engine's adapters by name."""
+        self.loras = loras if loras is not None else {}
         self.model = model
         self.storage = storage
         self.host_storage = host_storage
@@ -128,12 +133,15 @@ class ModelRunner:
             self.storage.write_blocks([dst for _, dst in moves.swap_in], data)
 
     def run_model(self, inputs: ForwardInputs) -> torch.Tensor:
-        """The step's hidden states: replayed (decode_graph.py) where it can be, else eagerly."""
-        if self.graphs is not None:
+        """The step's hidden states: replayed (decode_graph.py) where it can be, else eagerly (a
+        step with adapters always: the recorded calls know none)."""
+        if self.graphs is not None and inputs.lora is None:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
             if hidden is not None:
                 return hidden
-        return self.model(inputs.input_ids, inputs.positions, self.storage.kv_caches, inputs.meta)
+        return self.model(
+            inputs.input_ids, inputs.positions, self.storage.kv_caches, inputs.meta, inputs.lora
+        )
 
     def run(self, item: BlockMoves | ForwardInputs | DiskWrites) -> None:
         """A worker rank's share of what rank 0 sent."""
@@ -194,6 +202,22 @@ class ModelRunner:
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         return input_ids, pos_t, meta, sample_rows
 
+    def lora_runs(self, scheduled: list[ScheduledSeq]) -> LoRABatch | None:
+        """The runs of rows whose sequences name an adapter (None when none does)."""
+        runs: list = []
+        row = 0
+        for s in scheduled:
+            n = s.num_new_tokens + len(s.drafts)
+            name = s.seq.params.lora_name
+            if name is not None:
+                adapter = self.loras[name]
+                if runs and runs[-1][0] is adapter and runs[-1][2] == row:
+                    runs[-1] = (adapter, runs[-1][1], row + n)
+                else:
+                    runs.append((adapter, row, row + n))
+            row += n
+        return LoRABatch(runs) if runs else None
+
     @staticmethod
     def attach_prompt_hidden(scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         """A request asking for prompt_logprobs gets the hidden rows of its unscored prompt."""
@@ -227,7 +251,7 @@ class ModelRunner:
         if not scheduled:
             return None
         input_ids, positions, meta, rows = self.prepare(scheduled)
-        inputs = ForwardInputs(input_ids, positions, meta)
+        inputs = ForwardInputs(input_ids, positions, meta, self.lora_runs(scheduled))
         if self.tp is None:
             hidden = self.run_model(inputs)
         else:

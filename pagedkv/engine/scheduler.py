@@ -87,7 +87,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; its block hashes are computed here, once, and grow with it."""
-        seq.block_hashes = self.kv.block_hashes(seq.token_ids, salt=seq.params.cache_salt)
+        p = seq.params
+        seq.block_hashes = self.kv.block_hashes(
+            seq.token_ids, salt=p.cache_salt, adapter=p.lora_name
+        )
         self._enqueue(self.waiting, seq, front=False)
 
     @staticmethod

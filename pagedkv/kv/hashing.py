@@ -8,9 +8,9 @@ caching read hashes instead of re-hashing the prompt:
     hashes   h0          h1           (partial: not hashed until full)
     h0 = H(None, t0..t15, extra + salt)   h1 = H(h0, t16..t31, extra)
 
-A request's cache salt (vLLM's `cache_salt`) enters the first block's hash, so
-requests with different salts never share a cached block, and requests without
-one hash as they always did. A block's hash covers its whole prefix, so one equal
+A request's cache salt (vLLM's `cache_salt`) and its LoRA adapter's name enter the first block's
+hash, so requests with different salts or adapters never share a cached block, and requests
+without either hash as they always did. A block's hash covers its whole prefix, so one equal
 hash means one equal prefix (the caches still compare the tokens, so a collision cannot hand out
 wrong K/V). Only tokens the sequence really holds are hashed, never
 speculative drafts: they join the token list only once verified.
@@ -44,9 +44,12 @@ def hash_block_tokens(
     return BlockHash(hashlib.blake2b(data, digest_size=HASH_SIZE).digest())
 
 
-def _salt_bytes(salt: str) -> bytes:
-    data = salt.encode("utf-8", "surrogatepass")
-    return b"salt" + struct.pack("<Q", len(data)) + data
+def _keyed(tag: bytes, value: str | None) -> bytes:
+    """A tagged, length-prefixed key, so that no salt or adapter reads as another's prefix."""
+    if value is None:
+        return b""
+    data = value.encode("utf-8", "surrogatepass")
+    return tag + struct.pack("<Q", len(data)) + data
 
 
 class BlockHashes:
@@ -65,11 +68,11 @@ class BlockHashes:
         token_ids: Sequence[int] = (),
         num_tokens: int | None = None,
         salt: str | None = None,
+        adapter: str | None = None,
     ) -> None:
         self.block_size = block_size
         self.extra = extra
-        # length-prefixed, so that no salt reads as another's prefix
-        self.salt = b"" if salt is None else _salt_bytes(salt)
+        self.salt = _keyed(b"salt", salt) + _keyed(b"lora", adapter)  # the first block's
         self.hashes: list[BlockHash] = []
         self.chunks: list[TokenIds] = []  # the tokens of each hashed block
         self.num_tokens = 0

@@ -90,13 +90,17 @@ class KVCacheManager:
     # ---- prefix cache -------------------------------------------------------------------------
 
     def block_hashes(
-        self, token_ids: Sequence[int], num_tokens: int | None = None, salt: str | None = None
+        self,
+        token_ids: Sequence[int],
+        num_tokens: int | None = None,
+        salt: str | None = None,
+        adapter: str | None = None,
     ) -> BlockHashes:
         """A new sequence's block hashes over token_ids[:num_tokens], keyed as this pool keys its
-        blocks (and by its request's cache salt); the sequence extends them as its tokens arrive
-        (nothing is hashed with prefix caching off)."""
+        blocks (and by its request's cache salt and LoRA adapter); the sequence extends them as
+        its tokens arrive (nothing is hashed with prefix caching off)."""
         block_size = self.block_size if self.enable_prefix_caching else None
-        return BlockHashes(block_size, self.hash_extra, token_ids, num_tokens, salt)
+        return BlockHashes(block_size, self.hash_extra, token_ids, num_tokens, salt, adapter)
 
     def lookup_prefix(self, hashes: BlockHashes) -> PrefixMatch:
         """The longest run of cached full blocks matching the sequence, then the blocks after it in

@@ -17,7 +17,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +38,9 @@ from pagedkv.model.quant_linear import (
     linear,
     weight_nbytes,
 )
+
+if TYPE_CHECKING:
+    from pagedkv.model.lora import LoRABatch
 
 MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
 
@@ -204,13 +207,17 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[Cache, Cache],
         meta: AttentionMetadata,
         buf: ForwardBuffers,
+        lora: tuple[LoRABatch, int] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The layer's output still to be added to the residual stream, and that stream so far
-        (vLLM's layout: the add is fused into the next norm)."""
+        (vLLM's layout: the add is fused into the next norm). `lora`: the step's adapters and
+        this layer's index."""
         norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj = self._weights
         tokens = x.shape[0]
         h, residual = ops.rms_norm(x, norm1, self.eps, residual, buf.h)
         qkv = linear(h, qkv_proj, buf.qkv)
+        if lora is not None:
+            lora[0].add(lora[1], "qkv", h, qkv)
         q = rope_and_store(
             qkv,
             self.num_heads,
@@ -223,12 +230,19 @@ class DecoderLayer(nn.Module):
         )
         attn = paged_attention(q, *kv_cache, meta, self.scale, buf.attn)
         o = linear(attn.reshape(tokens, self.q_size), o_proj, buf.o)
+        if lora is not None:
+            lora[0].add(lora[1], "o", attn.reshape(tokens, self.q_size), o)
         reduce = self.all_reduce
         if reduce is not None:
             reduce(o)
         h, residual = ops.rms_norm(o, norm2, self.eps, residual, buf.h)
-        act = ops.silu_mul(linear(h, gate_up_proj, buf.gate_up), buf.act)
+        gate_up = linear(h, gate_up_proj, buf.gate_up)
+        if lora is not None:
+            lora[0].add(lora[1], "gate_up", h, gate_up)
+        act = ops.silu_mul(gate_up, buf.act)
         out = linear(act, down_proj, buf.o)
+        if lora is not None:
+            lora[0].add(lora[1], "down", act, out)
         if reduce is not None:
             reduce(out)
         return out, residual
@@ -236,7 +250,7 @@ class DecoderLayer(nn.Module):
 
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
 # HF sub-names of one layer -> (our fused parameter, its part index)
-_FUSED = {
+FUSED_PARTS = {
     "self_attn.q_proj": ("qkv_proj", 0),
     "self_attn.k_proj": ("qkv_proj", 1),
     "self_attn.v_proj": ("qkv_proj", 2),
@@ -295,10 +309,13 @@ class LlamaForCausalLM(nn.Module):
         positions: Tensor,
         kv_caches: list[tuple[Cache, Cache]],
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> Tensor:
-        """Hidden states [T, hidden] (after the final norm) of the step's new tokens."""
+        """Hidden states [T, hidden] (after the final norm) of the step's new tokens; `lora`: the
+        rows that run under adapters."""
         x = self.embed(input_ids)
-        return self.run_layers(x, positions, kv_caches, meta, ForwardBuffers.of(self, x.shape[0]))
+        buf = ForwardBuffers.of(self, x.shape[0])
+        return self.run_layers(x, positions, kv_caches, meta, buf, lora)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """The tokens' embeddings [T, hidden], the first layer's input."""
@@ -311,14 +328,22 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[Cache, Cache]],
         meta: AttentionMetadata,
         buf: ForwardBuffers,
+        lora: LoRABatch | None = None,
     ) -> Tensor:
         """The layers and the final norm over embeddings x (which become the residual stream,
         updated in place); the result is in buf.h where the kernels wrote it there."""
         residual = None
         rotary, norm = self.rotary, self.norm
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer.forward(
-                x, residual, rotary, positions, kv_cache, meta, buf
+                x,
+                residual,
+                rotary,
+                positions,
+                kv_cache,
+                meta,
+                buf,
+                None if lora is None else (lora, i),
             )  # (no hooks: saves ~2 us)
         return ops.rms_norm(x, norm.weight, norm.eps, residual, buf.h)[0]
 
@@ -349,8 +374,8 @@ class LlamaForCausalLM(nn.Module):
         done: set[str] = set()
         for name, tensor in weights.items() if isinstance(weights, Mapping) else weights:
             m = _LAYER_WEIGHT.fullmatch(name)
-            if m and m.group(2) in _FUSED:
-                layer, (target, index) = int(m.group(1)), _FUSED[m.group(2)]
+            if m and m.group(2) in FUSED_PARTS:
+                layer, (target, index) = int(m.group(1)), FUSED_PARTS[m.group(2)]
                 if layer >= len(self.layers):
                     raise ConfigError(
                         f"unexpected weight {name!r}: the model has {len(self.layers)} layers"
@@ -373,7 +398,9 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.tie_word_embeddings:
             required.add("lm_head.weight")
         required.update(
-            f"model.layers.{i}.{t}" for i in range(len(self.layers)) for t, _ in _FUSED.values()
+            f"model.layers.{i}.{t}"
+            for i in range(len(self.layers))
+            for t, _ in FUSED_PARTS.values()
         )
         missing = sorted(required - done)
         if missing:

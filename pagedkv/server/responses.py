@@ -130,6 +130,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedkv"
+    root: str | None = None  # the model's path; an adapter's folder
+    parent: str | None = None  # an adapter's base model
     max_model_len: int
 
 

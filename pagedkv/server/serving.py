@@ -81,14 +81,19 @@ class OpenAIServing:
     def __init__(self, engine, metrics: ServerMetrics) -> None:
         self.engine, self.metrics = engine, metrics
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.engine.config.served_model_names:
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist; this server serves {self.engine.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's model names (None: the base model); 404 for a model
+        this server does not serve."""
+        if name is None or name in self.engine.config.served_model_names:
+            return None
+        if name in self.engine.engine.loras:
+            return name
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {self.engine.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
     def model_defaults(
         self, req: api.CompletionRequest | api.ChatCompletionRequest, params: SamplingParams
@@ -103,8 +108,9 @@ class OpenAIServing:
         return with_defaults(params, defaults, set(defaults) - given)
 
     async def completions(self, req: api.CompletionRequest, request: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         params = self.model_defaults(req, req.sampling_params())
+        params.lora_name = lora
         tok = self.engine.tokenizer
         special = req.add_special_tokens
         encoded = [
@@ -122,7 +128,7 @@ class OpenAIServing:
             ]
         fmt = CompletionFormat(
             request_id("cmpl", request, req.request_id),
-            self.engine.model_name,
+            lora or self.engine.model_name,
             token_decoder(tok, self.as_token_ids(req)),
             token_ids=bool(req.return_token_ids),
             echo=echo,
@@ -132,8 +138,9 @@ class OpenAIServing:
         return await self._run(request, req, fmt, prompts, params)
 
     async def chat(self, req: api.ChatCompletionRequest, request: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         params = self.model_defaults(req, req.sampling_params())
+        params.lora_name = lora
         plan = plan_tools(req, self.engine.config.enable_auto_tool_choice)
         if plan.grammar is not None:
             if params.structured_outputs is not None:
@@ -155,7 +162,7 @@ class OpenAIServing:
         tags = self.engine.engine.reasoning
         fmt = ChatFormat(
             request_id("chatcmpl", request, req.request_id),
-            self.engine.model_name,
+            lora or self.engine.model_name,
             token_decoder(tok, self.as_token_ids(req)),
             token_ids=bool(req.return_token_ids),
             parser=plan.parser,

@@ -1,0 +1,154 @@
+"""LoRA adapters (vLLM's --enable-lora --lora-modules): PEFT folders, added to the base model's
+matmuls for the rows of the requests that name them.
+
+An adapter changes a projection W to W + s * B @ A (A: [r, in], B: [out, r], s = alpha / r, or
+alpha / sqrt(r) with rsLoRA). The base weights stay as they are (quantized, packed, shared by every
+request); each step, for each run of rows under one adapter, x @ A^T then @ B^T is added to the
+projection's output. The model's fused projections (qkv, gate_up) take their parts' A stacked, one
+matmul, and each part's B into its columns of the output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from pagedkv.config import ConfigError
+from pagedkv.model.config import LlamaConfig
+from pagedkv.model.llama import FUSED_PARTS
+
+# PEFT's module names (q_proj, ...) -> (our fused projection, its part): as the loader fuses them
+TARGETS = {
+    hf.rpartition(".")[2]: (fused.removesuffix("_proj"), part)
+    for hf, (fused, part) in FUSED_PARTS.items()
+    if fused.endswith("_proj")
+}
+
+
+@dataclass
+class Projection:
+    """One fused projection of one layer under an adapter: the parts' A stacked, and each part's
+    B (scaled) with the output columns and A rows it maps."""
+
+    a: Tensor  # [sum of the parts' ranks, in]
+    parts: list[tuple[slice, slice, Tensor]]  # (output columns, rows of a, B [out_part, r])
+
+    def add(self, x: Tensor, out: Tensor) -> None:
+        """out += x's delta under this adapter, in place."""
+        xa = x @ self.a.T
+        for cols, ranks, b in self.parts:
+            out[:, cols] += xa[:, ranks] @ b.T
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: str
+    rank: int
+    layers: list[dict[str, Projection]] = field(default_factory=list)  # per layer: target -> it
+
+    @property
+    def key(self) -> str:
+        """What keys its prefix-cache blocks apart from the base model's and other adapters'."""
+        return f"{self.name}\0{self.path}"
+
+
+def _out_columns(config: LlamaConfig) -> dict[str, list[int]]:
+    """Each fused projection's parts' output widths."""
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    inter = config.intermediate_size
+    return {"qkv": [q, kv, kv], "o": [config.hidden_size], "gate_up": [inter, inter],
+            "down": [config.hidden_size]}  # fmt: skip
+
+
+def load_adapter(
+    name: str, path: str, config: LlamaConfig, dtype: torch.dtype, max_rank: int
+) -> LoRAAdapter:
+    """A PEFT folder (adapter_config.json, adapter_model.safetensors) for this base model; what it
+    cannot apply exactly (biases, DoRA, extra trained modules, a rank over max_rank, another
+    shape) is a ConfigError naming it."""
+    from safetensors.torch import load_file
+
+    folder = Path(path).expanduser()
+    where = f"LoRA adapter {name!r} ({path})"
+    try:
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}: no readable adapter_config.json ({e})") from None
+    weights_file = folder / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        raise ConfigError(f"{where}: no adapter_model.safetensors")
+    for key, ok in (
+        ("bias", cfg.get("bias", "none") == "none"),
+        ("use_dora", not cfg.get("use_dora")),
+        ("modules_to_save", not cfg.get("modules_to_save")),
+        ("fan_in_fan_out", not cfg.get("fan_in_fan_out")),
+    ):
+        if not ok:
+            raise ConfigError(f"{where}: {key}={cfg.get(key)!r} is not supported")
+    rank, alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
+    if rank > max_rank:
+        raise ConfigError(f"{where}: rank {rank} exceeds --max-lora-rank {max_rank}")
+    scale = alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
+    tensors = load_file(str(weights_file))
+    found: dict[tuple[int, str], dict[int, tuple[Tensor, Tensor]]] = {}
+    pairs: dict[str, dict[str, Tensor]] = {}
+    for key, t in tensors.items():
+        stem, _, kind = key.rpartition(".lora_")
+        if kind not in ("A.weight", "B.weight"):
+            raise ConfigError(f"{where}: unsupported tensor {key!r}")
+        pairs.setdefault(stem, {})[kind[0]] = t
+    for stem, ab in pairs.items():
+        names = stem.split(".")
+        module = names[-1]
+        if module not in TARGETS or "layers" not in names or len(ab) != 2:
+            raise ConfigError(f"{where}: unsupported module {stem!r}")
+        layer = int(names[names.index("layers") + 1])
+        if not 0 <= layer < config.num_hidden_layers:
+            raise ConfigError(f"{where}: {stem!r} is past the model's layers")
+        target, part = TARGETS[module]
+        found.setdefault((layer, target), {})[part] = (ab["A"], ab["B"])
+    widths = _out_columns(config)
+    ins = {"qkv": config.hidden_size, "o": config.num_attention_heads * config.head_dim,
+           "gate_up": config.hidden_size, "down": config.intermediate_size}  # fmt: skip
+    adapter = LoRAAdapter(name, str(path), rank, [{} for _ in range(config.num_hidden_layers)])
+    for (layer, target), by_part in found.items():
+        a_rows: list[Tensor] = []
+        parts: list[tuple[slice, slice, Tensor]] = []
+        at = 0
+        for part, (a, b) in sorted(by_part.items()):
+            width = widths[target][part]
+            if a.shape[1] != ins[target] or b.shape[0] != width or a.shape[0] != b.shape[1]:
+                raise ConfigError(
+                    f"{where}: layer {layer} {target} part {part}: A {tuple(a.shape)}, "
+                    f"B {tuple(b.shape)} do not fit the model"
+                )
+            start = sum(widths[target][:part])
+            r = a.shape[0]
+            a_rows.append(a)
+            parts.append(
+                (slice(start, start + width), slice(at, at + r), (b.float() * scale).to(dtype))
+            )
+            at += r
+        adapter.layers[layer][target] = Projection(torch.cat(a_rows).to(dtype), parts)
+    return adapter
+
+
+@dataclass
+class LoRABatch:
+    """A step's rows under adapters: (adapter, first row, end row) runs; rows in none are
+    the base model's."""
+
+    runs: list[tuple[LoRAAdapter, int, int]]
+
+    def add(self, layer: int, target: str, x: Tensor, out: Tensor) -> None:
+        for adapter, lo, hi in self.runs:
+            proj = adapter.layers[layer].get(target)
+            if proj is not None:
+                proj.add(x[lo:hi], out[lo:hi])

@@ -1,0 +1,213 @@
+"""LoRA adapters: greedy output under an adapter equals transformers with the adapter merged into
+the weights (W + s * B @ A), alone and batched with base-model requests; adapters keep their
+prefix-cache blocks apart; a server names them as models.
+
+The adapters are PEFT folders written here with random A and B (PEFT starts B at zero, which would
+change nothing).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from server_process import TINY_SERVER, ServerProcess, serve_error
+
+from pagedkv import LLM, LoRARequest, SamplingParams
+from pagedkv.config import ConfigError
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPTS = [[5, 9, 23, 7, 81, 3], [40, 2, 2, 19], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def make_adapter(
+    folder: Path, model_dir: str, *, rank: int = 4, alpha: float = 8.0, seed: int = 0,
+    modules: tuple[str, ...] = MODULES, **config,
+) -> str:  # fmt: skip
+    """A PEFT folder for the tiny model."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    shapes = {  # (in, out)
+        "q_proj": (cfg.hidden_size, cfg.num_attention_heads * head_dim),
+        "k_proj": (cfg.hidden_size, cfg.num_key_value_heads * head_dim),
+        "v_proj": (cfg.hidden_size, cfg.num_key_value_heads * head_dim),
+        "o_proj": (cfg.num_attention_heads * head_dim, cfg.hidden_size),
+        "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+        "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+        "down_proj": (cfg.intermediate_size, cfg.hidden_size),
+    }
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for m in modules:
+            where = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            stem = f"base_model.model.model.layers.{layer}.{where}.{m}"
+            fan_in, fan_out = shapes[m]
+            tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.2
+            tensors[f"{stem}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.2
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    peft = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "bias": "none",
+            "target_modules": list(modules), **config}  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps(peft))
+    return str(folder)
+
+
+def merged_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers, float32, with the adapter merged into the weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    if adapter is not None:
+        cfg = json.loads((Path(adapter) / "adapter_config.json").read_text())
+        scale = cfg["lora_alpha"] / cfg["r"]
+        weights = load_file(str(Path(adapter) / "adapter_model.safetensors"))
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for key, a in weights.items():
+                if key.endswith("lora_A.weight"):
+                    stem = key.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
+                    b = weights[key.replace("lora_A", "lora_B")]
+                    params[f"{stem}.weight"] += scale * b @ a
+    out = []
+    for p in prompts:
+        ids = model.generate(
+            torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "all": make_adapter(root / "all", tiny_model_dir, seed=1),
+        "attn": make_adapter(root / "attn", tiny_model_dir, seed=2, rank=2,
+                             modules=("q_proj", "v_proj"), use_rslora=True, lora_alpha=4.0),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    engine = LLM(tiny_model_dir, dtype="float32", enable_lora=True, num_gpu_blocks_override=256)
+    yield engine
+    engine.close()
+
+
+def greedy(llm, prompts, lora=None) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, False, lora_request=lora)]
+
+
+def test_greedy_output_under_an_adapter_equals_the_merged_model(llm, tiny_model_dir, adapters):
+    request = LoRARequest("all", 1, adapters["all"])
+    expected = merged_greedy(tiny_model_dir, adapters["all"], PROMPTS)
+    assert greedy(llm, PROMPTS, request) == expected
+    assert expected != merged_greedy(tiny_model_dir, None, PROMPTS)  # the adapter changed them
+
+
+def test_rslora_and_a_subset_of_modules(llm, tiny_model_dir, adapters):
+    """rsLoRA scales by alpha / sqrt(r); the oracle scales by alpha / r, so it gets an alpha that
+    gives the same scale."""
+    cfg_path = Path(adapters["attn"]) / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    oracle = Path(adapters["attn"]).parent / "attn-plain"
+    oracle.mkdir(exist_ok=True)
+    (oracle / "adapter_model.safetensors").write_bytes(
+        (Path(adapters["attn"]) / "adapter_model.safetensors").read_bytes()
+    )
+    plain = {**cfg, "use_rslora": False, "lora_alpha": cfg["lora_alpha"] * cfg["r"] ** 0.5}
+    (oracle / "adapter_config.json").write_text(json.dumps(plain))
+    got = greedy(llm, PROMPTS, LoRARequest("attn", 2, adapters["attn"]))
+    assert got == merged_greedy(tiny_model_dir, str(oracle), PROMPTS)
+
+
+def test_a_batch_mixing_adapters_and_the_base_model_gives_each_its_own_output(llm, adapters):
+    a, b = LoRARequest("all", 1, adapters["all"]), LoRARequest("attn", 2, adapters["attn"])
+    alone = {
+        None: greedy(llm, PROMPTS),
+        "all": greedy(llm, PROMPTS, a),
+        "attn": greedy(llm, PROMPTS, b),
+    }
+    mixed = [a, None, b, b, None, a, None, a, b]
+    prompts = [PROMPTS[i % 3] for i in range(9)]
+    outs = greedy(llm, prompts, mixed)
+    for i, (lora, out) in enumerate(zip(mixed, outs)):
+        assert out == alone[lora.lora_name if lora else None][i % 3], i
+    llm.engine.kv.check_integrity()
+
+
+def test_adapters_never_share_prefix_blocks_with_the_base_or_each_other(llm, adapters):
+    prompt = list(range(100, 180))  # 80 tokens: whole blocks to cache
+    params = SamplingParams(temperature=0, max_tokens=1)
+    a = LoRARequest("all", 1, adapters["all"])
+
+    def cached(lora) -> int:
+        (out,) = llm.generate([prompt], params, False, lora_request=lora)
+        return out.num_cached_tokens
+
+    cached(None)  # the base model's blocks
+    assert cached(a) == 0  # not the adapter's
+    assert cached(a) >= 64 and cached(None) >= 64  # each finds its own
+
+
+def test_adapter_mistakes_are_config_errors(llm, tiny_model_dir, adapters, tmp_path):
+    with pytest.raises(ConfigError, match="already loaded from"):
+        llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("all", 9, "/x"))
+    big = make_adapter(tmp_path / "big", tiny_model_dir, rank=32)
+    with pytest.raises(ConfigError, match="rank 32 exceeds --max-lora-rank 16"):
+        llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("big", 3, big))
+    dora = make_adapter(tmp_path / "dora", tiny_model_dir, use_dora=True)
+    with pytest.raises(ConfigError, match="use_dora=True is not supported"):
+        llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("dora", 4, dora))
+    with pytest.raises(ConfigError, match="no readable adapter_config.json"):
+        llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("x", 5, str(tmp_path)))
+    with pytest.raises(ConfigError, match="needs --enable-lora"):
+        LLM(tiny_model_dir, lora_modules=[f"all={adapters['all']}"])
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_server_serves_each_adapter_as_a_model(tiny_model_dir, adapters, llm):
+    expected = greedy(llm, PROMPTS[:1], LoRARequest("all", 1, adapters["all"]))[0]
+    module = json.dumps({"name": "attn", "path": adapters["attn"]})
+    with ServerProcess(
+        tiny_model_dir, *TINY_SERVER, "--dtype", "float32", "--enable-lora",
+        "--lora-modules", f"all={adapters['all']}", module,
+    ) as srv:  # fmt: skip
+        models = srv.http.get("/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["tiny", "all", "attn"]
+        assert models[1]["parent"] == "tiny" and models[1]["root"] == adapters["all"]
+        body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        r = srv.http.post("/v1/completions", json={**body, "model": "all"})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "all"
+        assert r.json()["choices"][0]["text"] == llm.get_tokenizer().decode(expected)
+        r = srv.http.post("/v1/completions", json={**body, "model": "nope"})
+        assert r.status_code == 404, r.text
+    line = serve_error("--model", tiny_model_dir, "--lora-modules", "x")[-1]
+    assert "--lora-modules takes NAME=PATH or a JSON object" in line
+
+
+def test_generate_runs_a_prompt_under_an_adapter(tiny_model_dir, adapters, llm):
+    import subprocess
+    import sys
+
+    from server_process import REPO
+
+    expected = llm.generate(["Hello world"], GREEDY, False, lora_request=LoRARequest(
+        "all", 1, adapters["all"]))[0].outputs[0].token_ids  # fmt: skip
+    cmd = [sys.executable, "-m", "pagedkv.cli", "generate", "--model", tiny_model_dir,
+           "--dtype", "float32", "--enable-lora", "--lora-modules", f"all={adapters['all']}",
+           "--prompt", "Hello world", "--max-tokens", "8", "--ignore-eos", "--json"]  # fmt: skip
+    out = subprocess.run([*cmd, "--lora", "all"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["output_token_ids"] == expected
+    out = subprocess.run([*cmd, "--lora", "nope"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2 and "no LoRA adapter 'nope' is loaded" in out.stderr, out.stderr
