@@ -169,6 +169,11 @@ def test_adapter_mistakes_are_config_errors(llm, tiny_model_dir, adapters, tmp_p
         llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("dora", 4, dora))
     with pytest.raises(ConfigError, match="no readable adapter_config.json"):
         llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("x", 5, str(tmp_path)))
+    from tiny_model import make_tiny_model
+
+    other = make_adapter(tmp_path / "other", make_tiny_model(tmp_path / "m32", hidden=32))
+    with pytest.raises(ConfigError, match="do not fit the model"):
+        llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("o", 6, other))
     with pytest.raises(ConfigError, match="needs --enable-lora"):
         LLM(tiny_model_dir, lora_modules=[f"all={adapters['all']}"])
     assert not llm.engine.has_unfinished()

@@ -203,20 +203,16 @@ class ModelRunner:
         return input_ids, pos_t, meta, sample_rows
 
     def lora_runs(self, scheduled: list[ScheduledSeq]) -> LoRABatch | None:
-        """The runs of rows whose sequences name an adapter (None when none does)."""
-        runs: list = []
+        """The rows of each adapter its sequences name (None when none does)."""
+        spans = []
         row = 0
         for s in scheduled:
             n = s.num_new_tokens + len(s.drafts)
             name = s.seq.params.lora_name
             if name is not None:
-                adapter = self.loras[name]
-                if runs and runs[-1][0] is adapter and runs[-1][2] == row:
-                    runs[-1] = (adapter, runs[-1][1], row + n)
-                else:
-                    runs.append((adapter, row, row + n))
+                spans.append((self.loras[name], row, row + n))
             row += n
-        return LoRABatch(runs) if runs else None
+        return LoRABatch.of(spans) if spans else None
 
     @staticmethod
     def attach_prompt_hidden(scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:

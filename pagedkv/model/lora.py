@@ -3,8 +3,8 @@ matmuls for the rows of the requests that name them.
 
 An adapter changes a projection W to W + s * B @ A (A: [r, in], B: [out, r], s = alpha / r, or
 alpha / sqrt(r) with rsLoRA). The base weights stay as they are (quantized, packed, shared by every
-request); each step, for each run of rows under one adapter, x @ A^T then @ B^T is added to the
-projection's output. The model's fused projections (qkv, gate_up) take their parts' A stacked, one
+request); each step, for each adapter's rows, x @ A^T then @ B^T is added to the projection's
+output. The model's fused projections (qkv, gate_up) take their parts' A stacked, one
 matmul, and each part's B into its columns of the output.
 """
 
@@ -38,11 +38,11 @@ class Projection:
     a: Tensor  # [sum of the parts' ranks, in]
     parts: list[tuple[slice, slice, Tensor]]  # (output columns, rows of a, B [out_part, r])
 
-    def add(self, x: Tensor, out: Tensor) -> None:
-        """out += x's delta under this adapter, in place."""
-        xa = x @ self.a.T
+    def add(self, x: Tensor, out: Tensor, rows: slice | Tensor) -> None:
+        """out[rows] += x[rows]'s delta under this adapter, in place."""
+        xa = x[rows] @ self.a.T
         for cols, ranks, b in self.parts:
-            out[:, cols] += xa[:, ranks] @ b.T
+            out[rows, cols] += xa[:, ranks] @ b.T
 
 
 @dataclass
@@ -52,19 +52,14 @@ class LoRAAdapter:
     rank: int
     layers: list[dict[str, Projection]] = field(default_factory=list)  # per layer: target -> it
 
-    @property
-    def key(self) -> str:
-        """What keys its prefix-cache blocks apart from the base model's and other adapters'."""
-        return f"{self.name}\0{self.path}"
 
-
-def _out_columns(config: LlamaConfig) -> dict[str, list[int]]:
-    """Each fused projection's parts' output widths."""
+def _shapes(config: LlamaConfig) -> dict[str, tuple[int, list[int]]]:
+    """Each fused projection's input width and its parts' output widths."""
+    hidden, inter = config.hidden_size, config.intermediate_size
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    inter = config.intermediate_size
-    return {"qkv": [q, kv, kv], "o": [config.hidden_size], "gate_up": [inter, inter],
-            "down": [config.hidden_size]}  # fmt: skip
+    return {"qkv": (hidden, [q, kv, kv]), "o": (q, [hidden]), "gate_up": (hidden, [inter, inter]),
+            "down": (inter, [hidden])}  # fmt: skip
 
 
 def load_adapter(
@@ -114,22 +109,21 @@ def load_adapter(
             raise ConfigError(f"{where}: {stem!r} is past the model's layers")
         target, part = TARGETS[module]
         found.setdefault((layer, target), {})[part] = (ab["A"], ab["B"])
-    widths = _out_columns(config)
-    ins = {"qkv": config.hidden_size, "o": config.num_attention_heads * config.head_dim,
-           "gate_up": config.hidden_size, "down": config.intermediate_size}  # fmt: skip
+    shapes = _shapes(config)
     adapter = LoRAAdapter(name, str(path), rank, [{} for _ in range(config.num_hidden_layers)])
     for (layer, target), by_part in found.items():
         a_rows: list[Tensor] = []
         parts: list[tuple[slice, slice, Tensor]] = []
         at = 0
+        fan_in, widths = shapes[target]
         for part, (a, b) in sorted(by_part.items()):
-            width = widths[target][part]
-            if a.shape[1] != ins[target] or b.shape[0] != width or a.shape[0] != b.shape[1]:
+            width = widths[part]
+            if a.shape[1] != fan_in or b.shape[0] != width or a.shape[0] != b.shape[1]:
                 raise ConfigError(
                     f"{where}: layer {layer} {target} part {part}: A {tuple(a.shape)}, "
                     f"B {tuple(b.shape)} do not fit the model"
                 )
-            start = sum(widths[target][:part])
+            start = sum(widths[:part])
             r = a.shape[0]
             a_rows.append(a)
             parts.append(
@@ -142,13 +136,28 @@ def load_adapter(
 
 @dataclass
 class LoRABatch:
-    """A step's rows under adapters: (adapter, first row, end row) runs; rows in none are
-    the base model's."""
+    """A step's rows under each adapter: a slice where they are one run, else their indices (one
+    gather and one matmul per adapter, however its rows interleave with others'); rows under
+    none are the base model's."""
 
-    runs: list[tuple[LoRAAdapter, int, int]]
+    rows: list[tuple[LoRAAdapter, slice | Tensor]]
+
+    @classmethod
+    def of(cls, spans: list[tuple[LoRAAdapter, int, int]]) -> LoRABatch:
+        """From (adapter, first row, end row) spans in row order."""
+        by: dict[int, tuple[LoRAAdapter, list[tuple[int, int]]]] = {}
+        for adapter, lo, hi in spans:
+            by.setdefault(id(adapter), (adapter, []))[1].append((lo, hi))
+        rows: list[tuple[LoRAAdapter, slice | Tensor]] = []
+        for adapter, parts in by.values():
+            if all(a[1] == b[0] for a, b in zip(parts, parts[1:])):
+                rows.append((adapter, slice(parts[0][0], parts[-1][1])))
+            else:
+                rows.append((adapter, torch.cat([torch.arange(lo, hi) for lo, hi in parts])))
+        return cls(rows)
 
     def add(self, layer: int, target: str, x: Tensor, out: Tensor) -> None:
-        for adapter, lo, hi in self.runs:
+        for adapter, rows in self.rows:
             proj = adapter.layers[layer].get(target)
             if proj is not None:
-                proj.add(x[lo:hi], out[lo:hi])
+                proj.add(x, out, rows)
