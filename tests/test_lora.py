@@ -159,6 +159,7 @@ def test_adapters_never_share_prefix_blocks_with_the_base_or_each_other(llm, ada
 
 
 def test_adapter_mistakes_are_config_errors(llm, tiny_model_dir, adapters, tmp_path):
+    greedy(llm, PROMPTS[:1], LoRARequest("all", 1, adapters["all"]))
     with pytest.raises(ConfigError, match="already loaded from"):
         llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("all", 9, "/x"))
     big = make_adapter(tmp_path / "big", tiny_model_dir, rank=32)
