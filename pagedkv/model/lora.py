@@ -4,8 +4,9 @@ matmuls for the rows of the requests that name them.
 An adapter changes a projection W to W + s * B @ A (A: [r, in], B: [out, r], s = alpha / r, or
 alpha / sqrt(r) with rsLoRA). The base weights stay as they are (quantized, packed, shared by every
 request); each step, for each adapter's rows, x @ A^T then @ B^T is added to the projection's
-output. The model's fused projections (qkv, gate_up) take their parts' A stacked, one
-matmul, and each part's B into its columns of the output.
+output. The model's fused projections (qkv, gate_up) take their parts' A stacked and their Bs as
+one block-diagonal matrix: two matmuls a projection, however many parts it has (torch's per-call
+cost, not the FLOPs, is what a small rank spends).
 """
 
 from __future__ import annotations
@@ -32,17 +33,18 @@ TARGETS = {
 
 @dataclass
 class Projection:
-    """One fused projection of one layer under an adapter: the parts' A stacked, and each part's
-    B (scaled) with the output columns and A rows it maps."""
+    """One fused projection of one layer under an adapter."""
 
-    a: Tensor  # [sum of the parts' ranks, in]
-    parts: list[tuple[slice, slice, Tensor]]  # (output columns, rows of a, B [out_part, r])
+    a: Tensor  # [sum of the parts' ranks, in]: the parts' A stacked
+    b: Tensor  # [out, sum of the ranks]: the parts' B, scaled, block-diagonal (zero elsewhere)
 
     def add(self, x: Tensor, out: Tensor, rows: slice | Tensor) -> None:
         """out[rows] += x[rows]'s delta under this adapter, in place."""
         xa = x[rows] @ self.a.T
-        for cols, ranks, b in self.parts:
-            out[rows, cols] += xa[:, ranks] @ b.T
+        if isinstance(rows, slice):
+            out[rows].addmm_(xa, self.b.T)
+        else:
+            out.index_add_(0, rows, xa @ self.b.T)
 
 
 @dataclass
@@ -112,10 +114,10 @@ def load_adapter(
     shapes = _shapes(config)
     adapter = LoRAAdapter(name, str(path), rank, [{} for _ in range(config.num_hidden_layers)])
     for (layer, target), by_part in found.items():
-        a_rows: list[Tensor] = []
-        parts: list[tuple[slice, slice, Tensor]] = []
-        at = 0
         fan_in, widths = shapes[target]
+        a_rows: list[Tensor] = []
+        b_parts: list[tuple[int, int, Tensor]] = []  # (first output column, first rank, B)
+        at = 0
         for part, (a, b) in sorted(by_part.items()):
             width = widths[part]
             if a.shape[1] != fan_in or b.shape[0] != width or a.shape[0] != b.shape[1]:
@@ -123,14 +125,13 @@ def load_adapter(
                     f"{where}: layer {layer} {target} part {part}: A {tuple(a.shape)}, "
                     f"B {tuple(b.shape)} do not fit the model"
                 )
-            start = sum(widths[:part])
-            r = a.shape[0]
             a_rows.append(a)
-            parts.append(
-                (slice(start, start + width), slice(at, at + r), (b.float() * scale).to(dtype))
-            )
-            at += r
-        adapter.layers[layer][target] = Projection(torch.cat(a_rows).to(dtype), parts)
+            b_parts.append((sum(widths[:part]), at, b))
+            at += a.shape[0]
+        b_full = torch.zeros(sum(widths), at)
+        for col, rank, b in b_parts:
+            b_full[col : col + b.shape[0], rank : rank + b.shape[1]] = b.float() * scale
+        adapter.layers[layer][target] = Projection(torch.cat(a_rows).to(dtype), b_full.to(dtype))
     return adapter
 
 
