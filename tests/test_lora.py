@@ -144,6 +144,27 @@ def test_a_batch_mixing_adapters_and_the_base_model_gives_each_its_own_output(ll
     llm.engine.kv.check_integrity()
 
 
+def test_preemption_and_chunked_prefill_never_change_an_adapters_output(
+    llm, tiny_model_dir, adapters
+):
+    """12 blocks of 4 tokens hold one request's 26 tokens, not four; prompts go in 7-token
+    chunks: each sequence's rows under its adapter, whatever the step holds of it."""
+    loras = [LoRARequest("all", 1, adapters["all"]), None, LoRARequest("attn", 2, adapters["attn"])]
+    prompts = [*PROMPTS, PROMPTS[0]]
+    mixed = [*loras, loras[0]]
+    long = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [
+        o.outputs[0].token_ids for o in llm.generate(prompts, long, False, lora_request=mixed)
+    ]
+    small = LLM(tiny_model_dir, dtype="float32", enable_lora=True, num_gpu_blocks_override=12,
+                block_size=4, max_num_batched_tokens=7)  # fmt: skip
+    outs = small.generate(prompts, long, False, lora_request=mixed)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    small.engine.kv.check_integrity()
+    small.close()
+
+
 def test_adapters_never_share_prefix_blocks_with_the_base_or_each_other(llm, adapters):
     prompt = list(range(100, 180))  # 80 tokens: whole blocks to cache
     params = SamplingParams(temperature=0, max_tokens=1)
@@ -156,6 +177,25 @@ def test_adapters_never_share_prefix_blocks_with_the_base_or_each_other(llm, ada
     cached(None)  # the base model's blocks
     assert cached(a) == 0  # not the adapter's
     assert cached(a) >= 64 and cached(None) >= 64  # each finds its own
+
+
+def test_the_async_engine_takes_a_lora_request(tiny_model_dir, adapters, llm):
+    import asyncio
+
+    from pagedkv import AsyncEngineArgs, AsyncLLMEngine
+
+    request = LoRARequest("all", 1, adapters["all"])
+    want = greedy(llm, PROMPTS[:1], request)[0]
+
+    async def main() -> list[int]:
+        args = AsyncEngineArgs(model=tiny_model_dir, dtype="float32", enable_lora=True)
+        engine = AsyncLLMEngine.from_engine_args(args)
+        async for out in engine.generate(PROMPTS[0], GREEDY, "r1", lora_request=request):
+            last = out
+        await engine.shutdown()
+        return last.outputs[0].token_ids
+
+    assert asyncio.run(main()) == want
 
 
 def test_adapter_mistakes_are_config_errors(llm, tiny_model_dir, adapters, tmp_path):

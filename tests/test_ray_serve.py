@@ -335,11 +335,13 @@ def test_a_chats_route_key_is_the_prompt_its_replica_renders(tmp_path):
     from pagedkv.server.ray_app import Ingress
 
     tok = Tokenizer.from_hf_folder(make_tiny_model(tmp_path / "model"))
-    ingress = object.__new__(Ingress.func_or_class)  # its routing alone, no cluster
-    ingress.tokenizer = tok
+    from types import SimpleNamespace
+
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
-    ids = ingress._prompt_ids(
-        "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}]}
+    ids = Ingress.func_or_class._prompt_ids(  # its routing alone: no cluster, no instance
+        SimpleNamespace(tokenizer=tok),
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": parts}]},
     )
     text = render_chat(tok, [{"role": "user", "content": "Hello\nworld"}])
     assert ids == tok.encode(text, add_special_tokens=False)

@@ -11,6 +11,7 @@ are RequestOutput with vLLM's shapes (logprobs decoded as list[dict[int, Logprob
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,7 +20,7 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine.async_engine import AsyncLLM
 from pagedkv.engine.llm import reject_unsupported, to_prompt, token_text, with_salt
 from pagedkv.engine.outputs import Logprob, RequestOutput
-from pagedkv.engine.request import SamplingParams
+from pagedkv.engine.request import LoRARequest, SamplingParams
 
 
 class EngineArgs:
@@ -64,6 +65,7 @@ class AsyncLLMEngine:
 
         Closing the iterator aborts the request."""
         priority = kwargs.pop("priority", 0)
+        lora_request = kwargs.pop("lora_request", None)
         reject_unsupported("AsyncLLMEngine.generate", kwargs)
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError("sampling_params must be a pagedkv SamplingParams")
@@ -71,6 +73,12 @@ class AsyncLLMEngine:
         sampling_params = with_salt(prompt, sampling_params)
         if priority != 0:
             sampling_params = dataclasses.replace(sampling_params, priority=priority)
+        if lora_request is not None:  # loaded on first use, off the event loop
+            if not isinstance(lora_request, LoRARequest):
+                raise TypeError("lora_request must be a pagedkv LoRARequest")
+            engine = self._llm.engine
+            await asyncio.to_thread(engine.add_lora, lora_request.lora_name, lora_request.lora_path)
+            sampling_params = dataclasses.replace(sampling_params, lora_name=lora_request.lora_name)
         if not self._started:
             await self._llm.start()
             self._started = True
