@@ -198,6 +198,31 @@ def test_the_async_engine_takes_a_lora_request(tiny_model_dir, adapters, llm):
     assert asyncio.run(main()) == want
 
 
+def test_a_disk_tier_never_hands_an_adapters_blocks_to_other_weights_under_its_name(
+    tiny_model_dir, tmp_path
+):
+    """The blocks are keyed by the adapter's files, not its name alone: a restart with the same
+    name and folder but new weights finds none of them; with the same weights, all."""
+    folder, tier = tmp_path / "x", str(tmp_path / "tier")
+    prompt = list(range(100, 180))
+    one = SamplingParams(temperature=0, max_tokens=1)
+
+    def cached(seed: int) -> int:
+        if folder.exists():
+            for f in folder.iterdir():
+                f.unlink()
+            folder.rmdir()
+        make_adapter(folder, tiny_model_dir, seed=seed)
+        llm = LLM(tiny_model_dir, dtype="float32", enable_lora=True, kv_offload_dir=tier)
+        (out,) = llm.generate([prompt], one, False, lora_request=LoRARequest("x", 1, str(folder)))
+        llm.close()
+        return out.num_cached_tokens
+
+    assert cached(seed=1) == 0
+    assert cached(seed=1) >= 64  # the same weights: the tier's blocks
+    assert cached(seed=2) == 0  # new weights under the same name: none
+
+
 def test_adapter_mistakes_are_config_errors(llm, tiny_model_dir, adapters, tmp_path):
     greedy(llm, PROMPTS[:1], LoRARequest("all", 1, adapters["all"]))
     with pytest.raises(ConfigError, match="already loaded from"):

@@ -74,6 +74,7 @@ class LLMEngine:
             else None
         )
         self.loras: dict[str, LoRAAdapter] = {}
+        self.lora_keys: dict[str, str] = {}  # name -> its prefix-cache key (the scheduler's)
         for name, path in lora_paths(config.lora_modules).items():
             self.add_lora(name, path)
         self.vocab_size = self.loaded.config.vocab_size
@@ -95,6 +96,7 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
             proposer=proposer,
             policy=config.scheduling_policy,
+            adapter_keys=self.lora_keys,
         )
         self.runner = ModelRunner(
             self.loaded.model,
@@ -132,6 +134,7 @@ class LLMEngine:
             name, path, self.loaded.config, model.dtype, self.config.max_lora_rank
         )
         self.loras[name] = adapter
+        self.lora_keys[name] = adapter.key
         return adapter
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:

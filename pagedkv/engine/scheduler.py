@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pagedkv.engine.sequence import Sequence, Status
@@ -73,8 +74,12 @@ class Scheduler:
         preemption_mode: str = "recompute",
         proposer: NgramProposer | None = None,
         policy: str = "fcfs",
+        adapter_keys: Mapping[str, str] | None = None,
     ) -> None:
+        """adapter_keys: each LoRA adapter's name -> what keys its prefix blocks (its weights'
+        fingerprint: a restart with other weights under the same name finds none of them)."""
         self.kv = kv
+        self.adapter_keys = adapter_keys if adapter_keys is not None else {}
         self.by_priority = policy == "priority"
         self.proposer = proposer
         self.max_num_seqs = max_num_seqs
@@ -88,9 +93,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; its block hashes are computed here, once, and grow with it."""
         p = seq.params
-        seq.block_hashes = self.kv.block_hashes(
-            seq.token_ids, salt=p.cache_salt, adapter=p.lora_name
-        )
+        adapter = None if p.lora_name is None else self.adapter_keys[p.lora_name]
+        seq.block_hashes = self.kv.block_hashes(seq.token_ids, salt=p.cache_salt, adapter=adapter)
         self._enqueue(self.waiting, seq, front=False)
 
     @staticmethod

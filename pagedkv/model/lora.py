@@ -11,6 +11,7 @@ cost, not the FLOPs, is what a small rank spends).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ class LoRAAdapter:
     name: str
     path: str
     rank: int
+    key: str = ""  # keys its prefix-cache blocks: name and a fingerprint of its files
     layers: list[dict[str, Projection]] = field(default_factory=list)  # per layer: target -> it
 
 
@@ -93,6 +95,8 @@ def load_adapter(
     if rank > max_rank:
         raise ConfigError(f"{where}: rank {rank} exceeds --max-lora-rank {max_rank}")
     scale = alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
+    digest = hashlib.blake2b(weights_file.read_bytes(), digest_size=16)
+    digest.update(json.dumps(cfg, sort_keys=True).encode())
     tensors = load_file(str(weights_file))
     found: dict[tuple[int, str], dict[int, tuple[Tensor, Tensor]]] = {}
     pairs: dict[str, dict[str, Tensor]] = {}
@@ -112,7 +116,8 @@ def load_adapter(
         target, part = TARGETS[module]
         found.setdefault((layer, target), {})[part] = (ab["A"], ab["B"])
     shapes = _shapes(config)
-    adapter = LoRAAdapter(name, str(path), rank, [{} for _ in range(config.num_hidden_layers)])
+    layers: list[dict[str, Projection]] = [{} for _ in range(config.num_hidden_layers)]
+    adapter = LoRAAdapter(name, str(path), rank, f"{name}\0{digest.hexdigest()}", layers)
     for (layer, target), by_part in found.items():
         fan_in, widths = shapes[target]
         a_rows: list[Tensor] = []
