@@ -204,6 +204,8 @@ class ModelRunner:
 
     def lora_runs(self, scheduled: list[ScheduledSeq]) -> LoRABatch | None:
         """The rows of each adapter its sequences name (None when none does)."""
+        if not self.loras:  # no adapter loaded: nothing to look at in the step
+            return None
         spans = []
         row = 0
         for s in scheduled:

@@ -127,28 +127,33 @@ class StructuredOutputs:
         state = ThinkState.of(self.reasoning, seq.token_ids[: seq.num_prompt_tokens], [])
         return [t for t in seq.output_token_ids if state.step(t)]
 
-    def _section(self, seq: Sequence) -> Section:
-        """Where the row's next token falls (always the answer without a reasoning parser)."""
+    def _state(self, seq: Sequence) -> ThinkState | None:
+        """Where the row's output stands (None without a reasoning parser: always the answer)."""
         if self.reasoning is None:
-            return Section.ANSWER
+            return None
         state = self._thinking.get(seq)
         if state is None:
             prompt = seq.token_ids[: seq.num_prompt_tokens]
             state = self._thinking[seq] = ThinkState.of(
                 self.reasoning, prompt, seq.output_token_ids
             )
-        return state.section
+        return state
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Mask, in place, every token the grammar of each constrained row forbids.
 
         One bitmask holds the constrained rows (unconstrained ones cost nothing), each filled by
         its matcher; one index_add_ puts the 0 / -inf offsets on those rows of the logits."""
-        rows = [
-            i
-            for i, s in enumerate(seqs)
-            if s.params.structured_outputs is not None and self._section(s) is not Section.THINK
-        ]
+        rows: list[int] = []
+        undecided: list[bool] = []  # the first token may also be <think>
+        for i, seq in enumerate(seqs):
+            if seq.params.structured_outputs is None:
+                continue
+            state = self._state(seq)
+            section = Section.ANSWER if state is None else state.section
+            if section is not Section.THINK:  # a row still thinking is left free
+                rows.append(i)
+                undecided.append(section is Section.EITHER)
         if not rows:
             return
         vocab = logits.shape[1]
@@ -156,7 +161,8 @@ class StructuredOutputs:
         row_bytes = bitmask.shape[1] * 4
         for k, i in enumerate(rows):  # llguidance writes each row in place, the GIL released
             self._matcher(seqs[i]).unsafe_compute_mask_ptr(bitmask[k].data_ptr(), row_bytes)
-            if self.reasoning is not None and self._section(seqs[i]) is Section.EITHER:
+            if undecided[k]:
+                assert self.reasoning is not None  # only a reasoning parser leaves it undecided
                 byte, bit = divmod(self.reasoning.start_id, 8)  # the model may think first
                 bitmask[k].view(torch.uint8)[byte] |= 1 << bit
         bias = _BYTE_BIAS.index_select(0, bitmask.view(torch.uint8).view(-1).long())
@@ -169,10 +175,9 @@ class StructuredOutputs:
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             if seq.params.structured_outputs is None:
                 continue
-            if self.reasoning is not None:
-                self._section(seq)  # the state as of the output so far, then past this token
-                if not self._thinking[seq].step(token):
-                    continue
+            state = self._state(seq)  # as of the output so far, then past this token
+            if state is not None and not state.step(token):
+                continue
             m = self._matcher(seq)
             m.consume_token(token)
             done[i] = m.is_stopped()  # also true in an error state: the output cannot go on

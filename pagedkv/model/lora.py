@@ -151,9 +151,9 @@ class LoRABatch:
     @classmethod
     def of(cls, spans: list[tuple[LoRAAdapter, int, int]]) -> LoRABatch:
         """From (adapter, first row, end row) spans in row order."""
-        by: dict[int, tuple[LoRAAdapter, list[tuple[int, int]]]] = {}
+        by: dict[str, tuple[LoRAAdapter, list[tuple[int, int]]]] = {}
         for adapter, lo, hi in spans:
-            by.setdefault(id(adapter), (adapter, []))[1].append((lo, hi))
+            by.setdefault(adapter.name, (adapter, []))[1].append((lo, hi))
         rows: list[tuple[LoRAAdapter, slice | Tensor]] = []
         for adapter, parts in by.values():
             if all(a[1] == b[0] for a, b in zip(parts, parts[1:])):
