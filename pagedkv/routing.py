@@ -35,10 +35,13 @@ def prompt_block_hashes(
     block_size: int,
     max_blocks: int = MAX_ROUTING_BLOCKS,
     salt: str | None = None,
+    adapter: str | None = None,
 ) -> list[BlockHash]:
-    """Chained hashes of the prompt's full blocks, as a replica's prefix cache keys them."""
+    """Chained hashes of the prompt's full blocks, keyed apart by salt and LoRA adapter as a
+    replica's prefix cache keys them (there by the adapter's files too: a router needs only to
+    tell adapters apart)."""
     num_tokens = min(len(token_ids), max_blocks * block_size)
-    return BlockHashes(block_size, b"", token_ids, num_tokens, salt).hashes
+    return BlockHashes(block_size, b"", token_ids, num_tokens, salt, adapter).hashes
 
 
 class RoutingPolicy(ABC):

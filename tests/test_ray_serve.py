@@ -345,3 +345,32 @@ def test_a_chats_route_key_is_the_prompt_its_replica_renders(tmp_path):
     )
     text = render_chat(tok, [{"role": "user", "content": "Hello\nworld"}])
     assert ids == tok.encode(text, add_special_tokens=False)
+
+
+def test_a_request_for_an_adapter_is_routed_apart_from_the_base_models(tmp_path):
+    """Replicas key an adapter's prefix blocks apart, so the same prompt under another adapter
+    (or none) must not be steered to the replica holding the other one's blocks."""
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+
+    from pagedkv.model.tokenizer import Tokenizer
+    from pagedkv.server.ray_app import Ingress
+
+    tok = Tokenizer.from_hf_folder(make_tiny_model(tmp_path / "model"))
+    ingress = SimpleNamespace(
+        tokenizer=tok, block_size=4, adapters=frozenset({"sql", "chat"}), _prompt_ids=None
+    )
+    ingress._prompt_ids = lambda path, data: Ingress.func_or_class._prompt_ids(ingress, path, data)
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []})
+
+    def hashes(**fields):
+        body = json.dumps({"prompt": list(range(5, 30)), **fields}).encode()
+        return Ingress.func_or_class.route_key(ingress, request, body).hashes
+
+    base = hashes()
+    assert len(base) == 6
+    assert hashes(model="the-base-model") == base  # not an adapter: the base model's blocks
+    sql, chat = hashes(model="sql"), hashes(model="chat")
+    assert len({base, sql, chat}) == 3 and all(len(h) == 6 for h in (sql, chat))
+    assert hashes(model="sql", cache_salt="s") not in (sql, hashes(cache_salt="s"))

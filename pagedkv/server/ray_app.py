@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from pagedkv.config import EngineConfig, is_digits
+from pagedkv.config import EngineConfig, is_digits, lora_paths
 from pagedkv.routing import prompt_block_hashes
 from pagedkv.server.aggregate import merge_kv, merge_metrics
 from pagedkv.server.errors import error_body
@@ -156,6 +156,7 @@ class Ingress:
         block_size: int,
         num_replicas: int,
         cors: dict | None = None,
+        adapters: frozenset[str] = frozenset(),
     ) -> None:
         from pagedkv.model.loader import read_checkpoint
 
@@ -163,6 +164,7 @@ class Ingress:
         self.tokenizer = read_checkpoint(model)[0].tokenizer
         self.block_size, self.num_replicas = block_size, num_replicas
         self.cors = cors or {}
+        self.adapters = adapters  # LoRA names: a request naming one is keyed apart, as on replicas
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Serve's hook, called after the constructor: the app with the server's CORS options.
@@ -184,10 +186,13 @@ class Ingress:
             data = json.loads(body) if body else {}
             ids = self._prompt_ids(request.url.path, data) if isinstance(data, dict) else []
             salt = data.get("cache_salt") if isinstance(data, dict) else None
+            model = data.get("model") if isinstance(data, dict) else None
         except Exception:  # noqa: BLE001 - bad input is the replica's to reject, with its own message
-            ids, salt = [], None
+            ids, salt, model = [], None, None
         salt = salt if isinstance(salt, str) and salt else None
-        return RouteKey(hashes=tuple(prompt_block_hashes(ids, self.block_size, salt=salt)))
+        adapter = model if isinstance(model, str) and model in self.adapters else None
+        hashes = prompt_block_hashes(ids, self.block_size, salt=salt, adapter=adapter)
+        return RouteKey(hashes=tuple(hashes))
 
     def _prompt_ids(self, path: str, data: dict) -> list[int]:
         tok = self.tokenizer
@@ -343,5 +348,10 @@ def build(
         request_router_config=router,
     ).bind(config, cors)
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(  # type: ignore[attr-defined]
-        engine, config.model, config.block_size, num_replicas, cors
+        engine,
+        config.model,
+        config.block_size,
+        num_replicas,
+        cors,
+        frozenset(lora_paths(config.lora_modules)) if config.enable_lora else frozenset(),
     )
