@@ -494,8 +494,8 @@ class EngineConfig:
             "--enable-lora runs on one process: not with --tensor-parallel-size above 1",
         )
         need(
-            type(self.max_lora_rank) is int and self.max_lora_rank >= 1,
-            f"--max-lora-rank must be a positive integer, got {self.max_lora_rank!r}",
+            type(self.max_lora_rank) is int and 1 <= self.max_lora_rank <= 1024,
+            f"--max-lora-rank must be an integer from 1 to 1024, got {self.max_lora_rank!r}",
         )
         need(
             self.chat_template_content_format in CONTENT_FORMATS,

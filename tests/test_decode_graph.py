@@ -14,6 +14,16 @@ from pagedkv.model import decode_graph, prepacked
 
 needs_library = pytest.mark.skipif(not native.available(), reason="the C++ library is not built")
 
+
+def replays(dtype: str) -> bool:
+    """Whether this build multiplies the model's matmuls with GEMMs of ours: bfloat16 needs
+    AVX512_BF16, float32 an AVX-512 or AVX2 build (not NEON nor portable). Where torch's (oneDNN,
+    MKL) run, every step is eager."""
+    if dtype == "bfloat16":
+        return prepacked.form() == "pairs"
+    return prepacked.float32_form() == "panels"
+
+
 PROMPT = "Memory is cut into fixed-size blocks handed out on demand, mapped by a block table. "
 
 
@@ -56,8 +66,7 @@ def test_replayed_steps_equal_eager_ones(tiny_model_dir, monkeypatch, dtype, cas
     assert graphs is None and counts == {"replays": 0, "records": 0}
     replayed, counts, graphs = _generate(tiny_model_dir, monkeypatch, False, dtype=dtype)
     assert replayed == eager
-    if dtype == "bfloat16" and prepacked.form() != "pairs":
-        # bfloat16 matmuls run on oneDNN or torch here (no AVX512_BF16): every step is eager
+    if not replays(dtype):  # the matmuls run on oneDNN, MKL or torch here: every step is eager
         assert counts["replays"] == 0 and graphs.eager and not graphs.graphs
         return
     # batch sizes 7 down to 1 as requests finish; block tables grow past 4, 8 and 16 blocks
@@ -85,8 +94,8 @@ def test_quantized_cache_steps_replay(tiny_model_dir, monkeypatch, kv_cache_dtyp
     eager, _, _ = _generate(tiny_model_dir, monkeypatch, True, **options)
     got, counts, graphs = _generate(tiny_model_dir, monkeypatch, False, **options)
     assert got == eager
-    if dtype == "bfloat16" and prepacked.form() != "pairs":
-        return  # bf16 matmuls on oneDNN or torch: eager (test_replayed_steps_equal_eager_ones)
+    if not replays(dtype):
+        return  # matmuls on oneDNN, MKL or torch: eager (test_replayed_steps_equal_eager_ones)
     assert counts["replays"] >= 30 and not graphs.eager and any(key[2] for key in graphs.graphs)
 
 
@@ -98,7 +107,7 @@ def test_a_forward_torch_computes_in_runs_eagerly(tiny_model_dir, monkeypatch) -
     eager, _, _ = _generate(tiny_model_dir, monkeypatch, True, quantization="int8")
     got, _, graphs = _generate(tiny_model_dir, monkeypatch, False, quantization="int8")
     assert got == eager
-    assert (1, 1, False, torch.get_num_threads()) in graphs.eager
+    assert (1, 1, False, torch.get_num_threads(), 0) in graphs.eager
     assert not set(graphs.eager) & set(graphs.graphs)
 
 

@@ -144,6 +144,25 @@ def test_a_batch_mixing_adapters_and_the_base_model_gives_each_its_own_output(ll
     llm.engine.kv.check_integrity()
 
 
+def test_decode_steps_under_adapters_replay_their_recorded_calls(llm, tiny_model_dir, adapters):
+    """A step with adapters is recorded once (its rows' adapters an input of the replay) and
+    replayed after, with the output of an engine that runs every step eagerly."""
+    from pagedkv.model import prepacked
+
+    loras = [LoRARequest("all", 1, adapters["all"]), None, LoRARequest("attn", 2, adapters["attn"])]
+    graphs = llm.engine.runner.graphs
+    outs = greedy(llm, PROMPTS, loras)
+    recorded = [key for key in graphs.graphs if key[4]]  # keyed by the adapters' tables
+    if prepacked.float32_form() == "panels":  # float32 matmuls of ours: the steps replay
+        assert recorded and not any(key[4] for key in graphs.eager)
+    else:  # (NEON and portable builds: MKL multiplies, every step is eager)
+        assert not recorded
+    eager = LLM(tiny_model_dir, dtype="float32", enable_lora=True, enforce_eager=True)
+    assert outs == [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, False,
+                                                                   lora_request=loras)]  # fmt: skip
+    eager.close()
+
+
 def test_preemption_and_chunked_prefill_never_change_an_adapters_output(
     llm, tiny_model_dir, adapters
 ):
@@ -221,6 +240,54 @@ def test_a_disk_tier_never_hands_an_adapters_blocks_to_other_weights_under_its_n
     assert cached(seed=1) == 0
     assert cached(seed=1) >= 64  # the same weights: the tier's blocks
     assert cached(seed=2) == 0  # new weights under the same name: none
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_the_lora_kernel_equals_its_torch_path(dtype, rows, kernel_isa, monkeypatch):
+    """Two parts of a fused projection, three adapters (one without the first part, one of rank
+    0 nowhere), rows under each and under none, x and out rows of wider tensors: the kernel's
+    result is the torch path's, and that is the float64 formula."""
+    from pagedkv import native
+    from pagedkv.model.lora import Delta, LoRABatch, LoRATables, PartTable
+
+    gen = torch.Generator().manual_seed(rows)
+
+    def delta(rank: int, width: int) -> Delta:
+        a, b = torch.randn(rank, 40, generator=gen), torch.randn(rank, width, generator=gen)
+        return Delta(a.to(dtype), b.to(dtype))
+
+    d0, d1, d2 = delta(3, 24), delta(5, 20), delta(16, 20)
+    parts = [PartTable.of(0, 24, [d0, None, None]), PartTable.of(30, 20, [None, d1, d2])]
+    tables = LoRATables(adapters=[], layers=[{"qkv": parts}])
+    slots = torch.tensor([(r * 7) % 4 - 1 for r in range(rows)], dtype=torch.int32)  # -1 .. 2
+    batch = LoRABatch(tables, slots)
+    x = torch.randn(rows, 45, generator=gen).to(dtype)[:, 2:42]
+    out = torch.randn(rows, 56, generator=gen).to(dtype)[:, :52]
+    before = out.clone()
+
+    got = out.clone()
+    batch.add(0, "qkv", x, got)
+    want = out.clone()
+    with monkeypatch.context() as m:
+        m.setattr(native, "library_for", lambda *tensors: None)
+        batch.add(0, "qkv", x, want)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 8)
+
+    exact = before.double()
+    for r, s in enumerate(slots.tolist()):
+        for part in parts:
+            d = part.deltas[s] if s >= 0 else None
+            if d is not None:
+                cols = slice(part.cols, part.cols + part.width)
+                exact[r, cols] += (x[r].double() @ d.a.double().T) @ d.b.double()
+    torch.testing.assert_close(want.double(), exact.to(dtype).double(), rtol=tol, atol=tol * 8)
+    untouched = slots == -1
+    assert torch.equal(got[untouched], before[untouched])
+    assert torch.equal(got[:, 24:30], before[:, 24:30])  # columns no part covers
+    if rows > 1:
+        assert not torch.equal(got, before)
 
 
 def test_adapter_mistakes_are_config_errors(llm, tiny_model_dir, adapters, tmp_path):

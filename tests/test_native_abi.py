@@ -37,6 +37,7 @@ def test_the_header_declares_every_kernel_with_its_struct() -> None:
             "rms_norm",
             "silu_mul",
             "rope_cache",
+            "lora",
             "quant_write",
             "gemm_bf16",
             "gemm_int4",

@@ -1,5 +1,6 @@
 // The small operations around a decoder layer's matmuls, fused: RMSNorm with the residual
-// add, SiLU(gate) * up, and RoPE with the store of the new K/V into the paged cache.
+// add, SiLU(gate) * up, RoPE with the store of the new K/V into the paged cache, and the LoRA
+// adapters' deltas added to a matmul's output.
 //
 // In torch each of these is 4-10 ops: at one decode token per step that is Python and dispatch
 // overhead (about 7 ms of an 18 ms step for SmolLM2-135M), and on a 2048-token prompt chunk it
@@ -14,9 +15,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <utility>
+#include <vector>
 
 #include <omp.h>
 
+#include "micro.h"
 #include "pagedkv_abi.h"
 #include "vec.h"
 
@@ -129,6 +133,75 @@ bool with_float_type(pagedkv_dtype dtype, F&& f) {
   }
 }
 
+
+// LoRA: out[r] += (x[r] A^T) B for the rows of one adapter, kLoraRows rows at a time, so that each
+// line of A and B read from L1/L2 serves them all. torch's two small matmuls for this cost ~90 us
+// a projection, four times their arithmetic, so this one call per projection serves every
+// adapter's rows (BENCHMARKS.md "LoRA adapters").
+constexpr int kLoraRows = 4;
+constexpr int kLoraRanks = 4;  // A's rows a pass over x: 16 sums of 4 rows x 4 ranks in registers
+constexpr int kMaxLoraRank = 1024;
+
+template <typename T, int R>
+void lora_rows(const T* const (&x)[R], T* const (&out)[R], const T* a, const T* b, int rank, int64_t k,
+               int64_t n) {
+  float t[R][kMaxLoraRank];  // x A^T, kept in float32
+  for (int j0 = 0; j0 < rank; j0 += kLoraRanks) {
+    const int nj = std::min(kLoraRanks, rank - j0);
+    Vec acc[R][kLoraRanks];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < kLoraRanks; ++j) acc[r][j] = zero();
+    for (int64_t c = 0; c < k; c += W) {
+      const Mask m = lanes(k, c);
+      Vec xs[R];
+      for (int r = 0; r < R; ++r) xs[r] = load(x[r] + c, m);
+      for (int j = 0; j < nj; ++j) {
+        const Vec av = load(a + (j0 + j) * k + c, m);
+        for (int r = 0; r < R; ++r) acc[r][j] = fma(xs[r], av, acc[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < nj; ++j) t[r][j0 + j] = hsum(acc[r][j]);
+  }
+  for (int64_t c = 0; c < n; c += W) {
+    const Mask m = lanes(n, c);
+    Vec acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = load(out[r] + c, m);
+    for (int j = 0; j < rank; ++j) {
+      const Vec bv = load(b + j * n + c, m);
+      for (int r = 0; r < R; ++r) acc[r] = fma(set1(t[r][j]), bv, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) store(out[r] + c, acc[r], m);
+  }
+}
+
+template <typename T>
+void lora(const pagedkv_lora_params& P, const std::vector<std::vector<int32_t>>& rows_of, int threads) {
+  std::vector<std::pair<int32_t, int32_t>> items;  // (adapter, first of its rows in this item)
+  for (int32_t s = 0; s < int32_t(rows_of.size()); ++s)
+    for (size_t i = 0; i < rows_of[s].size(); i += kLoraRows) items.emplace_back(s, int32_t(i));
+  const int64_t count = int64_t(items.size());
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t i = 0; i < count; ++i) {
+    const auto [s, first] = items[size_t(i)];
+    const auto& rows = rows_of[size_t(s)];
+    const T* a = reinterpret_cast<const T*>(P.a[s]);
+    const T* b = reinterpret_cast<const T*>(P.b[s]);
+    const int left = int(std::min<size_t>(kLoraRows, rows.size() - size_t(first)));
+    by_row_blocks<kLoraRows>(left, [&](auto R, int64_t r0) {
+      constexpr int kR = decltype(R)::value;
+      const T* xs[kR];
+      T* outs[kR];
+      for (int r = 0; r < kR; ++r) {
+        const int64_t row = rows[size_t(first + r0 + r)];
+        xs[r] = static_cast<const T*>(P.x) + row * P.x_stride;
+        outs[r] = static_cast<T*>(P.out) + row * P.out_stride;
+      }
+      lora_rows<T, kR>(xs, outs, a, b, P.ranks[s], P.k, P.n);
+    });
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -173,6 +246,27 @@ int pagedkv_rope_cache(const pagedkv_rope_cache_params* p, char* err, int errlen
     rope_cache(static_cast<T*>(p->qkv), p->num_tokens, p->row_stride, Hq, Hkv, D, p->positions, p->cos, p->sin,
                p->slots, static_cast<T*>(p->k_cache), static_cast<T*>(p->v_cache), p->block_size, threads);
   });
+  return known ? 0 : fail(err, errlen, "unsupported dtype code %lld%.0lld", p->dtype, 0);
+}
+
+int pagedkv_lora(const pagedkv_lora_params* p, char* err, int errlen) {
+  const pagedkv_lora_params& P = *p;
+  if (P.k < 1 || P.n < 1 || P.x_stride < P.k || P.out_stride < P.n || P.adapters < 0)
+    return fail(err, errlen, "need k, n >= 1 and row strides at least k and n (k = %lld, n = %lld)", P.k, P.n);
+  for (int64_t s = 0; s < P.adapters; ++s)
+    if (P.ranks[s] < 0 || P.ranks[s] > kMaxLoraRank || (P.ranks[s] && (!P.a[s] || !P.b[s])))
+      return fail(err, errlen, "adapter %lld: rank %lld, or no A or B", s, P.ranks[s]);
+  std::vector<std::vector<int32_t>> rows_of(size_t(P.adapters));
+  for (int64_t r = 0; r < P.rows; ++r) {
+    const int32_t s = P.slots[r];
+    if (s < -1 || s >= P.adapters)
+      return fail(err, errlen, "row %lld names adapter %lld, which is not given", r, s);
+    if (s >= 0 && P.ranks[s] > 0) rows_of[size_t(s)].push_back(int32_t(r));
+  }
+  int64_t work = 0;
+  for (int64_t s = 0; s < P.adapters; ++s) work += int64_t(rows_of[size_t(s)].size()) * P.ranks[s] * (P.k + P.n);
+  const int threads = threads_for(work, p->threads);
+  const bool known = with_float_type(p->dtype, [&](auto t) { lora<decltype(t)>(P, rows_of, threads); });
   return known ? 0 : fail(err, errlen, "unsupported dtype code %lld%.0lld", p->dtype, 0);
 }
 

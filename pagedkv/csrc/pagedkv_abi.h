@@ -96,6 +96,27 @@ typedef struct {
   int32_t threads;
 } pagedkv_silu_mul_params;
 
+// LoRA adapters' deltas (layer_ops.cpp; model/lora.py): out[r] += (x[r] A_s^T) B_s for each row r
+// under an adapter s = slots[r] >= 0, with A_s [rank_s, k] and B_s [rank_s, n] (the adapter's B
+// transposed, its scale folded in) in x's dtype. Rows with slot -1 and adapters of rank 0 are
+// left as they are. Sums in float32; out rounded once.
+typedef struct {
+  pagedkv_dtype dtype;              // of x, out, A and B: FLOAT32, BFLOAT16 or FLOAT16
+  const void* x;                    // [rows, k], rows x_stride apart
+  int64_t x_stride;
+  void* out;                        // [rows, n], rows out_stride apart
+  int64_t out_stride;
+  const int32_t* slots;             // [rows]: each row's adapter, or -1
+  const int64_t* a;                 // [adapters]: the address of each adapter's A (contiguous)
+  const int64_t* b;                 // [adapters]: the address of each adapter's B (contiguous)
+  const int32_t* ranks;             // [adapters]: 0 to 1024; 0 where an adapter changes nothing here
+  int64_t adapters;
+  int64_t rows;
+  int64_t k;
+  int64_t n;
+  int32_t threads;
+} pagedkv_lora_params;
+
 // RoPE on the q and k heads of a fused q | k | v projection, in place, then (with slots) the
 // store of the new k and v into a paged cache of the same dtype (layer_ops.cpp).
 typedef struct {
@@ -198,6 +219,7 @@ int pagedkv_paged_attention(const pagedkv_paged_attention_params* params, char* 
 int pagedkv_rms_norm(const pagedkv_rms_norm_params* params, char* err, int err_len);
 int pagedkv_silu_mul(const pagedkv_silu_mul_params* params, char* err, int err_len);
 int pagedkv_rope_cache(const pagedkv_rope_cache_params* params, char* err, int err_len);
+int pagedkv_lora(const pagedkv_lora_params* params, char* err, int err_len);
 int pagedkv_quant_write(const pagedkv_quant_write_params* params, char* err, int err_len);
 int pagedkv_gemm_bf16(const pagedkv_gemm_bf16_params* params, char* err, int err_len);
 int pagedkv_gemm_int4(const pagedkv_gemm_int4_params* params, char* err, int err_len);

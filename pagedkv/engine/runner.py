@@ -31,7 +31,7 @@ from pagedkv.kvstore.offload import KVOffload
 from pagedkv.kvstore.storage import KVStorage
 from pagedkv.model.decode_graph import DecodeGraphs
 from pagedkv.model.llama import LlamaForCausalLM
-from pagedkv.model.lora import LoRAAdapter, LoRABatch
+from pagedkv.model.lora import LoRAAdapter, LoRABatch, LoRATables
 
 if TYPE_CHECKING:
     from pagedkv.distributed.group import TensorParallelGroup
@@ -89,6 +89,7 @@ class ModelRunner:
         """eager: never replay decode steps from recorded kernel calls (--enforce-eager); loras:
         the engine's adapters by name."""
         self.loras = loras if loras is not None else {}
+        self._lora_tables: LoRATables | None = None  # built at the first step with an adapter
         self.model = model
         self.storage = storage
         self.host_storage = host_storage
@@ -133,10 +134,9 @@ class ModelRunner:
             self.storage.write_blocks([dst for _, dst in moves.swap_in], data)
 
     def run_model(self, inputs: ForwardInputs) -> torch.Tensor:
-        """The step's hidden states: replayed (decode_graph.py) where it can be, else eagerly (a
-        step with adapters always: the recorded calls know none)."""
-        if self.graphs is not None and inputs.lora is None:
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        """The step's hidden states: replayed (decode_graph.py) where it can be, else eagerly."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta, inputs.lora)
             if hidden is not None:
                 return hidden
         return self.model(
@@ -203,18 +203,23 @@ class ModelRunner:
         return input_ids, pos_t, meta, sample_rows
 
     def lora_runs(self, scheduled: list[ScheduledSeq]) -> LoRABatch | None:
-        """The rows of each adapter its sequences name (None when none does)."""
+        """Each row's adapter, as its sequence names it (None when no row has one)."""
         if not self.loras:  # no adapter loaded: nothing to look at in the step
             return None
+        tables = self._lora_tables
+        if tables is None or len(tables.adapters) != len(self.loras):  # one was added
+            tables = LoRATables.of(list(self.loras.values()), self.model.config)
+            self._lora_tables = tables
+        slot_of = {adapter.name: i for i, adapter in enumerate(tables.adapters)}
         spans = []
         row = 0
         for s in scheduled:
             n = s.num_new_tokens + len(s.drafts)
             name = s.seq.params.lora_name
             if name is not None:
-                spans.append((self.loras[name], row, row + n))
+                spans.append((slot_of[name], row, row + n))
             row += n
-        return LoRABatch.of(spans) if spans else None
+        return LoRABatch.of(tables, spans, row) if spans else None
 
     @staticmethod
     def attach_prompt_hidden(scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:

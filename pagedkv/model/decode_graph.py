@@ -18,8 +18,10 @@ computes (anything but a view) marks the forward as not replayable (an int8 or i
 torch's kernel, a bf16 one on oneDNN's where our bf16 GEMM does not run, a float16 model's, the
 torch paths), and steps of that shape run eagerly from then on. (A quantized KV cache replays:
 its rotation runs inside the kernels that write and read it.) The kernels read only
-the metadata's tensors, never its Python lists (the torch paths do). Tensor parallelism runs
-eagerly too (its all-reduce is not a kernel of ours), as does `--enforce-eager`.
+the metadata's tensors, never its Python lists (the torch paths do). A step with LoRA adapters
+replays too: its rows' adapter slots are one more input (the adapters' tables are fixed until one
+is added, and keyed by). Tensor parallelism runs eagerly too (its all-reduce is not a kernel of
+ours), as does `--enforce-eager`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pagedkv import native
 from pagedkv.attention.cascade import CascadePlan
 from pagedkv.attention.paged import AttentionMetadata, Cache, cascade_plan
 from pagedkv.model.llama import ForwardBuffers, LlamaForCausalLM
+from pagedkv.model.lora import LoRABatch
 
 log = logging.getLogger("pagedkv")
 
@@ -73,6 +76,7 @@ class _Arena:
     x: Tensor  # [MAX_TOKENS, hidden] embeddings in, then the residual stream
     positions: Tensor  # [MAX_TOKENS] int64
     slots: Tensor  # [MAX_TOKENS] int64
+    adapters: Tensor  # [MAX_TOKENS] int32: each row's LoRA adapter slot (a step with adapters)
     buffers: ForwardBuffers
 
 
@@ -87,6 +91,7 @@ class _Graph:
     seq_lens: Tensor  # [B] int32
     block_tables: Tensor  # [B, width] int32
     plan: CascadePlan | None  # pre [B], group_start [B + 1], members [B] (int32, full size)
+    lora: LoRABatch | None  # the adapters' tables its calls read, and the rows' slots [T]
     buffers: ForwardBuffers  # the arena's rows; the result lands in buffers.h [T, hidden]
     kernels: native.KernelGraph | None = None  # once recorded
     attention: list[ctypes.Structure] = field(default_factory=list)  # its paged_attention calls
@@ -95,9 +100,10 @@ class _Graph:
         return meta.block_tables.shape[1] <= self.block_tables.shape[1]
 
 
-# A step's tokens, sequences, whether it has a cascade plan, and torch's thread count (the
-# kernels' splits, hence their sums' order, follow the threads they were given).
-Key = tuple[int, int, bool, int]
+# A step's tokens, sequences, whether it has a cascade plan, torch's thread count (the kernels'
+# splits, hence their sums' order, follow the threads they were given), and the LoRA tables its
+# calls read (their id; 0 for a step without adapters: such a graph makes no LoRA calls).
+Key = tuple[int, int, bool, int, int]
 
 
 class DecodeGraphs:
@@ -116,7 +122,13 @@ class DecodeGraphs:
         # depend on the rows: quant_linear's dense copies serve from a row count up)
         self.eager: set[Key] = set()
 
-    def run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor | None:
+    def run(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
+    ) -> Tensor | None:
         """The step's hidden states [T, hidden] (valid until the next step), or None when the
         step is too long or this model's forward cannot be replayed (the caller then runs it
         eagerly)."""
@@ -124,14 +136,15 @@ class DecodeGraphs:
         if not self.replayable or tokens > MAX_TOKENS:
             return None
         plan = cascade_plan(meta)
-        key = (tokens, meta.seq_lens.shape[0], plan is not None, torch.get_num_threads())
+        tables = 0 if lora is None else id(lora.tables)  # (a graph keeps its tables alive)
+        key = (tokens, meta.seq_lens.shape[0], plan is not None, torch.get_num_threads(), tables)
         if key in self.eager:
             return None
         graph = self.graphs.get(key)
         if graph is None or not graph.fits(meta):
-            return self._record(key, input_ids, positions, meta, plan)
+            return self._record(key, input_ids, positions, meta, plan, lora)
         self.graphs.move_to_end(key)
-        self._load(graph, input_ids, positions, meta, plan)
+        self._load(graph, input_ids, positions, meta, plan, lora)
         kernels = graph.kernels
         assert kernels is not None  # (kept graphs are recorded ones)
         if plan is not None:
@@ -147,9 +160,12 @@ class DecodeGraphs:
         positions: Tensor,
         meta: AttentionMetadata,
         plan: CascadePlan | None,
+        lora: LoRABatch | None,
     ) -> None:
         """This step's inputs into the graph's tensors."""
         graph.x.copy_(self.model.embed(input_ids))
+        if lora is not None and graph.lora is not None:
+            graph.lora.slots.copy_(lora.slots)
         graph.positions.copy_(positions)
         graph.slots.copy_(meta.slot_mapping)
         if not meta.is_decode:
@@ -161,7 +177,9 @@ class DecodeGraphs:
             graph.plan.group_start[: plan.num_groups + 1].copy_(plan.group_start)
             graph.plan.members[: plan.members.numel()].copy_(plan.members)
 
-    def _new_graph(self, key: Key, width: int, plan: CascadePlan | None) -> _Graph:
+    def _new_graph(
+        self, key: Key, width: int, plan: CascadePlan | None, lora: LoRABatch | None
+    ) -> _Graph:
         """A graph's tensors for a step of this shape (its calls come when it is recorded)."""
         tokens, batch = key[:2]
         static_plan = None
@@ -177,6 +195,7 @@ class DecodeGraphs:
                 x=torch.empty(MAX_TOKENS, model.config.hidden_size, dtype=model.dtype),
                 positions=torch.zeros(MAX_TOKENS, dtype=torch.int64),
                 slots=torch.zeros(MAX_TOKENS, dtype=torch.int64),
+                adapters=torch.full((MAX_TOKENS,), -1, dtype=torch.int32),
                 buffers=ForwardBuffers.of(model, MAX_TOKENS),
             )
         arena = self.arena
@@ -188,6 +207,7 @@ class DecodeGraphs:
             seq_lens=torch.zeros(batch, dtype=torch.int32),
             block_tables=torch.zeros(batch, width, dtype=torch.int32),
             plan=static_plan,
+            lora=None if lora is None else LoRABatch(lora.tables, arena.adapters[:tokens]),
             buffers=arena.buffers.rows(tokens),
         )
 
@@ -198,6 +218,7 @@ class DecodeGraphs:
         positions: Tensor,
         meta: AttentionMetadata,
         plan: CascadePlan | None,
+        lora: LoRABatch | None,
     ) -> Tensor | None:
         """Runs this step while recording its kernel calls; keeps them as its shape's graph when
         the forward was made of kernels alone. Returns the step's hidden states, or None
@@ -207,8 +228,8 @@ class DecodeGraphs:
         width = max(meta.block_tables.shape[1], 0 if old is None else old.block_tables.shape[1])
         width = 1 << max(width - 1, 0).bit_length()  # room to grow: recorded again at most log2 x
         with torch.inference_mode(False):  # normal tensors: written in and out of inference mode
-            graph = self._new_graph(key, width, plan)
-        self._load(graph, input_ids, positions, meta, plan)
+            graph = self._new_graph(key, width, plan, lora)
+        self._load(graph, input_ids, positions, meta, plan, lora)
         static_meta = AttentionMetadata(
             slot_mapping=graph.slots,
             query_start_loc=graph.query_start_loc,
@@ -230,7 +251,7 @@ class DecodeGraphs:
         try:
             with self.lib.record() as calls, _ViewsOnly():
                 hidden = self.model.run_layers(
-                    graph.x, graph.positions, self.kv_caches, static_meta, graph.buffers
+                    graph.x, graph.positions, self.kv_caches, static_meta, graph.buffers, graph.lora
                 )
         except NotReplayable as e:
             # The kernels before the op ran (e.g. the first layer's K/V store): the eager

@@ -3,10 +3,11 @@ matmuls for the rows of the requests that name them.
 
 An adapter changes a projection W to W + s * B @ A (A: [r, in], B: [out, r], s = alpha / r, or
 alpha / sqrt(r) with rsLoRA). The base weights stay as they are (quantized, packed, shared by every
-request); each step, for each adapter's rows, x @ A^T then @ B^T is added to the projection's
-output. The model's fused projections (qkv, gate_up) take their parts' A stacked and their Bs as
-one block-diagonal matrix: two matmuls a projection, however many parts it has (torch's per-call
-cost, not the FLOPs, is what a small rank spends).
+request); each step, x @ A^T @ B^T is added to the output columns of each part of a fused
+projection (q, k, v of qkv; gate, up of gate_up) for the rows of the requests under an adapter.
+One C++ call a part serves every adapter's rows (csrc/layer_ops.cpp, `lora`): torch's two small
+matmuls a projection and adapter cost ~90 us, four times their arithmetic (BENCHMARKS.md "LoRA
+adapters"); without the library, the same in torch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from pagedkv import native
 from pagedkv.config import ConfigError
 from pagedkv.model.config import LlamaConfig
 from pagedkv.model.llama import FUSED_PARTS
@@ -33,19 +35,11 @@ TARGETS = {
 
 
 @dataclass
-class Projection:
-    """One fused projection of one layer under an adapter."""
+class Delta:
+    """One part of a projection under one adapter: its output columns gain x @ a^T @ b."""
 
-    a: Tensor  # [sum of the parts' ranks, in]: the parts' A stacked
-    b: Tensor  # [out, sum of the ranks]: the parts' B, scaled, block-diagonal (zero elsewhere)
-
-    def add(self, x: Tensor, out: Tensor, rows: slice | Tensor) -> None:
-        """out[rows] += x[rows]'s delta under this adapter, in place."""
-        xa = x[rows] @ self.a.T
-        if isinstance(rows, slice):
-            out[rows].addmm_(xa, self.b.T)
-        else:
-            out.index_add_(0, rows, xa @ self.b.T)
+    a: Tensor  # [rank, in]
+    b: Tensor  # [rank, width]: the adapter's B transposed, its scale folded in
 
 
 @dataclass
@@ -54,7 +48,8 @@ class LoRAAdapter:
     path: str
     rank: int
     key: str = ""  # keys its prefix-cache blocks: name and a fingerprint of its files
-    layers: list[dict[str, Projection]] = field(default_factory=list)  # per layer: target -> it
+    # per layer: (fused projection, part) -> its delta, as llama.FUSED_PARTS numbers the parts
+    layers: list[dict[tuple[str, int], Delta]] = field(default_factory=list)
 
 
 def _shapes(config: LlamaConfig) -> dict[str, tuple[int, list[int]]]:
@@ -116,54 +111,111 @@ def load_adapter(
         target, part = TARGETS[module]
         found.setdefault((layer, target), {})[part] = (ab["A"], ab["B"])
     shapes = _shapes(config)
-    layers: list[dict[str, Projection]] = [{} for _ in range(config.num_hidden_layers)]
+    layers: list[dict[tuple[str, int], Delta]] = [{} for _ in range(config.num_hidden_layers)]
     adapter = LoRAAdapter(name, str(path), rank, f"{name}\0{digest.hexdigest()}", layers)
     for (layer, target), by_part in found.items():
         fan_in, widths = shapes[target]
-        a_rows: list[Tensor] = []
-        b_parts: list[tuple[int, int, Tensor]] = []  # (first output column, first rank, B)
-        at = 0
         for part, (a, b) in sorted(by_part.items()):
-            width = widths[part]
-            if a.shape[1] != fan_in or b.shape[0] != width or a.shape[0] != b.shape[1]:
+            if a.shape[1] != fan_in or b.shape[0] != widths[part] or a.shape[0] != b.shape[1]:
                 raise ConfigError(
                     f"{where}: layer {layer} {target} part {part}: A {tuple(a.shape)}, "
                     f"B {tuple(b.shape)} do not fit the model"
                 )
-            a_rows.append(a)
-            b_parts.append((sum(widths[:part]), at, b))
-            at += a.shape[0]
-        b_full = torch.zeros(sum(widths), at)
-        for col, rank, b in b_parts:
-            b_full[col : col + b.shape[0], rank : rank + b.shape[1]] = b.float() * scale
-        adapter.layers[layer][target] = Projection(torch.cat(a_rows).to(dtype), b_full.to(dtype))
+            b_scaled = (b.float() * scale).T.contiguous().to(dtype)
+            adapter.layers[layer][(target, part)] = Delta(a.to(dtype).contiguous(), b_scaled)
     return adapter
 
 
 @dataclass
-class LoRABatch:
-    """A step's rows under each adapter: a slice where they are one run, else their indices (one
-    gather and one matmul per adapter, however its rows interleave with others'); rows under
-    none are the base model's."""
+class PartTable:
+    """One part of one layer's projection over the loaded adapters (slot i: adapter i): where its
+    columns are, and each adapter's delta there with the addresses the kernel reads."""
 
-    rows: list[tuple[LoRAAdapter, slice | Tensor]]
+    cols: int  # first output column of the part in the fused projection
+    width: int
+    deltas: list[Delta | None]  # by slot; None where the adapter leaves the part alone
+    a: Tensor  # int64 [adapters]: each delta's A address (0: none)
+    b: Tensor  # int64 [adapters]
+    ranks: Tensor  # int32 [adapters]: 0 where none
 
     @classmethod
-    def of(cls, spans: list[tuple[LoRAAdapter, int, int]]) -> LoRABatch:
-        """From (adapter, first row, end row) spans in row order."""
-        by: dict[str, tuple[LoRAAdapter, list[tuple[int, int]]]] = {}
-        for adapter, lo, hi in spans:
-            by.setdefault(adapter.name, (adapter, []))[1].append((lo, hi))
-        rows: list[tuple[LoRAAdapter, slice | Tensor]] = []
-        for adapter, parts in by.values():
-            if all(a[1] == b[0] for a, b in zip(parts, parts[1:])):
-                rows.append((adapter, slice(parts[0][0], parts[-1][1])))
-            else:
-                rows.append((adapter, torch.cat([torch.arange(lo, hi) for lo, hi in parts])))
-        return cls(rows)
+    def of(cls, cols: int, width: int, deltas: list[Delta | None]) -> PartTable:
+        def addresses(pick) -> Tensor:
+            return torch.tensor([0 if d is None else pick(d).data_ptr() for d in deltas])
+
+        ranks = torch.tensor([0 if d is None else d.a.shape[0] for d in deltas], dtype=torch.int32)
+        return cls(cols, width, deltas, addresses(lambda d: d.a), addresses(lambda d: d.b), ranks)
+
+
+@dataclass
+class LoRATables:
+    """Every loaded adapter's deltas, by layer and fused projection: what a step reads. Built
+    again when an adapter is added (slots follow the order of loading)."""
+
+    adapters: list[LoRAAdapter]
+    layers: list[dict[str, list[PartTable]]]  # per layer: projection -> the parts adapters change
+
+    @classmethod
+    def of(cls, adapters: list[LoRAAdapter], config: LlamaConfig) -> LoRATables:
+        layers: list[dict[str, list[PartTable]]] = []
+        for i in range(config.num_hidden_layers):
+            by_target: dict[str, list[PartTable]] = {}
+            for target, (_, widths) in _shapes(config).items():
+                for part, width in enumerate(widths):
+                    deltas = [a.layers[i].get((target, part)) for a in adapters]
+                    if any(d is not None for d in deltas):
+                        table = PartTable.of(sum(widths[:part]), width, deltas)
+                        by_target.setdefault(target, []).append(table)
+            layers.append(by_target)
+        return cls(list(adapters), layers)
+
+
+@dataclass
+class LoRABatch:
+    """A step's rows under adapters: each row's slot in `tables` (-1: the base model's)."""
+
+    tables: LoRATables
+    slots: Tensor  # int32 [rows]
+
+    @classmethod
+    def of(cls, tables: LoRATables, spans: list[tuple[int, int, int]], rows: int) -> LoRABatch:
+        """From (slot, first row, end row) spans of a step of `rows` rows."""
+        slots = torch.full((rows,), -1, dtype=torch.int32)
+        for slot, lo, hi in spans:
+            slots[lo:hi] = slot
+        return cls(tables, slots)
 
     def add(self, layer: int, target: str, x: Tensor, out: Tensor) -> None:
-        for adapter, rows in self.rows:
-            proj = adapter.layers[layer].get(target)
-            if proj is not None:
-                proj.add(x, out, rows)
+        """out (a fused projection's output for x) += every row's delta under its adapter."""
+        for part in self.tables.layers[layer].get(target, ()):
+            view = out[:, part.cols : part.cols + part.width]
+            lib = native.library_for(x, out)
+            if lib is None:
+                self._add_torch(part, x, view)
+                continue
+            lib.call(
+                "lora",
+                dtype=native.DTYPES[x.dtype],
+                x=x.data_ptr(),
+                x_stride=x.stride(0),
+                out=view.data_ptr(),
+                out_stride=out.stride(0),
+                slots=self.slots.data_ptr(),
+                a=part.a.data_ptr(),
+                b=part.b.data_ptr(),
+                ranks=part.ranks.data_ptr(),
+                adapters=len(part.deltas),
+                rows=x.shape[0],
+                k=x.shape[1],
+                n=part.width,
+                threads=torch.get_num_threads(),
+            )
+
+    def _add_torch(self, part: PartTable, x: Tensor, out: Tensor) -> None:
+        """The kernel's arithmetic in torch (float32 sums, one rounding), its reference."""
+        for slot, delta in enumerate(part.deltas):
+            rows = (self.slots == slot).nonzero().squeeze(1)
+            if delta is None or not len(rows):
+                continue
+            xa = x[rows].float() @ delta.a.float().T
+            out[rows] = (out[rows].float() + xa @ delta.b.float()).to(out.dtype)

@@ -435,6 +435,39 @@ void gemm_f32(int64_t rows, int64_t n, int64_t k) {
         product(x, w, rows, n, k), out, kTol[PAGEDKV_DTYPE_FLOAT32]);
 }
 
+// LoRA deltas: rows under two adapters of ranks 3 and 5 (one with none), a row under none; x and
+// out are rows of wider buffers (strides past their widths).
+void lora(int dtype, int64_t rows, int64_t k, int64_t n) {
+  const int64_t xs = k + 3, os = n + 5;
+  const int32_t ranks[3] = {3, 0, 5};
+  Buf x(dtype, rows * xs), out(dtype, rows * os), a0(dtype, 3 * k), b0(dtype, 3 * n), a2(dtype, 5 * k), b2(dtype, 5 * n);
+  for (Buf* b : {&x, &out, &a0, &b0, &a2, &b2}) b->fill_random(-1, 1);
+  std::vector<int32_t> slots(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) slots[size_t(r)] = int32_t(r % 4) - 1;  // -1, 0, 1 (rank 0), 2
+  const Buf* as[3] = {&a0, nullptr, &a2};
+  const Buf* bs[3] = {&b0, nullptr, &b2};
+  std::vector<double> want(static_cast<size_t>(rows * n));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; ++c) {
+      double v = out.get(r * os + c);
+      const int s = slots[size_t(r)];
+      for (int j = 0; s >= 0 && j < ranks[s]; ++j) {
+        double t = 0;
+        for (int64_t i = 0; i < k; ++i) t += double(x.get(r * xs + i)) * as[s]->get(j * k + i);
+        v += t * bs[s]->get(j * n + c);
+      }
+      want[size_t(r * n + c)] = v;
+    }
+  const int64_t a[3] = {int64_t(a0.data()), 0, int64_t(a2.data())}, b[3] = {int64_t(b0.data()), 0, int64_t(b2.data())};
+  pagedkv_lora_params p{pagedkv_dtype(dtype), x.data(), xs, out.data(), os, slots.data(), a, b, ranks, 3, rows, k, n, 2};
+  ran(pagedkv_lora(&p, err, sizeof err), "lora");
+  Buf got(dtype, static_cast<size_t>(rows * n));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; ++c) got.set(size_t(r * n + c), out.get(r * os + c));
+  check(std::string("lora ") + kName[dtype] + " " + std::to_string(rows) + "x" + std::to_string(k) + "x" +
+            std::to_string(n), want, got, kTol[dtype] * 4);
+}
+
 }  // namespace
 
 int main() {
@@ -444,6 +477,8 @@ int main() {
     for (int kv : {PAGEDKV_DTYPE_INT8, PAGEDKV_DTYPE_FLOAT8_E4M3FN}) attention(dtype, kv, 64, 1);
     for (int64_t n : {64, 100}) { rms_norm(dtype, 3, n); silu_mul(dtype, 3, n); }
     for (int64_t D : {64, 20}) rope_cache(dtype, D);
+    lora(dtype, 11, 40, 36);
+    lora(dtype, 64, 576, 192);
   }
   attention(PAGEDKV_DTYPE_BFLOAT16, -1, 128, 1);
   for (int fmt : {PAGEDKV_DTYPE_INT8, PAGEDKV_DTYPE_FLOAT8_E4M3FN}) for (int64_t D : {64, 36}) quant_write(fmt, D);
