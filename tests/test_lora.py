@@ -59,7 +59,9 @@ def make_adapter(
     return str(folder)
 
 
-def merged_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]]) -> list[list[int]]:
+def merged_greedy(
+    model_dir: str, adapter: str | None, prompts: list[list[int]], max_tokens: int = 8
+) -> list[list[int]]:
     """transformers, float32, with the adapter merged into the weights."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -79,7 +81,11 @@ def merged_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]])
     out = []
     for p in prompts:
         ids = model.generate(
-            torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+            torch.tensor([p]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
         out.append(ids[0, len(p) :].tolist())
     return out
@@ -161,6 +167,19 @@ def test_decode_steps_under_adapters_replay_their_recorded_calls(llm, tiny_model
     assert outs == [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, False,
                                                                    lora_request=loras)]  # fmt: skip
     eager.close()
+
+
+def test_accepted_speculative_drafts_never_change_an_adapters_output(llm, tiny_model_dir, adapters):
+    """Prompts that repeat a motif give n-gram drafts; each sequence's drafts are rows of its
+    adapter's span of the step, verified under it: the output is still the merged model's."""
+    prompts = [[7, 19, 4] * 5, [300, 12] * 6 + [9], [41, 42, 43, 44] * 4]
+    lora = LoRARequest("all", 1, adapters["all"])
+    stats = llm.engine.spec_stats
+    accepted = stats.num_accepted_tokens
+    long = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, long, False, lora_request=lora)]
+    assert stats.num_accepted_tokens > accepted  # some drafts were accepted
+    assert got == merged_greedy(tiny_model_dir, adapters["all"], prompts, max_tokens=24)
 
 
 def test_preemption_and_chunked_prefill_never_change_an_adapters_output(
