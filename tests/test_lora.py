@@ -352,6 +352,68 @@ def test_a_server_serves_each_adapter_as_a_model(tiny_model_dir, adapters, llm):
     assert "--lora-modules takes NAME=PATH or a JSON object" in line
 
 
+def test_adapters_load_and_unload_at_runtime_where_allowed(
+    tiny_model_dir, adapters, llm, monkeypatch
+):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, behind its environment switch:
+    a loaded adapter serves as a model with its offline output, an unloaded one is gone (404),
+    and mistakes are 4xx that change nothing."""
+    expected = llm.get_tokenizer().decode(
+        greedy(llm, PROMPTS[:1], LoRARequest("all", 1, adapters["all"]))[0]
+    )
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    args = (tiny_model_dir, *TINY_SERVER, "--dtype", "float32", "--enable-lora")
+    with ServerProcess(*args) as srv:  # without the switch the routes do not exist
+        r = srv.http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/"})
+        assert r.status_code == 404
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    with ServerProcess(*args) as srv:
+        load = {"lora_name": "all", "lora_path": adapters["all"]}
+        r = srv.http.post("/v1/load_lora_adapter", json=load)
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'all' added successfully."
+        assert [m["id"] for m in srv.http.get("/v1/models").json()["data"]] == ["tiny", "all"]
+        r = srv.http.post("/v1/completions", json={**body, "model": "all"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text
+        for bad, status, param in [
+            (load, 400, "lora_name"),  # loaded already
+            ({"lora_name": "tiny", "lora_path": adapters["all"]}, 400, "lora_name"),
+            ({"lora_name": "y", "lora_path": str(Path(adapters["all"]).parent)}, 400, "lora_path"),
+            ({"lora_name": "y"}, 400, "lora_path"),
+        ]:
+            r = srv.http.post("/v1/load_lora_adapter", json=bad)
+            assert r.status_code == status and r.json()["error"]["param"] == param, (bad, r.text)
+        r = srv.http.post("/v1/unload_lora_adapter", json={"lora_name": "nope"})
+        assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]
+        r = srv.http.post("/v1/unload_lora_adapter", json={"lora_name": "all"})
+        assert r.status_code == 200 and "removed successfully" in r.text, r.text
+        assert [m["id"] for m in srv.http.get("/v1/models").json()["data"]] == ["tiny"]
+        assert srv.http.post("/v1/completions", json={**body, "model": "all"}).status_code == 404
+        # loaded again (from its files: its prefix blocks are found again), the same output
+        assert srv.http.post("/v1/load_lora_adapter", json=load).status_code == 200
+        r = srv.http.post("/v1/completions", json={**body, "model": "all"})
+        assert r.json()["choices"][0]["text"] == expected
+        assert srv.http.get("/health").status_code == 200
+
+
+def test_an_adapter_in_use_is_not_unloaded(llm, adapters):
+    engine = llm.engine
+    engine.add_lora("busy", adapters["all"])
+    params = SamplingParams(temperature=0, max_tokens=8, lora_name="busy")
+    engine.add_request("r1", PROMPTS[0], params)
+    engine.step()
+    with pytest.raises(ConfigError, match="'busy' is in use by 1 request"):
+        engine.remove_lora("busy")
+    while engine.has_unfinished():
+        engine.step()
+    engine.remove_lora("busy")
+    assert "busy" not in engine.loras and "busy" not in engine.lora_keys
+    with pytest.raises(LookupError):
+        engine.remove_lora("busy")
+    with pytest.raises(ConfigError, match="no LoRA adapter 'busy'"):
+        engine.add_request("r2", PROMPTS[0], params)
+    assert not engine.has_unfinished()
+
+
 def test_generate_runs_a_prompt_under_an_adapter(tiny_model_dir, adapters, llm):
     import subprocess
     import sys

@@ -374,3 +374,16 @@ def test_a_request_for_an_adapter_is_routed_apart_from_the_base_models(tmp_path)
     sql, chat = hashes(model="sql"), hashes(model="chat")
     assert len({base, sql, chat}) == 3 and all(len(h) == 6 for h in (sql, chat))
     assert hashes(model="sql", cache_salt="s") not in (sql, hashes(cache_salt="s"))
+
+
+def test_runtime_lora_updates_are_refused_across_replicas():
+    """Loading on the one replica a request reaches would leave the others without it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagedkv.server.ray_app import Ingress
+
+    for path in ("v1/load_lora_adapter", "v1/unload_lora_adapter"):
+        answer = asyncio.run(Ingress.func_or_class.proxy(SimpleNamespace(), None, path))
+        assert answer.status_code == 400
+        assert "--data-parallel-size" in json.loads(answer.body)["error"]["message"]

@@ -188,6 +188,17 @@ class AsyncLLM:
             self._queues.pop(request_id, None)
             self._wake.notify()
 
+    # ------------------------------------------------------------------ adapters
+    def load_lora(self, name: str, path: str) -> None:
+        """Between two steps (blocks: call it off the event loop)."""
+        with self._engine_lock:
+            self.engine.add_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Between two steps; LLMEngine.remove_lora says when it cannot."""
+        with self._engine_lock:
+            self.engine.remove_lora(name)
+
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
         return self._stats

@@ -137,6 +137,20 @@ class LLMEngine:
         self.lora_keys[name] = adapter.key
         return adapter
 
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter (vLLM's /v1/unload_lora_adapter): LookupError when none is loaded
+        under `name`, ConfigError while a request runs under it. Its prefix-cache blocks stay,
+        keyed by its files: loaded again, it finds them."""
+        if name not in self.loras:
+            raise LookupError(f"no LoRA adapter {name!r} is loaded")
+        using = [rid for rid, g in self.groups.items() if g.params.lora_name == name]
+        if using:
+            raise ConfigError(
+                f"LoRA adapter {name!r} is in use by {len(using)} request(s), "
+                f"e.g. {using[0]!r}: unload it when they are done"
+            )
+        del self.loras[name], self.lora_keys[name]
+
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         return tokenize(self.tokenizer, prompt, add_special_tokens)
 

@@ -207,9 +207,12 @@ class ModelRunner:
         if not self.loras:  # no adapter loaded: nothing to look at in the step
             return None
         tables = self._lora_tables
-        if tables is None or len(tables.adapters) != len(self.loras):  # one was added
-            tables = LoRATables.of(list(self.loras.values()), self.model.config)
+        loaded = list(self.loras.values())
+        if tables is None or list(map(id, tables.adapters)) != list(map(id, loaded)):
+            tables = LoRATables.of(loaded, self.model.config)  # one was added or removed
             self._lora_tables = tables
+            if self.graphs is not None:
+                self.graphs.forget_lora_graphs()  # they read the old tables
         slot_of = {adapter.name: i for i, adapter in enumerate(tables.adapters)}
         spans = []
         row = 0

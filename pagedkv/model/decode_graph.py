@@ -153,6 +153,13 @@ class DecodeGraphs:
         kernels.run()
         return graph.buffers.h
 
+    def forget_lora_graphs(self) -> None:
+        """Drop the graphs of steps with adapters: the adapters' tables they read were replaced
+        (one was added or removed)."""
+        for key in [k for k in self.graphs if k[4]]:
+            del self.graphs[key]
+        self.eager = {k for k in self.eager if not k[4]}
+
     def _load(
         self,
         graph: _Graph,

@@ -47,7 +47,12 @@ from pagedkv.server.middleware import (
 )
 from pagedkv.server.openapi import install_openapi, json_body
 from pagedkv.server.responses import ModelCard, ModelList
-from pagedkv.server.routes_extra import add_vllm_routes, is_serving
+from pagedkv.server.routes_extra import (
+    add_lora_routes,
+    add_vllm_routes,
+    is_serving,
+    runtime_lora_updating,
+)
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.validation import IGNORED, checked, load_json_object
 from pagedkv.signals import exit_on_sigterm
@@ -132,6 +137,8 @@ def build_app(
             api.ChatCompletionRequest,
             protocol_extra.TokenizeRequest,
             protocol_extra.DetokenizeRequest,
+            protocol_extra.LoadLoRAAdapterRequest,
+            protocol_extra.UnloadLoRAAdapterRequest,
         ],
     )
     app.state.ready = False
@@ -185,6 +192,8 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
 
     # /tokenize, /detokenize, /version, /ping
     add_vllm_routes(app, engine, read_json, serving.check_model)
+    if runtime_lora_updating():  # as in vLLM, only where asked for
+        add_lora_routes(app, engine, read_json)
 
     @app.post("/v1/completions", openapi_extra=json_body(api.CompletionRequest))
     async def completions(request: Request) -> Response:

@@ -60,3 +60,17 @@ class DetokenizeResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+class LoadLoRAAdapterRequest(RequestModel):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: SafeStr = Field(min_length=1)
+    lora_path: SafeStr = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    """vLLM's /v1/unload_lora_adapter body (its lora_int_id is accepted: names are the key)."""
+
+    lora_name: SafeStr = Field(min_length=1)
+    lora_int_id: int | None = None

@@ -305,6 +305,8 @@ class Ingress:
         "/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
     )
     async def proxy(self, request: Request, path: str) -> Response:
+        if path in ("v1/load_lora_adapter", "v1/unload_lora_adapter"):  # one replica would change
+            return _error(400, f"/{path} runs on one engine: not with --data-parallel-size")
         body = await request.body()
         try:
             head, stream = await self._call(request, self.route_key(request, body), body)

@@ -1,4 +1,6 @@
-"""vLLM's utility routes: /tokenize, /detokenize, /version, /ping (GET and POST), HEAD /health.
+"""vLLM's utility routes: /tokenize, /detokenize, /version, /ping (GET and POST), HEAD /health,
+and, where VLLM_ALLOW_RUNTIME_LORA_UPDATING is set as in vLLM, /v1/load_lora_adapter and
+/v1/unload_lora_adapter.
 
 Kept apart from app.py so the generation routes and these stay small; each
 validates its body like the OpenAI routes (400 with the field named).
@@ -7,11 +9,13 @@ validates its body like the OpenAI routes (400 with the field named).
 from __future__ import annotations
 
 import asyncio
+import os
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from pagedkv import __version__
+from pagedkv.config import ConfigError
 from pagedkv.server import protocol_extra as api
 from pagedkv.server.errors import APIError
 from pagedkv.server.openapi import json_body
@@ -86,3 +90,43 @@ def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
     @app.head("/health", include_in_schema=False)
     async def health_head(request: Request) -> Response:
         return Response(status_code=200 if is_serving(request, engine) else 503)
+
+
+# vLLM's switch for the two routes below (they let any client change what the server runs)
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_lora_updating() -> bool:
+    return os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
+
+
+def add_lora_routes(app: FastAPI, engine, read_json) -> None:
+    """POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter {lora_name},
+    answered as vLLM answers them (plain text on success)."""
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=json_body(api.LoadLoRAAdapterRequest))
+    async def load_lora_adapter(request: Request) -> Response:
+        req = await read_json(request, api.LoadLoRAAdapterRequest)
+        if req.lora_name in engine.engine.loras:
+            message = f"The lora adapter '{req.lora_name}' has already been loaded."
+            raise APIError(400, message, param="lora_name")
+        if req.lora_name in engine.config.served_model_names:
+            raise APIError(400, f"{req.lora_name!r} is the base model's name", param="lora_name")
+        try:
+            await asyncio.to_thread(engine.load_lora, req.lora_name, req.lora_path)
+        except ConfigError as e:
+            raise APIError(400, str(e), param="lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=json_body(api.UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(request: Request) -> Response:
+        req = await read_json(request, api.UnloadLoRAAdapterRequest)
+        try:
+            await asyncio.to_thread(engine.unload_lora, req.lora_name)
+        except LookupError:
+            raise APIError(
+                404, f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name"
+            ) from None
+        except ConfigError as e:
+            raise APIError(400, str(e), param="lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
