@@ -19,9 +19,9 @@ torch's kernel, a bf16 one on oneDNN's where our bf16 GEMM does not run, a float
 torch paths), and steps of that shape run eagerly from then on. (A quantized KV cache replays:
 its rotation runs inside the kernels that write and read it.) The kernels read only
 the metadata's tensors, never its Python lists (the torch paths do). A step with LoRA adapters
-replays too: its rows' adapter slots are one more input (the adapters' tables are fixed until one
-is added, and keyed by). Tensor parallelism runs eagerly too (its all-reduce is not a kernel of
-ours), as does `--enforce-eager`.
+replays too: its rows' adapter slots are one more input, and the adapters' tables are part of its
+key (replaced, and their graphs dropped, when an adapter is added or removed). Tensor parallelism
+runs eagerly too (its all-reduce is not a kernel of ours), as does `--enforce-eager`.
 """
 
 from __future__ import annotations
