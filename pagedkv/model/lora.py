@@ -180,10 +180,10 @@ class LoRABatch:
     @classmethod
     def of(cls, tables: LoRATables, spans: list[tuple[int, int, int]], rows: int) -> LoRABatch:
         """From (slot, first row, end row) spans of a step of `rows` rows."""
-        slots = torch.full((rows,), -1, dtype=torch.int32)
+        slots = [-1] * rows
         for slot, lo, hi in spans:
-            slots[lo:hi] = slot
-        return cls(tables, slots)
+            slots[lo:hi] = [slot] * (hi - lo)
+        return cls(tables, torch.tensor(slots, dtype=torch.int32))
 
     def add(self, layer: int, target: str, x: Tensor, out: Tensor) -> None:
         """out (a fused projection's output for x) += every row's delta under its adapter."""
