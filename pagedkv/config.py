@@ -252,32 +252,55 @@ _COUNTS = (
 )
 
 
-def lora_paths(modules: list | dict | None) -> dict[str, str]:
-    """vLLM's --lora-modules items (`name=path`, or JSON `{"name": ..., "path": ...}`), or a
-    mapping of name -> path, as a mapping."""
+@dataclass(frozen=True)
+class LoRAModule:
+    """One --lora-modules item."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None  # the `parent` /v1/models names (default: the base model)
+
+
+LORA_MODULE_KEYS = ("name", "path", "base_model_name")
+
+
+def lora_modules(modules: list | dict | None) -> dict[str, LoRAModule]:
+    """vLLM's --lora-modules items (`name=path`, or JSON `{"name": ..., "path": ...,
+    "base_model_name": ...}`), or a mapping of name -> path, by name."""
     if isinstance(modules, dict):
-        items: list = [{"name": k, "path": v} for k, v in modules.items()]
+        items: list = [v if isinstance(v, LoRAModule) else {"name": k, "path": v}
+                       for k, v in modules.items()]  # fmt: skip
     else:
         items = list(modules or [])
-    out: dict[str, str] = {}
+    out: dict[str, LoRAModule] = {}
     for item in items:
         if isinstance(item, str) and item.lstrip().startswith("{"):
             try:
                 item = json.loads(item)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"--lora-modules {item!r} is not JSON: {e}") from None
-        path: Any
         if isinstance(item, str) and "=" in item:
-            name, path = item.split("=", 1)
-        elif isinstance(item, dict) and isinstance(item.get("name"), str):
-            name, path = item["name"], item.get("path")
-        else:
+            item = dict(zip(("name", "path"), item.split("=", 1)))
+        if isinstance(item, dict) and isinstance(item.get("name"), str):
+            unknown = [k for k in item if k not in LORA_MODULE_KEYS]
+            if unknown:
+                raise ConfigError(
+                    f"--lora-modules {item!r}: unknown key {unknown[0]!r} "
+                    f"(known: {', '.join(LORA_MODULE_KEYS)})"
+                )
+            parent = item.get("base_model_name")
+            if not isinstance(item.get("path"), str) or not (
+                parent is None or isinstance(parent, str)
+            ):
+                raise ConfigError(f"--lora-modules {item!r}: path and base_model_name are strings")
+            item = LoRAModule(item["name"], item["path"], parent or None)
+        if not isinstance(item, LoRAModule):
             raise ConfigError(f"--lora-modules takes NAME=PATH or a JSON object, got {item!r}")
-        if not (name and isinstance(path, str) and path):
+        if not (item.name and item.path):
             raise ConfigError(f"--lora-modules {item!r}: a name and a path are needed")
-        if out.get(name, path) != path:
-            raise ConfigError(f"--lora-modules names {name!r} twice")
-        out[name] = path
+        if out.get(item.name, item) != item:
+            raise ConfigError(f"--lora-modules names {item.name!r} twice")
+        out[item.name] = item
     return out
 
 
@@ -342,7 +365,7 @@ class EngineConfig:
     # how the chat template gets a message's content: "string", "openai" (a list of text
     # parts), or "auto" (parts for a template that loops over them), as vLLM's
     chat_template_content_format: str = "auto"
-    # LoRA adapters: name -> PEFT folder (vLLM's --lora-modules: NAME=PATH or JSON items)
+    # LoRA adapters (vLLM's --lora-modules: NAME=PATH or JSON items; by name once checked)
     enable_lora: bool = False
     lora_modules: list | dict | None = None
     max_lora_rank: int = 16
@@ -484,7 +507,7 @@ class EngineConfig:
             self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}",
         )
-        self.lora_modules = lora_paths(self.lora_modules)
+        self.lora_modules = lora_modules(self.lora_modules)
         need(
             self.enable_lora or not self.lora_modules,
             "--lora-modules needs --enable-lora",

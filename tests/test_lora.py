@@ -328,12 +328,21 @@ def test_adapter_mistakes_are_config_errors(llm, tiny_model_dir, adapters, tmp_p
         llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("o", 6, other))
     with pytest.raises(ConfigError, match="needs --enable-lora"):
         LLM(tiny_model_dir, lora_modules=[f"all={adapters['all']}"])
+    from pagedkv.config import EngineConfig
+
+    for item, message in [
+        ('{"name": "a", "path": "/p", "base": "m"}', "unknown key 'base'"),
+        ('{"name": "a", "path": "/p", "base_model_name": 3}', "are strings"),
+        ('{"name": "a"}', "are strings"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            EngineConfig(model=tiny_model_dir, enable_lora=True, lora_modules=[item])
     assert not llm.engine.has_unfinished()
 
 
 def test_a_server_serves_each_adapter_as_a_model(tiny_model_dir, adapters, llm):
     expected = greedy(llm, PROMPTS[:1], LoRARequest("all", 1, adapters["all"]))[0]
-    module = json.dumps({"name": "attn", "path": adapters["attn"]})
+    module = json.dumps({"name": "attn", "path": adapters["attn"], "base_model_name": "Tiny/1"})
     with ServerProcess(
         tiny_model_dir, *TINY_SERVER, "--dtype", "float32", "--enable-lora",
         "--lora-modules", f"all={adapters['all']}", module,
@@ -341,6 +350,7 @@ def test_a_server_serves_each_adapter_as_a_model(tiny_model_dir, adapters, llm):
         models = srv.http.get("/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["tiny", "all", "attn"]
         assert models[1]["parent"] == "tiny" and models[1]["root"] == adapters["all"]
+        assert models[2]["parent"] == "Tiny/1"  # its base_model_name
         body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         r = srv.http.post("/v1/completions", json={**body, "model": "all"})
         assert r.status_code == 200, r.text

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from pagedkv.config import ConfigError, EngineConfig, lora_paths
+from pagedkv.config import ConfigError, EngineConfig, lora_modules
 from pagedkv.cpu_memory import keep_freed_memory
 from pagedkv.engine import prompt_logprobs
 from pagedkv.engine.admission import tokenize, validate_request
@@ -75,8 +75,8 @@ class LLMEngine:
         )
         self.loras: dict[str, LoRAAdapter] = {}
         self.lora_keys: dict[str, str] = {}  # name -> its prefix-cache key (the scheduler's)
-        for name, path in lora_paths(config.lora_modules).items():
-            self.add_lora(name, path)
+        for module in lora_modules(config.lora_modules).values():
+            self.add_lora(module.name, module.path, module.base_model_name)
         self.vocab_size = self.loaded.config.vocab_size
         self.model_name = config.served_model_names[0]
         self.max_model_len: int = config.max_model_len or self.loaded.max_model_len
@@ -120,8 +120,9 @@ class LLMEngine:
         self.generation_tokens_total = 0
 
     # ------------------------------------------------------------------ requests
-    def add_lora(self, name: str, path: str) -> LoRAAdapter:
-        """Load a PEFT adapter under `name` (once: the same name again must be the same path)."""
+    def add_lora(self, name: str, path: str, parent: str | None = None) -> LoRAAdapter:
+        """Load a PEFT adapter under `name` (once: the same name again must be the same path);
+        `parent`: the model /v1/models names as its base (default: the served model)."""
         if not self.config.enable_lora:
             raise ConfigError("LoRA adapters need --enable-lora (enable_lora=True offline)")
         known = self.loras.get(name)
@@ -133,6 +134,7 @@ class LLMEngine:
         adapter = load_adapter(
             name, path, self.loaded.config, model.dtype, self.config.max_lora_rank
         )
+        adapter.parent = parent
         self.loras[name] = adapter
         self.lora_keys[name] = adapter.key
         return adapter

@@ -50,6 +50,7 @@ class LoRAAdapter:
     key: str = ""  # keys its prefix-cache blocks: name and a fingerprint of its files
     # per layer: (fused projection, part) -> its delta, as llama.FUSED_PARTS numbers the parts
     layers: list[dict[tuple[str, int], Delta]] = field(default_factory=list)
+    parent: str | None = None  # the base model's name /v1/models gives (None: the served one)
 
 
 def _shapes(config: LlamaConfig) -> dict[str, tuple[int, list[int]]]:

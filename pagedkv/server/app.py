@@ -185,7 +185,9 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
             ModelCard(id=name, root=engine.config.model or base, max_model_len=engine.max_model_len)
             for name in engine.config.served_model_names
         ] + [  # LoRA adapters, as vLLM lists them
-            ModelCard(id=a.name, root=a.path, parent=base, max_model_len=engine.max_model_len)
+            ModelCard(
+                id=a.name, root=a.path, parent=a.parent or base, max_model_len=engine.max_model_len
+            )
             for a in engine.engine.loras.values()
         ]
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")

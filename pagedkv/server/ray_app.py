@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from pagedkv.config import EngineConfig, is_digits, lora_paths
+from pagedkv.config import EngineConfig, is_digits, lora_modules
 from pagedkv.routing import prompt_block_hashes
 from pagedkv.server.aggregate import merge_kv, merge_metrics
 from pagedkv.server.errors import error_body
@@ -355,5 +355,5 @@ def build(
         config.block_size,
         num_replicas,
         cors,
-        frozenset(lora_paths(config.lora_modules)) if config.enable_lora else frozenset(),
+        frozenset(lora_modules(config.lora_modules)) if config.enable_lora else frozenset(),
     )
