@@ -326,6 +326,10 @@ def test_adapter_mistakes_are_config_errors(llm, tiny_model_dir, adapters, tmp_p
     other = make_adapter(tmp_path / "other", make_tiny_model(tmp_path / "m32", hidden=32))
     with pytest.raises(ConfigError, match="do not fit the model"):
         llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("o", 6, other))
+    with pytest.raises(ConfigError, match="that is the base model's name"):
+        llm.generate(
+            [PROMPTS[0]], GREEDY, False, lora_request=LoRARequest(llm.engine.model_name, 7, "/x")
+        )
     with pytest.raises(ConfigError, match="needs --enable-lora"):
         LLM(tiny_model_dir, lora_modules=[f"all={adapters['all']}"])
     from pagedkv.config import EngineConfig

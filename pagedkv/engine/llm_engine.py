@@ -125,6 +125,8 @@ class LLMEngine:
         `parent`: the model /v1/models names as its base (default: the served model)."""
         if not self.config.enable_lora:
             raise ConfigError("LoRA adapters need --enable-lora (enable_lora=True offline)")
+        if name in self.config.served_model_names:
+            raise ConfigError(f"LoRA adapter {name!r}: that is the base model's name")
         known = self.loras.get(name)
         if known is not None:
             if known.path != str(path):

@@ -151,7 +151,7 @@ class PartTable:
 @dataclass
 class LoRATables:
     """Every loaded adapter's deltas, by layer and fused projection: what a step reads. Built
-    again when an adapter is added (slots follow the order of loading)."""
+    again when an adapter is added or removed (slots follow the order of loading)."""
 
     adapters: list[LoRAAdapter]
     layers: list[dict[str, list[PartTable]]]  # per layer: projection -> the parts adapters change
@@ -188,9 +188,9 @@ class LoRABatch:
 
     def add(self, layer: int, target: str, x: Tensor, out: Tensor) -> None:
         """out (a fused projection's output for x) += every row's delta under its adapter."""
+        lib = native.library_for(x, out)
         for part in self.tables.layers[layer].get(target, ()):
             view = out[:, part.cols : part.cols + part.width]
-            lib = native.library_for(x, out)
             if lib is None:
                 self._add_torch(part, x, view)
                 continue
