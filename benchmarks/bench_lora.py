@@ -1,7 +1,7 @@
 """Decode throughput under LoRA adapters, offline, against the base model alone.
 
     python benchmarks/bench_lora.py [--model PATH] [--requests 32] [--tokens 64] [--rank 16]
-                                    [--rounds 3] [--enforce-eager]
+                                    [--rounds 3] [--enforce-eager] [--speculative-config off]
 
 Random rank-r adapters on all seven projections of every layer (written as PEFT folders in a
 temporary directory), three ways alternating in each round: every request on the base model,
@@ -51,6 +51,11 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help="as serve's (off: no n-gram drafts, whose acceptance differs between the ways)",
+    )
     args = p.parse_args()
     llm = LLM(
         args.model,
@@ -58,6 +63,8 @@ def main() -> None:
         max_lora_rank=args.rank,
         kv_cache_memory="1GiB",
         enforce_eager=args.enforce_eager,
+        # (None would turn the default n-gram drafts off: passed only when given)
+        **({"speculative_config": args.speculative_config} if args.speculative_config else {}),
     )
     cfg = llm.engine.loaded.config
     folder = tempfile.TemporaryDirectory()
