@@ -73,11 +73,11 @@ class AsyncLLMEngine:
         sampling_params = with_salt(prompt, sampling_params)
         if priority != 0:
             sampling_params = dataclasses.replace(sampling_params, priority=priority)
-        if lora_request is not None:  # loaded on first use, off the event loop
+        if lora_request is not None:  # loaded on first use, off the event loop, between steps
             if not isinstance(lora_request, LoRARequest):
                 raise TypeError("lora_request must be a pagedkv LoRARequest")
-            engine = self._llm.engine
-            await asyncio.to_thread(engine.add_lora, lora_request.lora_name, lora_request.lora_path)
+            name, path = lora_request.lora_name, lora_request.lora_path
+            await asyncio.to_thread(self._llm.load_lora, name, path)
             sampling_params = dataclasses.replace(sampling_params, lora_name=lora_request.lora_name)
         if not self._started:
             await self._llm.start()
