@@ -513,10 +513,6 @@ class EngineConfig:
             "--lora-modules needs --enable-lora",
         )
         need(
-            not self.enable_lora or self.tensor_parallel_size == 1,
-            "--enable-lora runs on one process: not with --tensor-parallel-size above 1",
-        )
-        need(
             type(self.max_lora_rank) is int and 1 <= self.max_lora_rank <= 1024,
             f"--max-lora-rank must be an integer from 1 to 1024, got {self.max_lora_rank!r}",
         )

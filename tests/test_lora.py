@@ -203,6 +203,30 @@ def test_preemption_and_chunked_prefill_never_change_an_adapters_output(
     small.close()
 
 
+def test_tensor_parallel_ranks_each_apply_their_share_of_every_adapter(
+    llm, tiny_model_dir, adapters
+):
+    """-tp 2: each rank cuts every adapter where its weights are cut (B's columns of q/k/v/gate/up,
+    A's features of o/down, whose partial sums the all-reduce adds): the output of -tp 1 for a
+    batch mixing adapters and the base model, also after an adapter is unloaded and loaded again
+    (the other ranks follow rank 0's slots)."""
+    a, b = LoRARequest("all", 1, adapters["all"]), LoRARequest("attn", 2, adapters["attn"])
+    mixed = [a, None, b, b, None, a]
+    prompts = [PROMPTS[i % 3] for i in range(6)]
+    want = greedy(llm, prompts, mixed)
+    tp = LLM(tiny_model_dir, dtype="float32", enable_lora=True, tensor_parallel_size=2,
+             num_gpu_blocks_override=256)  # fmt: skip
+    try:
+        assert greedy(tp, prompts, mixed) == want
+        tp.engine.remove_lora("all")
+        assert greedy(tp, prompts[2:4], [b, b]) == want[2:4]
+        assert greedy(tp, prompts, mixed) == want  # "all" now after "attn": slots 1 and 0
+        assert list(tp.engine.loras) == ["attn", "all"]
+        tp.engine.kv.check_integrity()
+    finally:
+        tp.close()
+
+
 def test_adapters_never_share_prefix_blocks_with_the_base_or_each_other(llm, adapters):
     prompt = list(range(100, 180))  # 80 tokens: whole blocks to cache
     params = SamplingParams(temperature=0, max_tokens=1)

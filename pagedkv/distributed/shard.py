@@ -11,6 +11,8 @@ Quantized weights are cut in the form that keeps -tp 1's numbers: int8 after
 quantizing (a row keeps its whole-row scale), GGUF blocks before packing (the
 packed int4 layout cannot be cut), each block's scale and zero going with its
 codes. A row-parallel cut must fall between GGUF blocks of the input dimension.
+
+LoRA adapters are cut in the same places (`lora_cut`): each rank adds its share of a delta.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import torch
 from torch import Tensor
 
 from pagedkv.config import ConfigError
+from pagedkv.model.config import LlamaConfig
 from pagedkv.model.llama import DecoderLayer, LlamaForCausalLM, replace_weight
 from pagedkv.model.loader import finish_weights
+from pagedkv.model.lora import LoRACut
 from pagedkv.model.quant_linear import Blocks, Int8Weight
 
 Cuttable = Tensor | Int8Weight | Blocks
@@ -127,25 +131,56 @@ def _span(heads: range, head_dim: int, offset: int = 0) -> range:
     return range(offset + heads.start * head_dim, offset + heads.stop * head_dim)
 
 
+@dataclass(frozen=True)
+class LayerCuts:
+    """What a rank keeps of one layer's projections."""
+
+    rows: dict[str, list[range]]  # column-parallel: the output rows of each fused part it keeps
+    cols: dict[str, range]  # row-parallel: the input features it reads
+
+
+def layer_cuts(
+    head_dim: int, q_size: int, kv_size: int, inter: int, split: HeadSplit, rank: int, world: int
+) -> LayerCuts:
+    mlp = range(rank * inter // world, (rank + 1) * inter // world)
+    q, kv = _span(split.q_heads, head_dim), split.kv_heads
+    rows = {
+        "qkv_proj": [q, _span(kv, head_dim, q_size), _span(kv, head_dim, q_size + kv_size)],
+        "gate_up_proj": [mlp, range(inter + mlp.start, inter + mlp.stop)],
+    }
+    return LayerCuts(rows, {"o_proj": q, "down_proj": mlp})
+
+
 def _shard_layer(layer: DecoderLayer, index: int, split: HeadSplit, rank: int, world: int) -> None:
     d, q_size, kv_size = layer.head_dim, layer.q_size, layer.kv_size
     w = {name: getattr(layer, name) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
-    inter = w["down_proj"].shape[1]
-    mlp = range(rank * inter // world, (rank + 1) * inter // world)
-    q, kv = _span(split.q_heads, d), split.kv_heads
-    rows = {
-        "qkv_proj": [q, _span(kv, d, q_size), _span(kv, d, q_size + kv_size)],
-        "gate_up_proj": [mlp, range(inter + mlp.start, inter + mlp.stop)],
-    }
-    cols = {"o_proj": q, "down_proj": mlp}
+    cuts = layer_cuts(d, q_size, kv_size, w["down_proj"].shape[1], split, rank, world)
     for name, weight in w.items():
         where = f"layer {index}'s {name}"
-        if name in rows:
-            replace_weight(layer, name, take_rows(weight, rows[name], where))
+        if name in cuts.rows:
+            replace_weight(layer, name, take_rows(weight, cuts.rows[name], where))
         else:
-            replace_weight(layer, name, take_cols(weight, cols[name], where))
+            replace_weight(layer, name, take_cols(weight, cuts.cols[name], where))
     layer.num_heads, layer.num_kv_heads = split.num_heads, split.num_kv_heads
     layer.q_size, layer.kv_size = split.num_heads * d, split.num_kv_heads * d
+
+
+def lora_cut(config: LlamaConfig, rank: int, world: int) -> LoRACut:
+    """Rank's share of every adapter, cut where the base weights are: B's output columns of the
+    column-parallel parts, A's input features of the row-parallel o and down (their deltas are
+    partial sums too, added before the all-reduce)."""
+    c = config
+    split = split_heads(c.num_attention_heads, c.num_key_value_heads, rank, world)
+    q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    inter = c.intermediate_size
+    cuts = layer_cuts(c.head_dim, q_size, kv_size, inter, split, rank, world)
+    starts = {"qkv_proj": [0, q_size, q_size + kv_size], "gate_up_proj": [0, inter]}
+    outputs = {
+        (name.removesuffix("_proj"), part): range(r.start - start, r.stop - start)
+        for name, parts in cuts.rows.items()
+        for part, (r, start) in enumerate(zip(parts, starts[name], strict=True))
+    }
+    return LoRACut(outputs, {name.removesuffix("_proj"): r for name, r in cuts.cols.items()})
 
 
 def shard_model(

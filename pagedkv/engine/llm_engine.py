@@ -34,6 +34,7 @@ from pagedkv.engine.setup import (
     check_environment,
     load_engine_model,
     pick_device,
+    rank_lora_cut,
 )
 from pagedkv.engine.spec_decode import NgramProposer, SpecDecodeStats
 from pagedkv.engine.step_stats import StepTokens
@@ -108,6 +109,7 @@ class LLMEngine:
             self.tp,
             eager=config.enforce_eager,
             loras=self.loras,
+            lora_cut=rank_lora_cut(config, self.loaded, 0),
         )
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.reasoning)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, self.structured)

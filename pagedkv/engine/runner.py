@@ -9,9 +9,9 @@ reads come before them (evicted blocks are saved before being overwritten) and
 its writes after (prefix blocks loaded back, saved blocks put in the tier), and
 the blocks a step filled are written through to its disk tier after the step.
 With tensor parallelism, rank 0 sends the block moves (with the tiers' saves and
-loads), each forward's inputs and the write-throughs to the other ranks; every
-rank moves its own blocks in its own tiers and runs its shard
-(`pagedkv.distributed.tiers`).
+loads), each forward's inputs, the write-throughs and the loaded LoRA adapters to
+the other ranks; every rank moves its own blocks in its own tiers and runs its
+shard (`pagedkv.distributed.tiers`), with its share of each adapter.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pagedkv.kvstore.offload import KVOffload
 from pagedkv.kvstore.storage import KVStorage
 from pagedkv.model.decode_graph import DecodeGraphs
 from pagedkv.model.llama import LlamaForCausalLM
-from pagedkv.model.lora import LoRAAdapter, LoRABatch, LoRATables
+from pagedkv.model.lora import LoRAAdapter, LoRABatch, LoRACut, LoRATables
 
 if TYPE_CHECKING:
     from pagedkv.distributed.group import TensorParallelGroup
@@ -67,7 +67,16 @@ class ForwardInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    lora: LoRABatch | None = None  # the rows under adapters (one process only: no -tp)
+    lora_slots: torch.Tensor | None = None  # int32, each row's adapter (LoRABatch), -1: none
+
+
+@dataclass
+class LoRASync:
+    """The adapters rank 0 has loaded, in slot order, for the other ranks: those they have not
+    seen in full, the others by name."""
+
+    names: list[str]
+    added: dict[str, LoRAAdapter]
 
 
 class ModelRunner:
@@ -85,11 +94,14 @@ class ModelRunner:
         tp: TensorParallelGroup | None = None,
         eager: bool = False,
         loras: dict[str, LoRAAdapter] | None = None,
+        lora_cut: LoRACut | None = None,
     ) -> None:
         """eager: never replay decode steps from recorded kernel calls (--enforce-eager); loras:
-        the engine's adapters by name."""
+        the engine's adapters by name (whole: `lora_cut` is this rank's share of them)."""
         self.loras = loras if loras is not None else {}
+        self.lora_cut = lora_cut
         self._lora_tables: LoRATables | None = None  # built at the first step with an adapter
+        self._lora_sent: dict[str, LoRAAdapter] = {}  # what the other ranks hold (rank 0)
         self.model = model
         self.storage = storage
         self.host_storage = host_storage
@@ -135,20 +147,24 @@ class ModelRunner:
 
     def run_model(self, inputs: ForwardInputs) -> torch.Tensor:
         """The step's hidden states: replayed (decode_graph.py) where it can be, else eagerly."""
+        slots = inputs.lora_slots
+        lora = None if slots is None else LoRABatch(self.lora_tables(), slots)
         if self.graphs is not None:
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta, inputs.lora)
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta, lora)
             if hidden is not None:
                 return hidden
         return self.model(
-            inputs.input_ids, inputs.positions, self.storage.kv_caches, inputs.meta, inputs.lora
+            inputs.input_ids, inputs.positions, self.storage.kv_caches, inputs.meta, lora
         )
 
-    def run(self, item: BlockMoves | ForwardInputs | DiskWrites) -> None:
+    def run(self, item: BlockMoves | ForwardInputs | DiskWrites | LoRASync) -> None:
         """A worker rank's share of what rank 0 sent."""
         if isinstance(item, BlockMoves):
             self.apply_moves(item)
         elif isinstance(item, DiskWrites):
             self.write_through(item.writes)
+        elif isinstance(item, LoRASync):
+            self.loras = {n: item.added.get(n) or self.loras[n] for n in item.names}
         else:
             self.run_model(item)
 
@@ -202,18 +218,35 @@ class ModelRunner:
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         return input_ids, pos_t, meta, sample_rows
 
-    def lora_runs(self, scheduled: list[ScheduledSeq]) -> LoRABatch | None:
-        """Each row's adapter, as its sequence names it (None when no row has one)."""
-        if not self.loras:  # no adapter loaded: nothing to look at in the step
-            return None
+    def lora_tables(self) -> LoRATables:
+        """The loaded adapters' deltas (this rank's share), built again when one was added or
+        removed."""
         tables = self._lora_tables
         loaded = list(self.loras.values())
         if tables is None or list(map(id, tables.adapters)) != list(map(id, loaded)):
-            tables = LoRATables.of(loaded, self.model.config)  # one was added or removed
+            tables = LoRATables.of(loaded, self.model.config, self.lora_cut)
             self._lora_tables = tables
             if self.graphs is not None:
                 self.graphs.forget_lora_graphs()  # they read the old tables
-        slot_of = {adapter.name: i for i, adapter in enumerate(tables.adapters)}
+        return tables
+
+    def sync_loras(self) -> None:
+        """Rank 0: the other ranks load and unload what this one has, before the next forward."""
+        assert self.tp is not None
+        sent = self._lora_sent
+        if [(n, id(a)) for n, a in sent.items()] == [(n, id(a)) for n, a in self.loras.items()]:
+            return
+        added = {n: a for n, a in self.loras.items() if sent.get(n) is not a}
+        self.tp.send(LoRASync(list(self.loras), added))
+        self._lora_sent = dict(self.loras)
+
+    def lora_runs(self, scheduled: list[ScheduledSeq]) -> torch.Tensor | None:
+        """Each row's adapter slot, as its sequence names it (None when no row has one)."""
+        if self.tp is not None:
+            self.sync_loras()
+        if not self.loras:  # no adapter loaded: nothing to look at in the step
+            return None
+        slot_of = {adapter.name: i for i, adapter in enumerate(self.lora_tables().adapters)}
         spans = []
         row = 0
         for s in scheduled:
@@ -222,7 +255,7 @@ class ModelRunner:
             if name is not None:
                 spans.append((slot_of[name], row, row + n))
             row += n
-        return LoRABatch.of(tables, spans, row) if spans else None
+        return LoRABatch.slots_of(spans, row) if spans else None
 
     @staticmethod
     def attach_prompt_hidden(scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:

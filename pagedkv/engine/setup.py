@@ -21,6 +21,7 @@ from pagedkv.kvstore.offload import KVOffload
 from pagedkv.kvstore.storage import KVStorage, free_memory
 from pagedkv.model import dense_weights, prepacked
 from pagedkv.model.loader import LoadedModel, load_model
+from pagedkv.model.lora import LoRACut
 
 if TYPE_CHECKING:
     from pagedkv.distributed.group import TensorParallelGroup
@@ -142,7 +143,17 @@ def build_worker_runner(config: EngineConfig, rank: int, device: torch.device) -
         config, loaded.config, num_kv_heads, loaded.model.dtype, device
     )
     offload, host = build_offload(config, storage, swap, block_hash_key(config, loaded), rank)
-    return ModelRunner(loaded.model, storage, host, device, offload=offload)
+    cut = rank_lora_cut(config, loaded, rank)
+    return ModelRunner(loaded.model, storage, host, device, offload=offload, lora_cut=cut)
+
+
+def rank_lora_cut(config: EngineConfig, loaded: LoadedModel, rank: int) -> LoRACut | None:
+    """This tensor-parallel rank's share of every LoRA adapter (None: one rank, all of it)."""
+    if config.tensor_parallel_size == 1 or not config.enable_lora:
+        return None
+    from pagedkv.distributed.shard import lora_cut
+
+    return lora_cut(loaded.config, rank, config.tensor_parallel_size)
 
 
 def check_environment(device: torch.device) -> None:

@@ -148,6 +148,26 @@ class PartTable:
         return cls(cols, width, deltas, addresses(lambda d: d.a), addresses(lambda d: d.b), ranks)
 
 
+@dataclass(frozen=True)
+class LoRACut:
+    """A tensor-parallel rank's share of each delta (distributed/shard.py `lora_cut`): the columns
+    of each column-parallel part it keeps, within the part, and the input features of each
+    row-parallel projection it reads."""
+
+    outputs: dict[tuple[str, int], range]  # (projection, part) -> columns of B^T
+    inputs: dict[str, range]  # projection -> columns of A
+
+    def width(self, target: str, part: int, width: int) -> int:
+        cols = self.outputs.get((target, part))
+        return width if cols is None else len(cols)
+
+    def delta(self, target: str, part: int, d: Delta) -> Delta:
+        cols, features = self.outputs.get((target, part)), self.inputs.get(target)
+        a = d.a if features is None else d.a[:, features.start : features.stop].contiguous()
+        b = d.b if cols is None else d.b[:, cols.start : cols.stop].contiguous()
+        return Delta(a, b)
+
+
 @dataclass
 class LoRATables:
     """Every loaded adapter's deltas, by layer and fused projection: what a step reads. Built
@@ -157,13 +177,19 @@ class LoRATables:
     layers: list[dict[str, list[PartTable]]]  # per layer: projection -> the parts adapters change
 
     @classmethod
-    def of(cls, adapters: list[LoRAAdapter], config: LlamaConfig) -> LoRATables:
+    def of(
+        cls, adapters: list[LoRAAdapter], config: LlamaConfig, cut: LoRACut | None = None
+    ) -> LoRATables:
+        """`cut`: this tensor-parallel rank's share (None: the whole model)."""
         layers: list[dict[str, list[PartTable]]] = []
         for i in range(config.num_hidden_layers):
             by_target: dict[str, list[PartTable]] = {}
-            for target, (_, widths) in _shapes(config).items():
+            for target, (_, full) in _shapes(config).items():
+                widths = [w if cut is None else cut.width(target, p, w) for p, w in enumerate(full)]
                 for part, width in enumerate(widths):
                     deltas = [a.layers[i].get((target, part)) for a in adapters]
+                    if cut is not None:
+                        deltas = [d and cut.delta(target, part, d) for d in deltas]
                     if any(d is not None for d in deltas):
                         table = PartTable.of(sum(widths[:part]), width, deltas)
                         by_target.setdefault(target, []).append(table)
@@ -178,13 +204,13 @@ class LoRABatch:
     tables: LoRATables
     slots: Tensor  # int32 [rows]
 
-    @classmethod
-    def of(cls, tables: LoRATables, spans: list[tuple[int, int, int]], rows: int) -> LoRABatch:
-        """From (slot, first row, end row) spans of a step of `rows` rows."""
+    @staticmethod
+    def slots_of(spans: list[tuple[int, int, int]], rows: int) -> Tensor:
+        """Each row's slot from (slot, first row, end row) spans of a step of `rows` rows."""
         slots = [-1] * rows
         for slot, lo, hi in spans:
             slots[lo:hi] = [slot] * (hi - lo)
-        return cls(tables, torch.tensor(slots, dtype=torch.int32))
+        return torch.tensor(slots, dtype=torch.int32)
 
     def add(self, layer: int, target: str, x: Tensor, out: Tensor) -> None:
         """out (a fused projection's output for x) += every row's delta under its adapter."""
