@@ -445,7 +445,6 @@ def test_request_id_names_the_response(client):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("use_beam_search", True),
         ("priority", 1),
         ("logits_processors", ["x"]),
         ("kv_transfer_params", {}),

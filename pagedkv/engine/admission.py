@@ -46,6 +46,18 @@ def _resolve_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int
         setattr(params, name, wanted)
 
 
+def _check_beam_width(width: int, max_logprobs: int, vocab_size: int) -> None:
+    """A beam search step reads each beam's 2n most likely tokens as logprobs."""
+    cap = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+    if 2 * width > cap:
+        raise ParamError(
+            "n",
+            f"beam search with n={width} reads the {2 * width} most likely tokens a step; this "
+            f"server gives at most {cap} logprobs (--max-logprobs {max_logprobs}, a vocabulary "
+            f"of {vocab_size})",
+        )
+
+
 def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> int:
     """Reject what can never run, with the reason; returns max_tokens resolved."""
     params.validate(engine.vocab_size)  # again: offline callers may have changed fields since
@@ -56,6 +68,8 @@ def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingP
             '(scheduling_policy="priority" offline)',
         )
     _resolve_logprobs(params, engine.config.max_logprobs, engine.vocab_size)
+    if params.use_beam_search:
+        _check_beam_width(params.n, engine.config.max_logprobs, engine.vocab_size)
     if params.lora_name is not None and params.lora_name not in engine.loras:
         raise ParamError("model", f"no LoRA adapter {params.lora_name!r} is loaded")
     n_prompt = len(prompt_ids)

@@ -24,7 +24,7 @@ from pagedkv.engine.isolation import Failures, IsolatedForward, device_broken
 from pagedkv.engine.options import apply_engine_options, generation_defaults
 from pagedkv.engine.outputs import RequestOutput, SampleLogprob
 from pagedkv.engine.reasoning import ReasoningTags
-from pagedkv.engine.request import SamplingParams
+from pagedkv.engine.request import ParamError, SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler
@@ -173,6 +173,12 @@ class LLMEngine:
     ) -> SequenceGroup:
         if request_id in self.groups:
             raise ConfigError(f"request id {request_id!r} is already in use")
+        if params.use_beam_search:  # runs as requests of one token each (engine/beam_search.py)
+            raise ParamError(
+                "use_beam_search",
+                "LLMEngine.add_request runs one request; beam search runs through LLM.generate, "
+                "LLM.beam_search, AsyncLLMEngine.generate and the server",
+            )
         prompt_ids = params.truncate(self.tokenize(prompt, add_special_tokens), self.max_model_len)
         max_tokens = self.validate(prompt_ids, params)
         group = SequenceGroup.create(

@@ -5,6 +5,7 @@ Shaped like vLLM's class of the same name so code can move between the two.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,13 @@ MAX_STOP_CHARS = 256  # each step scans every stop string's prefixes against the
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOKEN_LIST = 4096  # logit_bias / allowed_token_ids entries
 MAX_BAD_WORDS = 128
+MAX_LENGTH_PENALTY = 100.0
+# what shapes sampling, so cannot be combined with beam search (at their defaults they may be given)
+BEAM_EXCLUDED = (
+    "top_p", "top_k", "min_p", "seed", "min_tokens", "stop", "stop_token_ids", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logprobs", "logit_bias", "allowed_token_ids",
+    "bad_words", "prompt_logprobs", "structured_outputs",
+)  # fmt: skip
 
 
 class ParamError(ConfigError):
@@ -187,6 +195,10 @@ class SamplingParams:
     # its lora_request); None: the base model
     lora_name: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # beam search (engine/beam_search.py): n beams, scored by cumulative logprob / length **
+    # length_penalty; the fields of sampling (BEAM_EXCLUDED) cannot be combined with it
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)  # by the engine
 
     def __post_init__(self) -> None:
@@ -209,9 +221,30 @@ class SamplingParams:
             "skip_special_tokens",
             "spaces_between_special_tokens",
             "include_stop_str_in_output",
+            "use_beam_search",
         ):
             _check_bool(flag, getattr(self, flag))
         self._normalise()
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        """Beam search ranks candidates by the model's logprobs alone: what would shape them
+        otherwise is an error, not ignored (temperature does not change which beams win)."""
+        _check_float("length_penalty", self.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)
+        if not self.use_beam_search:
+            _need(
+                self.length_penalty == 1.0,
+                "length_penalty",
+                "length_penalty applies to beam search only (use_beam_search)",
+            )
+            return
+        default = _default_params()
+        for name in BEAM_EXCLUDED:
+            _need(
+                getattr(self, name) == getattr(default, name),
+                name,
+                f"{name} cannot be combined with use_beam_search",
+            )
 
     def _check_numbers(self) -> None:
         _check_int("n", self.n, 1)
@@ -364,3 +397,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@functools.cache
+def _default_params() -> SamplingParams:
+    return SamplingParams()

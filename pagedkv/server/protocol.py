@@ -187,6 +187,8 @@ class _SamplingRequest(RequestModel):
     guided_choice: list[SafeStr] | None = None
     guided_grammar: SafeStr | None = None
     guided_decoding_backend: Name | None = None
+    use_beam_search: bool = False  # n beams (engine/beam_search.py)
+    length_penalty: FiniteFloat = 1.0
     _unsupported = model_validator(mode="before")(reject_unsupported)
     understood = frozenset(UNSUPPORTED)
 
@@ -221,6 +223,8 @@ class _SamplingRequest(RequestModel):
             cache_salt=self.cache_salt,
             priority=self.priority,
             structured_outputs=structured_spec(self),
+            use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty,
         )
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

@@ -17,8 +17,6 @@ from pagedkv.server.validation import RequestModel, SafeStr
 
 # field -> the value that means "not used"; any other value is a 400 naming the field
 UNSUPPORTED: dict[str, Any] = {
-    "use_beam_search": False,
-    "length_penalty": 1.0,
     "logits_processors": None,
     "kv_transfer_params": None,
     "vllm_xargs": None,

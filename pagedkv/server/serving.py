@@ -27,7 +27,12 @@ from pagedkv.engine.async_engine import RequestFailedError
 from pagedkv.engine.chat import content_text
 from pagedkv.engine.options import with_defaults
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.engine.request import ParamError, SamplingParams, StructuredOutputsParams
+from pagedkv.engine.request import (
+    BEAM_EXCLUDED,
+    ParamError,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pagedkv.server import protocol as api
 from pagedkv.server.chat_format import ChatFormat
 from pagedkv.server.completion_format import CompletionFormat
@@ -105,6 +110,8 @@ class OpenAIServing:
         if "max_completion_tokens" in given or isinstance(req, api.CompletionRequest):
             given.add("max_tokens")
         defaults = self.engine.engine.generation_defaults
+        if params.use_beam_search:  # (the model's sampling defaults do not shape beams)
+            given |= set(BEAM_EXCLUDED)
         return with_defaults(params, defaults, set(defaults) - given)
 
     async def completions(self, req: api.CompletionRequest, request: Request) -> Response:

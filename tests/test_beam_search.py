@@ -1,0 +1,175 @@
+"""Beam search: the beams of transformers' own beam search on the same weights, each beam's
+cumulative logprob the model's, EOS and length_penalty as vLLM scores them, the same answer
+offline, through AsyncLLMEngine and over HTTP, and what cannot shape beams refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from server_process import TINY_SERVER, ServerProcess
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.config import ConfigError
+from pagedkv.engine.beam_search import BeamSearch, BeamSearchParams
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput, SampleLogprob
+
+PROMPTS = [[5, 9, 23, 7, 81, 3], [40, 2, 2, 19], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    engine = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks_override=256, block_size=4)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+
+
+def hf_beams(hf, prompt: list[int], width: int, max_tokens: int) -> list[list[int]]:
+    """transformers' beam search, no EOS: every beam runs max_tokens, ranked by logprob."""
+    out = hf.generate(
+        torch.tensor([prompt]), num_beams=width, num_return_sequences=width, do_sample=False,
+        max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0, early_stopping=False,
+    )  # fmt: skip
+    return [row[len(prompt) :].tolist() for row in out]
+
+
+def hf_logprob(hf, prompt: list[int], output: list[int]) -> float:
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logp = hf(ids).logits[0].log_softmax(-1)
+    return sum(float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(output))
+
+
+def test_beams_equal_transformers_beam_search(llm, hf):
+    """Without EOS every beam has the same length, so vLLM's scores and transformers' rank alike:
+    the same beams in the same order, each with the model's logprob of its tokens."""
+    params = SamplingParams(n=3, use_beam_search=True, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        got = [o.token_ids for o in out.outputs]
+        assert got == hf_beams(hf, prompt, 3, 8)
+        assert len({tuple(g) for g in got}) == 3  # three different beams
+        for o in out.outputs:
+            assert o.finish_reason == "length"
+            assert o.cumulative_logprob == pytest.approx(
+                hf_logprob(hf, prompt, o.token_ids), abs=1e-3
+            )
+    llm.engine.kv.check_integrity()
+    assert not llm.engine.has_unfinished()
+
+
+def test_beam_search_api_and_mixed_generate(llm):
+    """LLM.beam_search (vLLM's shapes: tokens and text hold the prompt) answers as generate does,
+    and generate runs beam-search and sampled prompts of one call each their own way."""
+    width = BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True)
+    (beam,) = llm.beam_search([PROMPTS[0]], width)
+    (ref,) = llm.generate([PROMPTS[0]], width.sampling_params(), use_tqdm=False)
+    assert [s.tokens for s in beam.sequences] == [PROMPTS[0] + o.token_ids for o in ref.outputs]
+    tok = llm.get_tokenizer()
+    assert beam.sequences[0].text == tok.decode(beam.sequences[0].tokens)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate(PROMPTS[:2], [width.sampling_params(), greedy], use_tqdm=False)
+    assert [o.token_ids for o in mixed[0].outputs] == [o.token_ids for o in ref.outputs]
+    assert mixed[1].outputs[0].token_ids == alone
+
+
+def _step(tops: list[dict[int, float]]) -> list[RequestOutput]:
+    def out(top: dict[int, float]) -> RequestOutput:
+        record = SampleLogprob(0, 0.0, top)
+        return RequestOutput("r", None, [], [CompletionOutput(0, "", [], "length", [record])])
+
+    return [out(t) for t in tops]
+
+
+@pytest.mark.parametrize("include_eos", [False, True])
+def test_eos_ends_a_beam_and_length_penalty_weighs_lengths(include_eos):
+    """A candidate ending in EOS is set aside as finished ("stop"), its length not counting the
+    EOS; the others go on. length_penalty decides between a short finished beam and longer live
+    ones (scores: logprob / (prompt + output) ** length_penalty, as vLLM's)."""
+    eos = 99
+
+    def run(penalty: float) -> RequestOutput:
+        params = SamplingParams(n=2, use_beam_search=True, max_tokens=3, length_penalty=penalty,
+                                include_stop_str_in_output=include_eos)  # fmt: skip
+        search = BeamSearch([1, 2], params, 3, {eos})
+        search.advance(_step([{eos: -1.1, 5: -1.2, 6: -1.3, 7: -9.0}]))
+        assert [b.tokens for b in search.beams] == [[5], [6]]  # EOS left the live beams
+        for _ in range(2):
+            search.advance(_step([{8: -0.5, 9: -3.0}, {8: -0.6, 9: -3.0}]))
+        assert search.pending() == []
+        return search.output("r", None, lambda t: "")
+
+    # penalty 1: finished -1.1 / 2 = -0.55, live -2.2 / 5 = -0.44 and -2.5 / 5 = -0.5: live win
+    assert [o.token_ids for o in run(1.0).outputs] == [[5, 8, 8], [6, 8, 8]]
+    # penalty 0: raw logprobs, the short finished beam wins
+    first = run(0.0).outputs[0]
+    assert first.token_ids == ([eos] if include_eos else [])
+    assert (first.finish_reason, first.stop_reason, first.cumulative_logprob) == ("stop", eos, -1.1)
+
+
+def test_what_would_shape_beams_is_refused(llm):
+    for field, value in [("top_p", 0.5), ("stop", ["x"]), ("logprobs", 2), ("seed", 3),
+                         ("repetition_penalty", 1.2), ("min_tokens", 2)]:  # fmt: skip
+        with pytest.raises(ConfigError, match=f"{field} cannot be combined with use_beam_search"):
+            SamplingParams(n=2, use_beam_search=True, **{field: value})
+    with pytest.raises(ConfigError, match="length_penalty applies to beam search only"):
+        SamplingParams(length_penalty=0.8)
+    with pytest.raises(ConfigError, match="n=11 reads the 22 most likely tokens"):
+        llm.generate([PROMPTS[0]], SamplingParams(n=11, use_beam_search=True), use_tqdm=False)
+    with pytest.raises(ConfigError, match="beam search runs through"):
+        llm.engine.add_request("x", PROMPTS[0], SamplingParams(n=2, use_beam_search=True))
+    assert not llm.engine.has_unfinished()
+
+
+def test_async_engine_and_server_answer_as_offline(llm, tiny_model_dir):
+    from pagedkv import AsyncEngineArgs, AsyncLLMEngine
+
+    params = SamplingParams(n=2, use_beam_search=True, max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs]
+
+    async def main() -> list[list[int]]:
+        args = AsyncEngineArgs(model=tiny_model_dir, dtype="float32", block_size=4)
+        engine = AsyncLLMEngine.from_engine_args(args)
+        outs = [out async for out in engine.generate(PROMPTS[2], params, "b1")]
+        # a search given up mid-way (its client gone) leaves no request and no block behind
+        long = SamplingParams(n=3, use_beam_search=True, max_tokens=400, ignore_eos=True)
+        task = asyncio.ensure_future(anext(engine.generate(PROMPTS[0], long, "b2")))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        inner = engine._llm.engine
+        for _ in range(100):
+            if not inner.has_unfinished():
+                break
+            await asyncio.sleep(0.05)
+        assert not inner.has_unfinished()
+        inner.kv.check_integrity()
+        await engine.shutdown()
+        assert len(outs) == 1 and outs[0].finished
+        return [o.token_ids for o in outs[0].outputs]
+
+    assert asyncio.run(main()) == want
+    tok = llm.get_tokenizer()
+    body = {"prompt": PROMPTS[2], "max_tokens": 6, "n": 2, "use_beam_search": True,
+            "ignore_eos": True}  # fmt: skip
+    with ServerProcess(tiny_model_dir, *TINY_SERVER, "--dtype", "float32") as srv:
+        r = srv.http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert [c["text"] for c in r.json()["choices"]] == [tok.decode(w) for w in want]
+        r = srv.http.post("/v1/completions", json={**body, "top_p": 0.5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_p", r.text
+        r = srv.http.post("/v1/completions", json={**body, "n": 30})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+                "use_beam_search": True, "stream": True}  # fmt: skip
+        r = srv.http.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+        assert srv.http.get("/health").status_code == 200
