@@ -247,8 +247,9 @@ def test_an_earlier_answers_reasoning_is_accepted_in_the_conversation(server):
 
 def test_a_parser_the_model_cannot_serve_is_one_line_and_exit_2(tiny_model_dir):
     lines = serve_error("--model", tiny_model_dir, "--reasoning-parser", "deepseek_r1")
-    errors = [line for line in lines if "error" in line]  # after the model's loading lines
+    errors = [line for line in lines if "error" in line]
     assert len(errors) == 1 and "no <think> token" in lines[-1], lines
+    assert not any("loaded" in line for line in lines), lines  # before the weights load
     lines = serve_error("--model", tiny_model_dir, "--reasoning-parser", "granite")
     assert len(lines) == 1 and "deepseek_r1, qwen3" in lines[0], lines
 

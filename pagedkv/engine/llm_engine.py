@@ -39,6 +39,7 @@ from pagedkv.engine.setup import (
 from pagedkv.engine.spec_decode import NgramProposer, SpecDecodeStats
 from pagedkv.engine.step_stats import StepTokens
 from pagedkv.engine.structured import StructuredOutputs
+from pagedkv.model.loader import read_checkpoint
 from pagedkv.model.lora import LoRAAdapter, load_adapter
 
 log = logging.getLogger("pagedkv")
@@ -65,6 +66,8 @@ class LLMEngine:
         self.generation_defaults = generation_defaults(config)
         if self.device.type == "cpu":
             keep_freed_memory()
+        if config.reasoning_parser and loaded is None:  # its tags, before the weights load
+            ReasoningTags.of(config.reasoning_parser, read_checkpoint(config.model)[0].tokenizer)
         self.loaded, num_kv_heads = load_engine_model(config, self.device, loaded)
         self.weight_bytes = self.loaded.model.weight_bytes()
         self.tokenizer = self.loaded.tokenizer
