@@ -75,8 +75,10 @@ def server(tmp_path_factory):
         "--allowed-origins",
         json.dumps([ORIGIN]),
         "--disable-uvicorn-access-log",
+        "--enable-lora",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -376,14 +378,31 @@ def test_a_request_for_an_adapter_is_routed_apart_from_the_base_models(tmp_path)
     assert hashes(model="sql", cache_salt="s") not in (sql, hashes(cache_salt="s"))
 
 
-def test_runtime_lora_updates_are_refused_across_replicas():
-    """Loading on the one replica a request reaches would leave the others without it."""
-    import asyncio
-    from types import SimpleNamespace
+def test_runtime_lora_updates_reach_every_replica(cluster, tmp_path_factory):
+    """A loaded adapter serves on every replica; a load that fails leaves none with it; an
+    unload takes it from all."""
+    from test_lora import make_adapter
 
-    from pagedkv.server.ray_app import Ingress
+    model = make_tiny_model(tmp_path_factory.getbasetemp() / "tiny-ray")
+    adapter = make_adapter(tmp_path_factory.mktemp("ray-lora") / "sql", model, seed=3)
 
-    for path in ("v1/load_lora_adapter", "v1/unload_lora_adapter"):
-        answer = asyncio.run(Ingress.func_or_class.proxy(SimpleNamespace(), None, path))
-        assert answer.status_code == 400
-        assert "--data-parallel-size" in json.loads(answer.body)["error"]["message"]
+    def post(path: str, **body) -> httpx.Response:
+        return httpx.post(f"{cluster}/v1/{path}_lora_adapter", json=body, timeout=120)
+
+    def served(replica: int) -> int:
+        headers = {REPLICA: str(replica)}
+        body = {"prompt": "hello", "max_tokens": 2, "temperature": 0, "model": "sql"}
+        r = httpx.post(f"{cluster}/v1/completions", json=body, headers=headers, timeout=120)
+        return r.status_code
+
+    r = post("load", lora_name="bad", lora_path=str(Path(adapter).parent))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+    r = post("load", lora_name="sql", lora_path=adapter)
+    assert r.status_code == 200 and "added successfully" in r.text, r.text
+    assert [served(i) for i in range(2)] == [200, 200]
+    r = post("load", lora_name="sql", lora_path=adapter)  # loaded already: on both, still
+    assert r.status_code == 400 and [served(i) for i in range(2)] == [200, 200], r.text
+    assert post("unload", lora_name="sql").status_code == 200
+    assert [served(i) for i in range(2)] == [404, 404]
+    r = post("unload", lora_name="sql")
+    assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"], r.text

@@ -41,6 +41,7 @@ SSE = "text/event-stream"
 # set by the ingress's CORS middleware on what it sends, so none is taken from a replica's answer
 CORS_HEADERS = (b"access-control-", b"vary")
 START_ATTEMPTS = 2  # tries to start a request while replicas are found dead
+LOAD_LORA, UNLOAD_LORA = "v1/load_lora_adapter", "v1/unload_lora_adapter"
 
 
 class ReplicaGone(Exception):
@@ -128,6 +129,14 @@ app.add_middleware(HeaderCountLimit)  # vLLM's default limit (the HTTP flags are
 
 
 # Serve pickles the deployment classes where they are declared: what they call must come first.
+def _lora_name(body: bytes) -> str | None:
+    try:
+        name = json.loads(body).get("lora_name")
+    except (ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(error_body(status, message), status_code=status)
 
@@ -213,9 +222,11 @@ class Ingress:
             prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else []
         )
 
-    async def _call(self, request: Request, key: RouteKey, body: bytes, drop: tuple = ()):
-        """Start the call (without the headers named in `drop`, lower case); returns (head, the
-        rest of the stream). Raises ReplicaGone.
+    async def _call(
+        self, request: Request, key: RouteKey, body: bytes, drop: tuple = (), path: str = ""
+    ):
+        """Start the call (without the headers named in `drop`, lower case; to `path` if given);
+        returns (head, the rest of the stream). Raises ReplicaGone.
 
         A replica found dead before the answer started (routed there before Ray saw it die,
         or dead mid-way through a non-streamed answer) gets one more try elsewhere: nothing
@@ -228,7 +239,7 @@ class Ingress:
             stream = self.engine.forward.remote(
                 key,
                 request.method,
-                request.url.path,
+                path or request.url.path,
                 request.scope.get("query_string", b""),
                 headers,
                 body,
@@ -245,8 +256,9 @@ class Ingress:
             f"the replica serving this request failed: {type(error).__name__}"
         ) from error
 
-    async def _each_replica(self, request: Request) -> list[tuple[dict, bytes]]:
-        """The same GET on every replica (deduplicated: a replica that died meanwhile is skipped).
+    async def _each_replica(self, request: Request, body: bytes = b"") -> list[tuple[dict, bytes]]:
+        """The same request on every replica (deduplicated: a replica that died meanwhile is
+        skipped); each head also says the replica's index.
 
         One at a time: Ray gives the calls of one ingress request one internal request id,
         and its router matches concurrent calls by that id. Each answers in plain text and
@@ -255,8 +267,9 @@ class Ingress:
         for i in range(self.num_replicas):
             try:
                 head, stream = await self._call(
-                    request, RouteKey(replica=i), b"", drop=(b"accept", b"accept-encoding")
+                    request, RouteKey(replica=i), body, drop=(b"accept", b"accept-encoding")
                 )
+                head = {**head, "index": i}
                 unique[head["replica"]] = head, b"".join([chunk async for chunk in stream])
             except (ReplicaGone, ray.exceptions.RayError):
                 continue
@@ -301,13 +314,50 @@ class Ingress:
             )
         )
 
+    async def _update_adapters(self, request: Request, path: str, body: bytes) -> Response:
+        """Load or unload an adapter on every replica, so that any of them serves it. A load that
+        fails on one is undone on the others; an unload counts a replica that never had the
+        adapter (404) as done. A replica Ray restarts later starts with --lora-modules only."""
+        answers = await self._each_replica(request, body)
+        if not answers:
+            return _error(503, "no engine replica is running")
+        done = [head for head, _ in answers if head["status"] == 200]
+        if path == UNLOAD_LORA:
+            failed = [(h, b) for h, b in answers if h["status"] not in (200, 404)]
+        else:
+            failed = [(h, b) for h, b in answers if h["status"] != 200]
+        name = _lora_name(body)
+        if failed:
+            if path == LOAD_LORA and name is not None:
+                undo = json.dumps({"lora_name": name}).encode()
+                for head in done:
+                    try:
+                        _, stream = await self._call(
+                            request, RouteKey(replica=head["index"]), undo,
+                            drop=(b"content-length",), path=f"/{UNLOAD_LORA}",
+                        )  # fmt: skip
+                        [_ async for _ in stream]
+                    except (ReplicaGone, ray.exceptions.RayError):
+                        continue
+            head, answer = failed[0]
+        elif not done:  # an unload no replica could do: none had it
+            head, answer = answers[0]
+        else:
+            head, answer = done[0], next(b for h, b in answers if h is done[0])
+            if name is not None:
+                self.adapters = (
+                    self.adapters | {name} if path == LOAD_LORA else self.adapters - {name}
+                )
+        kind = dict(head["headers"]).get(b"content-type", b"application/json").decode()
+        return Response(answer, status_code=head["status"], media_type=kind)
+
     @app.api_route(
         "/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
     )
     async def proxy(self, request: Request, path: str) -> Response:
-        if path in ("v1/load_lora_adapter", "v1/unload_lora_adapter"):  # one replica would change
-            return _error(400, f"/{path} runs on one engine: not with --data-parallel-size")
         body = await request.body()
+        if path in (LOAD_LORA, UNLOAD_LORA):  # one replica would change
+            return await self._update_adapters(request, path, body)
         try:
             head, stream = await self._call(request, self.route_key(request, body), body)
         except ReplicaGone as e:
