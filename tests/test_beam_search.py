@@ -12,8 +12,8 @@ from server_process import TINY_SERVER, ServerProcess
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ConfigError
-from pagedkv.engine.beam_search import BeamSearch, BeamSearchParams
-from pagedkv.engine.outputs import CompletionOutput, RequestOutput, SampleLogprob
+from pagedkv.engine.beam_search import BeamSearchParams, answer, choose
+from pagedkv.engine.sequence import SequenceGroup
 
 PROMPTS = [[5, 9, 23, 7, 81, 3], [40, 2, 2, 19], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
@@ -82,38 +82,70 @@ def test_beam_search_api_and_mixed_generate(llm):
     assert mixed[1].outputs[0].token_ids == alone
 
 
-def _step(tops: list[dict[int, float]]) -> list[RequestOutput]:
-    def out(top: dict[int, float]) -> RequestOutput:
-        record = SampleLogprob(0, 0.0, top)
-        return RequestOutput("r", None, [], [CompletionOutput(0, "", [], "length", [record])])
-
-    return [out(t) for t in tops]
-
-
 @pytest.mark.parametrize("include_eos", [False, True])
 def test_eos_ends_a_beam_and_length_penalty_weighs_lengths(include_eos):
-    """A candidate ending in EOS is set aside as finished ("stop"), its length not counting the
-    EOS; the others go on. length_penalty decides between a short finished beam and longer live
+    """A candidate ending in EOS is set aside as ended ("stop"), its length not counting the
+    EOS; the others go on. length_penalty decides between a short ended beam and longer live
     ones (scores: logprob / (prompt + output) ** length_penalty, as vLLM's)."""
     eos = 99
 
-    def run(penalty: float) -> RequestOutput:
+    def run(penalty: float) -> list:
         params = SamplingParams(n=2, use_beam_search=True, max_tokens=3, length_penalty=penalty,
                                 include_stop_str_in_output=include_eos)  # fmt: skip
-        search = BeamSearch([1, 2], params, 3, {eos})
-        search.advance(_step([{eos: -1.1, 5: -1.2, 6: -1.3, 7: -9.0}]))
-        assert [b.tokens for b in search.beams] == [[5], [6]]  # EOS left the live beams
-        for _ in range(2):
-            search.advance(_step([{8: -0.5, 9: -3.0}, {8: -0.6, 9: -3.0}]))
-        assert search.pending() == []
-        return search.output("r", None, lambda t: "")
+        group = SequenceGroup.create("r", None, [1, 2], params, 3)
+        state, live = group.beam, group.seqs
 
-    # penalty 1: finished -1.1 / 2 = -0.55, live -2.2 / 5 = -0.44 and -2.5 / 5 = -0.5: live win
-    assert [o.token_ids for o in run(1.0).outputs] == [[5, 8, 8], [6, 8, 8]]
-    # penalty 0: raw logprobs, the short finished beam wins
-    first = run(0.0).outputs[0]
+        def step(tops: list[dict[int, float]]) -> list:
+            children = []
+            for c in choose(state, params, list(zip(live, tops)), {eos}):
+                child = group.new_seq(len(children), [*c.parent.token_ids, c.token])
+                child.cum_logprob = c.cum_logprob
+                children.append(child)
+            return children
+
+        live = step([{eos: -1.1, 5: -1.2, 6: -1.3, 7: -9.0}])
+        assert [s.output_token_ids for s in live] == [[5], [6]]  # EOS left the live beams
+        for _ in range(2):
+            live = step([{8: -0.5, 9: -3.0}, {8: -0.6, 9: -3.0}])
+        answer(state, params, live, lambda t: "")
+        return state.outputs
+
+    # penalty 1: ended -1.1 / 2 = -0.55, live -2.2 / 5 = -0.44 and -2.5 / 5 = -0.5: live win
+    assert [o.token_ids for o in run(1.0)] == [[5, 8, 8], [6, 8, 8]]
+    # penalty 0: raw logprobs, the short ended beam wins
+    first = run(0.0)[0]
     assert first.token_ids == ([eos] if include_eos else [])
     assert (first.finish_reason, first.stop_reason, first.cumulative_logprob) == ("stop", eos, -1.1)
+
+
+def test_beams_share_their_blocks_and_survive_preemption(llm, tiny_model_dir):
+    """Forked beams hold their common blocks once (copy-on-write); a pool too small for every
+    running sequence preempts beams as a search, by recompute or swap, never changing them."""
+    prompt = list(range(100, 140))  # 10 blocks of 4 tokens
+    params = SamplingParams(n=4, use_beam_search=True, max_tokens=6, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("shared", prompt, params)
+    for _ in range(4):
+        engine.step()
+    beams = [s for s in engine.groups["shared"].seqs if not s.finished]
+    assert len(beams) == 4
+    # 10 prompt blocks and at most 2 more a beam: 44 if each beam held its own
+    assert engine.kv.snapshot()["used"] <= 10 + 2 * 4
+    while engine.has_unfinished():
+        engine.step()
+    engine.kv.check_integrity()
+
+    prompts = [PROMPTS[0], PROMPTS[2], prompt[:20]]
+    want = [[o.token_ids for o in r.outputs] for r in llm.generate(prompts, params, False)]
+    for mode in ("recompute", "swap"):
+        small = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks_override=16,
+                    block_size=4, preemption_mode=mode, swap_space="64MiB",
+                    max_num_batched_tokens=16)  # fmt: skip
+        got = [[o.token_ids for o in r.outputs] for r in small.generate(prompts, params, False)]
+        assert small.engine.scheduler.num_preemptions > 0, mode
+        assert got == want, mode
+        small.engine.kv.check_integrity()
+        small.close()
 
 
 def test_what_would_shape_beams_is_refused(llm):
@@ -123,10 +155,8 @@ def test_what_would_shape_beams_is_refused(llm):
             SamplingParams(n=2, use_beam_search=True, **{field: value})
     with pytest.raises(ConfigError, match="length_penalty applies to beam search only"):
         SamplingParams(length_penalty=0.8)
-    with pytest.raises(ConfigError, match="n=11 reads the 22 most likely tokens"):
-        llm.generate([PROMPTS[0]], SamplingParams(n=11, use_beam_search=True), use_tqdm=False)
-    with pytest.raises(ConfigError, match="beam search runs through"):
-        llm.engine.add_request("x", PROMPTS[0], SamplingParams(n=2, use_beam_search=True))
+    with pytest.raises(ConfigError, match="n=300 takes the 600 most likely tokens"):
+        llm.generate([PROMPTS[0]], SamplingParams(n=300, use_beam_search=True), use_tqdm=False)
     assert not llm.engine.has_unfinished()
 
 
@@ -166,7 +196,7 @@ def test_async_engine_and_server_answer_as_offline(llm, tiny_model_dir):
         assert [c["text"] for c in r.json()["choices"]] == [tok.decode(w) for w in want]
         r = srv.http.post("/v1/completions", json={**body, "top_p": 0.5})
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_p", r.text
-        r = srv.http.post("/v1/completions", json={**body, "n": 30})
+        r = srv.http.post("/v1/completions", json={**body, "n": 300})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
                 "use_beam_search": True, "stream": True}  # fmt: skip

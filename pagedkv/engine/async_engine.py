@@ -22,7 +22,6 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from pagedkv.config import ConfigError, EngineConfig
-from pagedkv.engine.beam_search import BeamSearch
 from pagedkv.engine.engine_stats import EngineStats
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
@@ -146,10 +145,6 @@ class AsyncLLM:
         that one).
 
         Closing the iterator aborts the request."""
-        if params.use_beam_search:
-            async for out in self._beam_search(prompt, params, request_id, add_special_tokens):
-                yield out
-            return
         self._check_accepting()
         self._ensure_started()
         ids = params.truncate(self.engine.tokenize(prompt, add_special_tokens), self.max_model_len)
@@ -181,38 +176,6 @@ class AsyncLLM:
         finally:
             if not finished:
                 await self.abort(request_id)
-
-    async def _beam_search(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, special: bool
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Each step, the live beams' one-token requests at once (engine/beam_search.py)."""
-        self._check_accepting()
-        ids = params.truncate(self.engine.tokenize(prompt, special), self.max_model_len)
-        search = BeamSearch(
-            ids, params, self.engine.validate(ids, params), self.engine.tokenizer.eos_token_ids
-        )
-        step = search.step_params()
-        while pending := search.pending():
-            async with asyncio.TaskGroup() as group:  # one failing cancels the others
-                tasks = [
-                    group.create_task(self._final(p, step, f"{request_id}/{search.steps}.{i}"))
-                    for i, p in enumerate(pending)
-                ]
-            search.advance([t.result() for t in tasks])
-        tok = self.engine.tokenizer
-        yield search.output(
-            request_id,
-            prompt if isinstance(prompt, str) else None,
-            lambda t: tok.decode(t, skip_special_tokens=params.skip_special_tokens),
-        )
-
-    async def _final(
-        self, ids: list[int], params: SamplingParams, request_id: str
-    ) -> RequestOutput:
-        async for out in self.generate(ids, params, request_id):
-            if out.finished:
-                return out
-        raise AssertionError("a request's outputs ended before its final one")
 
     def _check_accepting(self) -> None:
         if self._error is not None:

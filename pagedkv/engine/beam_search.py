@@ -1,12 +1,13 @@
 """Beam search (vLLM's `use_beam_search`, `LLM.beam_search`): n beams advanced in lockstep.
 
-Each step asks the engine, for every live beam, one token with the 2n most likely next tokens and
-their logprobs (the model's own, before temperature), as one batch of ordinary requests whose
-prompts are the beams so far. Prefix caching gives every such request the full blocks its beam
-shares with the prompt and with the beams it forked from, so a step computes at most a block's
-worth of tokens a beam, and the blocks of a common stem are held once. Of the candidates, those
-ending in EOS are set aside as finished; the n best of the others go on. After max_tokens steps,
-the n best of all are the answer.
+A beam-search request's sequences are its live beams. The scheduler runs them in the same step
+(scheduler.py: a group samples only when all of it can), and after the forward the engine takes
+each beam's 2n most likely next tokens (the model's logprobs, before temperature) as candidates.
+Those ending in EOS are set aside as finished; the n best of the others are the next beams. A
+parent with one chosen child carries it on; with more, the others fork from it and share its
+blocks, copy-on-write (the partial last block is copied when each writes its token); a parent
+with none ends and its blocks go back. After max_tokens steps, the n best of all beams, finished
+or not, are the answer: one output, at the end.
 
 A beam's score is its cumulative logprob over its length to the power length_penalty, the length
 counting the prompt and not a final EOS (vLLM's `get_beam_search_score`).
@@ -14,107 +15,94 @@ counting the prompt and not a final EOS (vLLM's `get_beam_search_score`).
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.request import SamplingParams
 
-
-@dataclass
-class Beam:
-    tokens: list[int]  # output tokens so far (a final EOS only with include_stop_str_in_output)
-    cum_logprob: float = 0.0
-    finish_reason: str | None = None
-    stop_reason: int | None = None
-    length: int = 0  # prompt + output tokens, a final EOS not counted: the score's length
+if TYPE_CHECKING:
+    from pagedkv.engine.sequence import Sequence
 
 
 @dataclass
-class BeamSearch:
-    """One prompt's search. `pending()` gives the prompts of this step's requests (none: done),
-    `advance()` takes each one's logprob record, `output()` the answer."""
+class Ended:
+    """A beam that ended in EOS."""
 
-    prompt_ids: list[int]
-    params: SamplingParams  # n: the beam width
-    max_tokens: int  # resolved against max_model_len
-    eos_token_ids: set[int]
-    beams: list[Beam] = field(default_factory=list)
-    finished: list[Beam] = field(default_factory=list)
+    tokens: list[int]  # output tokens (the EOS only with include_stop_str_in_output)
+    cum_logprob: float
+    length: int  # prompt + output, the EOS not counted
+    eos: int
+
+
+@dataclass
+class Choice:
+    """A next beam: `parent` followed by `token`."""
+
+    parent: Sequence
+    token: int
+    cum_logprob: float
+
+
+@dataclass
+class BeamState:
+    """A beam-search request's ended beams and steps; its live beams are its group's unfinished
+    sequences."""
+
+    ended: list[Ended] = field(default_factory=list)
     steps: int = 0
-    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at the first step
-    metrics: RequestMetrics = field(
-        default_factory=lambda: RequestMetrics(arrival_time=time.monotonic())
-    )
+    next_index: int = 1  # the next forked beam's sequence index
+    done: bool = False
+    outputs: list[CompletionOutput] = field(default_factory=list)  # the answer, when done
 
-    def __post_init__(self) -> None:
-        self.beams = [Beam([], length=len(self.prompt_ids))]
 
-    def step_params(self) -> SamplingParams:
-        """One token, greedy, with the 2n most likely next tokens: what each beam asks a step."""
-        p = self.params
-        return dataclasses.replace(
-            SamplingParams(),
-            n=1,
-            temperature=0.0,
-            max_tokens=1,
-            logprobs=2 * p.n,
-            skip_special_tokens=p.skip_special_tokens,
-            cache_salt=p.cache_salt,
-            priority=p.priority,
-            lora_name=p.lora_name,
-        )
+def score(cum_logprob: float, length: int, length_penalty: float) -> float:
+    return cum_logprob / (length**length_penalty)
 
-    def pending(self) -> list[list[int]]:
-        if self.steps >= self.max_tokens:
-            return []
-        return [self.prompt_ids + b.tokens for b in self.beams]
 
-    def score(self, beam: Beam) -> float:
-        return beam.cum_logprob / (beam.length**self.params.length_penalty)
+def choose(
+    state: BeamState,
+    params: SamplingParams,
+    candidates: list[tuple[Sequence, dict[int, float]]],
+    eos_token_ids: set[int],
+) -> list[Choice]:
+    """The next beams from each live beam's candidates (token -> logprob); candidates ending in
+    EOS join state.ended."""
+    live: list[tuple[float, Choice]] = []
+    for seq, top in candidates:
+        length = len(seq.token_ids)
+        for token, logprob in top.items():
+            cum = seq.cum_logprob + logprob
+            if token in eos_token_ids and not params.ignore_eos:
+                kept = list(seq.output_token_ids)
+                if params.include_stop_str_in_output:
+                    kept.append(token)
+                state.ended.append(Ended(kept, cum, length, token))
+            else:
+                rank = score(cum, length + 1, params.length_penalty)
+                live.append((rank, Choice(seq, token, cum)))
+    live.sort(key=lambda c: c[0], reverse=True)  # stable: ties keep the beams' order
+    return [c for _, c in live[: params.n]]
 
-    def advance(self, outs: list[RequestOutput]) -> None:
-        """outs[i]: the finished request of beam i (its logprobs' `top`: the 2n candidates)."""
-        p = self.params
-        if self.steps == 0:
-            self.num_cached_tokens = outs[0].num_cached_tokens
-            self.metrics.first_token_time = time.monotonic()
-        live: list[Beam] = []
-        for beam, out in zip(self.beams, outs, strict=True):
-            records = out.outputs[0].sample_logprobs
-            assert records, "a step asks logprobs"
-            record = records[-1]
-            for token, logprob in record.top.items():
-                cum = beam.cum_logprob + logprob
-                if token in self.eos_token_ids and not p.ignore_eos:
-                    kept = [*beam.tokens, token] if p.include_stop_str_in_output else beam.tokens
-                    self.finished.append(Beam(kept, cum, "stop", token, beam.length))
-                else:
-                    live.append(Beam([*beam.tokens, token], cum, length=beam.length + 1))
-        live.sort(key=self.score, reverse=True)
-        self.beams = live[: p.n]
-        self.steps += 1
 
-    def output(self, request_id: str, prompt: str | None, decode) -> RequestOutput:
-        """The n best beams, finished or not (those cut by max_tokens end with "length");
-        `decode(token_ids)` gives a beam's text."""
-        best = sorted(self.finished + self.beams, key=self.score, reverse=True)[: self.params.n]
-        outputs = [
-            CompletionOutput(
-                i,
-                decode(b.tokens),
-                b.tokens,
-                b.finish_reason or "length",
-                stop_reason=b.stop_reason,
-                cumulative_logprob=b.cum_logprob,
-            )
-            for i, b in enumerate(best)
-        ]
-        self.metrics.finished_time = time.monotonic()
-        return RequestOutput(
-            request_id, prompt, self.prompt_ids, outputs, True, self.num_cached_tokens, self.metrics
-        )
+def answer(state: BeamState, params: SamplingParams, live: list[Sequence], decode) -> None:
+    """The n best of the ended and the live beams, as the request's outputs (`decode(token_ids)`
+    gives a beam's text); the live ones end with "length"."""
+    p = params
+    beams = [
+        (score(e.cum_logprob, e.length, p.length_penalty), e.tokens, e.cum_logprob, "stop", e.eos)
+        for e in state.ended
+    ] + [
+        (score(s.cum_logprob, len(s.token_ids), p.length_penalty), list(s.output_token_ids),
+         s.cum_logprob, "length", None)
+        for s in live
+    ]  # fmt: skip
+    beams.sort(key=lambda b: b[0], reverse=True)
+    state.outputs = [
+        CompletionOutput(i, decode(tokens), tokens, reason, stop_reason=eos, cumulative_logprob=cum)
+        for i, (_, tokens, cum, reason, eos) in enumerate(beams[: p.n])
+    ]
+    state.done = True
 
 
 @dataclass

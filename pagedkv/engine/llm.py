@@ -17,7 +17,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from pagedkv.config import CONTENT_FORMATS, ConfigError, EngineConfig
-from pagedkv.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedkv.engine.chat import render_chat
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
@@ -143,17 +143,7 @@ class LLM:
                 raise ConfigError(f"lora_request wants one or {len(plist)} LoRARequests")
             names = [self._lora_name(r) for r in loras] * (len(plist) // len(loras))
             plist = [dataclasses.replace(p, lora_name=n) for p, n in zip(plist, names)]
-        beams = [i for i, p in enumerate(plist) if p.use_beam_search]
-        if not beams:
-            return self._run(prompt_list, plist, use_tqdm)
-        results: list[Any] = [None] * len(plist)
-        rest = [i for i, p in enumerate(plist) if not p.use_beam_search]
-        for index, run in ((beams, self._run_beams), (rest, self._run)):
-            if index:
-                outs = run([prompt_list[i] for i in index], [plist[i] for i in index], use_tqdm)
-                for i, out in zip(index, outs):
-                    results[i] = out
-        return results
+        return self._run(prompt_list, plist, use_tqdm)
 
     def beam_search(
         self,
@@ -223,32 +213,6 @@ class LLM:
             for c in convs
         ]
         return self.generate(ids, sampling_params, use_tqdm, lora_request=lora_request)
-
-    def _run_beams(
-        self, prompts: list[str | list[int]], plist: list[SamplingParams], use_tqdm: bool
-    ) -> list[RequestOutput]:
-        """Every prompt's search at once: each step, one batch of the live beams' requests."""
-        engine = self.engine
-        searches = []
-        for prompt, p in zip(prompts, plist):
-            ids = p.truncate(engine.tokenize(prompt), engine.max_model_len)
-            max_tokens = engine.validate(ids, p)
-            searches.append(BeamSearch(ids, p, max_tokens, engine.tokenizer.eos_token_ids))
-        while steps := [(s, ids) for s in searches for ids in s.pending()]:
-            outs = self._run([ids for _, ids in steps], [s.step_params() for s, _ in steps], False)
-            for s in searches:
-                mine = [o for (owner, _), o in zip(steps, outs) if owner is s]
-                if mine:
-                    s.advance(mine)
-        tok = engine.tokenizer
-        return [
-            s.output(
-                f"offline-{next(self._ids)}",
-                prompt if isinstance(prompt, str) else None,
-                lambda t, p=s.params: tok.decode(t, skip_special_tokens=p.skip_special_tokens),
-            )
-            for s, prompt in zip(searches, prompts)
-        ]
 
     def _run(
         self, prompts: list[str | list[int]], plist: list[SamplingParams], use_tqdm: bool

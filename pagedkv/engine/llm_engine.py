@@ -17,6 +17,7 @@ from pagedkv.config import ConfigError, EngineConfig, lora_modules
 from pagedkv.cpu_memory import keep_freed_memory
 from pagedkv.engine import prompt_logprobs
 from pagedkv.engine.admission import tokenize, validate_request
+from pagedkv.engine.beam_search import Choice, answer, choose
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
 from pagedkv.engine.engine_stats import EngineStats, engine_stats
 from pagedkv.engine.faults import FaultInjector
@@ -24,7 +25,7 @@ from pagedkv.engine.isolation import Failures, IsolatedForward, device_broken
 from pagedkv.engine.options import apply_engine_options, generation_defaults
 from pagedkv.engine.outputs import RequestOutput, SampleLogprob
 from pagedkv.engine.reasoning import ReasoningTags
-from pagedkv.engine.request import ParamError, SamplingParams
+from pagedkv.engine.request import SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler
@@ -176,12 +177,6 @@ class LLMEngine:
     ) -> SequenceGroup:
         if request_id in self.groups:
             raise ConfigError(f"request id {request_id!r} is already in use")
-        if params.use_beam_search:  # runs as requests of one token each (engine/beam_search.py)
-            raise ParamError(
-                "use_beam_search",
-                "LLMEngine.add_request runs one request; beam search runs through LLM.generate, "
-                "LLM.beam_search, AsyncLLMEngine.generate and the server",
-            )
         prompt_ids = params.truncate(self.tokenize(prompt, add_special_tokens), self.max_model_len)
         max_tokens = self.validate(prompt_ids, params)
         group = SequenceGroup.create(
@@ -232,12 +227,15 @@ class LLMEngine:
                 s.seq.num_computed_tokens += s.num_new_tokens
         plain: list[Sequence] = []
         plain_rows: list[int] = []
+        beams: list[tuple[Sequence, int]] = []
         speculative: list[tuple[ScheduledSeq, int]] = []
         row = 0
         for s in sampling:  # a speculating sequence has 1 + len(drafts) consecutive rows
             if s.seq.group not in failures:
                 if s.drafts:
                     speculative.append((s, row))
+                elif s.seq.group.beam is not None:
+                    beams.append((s.seq, row))
                 else:
                     plain.append(s.seq)
                     plain_rows.append(row)
@@ -250,7 +248,8 @@ class LLMEngine:
             drawn = self._sample(
                 logits if picked == list(range(row)) else logits[picked], seqs, failures
             )
-        return self._finish_step(drawn, failures, speculative, logits)
+        ended = self._advance_beams(beams, logits) if beams else []
+        return self._finish_step(drawn, failures, speculative, logits) + ended
 
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence], failures: Failures
@@ -388,6 +387,77 @@ class LLMEngine:
                     rows.append(i)
                     seqs.append(child)
         return rows, seqs
+
+    def _advance_beams(
+        self, beams: list[tuple[Sequence, int]], logits: torch.Tensor | None
+    ) -> list[RequestOutput]:
+        """Every beam-search request of the step moves its beams on by one token (each ran all
+        its beams this step); the outputs of those that ended."""
+        assert logits is not None  # beams' rows are sampling rows
+        width = max(seq.params.n for seq, _ in beams)
+        top = logits[[row for _, row in beams]].float().log_softmax(-1).topk(2 * width, -1)
+        by_group: dict[SequenceGroup, list[tuple[Sequence, dict[int, float]]]] = {}
+        for i, (seq, _) in enumerate(beams):
+            k = 2 * seq.params.n
+            tokens, logprobs = top.indices[i, :k].tolist(), top.values[i, :k].tolist()
+            by_group.setdefault(seq.group, []).append((seq, dict(zip(tokens, logprobs))))
+        outputs = []
+        for group, candidates in by_group.items():
+            try:
+                if self.faults is not None:
+                    self.faults.check("sample", (group,))
+                if self._step_beams(group, candidates):
+                    outputs.append(group.to_output(visible_text))
+                    self.groups.pop(group.request_id, None)
+            except Exception as e:  # noqa: BLE001 - this request's alone
+                outputs.append(self._fail(group, e))
+        return outputs
+
+    def _step_beams(
+        self, group: SequenceGroup, candidates: list[tuple[Sequence, dict[int, float]]]
+    ) -> bool:
+        """The next beams: a parent carries on its first child, forks the others, ends without
+        one. True when the search is over (its answer is group.beam.outputs)."""
+        state, p = group.beam, group.params
+        assert state is not None
+        now = time.monotonic()
+        m = group.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            self.prompt_tokens_total += len(group.prompt_token_ids)
+        children: dict[Sequence, list[Choice]] = {}
+        for choice in choose(state, p, candidates, self.tokenizer.eos_token_ids):
+            children.setdefault(choice.parent, []).append(choice)
+        for seq, _ in candidates:
+            mine = children.get(seq)
+            if not mine:
+                self.scheduler.finish(seq)
+                group.seqs.remove(seq)
+                continue
+            for choice in mine[1:]:  # before the parent's own token: the child copies its tokens
+                child = group.new_seq(state.next_index, list(seq.token_ids))
+                state.next_index += 1
+                group.seqs.append(child)
+                self.scheduler.fork(seq, child)
+                child.cum_logprob = choice.cum_logprob
+                child.append_token(choice.token)
+            seq.cum_logprob = mine[0].cum_logprob
+            seq.append_token(mine[0].token)
+        state.steps += 1
+        live = group.live
+        self.generation_tokens_total += len(live)
+        m.token_times.append(now)
+        m.last_token_time = now
+        full = any(len(s.token_ids) >= self.max_model_len for s in live)
+        if live and state.steps < group.max_tokens and not full:
+            return False
+        tok = self.tokenizer
+        answer(state, p, live, lambda t: tok.decode(t, skip_special_tokens=p.skip_special_tokens))
+        for seq in live:
+            seq.finish_reason = "length"
+            self.scheduler.finish(seq)
+        m.finished_time = now
+        return True
 
     def _check_faults(self, stage: str, groups) -> None:
         if self.faults is not None:

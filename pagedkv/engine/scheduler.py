@@ -10,6 +10,11 @@ queues and the running sequences are kept in order of (priority, arrival),
 lower first, and the victim is the running sequence last in that order. The
 scheduler decides; it never touches tensors: block copies go to the runner as
 plans.
+
+A beam search's live beams (engine/beam_search.py) sample together or not at all:
+they sit side by side in `running`, are scheduled as one when all are running and
+their tokens fit the step (until then a beam still being recomputed may take all
+but its last token), and are preempted as one.
 """
 
 from __future__ import annotations
@@ -132,14 +137,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.group.beam is not None:
+                i, budget, stop = self._schedule_beams(i, out, budget)
+                if stop:
+                    return budget
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             drafts, copies = self._speculate(seq, n, budget)
             if copies is None:
                 copies = self.kv.allocate_slots(seq.seq_id, seq.block_hashes, n)
             while copies is None:
                 victim = self._victim(i)
-                self.running.remove(victim)
-                self._preempt(victim, out)
+                self._preempt_victim(victim, out)
                 if victim is seq:
                     return budget
                 copies = self.kv.allocate_slots(seq.seq_id, seq.block_hashes, n)
@@ -148,6 +157,69 @@ class Scheduler:
             budget -= n + len(drafts)
             i += 1
         return budget
+
+    def _schedule_beams(self, i: int, out: SchedulerOutput, budget: int) -> tuple[int, int, bool]:
+        """The beams of running[i]'s search, running[i:j]: all with every token they lack when
+        all are running and fit the budget (they sample), else each beam being recomputed with
+        all but its last. Returns (j, the budget left, whether it preempted the beams themselves:
+        nothing after them gets scheduled, as for a sequence that preempts itself)."""
+        group = self.running[i].group
+        j = i
+        while j < len(self.running) and self.running[j].group is group:
+            j += 1
+        beams = self.running[i:j]
+        lacking = [b.num_uncomputed_tokens for b in beams]
+        together = len(beams) == len(group.live) and sum(lacking) <= budget
+        planned: list[tuple[Sequence, int, list]] = []
+        for beam, n in zip(beams, lacking):
+            n = n if together else min(n - 1, budget)  # (apart, a decoding beam waits)
+            if n <= 0:
+                continue
+            copies = self.kv.allocate_slots(beam.seq_id, beam.block_hashes, n)
+            while copies is None:
+                if len(self.running) == j:  # none after them: the beams give way, recomputed
+                    self._preempt_beams(group, out, recompute=bool(planned))  # (see below)
+                    return i, budget, True
+                self._preempt_victim(self._victim(j), out)
+                copies = self.kv.allocate_slots(beam.seq_id, beam.block_hashes, n)
+            planned.append((beam, n, copies))
+            budget -= n
+        for beam, n, copies in planned:
+            out.copies.extend(copies)
+            out.scheduled.append(ScheduledSeq(beam, n))
+        return j, budget, False
+
+    def _preempt_victim(self, victim: Sequence, out: SchedulerOutput) -> None:
+        """Preempt a running sequence not yet scheduled this step, with its beams if it is one
+        (they sit after it or around it, none scheduled yet either)."""
+        if victim.group.beam is not None:
+            self._preempt_beams(victim.group, out)
+        else:
+            self.running.remove(victim)
+            self._preempt(victim, out)
+
+    def _preempt_beams(self, group, out: SchedulerOutput, recompute: bool = False) -> None:
+        """All the running beams of one search, last first (so the queues keep their order).
+        `recompute`: some were given slots this step (their copy-on-write copies never made):
+        swapping those out would copy unwritten blocks, so every one is recomputed instead."""
+        for beam in reversed([s for s in self.running if s.group is group]):
+            self.running.remove(beam)
+            self._preempt(beam, out, recompute)
+
+    @staticmethod
+    def _held_back(seq: Sequence) -> int:
+        """1 for a beam coming back (swapped in, or admitted to be recomputed) beside others:
+        its last token waits for theirs (_schedule_beams), so that all sample together."""
+        return int(seq.group.beam is not None and len(seq.group.live) > 1)
+
+    def _place(self, seq: Sequence) -> None:
+        """Into `running`: after the beams of its search already there, else last."""
+        if seq.group.beam is not None:
+            at = [k for k, s in enumerate(self.running) if s.group is seq.group]
+            if at:
+                self.running.insert(at[-1] + 1, seq)
+                return
+        self.running.append(seq)
 
     def _victim(self, i: int) -> Sequence:
         """Whom to preempt for running[i]: the latest admitted (by the priority policy, the last
@@ -182,9 +254,9 @@ class Scheduler:
             self.swapped.popleft()
             out.swap_in.extend(plan)
             seq.status = Status.RUNNING
-            self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
-            copies = self.kv.allocate_slots(seq.seq_id, seq.block_hashes, n)
+            self._place(seq)
+            n = min(seq.num_uncomputed_tokens - self._held_back(seq), budget)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.block_hashes, n) if n > 0 else None
             if copies is not None:  # else it waits in running for the next step
                 out.copies.extend(copies)
                 out.scheduled.append(ScheduledSeq(seq, n))
@@ -198,7 +270,8 @@ class Scheduler:
             every_position = seq.params.prompt_logprobs is not None  # cached blocks have no logits
             try:  # reads the offload tiers: a failure there is this request's, not the engine's
                 prefix = NO_PREFIX if every_position else self.kv.lookup_prefix(seq.block_hashes)
-                n = min(len(seq.token_ids) - prefix.num_blocks * bs, budget)
+                n = len(seq.token_ids) - prefix.num_blocks * bs - self._held_back(seq)
+                n = min(n, budget)
                 remaining = seq.group.max_tokens - seq.num_output_tokens
                 copies = self.kv.allocate_slots(
                     seq.seq_id, seq.block_hashes, n, prefix=prefix, max_tokens=remaining
@@ -215,18 +288,20 @@ class Scheduler:
             )  # less than planned if a tier block failed its check
             seq.num_computed_tokens = computed
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            self._place(seq)
             group = seq.group
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = time.monotonic()
                 group.num_cached_tokens = computed
-            out.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            if n > 0:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, recompute: bool = False) -> None:
         self.num_preemptions += 1
         out.preempted.append(seq)
-        if self.preemption_mode == "swap" and self.kv.can_swap_out(seq.seq_id):
+        swap = self.preemption_mode == "swap" and not recompute
+        if swap and self.kv.can_swap_out(seq.seq_id):
             plan = self.kv.swap_out(seq.seq_id)
             if plan is not None:
                 out.swap_out.extend(plan)
@@ -258,4 +333,4 @@ class Scheduler:
         self.kv.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = Status.RUNNING
-        self.running.append(child)
+        self._place(child)

@@ -2,7 +2,9 @@
 
 The scheduler schedules sequences, not requests: with n > 1 the request is
 prefilled once as sample 0, then forked so all samples share the prompt's
-blocks (copy-on-write), and each sample can be preempted on its own.
+blocks (copy-on-write), and each sample can be preempted on its own. A beam
+search's sequences are its live beams (engine/beam_search.py): they fork and end
+at every step, and run together.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from pagedkv.engine.beam_search import BeamState
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprob
 from pagedkv.engine.request import SamplingParams
 from pagedkv.kv.hashing import BlockHashes
@@ -40,6 +43,7 @@ class Sequence:
     logprobs: list[SampleLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    cum_logprob: float = 0.0  # a beam's, over its output tokens
     # chained hashes of the full blocks, extended in append_token (the scheduler sets them up)
     block_hashes: BlockHashes = field(default_factory=lambda: BlockHashes(None))
 
@@ -89,6 +93,11 @@ class SequenceGroup:
     prompt_logprobs: list[SampleLogprob] = field(
         default_factory=list
     )  # prompt tokens 1.. (if asked)
+    beam: BeamState | None = None  # a beam search's finished beams and steps
+
+    @property
+    def live(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
 
     @classmethod
     def create(
@@ -101,6 +110,8 @@ class SequenceGroup:
     ) -> SequenceGroup:
         group = cls(request_id, prompt, list(prompt_token_ids), params, max_tokens)
         group.seqs.append(group.new_seq(0, list(prompt_token_ids)))
+        if params.use_beam_search:
+            group.beam = BeamState()
         return group
 
     def new_seq(self, index: int, token_ids: list[int]) -> Sequence:
@@ -119,6 +130,8 @@ class SequenceGroup:
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done or self.aborted
         forked = (
             len(self.seqs) == self.params.n or self.aborted
         )  # an abort before the fork ends it too
@@ -126,17 +139,21 @@ class SequenceGroup:
 
     def to_output(self, text_of) -> RequestOutput:
         """`text_of(seq)` gives the text to show (stop-string prefixes held back while running)."""
-        outs = [
-            CompletionOutput(
-                s.index,
-                text_of(s),
-                list(s.output_token_ids),
-                s.finish_reason,
-                list(s.logprobs) if s.logprobs is not None else None,
-                s.stop_reason,
-            )
-            for s in self.seqs
-        ]
+        outs = (
+            self.beam.outputs
+            if self.beam is not None and self.beam.done
+            else [
+                CompletionOutput(
+                    s.index,
+                    text_of(s),
+                    list(s.output_token_ids),
+                    s.finish_reason,
+                    list(s.logprobs) if s.logprobs is not None else None,
+                    s.stop_reason,
+                )
+                for s in self.seqs
+            ]
+        )
         wants = self.params.prompt_logprobs is not None
         prompt_lps = [None, *self.prompt_logprobs] if wants else None
         return RequestOutput(
