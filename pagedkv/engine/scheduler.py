@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from pagedkv.engine.sequence import Sequence, Status
+from pagedkv.engine.sequence import Sequence, SequenceGroup, Status
 from pagedkv.engine.spec_decode import NgramProposer
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.plan import BlockCopy, BlockLoad, BlockSave
@@ -177,8 +177,8 @@ class Scheduler:
                 continue
             copies = self.kv.allocate_slots(beam.seq_id, beam.block_hashes, n)
             while copies is None:
-                if len(self.running) == j:  # none after them: the beams give way, recomputed
-                    self._preempt_beams(group, out, recompute=bool(planned))  # (see below)
+                if len(self.running) == j:  # none after them: the beams give way
+                    self._preempt_beams(group, out, recompute=bool(planned))
                     return i, budget, True
                 self._preempt_victim(self._victim(j), out)
                 copies = self.kv.allocate_slots(beam.seq_id, beam.block_hashes, n)
@@ -198,7 +198,9 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim, out)
 
-    def _preempt_beams(self, group, out: SchedulerOutput, recompute: bool = False) -> None:
+    def _preempt_beams(
+        self, group: SequenceGroup, out: SchedulerOutput, recompute: bool = False
+    ) -> None:
         """All the running beams of one search, last first (so the queues keep their order).
         `recompute`: some were given slots this step (their copy-on-write copies never made):
         swapping those out would copy unwritten blocks, so every one is recomputed instead."""
