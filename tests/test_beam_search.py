@@ -12,7 +12,7 @@ from server_process import TINY_SERVER, ServerProcess
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ConfigError
-from pagedkv.engine.beam_search import BeamSearchParams, answer, choose
+from pagedkv.engine.beam_search import BeamSearchParams, Candidates, answer, choose
 from pagedkv.engine.sequence import SequenceGroup
 
 PROMPTS = [[5, 9, 23, 7, 81, 3], [40, 2, 2, 19], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
@@ -41,11 +41,11 @@ def hf_beams(hf, prompt: list[int], width: int, max_tokens: int) -> list[list[in
     return [row[len(prompt) :].tolist() for row in out]
 
 
-def hf_logprob(hf, prompt: list[int], output: list[int]) -> float:
+def hf_logprobs(hf, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The model's log-probabilities at each output position [len(output), vocab]."""
     ids = torch.tensor([prompt + output])
     with torch.no_grad():
-        logp = hf(ids).logits[0].log_softmax(-1)
-    return sum(float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(output))
+        return hf(ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
 
 
 def test_beams_equal_transformers_beam_search(llm, hf):
@@ -59,11 +59,29 @@ def test_beams_equal_transformers_beam_search(llm, hf):
         assert len({tuple(g) for g in got}) == 3  # three different beams
         for o in out.outputs:
             assert o.finish_reason == "length"
-            assert o.cumulative_logprob == pytest.approx(
-                hf_logprob(hf, prompt, o.token_ids), abs=1e-3
-            )
+            logp = hf_logprobs(hf, prompt, o.token_ids)
+            model = sum(float(logp[i, t]) for i, t in enumerate(o.token_ids))
+            assert o.cumulative_logprob == pytest.approx(model, abs=1e-3)
     llm.engine.kv.check_integrity()
     assert not llm.engine.has_unfinished()
+
+
+def test_beams_logprobs_are_the_models(llm, hf):
+    """logprobs=k: each beam's tokens with their logprobs and the k most likely at each step,
+    following the beam through its forks."""
+    params = SamplingParams(n=3, use_beam_search=True, max_tokens=6, ignore_eos=True, logprobs=2)
+    plain = SamplingParams(n=3, use_beam_search=True, max_tokens=6, ignore_eos=True)
+    (out,) = llm.generate([PROMPTS[1]], params, use_tqdm=False)
+    (ref,) = llm.generate([PROMPTS[1]], plain, use_tqdm=False)
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in ref.outputs]
+    for o in out.outputs:
+        logp = hf_logprobs(hf, PROMPTS[1], o.token_ids)
+        assert len(o.logprobs) == len(o.token_ids)
+        for i, (token, entry) in enumerate(zip(o.token_ids, o.logprobs)):
+            assert entry[token].logprob == pytest.approx(float(logp[i, token]), abs=1e-3)
+            assert set(logp[i].topk(2).indices.tolist()) <= set(entry)
+        total = sum(e[t].logprob for t, e in zip(o.token_ids, o.logprobs))
+        assert total == pytest.approx(o.cumulative_logprob, abs=1e-4)
 
 
 def test_beam_search_api_and_mixed_generate(llm):
@@ -97,7 +115,8 @@ def test_eos_ends_a_beam_and_length_penalty_weighs_lengths(include_eos):
 
         def step(tops: list[dict[int, float]]) -> list:
             children = []
-            for c in choose(state, params, list(zip(live, tops)), {eos}):
+            candidates = [Candidates(seq, top) for seq, top in zip(live, tops)]
+            for c in choose(state, params, candidates, {eos}):
                 child = group.new_seq(len(children), [*c.parent.token_ids, c.token])
                 child.cum_logprob = c.cum_logprob
                 children.append(child)
@@ -149,7 +168,7 @@ def test_beams_share_their_blocks_and_survive_preemption(llm, tiny_model_dir):
 
 
 def test_what_would_shape_beams_is_refused(llm):
-    for field, value in [("top_p", 0.5), ("stop", ["x"]), ("logprobs", 2), ("seed", 3),
+    for field, value in [("top_p", 0.5), ("stop", ["x"]), ("logit_bias", {1: 2.0}), ("seed", 3),
                          ("repetition_penalty", 1.2), ("min_tokens", 2)]:  # fmt: skip
         with pytest.raises(ConfigError, match=f"{field} cannot be combined with use_beam_search"):
             SamplingParams(n=2, use_beam_search=True, **{field: value})
@@ -194,6 +213,8 @@ def test_async_engine_and_server_answer_as_offline(llm, tiny_model_dir):
         r = srv.http.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         assert [c["text"] for c in r.json()["choices"]] == [tok.decode(w) for w in want]
+        r = srv.http.post("/v1/completions", json={**body, "logprobs": 2})
+        assert [len(c["logprobs"]["tokens"]) for c in r.json()["choices"]] == [6, 6], r.text
         r = srv.http.post("/v1/completions", json={**body, "top_p": 0.5})
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_p", r.text
         r = srv.http.post("/v1/completions", json={**body, "n": 300})

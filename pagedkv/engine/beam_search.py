@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput, SampleLogprob
 from pagedkv.engine.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ class Ended:
     cum_logprob: float
     length: int  # prompt + output, the EOS not counted
     eos: int
+    logprobs: list[SampleLogprob] | None  # when asked: one record a token
 
 
 @dataclass
@@ -42,6 +43,22 @@ class Choice:
     parent: Sequence
     token: int
     cum_logprob: float
+    record: SampleLogprob | None  # the token's logprob record, when asked
+
+
+@dataclass
+class Candidates:
+    """A live beam's next tokens: its 2n most likely (token -> logprob, most likely first), and
+    the alternatives its logprobs show (None: not asked)."""
+
+    beam: Sequence
+    top: dict[int, float]
+    shown: dict[int, float] | None = None
+
+    def record(self, token: int) -> SampleLogprob | None:
+        if self.shown is None:
+            return None
+        return SampleLogprob(token, self.top[token], self.shown, list(self.top).index(token) + 1)
 
 
 @dataclass
@@ -63,24 +80,25 @@ def score(cum_logprob: float, length: int, length_penalty: float) -> float:
 def choose(
     state: BeamState,
     params: SamplingParams,
-    candidates: list[tuple[Sequence, dict[int, float]]],
+    candidates: list[Candidates],
     eos_token_ids: set[int],
 ) -> list[Choice]:
-    """The next beams from each live beam's candidates (token -> logprob); candidates ending in
-    EOS join state.ended."""
+    """The next beams from each live beam's candidates; candidates ending in EOS join
+    state.ended."""
     live: list[tuple[float, Choice]] = []
-    for seq, top in candidates:
-        length = len(seq.token_ids)
-        for token, logprob in top.items():
-            cum = seq.cum_logprob + logprob
+    for c in candidates:
+        seq, length = c.beam, len(c.beam.token_ids)
+        for token, logprob in c.top.items():
+            cum, record = seq.cum_logprob + logprob, c.record(token)
             if token in eos_token_ids and not params.ignore_eos:
                 kept = list(seq.output_token_ids)
                 if params.include_stop_str_in_output:
                     kept.append(token)
-                state.ended.append(Ended(kept, cum, length, token))
+                logs = None if record is None else [*(seq.logprobs or ()), record]
+                state.ended.append(Ended(kept, cum, length, token, logs))
             else:
                 rank = score(cum, length + 1, params.length_penalty)
-                live.append((rank, Choice(seq, token, cum)))
+                live.append((rank, Choice(seq, token, cum, record)))
     live.sort(key=lambda c: c[0], reverse=True)  # stable: ties keep the beams' order
     return [c for _, c in live[: params.n]]
 
@@ -90,17 +108,18 @@ def answer(state: BeamState, params: SamplingParams, live: list[Sequence], decod
     gives a beam's text); the live ones end with "length"."""
     p = params
     beams = [
-        (score(e.cum_logprob, e.length, p.length_penalty), e.tokens, e.cum_logprob, "stop", e.eos)
+        (score(e.cum_logprob, e.length, p.length_penalty), e.tokens, e.cum_logprob, "stop", e.eos,
+         e.logprobs)
         for e in state.ended
     ] + [
         (score(s.cum_logprob, len(s.token_ids), p.length_penalty), list(s.output_token_ids),
-         s.cum_logprob, "length", None)
+         s.cum_logprob, "length", None, s.logprobs)
         for s in live
     ]  # fmt: skip
     beams.sort(key=lambda b: b[0], reverse=True)
     state.outputs = [
-        CompletionOutput(i, decode(tokens), tokens, reason, stop_reason=eos, cumulative_logprob=cum)
-        for i, (_, tokens, cum, reason, eos) in enumerate(beams[: p.n])
+        CompletionOutput(i, decode(tokens), tokens, reason, logs, eos, cum)
+        for i, (_, tokens, cum, reason, eos, logs) in enumerate(beams[: p.n])
     ]
     state.done = True
 

@@ -17,7 +17,7 @@ from pagedkv.config import ConfigError, EngineConfig, lora_modules
 from pagedkv.cpu_memory import keep_freed_memory
 from pagedkv.engine import prompt_logprobs
 from pagedkv.engine.admission import tokenize, validate_request
-from pagedkv.engine.beam_search import Choice, answer, choose
+from pagedkv.engine.beam_search import Candidates, Choice, answer, choose
 from pagedkv.engine.detokenizer import Detokenizer, init_offsets, visible_text
 from pagedkv.engine.engine_stats import EngineStats, engine_stats
 from pagedkv.engine.faults import FaultInjector
@@ -394,13 +394,15 @@ class LLMEngine:
         """Every beam-search request of the step moves its beams on by one token (each ran all
         its beams this step); the outputs of those that ended."""
         assert logits is not None  # beams' rows are sampling rows
-        width = max(seq.params.n for seq, _ in beams)
-        top = logits[[row for _, row in beams]].float().log_softmax(-1).topk(2 * width, -1)
-        by_group: dict[SequenceGroup, list[tuple[Sequence, dict[int, float]]]] = {}
+        wanted = [max(2 * seq.params.n, seq.params.logprobs or 0) for seq, _ in beams]
+        top = logits[[row for _, row in beams]].float().log_softmax(-1).topk(max(wanted), -1)
+        by_group: dict[SequenceGroup, list[Candidates]] = {}
         for i, (seq, _) in enumerate(beams):
-            k = 2 * seq.params.n
-            tokens, logprobs = top.indices[i, :k].tolist(), top.values[i, :k].tolist()
-            by_group.setdefault(seq.group, []).append((seq, dict(zip(tokens, logprobs))))
+            tokens, logprobs = top.indices[i].tolist(), top.values[i].tolist()
+            ranked = dict(zip(tokens[: 2 * seq.params.n], logprobs[: 2 * seq.params.n]))
+            k = seq.params.logprobs
+            shown = None if k is None else dict(zip(tokens[:k], logprobs[:k]))
+            by_group.setdefault(seq.group, []).append(Candidates(seq, ranked, shown))
         outputs = []
         for group, candidates in by_group.items():
             try:
@@ -413,9 +415,7 @@ class LLMEngine:
                 outputs.append(self._fail(group, e))
         return outputs
 
-    def _step_beams(
-        self, group: SequenceGroup, candidates: list[tuple[Sequence, dict[int, float]]]
-    ) -> bool:
+    def _step_beams(self, group: SequenceGroup, candidates: list[Candidates]) -> bool:
         """The next beams: a parent carries on its first child, forks the others, ends without
         one. True when the search is over (its answer is group.beam.outputs)."""
         state, p = group.beam, group.params
@@ -428,7 +428,7 @@ class LLMEngine:
         children: dict[Sequence, list[Choice]] = {}
         for choice in choose(state, p, candidates, self.tokenizer.eos_token_ids):
             children.setdefault(choice.parent, []).append(choice)
-        for seq, _ in candidates:
+        for seq in (c.beam for c in candidates):
             mine = children.get(seq)
             if not mine:
                 self.scheduler.finish(seq)
@@ -441,8 +441,12 @@ class LLMEngine:
                 self.scheduler.fork(seq, child)
                 child.cum_logprob = choice.cum_logprob
                 child.append_token(choice.token)
+                if choice.record is not None:
+                    child.logprobs = [*(seq.logprobs or ()), choice.record]
             seq.cum_logprob = mine[0].cum_logprob
             seq.append_token(mine[0].token)
+            if mine[0].record is not None and seq.logprobs is not None:
+                seq.logprobs.append(mine[0].record)
         state.steps += 1
         live = group.live
         self.generation_tokens_total += len(live)

@@ -28,7 +28,7 @@ MAX_LENGTH_PENALTY = 100.0
 # what shapes sampling, so cannot be combined with beam search (at their defaults they may be given)
 BEAM_EXCLUDED = (
     "top_p", "top_k", "min_p", "seed", "min_tokens", "stop", "stop_token_ids", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "logprobs", "logit_bias", "allowed_token_ids",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
     "bad_words", "prompt_logprobs", "structured_outputs",
 )  # fmt: skip
 
