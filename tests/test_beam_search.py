@@ -224,3 +224,28 @@ def test_async_engine_and_server_answer_as_offline(llm, tiny_model_dir):
         r = srv.http.post("/v1/chat/completions", json=chat)
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
         assert srv.http.get("/health").status_code == 200
+
+
+def test_beams_under_tensor_parallelism_and_an_adapter(llm, tiny_model_dir, tmp_path):
+    """Forks are block copies every rank makes: -tp 2 gives -tp 1's beams; an adapter's beams
+    run under it (and differ from the base model's)."""
+    from test_lora import make_adapter
+
+    from pagedkv import LoRARequest
+
+    params = SamplingParams(n=3, use_beam_search=True, max_tokens=6, ignore_eos=True)
+    want = [[o.token_ids for o in r.outputs] for r in llm.generate(PROMPTS, params, False)]
+    tp = LLM(tiny_model_dir, dtype="float32", tensor_parallel_size=2, enable_lora=True,
+             num_gpu_blocks_override=256, block_size=4)  # fmt: skip
+    try:
+        assert [
+            [o.token_ids for o in r.outputs] for r in tp.generate(PROMPTS, params, False)
+        ] == want
+        adapter = LoRARequest("a", 1, make_adapter(tmp_path / "a", tiny_model_dir, seed=5))
+        under = tp.generate(PROMPTS, params, False, lora_request=adapter)
+        alone = [tp.generate([p], params, False, lora_request=adapter)[0] for p in PROMPTS[:1]]
+        assert [o.token_ids for o in under[0].outputs] == [o.token_ids for o in alone[0].outputs]
+        assert [[o.token_ids for o in r.outputs] for r in under] != want
+        tp.engine.kv.check_integrity()
+    finally:
+        tp.close()
