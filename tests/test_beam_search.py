@@ -154,15 +154,18 @@ def test_beams_share_their_blocks_and_survive_preemption(llm, tiny_model_dir):
         engine.step()
     engine.kv.check_integrity()
 
-    prompts = [PROMPTS[0], PROMPTS[2], prompt[:20]]
-    want = [[o.token_ids for o in r.outputs] for r in llm.generate(prompts, params, False)]
-    for mode in ("recompute", "swap"):
+    # three searches and a sampled request beside them, whose victims may be beams or not
+    prompts = [PROMPTS[0], PROMPTS[2], prompt[:20], PROMPTS[1]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plist = [params, params, params, greedy]
+    want = [[o.token_ids for o in r.outputs] for r in llm.generate(prompts, plist, False)]
+    for mode, policy in (("recompute", "fcfs"), ("swap", "fcfs"), ("recompute", "priority")):
         small = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks_override=16,
                     block_size=4, preemption_mode=mode, swap_space="64MiB",
-                    max_num_batched_tokens=16)  # fmt: skip
-        got = [[o.token_ids for o in r.outputs] for r in small.generate(prompts, params, False)]
+                    max_num_batched_tokens=16, scheduling_policy=policy)  # fmt: skip
+        got = [[o.token_ids for o in r.outputs] for r in small.generate(prompts, plist, False)]
         assert small.engine.scheduler.num_preemptions > 0, mode
-        assert got == want, mode
+        assert got == want, (mode, policy)
         small.engine.kv.check_integrity()
         small.close()
 
