@@ -557,6 +557,14 @@ def test_readme_examples_work_as_written():
         assert (
             chat.choices[0].message.content and chat.usage.prompt_tokens_details.cached_tokens >= 0
         )
+        beams = client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt="The capital of France is",
+            n=3,
+            max_tokens=16,
+            extra_body={"use_beam_search": True},
+        )
+        assert len(beams.choices) == 3 and beams.choices[0].text
         r = httpx.post(
             f"{srv.url}/v1/completions",
             json={
