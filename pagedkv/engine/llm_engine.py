@@ -421,10 +421,7 @@ class LLMEngine:
         state, p = group.beam, group.params
         assert state is not None
         now = time.monotonic()
-        m = group.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-            self.prompt_tokens_total += len(group.prompt_token_ids)
+        self._time_token(group, now, step=True)
         children: dict[Sequence, list[Choice]] = {}
         for choice in choose(state, p, candidates, self.tokenizer.eos_token_ids):
             children.setdefault(choice.parent, []).append(choice)
@@ -450,8 +447,6 @@ class LLMEngine:
         state.steps += 1
         live = group.live
         self.generation_tokens_total += len(live)
-        m.token_times.append(now)
-        m.last_token_time = now
         full = any(len(s.token_ids) >= self.max_model_len for s in live)
         if live and state.steps < group.max_tokens and not full:
             return False
@@ -460,8 +455,19 @@ class LLMEngine:
         for seq in live:
             seq.finish_reason = "length"
             self.scheduler.finish(seq)
-        m.finished_time = now
+        group.metrics.finished_time = now
         return True
+
+    def _time_token(self, group: SequenceGroup, now: float, step: bool) -> None:
+        """A request's first token (its prompt counted then, as vLLM: once, at its prefill's end,
+        not for one abandoned while it waited); with `step`, the time of this step's tokens."""
+        m = group.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            self.prompt_tokens_total += len(group.prompt_token_ids)
+        if step:
+            m.token_times.append(now)
+            m.last_token_time = now
 
     def _check_faults(self, stage: str, groups) -> None:
         if self.faults is not None:
@@ -475,14 +481,7 @@ class LLMEngine:
             assert seq.logprobs is not None  # a list when params.logprobs asks
             seq.logprobs.append(logprob)
         self.generation_tokens_total += 1
-        m = seq.group.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-            # as vLLM, once a request, at its prefill's end: not one abandoned while it waited
-            self.prompt_tokens_total += len(seq.group.prompt_token_ids)
-        if seq.index == 0:
-            m.token_times.append(now)
-            m.last_token_time = now
+        self._time_token(seq.group, now, step=seq.index == 0)
         if self.faults is not None:
             self.faults.check("detokenize", (seq.group,))
         p = seq.params
