@@ -84,6 +84,20 @@ def test_replayed_steps_equal_eager_ones(tiny_model_dir, monkeypatch, dtype, cas
 
 
 @needs_library
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_steps_replay(arch, tmp_path, monkeypatch) -> None:
+    """Qwen2's bias and Qwen3's q/k norms run inside the RoPE kernel: their steps replay too."""
+    from tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / arch, arch=arch)
+    eager, _, _ = _generate(model, monkeypatch, True, dtype="float32")
+    got, counts, graphs = _generate(model, monkeypatch, False, dtype="float32")
+    assert got == eager
+    if replays("float32"):
+        assert counts["replays"] >= 10 and not graphs.eager
+
+
+@needs_library
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_quantized_cache_steps_replay(tiny_model_dir, monkeypatch, kv_cache_dtype, dtype) -> None:

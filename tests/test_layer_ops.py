@@ -149,6 +149,68 @@ def test_rope_and_store_equals_torch_rotation_and_write(
     assert torch.equal(v_torch, v_cache)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias,norm", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("cache", ["float", "int8"])
+def test_rope_and_store_with_bias_and_qk_norm(dtype, bias, norm, cache, torch_path, kernel_isa):
+    """Qwen2's q/k/v bias and Qwen3's per-head q/k RMSNorm, applied before the rotation, as
+    transformers applies them, on every ISA, into a plain and a quantized cache."""
+    from pagedkv.attention.store import QKNorm
+    from pagedkv.kvstore.quant import INT8, QuantizedCache
+
+    # (the quantized cache's rotation takes power-of-two heads; 40 has a partial vector)
+    tokens, heads, kv_heads, head_dim = 6, 4, 2, 32 if cache == "int8" else 40
+    gen = torch.Generator().manual_seed(head_dim + 2 * bias + norm)
+    cos, sin = _rotary_tables(64, head_dim)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, generator=gen).to(dtype)
+    b = (torch.randn(width, generator=gen) * 3).to(dtype) if bias else None
+    qk = None
+    if norm:
+        q_w, k_w = ((torch.rand(head_dim, generator=gen) + 0.5).to(dtype) for _ in range(2))
+        qk = QKNorm(q_w, k_w, 1e-6)
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    slots = torch.randperm(32, generator=gen)[:tokens]
+
+    def caches():
+        if cache == "int8":
+            shape = (4, kv_heads, 8, head_dim)
+            return tuple(
+                QuantizedCache(torch.zeros(shape, dtype=torch.int8), torch.zeros(shape[:3]), INT8)
+                for _ in "kv"
+            )
+        return tuple(torch.zeros(4, kv_heads, 8, head_dim, dtype=dtype) for _ in "kv")
+
+    mine, mine_cache = qkv.clone(), caches()
+    rope_and_store(mine, heads, kv_heads, positions, cos, sin, mine_cache, slots, b, qk)
+
+    # the reference: transformers' order (bias in the projection, norm per head, then RoPE)
+    x = qkv.float() + (b.float() if bias else 0)
+    x = x.to(dtype).float().view(tokens, -1, head_dim)
+    if norm:
+        for part, w in ((slice(0, heads), q_w), (slice(heads, heads + kv_heads), k_w)):
+            h = x[:, part]
+            h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+            x[:, part] = (w * h).float()
+    qk_part = x[:, : heads + kv_heads]
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    x[:, : heads + kv_heads] = qk_part * c + qk_part.roll(head_dim // 2, dims=-1) * s
+    close(mine, x.reshape(tokens, width).to(dtype), dtype)
+
+    theirs, their_cache = qkv.clone(), caches()
+    torch_path(
+        rope_and_store, theirs, heads, kv_heads, positions, cos, sin, their_cache, slots, b, qk
+    )
+    close(theirs, mine, dtype)
+    for ours, ref in zip(mine_cache, their_cache):
+        got, want = (
+            c.dequantize(torch.arange(4), torch.float32) if cache == "int8" else c
+            for c in (ours, ref)
+        )
+        assert (got.float() - want.float()).abs().max() <= 0.05 * want.float().abs().max()
+        assert got.abs().sum() > 0
+
+
 def test_rope_and_store_rejects_bad_indices() -> None:
     cos, sin = _rotary_tables(16, 8)
     qkv = torch.randn(2, 3 * 8)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
+from tiny_model import make_tiny_model
 
 from pagedkv.config import ConfigError
 from pagedkv.model.config import LlamaConfig
@@ -73,8 +74,8 @@ def test_truncated_gguf(tmp_path):
 
 
 def test_unsupported_gguf_architecture(tmp_path):
-    path = write_gguf(tmp_path / "q.gguf", arch="qwen2")
-    with pytest.raises(ConfigError, match="unsupported architecture 'qwen2'"):
+    path = write_gguf(tmp_path / "q.gguf", arch="gemma")
+    with pytest.raises(ConfigError, match="unsupported architecture 'gemma'"):
         load_model(path, torch.float32)
 
 
@@ -298,9 +299,10 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def hf_to_gguf(folder: Path, out: Path, qtype: QT | None = None) -> Path:
-    """The tiny HF model as llama.cpp would convert it (float32, permuted q/k, GPT-2 BPE vocab);
-    with qtype, its matrices quantized by gguf's own quantizer."""
+def hf_to_gguf(folder: Path, out: Path, qtype: QT | None = None, pre: str = "default") -> Path:
+    """The tiny HF model as llama.cpp would convert it (float32, a Llama's q/k permuted, GPT-2 BPE
+    vocab; a Qwen2's or Qwen3's under its own architecture, with its biases or q/k norms); with
+    qtype, its matrices quantized by gguf's own quantizer."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -313,9 +315,11 @@ def hf_to_gguf(folder: Path, out: Path, qtype: QT | None = None) -> Path:
     specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    arch = cfg["model_type"]
 
     def meta(w: gguf.GGUFWriter) -> None:
         w.add_block_count(cfg["num_hidden_layers"])
+        w.add_key_length(cfg.get("head_dim") or cfg["hidden_size"] // heads)
         w.add_context_length(cfg["max_position_embeddings"])
         w.add_embedding_length(cfg["hidden_size"])
         w.add_feed_forward_length(cfg["intermediate_size"])
@@ -324,7 +328,7 @@ def hf_to_gguf(folder: Path, out: Path, qtype: QT | None = None) -> Path:
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
         w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("default")
+        w.add_tokenizer_pre(pre)
         w.add_token_list(tokens)
         w.add_token_merges(merges)
         w.add_token_types(
@@ -352,6 +356,8 @@ def hf_to_gguf(folder: Path, out: Path, qtype: QT | None = None) -> Path:
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
     }
     tensors = {}
     for name, w in load_file(folder / "model.safetensors").items():
@@ -359,22 +365,27 @@ def hf_to_gguf(folder: Path, out: Path, qtype: QT | None = None) -> Path:
             tensors[names[name]] = w
             continue
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
-        part = parts[rest.removesuffix(".weight")]
-        if part == "attn_q":
+        sub, kind = rest.rsplit(".", 1)
+        part = parts[sub]
+        if arch == "llama" and part == "attn_q":
             w = llama_cpp_permute(w, heads)
-        elif part == "attn_k":
+        elif arch == "llama" and part == "attn_k":
             w = llama_cpp_permute(w, kv_heads)
-        tensors[f"blk.{layer}.{part}.weight"] = w
+        tensors[f"blk.{layer}.{part}.{kind}"] = w
     if qtype is not None:
         tensors = {
             k: (gguf.quants.quantize(w, qtype), qtype) if w.ndim == 2 else w
             for k, w in tensors.items()
         }
-    return write_gguf(out, tensors=tensors, meta=meta)
+    return write_gguf(out, arch=arch, tensors=tensors, meta=meta)
 
 
-def test_gguf_model_equals_hf_model(tiny_model_dir, tmp_path):
-    folder = Path(tiny_model_dir)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
+    if arch == "llama":
+        folder = Path(tiny_model_dir)
+    else:
+        folder = Path(make_tiny_model(tmp_path / arch, arch=arch))
     from_gguf = load_model(hf_to_gguf(folder, tmp_path / "tiny.gguf"), torch.float32)
     from_hf = load_model(folder, torch.float32)
     assert from_gguf.config.num_key_value_heads == 2 and not from_gguf.config.tie_word_embeddings
@@ -387,10 +398,31 @@ def test_gguf_model_equals_hf_model(tiny_model_dir, tmp_path):
     ids = from_gguf.tokenizer.encode(text)
     assert from_gguf.tokenizer.decode(ids) == from_hf.tokenizer.decode(ids)
     assert from_gguf.tokenizer.eos_token_ids == {2} and from_gguf.name == "tiny"
+    shape = ("qkv_bias", "qk_norm", "head_dim", "num_key_value_heads")
+    assert [getattr(from_gguf.config, k) for k in shape] == [
+        getattr(from_hf.config, k) for k in shape
+    ]
     assert (
         from_gguf.tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
         == "<|im_start|>x<|im_end|>"
     )
+
+
+def test_qwen2_gguf_pre_tokenizer(tiny_model_dir, tmp_path):
+    """llama.cpp's "qwen2" split (Qwen2's and Qwen3's): digits one at a time, text NFC-normalized;
+    GPT-2's split keeps digit runs whole for BPE to merge."""
+    folder = Path(tiny_model_dir)
+    toks = {
+        pre: load_model(hf_to_gguf(folder, tmp_path / f"{pre}.gguf", pre=pre), "float32").tokenizer
+        for pre in ("default", "qwen2")
+    }
+    digits = "numbers 0123456789"
+    gpt2, qwen = (toks[p].encode(digits) for p in ("default", "qwen2"))
+    assert toks["qwen2"].decode(qwen) == digits and len(qwen) > len(gpt2)
+    assert [toks["qwen2"].decode([t]) for t in qwen[-10:]] == list("0123456789")
+    composed, decomposed = "café", "cafe\u0301"
+    assert toks["qwen2"].encode(decomposed) == toks["qwen2"].encode(composed)
+    assert toks["default"].encode(decomposed) != toks["default"].encode(composed)
 
 
 # ---- tokenizers -----------------------------------------------------------------------------------

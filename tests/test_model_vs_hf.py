@@ -1,4 +1,5 @@
-"""Our forward through the paged cache equals Hugging Face transformers' LlamaForCausalLM.
+"""Our forward through the paged cache equals Hugging Face transformers' LlamaForCausalLM (and
+Qwen2ForCausalLM, Qwen3ForCausalLM).
 
 Greedy generation runs prompts through a minimal paged driver (shuffled
 physical blocks, one forward for all prompts' prefills, one per decode step)
@@ -295,6 +296,48 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_model_dir, tiny):
     l16 = PagedDriver(lm16, 16).step([(Seq(list(ids)), len(ids))])
     assert l16.dtype == torch.float32
     assert (l16 - l32).abs().max() < 0.05 * l32.abs().max()
+
+
+# ---- Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) ----------------------------------------
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def qwen(request, tmp_path_factory):
+    folder = make_tiny_model(tmp_path_factory.mktemp(request.param) / "m", arch=request.param)
+    return load_model(folder, torch.float32), load_hf(folder), folder
+
+
+def test_qwen_models_match_transformers(qwen, kernels):
+    lm, hf, _ = qwen
+    assert (lm.config.qkv_bias, lm.config.qk_norm) == (
+        hf.config.model_type == "qwen2",
+        hf.config.model_type == "qwen3",
+    )
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompts[1]])).logits[0]
+    ours = PagedDriver(lm, 4).step([(Seq(list(prompts[1])), len(prompts[1]))])
+    torch.testing.assert_close(ours[0], ref[-1], atol=1e-4, rtol=1e-4)
+    want = [hf_greedy(hf, p, 12) for p in prompts]
+    assert PagedDriver(lm, 4, num_blocks=128).greedy([Seq(list(p)) for p in prompts], 12) == want
+    assert len({tuple(w) for w in want}) > 1
+
+
+def test_qwen_bfloat16_stays_close_to_float32(qwen):
+    lm32, _, folder = qwen
+    lm16 = load_model(folder, torch.bfloat16)
+    ids = lm32.tokenizer.encode(PROMPTS[1])
+    l32 = PagedDriver(lm32, 16).step([(Seq(list(ids)), len(ids))])
+    l16 = PagedDriver(lm16, 16).step([(Seq(list(ids)), len(ids))])
+    assert (l16 - l32).abs().max() < 0.05 * l32.abs().max()
+
+
+def test_qwen_sliding_window_caps_the_length_only_where_used(qwen, tmp_path):
+    _, _, folder = qwen
+    off = load_model(_variant(folder, tmp_path / "off", sliding_window=64), torch.float32)
+    assert off.max_model_len == 2048  # use_sliding_window is false in the tiny configs
+    on = _variant(folder, tmp_path / "on", sliding_window=64, use_sliding_window=True)
+    assert load_model(on, torch.float32).max_model_len == 64
 
 
 # ---- the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) -----------------------------------------

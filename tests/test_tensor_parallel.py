@@ -65,6 +65,13 @@ def test_tp2_equals_tp1(tmp_path_factory):
     compare(path, 2, num_gpu_blocks_override=64, block_size=4)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_tp2_equals_tp1_for_qwen(arch, tmp_path_factory):
+    """Qwen2's q/k/v bias is cut with the projection's rows; Qwen3's per-head norms are whole."""
+    path = make_tiny_model(tmp_path_factory.mktemp(arch) / "m", heads=4, kv_heads=2, arch=arch)
+    compare(path, 2, num_gpu_blocks_override=64, block_size=4)
+
+
 def test_tp2_under_preemption_swap_and_quantized_kv(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("tp") / "m", heads=4, kv_heads=2)
     # 12 blocks of 4 tokens for 6 prompts of ~10 + 24 tokens: requests are preempted and resumed

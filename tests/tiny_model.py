@@ -65,10 +65,12 @@ def make_tiny_model(
     seed: int = 0,
     tie: bool = False,
     think_tags: bool = False,
+    arch: str = "llama",
 ) -> str:
-    """Write the folder (once) and return its path."""
+    """Write the folder (once) and return its path. arch: "llama", "qwen2" (q/k/v biases) or
+    "qwen3" (q/k norms, head_dim wider than hidden / heads)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     path = Path(path)
     if (path / "config.json").exists():
@@ -77,7 +79,13 @@ def make_tiny_model(
     tok = _train_tokenizer(vocab_size, think_tags)
     tok.save(str(path / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
-    cfg = LlamaConfig(
+    config_class, model_class, extra = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 2 * hidden // heads}),
+    }[arch]
+    cfg = getattr(transformers, config_class)(
+        **extra,
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -92,11 +100,15 @@ def make_tiny_model(
         eos_token_id=eos,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
+    model = getattr(transformers, model_class)(cfg)
     with torch.no_grad():  # larger weights than the default init, so outputs depend on the input
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.15)
+            elif name.endswith(".bias"):  # (zeros by default: a test could not tell them missing)
+                p.normal_(0.0, 0.5)
+            elif "q_norm" in name or "k_norm" in name:
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(str(path), safe_serialization=True)
     (path / "tokenizer_config.json").write_text(
         json.dumps(

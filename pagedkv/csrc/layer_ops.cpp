@@ -34,8 +34,30 @@ inline int threads_for(int64_t elems, int threads) {
   return elems < kParallelElems ? 1 : std::max(1, threads);
 }
 
+// 1 / sqrt(mean(v^2) + eps) over n values.
+template <typename T>
+inline float inv_rms(const T* v, int64_t n, float eps) {
+  Vec sq = zero();
+  for (int64_t c = 0; c < n; c += W) {
+    const Mask m = lanes(n, c);
+    const Vec x = load(v + c, m);
+    sq = fma(x, x, sq);
+  }
+  return 1.f / std::sqrt(hsum(sq) / float(n) + eps);
+}
+
+// o = round(w * round(src * inv)): torch's `weight * (x.float() * rsqrt(...)).to(dtype)`; o may be src.
+template <typename T>
+inline void scale_row(const T* src, const T* w, T* o, int64_t n, float inv) {
+  const Vec s = set1(inv);
+  for (int64_t c = 0; c < n; c += W) {
+    const Mask m = lanes(n, c);
+    store(o + c, mul(load(w + c, m), round_as<T>(mul(load(src + c, m), s))), m);
+  }
+}
+
 // residual (when given) = round(x + residual); out = round(w * round(s * rsqrt(mean(s^2) + eps)))
-// with s the (new) residual or x: torch's `weight * (x.float() * rsqrt(...)).to(dtype)`.
+// with s the (new) residual or x.
 template <typename T>
 void rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int64_t rows, int64_t n,
               float eps, int threads) {
@@ -43,23 +65,18 @@ void rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * x_stride;
     T* res = residual ? residual + r * n : nullptr;
-    T* o = out + r * n;
-    Vec sq = zero();
+    if (!res) {
+      scale_row(xr, w, out + r * n, n, inv_rms(xr, n, eps));
+      continue;
+    }
+    Vec sq = zero();  // the sum of squares in the same pass as the add
     for (int64_t c = 0; c < n; c += W) {
       const Mask m = lanes(n, c);
-      Vec v = load(xr + c, m);
-      if (res) {
-        v = round_as<T>(add(v, load(res + c, m)));
-        store(res + c, v, m);
-      }
+      const Vec v = round_as<T>(add(load(xr + c, m), load(res + c, m)));
+      store(res + c, v, m);
       sq = fma(v, v, sq);
     }
-    const Vec inv = set1(1.f / std::sqrt(hsum(sq) / float(n) + eps));
-    const T* src = res ? res : xr;
-    for (int64_t c = 0; c < n; c += W) {
-      const Mask m = lanes(n, c);
-      store(o + c, mul(load(w + c, m), round_as<T>(mul(load(src + c, m), inv))), m);
-    }
+    scale_row(res, w, out + r * n, n, 1.f / std::sqrt(hsum(sq) / float(n) + eps));
   }
 }
 
@@ -94,21 +111,36 @@ inline void rotate(T* x, const float* cos, const float* sin, int64_t half) {
   }
 }
 
-// Token t's q and k heads (in qkv[t] = q | k | v) rotated in place for its position; then, with
-// a cache, its k and v heads stored at slot slots[t] of k_cache / v_cache
-// ([num_blocks, Hkv, block_size, D], the layout of attention/paged.py).
+// Token t's q | k | v row (qkv[t]) gets the projection's bias (if any); its q and k heads their
+// RMSNorm over the head (if any: Qwen3's q_norm / k_norm, rounded as rms_norm rounds), then their
+// rotation for its position; then, with a cache, its k and v heads are stored at slot slots[t] of
+// k_cache / v_cache ([num_blocks, Hkv, block_size, D], the layout of attention/paged.py).
 template <typename T>
-void rope_cache(T* qkv, int64_t tokens, int64_t row_stride, int64_t Hq, int64_t Hkv, int64_t D,
-                const int64_t* positions, const float* cos, const float* sin, const int64_t* slots,
-                T* k_cache, T* v_cache, int64_t block_size, int threads) {
+void rope_cache(const pagedkv_rope_cache_params& p, int threads) {
+  const int64_t Hq = p.num_q_heads, Hkv = p.num_kv_heads, D = p.head_dim, width = (Hq + 2 * Hkv) * D;
+  const int64_t block_size = p.block_size;
+  const T* bias = static_cast<const T*>(p.bias);
+  const T* norms[2] = {static_cast<const T*>(p.q_norm), static_cast<const T*>(p.k_norm)};
+  T* k_cache = static_cast<T*>(p.k_cache);
+  T* v_cache = static_cast<T*>(p.v_cache);
 #pragma omp parallel for num_threads(threads) if (threads > 1)
-  for (int64_t t = 0; t < tokens; ++t) {
-    T* row = qkv + t * row_stride;
-    const float* c = cos + positions[t] * D;
-    const float* s = sin + positions[t] * D;
-    for (int64_t h = 0; h < Hq + Hkv; ++h) rotate(row + h * D, c, s, D / 2);
-    if (!slots) continue;
-    const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    T* row = static_cast<T*>(p.qkv) + t * p.row_stride;
+    if (bias)
+      for (int64_t c = 0; c < width; c += W) {
+        const Mask m = lanes(width, c);
+        store(row + c, add(load(row + c, m), load(bias + c, m)), m);
+      }
+    const float* c = p.cos + p.positions[t] * D;
+    const float* s = p.sin + p.positions[t] * D;
+    for (int64_t h = 0; h < Hq + Hkv; ++h) {
+      T* head = row + h * D;
+      const T* norm = norms[h < Hq ? 0 : 1];
+      if (norm) scale_row(head, norm, head, D, inv_rms(head, D, p.norm_eps));
+      rotate(head, c, s, D / 2);
+    }
+    if (!p.slots) continue;
+    const int64_t block = p.slots[t] / block_size, offset = p.slots[t] % block_size;
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t at = ((block * Hkv + h) * block_size + offset) * D;
       std::copy(row + (Hq + h) * D, row + (Hq + h + 1) * D, k_cache + at);
@@ -243,8 +275,7 @@ int pagedkv_rope_cache(const pagedkv_rope_cache_params* p, char* err, int errlen
   const int threads = threads_for(p->num_tokens * p->row_stride, p->threads);
   const bool known = with_float_type(p->dtype, [&](auto t) {
     using T = decltype(t);
-    rope_cache(static_cast<T*>(p->qkv), p->num_tokens, p->row_stride, Hq, Hkv, D, p->positions, p->cos, p->sin,
-               p->slots, static_cast<T*>(p->k_cache), static_cast<T*>(p->v_cache), p->block_size, threads);
+    rope_cache<T>(*p, threads);
   });
   return known ? 0 : fail(err, errlen, "unsupported dtype code %lld%.0lld", p->dtype, 0);
 }

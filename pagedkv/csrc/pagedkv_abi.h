@@ -117,8 +117,9 @@ typedef struct {
   int32_t threads;
 } pagedkv_lora_params;
 
-// RoPE on the q and k heads of a fused q | k | v projection, in place, then (with slots) the
-// store of the new k and v into a paged cache of the same dtype (layer_ops.cpp).
+// RoPE on the q and k heads of a fused q | k | v projection, in place, after the projection's bias
+// and the per-head q/k norms where the model has them, then (with slots) the store of the new k
+// and v into a paged cache of the same dtype (layer_ops.cpp).
 typedef struct {
   pagedkv_dtype dtype;              // of qkv and the caches: FLOAT32, BFLOAT16 or FLOAT16
   void* qkv;                        // [num_tokens, (num_q_heads + 2 num_kv_heads) head_dim]
@@ -137,6 +138,10 @@ typedef struct {
   int64_t num_blocks;
   int64_t block_size;
   int32_t threads;
+  const void* bias;                 // [(num_q_heads + 2 num_kv_heads) head_dim] added first; or null
+  const void* q_norm;               // [head_dim] RMSNorm weight of every q head before RoPE; or null
+  const void* k_norm;               // [head_dim] the same for k heads (Qwen3); or null
+  float norm_eps;
 } pagedkv_rope_cache_params;
 
 // New K or V rows rotated (vec.h: hadamard), quantized into their slots, each (token, head) row

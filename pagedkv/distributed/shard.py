@@ -161,6 +161,9 @@ def _shard_layer(layer: DecoderLayer, index: int, split: HeadSplit, rank: int, w
             replace_weight(layer, name, take_rows(weight, cuts.rows[name], where))
         else:
             replace_weight(layer, name, take_cols(weight, cuts.cols[name], where))
+    if layer._qkv_bias is not None:  # cut as qkv_proj's rows; q/k norms are per head: kept whole
+        bias = take_rows(layer._qkv_bias, cuts.rows["qkv_proj"], f"layer {index}'s qkv_bias")
+        replace_weight(layer, "qkv_bias", bias)
     layer.num_heads, layer.num_kv_heads = split.num_heads, split.num_kv_heads
     layer.q_size, layer.kv_size = split.num_heads * d, split.num_kv_heads * d
 

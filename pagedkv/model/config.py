@@ -15,8 +15,14 @@ if TYPE_CHECKING:
     from pagedkv.model.quant_linear import Blocks
     from pagedkv.model.tokenizer import Tokenizer
 
-# model_type values of config.json whose forward is exactly ours
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+# model_type values of config.json whose forward is ours, with what each adds to Llama's
+MODEL_TYPES: dict[str, dict[str, bool]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+}
+SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
@@ -38,6 +44,8 @@ class LlamaConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
+    qkv_bias: bool = False  # q, k and v projections with a bias (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -62,7 +70,7 @@ class LlamaConfig:
             archs = ", ".join(d.get("architectures") or []) or model_type
             raise ConfigError(
                 f"unsupported architecture {archs!r}: pagedkv runs Llama-family models "
-                f"(model_type {' or '.join(SUPPORTED_MODEL_TYPES)})"
+                f"(model_type {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         for flag in ("attention_bias", "mlp_bias"):
             if d.get(flag):
@@ -93,6 +101,7 @@ class LlamaConfig:
                 tie_word_embeddings=d.get("tie_word_embeddings", False),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_id=d.get("eos_token_id"),
+                **MODEL_TYPES[model_type],
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None

@@ -3,13 +3,14 @@
 Tensors are dequantized to float32 with `gguf.quants` (vectorised numpy,
 a whole tensor at a time), or kept as their quantized blocks for
 `--quantization gguf` (quant_linear.Blocks), and renamed to Hugging Face names. llama.cpp's
-converter interleaves the two RoPE halves of every q/k head
+converter interleaves the two RoPE halves of every q/k head of a Llama
 (rows h*D + 2i + j  <-  HF rows h*D + j*D/2 + i); we undo that so the
-weights match the HF layout the forward expects.
+weights match the HF layout the forward expects. Qwen2 and Qwen3 files keep HF's layout.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,9 +26,16 @@ from pagedkv.model.config import Checkpoint, LlamaConfig
 from pagedkv.model.quant_linear import KEPT_TYPES, Blocks, blocks_from_gguf
 from pagedkv.model.tokenizer import Tokenizer
 
-# general.architecture values whose tensors and forward are Llama's (llama.cpp files Mistral-style
-# models and SmolLM under "llama" too)
-ARCHITECTURES = ("llama",)
+# general.architecture values whose forward is ours (llama.cpp files Mistral-style models and
+# SmolLM under "llama" too), with what each adds to Llama's (model/config.py MODEL_TYPES)
+ARCHITECTURES: dict[str, dict[str, bool]] = {
+    "llama": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+}
+# llama.cpp's converter interleaves the RoPE halves of q and k only for these ("NORM" RoPE);
+# Qwen's GGUFs keep HF's layout ("NEOX")
+INTERLEAVED_ROPE = ("llama",)
 
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -39,13 +47,15 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 class _Reader(gguf.GGUFReader):
@@ -92,7 +102,7 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
     if arch not in ARCHITECTURES:
         raise ConfigError(
             f"unsupported architecture {arch!r}: pagedkv runs Llama-family GGUF models "
-            f"(general.architecture {' or '.join(ARCHITECTURES)})"
+            f"(general.architecture {', '.join(ARCHITECTURES)})"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -132,6 +142,7 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        **ARCHITECTURES[arch],
     )
 
 
@@ -158,19 +169,19 @@ def unpermute_rope(w: Tensor, num_heads: int) -> Tensor:
 
 
 def iter_weights(
-    reader: gguf.GGUFReader, config: LlamaConfig, keep_blocks: bool = False
+    reader: gguf.GGUFReader, config: LlamaConfig, keep_blocks: bool = False, interleaved=True
 ) -> Iterator[tuple[str, Tensor | Blocks]]:
     """(HF name, float32 tensor) one at a time, so a big model never sits dequantized all at once.
 
     keep_blocks (--quantization gguf): tensors of the types quant_linear runs come as Blocks
-    (the file's own codes and scales) instead.
+    (the file's own codes and scales) instead. interleaved: q/k rows in llama.cpp's RoPE order.
     """
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # folded into config.rope_scaling
         m = _LAYER_TENSOR.fullmatch(t.name)
         if m and m.group(2) in _LAYER_NAMES:
-            name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+            name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
         elif t.name in _NAMES:
             name = _NAMES[t.name]
         else:
@@ -181,10 +192,10 @@ def iter_weights(
             w = blocks_from_gguf(t.data, t.tensor_type, shape)
         else:
             w = torch.from_numpy(dequantize(t))
-        if m and m.group(2) == "attn_q":
-            w = _rows(w, lambda x: unpermute_rope(x, config.num_attention_heads))
-        elif m and m.group(2) == "attn_k":
-            w = _rows(w, lambda x: unpermute_rope(x, config.num_key_value_heads))
+        heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+        if interleaved and m and m.group(2) in heads and m.group(3) == "weight":
+            # (a bias of a Llama is refused when the model loads)
+            w = _rows(w, functools.partial(unpermute_rope, num_heads=heads[m.group(2)]))
         yield name, w
 
 
@@ -196,10 +207,11 @@ def load_gguf(path: Path, keep_blocks: bool = False) -> Checkpoint:
     reader = open_gguf(path)
     meta = read_metadata(reader)
     config = config_from_metadata(meta, reader)
+    interleaved = meta["general.architecture"] in INTERLEAVED_ROPE
     return Checkpoint(
         config=config,
         tokenizer=Tokenizer.from_gguf_metadata(meta),
-        weights=iter_weights(reader, config, keep_blocks),
+        weights=iter_weights(reader, config, keep_blocks, interleaved),
         files=[path],
         max_model_len=config.max_position_embeddings,
     )

@@ -71,9 +71,9 @@ def load_hf(folder: Path) -> Checkpoint:
     for path in files:
         _open(path)  # fail on a damaged file now, before building anything
     max_len = config.max_position_embeddings
-    if raw.get(
-        "sliding_window"
-    ):  # Mistral-style window: we attend to everything, so stay within it
+    # a sliding window (Mistral's; Qwen's where use_sliding_window is set): we attend to
+    # everything, so stay within it
+    if raw.get("sliding_window") and raw.get("use_sliding_window", True):
         max_len = min(max_len, raw["sliding_window"])
     return Checkpoint(
         config=config,

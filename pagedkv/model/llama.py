@@ -7,7 +7,8 @@ torch ops per layer small, q/k/v are one fused weight and gate/up another
 (built at load time from the Hugging Face tensors), and the work between the
 matmuls is one call each: the residual add with RMSNorm and SiLU with the up
 projection's product (ops.py), RoPE with the K/V store (attention/store.py,
-from the rotary tables built here). The matmul weights may
+from the rotary tables built here; Qwen2's q/k/v bias and Qwen3's per-head q/k
+norms go into the same call). The matmul weights may
 be quantized (--quantization, quant_linear.py): `linear` takes either form.
 """
 
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from pagedkv.attention.paged import AttentionMetadata, Cache, paged_attention
-from pagedkv.attention.store import rope_and_store
+from pagedkv.attention.store import QKNorm, rope_and_store
 from pagedkv.config import QUANTIZATIONS, ConfigError
 from pagedkv.model import ops
 from pagedkv.model.config import LlamaConfig
@@ -155,6 +156,8 @@ class DecoderLayer(nn.Module):
         Weight,
         Weight,
     ]
+    _qkv_bias: Tensor | None
+    _qk_norm: QKNorm | None
     all_reduce: Callable[[Tensor], None] | None
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: str | None = None) -> None:
@@ -178,6 +181,11 @@ class DecoderLayer(nn.Module):
             2 * c.intermediate_size, c.hidden_size, dtype=dtype, device=device
         )
         self.down_proj = _param(c.hidden_size, c.intermediate_size, dtype=dtype, device=device)
+        if c.qkv_bias:
+            self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
         self.eps = c.rms_norm_eps
         self.refresh_weights()
 
@@ -193,6 +201,12 @@ class DecoderLayer(nn.Module):
             self.post_attention_layernorm.weight,
             self.gate_up_proj,
             self.down_proj,
+        )
+        self.__dict__["_qkv_bias"] = getattr(self, "qkv_bias", None)
+        self.__dict__["_qk_norm"] = (
+            QKNorm(self.q_norm.weight, self.k_norm.weight, self.eps)
+            if hasattr(self, "q_norm")
+            else None
         )
         # Tensor parallelism (distributed/shard.py) sets this: it sums the ranks' partial outputs
         # of o_proj and down_proj in place.
@@ -227,6 +241,8 @@ class DecoderLayer(nn.Module):
             rotary.sin,
             kv_cache,
             meta.slot_mapping,
+            self._qkv_bias,
+            self._qk_norm,
         )
         attn = paged_attention(q, *kv_cache, meta, self.scale, buf.attn)
         o = linear(attn.reshape(tokens, self.q_size), o_proj, buf.o)
@@ -248,8 +264,8 @@ class DecoderLayer(nn.Module):
         return out, residual
 
 
-_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
-# HF sub-names of one layer -> (our fused parameter, its part index)
+_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+# HF sub-names of one layer's weights -> (our fused parameter, its part index)
 FUSED_PARTS = {
     "self_attn.q_proj": ("qkv_proj", 0),
     "self_attn.k_proj": ("qkv_proj", 1),
@@ -261,12 +277,24 @@ FUSED_PARTS = {
     "input_layernorm": ("input_layernorm.weight", 0),
     "post_attention_layernorm": ("post_attention_layernorm.weight", 0),
 }
+# the same for the parts only some Llama-family models have, by the config flag that says so
+OPTIONAL_PARTS = {
+    "qkv_bias": {
+        "self_attn.q_proj.bias": ("qkv_bias", 0),
+        "self_attn.k_proj.bias": ("qkv_bias", 1),
+        "self_attn.v_proj.bias": ("qkv_bias", 2),
+    },
+    "qk_norm": {
+        "self_attn.q_norm.weight": ("q_norm.weight", 0),
+        "self_attn.k_norm.weight": ("k_norm.weight", 0),
+    },
+}
 _TOP = {
     "model.embed_tokens.weight": "embed_tokens",
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "lm_head",
 }
-_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
+_PARTS = {"qkv_proj": 3, "gate_up_proj": 2, "qkv_bias": 3}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -370,12 +398,17 @@ class LlamaForCausalLM(nn.Module):
         written as soon as all its parts have arrived, so a stream never needs
         more than about one layer in memory.
         """
+        parts_of = {f"{hf}.weight": ours for hf, ours in FUSED_PARTS.items()}
+        for flag, optional in OPTIONAL_PARTS.items():
+            if getattr(self.config, flag):
+                parts_of.update(optional)
         pending: dict[tuple[int, str], list[Tensor | Blocks | None]] = {}
         done: set[str] = set()
         for name, tensor in weights.items() if isinstance(weights, Mapping) else weights:
             m = _LAYER_WEIGHT.fullmatch(name)
-            if m and m.group(2) in FUSED_PARTS:
-                layer, (target, index) = int(m.group(1)), FUSED_PARTS[m.group(2)]
+            sub = m and f"{m.group(2)}.{m.group(3)}"
+            if m and sub in parts_of:
+                layer, (target, index) = int(m.group(1)), parts_of[sub]
                 if layer >= len(self.layers):
                     raise ConfigError(
                         f"unexpected weight {name!r}: the model has {len(self.layers)} layers"
@@ -398,9 +431,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.tie_word_embeddings:
             required.add("lm_head.weight")
         required.update(
-            f"model.layers.{i}.{t}"
-            for i in range(len(self.layers))
-            for t, _ in FUSED_PARTS.values()
+            f"model.layers.{i}.{t}" for i in range(len(self.layers)) for t, _ in parts_of.values()
         )
         missing = sorted(required - done)
         if missing:

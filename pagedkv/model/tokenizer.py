@@ -319,11 +319,13 @@ _LLAMA3_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _LLAMA3_NAMES = ("llama3", "llama-bpe", "llama-v3")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2/3: digits one by one
+_SPLITS = {**dict.fromkeys(_LLAMA3_NAMES, _LLAMA3_SPLIT), "qwen2": _QWEN2_SPLIT}
 
 
 def _byte_level_pre(pre: str) -> pre_tokenizers.PreTokenizer:
-    if pre in _LLAMA3_NAMES:
-        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
+    if pre in _SPLITS:
+        split = pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated")
         return pre_tokenizers.Sequence(
             [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
@@ -342,6 +344,8 @@ def _gguf_byte_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokenize
         models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=pre in _LLAMA3_NAMES)
     )
     tok.pre_tokenizer = _byte_level_pre(pre)
+    if pre == "qwen2":  # as Qwen's tokenizer.json
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     return tok
 

@@ -229,11 +229,31 @@ void silu_mul(int dtype, int64_t rows, int64_t n) {
   check(std::string("silu_mul ") + kName[dtype] + " n=" + std::to_string(n), want, out, kTol[dtype]);
 }
 
-// RoPE on q and k heads, then k and v stored at their slots of the paged cache.
-void rope_cache(int dtype, int64_t D) {
+// RoPE on q and k heads, then k and v stored at their slots of the paged cache; with `qwen`, a
+// bias added first and each q and k head RMS-normed before its rotation.
+void rope_cache(int dtype, int64_t D, bool qwen) {
   const int64_t tokens = 5, Hq = 3, Hkv = 1, stride = (Hq + 2 * Hkv) * D, max_pos = 64, bs = 4, num_blocks = 8;
+  const float eps = 1e-6f;
   Buf qkv(dtype, tokens * stride), kc(dtype, num_blocks * Hkv * bs * D), vc(dtype, kc.size());
+  Buf bias(dtype, stride), qn(dtype, D), kn(dtype, D);
   qkv.fill_random(-1, 1);
+  bias.fill_random(-2, 2);
+  qn.fill_random(0.5, 1.5);
+  kn.fill_random(0.5, 1.5);
+  std::vector<double> x(qkv.size());  // what RoPE rotates: bias added, heads normed, as rounded
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t e = 0; e < stride; ++e)
+      x[t * stride + e] = qwen ? round_to(dtype, qkv.get(t * stride + e) + bias.get(e)) : qkv.get(t * stride + e);
+  if (qwen)
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < Hq + Hkv; ++h) {
+        double* head = &x[t * stride + h * D];
+        double sq = 0;
+        for (int64_t i = 0; i < D; ++i) sq += head[i] * head[i];
+        const double inv = 1 / std::sqrt(sq / double(D) + eps);
+        const Buf& w = h < Hq ? qn : kn;
+        for (int64_t i = 0; i < D; ++i) head[i] = round_to(dtype, w.get(i) * round_to(dtype, head[i] * inv));
+      }
   std::vector<float> cos(max_pos * D), sin(max_pos * D);
   for (int64_t p = 0; p < max_pos; ++p)
     for (int64_t i = 0; i < D; ++i) {
@@ -248,8 +268,8 @@ void rope_cache(int dtype, int64_t D) {
     for (int64_t h = 0; h < Hq + 2 * Hkv; ++h)
       for (int64_t i = 0; i < D; ++i) {
         const int64_t at = t * stride + h * D;
-        const double x = qkv.get(at + i), y = qkv.get(at + (i + D / 2) % D);
-        want[at + i] = h < Hq + Hkv ? x * cos[pos[t] * D + i] + y * sin[pos[t] * D + i] : x;
+        const double a = x[at + i], b = x[at + (i + D / 2) % D];
+        want[at + i] = h < Hq + Hkv ? a * cos[pos[t] * D + i] + b * sin[pos[t] * D + i] : a;
       }
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t i = 0; i < D; ++i) {
@@ -258,9 +278,11 @@ void rope_cache(int dtype, int64_t D) {
       want_v[c] = want[t * stride + (Hq + Hkv) * D + i];
     }
   pagedkv_rope_cache_params p{pagedkv_dtype(dtype), qkv.data(), tokens, stride, Hq, Hkv, D, pos.data(), cos.data(),
-                              sin.data(), max_pos, slots.data(), kc.data(), vc.data(), num_blocks, bs, 2};
+                              sin.data(), max_pos, slots.data(), kc.data(), vc.data(), num_blocks, bs, 2,
+                              qwen ? bias.data() : nullptr, qwen ? qn.data() : nullptr,
+                              qwen ? kn.data() : nullptr, eps};
   ran(pagedkv_rope_cache(&p, err, sizeof err), "rope_cache");
-  const std::string tag = std::string(kName[dtype]) + " D=" + std::to_string(D);
+  const std::string tag = std::string(kName[dtype]) + " D=" + std::to_string(D) + (qwen ? " bias+norm" : "");
   check("rope " + tag, want, qkv, kTol[dtype]);
   check("rope k cache " + tag, want_k, kc, kTol[dtype]);
   check("rope v cache " + tag, want_v, vc, 0);
@@ -476,7 +498,8 @@ int main() {
     for (int64_t D : {64, 40, 100}) attention(dtype, -1, D, 2);
     for (int kv : {PAGEDKV_DTYPE_INT8, PAGEDKV_DTYPE_FLOAT8_E4M3FN}) attention(dtype, kv, 64, 1);
     for (int64_t n : {64, 100}) { rms_norm(dtype, 3, n); silu_mul(dtype, 3, n); }
-    for (int64_t D : {64, 20}) rope_cache(dtype, D);
+    for (int64_t D : {64, 20})
+      for (bool qwen : {false, true}) rope_cache(dtype, D, qwen);
     lora(dtype, 11, 40, 36);
     lora(dtype, 64, 576, 192);
   }
