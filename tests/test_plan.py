@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -34,6 +35,22 @@ def test_known_parameter_counts_match_the_published_ones():
     assert KNOWN_SHAPES["mistral-7b"].num_params == 7_241_732_096
     assert KNOWN_SHAPES["smollm2-135m"].num_params == 134_515_008
     assert KNOWN_SHAPES["llama3-8b"].weight_bytes == 2 * 8_030_261_248  # bf16
+    # with Qwen2's q/k/v biases and Qwen3's q/k norms
+    assert KNOWN_SHAPES["qwen2.5-0.5b"].num_params == 494_032_768
+    assert KNOWN_SHAPES["qwen2.5-7b"].num_params == 7_615_616_512
+    assert KNOWN_SHAPES["qwen3-0.6b"].num_params == 596_049_920
+    assert KNOWN_SHAPES["qwen3-8b"].num_params == 8_190_735_360
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_a_folder_counts_the_parameters_transformers_holds(arch, tmp_path):
+    from safetensors import safe_open
+    from tiny_model import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / arch, arch=arch)
+    with safe_open(f"{folder}/model.safetensors", "pt") as f:
+        held = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert resolve_shape(model=folder).num_params == held
 
 
 def test_capacity_after_weights_in_whole_blocks():

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
-
 from pagedkv.config import ConfigError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (no torch import at run time: `pagedkv plan` reads MODEL_TYPES without it)
+    from torch import Tensor
+
     from pagedkv.model.quant_linear import Blocks
     from pagedkv.model.tokenizer import Tokenizer
 

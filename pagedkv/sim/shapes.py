@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.config import ConfigError, default_model_path
+from pagedkv.model.config import MODEL_TYPES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -38,11 +39,13 @@ def llama_param_count(
     kv_heads: int,
     head_dim: int,
     tied: bool,
+    qkv_bias: bool = False,
+    qk_norm: bool = False,
 ) -> int:
-    """Parameters of a Llama-family decoder (no biases).
-
-    Embeddings, attention, SwiGLU MLP and RMSNorms."""
+    """Parameters of a Llama-family decoder: embeddings, attention, SwiGLU MLP and RMSNorms, with
+    Qwen2's q/k/v biases or Qwen3's q/k norms where the model has them."""
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v projections
+    attention += qkv_bias * head_dim * (heads + 2 * kv_heads) + qk_norm * 2 * head_dim
     per_layer = attention + 3 * hidden * intermediate + 2 * hidden
     return vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
 
@@ -58,8 +61,11 @@ def _known(
     head_dim: int,
     tied: bool,
     context: int,
+    **extras: bool,
 ) -> ModelShape:
-    params = llama_param_count(vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, tied)
+    params = llama_param_count(
+        vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, tied, **extras
+    )
     return ModelShape(
         name, "known shape", layers, kv_heads, head_dim, params, 2 * params, context
     )  # bf16 weights
@@ -72,6 +78,10 @@ KNOWN_SHAPES = {
         _known("llama3-70b", 128256, 8192, 28672, 80, 64, 8, 128, False, 8192),
         _known("mistral-7b", 32000, 4096, 14336, 32, 32, 8, 128, False, 32768),
         _known("smollm2-135m", 49152, 576, 1536, 30, 9, 3, 64, True, 8192),
+        _known("qwen2.5-0.5b", 151936, 896, 4864, 24, 14, 2, 64, True, 32768, qkv_bias=True),
+        _known("qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, 128, False, 32768, qkv_bias=True),
+        _known("qwen3-0.6b", 151936, 1024, 3072, 28, 16, 8, 128, True, 40960, qk_norm=True),
+        _known("qwen3-8b", 151936, 4096, 12288, 36, 32, 8, 128, False, 40960, qk_norm=True),
     )
 }
 
@@ -118,6 +128,7 @@ def shape_from_config(folder: Path) -> ModelShape:
         kv_heads,
         head_dim,
         bool(cfg.get("tie_word_embeddings")),
+        **MODEL_TYPES.get(cfg.get("model_type", ""), {}),
     )
     files = sorted(folder.glob("*.safetensors"))
     weights = (
