@@ -265,6 +265,16 @@ def test_a_client_that_goes_away_frees_the_replicas_blocks(cluster):
         time.sleep(0.5)
 
 
+def successor_of(cluster: str, before: list[dict]) -> int:
+    """The index of the replica Ray starts in place of the one of `before` that died."""
+    deadline = time.monotonic() + 120
+    names = {b["replica"] for b in before}
+    while len(after := replicas(cluster)) < 2 or names <= {s["replica"] for s in after}:
+        assert time.monotonic() < deadline, "Ray did not replace the dead replica"
+        time.sleep(1)
+    return next(i for i, s in enumerate(after) if s["replica"] not in names)
+
+
 def test_dead_replica_errors_its_stream_and_its_successor_reads_the_shared_tier(cluster):
     prompt = "The disk tier is shared. " * 20
     first = complete(cluster, prompt, replica=0)
@@ -289,13 +299,7 @@ def test_dead_replica_errors_its_stream_and_its_successor_reads_the_shared_tier(
     assert "error" in json.loads(tail[-1][5:]) and "replica" in tail[-1]
     for i in range(3):  # the other replica keeps serving meanwhile
         assert complete(cluster, f"still served {i}").json()["choices"][0]["text"] is not None
-    deadline = time.monotonic() + 120
-    while len(after := replicas(cluster)) < 2 or victim["replica"] in {s["replica"] for s in after}:
-        assert time.monotonic() < deadline, "Ray did not replace the dead replica"
-        time.sleep(1)
-    successor = next(
-        i for i, s in enumerate(after) if s["replica"] not in {b["replica"] for b in before}
-    )
+    successor = successor_of(cluster, before)
     again = complete(cluster, prompt, replica=successor).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 4
     assert again["choices"][0]["text"] == first.json()["choices"][0]["text"]
@@ -379,8 +383,8 @@ def test_a_request_for_an_adapter_is_routed_apart_from_the_base_models(tmp_path)
 
 
 def test_runtime_lora_updates_reach_every_replica(cluster, tmp_path_factory):
-    """A loaded adapter serves on every replica; a load that fails leaves none with it; an
-    unload takes it from all."""
+    """A loaded adapter serves on every replica, and on one Ray starts after a replica died; a
+    load that fails leaves none with it; an unload takes it from all."""
     from test_lora import make_adapter
 
     model = make_tiny_model(tmp_path_factory.getbasetemp() / "tiny-ray")
@@ -402,6 +406,10 @@ def test_runtime_lora_updates_reach_every_replica(cluster, tmp_path_factory):
     assert [served(i) for i in range(2)] == [200, 200]
     r = post("load", lora_name="sql", lora_path=adapter)  # loaded already: on both, still
     assert r.status_code == 400 and [served(i) for i in range(2)] == [200, 200], r.text
+    before = replicas(cluster)  # a replica Ray starts in place of a dead one loads it too
+    os.kill(before[0]["pid"], signal.SIGKILL)
+    assert served(successor_of(cluster, before)) == 200
+    assert [served(i) for i in range(2)] == [200, 200]
     assert post("unload", lora_name="sql").status_code == 200
     assert [served(i) for i in range(2)] == [404, 404]
     r = post("unload", lora_name="sql")

@@ -48,6 +48,27 @@ class ReplicaGone(Exception):
     """The replica serving a request failed or died."""
 
 
+ADAPTER_REGISTRY = "pagedkv-runtime-adapters"  # the AdapterRegistry actor's name
+
+
+@ray.remote(num_cpus=0)
+class AdapterRegistry:
+    """The adapters loaded at runtime through the ingress (name -> its load request's body), so
+    that a replica Ray starts later loads them too. Owned by the ingress: it lives as long."""
+
+    def __init__(self) -> None:
+        self.bodies: dict[str, bytes] = {}
+
+    def put(self, name: str, body: bytes) -> None:
+        self.bodies[name] = body
+
+    def drop(self, name: str) -> None:
+        self.bodies.pop(name, None)
+
+    def all(self) -> dict[str, bytes]:
+        return dict(self.bodies)
+
+
 @serve.deployment(max_ongoing_requests=1000, health_check_period_s=2, health_check_timeout_s=30)
 class EngineReplica:
     """One engine and its FastAPI app, called through ASGI by the ingress."""
@@ -66,6 +87,30 @@ class EngineReplica:
         self.app = build_app(AsyncLLM(config), cors=cors)  # for a preflight that reaches it
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
+        await self._load_runtime_adapters(config.api_key)
+
+    async def _load_runtime_adapters(self, api_key: str | None) -> None:
+        """A replica started after adapters were loaded at runtime (Ray replacing one that died)
+        loads them as the others did, through its own route, before it takes a request."""
+        try:
+            registry = ray.get_actor(ADAPTER_REGISTRY)
+        except ValueError:  # the first start: the ingress has loaded nothing yet
+            return
+        headers = [(b"content-type", b"application/json")]
+        if api_key is not None:
+            headers.append((b"authorization", f"Bearer {api_key}".encode()))
+        for name, body in (await registry.all.remote()).items():
+            answer = [
+                m
+                async for m in self.forward(RouteKey(), "POST", f"/{LOAD_LORA}", b"", headers, body)
+            ]
+            if answer[0]["status"] != 200:
+                log.warning(
+                    "replica %s: adapter %r did not load again: %s",
+                    self.name,
+                    name,
+                    b"".join(answer[1:]).decode(errors="replace"),
+                )
 
     async def __del__(self) -> None:
         await self._lifespan.__aexit__(None, None, None)
@@ -174,6 +219,9 @@ class Ingress:
         self.block_size, self.num_replicas = block_size, num_replicas
         self.cors = cors or {}
         self.adapters = adapters  # LoRA names: a request naming one is keyed apart, as on replicas
+        self.registry = AdapterRegistry.options(  # type: ignore[attr-defined]
+            name=ADAPTER_REGISTRY, get_if_exists=True
+        ).remote()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Serve's hook, called after the constructor: the app with the server's CORS options.
@@ -317,7 +365,7 @@ class Ingress:
     async def _update_adapters(self, request: Request, path: str, body: bytes) -> Response:
         """Load or unload an adapter on every replica, so that any of them serves it. A load that
         fails on one is undone on the others; an unload counts a replica that never had the
-        adapter (404) as done. A replica Ray restarts later starts with --lora-modules only."""
+        adapter (404) as done. The registry keeps what is loaded for a replica Ray starts later."""
         answers = await self._each_replica(request, body)
         if not answers:
             return _error(503, "no engine replica is running")
@@ -344,10 +392,12 @@ class Ingress:
             head, answer = answers[0]
         else:
             head, answer = done[0], next(b for h, b in answers if h is done[0])
-            if name is not None:
-                self.adapters = (
-                    self.adapters | {name} if path == LOAD_LORA else self.adapters - {name}
-                )
+            if name is not None and path == LOAD_LORA:
+                self.adapters |= {name}
+                await self.registry.put.remote(name, body)
+            elif name is not None:
+                self.adapters -= {name}
+                await self.registry.drop.remote(name)
         kind = dict(head["headers"]).get(b"content-type", b"application/json").decode()
         return Response(answer, status_code=head["status"], media_type=kind)
 
