@@ -77,6 +77,16 @@ def test_auto_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert resolve_dtype("auto", "cpu", cfg) == torch.float32
 
 
+def test_a_forced_kernel_isa_is_another_machine_to_the_cache(monkeypatch):
+    """A verdict measured with our kernels built for AVX-512 must not serve a run forced to AVX2."""
+    from pagedkv.model.calibration_cache import cpu_identity
+
+    monkeypatch.delenv("PAGEDKV_CPU_ISA", raising=False)
+    native = cpu_identity()
+    monkeypatch.setenv("PAGEDKV_CPU_ISA", "avx2")
+    assert cpu_identity() != native
+
+
 def test_explicit_dtypes_are_never_measured(monkeypatch):
     monkeypatch.setattr(dtype_choice, "measure", lambda shapes: pytest.fail("measured"))
     assert resolve_dtype("float32", "cpu", small_config()) == torch.float32

@@ -22,11 +22,13 @@ log = logging.getLogger("pagedkv")
 
 
 def cpu_identity() -> str:
-    """The CPU, plus the variables that cap which instructions torch's matmuls may use."""
+    """The CPU, plus the variables that cap which instructions torch's matmuls and our kernels
+    (PAGEDKV_CPU_ISA) may use."""
     model = (
         platform.processor()
         + os.environ.get("ONEDNN_MAX_CPU_ISA", "")
         + os.environ.get("ATEN_CPU_CAPABILITY", "")
+        + os.environ.get("PAGEDKV_CPU_ISA", "")
     )
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
