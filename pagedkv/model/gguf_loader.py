@@ -169,13 +169,17 @@ def unpermute_rope(w: Tensor, num_heads: int) -> Tensor:
 
 
 def iter_weights(
-    reader: gguf.GGUFReader, config: LlamaConfig, keep_blocks: bool = False, interleaved=True
+    reader: gguf.GGUFReader,
+    config: LlamaConfig,
+    keep_blocks: bool = False,
+    interleaved: bool = True,
 ) -> Iterator[tuple[str, Tensor | Blocks]]:
     """(HF name, float32 tensor) one at a time, so a big model never sits dequantized all at once.
 
     keep_blocks (--quantization gguf): tensors of the types quant_linear runs come as Blocks
     (the file's own codes and scales) instead. interleaved: q/k rows in llama.cpp's RoPE order.
     """
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # folded into config.rope_scaling
@@ -192,7 +196,6 @@ def iter_weights(
             w = blocks_from_gguf(t.data, t.tensor_type, shape)
         else:
             w = torch.from_numpy(dequantize(t))
-        heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
         if interleaved and m and m.group(2) in heads and m.group(3) == "weight":
             # (a bias of a Llama is refused when the model loads)
             w = _rows(w, functools.partial(unpermute_rope, num_heads=heads[m.group(2)]))
