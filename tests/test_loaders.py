@@ -299,7 +299,9 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def hf_to_gguf(folder: Path, out: Path, qtype: QT | None = None, pre: str = "default") -> Path:
+def hf_to_gguf(
+    folder: Path, out: Path, qtype: QT | None = None, pre: str = "default", extra=None
+) -> Path:
     """The tiny HF model as llama.cpp would convert it (float32, a Llama's q/k permuted, GPT-2 BPE
     vocab; a Qwen2's or Qwen3's under its own architecture, with its biases or q/k norms); with
     qtype, its matrices quantized by gguf's own quantizer."""
@@ -340,6 +342,8 @@ def hf_to_gguf(folder: Path, out: Path, qtype: QT | None = None, pre: str = "def
         w.add_chat_template(
             "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
         )
+        if extra:
+            extra(w)
 
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
@@ -406,6 +410,26 @@ def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
         from_gguf.tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
         == "<|im_start|>x<|im_end|>"
     )
+
+
+def test_yarn_gguf_equals_yarn_config(tmp_path):
+    """llama.cpp's YaRN keys give the RoPE a config.json's rope_parameters give."""
+    folder = Path(make_tiny_model(tmp_path / "qwen2", arch="qwen2"))
+    cfg = json.loads((folder / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    cfg["rope_parameters"] = {**cfg["rope_parameters"], **yarn}
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+    def rope(w: gguf.GGUFWriter) -> None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(512)
+
+    from_gguf = load_model(hf_to_gguf(folder, tmp_path / "y.gguf", extra=rope), torch.float32)
+    from_hf = load_model(folder, torch.float32)
+    assert from_gguf.config.rope_scaling == from_hf.config.rope_scaling == yarn
+    assert from_gguf.max_model_len == from_hf.max_model_len == 2048  # max(2048, 512 x 4)
+    assert torch.equal(from_gguf.model.rotary.cos, from_hf.model.rotary.cos)
 
 
 def test_qwen2_gguf_pre_tokenizer(tiny_model_dir, tmp_path):

@@ -287,6 +287,36 @@ def test_rope_scaling_and_tied_embeddings_match(tiny_model_dir, tmp_path, tie, c
     assert PagedDriver(lm, 16, 64).greedy([Seq(list(ids))], 8) == [hf_greedy(hf, ids, 8)]
 
 
+@pytest.mark.parametrize("extra", [{}, {"attention_factor": 1.5, "beta_fast": 16}])
+def test_yarn_matches_and_stretches_the_context(qwen, tmp_path, extra):
+    """YaRN (Qwen2.5's and Qwen3's long-context setting): frequencies blended by how often they
+    turn in the original context, cos and sin scaled by the attention factor; prompts longer than
+    the original context, as transformers computes them. Served up to original x factor."""
+    _, _, src = qwen
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    folder = _variant(
+        src,
+        tmp_path / "yarn",
+        rope_parameters={**yarn, "original_max_position_embeddings": 16, **extra},
+    )
+    lm, hf = load_model(folder, torch.float32), load_hf(folder)
+    assert lm.config.rope_scaling["rope_type"] == hf.config.rope_parameters["rope_type"] == "yarn"
+    ids = lm.tokenizer.encode(PROMPTS[1] + " " + PROMPTS[3])
+    assert len(ids) > 16
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    ours = PagedDriver(lm, 16, 64).step([(Seq(list(ids)), len(ids))])[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    assert PagedDriver(lm, 16, 64).greedy([Seq(list(ids))], 8) == [hf_greedy(hf, ids, 8)]
+    short = _variant(
+        src,
+        tmp_path / "short",
+        max_position_embeddings=32,
+        rope_parameters={**yarn, "original_max_position_embeddings": 32},
+    )
+    assert load_model(short, torch.float32).max_model_len == 128
+
+
 def test_bfloat16_logits_stay_close_to_float32(tiny_model_dir, tiny):
     lm32, _ = tiny
     lm16 = load_model(tiny_model_dir, torch.bfloat16)

@@ -23,7 +23,7 @@ MODEL_TYPES: dict[str, dict[str, bool]] = {
     "qwen3": {"qk_norm": True},
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
-ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
 
 
 @dataclass
@@ -53,14 +53,20 @@ class LlamaConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", "default")
+        scaling = self.rope_scaling
+        if scaling is not None:
+            kind = scaling.get("rope_type", "default")
             if kind not in ROPE_TYPES:
                 raise ConfigError(
                     f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})"
                 )
             if kind == "default":
                 self.rope_scaling = None
+            if kind == "yarn":  # served up to the original length x factor (as vLLM does)
+                key = "original_max_position_embeddings"
+                old = scaling[key] = scaling.get(key) or self.max_position_embeddings
+                stretched = int(old * (scaling.get("factor") or 1.0))
+                self.max_position_embeddings = max(self.max_position_embeddings, stretched)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:

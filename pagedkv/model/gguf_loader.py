@@ -123,6 +123,12 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
         }
     elif meta.get(f"{arch}.rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    elif meta.get(f"{arch}.rope.scaling.type") == "yarn":
+        rope_scaling = {
+            "rope_type": "yarn",
+            "factor": get("rope.scaling.factor"),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+        }
     elif meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
         raise ConfigError(f"unsupported GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r}")
     return LlamaConfig(

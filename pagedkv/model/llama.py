@@ -52,18 +52,21 @@ def _param(*shape: int, dtype: torch.dtype, device: str | None = None) -> nn.Par
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def rope_inv_freq(config: LlamaConfig) -> Tensor:
-    """Per-pair rotation frequencies [head_dim / 2], with the model's scaling applied."""
+def rope_inv_freq(config: LlamaConfig) -> tuple[Tensor, float]:
+    """Per-pair rotation frequencies [head_dim / 2], with the model's scaling applied, and the
+    factor cos and sin are scaled by (YaRN's attention factor; 1 otherwise)."""
     dim = config.head_dim
     inv_freq = 1.0 / (
         config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     )
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
+    if kind == "yarn":
+        return _yarn(inv_freq, config.rope_theta, dim, scaling)
     if kind == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / scaling["factor"], 1.0
     if kind == "freq_factors":  # GGUF's rope_freqs tensor (how llama.cpp stores llama3 scaling)
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -71,8 +74,35 @@ def rope_inv_freq(config: LlamaConfig) -> Tensor:
         wavelen = 2 * math.pi / inv_freq
         # long wavelengths are slowed by `factor`, short ones kept, the band between blended
         blend = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-        return (1 - blend) * inv_freq / factor + blend * inv_freq
-    return inv_freq
+        return (1 - blend) * inv_freq / factor + blend * inv_freq, 1.0
+    return inv_freq, 1.0
+
+
+def _yarn(inv_freq: Tensor, base: float, dim: int, s: dict) -> tuple[Tensor, float]:
+    """YaRN (arXiv 2309.00071), as transformers computes it: frequencies that turn fewer than
+    beta_slow times over the original context are interpolated (divided by the factor), those that
+    turn more than beta_fast times kept, a linear ramp between; cos and sin scaled by
+    0.1 ln(factor) + 1 (or the model's own attention_factor / mscale pair)."""
+    factor, old_len = s.get("factor") or 1.0, s["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = s.get("attention_factor")
+    if attention is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def turns_dim(turns: float) -> float:  # the dimension whose pair turns `turns` times
+        return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = turns_dim(s.get("beta_fast") or 32), turns_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low or 0.001)).clamp(0, 1)
+    kept = 1 - ramp  # 1 for the fast-turning pairs (extrapolated), 0 for the slow (interpolated)
+    return inv_freq / factor * (1 - kept) + inv_freq * kept, float(attention)
 
 
 class Rotary(nn.Module):
@@ -85,12 +115,13 @@ class Rotary(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(config))
+        inv_freq, scale = rope_inv_freq(config)
+        freqs = torch.outer(positions, inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         half = config.head_dim // 2
         sign = torch.cat([-torch.ones(half), torch.ones(half)])
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin() * sign, persistent=False)
+        self.register_buffer("cos", angles.cos() * scale, persistent=False)
+        self.register_buffer("sin", angles.sin() * sign * scale, persistent=False)
 
 
 class RMSNorm(nn.Module):
