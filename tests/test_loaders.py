@@ -88,6 +88,10 @@ def test_unsupported_hf_architecture_and_broken_folders(tiny_model_dir, tmp_path
     )
     with pytest.raises(ConfigError, match="unsupported architecture 'GPT2LMHeadModel'"):
         load_model(folder, torch.float32)
+    partial = {**cfg, "rope_parameters": {**cfg["rope_parameters"], "partial_rotary_factor": 0.75}}
+    (folder / "config.json").write_text(json.dumps(partial))  # Phi-4-mini's: not silently whole
+    with pytest.raises(ConfigError, match="unsupported partial_rotary_factor 0.75"):
+        load_model(folder, torch.float32)
     (folder / "config.json").write_text(json.dumps(cfg))
     weights = folder / "model.safetensors"
     data = weights.read_bytes()
@@ -362,6 +366,8 @@ def hf_to_gguf(
         "mlp.down_proj": "ffn_down",
         "self_attn.q_norm": "attn_q_norm",
         "self_attn.k_norm": "attn_k_norm",
+        "self_attn.qkv_proj": "attn_qkv",  # Phi-3's, fused
+        "mlp.gate_up_proj": "ffn_up",
     }
     tensors = {}
     for name, w in load_file(folder / "model.safetensors").items():
@@ -384,7 +390,7 @@ def hf_to_gguf(
     return write_gguf(out, arch=arch, tensors=tensors, meta=meta)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
     if arch == "llama":
         folder = Path(tiny_model_dir)
@@ -410,6 +416,28 @@ def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
         from_gguf.tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
         == "<|im_start|>x<|im_end|>"
     )
+
+
+def test_partial_rope_gguf_is_refused(tiny_model_dir, tmp_path):
+    def partial(w: gguf.GGUFWriter) -> None:
+        w.add_rope_dimension_count(8)  # of 16
+
+    path = hf_to_gguf(Path(tiny_model_dir), tmp_path / "p.gguf", extra=partial)
+    with pytest.raises(ConfigError, match="unsupported partial RoPE: 8 of 16 dimensions"):
+        load_model(path, torch.float32)
+
+
+def test_a_gguf_sliding_window_caps_the_length(tmp_path):
+    """Phi-3 mini's GGUF says attention.sliding_window 2047: served up to it, as from its HF
+    folder (we attend to everything)."""
+    folder = Path(make_tiny_model(tmp_path / "phi3", arch="phi3"))
+
+    def window(w: gguf.GGUFWriter) -> None:
+        w.add_sliding_window(64)
+
+    windowed = hf_to_gguf(folder, tmp_path / "w.gguf", extra=window)
+    assert load_model(windowed, torch.float32).max_model_len == 64
+    assert load_model(hf_to_gguf(folder, tmp_path / "n.gguf"), torch.float32).max_model_len == 2048
 
 
 def test_yarn_gguf_equals_yarn_config(tmp_path):

@@ -288,11 +288,12 @@ def test_rope_scaling_and_tied_embeddings_match(tiny_model_dir, tmp_path, tie, c
 
 
 @pytest.mark.parametrize("extra", [{}, {"attention_factor": 1.5, "beta_fast": 16}])
-def test_yarn_matches_and_stretches_the_context(qwen, tmp_path, extra):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_yarn_matches_and_stretches_the_context(arch, tmp_path, extra):
     """YaRN (Qwen2.5's and Qwen3's long-context setting): frequencies blended by how often they
     turn in the original context, cos and sin scaled by the attention factor; prompts longer than
     the original context, as transformers computes them. Served up to original x factor."""
-    _, _, src = qwen
+    src = make_tiny_model(tmp_path / arch, arch=arch)
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
     folder = _variant(
         src,
@@ -328,17 +329,18 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_model_dir, tiny):
     assert (l16 - l32).abs().max() < 0.05 * l32.abs().max()
 
 
-# ---- Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) ----------------------------------------
+# ---- Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Phi-3 (fused checkpoint) -----------------
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
-def qwen(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "phi3"])
+def family(request, tmp_path_factory):
+    """Qwen2, Qwen3 and (fused in its checkpoint, otherwise Llama's) Phi-3."""
     folder = make_tiny_model(tmp_path_factory.mktemp(request.param) / "m", arch=request.param)
     return load_model(folder, torch.float32), load_hf(folder), folder
 
 
-def test_qwen_models_match_transformers(qwen, kernels):
-    lm, hf, _ = qwen
+def test_other_families_match_transformers(family, kernels):
+    lm, hf, _ = family
     assert (lm.config.qkv_bias, lm.config.qk_norm) == (
         hf.config.model_type == "qwen2",
         hf.config.model_type == "qwen3",
@@ -353,8 +355,8 @@ def test_qwen_models_match_transformers(qwen, kernels):
     assert len({tuple(w) for w in want}) > 1
 
 
-def test_qwen_bfloat16_stays_close_to_float32(qwen):
-    lm32, _, folder = qwen
+def test_other_families_in_bfloat16_stay_close_to_float32(family):
+    lm32, _, folder = family
     lm16 = load_model(folder, torch.bfloat16)
     ids = lm32.tokenizer.encode(PROMPTS[1])
     l32 = PagedDriver(lm32, 16).step([(Seq(list(ids)), len(ids))])
@@ -362,10 +364,11 @@ def test_qwen_bfloat16_stays_close_to_float32(qwen):
     assert (l16 - l32).abs().max() < 0.05 * l32.abs().max()
 
 
-def test_qwen_sliding_window_caps_the_length_only_where_used(qwen, tmp_path):
-    _, _, folder = qwen
+def test_a_sliding_window_caps_the_length_only_where_used(family, tmp_path):
+    _, hf, folder = family
     off = load_model(_variant(folder, tmp_path / "off", sliding_window=64), torch.float32)
-    assert off.max_model_len == 2048  # use_sliding_window is false in the tiny configs
+    # Qwen's configs say use_sliding_window: false; Phi-3's have no switch: a window is used
+    assert off.max_model_len == (64 if hf.config.model_type == "phi3" else 2048)
     on = _variant(folder, tmp_path / "on", sliding_window=64, use_sliding_window=True)
     assert load_model(on, torch.float32).max_model_len == 64
 

@@ -67,8 +67,9 @@ def make_tiny_model(
     think_tags: bool = False,
     arch: str = "llama",
 ) -> str:
-    """Write the folder (once) and return its path. arch: "llama", "qwen2" (q/k/v biases) or
-    "qwen3" (q/k norms, head_dim wider than hidden / heads)."""
+    """Write the folder (once) and return its path. arch: "llama", "qwen2" (q/k/v biases),
+    "qwen3" (q/k norms, head_dim wider than hidden / heads) or "phi3" (q/k/v and gate/up fused in
+    the checkpoint)."""
     import torch
     import transformers
 
@@ -83,6 +84,7 @@ def make_tiny_model(
         "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 2 * hidden // heads}),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": eos}),
     }[arch]
     cfg = getattr(transformers, config_class)(
         **extra,

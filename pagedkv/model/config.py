@@ -21,6 +21,7 @@ MODEL_TYPES: dict[str, dict[str, bool]] = {
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "phi3": {},  # q/k/v and gate/up fused in the checkpoint (llama.FUSED_WHOLE)
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
@@ -90,6 +91,9 @@ class LlamaConfig:
         if "type" in rope:
             rope["rope_type"] = rope.pop("type")
         theta = rope.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
+        partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor", 1.0)
+        if partial != 1.0:  # (Phi-4-mini's 0.75: RoPE on part of each head)
+            raise ConfigError(f"unsupported partial_rotary_factor {partial} (RoPE on whole heads)")
         try:
             heads = d["num_attention_heads"]
             return cls(

@@ -32,7 +32,11 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "llama": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "phi3": {},
 }
+# tensors an architecture names its own way: Phi-3 keeps q/k/v and gate/up fused (its ffn_up is
+# HF's gate_up_proj, gate first)
+_ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 # llama.cpp's converter interleaves the RoPE halves of q and k only for these ("NORM" RoPE);
 # Qwen's GGUFs keep HF's layout ("NEOX")
 INTERLEAVED_ROPE = ("llama",)
@@ -112,6 +116,11 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
         return value
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length", hidden // heads)
+    if get("rope.dimension_count", head_dim) != head_dim:
+        raise ConfigError(
+            f"unsupported partial RoPE: {get('rope.dimension_count')} of {head_dim} dimensions"
+        )
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ConfigError("GGUF file has no token_embd.weight tensor")
@@ -140,7 +149,7 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
         num_hidden_layers=get("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=get("attention.head_count_kv", heads),
-        head_dim=get("attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
@@ -178,20 +187,22 @@ def iter_weights(
     reader: gguf.GGUFReader,
     config: LlamaConfig,
     keep_blocks: bool = False,
-    interleaved: bool = True,
+    arch: str = "llama",
 ) -> Iterator[tuple[str, Tensor | Blocks]]:
     """(HF name, float32 tensor) one at a time, so a big model never sits dequantized all at once.
 
     keep_blocks (--quantization gguf): tensors of the types quant_linear runs come as Blocks
-    (the file's own codes and scales) instead. interleaved: q/k rows in llama.cpp's RoPE order.
+    (the file's own codes and scales) instead. arch: the file's general.architecture.
     """
+    interleaved = arch in INTERLEAVED_ROPE  # q/k rows in llama.cpp's RoPE order
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # folded into config.rope_scaling
         m = _LAYER_TENSOR.fullmatch(t.name)
-        if m and m.group(2) in _LAYER_NAMES:
-            name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        if m and m.group(2) in names:
+            name = f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
         elif t.name in _NAMES:
             name = _NAMES[t.name]
         else:
@@ -216,11 +227,12 @@ def load_gguf(path: Path, keep_blocks: bool = False) -> Checkpoint:
     reader = open_gguf(path)
     meta = read_metadata(reader)
     config = config_from_metadata(meta, reader)
-    interleaved = meta["general.architecture"] in INTERLEAVED_ROPE
+    arch = meta["general.architecture"]
+    window = meta.get(f"{arch}.attention.sliding_window")  # (Phi-3 mini's 2047) as hf_loader
     return Checkpoint(
         config=config,
         tokenizer=Tokenizer.from_gguf_metadata(meta),
-        weights=iter_weights(reader, config, keep_blocks, interleaved),
+        weights=iter_weights(reader, config, keep_blocks, arch),
         files=[path],
-        max_model_len=config.max_position_embeddings,
+        max_model_len=min(config.max_position_embeddings, window or config.max_position_embeddings),
     )

@@ -308,6 +308,8 @@ FUSED_PARTS = {
     "input_layernorm": ("input_layernorm.weight", 0),
     "post_attention_layernorm": ("post_attention_layernorm.weight", 0),
 }
+# checkpoints that hold q/k/v and gate/up fused already, as we do (Phi-3's)
+FUSED_WHOLE = {"self_attn.qkv_proj": "qkv_proj", "mlp.gate_up_proj": "gate_up_proj"}
 # the same for the parts only some Llama-family models have, by the config flag that says so
 OPTIONAL_PARTS = {
     "qkv_bias": {
@@ -429,22 +431,27 @@ class LlamaForCausalLM(nn.Module):
         written as soon as all its parts have arrived, so a stream never needs
         more than about one layer in memory.
         """
-        parts_of = {f"{hf}.weight": ours for hf, ours in FUSED_PARTS.items()}
+        # HF sub-name -> (our parameter, the part it is, of how many)
+        parts_of = {
+            f"{hf}.weight": (target, i, _PARTS.get(target, 1))
+            for hf, (target, i) in FUSED_PARTS.items()
+        }
         for flag, optional in OPTIONAL_PARTS.items():
             if getattr(self.config, flag):
-                parts_of.update(optional)
+                parts_of.update({k: (t, i, _PARTS.get(t, 1)) for k, (t, i) in optional.items()})
+        parts_of.update({f"{hf}.weight": (target, 0, 1) for hf, target in FUSED_WHOLE.items()})
         pending: dict[tuple[int, str], list[Tensor | Blocks | None]] = {}
         done: set[str] = set()
         for name, tensor in weights.items() if isinstance(weights, Mapping) else weights:
             m = _LAYER_WEIGHT.fullmatch(name)
             sub = m and f"{m.group(2)}.{m.group(3)}"
             if m and sub in parts_of:
-                layer, (target, index) = int(m.group(1)), parts_of[sub]
+                layer, (target, index, count) = int(m.group(1)), parts_of[sub]
                 if layer >= len(self.layers):
                     raise ConfigError(
                         f"unexpected weight {name!r}: the model has {len(self.layers)} layers"
                     )
-                parts = pending.setdefault((layer, target), [None] * _PARTS.get(target, 1))
+                parts = pending.setdefault((layer, target), [None] * count)
                 parts[index] = tensor
                 ready = [p for p in parts if p is not None]
                 if len(ready) == len(parts):
@@ -462,7 +469,9 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.tie_word_embeddings:
             required.add("lm_head.weight")
         required.update(
-            f"model.layers.{i}.{t}" for i in range(len(self.layers)) for t, _ in parts_of.values()
+            f"model.layers.{i}.{t}"
+            for i in range(len(self.layers))
+            for t, _, _ in parts_of.values()
         )
         missing = sorted(required - done)
         if missing:
