@@ -22,18 +22,13 @@ import torch
 from torch import Tensor
 
 from pagedkv.config import ConfigError
-from pagedkv.model.config import Checkpoint, LlamaConfig
+from pagedkv.model.config import MODEL_TYPES, Checkpoint, LlamaConfig
 from pagedkv.model.quant_linear import KEPT_TYPES, Blocks, blocks_from_gguf
 from pagedkv.model.tokenizer import Tokenizer
 
 # general.architecture values whose forward is ours (llama.cpp files Mistral-style models and
-# SmolLM under "llama" too), with what each adds to Llama's (model/config.py MODEL_TYPES)
-ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "llama": {},
-    "qwen2": {"qkv_bias": True},
-    "qwen3": {"qk_norm": True},
-    "phi3": {},
-}
+# SmolLM under "llama" too); each is also a config.json model_type (MODEL_TYPES: what it adds)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 # tensors an architecture names its own way: Phi-3 keeps q/k/v and gate/up fused (its ffn_up is
 # HF's gate_up_proj, gate first)
 _ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
@@ -157,7 +152,7 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        **ARCHITECTURES[arch],
+        **MODEL_TYPES[arch],
     )
 
 
