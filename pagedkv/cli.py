@@ -77,7 +77,6 @@ _NOOP_BOOL = (
     "async_scheduling",
     "disable_fastapi_docs",
     "enable_log_outputs",
-    "disable_sliding_window",
     "calculate_kv_scales",
     "enable_server_load_tracking",
 )
@@ -297,6 +296,12 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run every step through Python; by default a decode step of a batch size seen "
         "before replays its recorded kernel calls in one C++ call (same results)",
+    )
+    p.add_argument(
+        "--disable-sliding-window",
+        action="store_true",
+        help="a model with a sliding window attends to the whole context instead, served up to "
+        "its window (as vLLM's flag)",
     )
 
 

@@ -78,7 +78,6 @@ NOOP_OPTIONS = {
     "disable_fastapi_docs": "pagedkv serves no documentation pages (only /openapi.json)",
     "max_log_len": "pagedkv does not log requests",
     "enable_log_outputs": "pagedkv does not log requests",
-    "disable_sliding_window": "Llama models attend to the whole context: no sliding window",
     "max_parallel_loading_workers": "the weights load in one process, once",
     "cpu_offload_gb": "the weights live in CPU memory already",
     "calculate_kv_scales": "int8 and fp8 caches take a scale per token and head, computed as "
@@ -351,6 +350,8 @@ class EngineConfig:
     # vLLM's JSON ({"method": "ngram", ...}), "auto" (ngram while batches are small) or "off"
     speculative_config: Any = "auto"
     enforce_eager: bool = False  # no decode graphs (model/decode_graph.py)
+    # attend to the whole context, up to the model's sliding window at most (vLLM's flag)
+    disable_sliding_window: bool = False
     # server
     api_key: str | None = None
     served_model_names: list[str] = field(init=False, default_factory=list)

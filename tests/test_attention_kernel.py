@@ -33,6 +33,7 @@ class Case:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     scale: float
+    window: int = 0  # sliding window (0: none)
 
 
 def make_case(
@@ -88,7 +89,7 @@ def metadata(c: Case) -> paged.AttentionMetadata:
 
 def reference(c: Case) -> torch.Tensor:
     """Float64 softmax attention: gather each sequence's K/V through its block table, query i of a
-    sequence with n queries and L keys sees keys 0 .. L - n + i."""
+    sequence with n queries and L keys sees keys 0 .. L - n + i (the last c.window of them)."""
     num_kv_heads, block_size = c.k_cache.shape[1], c.k_cache.shape[2]
     group = c.q.shape[1] // num_kv_heads
     out = torch.zeros(c.q.shape, dtype=torch.float64)
@@ -103,10 +104,11 @@ def reference(c: Case) -> torch.Tensor:
         v = c.v_cache[blocks, :, offsets].double()
         for i in range(last - first):
             visible = length - (last - first) + i + 1
+            start = max(0, visible - c.window) if c.window else 0
             for head in range(c.q.shape[1]):
                 kv = head // group
-                scores = k[:visible, kv] @ c.q[first + i, head].double() * c.scale
-                out[first + i, head] = torch.softmax(scores, 0) @ v[:visible, kv]
+                scores = k[start:visible, kv] @ c.q[first + i, head].double() * c.scale
+                out[first + i, head] = torch.softmax(scores, 0) @ v[start:visible, kv]
     return out
 
 
@@ -117,6 +119,23 @@ def assert_matches(got: torch.Tensor, c: Case) -> None:
     assert got.dtype == c.q.dtype and got.shape == c.q.shape
     tol = TOLERANCE[c.q.dtype]
     torch.testing.assert_close(got.double(), reference(c), atol=tol, rtol=tol)
+
+
+def run_case(c: Case, threads: int | None = None, decode: bool = False) -> torch.Tensor:
+    """The kernel on the case (with its window), on `threads` torch threads when given."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        if decode:
+            return kernel.paged_attention_decode(
+                c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale, window=c.window
+            )
+        qsl = c.query_start_loc
+        return kernel.paged_attention_varlen(
+            c.q, c.k_cache, c.v_cache, qsl, c.seq_lens, c.block_tables, c.scale, window=c.window
+        )
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_kernel_is_built_here() -> None:
@@ -198,7 +217,7 @@ def test_many_query_rows_across_tile_edges(dtype: torch.dtype, group: int, kerne
     assert_matches(got, c)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     data=st.data(),
     block_size=st.sampled_from([1, 2, 16, 48, 256]),
@@ -206,12 +225,13 @@ def test_many_query_rows_across_tile_edges(dtype: torch.dtype, group: int, kerne
     group=st.integers(1, 5),
     head_dim=st.sampled_from([16, 24, 64, 80, 128]),
     threads=st.integers(1, 3),
+    window=st.one_of(st.just(0), st.integers(1, 400)),
 )
 def test_random_batches(
-    data, block_size: int, kv_heads: int, group: int, head_dim: int, threads: int
+    data, block_size: int, kv_heads: int, group: int, head_dim: int, threads: int, window: int
 ) -> None:
     lens = data.draw(st.lists(st.integers(1, 700), min_size=1, max_size=5))
-    queries = [data.draw(st.integers(0, min(n, 40))) for n in lens]
+    queries = [data.draw(st.integers(0, min(n, 90))) for n in lens]
     c = make_case(
         torch.Generator().manual_seed(len(lens)),
         seq_lens=lens,
@@ -222,15 +242,100 @@ def test_random_batches(
         head_dim=head_dim,
         dtype=torch.float32,
     )
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = kernel.paged_attention_varlen(
-            c.q, c.k_cache, c.v_cache, c.query_start_loc, c.seq_lens, c.block_tables, c.scale
-        )
-    finally:
-        torch.set_num_threads(before)
+    c.window = window  # (0: none)
+    assert_matches(run_case(c, threads=threads), c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("window", [1, 17, 64, 100, 300])
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (4, 128), (2, 80)])
+def test_sliding_window_matches_reference(
+    dtype: torch.dtype, block_size: int, window: int, group: int, head_dim: int, kernel_isa
+) -> None:
+    """Each query sees only the last `window` keys up to its own: decodes (items starting inside
+    a block), prompt chunks whose rows' windows start in different tiles (many rows: the panel
+    path), a chunk longer than the window, sequences shorter than it, and split-K pieces of a long
+    decode on two threads."""
+    gen = torch.Generator().manual_seed(window * 7 + block_size + group)
+    lens = [1, 50, 333, 1000, 250, 2500]
+    queries = [1, 1, 70, 200, 3, 1]
+    c = make_case(
+        gen,
+        seq_lens=lens,
+        query_lens=queries,
+        block_size=block_size,
+        kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    c.window = window
+    got = run_case(c, threads=2)
     assert_matches(got, c)
+    decode = one_query_rows(c, [0, 1, 5])
+    assert_matches(run_case(decode, threads=2, decode=True), decode)
+    c.window = 0
+    assert not torch.allclose(run_case(c)[-1].float(), got[-1].float())  # the window cut something
+
+
+def one_query_rows(c: Case, seqs: list[int]) -> Case:
+    """The case's one-query sequences `seqs` as a decode batch of their own."""
+    rows = torch.tensor(seqs)
+    return Case(
+        c.q[c.query_start_loc[rows].long()],
+        c.k_cache,
+        c.v_cache,
+        torch.arange(len(seqs) + 1, dtype=torch.int32),
+        c.seq_lens[rows],
+        c.block_tables[rows],
+        c.scale,
+        c.window,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_takes_the_window(dtype: torch.dtype) -> None:
+    """The torch path (decodes batched, prompts one by one) masks the same keys as the kernel."""
+    c = make_case(
+        torch.Generator().manual_seed(3),
+        seq_lens=[20, 300, 130, 77],
+        query_lens=[1, 1, 60, 1],
+        block_size=16,
+        kv_heads=2,
+        group=3,
+        head_dim=64,
+        dtype=dtype,
+    )
+    c.window = 50
+    got = paged.torch_attention(c.q, c.k_cache, c.v_cache, metadata(c), c.scale, window=50)
+    assert_matches(got, c)
+    d = one_query_rows(c, [0, 1, 3])
+    assert_matches(paged.torch_attention(d.q, d.k_cache, d.v_cache, metadata(d), d.scale, 50), d)
+
+
+def test_window_with_a_cascade_plan_is_refused() -> None:
+    from pagedkv.attention.cascade import CascadePlan
+
+    c = make_case(
+        torch.Generator().manual_seed(0),
+        seq_lens=[40, 40],
+        query_lens=[1, 1],
+        block_size=16,
+        kv_heads=1,
+        group=1,
+        head_dim=16,
+        dtype=torch.float32,
+    )
+    c.block_tables[1, :2] = c.block_tables[0, :2]
+    pre, starts, members = (torch.tensor(x, dtype=torch.int32) for x in ([2, 2], [0, 2], [0, 1]))
+    plan = CascadePlan(pre, starts, members)
+    args = (c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale)
+    kernel.paged_attention_decode(*args, cascade=plan)  # the plan is good
+    with pytest.raises(ValueError, match="window 8: negative, or given with a cascade plan"):
+        kernel.paged_attention_decode(*args, cascade=plan, window=8)
+    with pytest.raises(ValueError, match="window -1"):
+        kernel.paged_attention_decode(*args, window=-1)
 
 
 @pytest.mark.parametrize("head_dim", [8, 40, 72, 96, 100, 256])

@@ -98,6 +98,42 @@ def test_qwen_steps_replay(arch, tmp_path, monkeypatch) -> None:
 
 
 @needs_library
+@pytest.mark.parametrize("window", [24, 60])
+def test_sliding_window_steps_replay_and_equal_transformers(window, tmp_path, monkeypatch) -> None:
+    """A Mistral-style window: prompts longer than it, and (60) sequences sharing a prefix that
+    start inside it with a cascade plan and grow past it, where the plan must give way. Replays
+    equal eager steps, and greedy outputs equal transformers'."""
+    import json
+
+    import torch
+    import transformers
+    from tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "mistral")
+    cfg = json.loads((tmp_path / "mistral" / "config.json").read_text())
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window)
+    (tmp_path / "mistral" / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setenv("PAGEDKV_CASCADE", "1")
+    eager, _, _ = _generate(model, monkeypatch, True, dtype="float32")
+    got, counts, graphs = _generate(model, monkeypatch, False, dtype="float32")
+    assert got == eager
+    if replays("float32"):
+        assert counts["replays"] >= 10 and not graphs.eager
+        assert any(key[2] for key in graphs.graphs) == (window == 60)
+        assert any(not key[2] for key in graphs.graphs)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    tok = LLM(model).get_tokenizer()
+    for prompt, out in zip([PROMPT * 2 + "Hello", "Paged attention"], [eager[0], eager[2]]):
+        ids, tokens = tok.encode(prompt), list(out[0][0])
+        n = len(tokens)
+        with torch.inference_mode():
+            want = hf.generate(
+                torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False
+            )
+        assert tokens == want[0, len(ids) :].tolist()
+
+
+@needs_library
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_quantized_cache_steps_replay(tiny_model_dir, monkeypatch, kv_cache_dtype, dtype) -> None:

@@ -92,6 +92,17 @@ def test_unsupported_hf_architecture_and_broken_folders(tiny_model_dir, tmp_path
     (folder / "config.json").write_text(json.dumps(partial))  # Phi-4-mini's: not silently whole
     with pytest.raises(ConfigError, match="unsupported partial_rotary_factor 0.75"):
         load_model(folder, torch.float32)
+    for bad, message in (
+        ({"sliding_window": -4}, "sliding_window must be a positive whole number, got -4"),
+        ({"sliding_window": 8, "layer_types": ["sliding_attention"]}, "1 layer types for 2 layers"),
+        (
+            {"sliding_window": 8, "layer_types": ["chunked_attention", "full_attention"]},
+            r"unsupported layer types \['chunked_attention'\]",
+        ),
+    ):
+        (folder / "config.json").write_text(json.dumps({**cfg, **bad}))
+        with pytest.raises(ConfigError, match=message):
+            load_model(folder, torch.float32)
     (folder / "config.json").write_text(json.dumps(cfg))
     weights = folder / "model.safetensors"
     data = weights.read_bytes()
@@ -427,17 +438,24 @@ def test_partial_rope_gguf_is_refused(tiny_model_dir, tmp_path):
         load_model(path, torch.float32)
 
 
-def test_a_gguf_sliding_window_caps_the_length(tmp_path):
-    """Phi-3 mini's GGUF says attention.sliding_window 2047: served up to it, as from its HF
-    folder (we attend to everything)."""
+def test_a_gguf_sliding_window_is_the_config_json_one(tmp_path):
+    """Phi-3 mini's GGUF says attention.sliding_window 2047: every layer attends within it, as
+    from its HF folder, and the model is served to its full length."""
     folder = Path(make_tiny_model(tmp_path / "phi3", arch="phi3"))
 
     def window(w: gguf.GGUFWriter) -> None:
         w.add_sliding_window(64)
 
-    windowed = hf_to_gguf(folder, tmp_path / "w.gguf", extra=window)
-    assert load_model(windowed, torch.float32).max_model_len == 64
-    assert load_model(hf_to_gguf(folder, tmp_path / "n.gguf"), torch.float32).max_model_len == 2048
+    windowed = load_model(hf_to_gguf(folder, tmp_path / "w.gguf", extra=window), torch.float32)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "sliding_window": 64}))
+    from_hf = load_model(folder, torch.float32)
+    assert windowed.max_model_len == from_hf.max_model_len == 2048
+    layers = range(windowed.config.num_hidden_layers)
+    assert [windowed.config.layer_window(i) for i in layers] == [64] * len(layers)
+    assert [from_hf.config.layer_window(i) for i in layers] == [64] * len(layers)
+    plain = load_model(hf_to_gguf(folder, tmp_path / "n.gguf"), torch.float32)
+    assert plain.config.sliding_window is None
 
 
 def test_yarn_gguf_equals_yarn_config(tmp_path):

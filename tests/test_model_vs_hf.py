@@ -88,6 +88,7 @@ class PagedDriver:
             seq_lens_list=[s.computed for s, _ in work],
             block_size=bs,
             is_decode=all(n == 1 for n in qlens),
+            window=self.lm.config.sliding_window or 0,
         )
         hidden = self.lm.model(
             torch.tensor(ids), torch.tensor(positions), self.storage.kv_caches, meta
@@ -364,13 +365,61 @@ def test_other_families_in_bfloat16_stay_close_to_float32(family):
     assert (l16 - l32).abs().max() < 0.05 * l32.abs().max()
 
 
-def test_a_sliding_window_caps_the_length_only_where_used(family, tmp_path):
-    _, hf, folder = family
-    off = load_model(_variant(folder, tmp_path / "off", sliding_window=64), torch.float32)
-    # Qwen's configs say use_sliding_window: false; Phi-3's have no switch: a window is used
-    assert off.max_model_len == (64 if hf.config.model_type == "phi3" else 2048)
-    on = _variant(folder, tmp_path / "on", sliding_window=64, use_sliding_window=True)
-    assert load_model(on, torch.float32).max_model_len == 64
+MISTRAL = {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+QWEN = {"sliding_window": 8, "use_sliding_window": True}
+
+
+@pytest.mark.parametrize(
+    ("arch", "changes", "windows"),
+    [
+        ("llama", {**MISTRAL, "sliding_window": 8}, [8, 8]),
+        ("phi3", {"sliding_window": 8}, [8, 8]),
+        ("qwen2", {**QWEN, "max_window_layers": 1, "layer_types": None}, [None, 8]),
+        ("qwen3", {**QWEN, "layer_types": ["sliding_attention", "full_attention"]}, [8, None]),
+        ("qwen2", {"sliding_window": 8}, [None, None]),  # Qwen's use_sliding_window: off by default
+    ],
+)
+def test_a_sliding_window_matches_transformers(arch, changes, windows, decode_backend, tmp_path):
+    """Past its window a query sees only the last `sliding_window` keys (Mistral and Phi-3 on
+    every layer, Qwen only with use_sliding_window, from max_window_layers on or where
+    layer_types says): a prompt's logits, the prompt in two chunks, and greedy decoding beside a
+    prompt shorter than the window, as transformers computes them; served to the model's full
+    length."""
+    folder = _variant(make_tiny_model(tmp_path / arch, arch=arch), tmp_path / "w", **changes)
+    lm, hf = load_model(folder, torch.float32), load_hf(folder)
+    assert lm.max_model_len == 2048
+    assert [lm.config.layer_window(i) for i in range(2)] == windows
+    ids = lm.tokenizer.encode(PROMPTS[1] + " " + PROMPTS[3])
+    short = lm.tokenizer.encode(PROMPTS[0])
+    assert len(ids) > 3 * 8 > 8 > len(short)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    ours = PagedDriver(lm, 4, 64).step([(Seq(list(ids)), len(ids))])[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    want = [hf_greedy(hf, ids, 10), hf_greedy(hf, short, 10)]
+    assert PagedDriver(lm, 4, 64).greedy([Seq(list(ids)), Seq(list(short))], 10) == want
+    chunked = PagedDriver(lm, 4, 64).greedy([Seq(list(ids))], 10, first_chunk=20)
+    assert chunked == want[:1]
+    full = load_model(_variant(folder, tmp_path / "full", sliding_window=None), torch.float32)
+    # (no key: transformers' MistralConfig says 4096, longer than the prompt)
+    assert full.config.sliding_window == (4096 if arch == "llama" else None)
+    everything = PagedDriver(full, 4, 64).step([(Seq(list(ids)), len(ids))])[0]
+    assert torch.allclose(everything, ours, atol=1e-3) == (windows == [None, None])
+
+
+def test_disable_sliding_window_attends_to_everything_up_to_the_window(tmp_path):
+    """vLLM's --disable-sliding-window: no window, and the model served up to it at most."""
+    from pagedkv import LLM
+
+    src = make_tiny_model(tmp_path / "m")
+    folder = _variant(src, tmp_path / "w", **MISTRAL, sliding_window=8)
+    whole = load_model(folder, torch.float32, sliding_window=False)
+    assert whole.max_model_len == 8 and whole.config.layer_window(0) is None
+    # a persistent KV tier keeps the two apart: past the window their K/V differ
+    assert whole.fingerprint != load_model(folder, torch.float32).fingerprint
+    llm = LLM(str(folder), dtype="float32", disable_sliding_window=True)
+    assert llm.engine.max_model_len == 8
+    assert LLM(str(folder), dtype="float32").engine.max_model_len == 2048
 
 
 # ---- the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) -----------------------------------------

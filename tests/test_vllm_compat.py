@@ -41,7 +41,6 @@ NOOP_FLAGS = [
     "--disable-log-requests",
     "--enable-prompt-tokens-details",
     "--enable-log-outputs",
-    "--disable-sliding-window",
     "--calculate-kv-scales",
 ]
 NOOP_VALUES = {  # flags with a value, as deployments write them
@@ -88,6 +87,7 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         "--guided-decoding-backend",
         "xgrammar",
         "--enforce-eager",  # (has a meaning here: no decode graphs)
+        "--disable-sliding-window",  # (and here: the model has none)
         "-tp",
         "1",
         "--served-model-name",

@@ -31,16 +31,29 @@ def paged_attention_decode(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     cascade: CascadePlan | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query per sequence (q: [B, Hq, D]) at position seq_lens[b] - 1; returns [B, Hq, D].
 
     A quantized cache (int8 or float8_e4m3fn) comes with float32 scales [num_blocks, Hkv,
     block_size]: element x of block b, head h, offset t stands for x * scales[b, h, t]. The kernel
     reads it in place. With a cascade plan (attention/cascade.py), each group's shared blocks are
-    read once for all its members (same result; the torch path ignores the plan).
+    read once for all its members (same result; the torch path ignores the plan). A sliding
+    `window` (0: none) limits each query at position p to the keys after p - window.
     """
-    return _attend(
-        q, k_cache, v_cache, None, seq_lens, block_tables, scale, out, k_scales, v_scales, cascade
+    return attend(
+        q,
+        k_cache,
+        v_cache,
+        None,
+        seq_lens,
+        block_tables,
+        scale,
+        out,
+        k_scales,
+        v_scales,
+        cascade,
+        window,
     )
 
 
@@ -56,12 +69,13 @@ def paged_attention_varlen(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     cascade: CascadePlan | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Queries q[query_start_loc[b]:query_start_loc[b+1]] of sequence b are its last tokens and
     attend causally to its seq_lens[b] keys in the cache (chunked prefill, speculative decode).
-    Quantized caches and cascade plans as in paged_attention_decode (a group's shared blocks end
-    before each member's first query)."""
-    return _attend(
+    Quantized caches, cascade plans and windows as in paged_attention_decode (a group's shared
+    blocks end before each member's first query)."""
+    return attend(
         q,
         k_cache,
         v_cache,
@@ -73,10 +87,11 @@ def paged_attention_varlen(
         k_scales,
         v_scales,
         cascade,
+        window,
     )
 
 
-def _attend(
+def attend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -88,7 +103,9 @@ def _attend(
     k_scales: torch.Tensor | None,
     v_scales: torch.Tensor | None,
     cascade: CascadePlan | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
+    """paged_attention_varlen, or with query_start_loc None paged_attention_decode."""
     lib = native.library()
     if lib is None:
         raise RuntimeError("the C++ kernels are not built here (paged.paged_attention falls back)")
@@ -130,6 +147,7 @@ def _attend(
         group_start=native.ptr(group_start),
         group_members=native.ptr(members),
         num_groups=0 if cascade is None else cascade.num_groups,
+        window=window,
     )
     return out
 

@@ -13,6 +13,9 @@ this step is seq_lens[b] tokens, so its query token i sits at position
 seq_len - query_len + i and sees every position up to its own. A prefill
 whose first blocks came from the prefix cache is just a query shorter than
 its context. The step writes all new K/V first (store.py), then attends.
+A layer with a sliding window W (Mistral, Phi-3, Qwen's upper layers) lets
+the query at position p see only positions p - W < k <= p (transformers'
+convention); the blocks before the window stay allocated.
 
 A quantized cache (fp8 / int8, kv/quant.py) comes as `QuantizedCache`s in
 place of the two tensors: writes quantize into the slots, and attention
@@ -54,6 +57,9 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     block_size: int
     is_decode: bool  # every query_len == 1
+    # The model's narrowest sliding window (0: none). A cascade plan is made only while every
+    # sequence fits in it: the kernel takes windows and plans apart.
+    window: int = 0
     # Derived index tensors, built once per step and shared by every layer.
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -105,11 +111,21 @@ _workspace = _Workspace()
 _SCORE_BYTES = 16 << 20  # scores of one prefill chunk, counted at 4 bytes each
 
 
+def _in_effect(meta: AttentionMetadata, window: int | None) -> int:
+    """A layer's sliding window where it cuts some sequence of the step, else 0."""
+    return window if window and max(meta.seq_lens_list, default=0) > window else 0
+
+
 def _decode_indices(
-    meta: AttentionMetadata, num_kv_heads: int, dtype: torch.dtype, device: torch.device
+    meta: AttentionMetadata,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    window: int = 0,
 ) -> tuple[Tensor, Tensor, int]:
-    """Flat (block, head) rows to gather for a decode batch, and the additive padding mask."""
-    key = ("decode", num_kv_heads, device, dtype)
+    """Flat (block, head) rows to gather for a decode batch, and the additive mask of the
+    padding (and of the positions before a sliding window)."""
+    key = ("decode", num_kv_heads, device, dtype, window)
     if key not in meta._cache:
         max_blocks = -(-max(meta.seq_lens_list) // meta.block_size)
         tables = meta.block_tables[:, :max_blocks].to(device=device, dtype=torch.int64)
@@ -117,7 +133,10 @@ def _decode_indices(
         rows = (tables[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
         length = max_blocks * meta.block_size
         pos = torch.arange(length, device=device)
-        pad = pos[None, :] >= meta.seq_lens.to(device)[:, None]  # [B, L]
+        lens = meta.seq_lens.to(device)[:, None]
+        pad = pos[None, :] >= lens  # [B, L]
+        if window:
+            pad |= pos[None, :] < lens - window
         bias = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill_(pad, float("-inf"))
         meta._cache[key] = (rows, bias[:, None, None, :], length)
     return meta._cache[key]
@@ -136,13 +155,18 @@ def _gather_rows(cache: Cache, rows: Tensor, name: str, dtype: torch.dtype) -> T
 
 
 def _decode(
-    q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float
+    q: Tensor,
+    k_cache: Cache,
+    v_cache: Cache,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int = 0,
 ) -> Tensor:
     """All sequences at once: gather their blocks padded to the longest, mask the padding."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     dtype = _kv_dtype(q, k_cache)
-    rows, bias, length = _decode_indices(meta, num_kv_heads, dtype, q.device)
+    rows, bias, length = _decode_indices(meta, num_kv_heads, dtype, q.device, window)
     k = _gather_rows(k_cache, rows, "k", dtype)
     v = _gather_rows(v_cache, rows, "v", dtype)
     k = k.view(num_seqs, num_kv_heads, length, head_dim)
@@ -171,8 +195,9 @@ def _masked_attention(
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def _prefill_one(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """q [Lq, Hq, D] against one sequence's whole context k, v [Hkv, L, D]; causal, bottom-aligned.
+def _prefill_one(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0) -> Tensor:
+    """q [Lq, Hq, D] against one sequence's whole context k, v [Hkv, L, D]; causal, bottom-aligned
+    (and within a sliding window when one is given).
 
     Queries go in chunks that keep the scores under _SCORE_BYTES, and each
     chunk reads only the keys its last query can see.
@@ -192,6 +217,8 @@ def _prefill_one(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         seen = offset + b
         qpos = torch.arange(offset + a, seen, device=q.device)
         future = keys[None, :seen] > qpos[:, None]
+        if window:
+            future |= keys[None, :seen] <= qpos[:, None] - window
         bias = torch.zeros(b - a, seen, dtype=k.dtype, device=q.device).masked_fill_(
             future, float("-inf")
         )
@@ -251,6 +278,7 @@ def _kernel_attend(
     meta: AttentionMetadata,
     scale: float,
     out: Tensor | None = None,
+    window: int = 0,
 ) -> Tensor:
     """The whole step in one kernel call, reading blocks in place (quantized ones with their
     scales): 4x faster than gathering them for decode, and 1.5-4x faster than the GEMM path for
@@ -264,13 +292,19 @@ def _kernel_attend(
         k, v = k_cache, cast(Tensor, v_cache)
     out = native.output(out, tuple(q.shape), q.dtype)
     plan = cascade_plan(meta)
-    if meta.is_decode:
-        return kernel.paged_attention_decode(
-            q, k, v, meta.seq_lens, meta.block_tables, scale, out, cascade=plan, **scales
-        )
-    qsl = meta.query_start_loc
-    return kernel.paged_attention_varlen(
-        q, k, v, qsl, meta.seq_lens, meta.block_tables, scale, out, cascade=plan, **scales
+    window = window if plan is None else 0  # (a plan: every sequence fits the narrowest window)
+    return kernel.attend(
+        q,
+        k,
+        v,
+        None if meta.is_decode else meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        scale,
+        out,
+        cascade=plan,
+        window=window,
+        **scales,
     )
 
 
@@ -280,7 +314,7 @@ def cascade_plan(meta: AttentionMetadata) -> cascade.CascadePlan | None:
         which = cascade.mode()
         meta._cache["cascade"] = (
             None
-            if which == "0"
+            if which == "0" or _in_effect(meta, meta.window)
             else cascade.plan(
                 meta.block_tables,
                 meta.seq_lens_list,
@@ -299,34 +333,41 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     out: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Attention of the step's new tokens over their sequences' cached context: [T, Hq, D].
 
     Through the C++ kernel when it serves (see _use_kernel), else torch_attention. The kernel
     writes a float cache's result into `out` when it fits (native.output: the forward's reused
-    buffer).
+    buffer). `window`: the layer's sliding window, if it has one.
     """
     if _use_kernel(q, k_cache):  # (which rotates for a quantized cache itself: rotation.py)
-        return _kernel_attend(q, k_cache, v_cache, meta, scale, out)
+        return _kernel_attend(q, k_cache, v_cache, meta, scale, out, window or 0)
     if not isinstance(k_cache, QuantizedCache):
-        return torch_attention(q, k_cache, v_cache, meta, scale)
+        return torch_attention(q, k_cache, v_cache, meta, scale, window)
     # K/V are stored rotated (rotation.py): rotate q alike, and the output back.
-    rotated = torch_attention(rotation.rotate(q).to(q.dtype), k_cache, v_cache, meta, scale)
+    rotated = torch_attention(rotation.rotate(q).to(q.dtype), k_cache, v_cache, meta, scale, window)
     return rotation.unrotate(rotated).to(q.dtype)
 
 
 def torch_attention(
-    q: Tensor, k_cache: Cache, v_cache: Cache, meta: AttentionMetadata, scale: float
+    q: Tensor,
+    k_cache: Cache,
+    v_cache: Cache,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> Tensor:
     """The torch path of paged attention (in the rotated space of a quantized cache): one-token
     queries (decodes) together in one batched pass, longer ones (prompts, prompt chunks after
     cached blocks) one sequence at a time."""
+    window = _in_effect(meta, window)
     if meta.is_decode:
-        return _decode(q, k_cache, v_cache, meta, scale)
+        return _decode(q, k_cache, v_cache, meta, scale, window)
     out = torch.empty_like(q)
     sub, rows, decodes = _decode_part(meta)
     if decodes:
-        out[rows] = _decode(q[rows], k_cache, v_cache, sub, scale)
+        out[rows] = _decode(q[rows], k_cache, v_cache, sub, scale, window)
     start = 0
     for b, (qlen, slen) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
         if b not in decodes:
@@ -336,30 +377,34 @@ def torch_attention(
             dtype = _kv_dtype(q, k_cache)
             k = _gather(k_cache, blocks, slen, dtype)
             v = _gather(v_cache, blocks, slen, dtype)
-            out[start : start + qlen] = _prefill_one(q[start : start + qlen], k, v, scale)
+            out[start : start + qlen] = _prefill_one(q[start : start + qlen], k, v, scale, window)
         start += qlen
     return out
 
 
 def contiguous_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, causal_offset: int
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal_offset: int, window: int = 0
 ) -> Tensor:
     """Plain causal attention (the reference): q [Lq, Hq, D], k/v [L, Hkv, D] with L = Lq + offset.
 
-    Query i sits at position causal_offset + i and sees keys 0..causal_offset + i.
+    Query i sits at position causal_offset + i and sees keys 0..causal_offset + i (only the last
+    `window` of them when a window is given).
     """
     qlen, num_q_heads, head_dim = q.shape
     klen, num_kv_heads, _ = k.shape
     qh = q.transpose(0, 1).to(k.dtype)
     kh, vh = k.transpose(0, 1), v.transpose(0, 1)
     gqa = num_q_heads != num_kv_heads
-    if causal_offset == 0:
+    if causal_offset == 0 and not window:
         out = F.scaled_dot_product_attention(
             qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa
         )
     else:
         qpos = torch.arange(causal_offset, causal_offset + qlen, device=q.device)
-        mask = torch.arange(klen, device=q.device)[None, :] <= qpos[:, None]
+        keys = torch.arange(klen, device=q.device)[None, :]
+        mask = keys <= qpos[:, None]
+        if window:
+            mask &= keys > qpos[:, None] - window
         out = F.scaled_dot_product_attention(
             qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa
         )

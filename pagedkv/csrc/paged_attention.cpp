@@ -21,7 +21,9 @@
 //   k, v [num_blocks, Hkv, block_size, D] contiguous
 //   query_start_loc [B+1] (null: every sequence has one query), seq_lens [B],
 //   block_tables [B, max_blocks]; query i of sequence b sits at position
-//   seq_lens[b] - qlen_b + i and sees keys at positions <= its own.
+//   seq_lens[b] - qlen_b + i and sees keys at positions <= its own (and, with a sliding window,
+//   > its own - window: an item's keys start at its first query's window, and rows of a tile
+//   that reaches past a row's window start have the keys before it masked).
 // A quantized cache (int8, e4m3, with per-(token, head) scales) holds K and V rotated by the
 // Hadamard matrix H (vec.h: hadamard): q is rotated as it is loaded and each row's result
 // rotated back, so q and out are as for a float cache.
@@ -125,7 +127,10 @@ struct Problem {
   const int32_t* pre = nullptr; const int32_t* gstart = nullptr; const int32_t* members = nullptr;
   int64_t ngroups = 0;
   const int32_t* stok = nullptr;
+  int64_t window = 0;  // sliding window (0: none)
   int G() const { return static_cast<int>(Hq / Hkv); }
+  // The first key a query at position pos sees.
+  int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
   int64_t qstart(int64_t b) const { return qsl ? qsl[b] : b; }
   int64_t qlen(int64_t b) const { return qsl ? qsl[b + 1] - qsl[b] : 1; }
 };
@@ -427,6 +432,26 @@ struct Attend {
     return int(std::clamp<int64_t>((t0 - first_pos(it)) * G, 0, (it.q1 - it.q0) * G));
   }
 
+  // The item's query rows before which the tile [t0, t0 + nt) is seen: with a sliding window,
+  // later positions' windows start after it.
+  int end_row(const Item& it, int64_t t0, int nt) const {
+    const int rows = (it.q1 - it.q0) * G;
+    if (P.window <= 0 || it.shared) return rows;
+    return int(std::clamp<int64_t>((t0 + nt + P.window - 1 - first_pos(it)) * G, 0, rows));
+  }
+
+  // Sliding window: scores of keys before row r's window become -inf (rows [r0, r1); the tile at
+  // t0 visited in order). `col`: scores key by key (panel layout) instead of row by row.
+  void mask_window(Scratch& ws, const Item& it, int64_t t0, int nt, int r0, int r1, bool col) const {
+    if (P.window <= 0 || it.shared) return;
+    const float ninf = -std::numeric_limits<float>::infinity();
+    const int64_t first = first_pos(it);
+    for (int r = r0; r < r1; ++r) {
+      const int lo = int(std::min<int64_t>(P.first_key(first + r / G) - t0, nt));
+      for (int t = 0; t < lo; ++t) ws.s[col ? size_t(t) * ws.rp + r : size_t(r) * kTile + t] = ninf;
+    }
+  }
+
   // Fills `tile` with the rows of the item's keys [t0, t0 + kTile) (fewer at its end). A whole
   // tile that all its rows see is visited in kStripes interleaved runs, key i at slot
   // (i % run) * kStripes + i / run; any other in order (the causal cut needs that), with kp
@@ -434,7 +459,9 @@ struct Attend {
   void locate(const Item& it, int64_t t0, TileRows& tile) const {
     constexpr int kRun = kTile / kStripes;
     const int nt = int(std::min<int64_t>(it.k1 - t0, kTile));
-    const bool mixed = nt == kTile && first_pos(it) + first_row(it, t0) / G >= t0 + kTile - 1;
+    const int64_t last_pos = first_pos(it) + (it.q1 - it.q0) - 1;
+    const bool mixed = nt == kTile && first_pos(it) + first_row(it, t0) / G >= t0 + kTile - 1 &&
+                       (it.shared || P.first_key(last_pos) <= t0);
     const C* k = static_cast<const C*>(P.k);
     const C* v = static_cast<const C*>(P.v);
     const int32_t* table = P.block_tables + it.b * P.max_blocks + t0 / P.bs;
@@ -527,18 +554,20 @@ struct Attend {
       else next.n = 0;
       ws.ahead = Upcoming{&next, row_bytes};
       const int r0 = first_row(it, t0);
-      if (panels) {
-        panel_tile(ws, cur, nt, r0, rows, first_pos - t0);
+      if (panels) {  // (rows past their window get only -inf scores: p = 0, see panel_softmax)
+        panel_tile(ws, it, t0, cur, nt, r0, rows, first_pos - t0);
       } else {
-        scores(ws, nt, r0, rows);
-        for (int r = r0; r < rows; ++r) softmax_step(ws, r, int(std::min<int64_t>(nt, first_pos + r / G - t0 + 1)));
+        const int r1 = end_row(it, t0, nt);
+        scores(ws, nt, r0, r1);
+        mask_window(ws, it, t0, nt, r0, r1, false);
+        for (int r = r0; r < r1; ++r) softmax_step(ws, r, int(std::min<int64_t>(nt, first_pos + r / G - t0 + 1)));
         if constexpr (kQuantized) {  // sum_t p_t (v_t * scale_t): fold each key's V scale into p_t
-          for (int r = r0; r < rows; ++r) {
+          for (int r = r0; r < r1; ++r) {
             float* p = ws.s.data() + size_t(r) * kTile;
             for (int t = 0; t < nt; ++t) p[t] *= cur.vs[t];
           }
         }
-        values(ws, cur, nt, r0, rows);
+        values(ws, cur, nt, r0, r1);
       }
       ws.ahead.fetch_to(kTile);  // what a shorter tile left
       ws.cur ^= 1;
@@ -582,7 +611,8 @@ struct Attend {
   // feed 2 kColsF FMAs, where a dot product (tile_scores) loads a query vector for each. The tile's
   // K and V rows are first copied to float (times a quantized cache's scales). The first panel of
   // each pass prefetches half the next tile's rows.
-  void panel_tile(Scratch& ws, const TileRows& cur, int nt, int r0, int rows, int64_t first) const {
+  void panel_tile(Scratch& ws, const Item& it, int64_t t0, const TileRows& cur, int nt, int r0, int rows,
+                  int64_t first) const {
     to_float(cur.kp, cur.ks, nt, ws.kt.data(), ws.dp);
     to_float(cur.vp, cur.vs, nt, ws.vf.data(), ws.dp);
     const int p0 = r0 / kColsF, rp = ws.rp;
@@ -592,6 +622,7 @@ struct Attend {
         micro_f32<R>({ws.kt.data() + t * ws.dp, ws.dp, 1, ws.qt.data() + size_t(p) * D * kColsF, kColsF, D, rp},
                      ws.s.data() + t * rp + p * kColsF, kColsF, nullptr);
       });
+    mask_window(ws, it, t0, nt, r0, rows, true);
     panel_softmax(ws, nt, r0, rows, first);
     for (int p = p0; p * kColsF < rows; ++p)
       by_row_blocks<kRowBlockF>(D, [&](auto R, int64_t d) {
@@ -786,8 +817,9 @@ void sequence_items(const Problem& P, int64_t b, int64_t qchunk, int64_t k0, int
   const int64_t ql = P.qlen(b), ctx = P.seq_lens[b];
   for (int64_t q0 = 0; q0 < ql; q0 += qchunk) {
     const int64_t q1 = std::min(ql, q0 + qchunk), k1 = ctx - ql + q1;
+    const int64_t from = std::max(k0, P.first_key(ctx - ql + q0));
     for (int64_t h = 0; h < P.Hkv; ++h)
-      items.push_back({int32_t(b), int32_t(h), int32_t(q0), int32_t(q1), int32_t(k0), int32_t(k1), part, (k1 - k0) * (q1 - q0) * P.G()});
+      items.push_back({int32_t(b), int32_t(h), int32_t(q0), int32_t(q1), int32_t(from), int32_t(k1), part, (k1 - from) * (q1 - q0) * P.G()});
   }
 }
 
@@ -802,12 +834,12 @@ std::vector<Item> plan(const Problem& P, int threads, int rows_per_item) {
     const int64_t per = std::max<int64_t>(1, want / int64_t(items.size()));
     for (const Item& it : items) {
       const int64_t first_pos = P.seq_lens[it.b] - P.qlen(it.b) + it.q0;
-      // Keys before the item's first query position are seen by every row: only they split.
-      const int64_t n = std::min<int64_t>(per, first_pos / kSplitMin);
+      // Keys before the item's first query position are seen by its first row: only they split.
+      const int64_t n = std::min<int64_t>(per, (first_pos - it.k0) / kSplitMin);
       if (n < 2) { split.push_back(it); continue; }
-      const int64_t step = (first_pos / n + kTile - 1) / kTile * kTile;
+      const int64_t step = ((first_pos - it.k0) / n + kTile - 1) / kTile * kTile;
       int32_t part = 0;
-      for (int64_t k0 = 0; k0 < it.k1; k0 += step) {
+      for (int64_t k0 = it.k0; k0 < it.k1; k0 += step) {
         Item piece = it;
         piece.k0 = int32_t(k0);
         piece.k1 = int32_t(k0 + step >= first_pos ? it.k1 : k0 + step);
@@ -994,6 +1026,9 @@ int pagedkv_paged_attention(const pagedkv_paged_attention_params* p, char* err, 
             p->num_kv_heads, p->block_size, p->head_dim, p->q_stride, p->out_stride, p->scale,
             p->k_scales, p->v_scales};
   P.pre = p->pre; P.gstart = p->group_start; P.members = p->group_members; P.ngroups = p->num_groups;
+  P.window = p->window;
+  if (P.window < 0 || (P.window && P.pre))
+    return fail(err, errlen, "window %lld: negative, or given with a cascade plan (%lld groups)", P.window, P.ngroups);
   if (validate(P, err, errlen) || (P.pre && validate_cascade(P, err, errlen))) return 1;
   const bool quantized = p->kv_dtype != p->dtype;
   if (quantized && !(p->k_scales && p->v_scales))

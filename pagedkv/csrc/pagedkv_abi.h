@@ -68,6 +68,9 @@ typedef struct {
   const int32_t* group_start;       // [num_groups + 1]
   const int32_t* group_members;
   int64_t num_groups;
+  // A sliding window (0: none): a query at position p sees only keys at p - window < k <= p.
+  // Not together with a cascade plan.
+  int64_t window;
 } pagedkv_paged_attention_params;
 
 // RMSNorm with the residual add (layer_ops.cpp): residual (when given) = x + residual, then

@@ -213,6 +213,7 @@ class ModelRunner:
             seq_lens_list=seq_lens,
             block_size=bs,
             is_decode=all(q == 1 for q in query_lens),
+            window=self.model.config.sliding_window or 0,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)

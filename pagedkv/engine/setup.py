@@ -104,13 +104,26 @@ def load_rank_model(
     of it (quantized as -tp 1 would: GGUF blocks are cut before they are packed)."""
     world = config.tensor_parallel_size
     if world == 1:
-        loaded = loaded or load_model(config.model, config.dtype, device, config.quantization)
+        loaded = loaded or load_model(
+            config.model,
+            config.dtype,
+            device,
+            config.quantization,
+            sliding_window=not config.disable_sliding_window,
+        )
         return loaded, loaded.config.num_key_value_heads
     from pagedkv.distributed.group import all_reduce
     from pagedkv.distributed.shard import shard_model
 
     if loaded is None:
-        loaded = load_model(config.model, config.dtype, device, config.quantization, pack=False)
+        loaded = load_model(
+            config.model,
+            config.dtype,
+            device,
+            config.quantization,
+            pack=False,
+            sliding_window=not config.disable_sliding_window,
+        )
     return loaded, shard_model(loaded.model, rank, world, all_reduce).num_kv_heads
 
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # (no torch import at run time: `pagedkv plan` reads MODEL_TY
     from pagedkv.model.tokenizer import Tokenizer
 
 # model_type values of config.json whose forward is ours, with what each adds to Llama's
-MODEL_TYPES: dict[str, dict[str, bool]] = {
+MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
     "llama": {},
     "mistral": {},
     "qwen2": {"qkv_bias": True},
@@ -47,6 +47,10 @@ class LlamaConfig:
     eos_token_id: int | list[int] | None
     qkv_bias: bool = False  # q, k and v projections with a bias (Qwen2)
     qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
+    # A sliding window: a query at position p sees keys p - sliding_window < k <= p on the layers
+    # window_layers marks (None: every layer; Qwen's configs slide only their upper layers).
+    sliding_window: int | None = None
+    window_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -68,6 +72,21 @@ class LlamaConfig:
                 old = scaling[key] = scaling.get(key) or self.max_position_embeddings
                 stretched = int(old * (scaling.get("factor") or 1.0))
                 self.max_position_embeddings = max(self.max_position_embeddings, stretched)
+        window, layers = self.sliding_window, self.window_layers
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ConfigError(f"sliding_window must be a positive whole number, got {window!r}")
+        if layers is not None and len(layers) != self.num_hidden_layers:
+            raise ConfigError(
+                f"{len(layers)} layer types for {self.num_hidden_layers} layers (layer_types)"
+            )
+        if window is None or (layers is not None and not any(layers)):
+            self.sliding_window, self.window_layers = None, None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (0-based), None where it attends to everything."""
+        if self.window_layers is not None and not self.window_layers[layer]:
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
@@ -111,10 +130,35 @@ class LlamaConfig:
                 tie_word_embeddings=d.get("tie_word_embeddings", False),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_id=d.get("eos_token_id"),
+                **_sliding_window(d),
                 **MODEL_TYPES[model_type],
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+
+
+def _sliding_window(d: dict[str, Any]) -> dict[str, Any]:
+    """config.json's sliding window as transformers reads it: Mistral's and Phi-3's on every layer;
+    Qwen's only with use_sliding_window, on the layers from max_window_layers on, unless
+    layer_types names them."""
+    qwen = d.get("model_type") in ("qwen2", "qwen3")
+    window = d.get("sliding_window", 4096 if d.get("model_type") == "mistral" else None)
+    if not window or not d.get("use_sliding_window", not qwen):
+        return {}
+    types = d.get("layer_types")
+    if types is not None:
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ConfigError(f"unsupported layer types {sorted(unknown)} (layer_types)")
+        return {
+            "sliding_window": window,
+            "window_layers": tuple(t != "full_attention" for t in types),
+        }
+    if qwen:
+        lowest = d.get("max_window_layers", 28)
+        layers = tuple(i >= lowest for i in range(d["num_hidden_layers"]))
+        return {"sliding_window": window, "window_layers": layers}
+    return {"sliding_window": window}
 
 
 @dataclass

@@ -246,6 +246,7 @@ class DecodeGraphs:
             seq_lens_list=meta.seq_lens_list,
             block_size=meta.block_size,
             is_decode=meta.is_decode,
+            window=meta.window,
         )
         static_plan = graph.plan
         if static_plan is not None:  # this step's plan, in the graph's tensors

@@ -152,6 +152,7 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0) or None,  # Phi-3's
         **MODEL_TYPES[arch],
     )
 
@@ -223,11 +224,10 @@ def load_gguf(path: Path, keep_blocks: bool = False) -> Checkpoint:
     meta = read_metadata(reader)
     config = config_from_metadata(meta, reader)
     arch = meta["general.architecture"]
-    window = meta.get(f"{arch}.attention.sliding_window")  # (Phi-3 mini's 2047) as hf_loader
     return Checkpoint(
         config=config,
         tokenizer=Tokenizer.from_gguf_metadata(meta),
         weights=iter_weights(reader, config, keep_blocks, arch),
         files=[path],
-        max_model_len=min(config.max_position_embeddings, window or config.max_position_embeddings),
+        max_model_len=config.max_position_embeddings,
     )

@@ -70,15 +70,10 @@ def load_hf(folder: Path) -> Checkpoint:
     files = safetensors_files(folder)
     for path in files:
         _open(path)  # fail on a damaged file now, before building anything
-    max_len = config.max_position_embeddings
-    # a sliding window (Mistral's; Qwen's where use_sliding_window is set): we attend to
-    # everything, so stay within it
-    if raw.get("sliding_window") and raw.get("use_sliding_window", True):
-        max_len = min(max_len, raw["sliding_window"])
     return Checkpoint(
         config=config,
         tokenizer=Tokenizer.from_hf_folder(folder, config.eos_token_id),
         weights=iter_weights(files),
         files=files,
-        max_model_len=max_len,
+        max_model_len=config.max_position_embeddings,
     )

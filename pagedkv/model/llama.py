@@ -191,9 +191,16 @@ class DecoderLayer(nn.Module):
     _qk_norm: QKNorm | None
     all_reduce: Callable[[Tensor], None] | None
 
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: str | None = None) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        dtype: torch.dtype,
+        device: str | None = None,
+        window: int | None = None,
+    ) -> None:
         super().__init__()
         c = config
+        self.window = window  # sliding window of this layer (None: whole context)
         self.num_heads, self.num_kv_heads, self.head_dim = (
             c.num_attention_heads,
             c.num_key_value_heads,
@@ -275,7 +282,7 @@ class DecoderLayer(nn.Module):
             self._qkv_bias,
             self._qk_norm,
         )
-        attn = paged_attention(q, *kv_cache, meta, self.scale, buf.attn)
+        attn = paged_attention(q, *kv_cache, meta, self.scale, buf.attn, self.window)
         o = linear(attn.reshape(tokens, self.q_size), o_proj, buf.o)
         if lora is not None:
             lora[0].add(lora[1], "o", attn.reshape(tokens, self.q_size), o)
@@ -354,7 +361,8 @@ class LlamaForCausalLM(nn.Module):
         late = None if quantization == "none" else "meta"
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=late)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, late) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, dtype, late, config.layer_window(i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (

@@ -132,12 +132,19 @@ def load_model(
     device: str | torch.device = "cpu",
     quantization: str | None = "none",
     pack: bool = True,
+    sliding_window: bool = True,
 ) -> LoadedModel:
     """Read a checkpoint and build the model on `device` in `dtype` ('auto' and names are resolved).
     quantization: "none", "int8", "gguf", or None for the default (resolve_quantization).
-    pack=False: GGUF blocks wait for `model.pack_weights()` (tensor parallelism cuts them first)."""
+    pack=False: GGUF blocks wait for `model.pack_weights()` (tensor parallelism cuts them first).
+    sliding_window=False: a model with a window attends to everything, up to its window at most
+    (vLLM's --disable-sliding-window)."""
     quantization = resolve_quantization(quantization, path, device)
     ckpt, name = read_checkpoint(path, keep_blocks=quantization == "gguf")
+    window = ckpt.config.sliding_window
+    if window and not sliding_window:
+        ckpt.config.sliding_window = ckpt.config.window_layers = None
+        ckpt.max_model_len = min(ckpt.max_model_len, window)
     dtype = resolve_dtype(dtype, device, ckpt.config)
     with torch.device(device):
         model = LlamaForCausalLM(ckpt.config, dtype, quantization, pack)

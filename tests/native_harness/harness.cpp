@@ -99,7 +99,8 @@ static_assert(PAGEDKV_DTYPE_FLOAT32 == 0 && PAGEDKV_DTYPE_BFLOAT16 == 1 && PAGED
                   PAGEDKV_DTYPE_INT8 == 3 && PAGEDKV_DTYPE_FLOAT8_E4M3FN == 4,
               "kTol and kName are indexed by pagedkv_dtype");
 
-// Varlen paged attention over scattered blocks against softmax(q k^T * scale) v in double.
+// Varlen paged attention over scattered blocks against softmax(q k^T * scale) v in double; with a
+// sliding window (> 0) each query sees only the last `window` keys up to its own.
 // x H for rows of D: the orthonormal Hadamard matrix of quantized caches (vec.h: hadamard),
 // Sylvester blocks of P = D & -D, entries (-1)^popcount(i & j) / sqrt(P); its own inverse.
 std::vector<double> hadamard_ref(const double* x, int64_t D) {
@@ -112,7 +113,7 @@ std::vector<double> hadamard_ref(const double* x, int64_t D) {
   return y;
 }
 
-void attention(int dtype, int kv_dtype, int64_t D, int threads) {
+void attention(int dtype, int kv_dtype, int64_t D, int threads, int64_t window = 0) {
   const int64_t Hkv = 2, G = 3, Hq = Hkv * G, bs = 16, B = 3;
   const int32_t seq_lens[B] = {1 + randint(0, 40), 70 + randint(0, 200), 300 + randint(0, 300)};
   const int32_t qlens[B] = {1, 30, 1};  // 90 rows of a prompt chunk: the panel path on every ISA
@@ -147,6 +148,7 @@ void attention(int dtype, int kv_dtype, int64_t D, int threads) {
   p.num_tokens = T; p.num_seqs = B; p.max_blocks = max_blocks; p.num_blocks = num_blocks;
   p.num_q_heads = Hq; p.num_kv_heads = Hkv; p.block_size = bs; p.head_dim = D;
   p.q_stride = Hq * D; p.out_stride = Hq * D; p.scale = scale; p.threads = threads;
+  p.window = window;
   if (pagedkv_paged_attention(&p, err, sizeof err)) {
     ran(1, "paged_attention");
     return;
@@ -168,10 +170,12 @@ void attention(int dtype, int kv_dtype, int64_t D, int threads) {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < qlens[b]; ++i)
       for (int64_t hq = 0; hq < Hq; ++hq) {
-        const int64_t t = qsl[b] + i, h = hq / G, keys = seq_lens[b] - qlens[b] + i + 1;
+        const int64_t t = qsl[b] + i, h = hq / G, end = seq_lens[b] - qlens[b] + i + 1;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, end - window) : 0, keys = end - first;
         std::vector<double> s(keys);
         double mx = -1e300, sum = 0;
         const auto row = [&](int64_t pos) {
+          pos += first;
           const int64_t blk = tables[b * max_blocks + pos / bs];
           return ((blk * Hkv + h) * bs + pos % bs) * D;
         };
@@ -190,7 +194,7 @@ void attention(int dtype, int kv_dtype, int64_t D, int threads) {
         }
       }
   check(std::string("attention ") + kName[dtype] + " cache " + kName[cache] + " D=" + std::to_string(D) +
-            " threads=" + std::to_string(threads), want, out, kTol[dtype] * (kv_dtype >= 0 ? 2 : 1));
+            " threads=" + std::to_string(threads) + " window=" + std::to_string(window), want, out, kTol[dtype] * (kv_dtype >= 0 ? 2 : 1));
 }
 
 double round_to(int dtype, double x) { uint8_t b[4]; encode(dtype, float(x), b); return decode(dtype, b); }
@@ -497,6 +501,7 @@ int main() {
   for (int dtype : {PAGEDKV_DTYPE_FLOAT32, PAGEDKV_DTYPE_BFLOAT16, PAGEDKV_DTYPE_FLOAT16}) {
     for (int64_t D : {64, 40, 100}) attention(dtype, -1, D, 2);
     for (int kv : {PAGEDKV_DTYPE_INT8, PAGEDKV_DTYPE_FLOAT8_E4M3FN}) attention(dtype, kv, 64, 1);
+    for (int64_t window : {1, 20, 150}) attention(dtype, -1, 64, 2, window);
     for (int64_t n : {64, 100}) { rms_norm(dtype, 3, n); silu_mul(dtype, 3, n); }
     for (int64_t D : {64, 20})
       for (bool qwen : {false, true}) rope_cache(dtype, D, qwen);
