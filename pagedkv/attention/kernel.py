@@ -99,9 +99,9 @@ def attend(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
-    out: torch.Tensor | None,
-    k_scales: torch.Tensor | None,
-    v_scales: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
     cascade: CascadePlan | None = None,
     window: int = 0,
 ) -> torch.Tensor:
