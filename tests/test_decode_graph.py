@@ -84,9 +84,10 @@ def test_replayed_steps_equal_eager_ones(tiny_model_dir, monkeypatch, dtype, cas
 
 
 @needs_library
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_qwen_steps_replay(arch, tmp_path, monkeypatch) -> None:
-    """Qwen2's bias and Qwen3's q/k norms run inside the RoPE kernel: their steps replay too."""
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+def test_other_families_steps_replay(arch, tmp_path, monkeypatch) -> None:
+    """Qwen2's bias and Qwen3's q/k norms run inside the RoPE kernel, Gemma's GELU in the
+    activation's and its extra norms in the norm's: their steps replay too."""
     from tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / arch, arch=arch)
@@ -95,6 +96,7 @@ def test_qwen_steps_replay(arch, tmp_path, monkeypatch) -> None:
     assert got == eager
     if replays("float32"):
         assert counts["replays"] >= 10 and not graphs.eager
+    assert_greedy_equals_transformers(model, eager)
 
 
 @needs_library
@@ -105,8 +107,6 @@ def test_sliding_window_steps_replay_and_equal_transformers(window, tmp_path, mo
     equal eager steps, and greedy outputs equal transformers'."""
     import json
 
-    import torch
-    import transformers
     from tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "mistral")
@@ -121,9 +121,17 @@ def test_sliding_window_steps_replay_and_equal_transformers(window, tmp_path, mo
         assert counts["replays"] >= 10 and not graphs.eager
         assert any(key[2] for key in graphs.graphs) == (window == 60)
         assert any(not key[2] for key in graphs.graphs)
+    assert_greedy_equals_transformers(model, eager)
+
+
+def assert_greedy_equals_transformers(model: str, outputs) -> None:
+    """_generate's greedy outputs of a long and a short prompt are transformers' own."""
+    import torch
+    import transformers
+
     hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     tok = LLM(model).get_tokenizer()
-    for prompt, out in zip([PROMPT * 2 + "Hello", "Paged attention"], [eager[0], eager[2]]):
+    for prompt, out in zip([PROMPT * 2 + "Hello", "Paged attention"], [outputs[0], outputs[2]]):
         ids, tokens = tok.encode(prompt), list(out[0][0])
         n = len(tokens)
         with torch.inference_mode():

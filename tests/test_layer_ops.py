@@ -72,21 +72,25 @@ def test_rms_norm_matches_the_formula_in_float64() -> None:
     assert (got.double() - want).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("act", [ops.silu_mul, ops.gelu_tanh_mul])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,n", [(1, 1536), (9, 40), (200, 256)])
-def test_silu_mul(dtype, rows, n, torch_path, kernel_isa) -> None:
+def test_silu_mul(act, dtype, rows, n, torch_path, kernel_isa) -> None:
+    """SiLU (Llama's) or GELU with tanh (Gemma's) of the gate, times up: as torch's."""
     gen = torch.Generator().manual_seed(n)
     gate_up = (torch.randn(rows, 2 * n, generator=gen) * 6).to(dtype)  # both tails of the sigmoid
-    got = ops.silu_mul(gate_up)
-    want = torch_path(ops.silu_mul, gate_up)
+    got = act(gate_up)
+    want = torch_path(act, gate_up)
     close(got, want, dtype)
 
 
-def test_silu_mul_extremes(kernel_isa) -> None:
-    gate = torch.tensor([[-1e4, -90.0, -1.0, 0.0, 1.0, 90.0, 1e4, -0.0]])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_silu_mul_extremes(gelu, kernel_isa) -> None:
+    gate = torch.tensor([[-1e4, -90.0, -1.0, -1e-4, 0.0, 1e-4, 1.0, 90.0, 1e4, -0.0]])
     up = torch.full_like(gate, 2.0)
-    got = ops.silu_mul(torch.cat([gate, up], dim=1))
-    want = torch.nn.functional.silu(gate) * up
+    got = ops.silu_mul(torch.cat([gate, up], dim=1), gelu=gelu)
+    f = torch.nn.functional
+    want = (f.gelu(gate, approximate="tanh") if gelu else f.silu(gate)) * up
     assert torch.isfinite(got).all()
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-30)
 

@@ -438,6 +438,33 @@ def test_partial_rope_gguf_is_refused(tiny_model_dir, tmp_path):
         load_model(path, torch.float32)
 
 
+def test_what_gemma_3_adds_is_read_and_the_rest_refused(tmp_path):
+    """Gemma 3 (text): RoPE by layer type, old-style keys too; Gemma 2's soft-capping, an
+    activation other than its GELU, and EmbeddingGemma's bidirectional attention are refused."""
+    folder = Path(make_tiny_model(tmp_path / "g", arch="gemma3"))
+    cfg = json.loads((folder / "config.json").read_text())
+    config = load_model(folder, torch.float32).config
+    assert (config.rope_theta, config.local_rope_theta) == (1e6, 1e4)
+    assert (config.query_pre_attn_scalar, config.sliding_window) == (24, 8)
+    assert [config.layer_window(i) for i in range(2)] == [8, None]
+    old = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "layer_types")}
+    old.update(rope_theta=5e5, rope_local_base_freq=2e3, sliding_window_pattern=2)
+    (folder / "config.json").write_text(json.dumps(old))
+    config = load_model(folder, torch.float32).config
+    assert (config.rope_theta, config.local_rope_theta) == (5e5, 2e3)
+    assert [config.layer_window(i) for i in range(2)] == [8, None]
+    for bad, message in (
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        ({"hidden_activation": "silu"}, "unsupported activation 'silu' for model_type 'gemma3"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "'Gemma2ForCausalLM'"),
+    ):
+        (folder / "config.json").write_text(json.dumps({**cfg, **bad}))
+        with pytest.raises(ConfigError, match=message):
+            load_model(folder, torch.float32)
+
+
 def test_a_gguf_sliding_window_is_the_config_json_one(tmp_path):
     """Phi-3 mini's GGUF says attention.sliding_window 2047: every layer attends within it, as
     from its HF folder, and the model is served to its full length."""

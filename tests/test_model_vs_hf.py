@@ -1,5 +1,5 @@
 """Our forward through the paged cache equals Hugging Face transformers' LlamaForCausalLM (and
-Qwen2ForCausalLM, Qwen3ForCausalLM).
+Mistral's, Qwen2's, Qwen3's, Phi-3's and Gemma 3's).
 
 Greedy generation runs prompts through a minimal paged driver (shuffled
 physical blocks, one forward for all prompts' prefills, one per decode step)
@@ -333,9 +333,10 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_model_dir, tiny):
 # ---- Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Phi-3 (fused checkpoint) -----------------
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "phi3"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "phi3", "gemma3"])
 def family(request, tmp_path_factory):
-    """Qwen2, Qwen3 and (fused in its checkpoint, otherwise Llama's) Phi-3."""
+    """Qwen2, Qwen3, (fused in its checkpoint, otherwise Llama's) Phi-3, and Gemma 3 (its norms,
+    GELU, embedding scale, window layers with a RoPE of their own; tiny_model._gemma3)."""
     folder = make_tiny_model(tmp_path_factory.mktemp(request.param) / "m", arch=request.param)
     return load_model(folder, torch.float32), load_hf(folder), folder
 
@@ -344,7 +345,7 @@ def test_other_families_match_transformers(family, kernels):
     lm, hf, _ = family
     assert (lm.config.qkv_bias, lm.config.qk_norm) == (
         hf.config.model_type == "qwen2",
-        hf.config.model_type == "qwen3",
+        hf.config.model_type in ("qwen3", "gemma3_text"),
     )
     prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
     with torch.inference_mode():

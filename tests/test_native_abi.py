@@ -77,7 +77,12 @@ def test_the_built_library_matches_the_header(dll: ctypes.CDLL) -> None:
             "offsetof(pagedkv_paged_attention_params, k)",
         ),
         # a field Python does not know about
-        ("  int32_t threads;\n} pagedkv_silu_mul_params;", "} pagedkv_silu_mul_params;", "silu"),
+        (
+            "  int32_t gelu;                     // 0: SiLU (Llama); 1: GELU, tanh approximation"
+            " (Gemma)\n} pagedkv_silu_mul_params;",
+            "} pagedkv_silu_mul_params;",
+            "silu",
+        ),
         # an enum value renumbered
         ("PAGEDKV_DTYPE_INT8 = 3,", "PAGEDKV_DTYPE_INT8 = 5,", "PAGEDKV_DTYPE_INT8"),
     ],

@@ -42,7 +42,7 @@ def test_known_parameter_counts_match_the_published_ones():
     assert KNOWN_SHAPES["qwen3-8b"].num_params == 8_190_735_360
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_a_folder_counts_the_parameters_transformers_holds(arch, tmp_path):
     from safetensors import safe_open
     from tiny_model import make_tiny_model

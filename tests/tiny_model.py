@@ -52,6 +52,24 @@ def _train_tokenizer(vocab_size: int, think_tags: bool = False):
     return tok
 
 
+def _gemma3(num_layers: int, eos: int) -> dict:
+    """Gemma 3's text model, small: every second layer attends to all, the others within 8 keys
+    and with RoPE of their own base; q . k scaled by another length than head_dim's."""
+    return {
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "layer_types": [
+            "full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)
+        ],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        "pad_token_id": eos,
+    }
+
+
 def make_tiny_model(
     path: str | Path,
     *,
@@ -68,8 +86,8 @@ def make_tiny_model(
     arch: str = "llama",
 ) -> str:
     """Write the folder (once) and return its path. arch: "llama", "qwen2" (q/k/v biases),
-    "qwen3" (q/k norms, head_dim wider than hidden / heads) or "phi3" (q/k/v and gate/up fused in
-    the checkpoint)."""
+    "qwen3" (q/k norms, head_dim wider than hidden / heads), "phi3" (q/k/v and gate/up fused in
+    the checkpoint) or "gemma3" (Gemma 3's text model: see _gemma3)."""
     import torch
     import transformers
 
@@ -85,6 +103,7 @@ def make_tiny_model(
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 2 * hidden // heads}),
         "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": eos}),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(num_layers, eos)),
     }[arch]
     cfg = getattr(transformers, config_class)(
         **extra,
@@ -111,6 +130,8 @@ def make_tiny_model(
                 p.normal_(0.0, 0.5)
             elif "q_norm" in name or "k_norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif arch == "gemma3" and "norm" in name:  # (stored as w - 1: zeros by default)
+                p.uniform_(-0.5, 0.5)
     model.save_pretrained(str(path), safe_serialization=True)
     (path / "tokenizer_config.json").write_text(
         json.dumps(

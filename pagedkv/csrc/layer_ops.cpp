@@ -80,9 +80,20 @@ void rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int
   }
 }
 
-// out[r, i] = round(round(silu(g)) * u) for g = x[r, i], u = x[r, n + i]: torch's F.silu(gate) * up.
+// GELU, tanh approximation (torch's approximate="tanh"): x / 2 (1 + tanh(sqrt(2 / pi) (x +
+// 0.044715 x^3))), tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2 |y|), which never overflows.
+inline Vec gelu_tanh(Vec x) {
+  const Vec one = set1(1.f);
+  const Vec y = mul(set1(0.7978845608f), fma(mul(set1(0.044715f), mul(x, x)), x, x));
+  const Vec e = vexp(mul(vabs(y), set1(-2.f)));
+  const Vec t = vdiv(sub(one, e), add(one, e));
+  return mul(mul(set1(0.5f), x), add(one, where_negative(y, sub(zero(), t), t)));
+}
+
+// out[r, i] = round(round(act(g)) * u) for g = x[r, i], u = x[r, n + i]: torch's F.silu(gate) * up
+// (or F.gelu(gate, approximate="tanh") * up).
 template <typename T>
-void silu_mul(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t n, int threads) {
+void silu_mul(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t n, bool gelu, int threads) {
   const Vec one = set1(1.f);
 #pragma omp parallel for num_threads(threads) if (threads > 1)
   for (int64_t r = 0; r < rows; ++r) {
@@ -92,9 +103,14 @@ void silu_mul(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t n, int
     for (int64_t c = 0; c < n; c += W) {
       const Mask m = lanes(n, c);
       const Vec gv = load(g + c, m);
-      const Vec e = vexp(mul(vabs(gv), set1(-1.f)));  // exp(-|g|) never overflows
-      const Vec sigmoid = vdiv(where_negative(gv, e, one), add(one, e));
-      store(o + c, mul(round_as<T>(mul(gv, sigmoid)), load(u + c, m)), m);
+      Vec a;
+      if (gelu) {
+        a = gelu_tanh(gv);
+      } else {
+        const Vec e = vexp(mul(vabs(gv), set1(-1.f)));  // exp(-|g|) never overflows
+        a = mul(gv, vdiv(where_negative(gv, e, one), add(one, e)));
+      }
+      store(o + c, mul(round_as<T>(a), load(u + c, m)), m);
     }
   }
 }
@@ -254,7 +270,8 @@ int pagedkv_silu_mul(const pagedkv_silu_mul_params* p, char* err, int errlen) {
   const int threads = threads_for(p->rows * p->n, p->threads);
   const bool known = with_float_type(p->dtype, [&](auto t) {
     using T = decltype(t);
-    silu_mul(static_cast<const T*>(p->x), p->x_stride, static_cast<T*>(p->out), p->rows, p->n, threads);
+    silu_mul(static_cast<const T*>(p->x), p->x_stride, static_cast<T*>(p->out), p->rows, p->n, p->gelu != 0,
+             threads);
   });
   return known ? 0 : fail(err, errlen, "unsupported dtype code %lld%.0lld", p->dtype, 0);
 }

@@ -88,7 +88,7 @@ typedef struct {
   int32_t threads;
 } pagedkv_rms_norm_params;
 
-// out = silu(gate) * up of a fused gate | up projection (layer_ops.cpp).
+// out = act(gate) * up of a fused gate | up projection (layer_ops.cpp): act SiLU, or GELU (tanh).
 typedef struct {
   pagedkv_dtype dtype;              // FLOAT32, BFLOAT16 or FLOAT16
   const void* x;                    // [rows, 2 n], rows x_stride apart: gate | up
@@ -97,6 +97,7 @@ typedef struct {
   int64_t rows;
   int64_t n;
   int32_t threads;
+  int32_t gelu;                     // 0: SiLU (Llama); 1: GELU, tanh approximation (Gemma)
 } pagedkv_silu_mul_params;
 
 // LoRA adapters' deltas (layer_ops.cpp; model/lora.py): out[r] += (x[r] A_s^T) B_s for each row r

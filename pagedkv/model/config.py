@@ -22,7 +22,15 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "phi3": {},  # q/k/v and gate/up fused in the checkpoint (llama.FUSED_WHOLE)
+    "gemma3_text": {  # Gemma 3's text models (270M, 1B)
+        "qk_norm": True,
+        "norm_offset": 1.0,
+        "embed_scale": True,
+        "sandwich_norms": True,
+        "hidden_act": "gelu_tanh",
+    },
 }
+GEMMA = ("gemma3_text",)
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
 
@@ -51,6 +59,16 @@ class LlamaConfig:
     # window_layers marks (None: every layer; Qwen's configs slide only their upper layers).
     sliding_window: int | None = None
     window_layers: tuple[bool, ...] | None = None
+    # Gemma 3: its norms hold w - 1 (norm_offset 1 is added as they load: the same (1 + w) x),
+    # embeddings scaled by sqrt(hidden), a norm on the attention's and the MLP's outputs too
+    # (sandwich_norms), GELU (tanh) in place of SiLU, q . k scaled by query_pre_attn_scalar^-0.5
+    # instead of head_dim^-0.5, and the sliding layers' RoPE of its own base (local_rope_theta).
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # or "gelu_tanh"
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -101,15 +119,35 @@ class LlamaConfig:
         for flag in ("attention_bias", "mlp_bias"):
             if d.get(flag):
                 raise ConfigError(f"unsupported model option {flag}=true")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"unsupported activation {d['hidden_act']!r} (Llama uses silu)")
-        # transformers 5 keeps RoPE in `rope_parameters`; older files have rope_theta +
-        # rope_scaling,
-        # and a legacy rope_scaling wins where both appear (as in transformers)
-        rope = {**(d.get("rope_parameters") or {}), **(d.get("rope_scaling") or {})}
+        gemma = model_type in GEMMA
+        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise ConfigError(f"unsupported activation {act!r} for model_type {model_type!r}")
+        for flag in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if d.get(flag):  # (Gemma 2's)
+                raise ConfigError(f"unsupported model option {flag}={d[flag]}")
+        if d.get("use_bidirectional_attention"):
+            raise ConfigError("unsupported model option use_bidirectional_attention=true")
+        # transformers 5 keeps RoPE in `rope_parameters` (Gemma 3's by layer type); older files
+        # have rope_theta + rope_scaling, and a legacy rope_scaling wins where both appear (as in
+        # transformers)
+        params = d.get("rope_parameters") or {}
+        by_type = {"full_attention", "sliding_attention"} & set(params)
+        local = params.get("sliding_attention") or {} if by_type else {}
+        rope = {**(params.get("full_attention") or {} if by_type else params)}
+        rope.update(d.get("rope_scaling") or {})
         if "type" in rope:
             rope["rope_type"] = rope.pop("type")
-        theta = rope.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
+        theta = rope.pop("rope_theta", None) or d.get("rope_theta", 1e6 if gemma else 10000.0)
+        gemma_args: dict[str, Any] = {}
+        if gemma:
+            if local.get("rope_type", local.get("type", "default")) != "default":
+                raise ConfigError(f"unsupported RoPE for sliding layers: {local}")
+            local_theta = local.get("rope_theta") or d.get("rope_local_base_freq", 10000.0)
+            gemma_args = {
+                "local_rope_theta": float(local_theta),
+                "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar", 256)),
+            }
         partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor", 1.0)
         if partial != 1.0:  # (Phi-4-mini's 0.75: RoPE on part of each head)
             raise ConfigError(f"unsupported partial_rotary_factor {partial} (RoPE on whole heads)")
@@ -127,10 +165,11 @@ class LlamaConfig:
                 rope_theta=float(theta),
                 rope_scaling=rope or None,
                 max_position_embeddings=d.get("max_position_embeddings", 2048),
-                tie_word_embeddings=d.get("tie_word_embeddings", False),
+                tie_word_embeddings=d.get("tie_word_embeddings", gemma),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_id=d.get("eos_token_id"),
                 **_sliding_window(d),
+                **gemma_args,
                 **MODEL_TYPES[model_type],
             )
         except KeyError as e:
@@ -142,7 +181,7 @@ def _sliding_window(d: dict[str, Any]) -> dict[str, Any]:
     Qwen's only with use_sliding_window, on the layers from max_window_layers on, unless
     layer_types names them."""
     qwen = d.get("model_type") in ("qwen2", "qwen3")
-    window = d.get("sliding_window", 4096 if d.get("model_type") == "mistral" else None)
+    window = d.get("sliding_window", 4096 if d.get("model_type") in ("mistral", *GEMMA) else None)
     if not window or not d.get("use_sliding_window", not qwen):
         return {}
     types = d.get("layer_types")
@@ -157,6 +196,10 @@ def _sliding_window(d: dict[str, Any]) -> dict[str, Any]:
     if qwen:
         lowest = d.get("max_window_layers", 28)
         layers = tuple(i >= lowest for i in range(d["num_hidden_layers"]))
+        return {"sliding_window": window, "window_layers": layers}
+    if d.get("model_type") in GEMMA:  # every sliding_window_pattern-th layer attends to all
+        pattern = d.get("sliding_window_pattern", 6)
+        layers = tuple(bool((i + 1) % pattern) for i in range(d["num_hidden_layers"]))
         return {"sliding_window": window, "window_layers": layers}
     return {"sliding_window": window}
 

@@ -8,7 +8,9 @@ torch ops per layer small, q/k/v are one fused weight and gate/up another
 matmuls is one call each: the residual add with RMSNorm and SiLU with the up
 projection's product (ops.py), RoPE with the K/V store (attention/store.py,
 from the rotary tables built here; Qwen2's q/k/v bias and Qwen3's per-head q/k
-norms go into the same call). The matmul weights may
+norms go into the same call). Gemma 3 adds a norm on the attention's and the
+MLP's outputs, GELU in SiLU's place, scaled embeddings and a second set of
+rotary tables for its window layers (model/config.py). The matmul weights may
 be quantized (--quantization, quant_linear.py): `linear` takes either form.
 """
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -112,9 +114,13 @@ class Rotary(nn.Module):
     cos: Tensor  # buffers (declared for mypy: nn.Module's __getattr__ types them loosely)
     sin: Tensor
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, local: bool = False) -> None:
+        """local: the tables of Gemma 3's sliding layers (plain RoPE of local_rope_theta)."""
         super().__init__()
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        if local:
+            assert config.local_rope_theta is not None
+            config = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
         inv_freq, scale = rope_inv_freq(config)
         freqs = torch.outer(positions, inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]
@@ -189,6 +195,7 @@ class DecoderLayer(nn.Module):
     ]
     _qkv_bias: Tensor | None
     _qk_norm: QKNorm | None
+    _out_norms: tuple[Tensor, Tensor] | None
     all_reduce: Callable[[Tensor], None] | None
 
     def __init__(
@@ -208,9 +215,14 @@ class DecoderLayer(nn.Module):
         )
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
-        self.scale = c.head_dim**-0.5
+        self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        # before the MLP (Gemma's pre_feedforward_layernorm)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        if c.sandwich_norms:  # Gemma's on the attention's and the MLP's outputs
+            self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+            self.mlp_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.act = ops.gelu_tanh_mul if c.hidden_act == "gelu_tanh" else ops.silu_mul
         self.qkv_proj = _param(
             self.q_size + 2 * self.kv_size, c.hidden_size, dtype=dtype, device=device
         )
@@ -241,6 +253,11 @@ class DecoderLayer(nn.Module):
             self.down_proj,
         )
         self.__dict__["_qkv_bias"] = getattr(self, "qkv_bias", None)
+        self.__dict__["_out_norms"] = (
+            (self.attn_out_norm.weight, self.mlp_out_norm.weight)
+            if hasattr(self, "attn_out_norm")
+            else None
+        )
         self.__dict__["_qk_norm"] = (
             QKNorm(self.q_norm.weight, self.k_norm.weight, self.eps)
             if hasattr(self, "q_norm")
@@ -289,16 +306,21 @@ class DecoderLayer(nn.Module):
         reduce = self.all_reduce
         if reduce is not None:
             reduce(o)
+        out_norms = self._out_norms
+        if out_norms is not None:
+            o = ops.rms_norm(o, out_norms[0], self.eps, None, o)[0]
         h, residual = ops.rms_norm(o, norm2, self.eps, residual, buf.h)
         gate_up = linear(h, gate_up_proj, buf.gate_up)
         if lora is not None:
             lora[0].add(lora[1], "gate_up", h, gate_up)
-        act = ops.silu_mul(gate_up, buf.act)
+        act = self.act(gate_up, buf.act)
         out = linear(act, down_proj, buf.o)
         if lora is not None:
             lora[0].add(lora[1], "down", act, out)
         if reduce is not None:
             reduce(out)
+        if out_norms is not None:
+            out = ops.rms_norm(out, out_norms[1], self.eps, None, out)[0]
         return out, residual
 
 
@@ -327,6 +349,11 @@ OPTIONAL_PARTS = {
     "qk_norm": {
         "self_attn.q_norm.weight": ("q_norm.weight", 0),
         "self_attn.k_norm.weight": ("k_norm.weight", 0),
+    },
+    "sandwich_norms": {  # Gemma's post_attention_layernorm is on the attention's output
+        "post_attention_layernorm.weight": ("attn_out_norm.weight", 0),
+        "pre_feedforward_layernorm.weight": ("post_attention_layernorm.weight", 0),
+        "post_feedforward_layernorm.weight": ("mlp_out_norm.weight", 0),
     },
 }
 _TOP = {
@@ -371,6 +398,12 @@ class LlamaForCausalLM(nn.Module):
             else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=late)
         )
         self.rotary = Rotary(config)
+        # Gemma 3's sliding layers rotate with tables of their own; each layer's, in order
+        self.local_rotary = Rotary(config, local=True) if config.local_rope_theta else None
+        self._rotaries = [
+            self.local_rotary if self.local_rotary and config.layer_window(i) else self.rotary
+            for i in range(config.num_hidden_layers)
+        ]
 
     def forward(
         self,
@@ -387,8 +420,12 @@ class LlamaForCausalLM(nn.Module):
         return self.run_layers(x, positions, kv_caches, meta, buf, lora)
 
     def embed(self, input_ids: Tensor) -> Tensor:
-        """The tokens' embeddings [T, hidden], the first layer's input."""
-        return embed(input_ids, self.embed_tokens, self.dtype)
+        """The tokens' embeddings [T, hidden], the first layer's input (Gemma's times
+        sqrt(hidden), rounded to the model's dtype first as transformers does)."""
+        x = embed(input_ids, self.embed_tokens, self.dtype)
+        if self.config.embed_scale:
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x
 
     def run_layers(
         self,
@@ -402,8 +439,8 @@ class LlamaForCausalLM(nn.Module):
         """The layers and the final norm over embeddings x (which become the residual stream,
         updated in place); the result is in buf.h where the kernels wrote it there."""
         residual = None
-        rotary, norm = self.rotary, self.norm
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+        norm = self.norm
+        for i, (layer, kv_cache, rotary) in enumerate(zip(self.layers, kv_caches, self._rotaries)):
             x, residual = layer.forward(
                 x,
                 residual,
@@ -496,6 +533,8 @@ class LlamaForCausalLM(nn.Module):
         quantized form."""
         if self.quantization == "none" or target not in MATMUL_WEIGHTS:
             value = value.dequantize() if isinstance(value, Blocks) else value
+            if target.endswith("norm.weight") and self.config.norm_offset:  # Gemma's 1 + w
+                value = value.float() + self.config.norm_offset
             self._copy(owner.get_parameter(target), value, name)
             return
         expected = tuple(owner.get_parameter(target).shape)

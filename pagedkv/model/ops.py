@@ -58,14 +58,19 @@ def rms_norm(
     return out, (x if residual is None else residual)
 
 
-def silu_mul(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
+def gelu_tanh_mul(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
+    """GELU(gate) (tanh approximation: Gemma's gelu_pytorch_tanh) * up, as silu_mul."""
+    return silu_mul(gate_up, out, gelu=True)
+
+
+def silu_mul(gate_up: Tensor, out: Tensor | None = None, gelu: bool = False) -> Tensor:
     """SiLU(gate) * up of a fused [rows, 2 * n] gate | up projection: [rows, n] (in `out` as
-    rms_norm's)."""
+    rms_norm's). gelu: GELU (tanh approximation) in place of SiLU."""
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     lib = native.library_for(gate_up)
     if lib is None:
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
     out = native.output(out, (rows, n), gate_up.dtype)
     lib.call(
         "silu_mul",
@@ -76,5 +81,6 @@ def silu_mul(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
         rows=rows,
         n=n,
         threads=torch.get_num_threads(),
+        gelu=int(gelu),
     )
     return out

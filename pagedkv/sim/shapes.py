@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.config import ConfigError, default_model_path
-from pagedkv.model.config import MODEL_TYPES
+from pagedkv.model.config import GEMMA, MODEL_TYPES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -41,12 +41,14 @@ def llama_param_count(
     tied: bool,
     qkv_bias: bool = False,
     qk_norm: bool = False,
+    sandwich_norms: bool = False,
 ) -> int:
-    """Parameters of a Llama-family decoder: embeddings, attention, SwiGLU MLP and RMSNorms, with
-    Qwen2's q/k/v biases or Qwen3's q/k norms where the model has them."""
+    """Parameters of a Llama-family decoder: embeddings, attention, gated MLP and RMSNorms, with
+    Qwen2's q/k/v biases, Qwen3's (and Gemma's) q/k norms and Gemma's two norms more a layer where
+    the model has them."""
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v projections
     attention += qkv_bias * head_dim * (heads + 2 * kv_heads) + qk_norm * 2 * head_dim
-    per_layer = attention + 3 * hidden * intermediate + 2 * hidden
+    per_layer = attention + 3 * hidden * intermediate + (4 if sandwich_norms else 2) * hidden
     return vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
 
 
@@ -127,8 +129,12 @@ def shape_from_config(folder: Path) -> ModelShape:
         heads,
         kv_heads,
         head_dim,
-        bool(cfg.get("tie_word_embeddings")),
-        **MODEL_TYPES.get(cfg.get("model_type", ""), {}),
+        bool(cfg.get("tie_word_embeddings", cfg.get("model_type") in GEMMA)),
+        **{
+            flag: value
+            for flag, value in MODEL_TYPES.get(cfg.get("model_type", ""), {}).items()
+            if flag in ("qkv_bias", "qk_norm", "sandwich_norms")
+        },
     )
     files = sorted(folder.glob("*.safetensors"))
     weights = (

@@ -219,18 +219,22 @@ void rms_norm(int dtype, int64_t rows, int64_t n) {
   check(std::string("rms_norm ") + kName[dtype] + " n=" + std::to_string(n), want, out, kTol[dtype]);
 }
 
-void silu_mul(int dtype, int64_t rows, int64_t n) {
+// act(gate) * up: SiLU, or (gelu) GELU with the tanh approximation.
+void silu_mul(int dtype, int64_t rows, int64_t n, bool gelu) {
   Buf x(dtype, rows * 2 * n), out(dtype, rows * n);
   x.fill_random(-8, 8);
   std::vector<double> want(rows * n);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < n; ++c) {
       const double g = x.get(r * 2 * n + c);
-      want[r * n + c] = round_to(dtype, g / (1 + std::exp(-g))) * x.get(r * 2 * n + n + c);
+      const double a = gelu ? 0.5 * g * (1 + std::tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+                            : g / (1 + std::exp(-g));
+      want[r * n + c] = round_to(dtype, a) * x.get(r * 2 * n + n + c);
     }
-  pagedkv_silu_mul_params p{pagedkv_dtype(dtype), x.data(), 2 * n, out.data(), rows, n, 2};
+  pagedkv_silu_mul_params p{pagedkv_dtype(dtype), x.data(), 2 * n, out.data(), rows, n, 2, gelu};
   ran(pagedkv_silu_mul(&p, err, sizeof err), "silu_mul");
-  check(std::string("silu_mul ") + kName[dtype] + " n=" + std::to_string(n), want, out, kTol[dtype]);
+  check(std::string(gelu ? "gelu_mul " : "silu_mul ") + kName[dtype] + " n=" + std::to_string(n), want, out,
+        kTol[dtype]);
 }
 
 // RoPE on q and k heads, then k and v stored at their slots of the paged cache; with `qwen`, a
@@ -502,7 +506,10 @@ int main() {
     for (int64_t D : {64, 40, 100}) attention(dtype, -1, D, 2);
     for (int kv : {PAGEDKV_DTYPE_INT8, PAGEDKV_DTYPE_FLOAT8_E4M3FN}) attention(dtype, kv, 64, 1);
     for (int64_t window : {1, 20, 150}) attention(dtype, -1, 64, 2, window);
-    for (int64_t n : {64, 100}) { rms_norm(dtype, 3, n); silu_mul(dtype, 3, n); }
+    for (int64_t n : {64, 100}) {
+      rms_norm(dtype, 3, n);
+      for (bool gelu : {false, true}) silu_mul(dtype, 3, n, gelu);
+    }
     for (int64_t D : {64, 20})
       for (bool qwen : {false, true}) rope_cache(dtype, D, qwen);
     lora(dtype, 11, 40, 36);
