@@ -40,6 +40,9 @@ def test_known_parameter_counts_match_the_published_ones():
     assert KNOWN_SHAPES["qwen2.5-7b"].num_params == 7_615_616_512
     assert KNOWN_SHAPES["qwen3-0.6b"].num_params == 596_049_920
     assert KNOWN_SHAPES["qwen3-8b"].num_params == 8_190_735_360
+    # with Gemma 3's q/k norms and its norms on the attention's and the MLP's outputs
+    assert KNOWN_SHAPES["gemma3-270m"].num_params == 268_098_176
+    assert KNOWN_SHAPES["gemma3-1b"].num_params == 999_885_952
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
