@@ -32,7 +32,7 @@ def make_adapter(
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_dir)
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     shapes = {  # (in, out)
         "q_proj": (cfg.hidden_size, cfg.num_attention_heads * head_dim),
         "k_proj": (cfg.hidden_size, cfg.num_key_value_heads * head_dim),
@@ -117,6 +117,23 @@ def test_greedy_output_under_an_adapter_equals_the_merged_model(llm, tiny_model_
     expected = merged_greedy(tiny_model_dir, adapters["all"], PROMPTS)
     assert greedy(llm, PROMPTS, request) == expected
     assert expected != merged_greedy(tiny_model_dir, None, PROMPTS)  # the adapter changed them
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_other_families_under_an_adapter_equal_the_merged_model(arch, tmp_path):
+    """Qwen3's heads wider than hidden / heads; Gemma 3's norms around the adapted projections,
+    GELU, window layers."""
+    from tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / arch, arch=arch)
+    adapter = make_adapter(tmp_path / "a", model, seed=3)
+    llm = LLM(model, dtype="float32", enable_lora=True, num_gpu_blocks_override=128)
+    try:
+        got = greedy(llm, PROMPTS, LoRARequest("a", 1, adapter))
+        assert got == merged_greedy(model, adapter, PROMPTS)
+        assert got != greedy(llm, PROMPTS)
+    finally:
+        llm.close()
 
 
 def test_rslora_and_a_subset_of_modules(llm, tiny_model_dir, adapters):
