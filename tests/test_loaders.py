@@ -318,8 +318,9 @@ def hf_to_gguf(
     folder: Path, out: Path, qtype: QT | None = None, pre: str = "default", extra=None
 ) -> Path:
     """The tiny HF model as llama.cpp would convert it (float32, a Llama's q/k permuted, GPT-2 BPE
-    vocab; a Qwen2's or Qwen3's under its own architecture, with its biases or q/k norms); with
-    qtype, its matrices quantized by gguf's own quantizer."""
+    vocab; a Qwen2's, Qwen3's, Phi-3's or Gemma 3's under its own architecture, with its biases,
+    q/k norms, fused tensors, or 1 + w norms and sliding window); with qtype, its matrices
+    quantized by gguf's own quantizer."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -332,7 +333,8 @@ def hf_to_gguf(
     specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    arch = cfg["model_type"]
+    arch = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
+    rope = cfg["rope_parameters"]
 
     def meta(w: gguf.GGUFWriter) -> None:
         w.add_block_count(cfg["num_hidden_layers"])
@@ -343,7 +345,9 @@ def hf_to_gguf(
         w.add_head_count(heads)
         w.add_head_count_kv(kv_heads)
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+        if arch == "gemma3":
+            w.add_sliding_window(cfg["sliding_window"])
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(pre)
         w.add_token_list(tokens)
@@ -380,10 +384,17 @@ def hf_to_gguf(
         "self_attn.qkv_proj": "attn_qkv",  # Phi-3's, fused
         "mlp.gate_up_proj": "ffn_up",
     }
+    if arch == "gemma3":
+        parts.update(
+            post_attention_layernorm="post_attention_norm",
+            pre_feedforward_layernorm="ffn_norm",
+            post_feedforward_layernorm="post_ffw_norm",
+        )
     tensors = {}
     for name, w in load_file(folder / "model.safetensors").items():
         if name in names:
-            tensors[names[name]] = w
+            gemma_norm = arch == "gemma3" and name == "model.norm.weight"
+            tensors[names[name]] = w + np.float32(1) if gemma_norm else w
             continue
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
         sub, kind = rest.rsplit(".", 1)
@@ -392,6 +403,8 @@ def hf_to_gguf(
             w = llama_cpp_permute(w, heads)
         elif arch == "llama" and part == "attn_k":
             w = llama_cpp_permute(w, kv_heads)
+        elif arch == "gemma3" and part.endswith("norm"):
+            w = w + np.float32(1)
         tensors[f"blk.{layer}.{part}.{kind}"] = w
     if qtype is not None:
         tensors = {
@@ -401,15 +414,29 @@ def hf_to_gguf(
     return write_gguf(out, arch=arch, tensors=tensors, meta=meta)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma3"])
 def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
     if arch == "llama":
         folder = Path(tiny_model_dir)
+    elif arch == "gemma3":  # six layers, the sixth global: the pattern llama.cpp assumes
+        folder = Path(make_tiny_model(tmp_path / arch, arch=arch, num_layers=6))
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["layer_types"] = ["sliding_attention"] * 5 + ["full_attention"]
+        cfg["query_pre_attn_scalar"] = cfg["head_dim"]  # (a GGUF has no such key: head_dim's)
+        (folder / "config.json").write_text(json.dumps(cfg))
     else:
         folder = Path(make_tiny_model(tmp_path / arch, arch=arch))
     from_gguf = load_model(hf_to_gguf(folder, tmp_path / "tiny.gguf"), torch.float32)
     from_hf = load_model(folder, torch.float32)
     assert from_gguf.config.num_key_value_heads == 2 and not from_gguf.config.tie_word_embeddings
+    layers = range(from_hf.config.num_hidden_layers)
+    assert [from_gguf.config.layer_window(i) for i in layers] == [
+        from_hf.config.layer_window(i) for i in layers
+    ]
+    assert from_gguf.config.local_rope_theta == from_hf.config.local_rope_theta
+    for a, b in zip(from_hf.model.layers, from_gguf.model.layers):
+        assert (a.scale, a.act, a.window) == (b.scale, b.act, b.window)
+    assert from_gguf.config.embed_scale == from_hf.config.embed_scale
     for (name, a), b in zip(
         from_hf.model.state_dict().items(), from_gguf.model.state_dict().values()
     ):

@@ -28,10 +28,18 @@ from pagedkv.model.tokenizer import Tokenizer
 
 # general.architecture values whose forward is ours (llama.cpp files Mistral-style models and
 # SmolLM under "llama" too); each is also a config.json model_type (MODEL_TYPES: what it adds)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+_MODEL_TYPE = {"gemma3": "gemma3_text"}  # config.json's model_type where it differs
 # tensors an architecture names its own way: Phi-3 keeps q/k/v and gate/up fused (its ffn_up is
-# HF's gate_up_proj, gate first)
-_ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# HF's gate_up_proj, gate first); Gemma 3 has a norm after attention and one after the MLP
+_ARCH_LAYER_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
 # llama.cpp's converter interleaves the RoPE halves of q and k only for these ("NORM" RoPE);
 # Qwen's GGUFs keep HF's layout ("NEOX")
 INTERLEAVED_ROPE = ("llama",)
@@ -135,6 +143,15 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
         }
     elif meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
         raise ConfigError(f"unsupported GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r}")
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0) or None  # Phi-3's, Gemma's
+    gemma: dict[str, Any] = {}
+    if arch == "gemma3":  # as llama.cpp reads a Gemma 3 file
+        pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern") or 6)
+        gemma = {
+            "norm_offset": 0.0,  # its converter stored 1 + w
+            "local_rope_theta": 10000.0,
+            "window_layers": tuple(bool((i + 1) % pattern) for i in range(get("block_count"))),
+        }
     return LlamaConfig(
         vocab_size=int(
             tensors["token_embd.weight"].shape[1]
@@ -152,8 +169,8 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0) or None,  # Phi-3's
-        **MODEL_TYPES[arch],
+        sliding_window=window,
+        **{**MODEL_TYPES[_MODEL_TYPE.get(arch, arch)], **gemma},
     )
 
 
