@@ -50,6 +50,23 @@ SHAPES: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "gemma3-270m": (
+        "Gemma3TextConfig",
+        dict(
+            vocab_size=262144,
+            hidden_size=640,
+            intermediate_size=2048,
+            num_hidden_layers=18,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            max_position_embeddings=32768,
+            query_pre_attn_scalar=256,
+            sliding_window=512,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
