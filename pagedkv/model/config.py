@@ -31,6 +31,7 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
     },
 }
 GEMMA = ("gemma3_text",)
+GEMMA_LOCAL_ROPE_THETA = 10000.0  # Gemma 3's window layers' RoPE base, where a file names none
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
 
@@ -143,7 +144,9 @@ class LlamaConfig:
         if gemma:
             if local.get("rope_type", local.get("type", "default")) != "default":
                 raise ConfigError(f"unsupported RoPE for sliding layers: {local}")
-            local_theta = local.get("rope_theta") or d.get("rope_local_base_freq", 10000.0)
+            local_theta = local.get("rope_theta") or d.get(
+                "rope_local_base_freq", GEMMA_LOCAL_ROPE_THETA
+            )
             gemma_args = {
                 "local_rope_theta": float(local_theta),
                 "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar", 256)),
@@ -197,11 +200,15 @@ def _sliding_window(d: dict[str, Any]) -> dict[str, Any]:
         lowest = d.get("max_window_layers", 28)
         layers = tuple(i >= lowest for i in range(d["num_hidden_layers"]))
         return {"sliding_window": window, "window_layers": layers}
-    if d.get("model_type") in GEMMA:  # every sliding_window_pattern-th layer attends to all
-        pattern = d.get("sliding_window_pattern", 6)
-        layers = tuple(bool((i + 1) % pattern) for i in range(d["num_hidden_layers"]))
+    if d.get("model_type") in GEMMA:
+        layers = gemma_window_layers(d["num_hidden_layers"], d.get("sliding_window_pattern", 6))
         return {"sliding_window": window, "window_layers": layers}
     return {"sliding_window": window}
+
+
+def gemma_window_layers(layers: int, pattern: int) -> tuple[bool, ...]:
+    """Gemma 3's window layers where no layer_types are given: every pattern-th attends to all."""
+    return tuple(bool((i + 1) % pattern) for i in range(layers))
 
 
 @dataclass

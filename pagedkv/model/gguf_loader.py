@@ -22,7 +22,13 @@ import torch
 from torch import Tensor
 
 from pagedkv.config import ConfigError
-from pagedkv.model.config import MODEL_TYPES, Checkpoint, LlamaConfig
+from pagedkv.model.config import (
+    GEMMA_LOCAL_ROPE_THETA,
+    MODEL_TYPES,
+    Checkpoint,
+    LlamaConfig,
+    gemma_window_layers,
+)
 from pagedkv.model.quant_linear import KEPT_TYPES, Blocks, blocks_from_gguf
 from pagedkv.model.tokenizer import Tokenizer
 
@@ -149,8 +155,8 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
         pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern") or 6)
         gemma = {
             "norm_offset": 0.0,  # its converter stored 1 + w
-            "local_rope_theta": 10000.0,
-            "window_layers": tuple(bool((i + 1) % pattern) for i in range(get("block_count"))),
+            "local_rope_theta": GEMMA_LOCAL_ROPE_THETA,
+            "window_layers": gemma_window_layers(get("block_count"), pattern),
         }
     return LlamaConfig(
         vocab_size=int(
