@@ -15,14 +15,19 @@ from pagedkv.kvstore.storage import KVStorage
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-def naive_attention(q, k, v, scale, offset):
-    """Float64 softmax(q k^T) v with an explicit causal mask: the oracle for contiguous_attention."""
+def naive_attention(q, k, v, scale, offset, window=0, softcap=0.0):
+    """Float64 softmax(q k^T) v with an explicit causal mask (and window, and Gemma 2's soft-capped
+    scores): the oracle for contiguous_attention."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     qpos = torch.arange(q.shape[0])[:, None] + offset
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
+    keys = torch.arange(k.shape[0])[None, :]
+    hidden = (keys > qpos) | ((keys <= qpos - window) if window else False)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -101,15 +106,17 @@ class PagedBatch:
         )
 
 
-def test_contiguous_attention_matches_naive_softmax():
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (3, 0.0), (0, 1.0), (4, 1.5)])
+def test_contiguous_attention_matches_naive_softmax(window, softcap):
     gen = torch.Generator().manual_seed(0)
     for qlen, klen in [(7, 7), (5, 12), (1, 9)]:
         q = torch.randn(qlen, 6, 16, generator=gen)
         k, v = torch.randn(2, klen, 2, 16, generator=gen)
-        got = contiguous_attention(q, k, v, 0.25, klen - qlen)
-        torch.testing.assert_close(
-            got.double(), naive_attention(q, k, v, 0.25, klen - qlen), atol=1e-5, rtol=1e-5
-        )
+        got = contiguous_attention(q, k, v, 0.5, klen - qlen, window, softcap)
+        want = naive_attention(q, k, v, 0.5, klen - qlen, window, softcap)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        plain = naive_attention(q, k, v, 0.5, klen - qlen)
+        assert torch.allclose(got.double(), plain, atol=1e-3) == (not window and not softcap)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -34,6 +34,7 @@ class Case:
     block_tables: torch.Tensor
     scale: float
     window: int = 0  # sliding window (0: none)
+    softcap: float = 0.0  # scores soft-capped to softcap tanh(s / softcap) (0: none)
 
 
 def make_case(
@@ -89,7 +90,8 @@ def metadata(c: Case) -> paged.AttentionMetadata:
 
 def reference(c: Case) -> torch.Tensor:
     """Float64 softmax attention: gather each sequence's K/V through its block table, query i of a
-    sequence with n queries and L keys sees keys 0 .. L - n + i (the last c.window of them)."""
+    sequence with n queries and L keys sees keys 0 .. L - n + i (the last c.window of them), its
+    scores soft-capped when c.softcap is set."""
     num_kv_heads, block_size = c.k_cache.shape[1], c.k_cache.shape[2]
     group = c.q.shape[1] // num_kv_heads
     out = torch.zeros(c.q.shape, dtype=torch.float64)
@@ -108,6 +110,8 @@ def reference(c: Case) -> torch.Tensor:
             for head in range(c.q.shape[1]):
                 kv = head // group
                 scores = k[start:visible, kv] @ c.q[first + i, head].double() * c.scale
+                if c.softcap:
+                    scores = torch.tanh(scores / c.softcap) * c.softcap
                 out[first + i, head] = torch.softmax(scores, 0) @ v[start:visible, kv]
     return out
 
@@ -122,17 +126,19 @@ def assert_matches(got: torch.Tensor, c: Case) -> None:
 
 
 def run_case(c: Case, threads: int | None = None, decode: bool = False) -> torch.Tensor:
-    """The kernel on the case (with its window), on `threads` torch threads when given."""
+    """The kernel on the case (with its window and softcap), on `threads` torch threads when
+    given."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
+    rules = {"window": c.window, "softcap": c.softcap}
     try:
         if decode:
             return kernel.paged_attention_decode(
-                c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale, window=c.window
+                c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, c.scale, **rules
             )
         qsl = c.query_start_loc
         return kernel.paged_attention_varlen(
-            c.q, c.k_cache, c.v_cache, qsl, c.seq_lens, c.block_tables, c.scale, window=c.window
+            c.q, c.k_cache, c.v_cache, qsl, c.seq_lens, c.block_tables, c.scale, **rules
         )
     finally:
         torch.set_num_threads(before)
@@ -226,9 +232,17 @@ def test_many_query_rows_across_tile_edges(dtype: torch.dtype, group: int, kerne
     head_dim=st.sampled_from([16, 24, 64, 80, 128]),
     threads=st.integers(1, 3),
     window=st.one_of(st.just(0), st.integers(1, 400)),
+    softcap=st.one_of(st.just(0.0), st.floats(0.5, 30.0)),
 )
 def test_random_batches(
-    data, block_size: int, kv_heads: int, group: int, head_dim: int, threads: int, window: int
+    data,
+    block_size: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    threads: int,
+    window: int,
+    softcap: float,
 ) -> None:
     lens = data.draw(st.lists(st.integers(1, 700), min_size=1, max_size=5))
     queries = [data.draw(st.integers(0, min(n, 90))) for n in lens]
@@ -242,7 +256,7 @@ def test_random_batches(
         head_dim=head_dim,
         dtype=torch.float32,
     )
-    c.window = window  # (0: none)
+    c.window, c.softcap = window, softcap  # (0: none)
     assert_matches(run_case(c, threads=threads), c)
 
 
@@ -291,12 +305,69 @@ def one_query_rows(c: Case, seqs: list[int]) -> Case:
         c.block_tables[rows],
         c.scale,
         c.window,
+        c.softcap,
     )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_path_takes_the_window(dtype: torch.dtype) -> None:
-    """The torch path (decodes batched, prompts one by one) masks the same keys as the kernel."""
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+@pytest.mark.parametrize(("block_size", "window"), [(1, 0), (16, 0), (16, 40)])
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (2, 256)])
+def test_softcap_matches_reference(
+    dtype: torch.dtype,
+    softcap: float,
+    block_size: int,
+    window: int,
+    group: int,
+    head_dim: int,
+    kernel_isa,
+) -> None:
+    """Gemma 2's soft-capped scores (softcap tanh(s / softcap)), with and without its window:
+    decodes, prompt chunks of many rows (the panel path), and split-K pieces of a long decode on
+    two threads; a cap of 0 leaves the scores as they are."""
+    gen = torch.Generator().manual_seed(block_size + window + head_dim)
+    c = make_case(
+        gen,
+        seq_lens=[1, 50, 333, 1000, 250, 2500],
+        query_lens=[1, 1, 70, 200, 3, 1],
+        block_size=block_size,
+        kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    c.scale *= 4  # (scores of a few units, which a cap of 2 bends)
+    c.window, c.softcap = window, softcap
+    got = run_case(c, threads=2)
+    assert_matches(got, c)
+    decode = one_query_rows(c, [0, 1, 5])
+    assert_matches(run_case(decode, threads=2, decode=True), decode)
+    c.softcap = 2.0 - softcap
+    assert not torch.allclose(run_case(c)[3:].float(), got[3:].float(), atol=0.05)
+
+
+@pytest.mark.parametrize("value", [-1.0, float("inf"), float("nan")])
+def test_a_bad_softcap_is_refused(value: float) -> None:
+    c = make_case(
+        torch.Generator().manual_seed(0),
+        seq_lens=[40],
+        query_lens=[1],
+        block_size=16,
+        kv_heads=1,
+        group=1,
+        head_dim=16,
+        dtype=torch.float32,
+    )
+    c.softcap = value
+    with pytest.raises(ValueError, match="softcap .*: negative or not finite"):
+        run_case(c, decode=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [0.0, 1.0])
+def test_torch_path_takes_the_window(dtype: torch.dtype, softcap: float) -> None:
+    """The torch path (decodes batched, prompts one by one) masks the same keys as the kernel (and
+    soft-caps the scores as it does)."""
     c = make_case(
         torch.Generator().manual_seed(3),
         seq_lens=[20, 300, 130, 77],
@@ -307,11 +378,12 @@ def test_torch_path_takes_the_window(dtype: torch.dtype) -> None:
         head_dim=64,
         dtype=dtype,
     )
-    c.window = 50
-    got = paged.torch_attention(c.q, c.k_cache, c.v_cache, metadata(c), c.scale, window=50)
+    c.window, c.softcap = 50, softcap
+    got = paged.torch_attention(c.q, c.k_cache, c.v_cache, metadata(c), c.scale, 50, softcap)
     assert_matches(got, c)
     d = one_query_rows(c, [0, 1, 3])
-    assert_matches(paged.torch_attention(d.q, d.k_cache, d.v_cache, metadata(d), d.scale, 50), d)
+    got = paged.torch_attention(d.q, d.k_cache, d.v_cache, metadata(d), d.scale, 50, softcap)
+    assert_matches(got, d)
 
 
 def test_window_with_a_cascade_plan_is_refused() -> None:
@@ -645,10 +717,13 @@ def test_concurrent_first_builds_share_one_compile(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_cache_is_read_in_place_with_its_scales(cache_dtype, dtype, kernel_isa) -> None:
+@pytest.mark.parametrize("softcap", [0.0, 1.5])
+def test_quantized_cache_is_read_in_place_with_its_scales(
+    cache_dtype, dtype, softcap, kernel_isa
+) -> None:
     """int8 / fp8 blocks with a scale per (token, KV head) give the attention of the values they
     stand for, rotated back: a quantized cache holds K and V rotated (attention/rotation.py), and
-    the kernel rotates q in and its output back."""
+    the kernel rotates q in and its output back. Soft-capped scores too (Gemma 2)."""
     gen = torch.Generator().manual_seed(11)
     c = make_case(
         gen,
@@ -678,6 +753,7 @@ def test_quantized_cache_is_read_in_place_with_its_scales(cache_dtype, dtype, ke
             c, f"{name}_cache", unrotate(data.float() * scale[..., None]).to(dtype)
         )  # what they stand for
     c.q = c.q.to(dtype)
+    c.softcap = softcap
     got = kernel.paged_attention_varlen(
         c.q,
         stored["k"],
@@ -686,6 +762,7 @@ def test_quantized_cache_is_read_in_place_with_its_scales(cache_dtype, dtype, ke
         c.seq_lens,
         c.block_tables,
         c.scale,
+        softcap=softcap,
         **scales,
     )
     assert_matches(got, c)
@@ -700,17 +777,12 @@ def test_quantized_cache_is_read_in_place_with_its_scales(cache_dtype, dtype, ke
         dtype=dtype,
     )
     tables = c.block_tables[[1, 2]]
+    lens = torch.tensor([40, 300], dtype=torch.int32)
     want = kernel.paged_attention_decode(
-        decode.q, c.k_cache, c.v_cache, torch.tensor([40, 300], dtype=torch.int32), tables, c.scale
+        decode.q, c.k_cache, c.v_cache, lens, tables, c.scale, softcap=softcap
     )
     got = kernel.paged_attention_decode(
-        decode.q,
-        stored["k"],
-        stored["v"],
-        torch.tensor([40, 300], dtype=torch.int32),
-        tables,
-        c.scale,
-        **scales,
+        decode.q, stored["k"], stored["v"], lens, tables, c.scale, softcap=softcap, **scales
     )
     torch.testing.assert_close(
         got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]

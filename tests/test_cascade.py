@@ -156,6 +156,23 @@ def test_cascade_equals_plain_kernel(
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("most_queries", [1, 40])
+def test_cascade_soft_caps_shared_scores_too(dtype, most_queries, kernel_isa) -> None:
+    """Gemma 2's soft-capped scores: the shared prefix's as each member's own."""
+    gen = torch.Generator().manual_seed(most_queries)
+    q, k, v, seq_lens, tables, qlens = _case(gen, dtype, 2, 4, 64, most_queries)
+    plan = cascade.plan(tables, seq_lens.tolist(), BS, forced=True, query_lens=qlens)
+    assert plan is not None
+    plain = _attend(q, k, v, seq_lens, tables, 0.5, qlens, softcap=1.5)
+    got = _attend(q, k, v, seq_lens, tables, 0.5, qlens, cascade=plan, softcap=1.5)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), plain.float(), atol=tol, rtol=tol)
+    uncapped = _attend(q, k, v, seq_lens, tables, 0.5, qlens, cascade=plan)
+    assert not torch.allclose(got.float(), uncapped.float(), atol=0.05)
+
+
+@needs_kernel
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("most_queries", [1, 5])

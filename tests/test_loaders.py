@@ -74,8 +74,8 @@ def test_truncated_gguf(tmp_path):
 
 
 def test_unsupported_gguf_architecture(tmp_path):
-    path = write_gguf(tmp_path / "q.gguf", arch="gemma")
-    with pytest.raises(ConfigError, match="unsupported architecture 'gemma'"):
+    path = write_gguf(tmp_path / "q.gguf", arch="gemma3n")
+    with pytest.raises(ConfigError, match="unsupported architecture 'gemma3n'"):
         load_model(path, torch.float32)
 
 
@@ -346,8 +346,11 @@ def hf_to_gguf(
         w.add_head_count_kv(kv_heads)
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
         w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
-        if arch == "gemma3":
+        if arch in ("gemma2", "gemma3"):
             w.add_sliding_window(cfg["sliding_window"])
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(pre)
         w.add_token_list(tokens)
@@ -384,7 +387,8 @@ def hf_to_gguf(
         "self_attn.qkv_proj": "attn_qkv",  # Phi-3's, fused
         "mlp.gate_up_proj": "ffn_up",
     }
-    if arch == "gemma3":
+    gemma = arch.startswith("gemma")  # (llama.cpp's converter stores its norms as 1 + w)
+    if arch in ("gemma2", "gemma3"):
         parts.update(
             post_attention_layernorm="post_attention_norm",
             pre_feedforward_layernorm="ffn_norm",
@@ -393,7 +397,7 @@ def hf_to_gguf(
     tensors = {}
     for name, w in load_file(folder / "model.safetensors").items():
         if name in names:
-            gemma_norm = arch == "gemma3" and name == "model.norm.weight"
+            gemma_norm = gemma and name == "model.norm.weight"
             tensors[names[name]] = w + np.float32(1) if gemma_norm else w
             continue
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
@@ -403,7 +407,7 @@ def hf_to_gguf(
             w = llama_cpp_permute(w, heads)
         elif arch == "llama" and part == "attn_k":
             w = llama_cpp_permute(w, kv_heads)
-        elif arch == "gemma3" and part.endswith("norm"):
+        elif gemma and part.endswith("norm"):
             w = w + np.float32(1)
         tensors[f"blk.{layer}.{part}.{kind}"] = w
     if qtype is not None:
@@ -414,10 +418,14 @@ def hf_to_gguf(
     return write_gguf(out, arch=arch, tensors=tensors, meta=meta)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"])
 def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
     if arch == "llama":
         folder = Path(tiny_model_dir)
+    elif arch == "gemma2":  # (a GGUF has no query_pre_attn_scalar: head_dim's below 27B)
+        folder = Path(make_tiny_model(tmp_path / arch, arch=arch))
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, "query_pre_attn_scalar": 32}))
     elif arch == "gemma3":  # six layers, the sixth global: the pattern llama.cpp assumes
         folder = Path(make_tiny_model(tmp_path / arch, arch=arch, num_layers=6))
         cfg = json.loads((folder / "config.json").read_text())
@@ -433,9 +441,12 @@ def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
     assert [from_gguf.config.layer_window(i) for i in layers] == [
         from_hf.config.layer_window(i) for i in layers
     ]
-    assert from_gguf.config.local_rope_theta == from_hf.config.local_rope_theta
+    rules = ("local_rope_theta", "attn_softcap", "final_softcap", "sandwich_norms")
+    assert [getattr(from_gguf.config, k) for k in rules] == [
+        getattr(from_hf.config, k) for k in rules
+    ]
     for a, b in zip(from_hf.model.layers, from_gguf.model.layers):
-        assert (a.scale, a.act, a.window) == (b.scale, b.act, b.window)
+        assert (a.scale, a.act, a.window, a.softcap) == (b.scale, b.act, b.window, b.softcap)
     assert from_gguf.config.embed_scale == from_hf.config.embed_scale
     for (name, a), b in zip(
         from_hf.model.state_dict().items(), from_gguf.model.state_dict().values()
@@ -465,9 +476,13 @@ def test_partial_rope_gguf_is_refused(tiny_model_dir, tmp_path):
         load_model(path, torch.float32)
 
 
+MULTIMODAL = "Gemma3ForConditionalGeneration"
+
+
 def test_what_gemma_3_adds_is_read_and_the_rest_refused(tmp_path):
-    """Gemma 3 (text): RoPE by layer type, old-style keys too; Gemma 2's soft-capping, an
-    activation other than its GELU, and EmbeddingGemma's bidirectional attention are refused."""
+    """Gemma 3 (text): RoPE by layer type, old-style keys too, Gemma 2's soft-capping where a file
+    sets it; an activation other than its GELU, EmbeddingGemma's bidirectional attention and the
+    multimodal models are refused, and soft-capping on any other family."""
     folder = Path(make_tiny_model(tmp_path / "g", arch="gemma3"))
     cfg = json.loads((folder / "config.json").read_text())
     config = load_model(folder, torch.float32).config
@@ -480,12 +495,18 @@ def test_what_gemma_3_adds_is_read_and_the_rest_refused(tmp_path):
     config = load_model(folder, torch.float32).config
     assert (config.rope_theta, config.local_rope_theta) == (5e5, 2e3)
     assert [config.layer_window(i) for i in range(2)] == [8, None]
+    assert (config.attn_softcap, config.final_softcap) == (None, None)
+    (folder / "config.json").write_text(json.dumps({**cfg, "attn_logit_softcapping": 20.0}))
+    assert load_model(folder, torch.float32).config.attn_softcap == 20.0
+    llama = {**cfg, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    llama.update(hidden_act="silu", hidden_activation=None)
     for bad, message in (
-        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
-        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        ({**llama, "final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+        ({**llama, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        ({"attn_logit_softcapping": -1.0}, "attn_softcap must be a positive number, got -1.0"),
         ({"hidden_activation": "silu"}, "unsupported activation 'silu' for model_type 'gemma3"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
-        ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "'Gemma2ForCausalLM'"),
+        ({"model_type": "gemma3", "architectures": [MULTIMODAL]}, f"'{MULTIMODAL}'"),
     ):
         (folder / "config.json").write_text(json.dumps({**cfg, **bad}))
         with pytest.raises(ConfigError, match=message):

@@ -333,19 +333,22 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_model_dir, tiny):
 # ---- Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Phi-3 (fused checkpoint) -----------------
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "phi3", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"])
 def family(request, tmp_path_factory):
-    """Qwen2, Qwen3, (fused in its checkpoint, otherwise Llama's) Phi-3, and Gemma 3 (its norms,
-    GELU, embedding scale, window layers with a RoPE of their own; tiny_model._gemma3)."""
+    """Qwen2, Qwen3, (fused in its checkpoint, otherwise Llama's) Phi-3, Gemma (its norms, GELU,
+    embedding scale), Gemma 2 (norms after attention and the MLP, window layers, soft-capped
+    scores and logits) and Gemma 3 (q/k norms, window layers with a RoPE of their own); see
+    tiny_model._gemma*."""
     folder = make_tiny_model(tmp_path_factory.mktemp(request.param) / "m", arch=request.param)
     return load_model(folder, torch.float32), load_hf(folder), folder
 
 
 def test_other_families_match_transformers(family, kernels):
     lm, hf, _ = family
-    assert (lm.config.qkv_bias, lm.config.qk_norm) == (
+    assert (lm.config.qkv_bias, lm.config.qk_norm, lm.config.final_softcap) == (
         hf.config.model_type == "qwen2",
         hf.config.model_type in ("qwen3", "gemma3_text"),
+        getattr(hf.config, "final_logit_softcapping", None),
     )
     prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
     with torch.inference_mode():

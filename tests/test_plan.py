@@ -40,12 +40,15 @@ def test_known_parameter_counts_match_the_published_ones():
     assert KNOWN_SHAPES["qwen2.5-7b"].num_params == 7_615_616_512
     assert KNOWN_SHAPES["qwen3-0.6b"].num_params == 596_049_920
     assert KNOWN_SHAPES["qwen3-8b"].num_params == 8_190_735_360
-    # with Gemma 3's q/k norms and its norms on the attention's and the MLP's outputs
+    # Gemma's (1) and Gemma 2's (its norms on the attention's and the MLP's outputs), and Gemma
+    # 3's q/k norms too
+    assert KNOWN_SHAPES["gemma-2b"].num_params == 2_506_172_416
+    assert KNOWN_SHAPES["gemma2-2b"].num_params == 2_614_341_888
     assert KNOWN_SHAPES["gemma3-270m"].num_params == 268_098_176
     assert KNOWN_SHAPES["gemma3-1b"].num_params == 999_885_952
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"])
 def test_a_folder_counts_the_parameters_transformers_holds(arch, tmp_path):
     from safetensors import safe_open
     from tiny_model import make_tiny_model

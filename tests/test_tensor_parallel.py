@@ -65,11 +65,12 @@ def test_tp2_equals_tp1(tmp_path_factory):
     compare(path, 2, num_gpu_blocks_override=64, block_size=4)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_tp2_equals_tp1_for_other_families(arch, tmp_path_factory):
     """Qwen2's q/k/v bias is cut with the projection's rows; Qwen3's per-head norms are whole;
     Phi-3's q/k/v and gate/up, fused in its checkpoint, are cut as ours; Gemma's norms of the
-    attention's and the MLP's outputs come after the all-reduce, whole."""
+    attention's and the MLP's outputs come after the all-reduce, whole; Gemma 2's soft-capped
+    scores on each rank's heads, its logits' cap on the whole."""
     path = make_tiny_model(tmp_path_factory.mktemp(arch) / "m", heads=4, kv_heads=2, arch=arch)
     compare(path, 2, num_gpu_blocks_override=64, block_size=4)
 

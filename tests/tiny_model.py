@@ -70,6 +70,26 @@ def _gemma3(num_layers: int, eos: int) -> dict:
     }
 
 
+def _gemma(eos: int) -> dict:
+    """Gemma (1): head_dim wider than hidden / heads, and the first files' "gelu" (which
+    transformers reads as the tanh GELU)."""
+    return {"head_dim": 32, "hidden_act": "gelu", "pad_token_id": eos}
+
+
+def _gemma2(eos: int) -> dict:
+    """Gemma 2, small: the first layer within 8 keys, the second over all (its default
+    alternation), q . k scaled by another length than head_dim's, and soft-capping tight enough
+    to change scores and logits (Gemma 2's own 50 and 30 barely touch a tiny model's)."""
+    return {
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 1.5,
+        "final_logit_softcapping": 2.0,
+        "pad_token_id": eos,
+    }
+
+
 def make_tiny_model(
     path: str | Path,
     *,
@@ -87,7 +107,8 @@ def make_tiny_model(
 ) -> str:
     """Write the folder (once) and return its path. arch: "llama", "qwen2" (q/k/v biases),
     "qwen3" (q/k norms, head_dim wider than hidden / heads), "phi3" (q/k/v and gate/up fused in
-    the checkpoint) or "gemma3" (Gemma 3's text model: see _gemma3)."""
+    the checkpoint), "gemma", "gemma2" or "gemma3" (Gemma 3's text model; see _gemma, _gemma2 and
+    _gemma3)."""
     import torch
     import transformers
 
@@ -103,6 +124,8 @@ def make_tiny_model(
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 2 * hidden // heads}),
         "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": eos}),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM", _gemma(eos)),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", _gemma2(eos)),
         "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(num_layers, eos)),
     }[arch]
     cfg = getattr(transformers, config_class)(
@@ -130,7 +153,7 @@ def make_tiny_model(
                 p.normal_(0.0, 0.5)
             elif "q_norm" in name or "k_norm" in name:
                 p.uniform_(0.5, 1.5)
-            elif arch == "gemma3" and "norm" in name:  # (stored as w - 1: zeros by default)
+            elif arch.startswith("gemma") and "norm" in name:  # (stored as w - 1: zeros by default)
                 p.uniform_(-0.5, 0.5)
     model.save_pretrained(str(path), safe_serialization=True)
     (path / "tokenizer_config.json").write_text(

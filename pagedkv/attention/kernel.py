@@ -32,6 +32,7 @@ def paged_attention_decode(
     v_scales: torch.Tensor | None = None,
     cascade: CascadePlan | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query per sequence (q: [B, Hq, D]) at position seq_lens[b] - 1; returns [B, Hq, D].
 
@@ -39,7 +40,8 @@ def paged_attention_decode(
     block_size]: element x of block b, head h, offset t stands for x * scales[b, h, t]. The kernel
     reads it in place. With a cascade plan (attention/cascade.py), each group's shared blocks are
     read once for all its members (same result; the torch path ignores the plan). A sliding
-    `window` (0: none) limits each query at position p to the keys after p - window.
+    `window` (0: none) limits each query at position p to the keys after p - window. `softcap`
+    (0: none; Gemma 2's) turns each score s = scale q . k into softcap tanh(s / softcap).
     """
     return attend(
         q,
@@ -54,6 +56,7 @@ def paged_attention_decode(
         v_scales,
         cascade,
         window,
+        softcap,
     )
 
 
@@ -70,11 +73,12 @@ def paged_attention_varlen(
     v_scales: torch.Tensor | None = None,
     cascade: CascadePlan | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Queries q[query_start_loc[b]:query_start_loc[b+1]] of sequence b are its last tokens and
     attend causally to its seq_lens[b] keys in the cache (chunked prefill, speculative decode).
-    Quantized caches, cascade plans and windows as in paged_attention_decode (a group's shared
-    blocks end before each member's first query)."""
+    Quantized caches, cascade plans, windows and softcaps as in paged_attention_decode (a group's
+    shared blocks end before each member's first query)."""
     return attend(
         q,
         k_cache,
@@ -88,6 +92,7 @@ def paged_attention_varlen(
         v_scales,
         cascade,
         window,
+        softcap,
     )
 
 
@@ -104,6 +109,7 @@ def attend(
     v_scales: torch.Tensor | None = None,
     cascade: CascadePlan | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """paged_attention_varlen, or with query_start_loc None paged_attention_decode."""
     lib = native.library()
@@ -148,6 +154,7 @@ def attend(
         group_members=native.ptr(members),
         num_groups=0 if cascade is None else cascade.num_groups,
         window=window,
+        softcap=float(softcap),
     )
     return out
 

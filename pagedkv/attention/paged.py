@@ -15,7 +15,8 @@ whose first blocks came from the prefix cache is just a query shorter than
 its context. The step writes all new K/V first (store.py), then attends.
 A layer with a sliding window W (Mistral, Phi-3, Qwen's upper layers) lets
 the query at position p see only positions p - W < k <= p (transformers'
-convention); the blocks before the window stay allocated.
+convention); the blocks before the window stay allocated. Gemma 2 soft-caps
+each score s (already scaled) to softcap tanh(s / softcap) before the masks.
 
 A quantized cache (fp8 / int8, kv/quant.py) comes as `QuantizedCache`s in
 place of the two tensors: writes quantize into the slots, and attention
@@ -161,6 +162,7 @@ def _decode(
     meta: AttentionMetadata,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """All sequences at once: gather their blocks padded to the longest, mask the padding."""
     num_seqs, num_q_heads, head_dim = q.shape
@@ -174,14 +176,15 @@ def _decode(
     # The query heads of one KV head become its "query rows": no K/V expansion for GQA.
     group = num_q_heads // num_kv_heads
     qg = (q * scale).to(k.dtype).view(num_seqs, num_kv_heads, group, head_dim)
-    out = _masked_attention(qg, k, v, bias, (num_seqs, num_kv_heads, group, length))
+    out = _masked_attention(qg, k, v, bias, (num_seqs, num_kv_heads, group, length), softcap)
     return out.view(num_seqs, num_q_heads, head_dim).to(q.dtype)
 
 
 def _masked_attention(
-    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, grouped: tuple[int, ...]
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, grouped: tuple[int, ...], softcap: float = 0.0
 ) -> Tensor:
-    """softmax(q k^T + bias) v, with q already scaled.
+    """softmax(q k^T + bias) v, with q already scaled (and q k^T soft-capped first when a
+    softcap is given: softcap tanh(q k^T / softcap), Gemma 2's).
 
     Everything runs in the cache dtype: bf16 GEMMs are 2-3x faster than
     float32 ones on AVX-512 BF16 CPUs, and torch's bf16 softmax computes in
@@ -191,13 +194,17 @@ def _masked_attention(
     prefill (a causal mask).
     """
     scores = torch.matmul(q, k.transpose(-1, -2))
+    if softcap:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
     scores.view(grouped).add_(bias)
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def _prefill_one(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0) -> Tensor:
+def _prefill_one(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0, softcap: float = 0.0
+) -> Tensor:
     """q [Lq, Hq, D] against one sequence's whole context k, v [Hkv, L, D]; causal, bottom-aligned
-    (and within a sliding window when one is given).
+    (and within a sliding window when one is given; scores soft-capped by softcap).
 
     Queries go in chunks that keep the scores under _SCORE_BYTES, and each
     chunk reads only the keys its last query can see.
@@ -224,7 +231,7 @@ def _prefill_one(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0)
         )
         rows = qg[:, :, a:b].reshape(num_kv_heads, group * (b - a), head_dim)
         o = _masked_attention(
-            rows, k[:, :seen], v[:, :seen], bias, (num_kv_heads, group, b - a, seen)
+            rows, k[:, :seen], v[:, :seen], bias, (num_kv_heads, group, b - a, seen), softcap
         )
         out[a:b] = (
             o.view(num_kv_heads, group, b - a, head_dim)
@@ -279,6 +286,7 @@ def _kernel_attend(
     scale: float,
     out: Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """The whole step in one kernel call, reading blocks in place (quantized ones with their
     scales): 4x faster than gathering them for decode, and 1.5-4x faster than the GEMM path for
@@ -304,6 +312,7 @@ def _kernel_attend(
         out,
         cascade=plan,
         window=window,
+        softcap=softcap,
         **scales,
     )
 
@@ -334,19 +343,22 @@ def paged_attention(
     scale: float,
     out: Tensor | None = None,
     window: int | None = None,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Attention of the step's new tokens over their sequences' cached context: [T, Hq, D].
 
     Through the C++ kernel when it serves (see _use_kernel), else torch_attention. The kernel
     writes a float cache's result into `out` when it fits (native.output: the forward's reused
-    buffer). `window`: the layer's sliding window, if it has one.
+    buffer). `window`: the layer's sliding window, if it has one; `softcap`: its scores'
+    soft-capping (0: none), softcap tanh(s / softcap) for each s = scale q . k.
     """
     if _use_kernel(q, k_cache):  # (which rotates for a quantized cache itself: rotation.py)
-        return _kernel_attend(q, k_cache, v_cache, meta, scale, out, window or 0)
+        return _kernel_attend(q, k_cache, v_cache, meta, scale, out, window or 0, softcap)
     if not isinstance(k_cache, QuantizedCache):
-        return torch_attention(q, k_cache, v_cache, meta, scale, window)
+        return torch_attention(q, k_cache, v_cache, meta, scale, window, softcap)
     # K/V are stored rotated (rotation.py): rotate q alike, and the output back.
-    rotated = torch_attention(rotation.rotate(q).to(q.dtype), k_cache, v_cache, meta, scale, window)
+    q_rotated = rotation.rotate(q).to(q.dtype)
+    rotated = torch_attention(q_rotated, k_cache, v_cache, meta, scale, window, softcap)
     return rotation.unrotate(rotated).to(q.dtype)
 
 
@@ -357,17 +369,18 @@ def torch_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float = 0.0,
 ) -> Tensor:
     """The torch path of paged attention (in the rotated space of a quantized cache): one-token
     queries (decodes) together in one batched pass, longer ones (prompts, prompt chunks after
     cached blocks) one sequence at a time."""
     window = _in_effect(meta, window)
     if meta.is_decode:
-        return _decode(q, k_cache, v_cache, meta, scale, window)
+        return _decode(q, k_cache, v_cache, meta, scale, window, softcap)
     out = torch.empty_like(q)
     sub, rows, decodes = _decode_part(meta)
     if decodes:
-        out[rows] = _decode(q[rows], k_cache, v_cache, sub, scale, window)
+        out[rows] = _decode(q[rows], k_cache, v_cache, sub, scale, window, softcap)
     start = 0
     for b, (qlen, slen) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
         if b not in decodes:
@@ -377,34 +390,48 @@ def torch_attention(
             dtype = _kv_dtype(q, k_cache)
             k = _gather(k_cache, blocks, slen, dtype)
             v = _gather(v_cache, blocks, slen, dtype)
-            out[start : start + qlen] = _prefill_one(q[start : start + qlen], k, v, scale, window)
+            out[start : start + qlen] = _prefill_one(
+                q[start : start + qlen], k, v, scale, window, softcap
+            )
         start += qlen
     return out
 
 
 def contiguous_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, causal_offset: int, window: int = 0
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    causal_offset: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Plain causal attention (the reference): q [Lq, Hq, D], k/v [L, Hkv, D] with L = Lq + offset.
 
     Query i sits at position causal_offset + i and sees keys 0..causal_offset + i (only the last
-    `window` of them when a window is given).
+    `window` of them when a window is given); `softcap` soft-caps the scores as Gemma 2 does.
     """
     qlen, num_q_heads, head_dim = q.shape
     klen, num_kv_heads, _ = k.shape
     qh = q.transpose(0, 1).to(k.dtype)
     kh, vh = k.transpose(0, 1), v.transpose(0, 1)
     gqa = num_q_heads != num_kv_heads
-    if causal_offset == 0 and not window:
+    if causal_offset == 0 and not window and not softcap:
         out = F.scaled_dot_product_attention(
             qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa
         )
+        return out.transpose(0, 1).to(q.dtype)
+    qpos = torch.arange(causal_offset, causal_offset + qlen, device=q.device)
+    keys = torch.arange(klen, device=q.device)[None, :]
+    mask = keys <= qpos[:, None]
+    if window:
+        mask &= keys > qpos[:, None] - window
+    if softcap:  # (which scaled_dot_product_attention has no place for)
+        group = num_q_heads // num_kv_heads
+        kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+        scores = torch.tanh(qh @ kh.transpose(-1, -2) * (scale / softcap)) * softcap
+        out = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ vh
     else:
-        qpos = torch.arange(causal_offset, causal_offset + qlen, device=q.device)
-        keys = torch.arange(klen, device=q.device)[None, :]
-        mask = keys <= qpos[:, None]
-        if window:
-            mask &= keys > qpos[:, None] - window
         out = F.scaled_dot_product_attention(
             qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa
         )

@@ -81,13 +81,10 @@ void rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int
 }
 
 // GELU, tanh approximation (torch's approximate="tanh"): x / 2 (1 + tanh(sqrt(2 / pi) (x +
-// 0.044715 x^3))), tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2 |y|), which never overflows.
+// 0.044715 x^3))).
 inline Vec gelu_tanh(Vec x) {
-  const Vec one = set1(1.f);
   const Vec y = mul(set1(0.7978845608f), fma(mul(set1(0.044715f), mul(x, x)), x, x));
-  const Vec e = vexp(mul(vabs(y), set1(-2.f)));
-  const Vec t = vdiv(sub(one, e), add(one, e));
-  return mul(mul(set1(0.5f), x), add(one, where_negative(y, sub(zero(), t), t)));
+  return mul(mul(set1(0.5f), x), add(set1(1.f), vtanh(y)));
 }
 
 // out[r, i] = round(round(act(g)) * u) for g = x[r, i], u = x[r, n + i]: torch's F.silu(gate) * up

@@ -23,7 +23,8 @@
 //   block_tables [B, max_blocks]; query i of sequence b sits at position
 //   seq_lens[b] - qlen_b + i and sees keys at positions <= its own (and, with a sliding window,
 //   > its own - window: an item's keys start at its first query's window, and rows of a tile
-//   that reaches past a row's window start have the keys before it masked).
+//   that reaches past a row's window start have the keys before it masked). With a softcap
+//   (Gemma 2), each tile's scores become softcap tanh(s / softcap) before any mask (cap_scores).
 // A quantized cache (int8, e4m3, with per-(token, head) scales) holds K and V rotated by the
 // Hadamard matrix H (vec.h: hadamard): q is rotated as it is loaded and each row's result
 // rotated back, so q and out are as for a float cache.
@@ -128,6 +129,7 @@ struct Problem {
   int64_t ngroups = 0;
   const int32_t* stok = nullptr;
   int64_t window = 0;  // sliding window (0: none)
+  float softcap = 0.f;  // scores s become softcap tanh(s / softcap) (0: none; Gemma 2)
   int G() const { return static_cast<int>(Hq / Hkv); }
   // The first key a query at position pos sees.
   int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
@@ -440,6 +442,15 @@ struct Attend {
     return int(std::clamp<int64_t>((t0 + nt + P.window - 1 - first_pos(it)) * G, 0, rows));
   }
 
+  // Soft-capping (Gemma 2): s <- softcap tanh(s / softcap) over n scores, before any mask.
+  void cap_scores(float* s, int n) const {
+    const Vec inv = set1(1.f / P.softcap), cap = set1(P.softcap);
+    for (int c = 0; c < n; c += W) {
+      const Mask m = lanes(n, c);
+      store(s + c, mul(cap, vtanh(mul(load(s + c, m), inv))), m);
+    }
+  }
+
   // Sliding window: scores of keys before row r's window become -inf (rows [r0, r1); the tile at
   // t0 visited in order). `col`: scores key by key (panel layout) instead of row by row.
   void mask_window(Scratch& ws, const Item& it, int64_t t0, int nt, int r0, int r1, bool col) const {
@@ -559,6 +570,8 @@ struct Attend {
       } else {
         const int r1 = end_row(it, t0, nt);
         scores(ws, nt, r0, r1);
+        if (P.softcap > 0)
+          for (int r = r0; r < r1; ++r) cap_scores(ws.s.data() + size_t(r) * kTile, nt);
         mask_window(ws, it, t0, nt, r0, r1, false);
         for (int r = r0; r < r1; ++r) softmax_step(ws, r, int(std::min<int64_t>(nt, first_pos + r / G - t0 + 1)));
         if constexpr (kQuantized) {  // sum_t p_t (v_t * scale_t): fold each key's V scale into p_t
@@ -622,6 +635,8 @@ struct Attend {
         micro_f32<R>({ws.kt.data() + t * ws.dp, ws.dp, 1, ws.qt.data() + size_t(p) * D * kColsF, kColsF, D, rp},
                      ws.s.data() + t * rp + p * kColsF, kColsF, nullptr);
       });
+    if (P.softcap > 0)
+      for (int t = 0; t < nt; ++t) cap_scores(ws.s.data() + size_t(t) * rp + p0 * kColsF, rows - p0 * kColsF);
     mask_window(ws, it, t0, nt, r0, rows, true);
     panel_softmax(ws, nt, r0, rows, first);
     for (int p = p0; p * kColsF < rows; ++p)
@@ -1027,8 +1042,13 @@ int pagedkv_paged_attention(const pagedkv_paged_attention_params* p, char* err, 
             p->k_scales, p->v_scales};
   P.pre = p->pre; P.gstart = p->group_start; P.members = p->group_members; P.ngroups = p->num_groups;
   P.window = p->window;
+  P.softcap = p->softcap;
   if (P.window < 0 || (P.window && P.pre))
     return fail(err, errlen, "window %lld: negative, or given with a cascade plan (%lld groups)", P.window, P.ngroups);
+  if (!(P.softcap >= 0) || std::isinf(P.softcap)) {
+    std::snprintf(err, size_t(errlen), "softcap %g: negative or not finite", double(P.softcap));
+    return 1;
+  }
   if (validate(P, err, errlen) || (P.pre && validate_cascade(P, err, errlen))) return 1;
   const bool quantized = p->kv_dtype != p->dtype;
   if (quantized && !(p->k_scales && p->v_scales))

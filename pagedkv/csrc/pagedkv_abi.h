@@ -71,6 +71,8 @@ typedef struct {
   // A sliding window (0: none): a query at position p sees only keys at p - window < k <= p.
   // Not together with a cascade plan.
   int64_t window;
+  // Gemma 2's soft-capping (0: none): each score s = scale q . k becomes softcap tanh(s / softcap).
+  float softcap;
 } pagedkv_paged_attention_params;
 
 // RMSNorm with the residual add (layer_ops.cpp): residual (when given) = x + residual, then

@@ -9,7 +9,7 @@
 // reduce4 finish round_even scale_pow2, and load / store converting float32 to and from
 // float, bf16, fp16 (and load from int8 / e4m3). A Mask selects the first n lanes (every mask
 // the kernels use is such a prefix). Conversions round like torch: to nearest even, once. On
-// top of them, for every backend: vexp, prefetch, round_as, int8 / e4m3 codes.
+// top of them, for every backend: vexp, vtanh, prefetch, round_as, int8 / e4m3 codes.
 #pragma once
 
 #include <algorithm>
@@ -91,6 +91,15 @@ inline Vec vexp(Vec x) {
   p = fma(p, r, set1(5.0000001201e-1f));
   p = fma(p, mul(r, r), add(r, set1(1.0f)));
   return where_negative(add(x, set1(87.3f)), zero(), scale_pow2(p, n));
+}
+
+// tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2 |x|), which never overflows; absolute
+// error ~1e-7.
+inline Vec vtanh(Vec x) {
+  const Vec one = set1(1.f);
+  const Vec e = vexp(mul(vabs(x), set1(-2.f)));
+  const Vec t = vdiv(sub(one, e), add(one, e));
+  return where_negative(x, sub(zero(), t), t);
 }
 
 // Starts loading the cache line at p into L2 (an upcoming tile is too large for L1). In asm,

@@ -22,7 +22,17 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "phi3": {},  # q/k/v and gate/up fused in the checkpoint (llama.FUSED_WHOLE)
-    "gemma3_text": {  # Gemma 3's text models (270M, 1B)
+    # Gemma (2B, 7B): norms of (1 + w), embeddings times sqrt(hidden), GELU (tanh)
+    "gemma": {"norm_offset": 1.0, "embed_scale": True, "hidden_act": "gelu_tanh"},
+    # Gemma 2 adds norms on the attention's and the MLP's outputs (and soft-capping, from the file)
+    "gemma2": {
+        "norm_offset": 1.0,
+        "embed_scale": True,
+        "sandwich_norms": True,
+        "hidden_act": "gelu_tanh",
+    },
+    # Gemma 3's text models (270M, 1B) add q/k norms
+    "gemma3_text": {
         "qk_norm": True,
         "norm_offset": 1.0,
         "embed_scale": True,
@@ -30,8 +40,10 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
         "hidden_act": "gelu_tanh",
     },
 }
-GEMMA = ("gemma3_text",)
+GEMMA = ("gemma", "gemma2", "gemma3_text")
 GEMMA_LOCAL_ROPE_THETA = 10000.0  # Gemma 3's window layers' RoPE base, where a file names none
+# Gemma 2's and 3's window layers where a file names none: every n-th layer attends to all
+GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
 
@@ -70,6 +82,10 @@ class LlamaConfig:
     hidden_act: str = "silu"  # or "gelu_tanh"
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
+    # Gemma 2's soft-capping: attention scores s become attn_softcap tanh(s / attn_softcap), and
+    # the logits the same with final_softcap (None: none)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -100,6 +116,10 @@ class LlamaConfig:
             )
         if window is None or (layers is not None and not any(layers)):
             self.sliding_window, self.window_layers = None, None
+        for name in ("attn_softcap", "final_softcap"):
+            cap = getattr(self, name)
+            if cap is not None and not (isinstance(cap, (int, float)) and 0 < cap < float("inf")):
+                raise ConfigError(f"{name} must be a positive number, got {cap!r}")
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (0-based), None where it attends to everything."""
@@ -122,11 +142,21 @@ class LlamaConfig:
                 raise ConfigError(f"unsupported model option {flag}=true")
         gemma = model_type in GEMMA
         act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        if model_type == "gemma" and act == "gelu":  # (Gemma's first files: meant the tanh GELU)
+            act = "gelu_pytorch_tanh"
         if act != ("gelu_pytorch_tanh" if gemma else "silu"):
             raise ConfigError(f"unsupported activation {act!r} for model_type {model_type!r}")
-        for flag in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if d.get(flag):  # (Gemma 2's)
-                raise ConfigError(f"unsupported model option {flag}={d[flag]}")
+        softcaps: dict[str, Any] = {}
+        if model_type in GEMMA_WINDOW_PATTERN:  # Gemma 2's soft-capping (Gemma 3 reads it too)
+            gemma2 = model_type == "gemma2"
+            softcaps = {
+                "attn_softcap": d.get("attn_logit_softcapping", 50.0 if gemma2 else None),
+                "final_softcap": d.get("final_logit_softcapping", 30.0 if gemma2 else None),
+            }
+        else:
+            for flag in ("final_logit_softcapping", "attn_logit_softcapping"):
+                if d.get(flag):
+                    raise ConfigError(f"unsupported model option {flag}={d[flag]}")
         if d.get("use_bidirectional_attention"):
             raise ConfigError("unsupported model option use_bidirectional_attention=true")
         # transformers 5 keeps RoPE in `rope_parameters` (Gemma 3's by layer type); older files
@@ -139,18 +169,18 @@ class LlamaConfig:
         rope.update(d.get("rope_scaling") or {})
         if "type" in rope:
             rope["rope_type"] = rope.pop("type")
-        theta = rope.pop("rope_theta", None) or d.get("rope_theta", 1e6 if gemma else 10000.0)
+        gemma3 = model_type == "gemma3_text"
+        theta = rope.pop("rope_theta", None) or d.get("rope_theta", 1e6 if gemma3 else 10000.0)
         gemma_args: dict[str, Any] = {}
-        if gemma:
+        if gemma3:
             if local.get("rope_type", local.get("type", "default")) != "default":
                 raise ConfigError(f"unsupported RoPE for sliding layers: {local}")
             local_theta = local.get("rope_theta") or d.get(
                 "rope_local_base_freq", GEMMA_LOCAL_ROPE_THETA
             )
-            gemma_args = {
-                "local_rope_theta": float(local_theta),
-                "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar", 256)),
-            }
+            gemma_args = {"local_rope_theta": float(local_theta)}
+        if model_type in GEMMA_WINDOW_PATTERN:  # (Gemma 1 scales by head_dim, as Llama does)
+            gemma_args["query_pre_attn_scalar"] = float(d.get("query_pre_attn_scalar", 256))
         partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor", 1.0)
         if partial != 1.0:  # (Phi-4-mini's 0.75: RoPE on part of each head)
             raise ConfigError(f"unsupported partial_rotary_factor {partial} (RoPE on whole heads)")
@@ -173,6 +203,7 @@ class LlamaConfig:
                 eos_token_id=d.get("eos_token_id"),
                 **_sliding_window(d),
                 **gemma_args,
+                **softcaps,
                 **MODEL_TYPES[model_type],
             )
         except KeyError as e:
@@ -184,7 +215,8 @@ def _sliding_window(d: dict[str, Any]) -> dict[str, Any]:
     Qwen's only with use_sliding_window, on the layers from max_window_layers on, unless
     layer_types names them."""
     qwen = d.get("model_type") in ("qwen2", "qwen3")
-    window = d.get("sliding_window", 4096 if d.get("model_type") in ("mistral", *GEMMA) else None)
+    windowed = ("mistral", *GEMMA_WINDOW_PATTERN)
+    window = d.get("sliding_window", 4096 if d.get("model_type") in windowed else None)
     if not window or not d.get("use_sliding_window", not qwen):
         return {}
     types = d.get("layer_types")
@@ -200,14 +232,17 @@ def _sliding_window(d: dict[str, Any]) -> dict[str, Any]:
         lowest = d.get("max_window_layers", 28)
         layers = tuple(i >= lowest for i in range(d["num_hidden_layers"]))
         return {"sliding_window": window, "window_layers": layers}
-    if d.get("model_type") in GEMMA:
-        layers = gemma_window_layers(d["num_hidden_layers"], d.get("sliding_window_pattern", 6))
+    pattern = GEMMA_WINDOW_PATTERN.get(d.get("model_type", ""))
+    if pattern:
+        pattern = d.get("sliding_window_pattern", pattern)
+        layers = gemma_window_layers(d["num_hidden_layers"], pattern)
         return {"sliding_window": window, "window_layers": layers}
     return {"sliding_window": window}
 
 
 def gemma_window_layers(layers: int, pattern: int) -> tuple[bool, ...]:
-    """Gemma 3's window layers where no layer_types are given: every pattern-th attends to all."""
+    """Gemma 2's and 3's window layers where no layer_types are given: every pattern-th attends to
+    all."""
     return tuple(bool((i + 1) % pattern) for i in range(layers))
 
 

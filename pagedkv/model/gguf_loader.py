@@ -24,6 +24,7 @@ from torch import Tensor
 from pagedkv.config import ConfigError
 from pagedkv.model.config import (
     GEMMA_LOCAL_ROPE_THETA,
+    GEMMA_WINDOW_PATTERN,
     MODEL_TYPES,
     Checkpoint,
     LlamaConfig,
@@ -34,18 +35,23 @@ from pagedkv.model.tokenizer import Tokenizer
 
 # general.architecture values whose forward is ours (llama.cpp files Mistral-style models and
 # SmolLM under "llama" too); each is also a config.json model_type (MODEL_TYPES: what it adds)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3")
 _MODEL_TYPE = {"gemma3": "gemma3_text"}  # config.json's model_type where it differs
 # tensors an architecture names its own way: Phi-3 keeps q/k/v and gate/up fused (its ffn_up is
-# HF's gate_up_proj, gate first); Gemma 3 has a norm after attention and one after the MLP
+# HF's gate_up_proj, gate first); Gemma 2 and 3 have a norm after attention and one after the MLP
+_SANDWICH_NORMS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-    "gemma3": {
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
+    "gemma2": _SANDWICH_NORMS,
+    "gemma3": _SANDWICH_NORMS,
 }
+# llama.cpp's Gemma 2 and 3 (as gemma_pytorch): the 27B models, known by their layer count, scale
+# q . k by (hidden / heads)^-0.5, all others by head_dim^-0.5
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's converter interleaves the RoPE halves of q and k only for these ("NORM" RoPE);
 # Qwen's GGUFs keep HF's layout ("NEOX")
 INTERLEAVED_ROPE = ("llama",)
@@ -150,21 +156,28 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
     elif meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
         raise ConfigError(f"unsupported GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r}")
     window = int(meta.get(f"{arch}.attention.sliding_window") or 0) or None  # Phi-3's, Gemma's
+    layers = get("block_count")
     gemma: dict[str, Any] = {}
-    if arch == "gemma3":  # as llama.cpp reads a Gemma 3 file
-        pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern") or 6)
-        gemma = {
-            "norm_offset": 0.0,  # its converter stored 1 + w
-            "local_rope_theta": GEMMA_LOCAL_ROPE_THETA,
-            "window_layers": gemma_window_layers(get("block_count"), pattern),
-        }
+    if arch.startswith("gemma"):  # as llama.cpp reads a Gemma file
+        gemma["norm_offset"] = 0.0  # its converter stored 1 + w
+    if arch in _GEMMA_27B_LAYERS:
+        pattern = GEMMA_WINDOW_PATTERN[_MODEL_TYPE.get(arch, arch)]
+        pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern") or pattern)
+        gemma["window_layers"] = gemma_window_layers(layers, pattern)
+        if layers == _GEMMA_27B_LAYERS[arch]:
+            gemma["query_pre_attn_scalar"] = hidden // heads
+    if arch == "gemma3":
+        gemma["local_rope_theta"] = GEMMA_LOCAL_ROPE_THETA
+    if arch == "gemma2":
+        gemma["attn_softcap"] = float(get("attn_logit_softcapping", 50.0))
+        gemma["final_softcap"] = float(get("final_logit_softcapping", 30.0))
     return LlamaConfig(
         vocab_size=int(
             tensors["token_embd.weight"].shape[1]
         ),  # GGUF shapes list the fastest dim first
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
-        num_hidden_layers=get("block_count"),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=get("attention.head_count_kv", heads),
         head_dim=head_dim,

@@ -8,9 +8,10 @@ torch ops per layer small, q/k/v are one fused weight and gate/up another
 matmuls is one call each: the residual add with RMSNorm and SiLU with the up
 projection's product (ops.py), RoPE with the K/V store (attention/store.py,
 from the rotary tables built here; Qwen2's q/k/v bias and Qwen3's per-head q/k
-norms go into the same call). Gemma 3 adds a norm on the attention's and the
-MLP's outputs, GELU in SiLU's place, scaled embeddings and a second set of
-rotary tables for its window layers (model/config.py). The matmul weights may
+norms go into the same call). Gemma adds GELU in SiLU's place and scaled
+embeddings; Gemma 2 a norm on the attention's and the MLP's outputs and
+soft-capped scores and logits; Gemma 3 a second set of rotary tables for its
+window layers (model/config.py). The matmul weights may
 be quantized (--quantization, quant_linear.py): `linear` takes either form.
 """
 
@@ -216,6 +217,7 @@ class DecoderLayer(nn.Module):
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
         self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        self.softcap = c.attn_softcap or 0.0  # Gemma 2's soft-capped scores
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         # before the MLP (Gemma's pre_feedforward_layernorm)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
@@ -299,7 +301,7 @@ class DecoderLayer(nn.Module):
             self._qkv_bias,
             self._qk_norm,
         )
-        attn = paged_attention(q, *kv_cache, meta, self.scale, buf.attn, self.window)
+        attn = paged_attention(q, *kv_cache, meta, self.scale, buf.attn, self.window, self.softcap)
         o = linear(attn.reshape(tokens, self.q_size), o_proj, buf.o)
         if lora is not None:
             lora[0].add(lora[1], "o", attn.reshape(tokens, self.q_size), o)
@@ -454,8 +456,13 @@ class LlamaForCausalLM(nn.Module):
         return ops.rms_norm(x, norm.weight, norm.eps, residual, buf.h)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[N, vocab] float32 logits of the rows the sampler needs."""
-        return linear(hidden, self.lm_head).float()
+        """[N, vocab] float32 logits of the rows the sampler needs (Gemma 2's soft-capped:
+        cap tanh(logits / cap), in the model's dtype as transformers computes them)."""
+        logits = linear(hidden, self.lm_head)
+        cap = self.config.final_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def weight_bytes(self) -> int:
         """Resident bytes of all weights (a tied embedding counted once)."""

@@ -85,6 +85,8 @@ KNOWN_SHAPES = {
         _known("qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, 128, False, 32768, qkv_bias=True),
         _known("qwen3-0.6b", 151936, 1024, 3072, 28, 16, 8, 128, True, 40960, qk_norm=True),
         _known("qwen3-8b", 151936, 4096, 12288, 36, 32, 8, 128, False, 40960, qk_norm=True),
+        _known("gemma-2b", 256000, 2048, 16384, 18, 8, 1, 256, True, 8192),
+        _known("gemma2-2b", 256000, 2304, 9216, 26, 8, 4, 256, True, 8192, sandwich_norms=True),
         _known("gemma3-270m", 262144, 640, 2048, 18, 4, 1, 256, True, 32768, **_GEMMA),
         _known("gemma3-1b", 262144, 1152, 6912, 26, 4, 1, 256, True, 32768, **_GEMMA),
     )

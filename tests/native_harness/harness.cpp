@@ -100,7 +100,8 @@ static_assert(PAGEDKV_DTYPE_FLOAT32 == 0 && PAGEDKV_DTYPE_BFLOAT16 == 1 && PAGED
               "kTol and kName are indexed by pagedkv_dtype");
 
 // Varlen paged attention over scattered blocks against softmax(q k^T * scale) v in double; with a
-// sliding window (> 0) each query sees only the last `window` keys up to its own.
+// sliding window (> 0) each query sees only the last `window` keys up to its own; with a softcap
+// (> 0) each score s becomes softcap tanh(s / softcap).
 // x H for rows of D: the orthonormal Hadamard matrix of quantized caches (vec.h: hadamard),
 // Sylvester blocks of P = D & -D, entries (-1)^popcount(i & j) / sqrt(P); its own inverse.
 std::vector<double> hadamard_ref(const double* x, int64_t D) {
@@ -113,7 +114,7 @@ std::vector<double> hadamard_ref(const double* x, int64_t D) {
   return y;
 }
 
-void attention(int dtype, int kv_dtype, int64_t D, int threads, int64_t window = 0) {
+void attention(int dtype, int kv_dtype, int64_t D, int threads, int64_t window = 0, float softcap = 0) {
   const int64_t Hkv = 2, G = 3, Hq = Hkv * G, bs = 16, B = 3;
   const int32_t seq_lens[B] = {1 + randint(0, 40), 70 + randint(0, 200), 300 + randint(0, 300)};
   const int32_t qlens[B] = {1, 30, 1};  // 90 rows of a prompt chunk: the panel path on every ISA
@@ -149,6 +150,7 @@ void attention(int dtype, int kv_dtype, int64_t D, int threads, int64_t window =
   p.num_q_heads = Hq; p.num_kv_heads = Hkv; p.block_size = bs; p.head_dim = D;
   p.q_stride = Hq * D; p.out_stride = Hq * D; p.scale = scale; p.threads = threads;
   p.window = window;
+  p.softcap = softcap;
   if (pagedkv_paged_attention(&p, err, sizeof err)) {
     ran(1, "paged_attention");
     return;
@@ -184,6 +186,7 @@ void attention(int dtype, int kv_dtype, int64_t D, int threads, int64_t window =
           double dot = 0;
           for (int64_t d = 0; d < D; ++d) dot += double(q.get((t * Hq + hq) * D + d)) * kd[at + d];
           s[p] = dot * scale;
+          if (softcap > 0) s[p] = softcap * std::tanh(s[p] / softcap);
           mx = std::max(mx, s[p]);
         }
         for (double& x : s) sum += (x = std::exp(x - mx));
@@ -194,7 +197,8 @@ void attention(int dtype, int kv_dtype, int64_t D, int threads, int64_t window =
         }
       }
   check(std::string("attention ") + kName[dtype] + " cache " + kName[cache] + " D=" + std::to_string(D) +
-            " threads=" + std::to_string(threads) + " window=" + std::to_string(window), want, out, kTol[dtype] * (kv_dtype >= 0 ? 2 : 1));
+            " threads=" + std::to_string(threads) + " window=" + std::to_string(window) +
+            " softcap=" + std::to_string(softcap), want, out, kTol[dtype] * (kv_dtype >= 0 ? 2 : 1));
 }
 
 double round_to(int dtype, double x) { uint8_t b[4]; encode(dtype, float(x), b); return decode(dtype, b); }
@@ -506,6 +510,7 @@ int main() {
     for (int64_t D : {64, 40, 100}) attention(dtype, -1, D, 2);
     for (int kv : {PAGEDKV_DTYPE_INT8, PAGEDKV_DTYPE_FLOAT8_E4M3FN}) attention(dtype, kv, 64, 1);
     for (int64_t window : {1, 20, 150}) attention(dtype, -1, 64, 2, window);
+    for (int64_t window : {0, 20}) attention(dtype, -1, 64, 2, window, 0.25f);
     for (int64_t n : {64, 100}) {
       rms_norm(dtype, 3, n);
       for (bool gelu : {false, true}) silu_mul(dtype, 3, n, gelu);
