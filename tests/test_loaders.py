@@ -698,3 +698,55 @@ def test_add_bos_from_tokenizer_config(tiny_model_dir, tmp_path):
     assert tok.encode("Hello", add_special_tokens=False)[0] != 0
     assert tok.decode(tok.encode("Hello")) == "Hello"
     assert Tokenizer.from_hf_folder(tiny_model_dir).encode("Hello")[0] != 0
+
+
+def test_a_sparse_gemma_3_image_and_text_config_reads_as_transformers_reads_it(tmp_path):
+    """Gemma 3 4B's config.json names only what differs from Gemma3TextConfig's defaults (and
+    RoPE scaling of the global layers the old way): the text model is the one transformers
+    builds from it, and `pagedkv plan` counts its parameters."""
+    import transformers
+
+    from pagedkv.model.config import LlamaConfig
+    from pagedkv.sim.shapes import resolve_shape
+
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text"}
+    text.update(
+        num_hidden_layers=34,
+        rope_scaling={"factor": 8.0, "rope_type": "linear"},
+        sliding_window=1024,
+    )
+    cfg = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "eos_token_id": [1, 106],
+        "text_config": text,
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
+    ours = LlamaConfig.from_hf_dict(json.loads(json.dumps(cfg)))
+    theirs = transformers.Gemma3Config(**json.loads(json.dumps(cfg))).text_config
+    same = (
+        "vocab_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "sliding_window",
+    )
+    same += ("max_position_embeddings", "query_pre_attn_scalar", "tie_word_embeddings")
+    assert [getattr(ours, k) for k in same] == [getattr(theirs, k) for k in same]
+    assert ours.num_key_value_heads == 4 and ours.vocab_size == 262_208
+    windows = [ours.layer_window(i) is not None for i in range(34)]
+    assert windows == [t == "sliding_attention" for t in theirs.layer_types] and not windows[5]
+    rope = theirs.rope_parameters
+    assert ours.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert rope["full_attention"]["rope_type"] == "linear" and rope["full_attention"]["factor"] == 8
+    assert (ours.rope_theta, ours.local_rope_theta) == (
+        rope["full_attention"]["rope_theta"],
+        rope["sliding_attention"]["rope_theta"],
+    )
+    assert rope["sliding_attention"]["rope_type"] == "default"
+    assert ours.eos_token_id == [1, 106]
+    with torch.device("meta"):
+        held = sum(p.numel() for p in transformers.Gemma3ForCausalLM(theirs).parameters())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert resolve_shape(model=str(tmp_path)).num_params == held

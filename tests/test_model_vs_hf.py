@@ -20,7 +20,7 @@ import torch
 from tiny_model import make_tiny_model
 
 from pagedkv.attention.paged import AttentionMetadata
-from pagedkv.config import default_model_path
+from pagedkv.config import ConfigError, default_model_path
 from pagedkv.kvstore.storage import KVStorage
 from pagedkv.model.loader import LoadedModel, load_model
 from pagedkv.model.prepacked import PrepackedWeight
@@ -367,6 +367,46 @@ def test_other_families_in_bfloat16_stay_close_to_float32(family):
     l32 = PagedDriver(lm32, 16).step([(Seq(list(ids)), len(ids))])
     l16 = PagedDriver(lm16, 16).step([(Seq(list(ids)), len(ids))])
     assert (l16 - l32).abs().max() < 0.05 * l32.abs().max()
+
+
+def test_gemma_3_image_and_text_checkpoint_serves_its_text_model(tmp_path):
+    """Gemma 3's 4B-27B come as image-and-text checkpoints: their text model is served (logits and
+    greedy output equal transformers' multimodal model on text), read under the older
+    (language_model.model.*) and newer (model.language_model.*) tensor names alike, the vision
+    tower left unread."""
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(make_tiny_model(tmp_path / "mm", arch="gemma3_vision"))
+    lm, hf = load_model(folder, torch.float32), load_hf(folder)
+    assert type(hf).__name__ == "Gemma3ForConditionalGeneration"
+    assert lm.config.qk_norm and lm.config.local_rope_theta == 1e4
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompts[1]])).logits[0, -1]
+    ours = PagedDriver(lm, 4).step([(Seq(list(prompts[1])), len(prompts[1]))])[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    want = [hf_greedy(hf, p, 10) for p in prompts]
+    assert PagedDriver(lm, 4, num_blocks=128).greedy([Seq(list(p)) for p in prompts], 10) == want
+    tensors = load_file(folder / "model.safetensors")
+    assert any(k.startswith("vision_tower.") for k in tensors)
+    renamed = {
+        k.replace("language_model.model.", "model.language_model."): v for k, v in tensors.items()
+    }
+    assert renamed != tensors
+    newer = Path(shutil.copytree(folder, tmp_path / "newer"))
+    save_file(renamed, newer / "model.safetensors")
+    for a, b in zip(
+        lm.model.state_dict().values(), load_model(newer, torch.float32).model.state_dict().values()
+    ):
+        assert torch.equal(a, b)
+    save_file(
+        {**tensors, "audio_tower.x": torch.zeros(2)},
+        newer / "model.safetensors",
+    )
+    with pytest.raises(
+        ConfigError, match="unexpected weight 'audio_tower.x' in a multimodal checkpoint"
+    ):
+        load_model(newer, torch.float32)
 
 
 MISTRAL = {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}

@@ -108,7 +108,8 @@ def make_tiny_model(
     """Write the folder (once) and return its path. arch: "llama", "qwen2" (q/k/v biases),
     "qwen3" (q/k norms, head_dim wider than hidden / heads), "phi3" (q/k/v and gate/up fused in
     the checkpoint), "gemma", "gemma2" or "gemma3" (Gemma 3's text model; see _gemma, _gemma2 and
-    _gemma3)."""
+    _gemma3), or "gemma3_vision" (that text model inside Gemma 3's image-and-text model, with a
+    small vision tower)."""
     import torch
     import transformers
 
@@ -127,6 +128,11 @@ def make_tiny_model(
         "gemma": ("GemmaConfig", "GemmaForCausalLM", _gemma(eos)),
         "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", _gemma2(eos)),
         "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(num_layers, eos)),
+        "gemma3_vision": (
+            "Gemma3TextConfig",
+            "Gemma3ForConditionalGeneration",
+            _gemma3(num_layers, eos),
+        ),
     }[arch]
     cfg = getattr(transformers, config_class)(
         **extra,
@@ -143,6 +149,19 @@ def make_tiny_model(
         bos_token_id=tok.token_to_id("<|endoftext|>"),
         eos_token_id=eos,
     )
+    if arch == "gemma3_vision":  # 28-pixel images of 2 x 2 patches, 4 tokens each
+        vision = transformers.SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        )
+        ids = {"boi_token_index": 500, "eoi_token_index": 501, "image_token_index": 502}
+        cfg = transformers.Gemma3Config(
+            text_config=cfg, vision_config=vision, mm_tokens_per_image=4, eos_token_id=eos, **ids
+        )
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(cfg)
     with torch.no_grad():  # larger weights than the default init, so outputs depend on the input

@@ -45,6 +45,21 @@ GEMMA_LOCAL_ROPE_THETA = 10000.0  # Gemma 3's window layers' RoPE base, where a 
 # Gemma 2's and 3's window layers where a file names none: every n-th layer attends to all
 GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
+# Gemma 3's image-and-text checkpoints (4B, 12B, 27B): served as their text model, whose config
+# sits in text_config with only what differs from Gemma3TextConfig's defaults (below)
+MULTIMODAL_WRAPPERS = {"gemma3": "gemma3_text"}
+_TEXT_DEFAULTS = {
+    "gemma3_text": {
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131_072,
+    }
+}
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
 
 
@@ -130,6 +145,7 @@ class LlamaConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         """From a Hugging Face config.json (old `rope_scaling` and new `rope_parameters` styles)."""
+        d = text_model_dict(d)
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = ", ".join(d.get("architectures") or []) or model_type
@@ -141,10 +157,11 @@ class LlamaConfig:
             if d.get(flag):
                 raise ConfigError(f"unsupported model option {flag}=true")
         gemma = model_type in GEMMA
-        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        expected = "gelu_pytorch_tanh" if gemma else "silu"
+        act = d.get("hidden_activation") or d.get("hidden_act") or expected
         if model_type == "gemma" and act == "gelu":  # (Gemma's first files: meant the tanh GELU)
             act = "gelu_pytorch_tanh"
-        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+        if act != expected:
             raise ConfigError(f"unsupported activation {act!r} for model_type {model_type!r}")
         softcaps: dict[str, Any] = {}
         if model_type in GEMMA_WINDOW_PATTERN:  # Gemma 2's soft-capping (Gemma 3 reads it too)
@@ -208,6 +225,20 @@ class LlamaConfig:
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+
+
+def text_model_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """config.json as the text model's own: a multimodal wrapper's text_config (with the wrapper's
+    token ids and tying, which transformers takes from the wrapper), and the defaults transformers
+    fills in where a Gemma 3 file leaves keys out."""
+    if d.get("model_type") in MULTIMODAL_WRAPPERS:
+        text = d.get("text_config") or {}
+        if not isinstance(text, dict):
+            raise ConfigError("config.json: text_config must be an object")
+        keys = ("bos_token_id", "eos_token_id", "tie_word_embeddings")
+        outer = {k: d[k] for k in keys if d.get(k) is not None}
+        d = {**text, **outer, "model_type": MULTIMODAL_WRAPPERS[d["model_type"]]}
+    return {**_TEXT_DEFAULTS.get(d.get("model_type", ""), {}), **d}
 
 
 def _sliding_window(d: dict[str, Any]) -> dict[str, Any]:

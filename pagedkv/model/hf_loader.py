@@ -1,5 +1,6 @@
 """Llama-family models from Hugging Face folders: config.json, *.safetensors
-(one file or shards listed by model.safetensors.index.json), tokenizer.json."""
+(one file or shards listed by model.safetensors.index.json), tokenizer.json. Gemma 3's
+image-and-text checkpoints are read as their text model."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from pagedkv.config import ConfigError
-from pagedkv.model.config import Checkpoint, LlamaConfig
+from pagedkv.model.config import MULTIMODAL_WRAPPERS, Checkpoint, LlamaConfig
 from pagedkv.model.tokenizer import Tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -64,16 +65,44 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
             yield name, tensor
 
 
+# A multimodal checkpoint's text model under the names of the text model's own checkpoint (older
+# and newer transformers' layouts); the vision tower and its projector are left unread.
+_TEXT_PREFIXES = {
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.",
+    "lm_head.": "lm_head.",
+}
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def text_weights(weights: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """A multimodal checkpoint's text-model tensors, renamed; the vision part skipped."""
+    for name, tensor in weights:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        if prefix is None:
+            raise ConfigError(f"unexpected weight {name!r} in a multimodal checkpoint")
+        yield _TEXT_PREFIXES[prefix] + name.removeprefix(prefix), tensor
+
+
 def load_hf(folder: Path) -> Checkpoint:
     raw = _read_config(folder)
     config = LlamaConfig.from_hf_dict(raw)
     files = safetensors_files(folder)
     for path in files:
         _open(path)  # fail on a damaged file now, before building anything
+    weights = iter_weights(files)
     return Checkpoint(
         config=config,
         tokenizer=Tokenizer.from_hf_folder(folder, config.eos_token_id),
-        weights=iter_weights(files),
+        weights=text_weights(weights) if raw.get("model_type") in MULTIMODAL_WRAPPERS else weights,
         files=files,
         max_model_len=config.max_position_embeddings,
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.config import ConfigError, default_model_path
-from pagedkv.model.config import GEMMA, MODEL_TYPES
+from pagedkv.model.config import GEMMA, MODEL_TYPES, text_model_dict
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -115,7 +115,8 @@ def shape_from_config(folder: Path) -> ModelShape:
         raise ConfigError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: expected a JSON object")
-    cfg = {**cfg, **cfg.get("text_config", {})}  # multimodal wrappers keep the decoder inside
+    cfg = text_model_dict(cfg)  # (Gemma 3's image-and-text models: their text model)
+    cfg = {**cfg, **cfg.get("text_config", {})}  # other multimodal wrappers keep the decoder inside
     try:
         layers = _positive_int(cfg["num_hidden_layers"], "num_hidden_layers", str(path))
         heads = _positive_int(cfg["num_attention_heads"], "num_attention_heads", str(path))
