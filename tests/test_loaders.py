@@ -476,13 +476,13 @@ def test_partial_rope_gguf_is_refused(tiny_model_dir, tmp_path):
         load_model(path, torch.float32)
 
 
-MULTIMODAL = "Gemma3ForConditionalGeneration"
+MULTIMODAL = "Gemma3nForConditionalGeneration"
 
 
 def test_what_gemma_3_adds_is_read_and_the_rest_refused(tmp_path):
     """Gemma 3 (text): RoPE by layer type, old-style keys too, Gemma 2's soft-capping where a file
-    sets it; an activation other than its GELU, EmbeddingGemma's bidirectional attention and the
-    multimodal models are refused, and soft-capping on any other family."""
+    sets it; an activation other than its GELU, EmbeddingGemma's bidirectional attention and
+    Gemma 3n are refused, and soft-capping on any other family."""
     folder = Path(make_tiny_model(tmp_path / "g", arch="gemma3"))
     cfg = json.loads((folder / "config.json").read_text())
     config = load_model(folder, torch.float32).config
@@ -506,7 +506,7 @@ def test_what_gemma_3_adds_is_read_and_the_rest_refused(tmp_path):
         ({"attn_logit_softcapping": -1.0}, "attn_softcap must be a positive number, got -1.0"),
         ({"hidden_activation": "silu"}, "unsupported activation 'silu' for model_type 'gemma3"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
-        ({"model_type": "gemma3", "architectures": [MULTIMODAL]}, f"'{MULTIMODAL}'"),
+        ({"model_type": "gemma3n", "architectures": [MULTIMODAL]}, f"'{MULTIMODAL}'"),
     ):
         (folder / "config.json").write_text(json.dumps({**cfg, **bad}))
         with pytest.raises(ConfigError, match=message):
