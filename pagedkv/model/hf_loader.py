@@ -5,7 +5,7 @@ image-and-text checkpoints are read as their text model."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from safetensors import safe_open
@@ -54,14 +54,21 @@ def _open(path: Path):
         raise ConfigError(f"{path}: corrupt or truncated safetensors file ({e})") from None
 
 
-def iter_weights(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
+def iter_weights(
+    files: list[Path], rename: Callable[[str], str | None] | None = None
+) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) of every tensor in the files; `rename` gives the name a tensor goes by, or
+    None for one left unread."""
     for path in files:
         f = _open(path)
-        for name in f.keys():
+        for stored in f.keys():
+            name = stored if rename is None else rename(stored)
+            if name is None:
+                continue
             try:
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored)
             except Exception as e:  # data past the end of a truncated file
-                raise ConfigError(f"{path}: cannot read tensor {name} ({e})") from None
+                raise ConfigError(f"{path}: cannot read tensor {stored} ({e})") from None
             yield name, tensor
 
 
@@ -81,15 +88,14 @@ _VISION_PREFIXES = (
 )
 
 
-def text_weights(weights: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-    """A multimodal checkpoint's text-model tensors, renamed; the vision part skipped."""
-    for name, tensor in weights:
-        if name.startswith(_VISION_PREFIXES):
-            continue
-        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
-        if prefix is None:
-            raise ConfigError(f"unexpected weight {name!r} in a multimodal checkpoint")
-        yield _TEXT_PREFIXES[prefix] + name.removeprefix(prefix), tensor
+def text_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor under its text model's name; None for the vision part."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+    if prefix is None:
+        raise ConfigError(f"unexpected weight {name!r} in a multimodal checkpoint")
+    return _TEXT_PREFIXES[prefix] + name.removeprefix(prefix)
 
 
 def load_hf(folder: Path) -> Checkpoint:
@@ -98,11 +104,11 @@ def load_hf(folder: Path) -> Checkpoint:
     files = safetensors_files(folder)
     for path in files:
         _open(path)  # fail on a damaged file now, before building anything
-    weights = iter_weights(files)
+    multimodal = raw.get("model_type") in MULTIMODAL_WRAPPERS
     return Checkpoint(
         config=config,
         tokenizer=Tokenizer.from_hf_folder(folder, config.eos_token_id),
-        weights=text_weights(weights) if raw.get("model_type") in MULTIMODAL_WRAPPERS else weights,
+        weights=iter_weights(files, text_model_name if multimodal else None),
         files=files,
         max_model_len=config.max_position_embeddings,
     )

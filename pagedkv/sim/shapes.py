@@ -115,7 +115,7 @@ def shape_from_config(folder: Path) -> ModelShape:
         raise ConfigError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: expected a JSON object")
-    cfg = text_model_dict(cfg)  # (Gemma 3's image-and-text models: their text model)
+    raw, cfg = cfg, text_model_dict(cfg)  # (Gemma 3's image-and-text models: their text model)
     cfg = {**cfg, **cfg.get("text_config", {})}  # other multimodal wrappers keep the decoder inside
     try:
         layers = _positive_int(cfg["num_hidden_layers"], "num_hidden_layers", str(path))
@@ -143,10 +143,10 @@ def shape_from_config(folder: Path) -> ModelShape:
         },
     )
     files = sorted(folder.glob("*.safetensors"))
-    weights = (
+    weights = (  # (a multimodal folder's files hold other towers, which are not loaded)
         sum(f.stat().st_size for f in files)
-        if files
-        else params * DTYPE_BYTES.get(cfg.get("torch_dtype", "bfloat16"), 2)
+        if files and "text_config" not in raw
+        else params * DTYPE_BYTES.get(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16", 2)
     )
     return ModelShape(
         folder.name,
