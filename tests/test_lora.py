@@ -367,6 +367,18 @@ def test_adapter_mistakes_are_config_errors(llm, tiny_model_dir, adapters, tmp_p
     other = make_adapter(tmp_path / "other", make_tiny_model(tmp_path / "m32", hidden=32))
     with pytest.raises(ConfigError, match="do not fit the model"):
         llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("o", 6, other))
+    # a vision tower's module of the very shape of a text layer's is not taken for one
+    from safetensors.torch import load_file, save_file
+
+    vision = Path(make_adapter(tmp_path / "vision", tiny_model_dir))
+    tensors = load_file(vision / "adapter_model.safetensors")
+    stem = "base_model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj"
+    for kind in ("A", "B"):
+        text = tensors[f"base_model.model.model.layers.0.self_attn.q_proj.lora_{kind}.weight"]
+        tensors[f"{stem}.lora_{kind}.weight"] = text.clone()
+    save_file(tensors, vision / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match="unsupported module 'base_model.model.vision_tower"):
+        llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("v", 8, str(vision)))
     with pytest.raises(ConfigError, match="that is the base model's name"):
         llm.generate(
             [PROMPTS[0]], GREEDY, False, lora_request=LoRARequest(llm.engine.model_name, 7, "/x")

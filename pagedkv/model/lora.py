@@ -33,6 +33,9 @@ TARGETS = {
     if fused.endswith("_proj")
 }
 
+# what a PEFT name may hold before the decoder's `layers` (a multimodal model's text part too)
+_DECODER_PATH = {"base_model", "model", "language_model"}
+
 
 @dataclass
 class Delta:
@@ -104,7 +107,12 @@ def load_adapter(
     for stem, ab in pairs.items():
         names = stem.split(".")
         module = names[-1]
-        if module not in TARGETS or "layers" not in names or len(ab) != 2:
+        if (
+            module not in TARGETS
+            or "layers" not in names
+            or len(ab) != 2
+            or not set(names[: names.index("layers")]) <= _DECODER_PATH  # (a vision tower's)
+        ):
             raise ConfigError(f"{where}: unsupported module {stem!r}")
         layer = int(names[names.index("layers") + 1])
         if not 0 <= layer < config.num_hidden_layers:
