@@ -50,6 +50,25 @@ SHAPES: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "gemma2-2b": (
+        "Gemma2Config",
+        dict(
+            vocab_size=256000,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            max_position_embeddings=8192,
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+    ),
     "gemma3-270m": (
         "Gemma3TextConfig",
         dict(
