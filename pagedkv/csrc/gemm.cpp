@@ -169,11 +169,74 @@ __attribute__((always_inline)) inline void micro(const uint16_t* x, int64_t x_st
   }
 }
 
+// Two whole panels at once, y[R rows, 64 columns]: per k pair four W vectors and R broadcasts of x
+// feed 4 R dot products (micro: two and R for 2 R), the same sums in the same order as micro's.
+// From 24 rows on: 1.03-1.17x micro's rate at 64 rows on Gemma-2-2B's and the default model's
+// shapes, W1 / W2 +4-11% (BENCHMARKS.md "Session 26"); at fewer rows it lost as often as it won.
+template <int R>
+__attribute__((always_inline)) inline void micro2(const uint16_t* x, int64_t x_stride, const uint16_t* pa,
+                                                  const uint16_t* pb, int64_t pairs, bf16* y, int64_t y_stride,
+                                                  const char* ahead, int64_t ahead_gap) {
+  __m512 acc[R][4];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (ahead) {
+      prefetch(ahead + p * 128);
+      prefetch(ahead + p * 128 + 64);
+      prefetch(ahead + ahead_gap + p * 128);
+      prefetch(ahead + ahead_gap + p * 128 + 64);
+    }
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pa + p * 2 * kCols);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(pa + p * 2 * kCols + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(pb + p * 2 * kCols);
+    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(pb + p * 2 * kCols + 32);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      __builtin_memcpy(&pair, x + r * x_stride + 2 * p, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, w3);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) store(y + r * y_stride + v * W, acc[r][v], kFull);
+}
+
+constexpr int kRowBlock2 = 6;  // rows of micro2: 24 sums + 4 W vectors
+
 void gemm(const pagedkv_gemm_bf16_params& P) {
   const auto* x = static_cast<const uint16_t*>(P.x);
   const auto* w = static_cast<const uint16_t*>(P.w);
   bf16* y = static_cast<bf16*>(P.out);
   const int64_t pairs = P.k / 2, panels = (P.n + kCols - 1) / kCols, panel_elems = P.k * kCols;
+  // Many rows: pairs of whole panels, then the rest one by one, where the threads' shares of the
+  // pairs (each ~1.8 panels' time) end sooner than their shares of single panels would (576
+  // columns on two threads: 9 pairs split 5 / 4 lose to 18 panels split 9 / 9).
+  const int64_t twos = P.n / (2 * kCols), units = twos + (panels - 2 * twos);
+  const int64_t threads = std::max(1, P.threads);
+  const bool paired = 18 * ((units + threads - 1) / threads) < 10 * ((panels + threads - 1) / threads);
+  if (P.rows >= 2 * kRowBlock && paired) {
+    over_items(P.rows, units, 2 * P.k, kRowBlock2, P.threads, [&](int64_t r0, int64_t rows, int64_t u, bool ahead) {
+      const int64_t first = u < twos ? 2 * u : 2 * twos + (u - twos);  // the unit's (first) panel
+      const uint16_t* pa = w + first * panel_elems;
+      const char* next = ahead && u + 1 < twos ? reinterpret_cast<const char*>(pa + 2 * panel_elems) : nullptr;
+      const int cols = int(std::min<int64_t>(kCols, P.n - first * kCols));
+      by_row_blocks<kRowBlock2>(rows, [&](auto R, int64_t r) {
+        const uint16_t* xr = x + (r0 + r) * P.x_stride;
+        bf16* yr = y + (r0 + r) * P.out_stride + first * kCols;
+        const char* pf = r == 0 ? next : nullptr;
+        if (u < twos) micro2<R>(xr, P.x_stride, pa, pa + panel_elems, pairs, yr, P.out_stride, pf, 2 * panel_elems);
+        else if (cols == kCols) micro<R, true>(xr, P.x_stride, pa, pairs, yr, P.out_stride, cols, nullptr);
+        else micro<R, false>(xr, P.x_stride, pa, pairs, yr, P.out_stride, cols, nullptr);
+      });
+    });
+    return;
+  }
   over_items(P.rows, panels, 2 * P.k, kRowBlock, P.threads, [&](int64_t r0, int64_t rows, int64_t p, bool ahead) {
     const char* next = ahead ? reinterpret_cast<const char*>(w + (p + 1) * panel_elems) : nullptr;
     const int cols = int(std::min<int64_t>(kCols, P.n - p * kCols));
