@@ -108,11 +108,15 @@ def _rotary_tables(max_pos: int, head_dim: int) -> tuple[torch.Tensor, torch.Ten
 @pytest.mark.parametrize(
     "tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (50, 4, 2, 40), (7, 2, 2, 128)]
 )
+@pytest.mark.parametrize("partial", [False, True])
 def test_rope_and_store_equals_torch_rotation_and_write(
-    dtype, tokens, heads, kv_heads, head_dim, torch_path, kernel_isa
+    dtype, tokens, heads, kv_heads, head_dim, partial, torch_path, kernel_isa
 ) -> None:
+    """HF's rotation, then the cache write; with `partial`, RoPE on the first 3/4 of each head
+    only (Phi-4-mini's partial_rotary_factor), the rest of it passed through."""
     gen = torch.Generator().manual_seed(tokens + head_dim)
-    cos, sin = _rotary_tables(256, head_dim)
+    rotary = head_dim * 3 // 4 if partial else head_dim  # (40 -> 30: not whole vectors)
+    cos, sin = _rotary_tables(256, rotary)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     positions = torch.randint(0, 256, (tokens,), generator=gen)
     num_blocks, block_size = 12, 8
@@ -127,7 +131,8 @@ def test_rope_and_store_equals_torch_rotation_and_write(
     # the reference: HF's rotation in float32, then the torch cache write
     x = qkv.float().view(tokens, -1, head_dim)[:, : heads + kv_heads]
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    rotated = (x * c + x.roll(head_dim // 2, dims=-1) * s).to(dtype)
+    turned = x[..., :rotary] * c + x[..., :rotary].roll(rotary // 2, dims=-1) * s
+    rotated = torch.cat([turned, x[..., rotary:]], dim=-1).to(dtype)
     close(mine.view(tokens, -1, head_dim)[:, : heads + kv_heads], rotated, dtype)
     assert torch.equal(
         mine[:, (heads + kv_heads) * head_dim :], qkv[:, (heads + kv_heads) * head_dim :]
@@ -224,4 +229,8 @@ def test_rope_and_store_rejects_bad_indices() -> None:
         rope_and_store(qkv, 1, 1, torch.tensor([0, 16]), cos, sin, kv_cache, torch.tensor([0, 1]))
     with pytest.raises(native.KernelError, match="slot 8 is outside the cache of 8 slots"):
         rope_and_store(qkv, 1, 1, torch.tensor([0, 1]), cos, sin, kv_cache, torch.tensor([8, 0]))
+    for bad in (3, 10):  # odd, and more than the head
+        c3, s3 = torch.ones(16, bad), torch.zeros(16, bad)
+        with pytest.raises(native.KernelError, match=f"rotary_dim {bad}: not an even count"):
+            rope_and_store(qkv, 1, 1, torch.tensor([0, 1]), c3, s3, kv_cache, torch.tensor([0, 1]))
     assert torch.equal(cache, torch.zeros_like(cache)), "nothing is written when an index is bad"

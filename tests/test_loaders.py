@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import threading
 import time
@@ -89,9 +90,8 @@ def test_unsupported_hf_architecture_and_broken_folders(tiny_model_dir, tmp_path
     with pytest.raises(ConfigError, match="unsupported architecture 'GPT2LMHeadModel'"):
         load_model(folder, torch.float32)
     partial = {**cfg, "rope_parameters": {**cfg["rope_parameters"], "partial_rotary_factor": 0.75}}
-    (folder / "config.json").write_text(json.dumps(partial))  # Phi-4-mini's: not silently whole
-    with pytest.raises(ConfigError, match="unsupported partial_rotary_factor 0.75"):
-        load_model(folder, torch.float32)
+    (folder / "config.json").write_text(json.dumps(partial))  # Phi-4-mini's: RoPE on 12 of 16
+    assert load_model(folder, torch.float32).config.rope_dim == 12
     for bad, message in (
         ({"sliding_window": -4}, "sliding_window must be a positive whole number, got -4"),
         ({"sliding_window": 8, "layer_types": ["sliding_attention"]}, "1 layer types for 2 layers"),
@@ -346,6 +346,15 @@ def hf_to_gguf(
         w.add_head_count_kv(kv_heads)
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
         w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+        rotated = int(rope.get("partial_rotary_factor", 1.0) * cfg["hidden_size"]) // heads
+        if rotated != cfg["hidden_size"] // heads:  # (llama.cpp's rule, for Phi-4-mini)
+            w.add_rope_dimension_count(rotated)
+        if rope.get("rope_type") == "longrope":
+            key = "original_max_position_embeddings"  # (Phi-3's config.json: at the top)
+            old = rope.get(key) or cfg[key]
+            stretch = cfg["max_position_embeddings"] / old
+            w.add_rope_scaling_orig_ctx_len(old)
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(stretch) / math.log(old)))
         if arch in ("gemma2", "gemma3"):
             w.add_sliding_window(cfg["sliding_window"])
         if arch == "gemma2":
@@ -410,6 +419,9 @@ def hf_to_gguf(
         elif gemma and part.endswith("norm"):
             w = w + np.float32(1)
         tensors[f"blk.{layer}.{part}.{kind}"] = w
+    if rope.get("rope_type") == "longrope":  # the factor sets as tensors
+        for kind in ("long", "short"):
+            tensors[f"rope_factors_{kind}.weight"] = np.array(rope[f"{kind}_factor"], np.float32)
     if qtype is not None:
         tensors = {
             k: (gguf.quants.quantize(w, qtype), qtype) if w.ndim == 2 else w
@@ -467,13 +479,41 @@ def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
     )
 
 
-def test_partial_rope_gguf_is_refused(tiny_model_dir, tmp_path):
-    def partial(w: gguf.GGUFWriter) -> None:
-        w.add_rope_dimension_count(8)  # of 16
-
-    path = hf_to_gguf(Path(tiny_model_dir), tmp_path / "p.gguf", extra=partial)
-    with pytest.raises(ConfigError, match="unsupported partial RoPE: 8 of 16 dimensions"):
-        load_model(path, torch.float32)
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_longrope_and_partial_rope_gguf_equal_their_config(partial, tmp_path):
+    """Phi-3.5's and Phi-4-mini's GGUF (llama.cpp's converter: the factor sets as tensors, the
+    original length and attention factor as keys, rope.dimension_count for partial RoPE) give the
+    RoPE their config.json gives, for either set."""
+    folder = Path(make_tiny_model(tmp_path / "phi3", arch="phi3"))  # head_dim 16
+    cfg = json.loads((folder / "config.json").read_text())
+    pairs = int(16 * partial) // 2
+    cfg.update(max_position_embeddings=64, original_max_position_embeddings=16)
+    cfg["rope_parameters"] = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": partial,
+        "short_factor": [1.0 + 0.1 * i for i in range(pairs)],
+        "long_factor": [2.0 + 0.7 * i for i in range(pairs)],
+    }
+    (folder / "config.json").write_text(json.dumps(cfg))
+    path = hf_to_gguf(folder, tmp_path / "l.gguf")
+    for max_len in (16, 64):
+        from_gguf = load_model(path, torch.float32, max_model_len=max_len)
+        from_hf = load_model(folder, torch.float32, max_model_len=max_len)
+        assert from_gguf.config.rope_dim == from_hf.config.rope_dim == 2 * pairs
+        assert from_gguf.max_model_len == from_hf.max_model_len == 64
+        ours, theirs = from_gguf.config.rope_scaling, from_hf.config.rope_scaling
+        assert ours["long"] == theirs["long"] == (max_len == 64)
+        assert ours["original_max_position_embeddings"] == 16
+        for key in ("long_factor", "short_factor"):  # (as float32: the file's, and transformers')
+            assert torch.equal(torch.tensor(ours[key]), torch.tensor(theirs[key]))
+        for table in ("cos", "sin"):
+            a, b = getattr(from_gguf.model.rotary, table), getattr(from_hf.model.rotary, table)
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        for (name, a), b in zip(
+            from_hf.model.state_dict().items(), from_gguf.model.state_dict().values()
+        ):
+            assert torch.equal(a, b), name
 
 
 MULTIMODAL = "Gemma3nForConditionalGeneration"

@@ -409,6 +409,100 @@ def test_gemma_3_image_and_text_checkpoint_serves_its_text_model(tmp_path):
         load_model(newer, torch.float32)
 
 
+def _longrope(pairs: int, original: int, **extra) -> dict:
+    """LongRoPE's parameters (Phi-3.5, Phi-4-mini): a factor per rotated pair for each set, far
+    enough apart that the two sets give other tokens."""
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.5 * i for i in range(pairs)],
+        "long_factor": [3.0 + 4.0 * i for i in range(pairs)],
+        "original_max_position_embeddings": original,
+        **extra,
+    }
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_longrope_and_partial_rotary_match_transformers(partial, decode_backend, tmp_path):
+    """Phi-3.5's and Phi-4-mini's RoPE: LongRoPE's factors (cos and sin scaled by its attention
+    factor) and, for Phi-4-mini, RoPE on the first 3/4 of each head only. The long set where the
+    context served exceeds the original length (here 16 of 64), else the short one, fixed for
+    the engine's life as vLLM and llama.cpp fix it; transformers picks by the sequence's length,
+    so both agree on a prompt past 16 tokens served to 64, and on one within 16 served to 16."""
+    src = make_tiny_model(tmp_path / "phi3", arch="phi3")  # head_dim 16
+    pairs = int(16 * partial) // 2
+    folder = _variant(
+        src,
+        tmp_path / "longrope",
+        max_position_embeddings=64,
+        original_max_position_embeddings=16,
+        rope_parameters=_longrope(pairs, 16, partial_rotary_factor=partial),
+    )
+    hf = load_hf(folder)
+    long_lm = load_model(folder, torch.float32)
+    assert long_lm.max_model_len == 64 and long_lm.config.rope_scaling["long"]
+    assert long_lm.config.rope_dim == 2 * pairs == hf.model.rotary_emb.inv_freq.numel() * 2
+    assert long_lm.model.rotary.cos.shape == (64, 2 * pairs)
+    ids = long_lm.tokenizer.encode(PROMPTS[1] + " " + PROMPTS[3])
+    short = long_lm.tokenizer.encode(PROMPTS[0])
+    assert len(ids) > 16 > len(short) + 8
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    ours = PagedDriver(long_lm, 4, 64).step([(Seq(list(ids)), len(ids))])[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    want = hf_greedy(hf, ids, 8)
+    assert PagedDriver(long_lm, 4, 64).greedy([Seq(list(ids))], 8) == [want]
+    assert PagedDriver(long_lm, 4, 64).greedy([Seq(list(ids))], 8, first_chunk=7) == [want]
+
+    short_lm = load_model(folder, torch.float32, max_model_len=16)
+    assert not short_lm.config.rope_scaling["long"]
+    assert short_lm.fingerprint != long_lm.fingerprint  # (other K/V: a disk tier parts them)
+    want = hf_greedy(hf, short, 8)
+    assert PagedDriver(short_lm, 4, 64).greedy([Seq(list(short))], 8) == [want]
+    # the sets differ where it shows: the long one gives the short prompt other logits
+    with torch.inference_mode():
+        ref = hf(torch.tensor([short])).logits[0, -1]
+    for lm, same in ((short_lm, True), (long_lm, False)):
+        got = PagedDriver(lm, 4, 64).step([(Seq(list(short)), len(short))])[0]
+        assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4) == same
+
+
+def test_an_engine_serves_longrope_with_the_set_for_its_context(tmp_path):
+    """--max-model-len picks the set: within the original length the short one."""
+    from pagedkv import LLM
+
+    src = make_tiny_model(tmp_path / "phi3", arch="phi3")
+    folder = _variant(
+        src,
+        tmp_path / "longrope",
+        max_position_embeddings=64,
+        original_max_position_embeddings=16,
+        rope_parameters=_longrope(8, 16),
+    )
+    for max_len, long in ((16, False), (64, True), (None, True)):
+        llm = LLM(str(folder), dtype="float32", max_model_len=max_len)
+        assert llm.engine.loaded.config.rope_scaling["long"] is long
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"partial_rotary_factor": 0.2}, "RoPE over 3 of 16 dimensions a head: needs an even"),
+        ({"short_factor": [1.0] * 7}, "longrope short_factor must be 8 positive numbers"),
+        ({"long_factor": [1.0] * 7 + [-1.0]}, "longrope long_factor must be 8 positive numbers"),
+        ({"original_max_position_embeddings": None}, "longrope needs original_max_position"),
+    ],
+)
+def test_bad_longrope_or_partial_rotary_is_refused(changes, message, tmp_path):
+    src = make_tiny_model(tmp_path / "phi3", arch="phi3")
+    rope = {k: v for k, v in {**_longrope(8, 16), **changes}.items() if v is not None}
+    folder = _variant(
+        src, tmp_path / "bad", original_max_position_embeddings=None, rope_parameters=rope
+    )
+    with pytest.raises(ConfigError, match=message):
+        load_model(folder, torch.float32)
+
+
 MISTRAL = {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
 QWEN = {"sliding_window": 8, "use_sliding_window": True}
 

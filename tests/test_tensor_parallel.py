@@ -4,6 +4,7 @@ test_tp_quant.py; the offload tiers: test_tp_tiers.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from server_process import REPO
@@ -73,6 +75,25 @@ def test_tp2_equals_tp1_for_other_families(arch, tmp_path_factory):
     scores on each rank's heads, its logits' cap on the whole."""
     path = make_tiny_model(tmp_path_factory.mktemp(arch) / "m", heads=4, kv_heads=2, arch=arch)
     compare(path, 2, num_gpu_blocks_override=64, block_size=4)
+
+
+def test_tp2_equals_tp1_under_longrope_on_part_of_each_head(tmp_path_factory):
+    """Phi-4-mini's RoPE (LongRoPE's long set, on 3/4 of each head) on each rank's heads."""
+    folder = make_tiny_model(
+        tmp_path_factory.mktemp("phi4") / "m", heads=4, kv_heads=2, arch="phi3"
+    )
+    path = Path(folder)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["original_max_position_embeddings"] = 16
+    cfg["rope_parameters"] = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "short_factor": [1.0] * 6,
+        "long_factor": [1.0 + i for i in range(6)],
+    }
+    (path / "config.json").write_text(json.dumps(cfg))
+    compare(str(path), 2, num_gpu_blocks_override=64, block_size=4)
 
 
 def test_tp2_under_preemption_swap_and_quantized_kv(tmp_path_factory):

@@ -49,12 +49,14 @@ def rope_and_store(
     """Rotates q and k of a fused [T, (Hq + 2 Hkv) * D] projection in place for their positions
     (RoPE) and stores the new k and v at their slots; returns q as [T, Hq, D] (a view of qkv).
 
-    cos / sin: float32 [max_positions, D], rotate_half's sign folded into sin. bias: the
+    cos / sin: float32 [max_positions, R], rotate_half's sign folded into sin: the first R dims
+    of each head turn (R < D: partial rotary, Phi-4-mini's), the rest pass. bias: the
     projection's [(Hq + 2 Hkv) * D] bias (Qwen2), added first; qk_norm: the RMSNorm each q and k
     head gets before its rotation (Qwen3).
     """
     k_cache, v_cache = kv_cache
-    tokens, head_dim = qkv.shape[0], cos.shape[1]
+    tokens, rotary_dim = qkv.shape[0], cos.shape[1]
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     q = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
     weights = [t for t in (bias, *(qk_norm.weights() if qk_norm else ())) if t is not None]
     lib, store = None, None
@@ -88,6 +90,7 @@ def rope_and_store(
             q_norm=None if qk_norm is None else qk_norm.q.data_ptr(),
             k_norm=None if qk_norm is None else qk_norm.k.data_ptr(),
             norm_eps=0.0 if qk_norm is None else qk_norm.eps,
+            rotary_dim=rotary_dim,
         )
         if store is not None:
             return q
@@ -102,9 +105,9 @@ def rope_and_store(
             ):
                 normed = ops.rms_norm(part.reshape(-1, head_dim), weight, qk_norm.eps)[0]
                 part.copy_(normed.view_as(part))
-        qk = heads[:, : num_heads + num_kv_heads]
+        qk = heads[:, : num_heads + num_kv_heads, :rotary_dim]
         c, s = (t[positions].unsqueeze(1).to(qkv.dtype) for t in (cos, sin))
-        qk.copy_(torch.addcmul(qk * c, qk.roll(head_dim // 2, dims=-1), s))
+        qk.copy_(torch.addcmul(qk * c, qk.roll(rotary_dim // 2, dims=-1), s))
     kv = num_heads + num_kv_heads
     write_kv(k_cache, v_cache, heads[:, num_heads:kv], heads[:, kv:], slot_mapping)
     return q

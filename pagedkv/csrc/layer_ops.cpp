@@ -126,11 +126,13 @@ inline void rotate(T* x, const float* cos, const float* sin, int64_t half) {
 
 // Token t's q | k | v row (qkv[t]) gets the projection's bias (if any); its q and k heads their
 // RMSNorm over the head (if any: Qwen3's q_norm / k_norm, rounded as rms_norm rounds), then their
-// rotation for its position; then, with a cache, its k and v heads are stored at slot slots[t] of
-// k_cache / v_cache ([num_blocks, Hkv, block_size, D], the layout of attention/paged.py).
+// rotation for its position, of their first rotary_dim dims (transformers' partial rotary); then,
+// with a cache, its k and v heads are stored at slot slots[t] of k_cache / v_cache
+// ([num_blocks, Hkv, block_size, D], the layout of attention/paged.py).
 template <typename T>
 void rope_cache(const pagedkv_rope_cache_params& p, int threads) {
   const int64_t Hq = p.num_q_heads, Hkv = p.num_kv_heads, D = p.head_dim, width = (Hq + 2 * Hkv) * D;
+  const int64_t R = p.rotary_dim ? p.rotary_dim : D;  // the rest of each head passes unturned
   const int64_t block_size = p.block_size;
   const T* bias = static_cast<const T*>(p.bias);
   const T* norms[2] = {static_cast<const T*>(p.q_norm), static_cast<const T*>(p.k_norm)};
@@ -144,13 +146,13 @@ void rope_cache(const pagedkv_rope_cache_params& p, int threads) {
         const Mask m = lanes(width, c);
         store(row + c, add(load(row + c, m), load(bias + c, m)), m);
       }
-    const float* c = p.cos + p.positions[t] * D;
-    const float* s = p.sin + p.positions[t] * D;
+    const float* c = p.cos + p.positions[t] * R;
+    const float* s = p.sin + p.positions[t] * R;
     for (int64_t h = 0; h < Hq + Hkv; ++h) {
       T* head = row + h * D;
       const T* norm = norms[h < Hq ? 0 : 1];
       if (norm) scale_row(head, norm, head, D, inv_rms(head, D, p.norm_eps));
-      rotate(head, c, s, D / 2);
+      rotate(head, c, s, R / 2);
     }
     if (!p.slots) continue;
     const int64_t block = p.slots[t] / block_size, offset = p.slots[t] % block_size;
@@ -278,6 +280,8 @@ int pagedkv_rope_cache(const pagedkv_rope_cache_params* p, char* err, int errlen
   const int64_t D = p->head_dim, Hq = p->num_q_heads, Hkv = p->num_kv_heads;
   if (D % 2 || p->row_stride < (Hq + 2 * Hkv) * D)
     return fail(err, errlen, "head_dim %lld and row stride %lld disagree with the heads", D, p->row_stride);
+  if (p->rotary_dim < 0 || p->rotary_dim > D || p->rotary_dim % 2)
+    return fail(err, errlen, "rotary_dim %lld: not an even count of at most head_dim %lld", p->rotary_dim, D);
   for (int64_t t = 0; t < p->num_tokens; ++t) {
     if (p->positions[t] < 0 || p->positions[t] >= p->max_positions)
       return fail(err, errlen, "position %lld is outside the rotary table of %lld positions", p->positions[t],

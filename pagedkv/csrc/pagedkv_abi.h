@@ -135,8 +135,8 @@ typedef struct {
   int64_t num_kv_heads;
   int64_t head_dim;
   const int64_t* positions;         // [num_tokens]
-  const float* cos;                 // [max_positions, head_dim]
-  const float* sin;                 // [max_positions, head_dim], rotate_half's sign folded in
+  const float* cos;                 // [max_positions, rotary_dim]
+  const float* sin;                 // [max_positions, rotary_dim], rotate_half's sign folded in
   int64_t max_positions;
   const int64_t* slots;             // [num_tokens] flat cache slots; null: rotate only
   void* k_cache;                    // [num_blocks, num_kv_heads, block_size, head_dim]
@@ -148,6 +148,7 @@ typedef struct {
   const void* q_norm;               // [head_dim] RMSNorm weight of every q head before RoPE; or null
   const void* k_norm;               // [head_dim] the same for k heads (Qwen3); or null
   float norm_eps;
+  int64_t rotary_dim;               // leading dims of each head that RoPE turns, even (Phi-4-mini: 3/4); 0: all
 } pagedkv_rope_cache_params;
 
 // New K or V rows rotated (vec.h: hadamard), quantized into their slots, each (token, head) row

@@ -90,6 +90,11 @@ class LLMEngine:
                 f"--max-model-len {self.max_model_len} exceeds the model's context length "
                 f"({self.loaded.max_model_len}: max_position_embeddings, or a sliding window)"
             )
+        rope = self.loaded.config.rope_scaling or {}
+        if rope.get("rope_type") == "longrope" and rope["long"] != (
+            self.max_model_len > rope["original_max_position_embeddings"]
+        ):  # (a model loaded for another context: load_model(max_model_len=...) picks the set)
+            raise ConfigError("this model's LongRoPE tables were built for another context length")
         kv = build_engine_kv(config, self.loaded, num_kv_heads, self.device, self.max_model_len)
         self.tp, self.storage, self.offload, self.kv = kv.tp, kv.storage, kv.offload, kv.manager
         proposer = NgramProposer(config.speculative_config) if config.speculative_config else None

@@ -110,6 +110,7 @@ def load_rank_model(
             device,
             config.quantization,
             sliding_window=not config.disable_sliding_window,
+            max_model_len=config.max_model_len,
         )
         return loaded, loaded.config.num_key_value_heads
     from pagedkv.distributed.group import all_reduce
@@ -123,6 +124,7 @@ def load_rank_model(
             config.quantization,
             pack=False,
             sliding_window=not config.disable_sliding_window,
+            max_model_len=config.max_model_len,
         )
     return loaded, shard_model(loaded.model, rank, world, all_reduce).num_kv_heads
 

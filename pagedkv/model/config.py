@@ -60,7 +60,7 @@ _TEXT_DEFAULTS = {
         "max_position_embeddings": 131_072,
     }
 }
-ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn", "longrope")
 
 
 @dataclass
@@ -74,9 +74,7 @@ class LlamaConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: (
-        dict | None
-    )  # {"rope_type": "linear"|"llama3"|"freq_factors", ...}; None = plain RoPE
+    rope_scaling: dict | None  # {"rope_type": one of ROPE_TYPES, ...}; None = plain RoPE
     max_position_embeddings: int
     tie_word_embeddings: bool
     bos_token_id: int | None
@@ -101,12 +99,27 @@ class LlamaConfig:
     # the logits the same with final_softcap (None: none)
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    # RoPE turns only the first rotary_dim dims of each head (None: all; Phi-4-mini: 3/4 of them)
+    rotary_dim: int | None = None
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.rotary_dim == self.head_dim:
+            self.rotary_dim = None
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim < self.head_dim and self.rotary_dim % 2 == 0
+        ):
+            raise ConfigError(
+                f"RoPE over {self.rotary_dim} of {self.head_dim} dimensions a head: "
+                "needs an even number, at least 2 (partial_rotary_factor)"
             )
         scaling = self.rope_scaling
         if scaling is not None:
@@ -122,6 +135,8 @@ class LlamaConfig:
                 old = scaling[key] = scaling.get(key) or self.max_position_embeddings
                 stretched = int(old * (scaling.get("factor") or 1.0))
                 self.max_position_embeddings = max(self.max_position_embeddings, stretched)
+            if kind == "longrope":
+                self._check_longrope(scaling)
         window, layers = self.sliding_window, self.window_layers
         if window is not None and (not isinstance(window, int) or window < 1):
             raise ConfigError(f"sliding_window must be a positive whole number, got {window!r}")
@@ -135,6 +150,25 @@ class LlamaConfig:
             cap = getattr(self, name)
             if cap is not None and not (isinstance(cap, (int, float)) and 0 < cap < float("inf")):
                 raise ConfigError(f"{name} must be a positive number, got {cap!r}")
+
+    def _check_longrope(self, scaling: dict) -> None:
+        """Phi-3's LongRoPE: a factor for each frequency, one set for contexts up to the original
+        length and one for longer ones (`use_long_rope` picks; see there)."""
+        pairs = self.rope_dim // 2
+        for key in ("short_factor", "long_factor"):
+            factors = scaling.get(key)
+            if not (
+                isinstance(factors, list)
+                and len(factors) == pairs
+                and all(isinstance(f, (int, float)) and 0 < f < float("inf") for f in factors)
+            ):
+                raise ConfigError(
+                    f"longrope {key} must be {pairs} positive numbers (one per rotated pair)"
+                )
+        old = scaling.get("original_max_position_embeddings")
+        if not isinstance(old, int) or old < 1:
+            raise ConfigError("longrope needs original_max_position_embeddings")
+        scaling.setdefault("long", self.max_position_embeddings > old)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (0-based), None where it attends to everything."""
@@ -186,6 +220,10 @@ class LlamaConfig:
         rope.update(d.get("rope_scaling") or {})
         if "type" in rope:
             rope["rope_type"] = rope.pop("type")
+        if rope.get("rope_type") in ("su", "longrope"):  # ("su": Phi-3's first name for it)
+            rope["rope_type"] = "longrope"
+            key = "original_max_position_embeddings"
+            rope.setdefault(key, d.get(key))
         gemma3 = model_type == "gemma3_text"
         theta = rope.pop("rope_theta", None) or d.get("rope_theta", 1e6 if gemma3 else 10000.0)
         gemma_args: dict[str, Any] = {}
@@ -199,10 +237,9 @@ class LlamaConfig:
         if model_type in GEMMA_WINDOW_PATTERN:  # (Gemma 1 scales by head_dim, as Llama does)
             gemma_args["query_pre_attn_scalar"] = float(d.get("query_pre_attn_scalar", 256))
         partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor", 1.0)
-        if partial != 1.0:  # (Phi-4-mini's 0.75: RoPE on part of each head)
-            raise ConfigError(f"unsupported partial_rotary_factor {partial} (RoPE on whole heads)")
         try:
             heads = d["num_attention_heads"]
+            head_dim = d.get("head_dim") or d["hidden_size"] // heads
             return cls(
                 vocab_size=d["vocab_size"],
                 hidden_size=d["hidden_size"],
@@ -210,7 +247,7 @@ class LlamaConfig:
                 num_hidden_layers=d["num_hidden_layers"],
                 num_attention_heads=heads,
                 num_key_value_heads=d.get("num_key_value_heads") or heads,
-                head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                head_dim=head_dim,
                 rms_norm_eps=d.get("rms_norm_eps", 1e-6),
                 rope_theta=float(theta),
                 rope_scaling=rope or None,
@@ -218,6 +255,7 @@ class LlamaConfig:
                 tie_word_embeddings=d.get("tie_word_embeddings", gemma),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_id=d.get("eos_token_id"),
+                rotary_dim=int(head_dim * partial),  # (as transformers rounds it)
                 **_sliding_window(d),
                 **gemma_args,
                 **softcaps,
@@ -225,6 +263,17 @@ class LlamaConfig:
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+
+
+def use_long_rope(config: LlamaConfig, max_model_len: int) -> None:
+    """LongRoPE's factor set for the context served: the long one when it exceeds the original
+    length. Fixed for the engine's life, as vLLM and llama.cpp fix it, so that a token's K/V do
+    not depend on what else runs, on chunking, preemption or a cached prefix. (transformers
+    switches per forward, by the longest sequence: equal to this wherever every sequence stays
+    within the original length and max_model_len does, or exceeds it from its prompt on.)"""
+    scaling = config.rope_scaling
+    if scaling and scaling.get("rope_type") == "longrope":
+        scaling["long"] = max_model_len > scaling["original_max_position_embeddings"]
 
 
 def text_model_dict(d: dict[str, Any]) -> dict[str, Any]:

@@ -55,6 +55,7 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's converter interleaves the RoPE halves of q and k only for these ("NORM" RoPE);
 # Qwen's GGUFs keep HF's layout ("NEOX")
 INTERLEAVED_ROPE = ("llama",)
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -132,15 +133,22 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
     head_dim = get("attention.key_length", hidden // heads)
-    if get("rope.dimension_count", head_dim) != head_dim:
-        raise ConfigError(
-            f"unsupported partial RoPE: {get('rope.dimension_count')} of {head_dim} dimensions"
-        )
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ConfigError("GGUF file has no token_embd.weight tensor")
     rope_scaling = None
-    if "rope_freqs.weight" in tensors:
+    if "rope_factors_long.weight" in tensors:  # LongRoPE (Phi-3.5, Phi-4-mini), as llama.cpp's
+        rope_scaling = {  # converter writes it: the factor sets as tensors
+            "rope_type": "longrope",
+            **{
+                f"{kind}_factor": dequantize(tensors[f"rope_factors_{kind}.weight"]).tolist()
+                for kind in ("long", "short")
+            },
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+        }
+        if f"{arch}.rope.scaling.attn_factor" in meta:
+            rope_scaling["attention_factor"] = float(meta[f"{arch}.rope.scaling.attn_factor"])
+    elif "rope_freqs.weight" in tensors:
         rope_scaling = {
             "rope_type": "freq_factors",
             "factors": dequantize(tensors["rope_freqs.weight"]).tolist(),
@@ -181,6 +189,7 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
         num_attention_heads=heads,
         num_key_value_heads=get("attention.head_count_kv", heads),
         head_dim=head_dim,
+        rotary_dim=get("rope.dimension_count", head_dim),
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
@@ -230,7 +239,7 @@ def iter_weights(
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in _ROPE_TENSORS:
             continue  # folded into config.rope_scaling
         m = _LAYER_TENSOR.fullmatch(t.name)
         if m and m.group(2) in names:

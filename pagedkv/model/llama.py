@@ -56,14 +56,16 @@ def _param(*shape: int, dtype: torch.dtype, device: str | None = None) -> nn.Par
 
 
 def rope_inv_freq(config: LlamaConfig) -> tuple[Tensor, float]:
-    """Per-pair rotation frequencies [head_dim / 2], with the model's scaling applied, and the
-    factor cos and sin are scaled by (YaRN's attention factor; 1 otherwise)."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
+    """Per-pair rotation frequencies [rope_dim / 2], with the model's scaling applied, and the
+    factor cos and sin are scaled by (YaRN's and LongRoPE's attention factor; 1 otherwise)."""
+    dim = config.rope_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
+    if kind == "longrope":  # (transformers' expression, to the last bit)
+        ext = torch.tensor(scaling["long_factor" if scaling["long"] else "short_factor"])
+        return 1.0 / (ext * config.rope_theta**exponents), _longrope_attention(config, scaling)
     if kind == "yarn":
         return _yarn(inv_freq, config.rope_theta, dim, scaling)
     if kind == "linear":
@@ -79,6 +81,16 @@ def rope_inv_freq(config: LlamaConfig) -> tuple[Tensor, float]:
         blend = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
         return (1 - blend) * inv_freq / factor + blend * inv_freq, 1.0
     return inv_freq, 1.0
+
+
+def _longrope_attention(config: LlamaConfig, s: dict) -> float:
+    """LongRoPE's scale of cos and sin: the model's attention_factor, else sqrt(1 + ln f / ln L)
+    for the context's stretch f over the original length L (both factor sets alike)."""
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    old = s["original_max_position_embeddings"]
+    factor = s.get("factor") or config.max_position_embeddings / old
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old))
 
 
 def _yarn(inv_freq: Tensor, base: float, dim: int, s: dict) -> tuple[Tensor, float]:
@@ -109,8 +121,9 @@ def _yarn(inv_freq: Tensor, base: float, dim: int, s: dict) -> tuple[Tensor, flo
 
 
 class Rotary(nn.Module):
-    """RoPE tables by position (float32 [P, D], HF's layout: the two halves of each head rotate
-    together), rotate_half's sign folded into sin; attention/store.py applies them."""
+    """RoPE tables by position (float32 [P, R] for the R = rope_dim leading dims of a head that
+    turn, HF's layout: their two halves rotate together), rotate_half's sign folded into sin;
+    attention/store.py applies them."""
 
     cos: Tensor  # buffers (declared for mypy: nn.Module's __getattr__ types them loosely)
     sin: Tensor
@@ -124,8 +137,8 @@ class Rotary(nn.Module):
             config = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
         inv_freq, scale = rope_inv_freq(config)
         freqs = torch.outer(positions, inv_freq)
-        angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        half = config.head_dim // 2
+        angles = torch.cat([freqs, freqs], dim=-1)  # [P, R]
+        half = config.rope_dim // 2
         sign = torch.cat([-torch.ones(half), torch.ones(half)])
         self.register_buffer("cos", angles.cos() * scale, persistent=False)
         self.register_buffer("sin", angles.sin() * sign * scale, persistent=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.config import QUANTIZATIONS, ConfigError, default_model_path
-from pagedkv.model.config import Checkpoint, LlamaConfig
+from pagedkv.model.config import Checkpoint, LlamaConfig, use_long_rope
 from pagedkv.model.dense_weights import add_dense_copies
 from pagedkv.model.gguf_loader import load_gguf
 from pagedkv.model.hf_loader import load_hf
@@ -133,18 +133,21 @@ def load_model(
     quantization: str | None = "none",
     pack: bool = True,
     sliding_window: bool = True,
+    max_model_len: int | None = None,
 ) -> LoadedModel:
     """Read a checkpoint and build the model on `device` in `dtype` ('auto' and names are resolved).
     quantization: "none", "int8", "gguf", or None for the default (resolve_quantization).
     pack=False: GGUF blocks wait for `model.pack_weights()` (tensor parallelism cuts them first).
     sliding_window=False: a model with a window attends to everything, up to its window at most
-    (vLLM's --disable-sliding-window)."""
+    (vLLM's --disable-sliding-window). max_model_len: the context to be served (None: the
+    model's own), which picks LongRoPE's factor set (config.use_long_rope)."""
     quantization = resolve_quantization(quantization, path, device)
     ckpt, name = read_checkpoint(path, keep_blocks=quantization == "gguf")
     window = ckpt.config.sliding_window
     if window and not sliding_window:
         ckpt.config.sliding_window = ckpt.config.window_layers = None
         ckpt.max_model_len = min(ckpt.max_model_len, window)
+    use_long_rope(ckpt.config, max_model_len or ckpt.max_model_len)
     dtype = resolve_dtype(dtype, device, ckpt.config)
     with torch.device(device):
         model = LlamaForCausalLM(ckpt.config, dtype, quantization, pack)

@@ -241,9 +241,10 @@ void silu_mul(int dtype, int64_t rows, int64_t n, bool gelu) {
         kTol[dtype]);
 }
 
-// RoPE on q and k heads, then k and v stored at their slots of the paged cache; with `qwen`, a
-// bias added first and each q and k head RMS-normed before its rotation.
-void rope_cache(int dtype, int64_t D, bool qwen) {
+// RoPE on the first R dims of the q and k heads (R < D: partial rotary), then k and v stored at
+// their slots of the paged cache; with `qwen`, a bias added first and each q and k head RMS-normed
+// before its rotation.
+void rope_cache(int dtype, int64_t D, bool qwen, int64_t R) {
   const int64_t tokens = 5, Hq = 3, Hkv = 1, stride = (Hq + 2 * Hkv) * D, max_pos = 64, bs = 4, num_blocks = 8;
   const float eps = 1e-6f;
   Buf qkv(dtype, tokens * stride), kc(dtype, num_blocks * Hkv * bs * D), vc(dtype, kc.size());
@@ -266,12 +267,12 @@ void rope_cache(int dtype, int64_t D, bool qwen) {
         const Buf& w = h < Hq ? qn : kn;
         for (int64_t i = 0; i < D; ++i) head[i] = round_to(dtype, w.get(i) * round_to(dtype, head[i] * inv));
       }
-  std::vector<float> cos(max_pos * D), sin(max_pos * D);
+  std::vector<float> cos(max_pos * R), sin(max_pos * R);
   for (int64_t p = 0; p < max_pos; ++p)
-    for (int64_t i = 0; i < D; ++i) {
-      const double a = p * std::pow(10000.0, -double(2 * (i % (D / 2))) / double(D));
-      cos[p * D + i] = float(std::cos(a));
-      sin[p * D + i] = float(i < D / 2 ? -std::sin(a) : std::sin(a));
+    for (int64_t i = 0; i < R; ++i) {
+      const double a = p * std::pow(10000.0, -double(2 * (i % (R / 2))) / double(R));
+      cos[p * R + i] = float(std::cos(a));
+      sin[p * R + i] = float(i < R / 2 ? -std::sin(a) : std::sin(a));
     }
   std::vector<int64_t> pos(tokens), slots(tokens);
   for (int64_t t = 0; t < tokens; ++t) { pos[t] = randint(0, max_pos - 1); slots[t] = t * 5 + 1; }
@@ -280,8 +281,10 @@ void rope_cache(int dtype, int64_t D, bool qwen) {
     for (int64_t h = 0; h < Hq + 2 * Hkv; ++h)
       for (int64_t i = 0; i < D; ++i) {
         const int64_t at = t * stride + h * D;
-        const double a = x[at + i], b = x[at + (i + D / 2) % D];
-        want[at + i] = h < Hq + Hkv ? a * cos[pos[t] * D + i] + b * sin[pos[t] * D + i] : a;
+        const double a = x[at + i];
+        if (h >= Hq + Hkv || i >= R) { want[at + i] = a; continue; }
+        const double b = x[at + (i + R / 2) % R];
+        want[at + i] = a * cos[pos[t] * R + i] + b * sin[pos[t] * R + i];
       }
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t i = 0; i < D; ++i) {
@@ -292,9 +295,10 @@ void rope_cache(int dtype, int64_t D, bool qwen) {
   pagedkv_rope_cache_params p{pagedkv_dtype(dtype), qkv.data(), tokens, stride, Hq, Hkv, D, pos.data(), cos.data(),
                               sin.data(), max_pos, slots.data(), kc.data(), vc.data(), num_blocks, bs, 2,
                               qwen ? bias.data() : nullptr, qwen ? qn.data() : nullptr,
-                              qwen ? kn.data() : nullptr, eps};
+                              qwen ? kn.data() : nullptr, eps, R == D ? 0 : R};
   ran(pagedkv_rope_cache(&p, err, sizeof err), "rope_cache");
-  const std::string tag = std::string(kName[dtype]) + " D=" + std::to_string(D) + (qwen ? " bias+norm" : "");
+  const std::string tag = std::string(kName[dtype]) + " D=" + std::to_string(D) + " R=" + std::to_string(R) +
+                          (qwen ? " bias+norm" : "");
   check("rope " + tag, want, qkv, kTol[dtype]);
   check("rope k cache " + tag, want_k, kc, kTol[dtype]);
   check("rope v cache " + tag, want_v, vc, 0);
@@ -516,7 +520,8 @@ int main() {
       for (bool gelu : {false, true}) silu_mul(dtype, 3, n, gelu);
     }
     for (int64_t D : {64, 20})
-      for (bool qwen : {false, true}) rope_cache(dtype, D, qwen);
+      for (bool qwen : {false, true})
+        for (int64_t R : {D, D * 3 / 4 / 2 * 2}) rope_cache(dtype, D, qwen, R);
     lora(dtype, 11, 40, 36);
     lora(dtype, 64, 576, 192);
   }
