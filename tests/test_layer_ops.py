@@ -3,6 +3,8 @@ attention/store.py (RoPE with the K/V store)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -218,6 +220,42 @@ def test_rope_and_store_with_bias_and_qk_norm(dtype, bias, norm, cache, torch_pa
         )
         assert (got.float() - want.float()).abs().max() <= 0.05 * want.float().abs().max()
         assert got.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_store_without_tables_stores_unturned(dtype, torch_path, kernel_isa) -> None:
+    """A NoPE layer (SmolLM3's every 4th): no tables, so q and k stay as projected and k and v
+    are stored as they are, the Qwen3-style norm still applied."""
+    from pagedkv.attention.store import QKNorm
+
+    tokens, heads, kv_heads, head_dim = 5, 4, 2, 32
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(32, generator=gen)[:tokens]
+    positions = torch.tensor([0, 3, 1000, 7, 2])  # (no table to be outside of)
+    ones = QKNorm(*(torch.ones(head_dim, dtype=dtype) for _ in "qk"), 1e-6)
+    for norm in (None, ones):
+        outs = []
+        for run in (rope_and_store, functools.partial(torch_path, rope_and_store)):
+            mine = qkv.clone()
+            cache = tuple(torch.zeros(4, kv_heads, 8, head_dim, dtype=dtype) for _ in "kv")
+            run(mine, heads, kv_heads, positions, None, None, cache, slots, None, norm)
+            outs.append((mine, cache))
+            x = qkv.float().view(tokens, -1, head_dim)
+            if norm is not None:  # (weights of one: just the RMS scaling of each q and k head)
+                qk = x[:, : heads + kv_heads]
+                x[:, : heads + kv_heads] = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + 1e-6)
+            close(mine, x.reshape(tokens, -1).to(dtype), dtype)
+            want = tuple(torch.zeros_like(c) for c in cache)
+            heads_view = mine.view(tokens, -1, head_dim)
+            write_kv(
+                *want,
+                heads_view[:, heads : heads + kv_heads],
+                heads_view[:, heads + kv_heads :],
+                slots,
+            )
+            assert all(torch.equal(a, b) for a, b in zip(cache, want))
+        close(outs[0][0], outs[1][0], dtype)
 
 
 def test_rope_and_store_rejects_bad_indices() -> None:

@@ -412,9 +412,9 @@ def hf_to_gguf(
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
         sub, kind = rest.rsplit(".", 1)
         part = parts[sub]
-        if arch == "llama" and part == "attn_q":
+        if arch in ("llama", "smollm3") and part == "attn_q":  # (LlamaModel's converter)
             w = llama_cpp_permute(w, heads)
-        elif arch == "llama" and part == "attn_k":
+        elif arch in ("llama", "smollm3") and part == "attn_k":
             w = llama_cpp_permute(w, kv_heads)
         elif gemma and part.endswith("norm"):
             w = w + np.float32(1)
@@ -430,10 +430,14 @@ def hf_to_gguf(
     return write_gguf(out, arch=arch, tensors=tensors, meta=meta)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3"]
+)
 def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
     if arch == "llama":
         folder = Path(tiny_model_dir)
+    elif arch == "smollm3":  # four layers, the fourth without RoPE: the step llama.cpp assumes
+        folder = Path(make_tiny_model(tmp_path / arch, arch=arch, num_layers=4))
     elif arch == "gemma2":  # (a GGUF has no query_pre_attn_scalar: head_dim's below 27B)
         folder = Path(make_tiny_model(tmp_path / arch, arch=arch))
         cfg = json.loads((folder / "config.json").read_text())
@@ -453,7 +457,7 @@ def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
     assert [from_gguf.config.layer_window(i) for i in layers] == [
         from_hf.config.layer_window(i) for i in layers
     ]
-    rules = ("local_rope_theta", "attn_softcap", "final_softcap", "sandwich_norms")
+    rules = ("local_rope_theta", "attn_softcap", "final_softcap", "sandwich_norms", "rope_layers")
     assert [getattr(from_gguf.config, k) for k in rules] == [
         getattr(from_hf.config, k) for k in rules
     ]
@@ -514,6 +518,42 @@ def test_longrope_and_partial_rope_gguf_equal_their_config(partial, tmp_path):
             from_hf.model.state_dict().items(), from_gguf.model.state_dict().values()
         ):
             assert torch.equal(a, b), name
+
+
+def test_smollm3_rope_layers_and_windows_read_as_transformers_reads_them(tmp_path):
+    """SmolLM3's layers without RoPE (no_rope_layers, else every no_rope_layer_interval-th), and
+    its opt-in window on those layers, as transformers reads them; a list of the wrong length is
+    refused."""
+    from transformers import AutoConfig
+
+    folder = Path(make_tiny_model(tmp_path / "s", arch="smollm3", num_layers=4))
+    cfg = {
+        k: v
+        for k, v in json.loads((folder / "config.json").read_text()).items()
+        if k not in ("no_rope_layers", "layer_types", "rope_parameters")
+    }
+    cases = [
+        {"no_rope_layer_interval": 2},
+        {"no_rope_layers": [1, 0, 0, 1]},
+        {"no_rope_layers": [1, 1, 1, 0], "use_sliding_window": True, "sliding_window": 8},
+        {},  # every 4th, and the base of SmolLM3's config (2e6)
+    ]
+    for changes in cases:
+        (folder / "config.json").write_text(json.dumps({**cfg, **changes}))
+        ours = load_model(folder, torch.float32).config
+        theirs = AutoConfig.from_pretrained(folder)
+        layers = range(4)
+        assert [ours.layer_rope(i) for i in layers] == [bool(x) for x in theirs.no_rope_layers]
+        windows = [
+            8 if theirs.use_sliding_window and t == "sliding_attention" else None
+            for t in theirs.layer_types
+        ]
+        assert [ours.layer_window(i) for i in layers] == windows
+        assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
+    assert ours.rope_theta == 2e6 and not ours.layer_rope(3)
+    (folder / "config.json").write_text(json.dumps({**cfg, "no_rope_layers": [1, 0]}))
+    with pytest.raises(ConfigError, match="2 entries in no_rope_layers for 4 layers"):
+        load_model(folder, torch.float32)
 
 
 MULTIMODAL = "Gemma3nForConditionalGeneration"

@@ -333,9 +333,12 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_model_dir, tiny):
 # ---- Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Phi-3 (fused checkpoint) -----------------
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"])
+@pytest.fixture(
+    scope="module", params=["qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3"]
+)
 def family(request, tmp_path_factory):
-    """Qwen2, Qwen3, (fused in its checkpoint, otherwise Llama's) Phi-3, Gemma (its norms, GELU,
+    """Qwen2, Qwen3, (fused in its checkpoint, otherwise Llama's) Phi-3, SmolLM3 (layers without
+    RoPE), Gemma (its norms, GELU,
     embedding scale), Gemma 2 (norms after attention and the MLP, window layers, soft-capped
     scores and logits) and Gemma 3 (q/k norms, window layers with a RoPE of their own); see
     tiny_model._gemma*."""
@@ -350,6 +353,8 @@ def test_other_families_match_transformers(family, kernels):
         hf.config.model_type in ("qwen3", "gemma3_text"),
         getattr(hf.config, "final_logit_softcapping", None),
     )
+    nope = [i for i in range(hf.config.num_hidden_layers) if not lm.config.layer_rope(i)]
+    assert nope == ([1] if hf.config.model_type == "smollm3" else [])
     prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
     with torch.inference_mode():
         ref = hf(torch.tensor([prompts[1]])).logits[0]

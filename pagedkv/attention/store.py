@@ -39,8 +39,8 @@ def rope_and_store(
     num_heads: int,
     num_kv_heads: int,
     positions: Tensor,
-    cos: Tensor,
-    sin: Tensor,
+    cos: Tensor | None,
+    sin: Tensor | None,
     kv_cache: tuple[Cache, Cache],
     slot_mapping: Tensor,
     bias: Tensor | None = None,
@@ -50,13 +50,15 @@ def rope_and_store(
     (RoPE) and stores the new k and v at their slots; returns q as [T, Hq, D] (a view of qkv).
 
     cos / sin: float32 [max_positions, R], rotate_half's sign folded into sin: the first R dims
-    of each head turn (R < D: partial rotary, Phi-4-mini's), the rest pass. bias: the
+    of each head turn (R < D: partial rotary, Phi-4-mini's), the rest pass; None: no rotation
+    (a NoPE layer of SmolLM3's). bias: the
     projection's [(Hq + 2 Hkv) * D] bias (Qwen2), added first; qk_norm: the RMSNorm each q and k
     head gets before its rotation (Qwen3).
     """
     k_cache, v_cache = kv_cache
-    tokens, rotary_dim = qkv.shape[0], cos.shape[1]
+    tokens = qkv.shape[0]
     head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    rotary_dim = 0 if cos is None else cos.shape[1]
     q = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
     weights = [t for t in (bias, *(qk_norm.weights() if qk_norm else ())) if t is not None]
     lib, store = None, None
@@ -77,9 +79,9 @@ def rope_and_store(
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             positions=positions.data_ptr(),
-            cos=cos.data_ptr(),
-            sin=sin.data_ptr(),
-            max_positions=cos.shape[0],
+            cos=native.ptr(cos),
+            sin=native.ptr(sin),
+            max_positions=0 if cos is None else cos.shape[0],
             slots=None if store is None else store[2].data_ptr(),
             k_cache=None if store is None else store[0].data_ptr(),
             v_cache=None if store is None else store[1].data_ptr(),
@@ -105,9 +107,10 @@ def rope_and_store(
             ):
                 normed = ops.rms_norm(part.reshape(-1, head_dim), weight, qk_norm.eps)[0]
                 part.copy_(normed.view_as(part))
-        qk = heads[:, : num_heads + num_kv_heads, :rotary_dim]
-        c, s = (t[positions].unsqueeze(1).to(qkv.dtype) for t in (cos, sin))
-        qk.copy_(torch.addcmul(qk * c, qk.roll(rotary_dim // 2, dims=-1), s))
+        if cos is not None and sin is not None:
+            qk = heads[:, : num_heads + num_kv_heads, :rotary_dim]
+            c, s = (t[positions].unsqueeze(1).to(qkv.dtype) for t in (cos, sin))
+            qk.copy_(torch.addcmul(qk * c, qk.roll(rotary_dim // 2, dims=-1), s))
     kv = num_heads + num_kv_heads
     write_kv(k_cache, v_cache, heads[:, num_heads:kv], heads[:, kv:], slot_mapping)
     return q

@@ -146,13 +146,11 @@ void rope_cache(const pagedkv_rope_cache_params& p, int threads) {
         const Mask m = lanes(width, c);
         store(row + c, add(load(row + c, m), load(bias + c, m)), m);
       }
-    const float* c = p.cos + p.positions[t] * R;
-    const float* s = p.sin + p.positions[t] * R;
     for (int64_t h = 0; h < Hq + Hkv; ++h) {
       T* head = row + h * D;
       const T* norm = norms[h < Hq ? 0 : 1];
       if (norm) scale_row(head, norm, head, D, inv_rms(head, D, p.norm_eps));
-      rotate(head, c, s, R / 2);
+      if (p.cos) rotate(head, p.cos + p.positions[t] * R, p.sin + p.positions[t] * R, R / 2);
     }
     if (!p.slots) continue;
     const int64_t block = p.slots[t] / block_size, offset = p.slots[t] % block_size;
@@ -282,8 +280,9 @@ int pagedkv_rope_cache(const pagedkv_rope_cache_params* p, char* err, int errlen
     return fail(err, errlen, "head_dim %lld and row stride %lld disagree with the heads", D, p->row_stride);
   if (p->rotary_dim < 0 || p->rotary_dim > D || p->rotary_dim % 2)
     return fail(err, errlen, "rotary_dim %lld: not an even count of at most head_dim %lld", p->rotary_dim, D);
+  if (!p->cos != !p->sin) return fail(err, errlen, "cos and sin: both tables or neither%.0lld%.0lld", 0, 0);
   for (int64_t t = 0; t < p->num_tokens; ++t) {
-    if (p->positions[t] < 0 || p->positions[t] >= p->max_positions)
+    if (p->cos && (p->positions[t] < 0 || p->positions[t] >= p->max_positions))
       return fail(err, errlen, "position %lld is outside the rotary table of %lld positions", p->positions[t],
                   p->max_positions);
     if (p->slots && (p->slots[t] < 0 || p->slots[t] >= p->num_blocks * p->block_size))

@@ -135,7 +135,7 @@ typedef struct {
   int64_t num_kv_heads;
   int64_t head_dim;
   const int64_t* positions;         // [num_tokens]
-  const float* cos;                 // [max_positions, rotary_dim]
+  const float* cos;                 // [max_positions, rotary_dim]; null (and sin): no rotation (NoPE)
   const float* sin;                 // [max_positions, rotary_dim], rotate_half's sign folded in
   int64_t max_positions;
   const int64_t* slots;             // [num_tokens] flat cache slots; null: rotate only

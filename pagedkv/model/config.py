@@ -22,6 +22,7 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "phi3": {},  # q/k/v and gate/up fused in the checkpoint (llama.FUSED_WHOLE)
+    "smollm3": {},  # some layers without RoPE (NoPE: rope_layers)
     # Gemma (2B, 7B): norms of (1 + w), embeddings times sqrt(hidden), GELU (tanh)
     "gemma": {"norm_offset": 1.0, "embed_scale": True, "hidden_act": "gelu_tanh"},
     # Gemma 2 adds norms on the attention's and the MLP's outputs (and soft-capping, from the file)
@@ -42,6 +43,7 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 GEMMA_LOCAL_ROPE_THETA = 10000.0  # Gemma 3's window layers' RoPE base, where a file names none
+_DEFAULT_THETA = {"gemma3_text": 1e6, "smollm3": 2e6}  # RoPE bases where a file names none
 # Gemma 2's and 3's window layers where a file names none: every n-th layer attends to all
 GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
@@ -101,6 +103,8 @@ class LlamaConfig:
     final_softcap: float | None = None
     # RoPE turns only the first rotary_dim dims of each head (None: all; Phi-4-mini: 3/4 of them)
     rotary_dim: int | None = None
+    # the layers that rotate q and k at all (None: every one; SmolLM3's NoPE layers do not)
+    rope_layers: tuple[bool, ...] | None = None
 
     @property
     def rope_dim(self) -> int:
@@ -137,6 +141,14 @@ class LlamaConfig:
                 self.max_position_embeddings = max(self.max_position_embeddings, stretched)
             if kind == "longrope":
                 self._check_longrope(scaling)
+        if self.rope_layers is not None:
+            if len(self.rope_layers) != self.num_hidden_layers:
+                raise ConfigError(
+                    f"{len(self.rope_layers)} entries in no_rope_layers for "
+                    f"{self.num_hidden_layers} layers"
+                )
+            if all(self.rope_layers):
+                self.rope_layers = None
         window, layers = self.sliding_window, self.window_layers
         if window is not None and (not isinstance(window, int) or window < 1):
             raise ConfigError(f"sliding_window must be a positive whole number, got {window!r}")
@@ -169,6 +181,10 @@ class LlamaConfig:
         if not isinstance(old, int) or old < 1:
             raise ConfigError("longrope needs original_max_position_embeddings")
         scaling.setdefault("long", self.max_position_embeddings > old)
+
+    def layer_rope(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) rotates its q and k."""
+        return self.rope_layers is None or self.rope_layers[layer]
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (0-based), None where it attends to everything."""
@@ -225,7 +241,8 @@ class LlamaConfig:
             key = "original_max_position_embeddings"
             rope.setdefault(key, d.get(key))
         gemma3 = model_type == "gemma3_text"
-        theta = rope.pop("rope_theta", None) or d.get("rope_theta", 1e6 if gemma3 else 10000.0)
+        default_theta = _DEFAULT_THETA.get(model_type, 10000.0)
+        theta = rope.pop("rope_theta", None) or d.get("rope_theta", default_theta)
         gemma_args: dict[str, Any] = {}
         if gemma3:
             if local.get("rope_type", local.get("type", "default")) != "default":
@@ -256,6 +273,7 @@ class LlamaConfig:
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_id=d.get("eos_token_id"),
                 rotary_dim=int(head_dim * partial),  # (as transformers rounds it)
+                rope_layers=_rope_layers(d),
                 **_sliding_window(d),
                 **gemma_args,
                 **softcaps,
@@ -290,6 +308,18 @@ def text_model_dict(d: dict[str, Any]) -> dict[str, Any]:
     return {**_TEXT_DEFAULTS.get(d.get("model_type", ""), {}), **d}
 
 
+def _rope_layers(d: dict[str, Any]) -> tuple[bool, ...] | None:
+    """SmolLM3's layers that rotate q and k (no_rope_layers: 1 where they do), by default all but
+    every no_rope_layer_interval-th (transformers' rule); None for every other family."""
+    if d.get("model_type") != "smollm3":
+        return None
+    listed = d.get("no_rope_layers")
+    if listed is None:
+        every = d.get("no_rope_layer_interval", 4)
+        return tuple(bool((i + 1) % every) for i in range(d["num_hidden_layers"]))
+    return tuple(bool(x) for x in listed)
+
+
 def _sliding_window(d: dict[str, Any]) -> dict[str, Any]:
     """config.json's sliding window as transformers reads it: Mistral's and Phi-3's on every layer;
     Qwen's only with use_sliding_window, on the layers from max_window_layers on, unless
@@ -297,7 +327,8 @@ def _sliding_window(d: dict[str, Any]) -> dict[str, Any]:
     qwen = d.get("model_type") in ("qwen2", "qwen3")
     windowed = ("mistral", *GEMMA_WINDOW_PATTERN)
     window = d.get("sliding_window", 4096 if d.get("model_type") in windowed else None)
-    if not window or not d.get("use_sliding_window", not qwen):
+    opt_in = qwen or d.get("model_type") == "smollm3"  # (their use_sliding_window: off)
+    if not window or not d.get("use_sliding_window", not opt_in):
         return {}
     types = d.get("layer_types")
     if types is not None:
@@ -311,6 +342,9 @@ def _sliding_window(d: dict[str, Any]) -> dict[str, Any]:
     if qwen:
         lowest = d.get("max_window_layers", 28)
         layers = tuple(i >= lowest for i in range(d["num_hidden_layers"]))
+        return {"sliding_window": window, "window_layers": layers}
+    if d.get("model_type") == "smollm3":  # (its NoPE layers slide)
+        layers = tuple(not rope for rope in _rope_layers(d) or ())
         return {"sliding_window": window, "window_layers": layers}
     pattern = GEMMA_WINDOW_PATTERN.get(d.get("model_type", ""))
     if pattern:

@@ -35,7 +35,7 @@ from pagedkv.model.tokenizer import Tokenizer
 
 # general.architecture values whose forward is ours (llama.cpp files Mistral-style models and
 # SmolLM under "llama" too); each is also a config.json model_type (MODEL_TYPES: what it adds)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "smollm3")
 _MODEL_TYPE = {"gemma3": "gemma3_text"}  # config.json's model_type where it differs
 # tensors an architecture names its own way: Phi-3 keeps q/k/v and gate/up fused (its ffn_up is
 # HF's gate_up_proj, gate first); Gemma 2 and 3 have a norm after attention and one after the MLP
@@ -54,7 +54,9 @@ _ARCH_LAYER_NAMES = {
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's converter interleaves the RoPE halves of q and k only for these ("NORM" RoPE);
 # Qwen's GGUFs keep HF's layout ("NEOX")
-INTERLEAVED_ROPE = ("llama",)
+INTERLEAVED_ROPE = ("llama", "smollm3")
+# llama.cpp's SmolLM3: every 4th layer without RoPE, a rule of its code (no key in the file)
+_NO_ROPE_STEP = {"smollm3": 4}
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 _NAMES = {
@@ -165,20 +167,22 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
         raise ConfigError(f"unsupported GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r}")
     window = int(meta.get(f"{arch}.attention.sliding_window") or 0) or None  # Phi-3's, Gemma's
     layers = get("block_count")
-    gemma: dict[str, Any] = {}
+    arch_args: dict[str, Any] = {}  # what this architecture adds
     if arch.startswith("gemma"):  # as llama.cpp reads a Gemma file
-        gemma["norm_offset"] = 0.0  # its converter stored 1 + w
+        arch_args["norm_offset"] = 0.0  # its converter stored 1 + w
     if arch in _GEMMA_27B_LAYERS:
         pattern = GEMMA_WINDOW_PATTERN[_MODEL_TYPE.get(arch, arch)]
         pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern") or pattern)
-        gemma["window_layers"] = gemma_window_layers(layers, pattern)
+        arch_args["window_layers"] = gemma_window_layers(layers, pattern)
         if layers == _GEMMA_27B_LAYERS[arch]:
-            gemma["query_pre_attn_scalar"] = hidden // heads
+            arch_args["query_pre_attn_scalar"] = hidden // heads
     if arch == "gemma3":
-        gemma["local_rope_theta"] = GEMMA_LOCAL_ROPE_THETA
+        arch_args["local_rope_theta"] = GEMMA_LOCAL_ROPE_THETA
+    if arch in _NO_ROPE_STEP:
+        arch_args["rope_layers"] = tuple(bool((i + 1) % _NO_ROPE_STEP[arch]) for i in range(layers))
     if arch == "gemma2":
-        gemma["attn_softcap"] = float(get("attn_logit_softcapping", 50.0))
-        gemma["final_softcap"] = float(get("final_logit_softcapping", 30.0))
+        arch_args["attn_softcap"] = float(get("attn_logit_softcapping", 50.0))
+        arch_args["final_softcap"] = float(get("final_logit_softcapping", 30.0))
     return LlamaConfig(
         vocab_size=int(
             tensors["token_embd.weight"].shape[1]
@@ -198,7 +202,7 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         sliding_window=window,
-        **{**MODEL_TYPES[_MODEL_TYPE.get(arch, arch)], **gemma},
+        **{**MODEL_TYPES[_MODEL_TYPE.get(arch, arch)], **arch_args},
     )
 
 

@@ -286,7 +286,7 @@ class DecoderLayer(nn.Module):
         self,
         x: Tensor,
         residual: Tensor | None,
-        rotary: Rotary,
+        rotary: Rotary | None,
         positions: Tensor,
         kv_cache: tuple[Cache, Cache],
         meta: AttentionMetadata,
@@ -307,8 +307,8 @@ class DecoderLayer(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             positions,
-            rotary.cos,
-            rotary.sin,
+            None if rotary is None else rotary.cos,
+            None if rotary is None else rotary.sin,
             kv_cache,
             meta.slot_mapping,
             self._qkv_bias,
@@ -415,8 +415,12 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(config)
         # Gemma 3's sliding layers rotate with tables of their own; each layer's, in order
         self.local_rotary = Rotary(config, local=True) if config.local_rope_theta else None
-        self._rotaries = [
-            self.local_rotary if self.local_rotary and config.layer_window(i) else self.rotary
+        self._rotaries: list[Rotary | None] = [
+            None
+            if not config.layer_rope(i)  # (SmolLM3's NoPE layers)
+            else self.local_rotary
+            if self.local_rotary and config.layer_window(i)
+            else self.rotary
             for i in range(config.num_hidden_layers)
         ]
 

@@ -241,8 +241,8 @@ void silu_mul(int dtype, int64_t rows, int64_t n, bool gelu) {
         kTol[dtype]);
 }
 
-// RoPE on the first R dims of the q and k heads (R < D: partial rotary), then k and v stored at
-// their slots of the paged cache; with `qwen`, a bias added first and each q and k head RMS-normed
+// RoPE on the first R dims of the q and k heads (R < D: partial rotary; 0: none, a NoPE layer),
+// then k and v stored at their slots of the paged cache; with `qwen`, a bias added first and each q and k head RMS-normed
 // before its rotation.
 void rope_cache(int dtype, int64_t D, bool qwen, int64_t R) {
   const int64_t tokens = 5, Hq = 3, Hkv = 1, stride = (Hq + 2 * Hkv) * D, max_pos = 64, bs = 4, num_blocks = 8;
@@ -267,7 +267,7 @@ void rope_cache(int dtype, int64_t D, bool qwen, int64_t R) {
         const Buf& w = h < Hq ? qn : kn;
         for (int64_t i = 0; i < D; ++i) head[i] = round_to(dtype, w.get(i) * round_to(dtype, head[i] * inv));
       }
-  std::vector<float> cos(max_pos * R), sin(max_pos * R);
+  std::vector<float> cos(max_pos * std::max<int64_t>(R, 1)), sin(cos.size());
   for (int64_t p = 0; p < max_pos; ++p)
     for (int64_t i = 0; i < R; ++i) {
       const double a = p * std::pow(10000.0, -double(2 * (i % (R / 2))) / double(R));
@@ -292,8 +292,9 @@ void rope_cache(int dtype, int64_t D, bool qwen, int64_t R) {
       want_k[c] = round_to(dtype, want[t * stride + Hq * D + i]);
       want_v[c] = want[t * stride + (Hq + Hkv) * D + i];
     }
-  pagedkv_rope_cache_params p{pagedkv_dtype(dtype), qkv.data(), tokens, stride, Hq, Hkv, D, pos.data(), cos.data(),
-                              sin.data(), max_pos, slots.data(), kc.data(), vc.data(), num_blocks, bs, 2,
+  pagedkv_rope_cache_params p{pagedkv_dtype(dtype), qkv.data(), tokens, stride, Hq, Hkv, D, pos.data(),
+                              R ? cos.data() : nullptr, R ? sin.data() : nullptr, max_pos, slots.data(), kc.data(),
+                              vc.data(), num_blocks, bs, 2,
                               qwen ? bias.data() : nullptr, qwen ? qn.data() : nullptr,
                               qwen ? kn.data() : nullptr, eps, R == D ? 0 : R};
   ran(pagedkv_rope_cache(&p, err, sizeof err), "rope_cache");
@@ -521,7 +522,7 @@ int main() {
     }
     for (int64_t D : {64, 20})
       for (bool qwen : {false, true})
-        for (int64_t R : {D, D * 3 / 4 / 2 * 2}) rope_cache(dtype, D, qwen, R);
+        for (int64_t R : {D, D * 3 / 4 / 2 * 2, int64_t(0)}) rope_cache(dtype, D, qwen, R);
     lora(dtype, 11, 40, 36);
     lora(dtype, 64, 576, 192);
   }
