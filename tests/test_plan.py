@@ -34,6 +34,9 @@ def test_known_parameter_counts_match_the_published_ones():
     assert KNOWN_SHAPES["llama3-70b"].num_params == 70_553_706_496
     assert KNOWN_SHAPES["mistral-7b"].num_params == 7_241_732_096
     assert KNOWN_SHAPES["smollm2-135m"].num_params == 134_515_008
+    assert KNOWN_SHAPES["smollm3-3b"].num_params == 3_075_098_624
+    assert KNOWN_SHAPES["phi-3.5-mini"].num_params == 3_821_079_552
+    assert KNOWN_SHAPES["phi-4-mini"].num_params == 3_836_021_760
     assert KNOWN_SHAPES["llama3-8b"].weight_bytes == 2 * 8_030_261_248  # bf16
     # with Qwen2's q/k/v biases and Qwen3's q/k norms
     assert KNOWN_SHAPES["qwen2.5-0.5b"].num_params == 494_032_768
@@ -48,7 +51,9 @@ def test_known_parameter_counts_match_the_published_ones():
     assert KNOWN_SHAPES["gemma3-1b"].num_params == 999_885_952
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3"]
+)
 def test_a_folder_counts_the_parameters_transformers_holds(arch, tmp_path):
     from safetensors import safe_open
     from tiny_model import make_tiny_model
