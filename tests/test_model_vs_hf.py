@@ -487,6 +487,36 @@ def test_an_engine_serves_longrope_with_the_set_for_its_context(tmp_path):
     for max_len, long in ((16, False), (64, True), (None, True)):
         llm = LLM(str(folder), dtype="float32", max_model_len=max_len)
         assert llm.engine.loaded.config.rope_scaling["long"] is long
+        assert llm.engine.loaded.model.rotary.cos.shape[0] == (max_len or 64)
+
+
+def test_rope_tables_are_as_long_as_the_context_served(tiny_model_dir):
+    """--max-model-len sizes the RoPE tables (a 131,072-position model served to 8,192 holds 16x
+    less of them); outputs are those of the full tables, and a model loaded for a shorter
+    context than an engine asks is refused rather than read past its tables."""
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.config import EngineConfig
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    short = load_model(tiny_model_dir, torch.float32, max_model_len=40)
+    full = load_model(tiny_model_dir, torch.float32)
+    assert short.model.rotary.cos.shape[0] == 40 and full.model.rotary.cos.shape[0] == 2048
+    assert torch.equal(short.model.rotary.sin, full.model.rotary.sin[:40])
+    ids = short.tokenizer.encode(PROMPTS[1])
+    assert PagedDriver(short, 4).greedy([Seq(list(ids))], 8) == PagedDriver(full, 4).greedy(
+        [Seq(list(ids))], 8
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=40 - len(ids))  # up to the last position
+    outs = [
+        LLM(tiny_model_dir, dtype="float32", max_model_len=n).generate(
+            [{"prompt_token_ids": ids}], greedy, use_tqdm=False
+        )
+        for n in (40, 2048)
+    ]
+    assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids
+    config = EngineConfig.from_options(model=tiny_model_dir, dtype="float32", max_model_len=64)
+    with pytest.raises(ConfigError, match="built for a context of 40, not --max-model-len 64"):
+        LLMEngine(config, loaded=short)
 
 
 @pytest.mark.parametrize(

@@ -91,10 +91,14 @@ class LLMEngine:
                 f"({self.loaded.max_model_len}: max_position_embeddings, or a sliding window)"
             )
         rope = self.loaded.config.rope_scaling or {}
-        if rope.get("rope_type") == "longrope" and rope["long"] != (
+        long = rope.get("rope_type") == "longrope" and rope["long"] != (
             self.max_model_len > rope["original_max_position_embeddings"]
-        ):  # (a model loaded for another context: load_model(max_model_len=...) picks the set)
-            raise ConfigError("this model's LongRoPE tables were built for another context length")
+        )  # (a model loaded for another context: load_model(max_model_len=...) sizes its RoPE)
+        if long or self.max_model_len > self.loaded.model.context:
+            raise ConfigError(
+                f"this model's RoPE tables were built for a context of "
+                f"{self.loaded.model.context}, not --max-model-len {self.max_model_len}"
+            )
         kv = build_engine_kv(config, self.loaded, num_kv_heads, self.device, self.max_model_len)
         self.tp, self.storage, self.offload, self.kv = kv.tp, kv.storage, kv.offload, kv.manager
         proposer = NgramProposer(config.speculative_config) if config.speculative_config else None

@@ -128,10 +128,12 @@ class Rotary(nn.Module):
     cos: Tensor  # buffers (declared for mypy: nn.Module's __getattr__ types them loosely)
     sin: Tensor
 
-    def __init__(self, config: LlamaConfig, local: bool = False) -> None:
-        """local: the tables of Gemma 3's sliding layers (plain RoPE of local_rope_theta)."""
+    def __init__(self, config: LlamaConfig, context: int, local: bool = False) -> None:
+        """context: the positions served (--max-model-len: a model of 131,072 positions served
+        to 8,192 keeps 16x smaller tables; Gemma 3 4B's two sets at full length are 0.5 GiB).
+        local: the tables of Gemma 3's sliding layers (plain RoPE of local_rope_theta)."""
         super().__init__()
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        positions = torch.arange(context, dtype=torch.float32)
         if local:
             assert config.local_rope_theta is not None
             config = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
@@ -386,11 +388,13 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         quantization: str = "none",
         pack: bool = True,
+        context: int | None = None,
     ) -> None:
         """quantization: "none", "int8" (per-row int8 of any float weights) or "gguf" (the GGUF
         file's own blocks, which load_weights then receives as quant_linear.Blocks).
         pack=False: GGUF blocks stay as they are until `pack_weights` (tensor parallelism cuts
-        them first: the packed layout cannot be cut)."""
+        them first: the packed layout cannot be cut). context: the positions RoPE serves (None:
+        max_position_embeddings)."""
         super().__init__()
         if quantization not in QUANTIZATIONS:
             raise ConfigError(
@@ -412,9 +416,12 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=late)
         )
-        self.rotary = Rotary(config)
+        self.context = context or config.max_position_embeddings
+        self.rotary = Rotary(config, self.context)
         # Gemma 3's sliding layers rotate with tables of their own; each layer's, in order
-        self.local_rotary = Rotary(config, local=True) if config.local_rope_theta else None
+        self.local_rotary = (
+            Rotary(config, self.context, local=True) if config.local_rope_theta else None
+        )
         self._rotaries: list[Rotary | None] = [
             None
             if not config.layer_rope(i)  # (SmolLM3's NoPE layers)

@@ -140,17 +140,18 @@ def load_model(
     pack=False: GGUF blocks wait for `model.pack_weights()` (tensor parallelism cuts them first).
     sliding_window=False: a model with a window attends to everything, up to its window at most
     (vLLM's --disable-sliding-window). max_model_len: the context to be served (None: the
-    model's own), which picks LongRoPE's factor set (config.use_long_rope)."""
+    model's own): the RoPE tables' length, and LongRoPE's factor set (config.use_long_rope)."""
     quantization = resolve_quantization(quantization, path, device)
     ckpt, name = read_checkpoint(path, keep_blocks=quantization == "gguf")
     window = ckpt.config.sliding_window
     if window and not sliding_window:
         ckpt.config.sliding_window = ckpt.config.window_layers = None
         ckpt.max_model_len = min(ckpt.max_model_len, window)
-    use_long_rope(ckpt.config, max_model_len or ckpt.max_model_len)
+    context = max_model_len or ckpt.max_model_len
+    use_long_rope(ckpt.config, context)
     dtype = resolve_dtype(dtype, device, ckpt.config)
     with torch.device(device):
-        model = LlamaForCausalLM(ckpt.config, dtype, quantization, pack)
+        model = LlamaForCausalLM(ckpt.config, dtype, quantization, pack, context)
     model.load_weights(ckpt.weights)
     model.eval()
     if pack:
