@@ -41,12 +41,20 @@ def make_adapter(
         "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
         "up_proj": (cfg.hidden_size, cfg.intermediate_size),
         "down_proj": (cfg.intermediate_size, cfg.hidden_size),
+        # Phi-3's, fused as its checkpoint holds them
+        "qkv_proj": (
+            cfg.hidden_size,
+            (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim,
+        ),
+        "gate_up_proj": (cfg.hidden_size, 2 * cfg.intermediate_size),
     }
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_hidden_layers):
         for m in modules:
-            where = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            where = (
+                "mlp" if m in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") else "self_attn"
+            )
             stem = f"base_model.model.model.layers.{layer}.{where}.{m}"
             fan_in, fan_out = shapes[m]
             tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.2
@@ -220,6 +228,28 @@ def test_preemption_and_chunked_prefill_never_change_an_adapters_output(
     small.close()
 
 
+PHI3_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def test_an_adapter_of_phi_3s_fused_projections_equals_the_merged_model(tmp_path):
+    """Phi-3's adapters name its fused qkv_proj and gate_up_proj: B's rows span q, k and v (gate
+    and up), cut into each part's rows beside the one A; as merged by transformers, at -tp 1 and
+    -tp 2 (each rank cuts them as its weights)."""
+    from tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "phi3", arch="phi3", heads=4, kv_heads=2)
+    adapter = make_adapter(tmp_path / "a", model, seed=4, modules=PHI3_MODULES)
+    want = merged_greedy(model, adapter, PROMPTS)
+    assert want != merged_greedy(model, None, PROMPTS)
+    for tp in (1, 2):
+        llm = LLM(model, dtype="float32", enable_lora=True, tensor_parallel_size=tp,
+                  num_gpu_blocks_override=128)  # fmt: skip
+        try:
+            assert greedy(llm, PROMPTS, LoRARequest("a", 1, adapter)) == want
+        finally:
+            llm.close()
+
+
 def test_tensor_parallel_ranks_each_apply_their_share_of_every_adapter(
     llm, tiny_model_dir, adapters
 ):
@@ -379,6 +409,17 @@ def test_adapter_mistakes_are_config_errors(llm, tiny_model_dir, adapters, tmp_p
     save_file(tensors, vision / "adapter_model.safetensors")
     with pytest.raises(ConfigError, match="unsupported module 'base_model.model.vision_tower"):
         llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("v", 8, str(vision)))
+    # a fused projection's B must span its parts, and a part is given once
+    both = make_adapter(tmp_path / "both", tiny_model_dir, modules=("q_proj", "qkv_proj"))
+    with pytest.raises(ConfigError, match="layer 0 qkv: a part given twice"):
+        llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("b", 10, both))
+    cut = Path(make_adapter(tmp_path / "cut", tiny_model_dir, modules=("qkv_proj",)))
+    tensors = load_file(cut / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.1.self_attn.qkv_proj.lora_B.weight"
+    tensors[key] = tensors[key][:-16]
+    save_file(tensors, cut / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match="qkv_proj': B has 112 rows, the projection 128"):
+        llm.generate([PROMPTS[0]], GREEDY, False, lora_request=LoRARequest("c", 11, str(cut)))
     with pytest.raises(ConfigError, match="that is the base model's name"):
         llm.generate(
             [PROMPTS[0]], GREEDY, False, lora_request=LoRARequest(llm.engine.model_name, 7, "/x")

@@ -24,13 +24,19 @@ from torch import Tensor
 from pagedkv import native
 from pagedkv.config import ConfigError
 from pagedkv.model.config import LlamaConfig
-from pagedkv.model.llama import FUSED_PARTS
+from pagedkv.model.llama import FUSED_PARTS, FUSED_WHOLE
 
 # PEFT's module names (q_proj, ...) -> (our fused projection, its part): as the loader fuses them
 TARGETS = {
     hf.rpartition(".")[2]: (fused.removesuffix("_proj"), part)
     for hf, (fused, part) in FUSED_PARTS.items()
     if fused.endswith("_proj")
+}
+
+# and the names of projections a checkpoint holds fused already (Phi-3's qkv_proj, gate_up_proj):
+# their B, whose rows span every part, is cut into the parts' rows, each beside the same A
+WHOLE_TARGETS = {
+    hf.rpartition(".")[2]: fused.removesuffix("_proj") for hf, fused in FUSED_WHOLE.items()
 }
 
 # what a PEFT name may hold before the decoder's `layers` (a multimodal model's text part too)
@@ -99,6 +105,7 @@ def load_adapter(
     tensors = load_file(str(weights_file))
     found: dict[tuple[int, str], dict[int, tuple[Tensor, Tensor]]] = {}
     pairs: dict[str, dict[str, Tensor]] = {}
+    shapes = _shapes(config)
     for key, t in tensors.items():
         stem, _, kind = key.rpartition(".lora_")
         if kind not in ("A.weight", "B.weight"):
@@ -108,7 +115,7 @@ def load_adapter(
         names = stem.split(".")
         module = names[-1]
         if (
-            module not in TARGETS
+            (module not in TARGETS and module not in WHOLE_TARGETS)
             or "layers" not in names
             or len(ab) != 2
             or not set(names[: names.index("layers")]) <= _DECODER_PATH  # (a vision tower's)
@@ -117,9 +124,22 @@ def load_adapter(
         layer = int(names[names.index("layers") + 1])
         if not 0 <= layer < config.num_hidden_layers:
             raise ConfigError(f"{where}: {stem!r} is past the model's layers")
-        target, part = TARGETS[module]
-        found.setdefault((layer, target), {})[part] = (ab["A"], ab["B"])
-    shapes = _shapes(config)
+        if module in TARGETS:
+            target, part = TARGETS[module]
+            split = {part: (ab["A"], ab["B"])}
+        else:  # (Phi-3's fused qkv_proj / gate_up_proj)
+            target = WHOLE_TARGETS[module]
+            widths = shapes[target][1]
+            if ab["B"].shape[0] != sum(widths):
+                raise ConfigError(
+                    f"{where}: {stem!r}: B has {ab['B'].shape[0]} rows, the projection "
+                    f"{sum(widths)}"
+                )
+            split = {i: (ab["A"], rows) for i, rows in enumerate(ab["B"].split(widths))}
+        parts = found.setdefault((layer, target), {})
+        if parts.keys() & split.keys():
+            raise ConfigError(f"{where}: layer {layer} {target}: a part given twice ({stem!r})")
+        parts.update(split)
     layers: list[dict[tuple[str, int], Delta]] = [{} for _ in range(config.num_hidden_layers)]
     adapter = LoRAAdapter(name, str(path), rank, f"{name}\0{digest.hexdigest()}", layers)
     for (layer, target), by_part in found.items():
