@@ -84,11 +84,12 @@ def test_replayed_steps_equal_eager_ones(tiny_model_dir, monkeypatch, dtype, cas
 
 
 @needs_library
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3"])
 def test_other_families_steps_replay(arch, tmp_path, monkeypatch) -> None:
     """Qwen2's bias and Qwen3's q/k norms run inside the RoPE kernel, Gemma's GELU in the
     activation's and its extra norms in the norm's, Gemma 2's soft-capped scores in the
-    attention's: their steps replay too."""
+    attention's, SmolLM3's layers without RoPE as a RoPE call without tables, Granite's residual
+    multiplier in the norm's add: their steps replay too."""
     from tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / arch, arch=arch)

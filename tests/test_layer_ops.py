@@ -64,6 +64,13 @@ def test_rms_norm_with_and_without_residual(dtype, rows, n, torch_path, kernel_i
     assert torch.equal(mine, residual + x)
     close(got, want, dtype)
 
+    # Granite's residual_multiplier: x scaled and rounded, then added (transformers' order)
+    mine, theirs = residual.clone(), residual.clone()
+    got, _ = ops.rms_norm(x, weight, 1e-5, mine, x_scale=0.22)
+    want, _ = torch_path(ops.rms_norm, x, weight, 1e-5, theirs, x_scale=0.22)
+    assert torch.equal(mine, theirs) and torch.equal(mine, residual + x * 0.22)
+    close(got, want, dtype)
+
 
 def test_rms_norm_matches_the_formula_in_float64() -> None:
     x = torch.randn(5, 64, dtype=torch.float32)

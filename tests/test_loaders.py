@@ -357,6 +357,11 @@ def hf_to_gguf(
             w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(stretch) / math.log(old)))
         if arch in ("gemma2", "gemma3"):
             w.add_sliding_window(cfg["sliding_window"])
+        if arch == "granite":  # (llama.cpp's converter: the multipliers as scales)
+            w.add_embedding_scale(cfg["embedding_multiplier"])
+            w.add_residual_scale(cfg["residual_multiplier"])
+            w.add_attention_scale(cfg["attention_multiplier"])
+            w.add_logit_scale(cfg["logits_scaling"])
         if arch == "gemma2":
             w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
@@ -412,9 +417,9 @@ def hf_to_gguf(
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
         sub, kind = rest.rsplit(".", 1)
         part = parts[sub]
-        if arch in ("llama", "smollm3") and part == "attn_q":  # (LlamaModel's converter)
+        if arch in ("llama", "smollm3", "granite") and part == "attn_q":  # (LlamaModel's)
             w = llama_cpp_permute(w, heads)
-        elif arch in ("llama", "smollm3") and part == "attn_k":
+        elif arch in ("llama", "smollm3", "granite") and part == "attn_k":
             w = llama_cpp_permute(w, kv_heads)
         elif gemma and part.endswith("norm"):
             w = w + np.float32(1)
@@ -431,7 +436,7 @@ def hf_to_gguf(
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3"]
+    "arch", ["llama", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3"]
 )
 def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
     if arch == "llama":
@@ -457,12 +462,23 @@ def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
     assert [from_gguf.config.layer_window(i) for i in layers] == [
         from_hf.config.layer_window(i) for i in layers
     ]
-    rules = ("local_rope_theta", "attn_softcap", "final_softcap", "sandwich_norms", "rope_layers")
+    rules = (
+        "local_rope_theta",
+        "attn_softcap",
+        "final_softcap",
+        "sandwich_norms",
+        "rope_layers",
+    )
     assert [getattr(from_gguf.config, k) for k in rules] == [
         getattr(from_hf.config, k) for k in rules
     ]
+    granite = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+    assert [getattr(from_gguf.config, k) for k in granite] == pytest.approx(  # (GGUF's float32)
+        [getattr(from_hf.config, k) for k in granite], rel=1e-7
+    )
     for a, b in zip(from_hf.model.layers, from_gguf.model.layers):
-        assert (a.scale, a.act, a.window, a.softcap) == (b.scale, b.act, b.window, b.softcap)
+        assert (a.act, a.window, a.softcap) == (b.act, b.window, b.softcap)
+        assert a.scale == pytest.approx(b.scale, rel=1e-7)
     assert from_gguf.config.embed_scale == from_hf.config.embed_scale
     for (name, a), b in zip(
         from_hf.model.state_dict().items(), from_gguf.model.state_dict().values()

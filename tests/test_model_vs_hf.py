@@ -334,11 +334,13 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_model_dir, tiny):
 
 
 @pytest.fixture(
-    scope="module", params=["qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3"]
+    scope="module",
+    params=["qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3"],
 )
 def family(request, tmp_path_factory):
     """Qwen2, Qwen3, (fused in its checkpoint, otherwise Llama's) Phi-3, SmolLM3 (layers without
-    RoPE), Gemma (its norms, GELU,
+    RoPE), Granite (multipliers of the embeddings, residual adds, attention scale and logits),
+    Gemma (its norms, GELU,
     embedding scale), Gemma 2 (norms after attention and the MLP, window layers, soft-capped
     scores and logits) and Gemma 3 (q/k norms, window layers with a RoPE of their own); see
     tiny_model._gemma*."""

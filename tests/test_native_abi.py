@@ -143,6 +143,7 @@ def test_a_failing_kernel_status_raises_its_message() -> None:
         n=4,
         eps=1e-6,
         threads=1,
+        x_scale=1.0,
     )
     with pytest.raises(native.KernelError, match="rms_norm: unsupported dtype code 99"):
         lib.call("rms_norm", dtype=99, **fields)

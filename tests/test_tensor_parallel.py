@@ -67,7 +67,9 @@ def test_tp2_equals_tp1(tmp_path_factory):
     compare(path, 2, num_gpu_blocks_override=64, block_size=4)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "arch", ["qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2", "gemma3"]
+)
 def test_tp2_equals_tp1_for_other_families(arch, tmp_path_factory):
     """Qwen2's q/k/v bias is cut with the projection's rows; Qwen3's per-head norms are whole;
     Phi-3's q/k/v and gate/up, fused in its checkpoint, are cut as ours; Gemma's norms of the

@@ -107,9 +107,9 @@ def make_tiny_model(
 ) -> str:
     """Write the folder (once) and return its path. arch: "llama", "qwen2" (q/k/v biases),
     "qwen3" (q/k norms, head_dim wider than hidden / heads), "phi3" (q/k/v and gate/up fused in
-    the checkpoint), "smollm3" (layers without RoPE: every 4th when num_layers is a multiple of
-    4, as llama.cpp assumes, else every 2nd), "gemma", "gemma2" or "gemma3" (Gemma 3's text
-    model; see _gemma, _gemma2 and
+    the checkpoint), "granite" (its multipliers), "smollm3" (layers without RoPE: every 4th when
+    num_layers is a multiple of 4, as llama.cpp assumes, else every 2nd), "gemma", "gemma2" or
+    "gemma3" (Gemma 3's text model; see _gemma, _gemma2 and
     _gemma3), or "gemma3_vision" (that text model inside Gemma 3's image-and-text model, with a
     small vision tower)."""
     import torch
@@ -127,6 +127,17 @@ def make_tiny_model(
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 2 * hidden // heads}),
         "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": eos}),
+        # Granite: its four multipliers, far from 1
+        "granite": (
+            "GraniteConfig",
+            "GraniteForCausalLM",
+            {
+                "embedding_multiplier": 2.5,
+                "residual_multiplier": 0.4,
+                "attention_multiplier": 0.2,
+                "logits_scaling": 3.0,
+            },
+        ),
         # SmolLM3: every n-th layer without RoPE (NoPE), here every second
         "smollm3": (
             "SmolLM3Config",

@@ -56,11 +56,14 @@ inline void scale_row(const T* src, const T* w, T* o, int64_t n, float inv) {
   }
 }
 
-// residual (when given) = round(x + residual); out = round(w * round(s * rsqrt(mean(s^2) + eps)))
-// with s the (new) residual or x.
+// residual (when given) = round(x + residual), or round(round(x * x_scale) + residual) for an x_scale
+// other than 0 and 1 (transformers' Granite: residual + h * residual_multiplier);
+// out = round(w * round(s * rsqrt(mean(s^2) + eps))) with s the (new) residual or x.
 template <typename T>
 void rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int64_t rows, int64_t n,
-              float eps, int threads) {
+              float eps, float x_scale, int threads) {
+  const bool scaled = x_scale != 0.f && x_scale != 1.f;
+  const Vec xs = set1(x_scale);
 #pragma omp parallel for num_threads(threads) if (threads > 1)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * x_stride;
@@ -72,7 +75,8 @@ void rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int
     Vec sq = zero();  // the sum of squares in the same pass as the add
     for (int64_t c = 0; c < n; c += W) {
       const Mask m = lanes(n, c);
-      const Vec v = round_as<T>(add(load(xr + c, m), load(res + c, m)));
+      const Vec xv = scaled ? round_as<T>(unfused(mul(load(xr + c, m), xs))) : load(xr + c, m);
+      const Vec v = round_as<T>(add(xv, load(res + c, m)));
       store(res + c, v, m);
       sq = fma(v, v, sq);
     }
@@ -258,7 +262,8 @@ int pagedkv_rms_norm(const pagedkv_rms_norm_params* p, char* err, int errlen) {
   const bool known = with_float_type(p->dtype, [&](auto t) {
     using T = decltype(t);
     rms_norm(static_cast<const T*>(p->x), p->x_stride, static_cast<T*>(p->residual),
-             static_cast<const T*>(p->weight), static_cast<T*>(p->out), p->rows, p->n, p->eps, threads);
+             static_cast<const T*>(p->weight), static_cast<T*>(p->out), p->rows, p->n, p->eps, p->x_scale,
+             threads);
   });
   return known ? 0 : fail(err, errlen, "unsupported dtype code %lld%.0lld", p->dtype, 0);
 }

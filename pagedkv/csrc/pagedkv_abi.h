@@ -75,8 +75,9 @@ typedef struct {
   float softcap;
 } pagedkv_paged_attention_params;
 
-// RMSNorm with the residual add (layer_ops.cpp): residual (when given) = x + residual, then
-// out = weight * normalised (residual or x), rounded where torch rounds.
+// RMSNorm with the residual add (layer_ops.cpp): residual (when given) = x + residual (x times
+// x_scale first, rounded, where x_scale is set), then out = weight * normalised (residual or x),
+// rounded where torch rounds.
 typedef struct {
   pagedkv_dtype dtype;              // of every tensor: FLOAT32, BFLOAT16 or FLOAT16
   const void* x;                    // [rows, n], rows x_stride apart
@@ -88,6 +89,7 @@ typedef struct {
   int64_t n;
   float eps;
   int32_t threads;
+  float x_scale;                    // with a residual: x's factor before the add (Granite's); 0: 1
 } pagedkv_rms_norm_params;
 
 // out = act(gate) * up of a fused gate | up projection (layer_ops.cpp): act SiLU, or GELU (tanh).

@@ -115,6 +115,19 @@ inline void prefetch(const void* p) {
 #endif
 }
 
+// v as computed: never fused with a following add into one FMA (GCC contracts a mul and an add,
+// which rounds once where torch rounds twice: a Granite residual times its multiplier).
+inline Vec unfused(Vec v) {
+#if defined(PAGEDKV_ISA_AVX512) || defined(PAGEDKV_ISA_AVX2)
+  asm("" : "+v"(v));
+#elif defined(PAGEDKV_ISA_NEON)
+  asm("" : "+w"(v));
+#else
+  asm("" : "+m"(v));
+#endif
+  return v;
+}
+
 // The mask of lanes [c, c + W) that fall before n.
 inline Mask lanes(int64_t n, int64_t c) { return c + W <= n ? kFull : first_lanes(int(n - c)); }
 

@@ -23,6 +23,7 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
     "qwen3": {"qk_norm": True},
     "phi3": {},  # q/k/v and gate/up fused in the checkpoint (llama.FUSED_WHOLE)
     "smollm3": {},  # some layers without RoPE (NoPE: rope_layers)
+    "granite": {},  # four multipliers (embeddings, residual adds, attention scale, logits)
     # Gemma (2B, 7B): norms of (1 + w), embeddings times sqrt(hidden), GELU (tanh)
     "gemma": {"norm_offset": 1.0, "embed_scale": True, "hidden_act": "gelu_tanh"},
     # Gemma 2 adds norms on the attention's and the MLP's outputs (and soft-capping, from the file)
@@ -105,6 +106,12 @@ class LlamaConfig:
     rotary_dim: int | None = None
     # the layers that rotate q and k at all (None: every one; SmolLM3's NoPE layers do not)
     rope_layers: tuple[bool, ...] | None = None
+    # Granite's multipliers: of the embeddings, of each layer's attention and MLP outputs before
+    # their residual adds, q . k's scale (in place of head_dim^-0.5), and the logits' divisor
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     @property
     def rope_dim(self) -> int:
@@ -158,6 +165,17 @@ class LlamaConfig:
             )
         if window is None or (layers is not None and not any(layers)):
             self.sliding_window, self.window_layers = None, None
+        for name in (
+            "embedding_multiplier",
+            "residual_multiplier",
+            "attention_multiplier",
+            "logits_scaling",
+        ):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, (int, float)) and 0 < value < float("inf")
+            ):
+                raise ConfigError(f"{name} must be a positive number, got {value!r}")
         for name in ("attn_softcap", "final_softcap"):
             cap = getattr(self, name)
             if cap is not None and not (isinstance(cap, (int, float)) and 0 < cap < float("inf")):
@@ -274,6 +292,7 @@ class LlamaConfig:
                 eos_token_id=d.get("eos_token_id"),
                 rotary_dim=int(head_dim * partial),  # (as transformers rounds it)
                 rope_layers=_rope_layers(d),
+                **_granite(d),
                 **_sliding_window(d),
                 **gemma_args,
                 **softcaps,
@@ -306,6 +325,15 @@ def text_model_dict(d: dict[str, Any]) -> dict[str, Any]:
         outer = {k: d[k] for k in keys if d.get(k) is not None}
         d = {**text, **outer, "model_type": MULTIMODAL_WRAPPERS[d["model_type"]]}
     return {**_TEXT_DEFAULTS.get(d.get("model_type", ""), {}), **d}
+
+
+def _granite(d: dict[str, Any]) -> dict[str, Any]:
+    """Granite's multipliers, with GraniteConfig's defaults (attention_multiplier 1.0, not
+    head_dim^-0.5); none for every other family."""
+    if d.get("model_type") != "granite":
+        return {}
+    keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier")
+    return {k: d.get(k, 1.0) for k in (*keys, "logits_scaling")}
 
 
 def _rope_layers(d: dict[str, Any]) -> tuple[bool, ...] | None:

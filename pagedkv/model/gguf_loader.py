@@ -35,7 +35,17 @@ from pagedkv.model.tokenizer import Tokenizer
 
 # general.architecture values whose forward is ours (llama.cpp files Mistral-style models and
 # SmolLM under "llama" too); each is also a config.json model_type (MODEL_TYPES: what it adds)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "smollm3")
+ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "smollm3",
+    "granite",
+)
 _MODEL_TYPE = {"gemma3": "gemma3_text"}  # config.json's model_type where it differs
 # tensors an architecture names its own way: Phi-3 keeps q/k/v and gate/up fused (its ffn_up is
 # HF's gate_up_proj, gate first); Gemma 2 and 3 have a norm after attention and one after the MLP
@@ -54,9 +64,15 @@ _ARCH_LAYER_NAMES = {
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's converter interleaves the RoPE halves of q and k only for these ("NORM" RoPE);
 # Qwen's GGUFs keep HF's layout ("NEOX")
-INTERLEAVED_ROPE = ("llama", "smollm3")
+INTERLEAVED_ROPE = ("llama", "smollm3", "granite")
 # llama.cpp's SmolLM3: every 4th layer without RoPE, a rule of its code (no key in the file)
 _NO_ROPE_STEP = {"smollm3": 4}
+_GRANITE_KEYS = {
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "attention.scale": "attention_multiplier",
+    "logit_scale": "logits_scaling",
+}
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 _NAMES = {
@@ -178,6 +194,10 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
             arch_args["query_pre_attn_scalar"] = hidden // heads
     if arch == "gemma3":
         arch_args["local_rope_theta"] = GEMMA_LOCAL_ROPE_THETA
+    if arch == "granite":  # its multipliers, under llama.cpp's names (each written where set)
+        for key, name in _GRANITE_KEYS.items():
+            if f"{arch}.{key}" in meta:
+                arch_args[name] = float(meta[f"{arch}.{key}"])
     if arch in _NO_ROPE_STEP:
         arch_args["rope_layers"] = tuple(bool((i + 1) % _NO_ROPE_STEP[arch]) for i in range(layers))
     if arch == "gemma2":

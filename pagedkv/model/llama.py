@@ -231,7 +231,8 @@ class DecoderLayer(nn.Module):
         )
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
-        self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        self.scale = c.attention_multiplier or (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        self.residual_scale = c.residual_multiplier  # (Granite's: on o and down before the adds)
         self.softcap = c.attn_softcap or 0.0  # Gemma 2's soft-capped scores
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         # before the MLP (Gemma's pre_feedforward_layernorm)
@@ -300,7 +301,7 @@ class DecoderLayer(nn.Module):
         this layer's index."""
         norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj = self._weights
         tokens = x.shape[0]
-        h, residual = ops.rms_norm(x, norm1, self.eps, residual, buf.h)
+        h, residual = ops.rms_norm(x, norm1, self.eps, residual, buf.h, self.residual_scale)
         qkv = linear(h, qkv_proj, buf.qkv)
         if lora is not None:
             lora[0].add(lora[1], "qkv", h, qkv)
@@ -326,7 +327,7 @@ class DecoderLayer(nn.Module):
         out_norms = self._out_norms
         if out_norms is not None:
             o = ops.rms_norm(o, out_norms[0], self.eps, None, o)[0]
-        h, residual = ops.rms_norm(o, norm2, self.eps, residual, buf.h)
+        h, residual = ops.rms_norm(o, norm2, self.eps, residual, buf.h, self.residual_scale)
         gate_up = linear(h, gate_up_proj, buf.gate_up)
         if lora is not None:
             lora[0].add(lora[1], "gate_up", h, gate_up)
@@ -451,6 +452,8 @@ class LlamaForCausalLM(nn.Module):
         x = embed(input_ids, self.embed_tokens, self.dtype)
         if self.config.embed_scale:
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        if self.config.embedding_multiplier != 1.0:  # (Granite's, as transformers multiplies)
+            x = x * self.config.embedding_multiplier
         return x
 
     def run_layers(
@@ -477,12 +480,15 @@ class LlamaForCausalLM(nn.Module):
                 buf,
                 None if lora is None else (lora, i),
             )  # (no hooks: saves ~2 us)
-        return ops.rms_norm(x, norm.weight, norm.eps, residual, buf.h)[0]
+        scale = self.config.residual_multiplier
+        return ops.rms_norm(x, norm.weight, norm.eps, residual, buf.h, scale)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, vocab] float32 logits of the rows the sampler needs (Gemma 2's soft-capped:
         cap tanh(logits / cap), in the model's dtype as transformers computes them)."""
         logits = linear(hidden, self.lm_head)
+        if self.config.logits_scaling != 1.0:  # (Granite's)
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -22,8 +22,11 @@ def rms_norm(
     eps: float,
     residual: Tensor | None = None,
     out: Tensor | None = None,
+    x_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    """RMSNorm of x, or of x + residual when a residual is given (vLLM's fused add).
+    """RMSNorm of x, or of x * x_scale + residual when a residual is given (vLLM's fused add;
+    x_scale: Granite's residual_multiplier, rounded to x's dtype before the add as transformers
+    does).
 
     Returns (normed, the new residual); the residual tensor given is updated in place. With no
     residual, x itself is the new residual. The kernel writes into `out` when it fits
@@ -37,7 +40,7 @@ def rms_norm(
     )
     if lib is None or (residual is not None and not residual.is_contiguous()):
         if residual is not None:
-            x = residual.add_(x)
+            x = residual.add_(x * x_scale if x_scale != 1.0 else x)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype), x
@@ -54,6 +57,7 @@ def rms_norm(
         n=n,
         eps=eps,
         threads=torch.get_num_threads(),
+        x_scale=x_scale,
     )
     return out, (x if residual is None else residual)
 

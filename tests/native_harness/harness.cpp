@@ -204,23 +204,26 @@ void attention(int dtype, int kv_dtype, int64_t D, int threads, int64_t window =
 double round_to(int dtype, double x) { uint8_t b[4]; encode(dtype, float(x), b); return decode(dtype, b); }
 
 // RMSNorm with the residual add, rounding where torch rounds (see layer_ops.cpp).
-void rms_norm(int dtype, int64_t rows, int64_t n) {
+void rms_norm(int dtype, int64_t rows, int64_t n, float x_scale) {
   Buf x(dtype, rows * n), res(dtype, rows * n), w(dtype, n), out(dtype, rows * n);
   x.fill_random(-2, 2); res.fill_random(-2, 2); w.fill_random(0.5, 1.5);
   std::vector<double> want(rows * n), want_res(rows * n);
   for (int64_t r = 0; r < rows; ++r) {
     double sq = 0;
     for (int64_t c = 0; c < n; ++c) {
-      want_res[r * n + c] = round_to(dtype, double(x.get(r * n + c)) + res.get(r * n + c));
+      const double xv = x_scale != 0.f ? round_to(dtype, double(x.get(r * n + c)) * double(x_scale)) : x.get(r * n + c);
+      want_res[r * n + c] = round_to(dtype, xv + res.get(r * n + c));
       sq += want_res[r * n + c] * want_res[r * n + c];
     }
     const double inv = 1.0 / std::sqrt(sq / double(n) + 1e-6);
     for (int64_t c = 0; c < n; ++c) want[r * n + c] = w.get(c) * round_to(dtype, want_res[r * n + c] * inv);
   }
-  pagedkv_rms_norm_params p{pagedkv_dtype(dtype), x.data(), n, res.data(), w.data(), out.data(), rows, n, 1e-6f, 2};
+  pagedkv_rms_norm_params p{pagedkv_dtype(dtype), x.data(), n, res.data(), w.data(), out.data(), rows, n, 1e-6f, 2,
+                            x_scale};
   ran(pagedkv_rms_norm(&p, err, sizeof err), "rms_norm");
-  check(std::string("rms_norm residual ") + kName[dtype] + " n=" + std::to_string(n), want_res, res, 1e-6);
-  check(std::string("rms_norm ") + kName[dtype] + " n=" + std::to_string(n), want, out, kTol[dtype]);
+  const std::string tag = std::string(kName[dtype]) + " n=" + std::to_string(n) + " x_scale=" + std::to_string(x_scale);
+  check("rms_norm residual " + tag, want_res, res, 1e-6);
+  check("rms_norm " + tag, want, out, kTol[dtype]);
 }
 
 // act(gate) * up: SiLU, or (gelu) GELU with the tanh approximation.
@@ -517,7 +520,7 @@ int main() {
     for (int64_t window : {1, 20, 150}) attention(dtype, -1, 64, 2, window);
     for (int64_t window : {0, 20}) attention(dtype, -1, 64, 2, window, 0.25f);
     for (int64_t n : {64, 100}) {
-      rms_norm(dtype, 3, n);
+      for (float x_scale : {0.f, 0.22f}) rms_norm(dtype, 3, n, x_scale);
       for (bool gelu : {false, true}) silu_mul(dtype, 3, n, gelu);
     }
     for (int64_t D : {64, 20})
