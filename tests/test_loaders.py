@@ -567,9 +567,14 @@ def test_smollm3_rope_layers_and_windows_read_as_transformers_reads_them(tmp_pat
         assert [ours.layer_window(i) for i in layers] == windows
         assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
     assert ours.rope_theta == 2e6 and not ours.layer_rope(3)
-    (folder / "config.json").write_text(json.dumps({**cfg, "no_rope_layers": [1, 0]}))
-    with pytest.raises(ConfigError, match="2 entries in no_rope_layers for 4 layers"):
-        load_model(folder, torch.float32)
+    for bad, message in (
+        ({"no_rope_layers": [1, 0]}, "2 entries in no_rope_layers for 4 layers"),
+        ({"no_rope_layers": [1, 2, 1, 1]}, "no_rope_layers must be a list of 0 and 1"),
+        ({"no_rope_layer_interval": 0}, "no_rope_layer_interval must be a positive whole"),
+    ):
+        (folder / "config.json").write_text(json.dumps({**cfg, **bad}))
+        with pytest.raises(ConfigError, match=message):
+            load_model(folder, torch.float32)
 
 
 MULTIMODAL = "Gemma3nForConditionalGeneration"

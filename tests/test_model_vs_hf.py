@@ -528,6 +528,8 @@ def test_rope_tables_are_as_long_as_the_context_served(tiny_model_dir):
         ({"short_factor": [1.0] * 7}, "longrope short_factor must be 8 positive numbers"),
         ({"long_factor": [1.0] * 7 + [-1.0]}, "longrope long_factor must be 8 positive numbers"),
         ({"original_max_position_embeddings": None}, "longrope needs original_max_position"),
+        ({"partial_rotary_factor": "half"}, "partial_rotary_factor must be in"),
+        ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor must be in \(0, 1\], got 1.5"),
     ],
 )
 def test_bad_longrope_or_partial_rotary_is_refused(changes, message, tmp_path):

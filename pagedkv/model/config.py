@@ -272,6 +272,8 @@ class LlamaConfig:
         if model_type in GEMMA_WINDOW_PATTERN:  # (Gemma 1 scales by head_dim, as Llama does)
             gemma_args["query_pre_attn_scalar"] = float(d.get("query_pre_attn_scalar", 256))
         partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor", 1.0)
+        if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+            raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {partial!r}")
         try:
             heads = d["num_attention_heads"]
             head_dim = d.get("head_dim") or d["hidden_size"] // heads
@@ -344,7 +346,11 @@ def _rope_layers(d: dict[str, Any]) -> tuple[bool, ...] | None:
     listed = d.get("no_rope_layers")
     if listed is None:
         every = d.get("no_rope_layer_interval", 4)
+        if not isinstance(every, int) or every < 1:
+            raise ConfigError(f"no_rope_layer_interval must be a positive whole number: {every!r}")
         return tuple(bool((i + 1) % every) for i in range(d["num_hidden_layers"]))
+    if not isinstance(listed, list) or not all(x in (0, 1) for x in listed):
+        raise ConfigError("no_rope_layers must be a list of 0 and 1 (1: the layer uses RoPE)")
     return tuple(bool(x) for x in listed)
 
 

@@ -11,7 +11,9 @@ from the rotary tables built here; Qwen2's q/k/v bias and Qwen3's per-head q/k
 norms go into the same call). Gemma adds GELU in SiLU's place and scaled
 embeddings; Gemma 2 a norm on the attention's and the MLP's outputs and
 soft-capped scores and logits; Gemma 3 a second set of rotary tables for its
-window layers (model/config.py). The matmul weights may
+window layers (model/config.py). Phi-4-mini turns only part of each head,
+SmolLM3 leaves some layers unturned (a RoPE call without tables), and Granite
+scales the residual adds inside the norm's call. The matmul weights may
 be quantized (--quantization, quant_linear.py): `linear` takes either form.
 """
 
