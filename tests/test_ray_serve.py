@@ -316,12 +316,17 @@ def test_load_sums_the_replicas(cluster):
         return httpx.get(f"{cluster}/load", timeout=60).json()["server_load"]
 
     def stream(i: int) -> int:
-        body = {"prompt": f"Load {i}", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        """The tokens the stream delivered, by its closing usage (a chunk may carry several tokens:
+        those of accepted drafts, or of steps the server ran while the client had not read)."""
+        body = {"prompt": f"Load {i}", "max_tokens": 500, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
         headers = {REPLICA: str(i % 2)}
         with httpx.stream(
             "POST", f"{cluster}/v1/completions", json=body, headers=headers, timeout=300
         ) as r:
-            return sum(1 for _ in r.iter_lines())
+            events = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+        assert r.status_code == 200 and events[-1] == "[DONE]", events[-2:]
+        return json.loads(events[-2])["usage"]["completion_tokens"]
 
     assert load() == 0
     with ThreadPoolExecutor(8) as pool:
@@ -329,7 +334,7 @@ def test_load_sums_the_replicas(cluster):
         seen = [load()]
         while not all(s.done() for s in streams):
             seen.append(load())
-        assert all(s.result() > 500 for s in streams)
+        assert [s.result() for s in streams] == [500] * 8  # every stream whole
     assert max(seen) > 4, seen
     assert load() == 0
 
