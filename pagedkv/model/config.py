@@ -334,8 +334,8 @@ def _granite(d: dict[str, Any]) -> dict[str, Any]:
     head_dim^-0.5); none for every other family."""
     if d.get("model_type") != "granite":
         return {}
-    keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier")
-    return {k: d.get(k, 1.0) for k in (*keys, "logits_scaling")}
+    keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    return {k: d.get(k, 1.0) for k in keys}
 
 
 def _rope_layers(d: dict[str, Any]) -> tuple[bool, ...] | None:
@@ -348,7 +348,7 @@ def _rope_layers(d: dict[str, Any]) -> tuple[bool, ...] | None:
         every = d.get("no_rope_layer_interval", 4)
         if not isinstance(every, int) or every < 1:
             raise ConfigError(f"no_rope_layer_interval must be a positive whole number: {every!r}")
-        return tuple(bool((i + 1) % every) for i in range(d["num_hidden_layers"]))
+        return all_but_every_nth(d["num_hidden_layers"], every)
     if not isinstance(listed, list) or not all(x in (0, 1) for x in listed):
         raise ConfigError("no_rope_layers must be a list of 0 and 1 (1: the layer uses RoPE)")
     return tuple(bool(x) for x in listed)
@@ -383,15 +383,16 @@ def _sliding_window(d: dict[str, Any]) -> dict[str, Any]:
     pattern = GEMMA_WINDOW_PATTERN.get(d.get("model_type", ""))
     if pattern:
         pattern = d.get("sliding_window_pattern", pattern)
-        layers = gemma_window_layers(d["num_hidden_layers"], pattern)
+        layers = all_but_every_nth(d["num_hidden_layers"], pattern)
         return {"sliding_window": window, "window_layers": layers}
     return {"sliding_window": window}
 
 
-def gemma_window_layers(layers: int, pattern: int) -> tuple[bool, ...]:
-    """Gemma 2's and 3's window layers where no layer_types are given: every pattern-th attends to
-    all."""
-    return tuple(bool((i + 1) % pattern) for i in range(layers))
+def all_but_every_nth(layers: int, n: int) -> tuple[bool, ...]:
+    """True for every layer but each n-th (1-based): Gemma 2's and 3's window layers where no
+    layer_types are given (every n-th attends to all), SmolLM3's RoPE layers (every n-th has
+    none)."""
+    return tuple(bool((i + 1) % n) for i in range(layers))
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pagedkv.model.config import (
     MODEL_TYPES,
     Checkpoint,
     LlamaConfig,
-    gemma_window_layers,
+    all_but_every_nth,
 )
 from pagedkv.model.quant_linear import KEPT_TYPES, Blocks, blocks_from_gguf
 from pagedkv.model.tokenizer import Tokenizer
@@ -189,7 +189,7 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
     if arch in _GEMMA_27B_LAYERS:
         pattern = GEMMA_WINDOW_PATTERN[_MODEL_TYPE.get(arch, arch)]
         pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern") or pattern)
-        arch_args["window_layers"] = gemma_window_layers(layers, pattern)
+        arch_args["window_layers"] = all_but_every_nth(layers, pattern)
         if layers == _GEMMA_27B_LAYERS[arch]:
             arch_args["query_pre_attn_scalar"] = hidden // heads
     if arch == "gemma3":
@@ -199,7 +199,7 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
             if f"{arch}.{key}" in meta:
                 arch_args[name] = float(meta[f"{arch}.{key}"])
     if arch in _NO_ROPE_STEP:
-        arch_args["rope_layers"] = tuple(bool((i + 1) % _NO_ROPE_STEP[arch]) for i in range(layers))
+        arch_args["rope_layers"] = all_but_every_nth(layers, _NO_ROPE_STEP[arch])
     if arch == "gemma2":
         arch_args["attn_softcap"] = float(get("attn_logit_softcapping", 50.0))
         arch_args["final_softcap"] = float(get("final_logit_softcapping", 30.0))
