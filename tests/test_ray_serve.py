@@ -358,6 +358,27 @@ def test_a_chats_route_key_is_the_prompt_its_replica_renders(tmp_path):
     assert ids == tok.encode(text, add_special_tokens=False)
 
 
+def test_a_responses_route_key_is_its_chats(tmp_path):
+    """/v1/responses is routed by the conversation it is served as: instructions and input render
+    the same prompt as the chat request of those messages."""
+    from types import SimpleNamespace
+
+    from pagedkv.model.tokenizer import Tokenizer
+    from pagedkv.server.ray_app import Ingress
+
+    ingress = SimpleNamespace(tokenizer=Tokenizer.from_hf_folder(make_tiny_model(tmp_path / "m")))
+    response = Ingress.func_or_class._prompt_ids(
+        ingress, "/v1/responses", {"instructions": "Be brief.", "input": "Hello"}
+    )
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    chat = Ingress.func_or_class._prompt_ids(
+        ingress, "/v1/chat/completions", {"messages": messages}
+    )
+    assert response == chat and len(chat) > 4
+    other = Ingress.func_or_class._prompt_ids(ingress, "/v1/responses", {"input": "Hello"})
+    assert other != chat
+
+
 def test_a_request_for_an_adapter_is_routed_apart_from_the_base_models(tmp_path):
     """Replicas key an adapter's prefix blocks apart, so the same prompt under another adapter
     (or none) must not be steered to the replica holding the other one's blocks."""

@@ -193,6 +193,49 @@ def test_an_output_that_never_closes_its_section_is_all_reasoning(server, tags):
     assert choice["message"]["content"] is None
 
 
+def respond(server, stream: bool = False, **kw):
+    """/v1/responses for the same conversation: the body, or the stream's events."""
+    body = {"model": "tiny", "input": MESSAGES, "temperature": 0, "max_output_tokens": 16, **kw}
+    if not stream:
+        r = server.http.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+    events = []
+    with server.http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def test_a_response_holds_the_reasoning_item_before_the_message(server, closing_bias, think_model):
+    message = chat(server, logit_bias=closing_bias)["choices"][0]["message"]
+    body = respond(server, logit_bias=closing_bias)
+    reasoning, answer = body["output"]
+    assert reasoning["type"] == "reasoning" and answer["type"] == "message"
+    assert reasoning["content"][0]["text"] == message["reasoning"]
+    assert answer["content"][0]["text"] == message["content"]
+    tok = Tokenizer.from_hf_folder(think_model)
+    counted = len(tok.encode(message["reasoning"], add_special_tokens=False))
+    assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == counted > 0
+    # streamed: the reasoning item opens, grows and closes before the message item opens
+    events = respond(server, stream=True, logit_bias=closing_bias)
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    said = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert (thought, said) == (message["reasoning"], message["content"])
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+
+    def unnamed(items: list[dict]) -> list[dict]:
+        return [{k: v for k, v in item.items() if k != "id"} for item in items]
+
+    assert unnamed(events[-1]["response"]["output"]) == unnamed(body["output"])
+    # include_reasoning false: the message alone (a chat extension, passed through)
+    bare = respond(server, logit_bias=closing_bias, include_reasoning=False)
+    assert [item["type"] for item in bare["output"]] == ["message"]
+
+
 def test_a_prompt_that_closed_the_section_is_answered_as_content(server):
     """enable_thinking false: the template closes an empty section; the output is the answer."""
     kwargs = {"chat_template_kwargs": {"enable_thinking": False}}

@@ -47,6 +47,7 @@ from pagedkv.server.middleware import (
 )
 from pagedkv.server.openapi import install_openapi, json_body
 from pagedkv.server.responses import ModelCard, ModelList
+from pagedkv.server.responses_protocol import ResponsesRequest
 from pagedkv.server.routes_extra import (
     add_lora_routes,
     add_vllm_routes,
@@ -204,6 +205,15 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
     @app.post("/v1/chat/completions", openapi_extra=json_body(api.ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(await read_json(request, api.ChatCompletionRequest), request)
+
+    @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        req = await read_json(request, ResponsesRequest)
+        try:
+            chat = req.chat_request({})
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        return await serving.responses(req, chat, request)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:

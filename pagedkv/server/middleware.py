@@ -157,7 +157,7 @@ class ServerLoad:
     """vLLM's GET /load: the generation requests in flight (`app.state.server_load`), from their
     arrival until their answer's last byte, streamed or not."""
 
-    PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+    PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

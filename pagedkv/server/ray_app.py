@@ -253,13 +253,18 @@ class Ingress:
 
     def _prompt_ids(self, path: str, data: dict) -> list[int]:
         tok = self.tokenizer
-        if path.endswith("/chat/completions"):
+        if path.endswith("/chat/completions") or path.endswith("/responses"):
             from pagedkv.engine.chat import render_chat
             from pagedkv.server.protocol import ChatCompletionRequest
+            from pagedkv.server.responses_protocol import ResponsesRequest
 
-            messages = [
-                m.as_template_input() for m in ChatCompletionRequest.model_validate(data).messages
-            ]  # content parts shaped as the replica shapes them (render_chat)
+            chat = (
+                ResponsesRequest.model_validate(data).chat_request({})
+                if path.endswith("/responses")
+                else ChatCompletionRequest.model_validate(data)
+            )
+            # content parts shaped as the replica shapes them (render_chat)
+            messages = [m.as_template_input() for m in chat.messages]
             return tok.encode(render_chat(tok, messages), add_special_tokens=False)
         prompt = data.get("prompt") if path.endswith("/completions") else None
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):

@@ -7,11 +7,13 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from pydantic import BaseModel
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput, SampleLogprob
 from pagedkv.server import responses as api
+from pagedkv.server.streaming import sse
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -85,6 +87,7 @@ class ResponseFormat(ABC):
     token: Callable[[int], str]
     created: int = field(default_factory=lambda: int(time.time()))
     token_ids: bool = False  # return_token_ids: the prompt's and the output's ids too
+    done_marker: ClassVar[str | None] = "data: [DONE]\n\n"  # a stream's last line
 
     def ids(self, token_ids: list[int]) -> list[int] | None:
         """`token_ids` where the request asked for them, else None (left out of the body)."""
@@ -110,3 +113,11 @@ class ResponseFormat(ABC):
     @abstractmethod
     def usage_chunk(self, usage: api.Usage) -> BaseModel:
         """The last stream chunk when stream_options.include_usage is set."""
+
+    def closing(self, finals: list[RequestOutput], include_usage: bool) -> list[BaseModel]:
+        """What a stream sends after every choice's last chunk."""
+        return [self.usage_chunk(usage_of(finals))] if include_usage else []
+
+    def frame(self, payload: BaseModel) -> str:
+        """One stream chunk (or error body) as server-sent events."""
+        return sse(payload)

@@ -39,7 +39,9 @@ from pagedkv.server.completion_format import CompletionFormat
 from pagedkv.server.errors import APIError, error_body, to_api_error
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import REQUEST_ID_HEADER
-from pagedkv.server.response_format import Delta, ResponseFormat, token_decoder, usage_of
+from pagedkv.server.response_format import Delta, ResponseFormat, token_decoder
+from pagedkv.server.responses_format import ResponsesFormat
+from pagedkv.server.responses_protocol import ResponsesChat, ResponsesRequest
 from pagedkv.server.streaming import ClientGone, EventStream, merge, sse, until_disconnect
 from pagedkv.server.tools import chat_prompt, plan_tools
 
@@ -144,7 +146,16 @@ class OpenAIServing:
         )
         return await self._run(request, req, fmt, prompts, params)
 
-    async def chat(self, req: api.ChatCompletionRequest, request: Request) -> Response:
+    async def chat(
+        self,
+        req: api.ChatCompletionRequest,
+        request: Request,
+        answer_id: str | None = None,
+        form: type[ChatFormat] = ChatFormat,
+        **form_fields,
+    ) -> Response:
+        """A chat completion; `form` and its fields shape the answer (/v1/responses: a Response,
+        whose id is `answer_id`)."""
         lora = self.check_model(req.model)
         params = self.model_defaults(req, req.sampling_params())
         params.lora_name = lora
@@ -167,8 +178,8 @@ class OpenAIServing:
         role = self.engine.config.response_role if req.add_generation_prompt else last.role
         echo = content_text(last.content) or "" if req.echo and last.role == role else ""
         tags = self.engine.engine.reasoning
-        fmt = ChatFormat(
-            request_id("chatcmpl", request, req.request_id),
+        fmt = form(
+            answer_id or request_id("chatcmpl", request, req.request_id),
             lora or self.engine.model_name,
             token_decoder(tok, self.as_token_ids(req)),
             token_ids=bool(req.return_token_ids),
@@ -177,8 +188,35 @@ class OpenAIServing:
             echo=echo,
             thinking=tags.first_section(prompt) if tags else None,
             include_reasoning=req.include_reasoning,
+            **form_fields,
         )
         return await self._run(request, req, fmt, [prompt], params)
+
+    async def responses(
+        self, req: ResponsesRequest, chat: ResponsesChat, request: Request
+    ) -> Response:
+        """/v1/responses: the request's chat turn, answered as a Response (responses_format.py)."""
+        given = request.headers.get(REQUEST_ID_HEADER) or chat.request_id
+        settings = {
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "temperature": req.temperature,  # (None: the model's default, else 1)
+            "top_p": req.top_p,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "tool_choice": req.tool_choice,
+            "metadata": req.metadata or {},
+            "user": req.user,
+            "text": {"format": req.text_format()},
+        }
+        tok = self.engine.tokenizer
+        return await self.chat(
+            chat,
+            request,
+            answer_id=f"resp_{given or uuid.uuid4().hex}",
+            form=ResponsesFormat,
+            settings=settings,
+            count_tokens=lambda text: len(tok.encode(text, add_special_tokens=False)),
+        )
 
     def as_token_ids(self, req) -> bool:
         """return_tokens_as_token_ids: the request's, else --return-tokens-as-token-ids."""
@@ -281,25 +319,26 @@ class OpenAIServing:
         try:
             async with aclosing(events):
                 for start in fmt.start(num * n, first[1]):
-                    yield sse(start)
+                    yield fmt.frame(start)
                 item: tuple[int, RequestOutput] | None = first
                 while item is not None:
                     i, out = item
                     for o in out.outputs:
                         chunk = self._delta(fmt, i * n + o.index, out, o, sent)
                         if chunk is not None:
-                            yield sse(chunk)
+                            yield fmt.frame(chunk)
                     if out.finished:
                         finals[i] = out
                     item = await anext(events, None)
             done = all_final(finals)
             check_not_aborted(done)
-            if include_usage:
-                yield sse(fmt.usage_chunk(usage_of(done)))
+            for last in fmt.closing(done, include_usage):
+                yield fmt.frame(last)
         except Exception as e:  # noqa: BLE001 - the status is already sent: report in the stream
             err = to_api_error(e)
             yield sse(error_body(err.status, err.message, err.param, err.code))
-        yield "data: [DONE]\n\n"
+        if fmt.done_marker:
+            yield fmt.done_marker
 
     @staticmethod
     def _delta(

@@ -1,0 +1,240 @@
+"""OpenAI's Responses API request (POST /v1/responses), served as a chat completion.
+
+A response is one chat turn: `instructions` becomes a system message, `input` (a string, or a
+list of text messages) the conversation, `text.format` the response_format, and
+`max_output_tokens` the completion limit. The sampling extensions of /v1/chat/completions (seed,
+top_k, stop, ...) pass through under their names. What a stateless text-only server cannot do is
+a 400 naming the field: stored responses (`store: true`, `previous_response_id`, `conversation`,
+`background`), tools, images and files, `include`, `top_logprobs`, `reasoning` options,
+`truncation: "auto"` and stored prompts.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, PrivateAttr, model_validator
+
+from pagedkv.server.protocol import ChatCompletionRequest, Count
+from pagedkv.server.validation import (
+    MAX_MESSAGES,
+    FiniteFloat,
+    Name,
+    RequestModel,
+    SafeStr,
+)
+from pagedkv.server.validation import documented as doc
+
+# field -> the values that mean "not used"; any other value is a 400 naming the field
+RESPONSES_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "previous_response_id": (None,),
+    "conversation": (None,),
+    "background": (None, False),
+    "store": (None, False),
+    "tools": (None, []),
+    "include": (None, []),
+    "top_logprobs": (None, 0),
+    "reasoning": (None,),
+    "prompt": (None,),
+    "max_tool_calls": (None,),
+    "truncation": (None, "disabled"),
+    "service_tier": (None, "auto", "default"),
+    "stream_options": (None,),
+}
+WHY = {
+    "store": "responses are not stored: send store: false",
+    "previous_response_id": "responses are not stored: send the whole conversation as input",
+    "conversation": "conversations are not stored: send the whole conversation as input",
+    "tools": "tools are not supported on /v1/responses; /v1/chat/completions has them",
+}
+# /v1/chat/completions fields a response passes on as they are
+CHAT_EXTENSIONS = (
+    "seed",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "ignore_eos",
+    "min_tokens",
+    "priority",
+    "request_id",
+    "cache_salt",
+    "chat_template_kwargs",
+    "skip_special_tokens",
+    "include_reasoning",
+)
+TEXT_PARTS = ("input_text", "output_text")
+
+
+def _reject_unsupported(data: Any) -> Any:
+    if isinstance(data, dict):
+        for name, unused in RESPONSES_UNSUPPORTED.items():
+            if name in data and data[name] not in unused:
+                raise ValueError(WHY.get(name, f"{name} is not supported by pagedkv"))
+        if data.get("tool_choice") not in (None, "none", "auto"):
+            raise ValueError("tool_choice: there are no tools to choose (tools are not supported)")
+    return data
+
+
+def _check_content(value: Any) -> Any:
+    """A string is one text part; parts other than text are refused by their type."""
+    if isinstance(value, str):
+        return [{"type": "input_text", "text": value}]
+    for part in value if isinstance(value, list) else ():
+        if isinstance(part, dict) and part.get("type") not in TEXT_PARTS:
+            raise ValueError(
+                f"content parts of type {part.get('type')!r} are not supported: only "
+                "input_text and output_text (this is a text model)"
+            )
+    return value
+
+
+class ContentPart(RequestModel):
+    where = "input[].content[]."
+    understood = frozenset({"annotations", "logprobs"})  # an earlier answer's, sent back
+    type: Literal["input_text", "output_text"]
+    text: SafeStr
+
+
+def _check_input(value: Any) -> Any:
+    """A string is one user message; items other than messages are refused by their type."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    for item in value if isinstance(value, list) else ():
+        if isinstance(item, dict) and item.get("type", "message") != "message":
+            raise ValueError(
+                f"input items of type {item.get('type')!r} are not supported: only messages of text"
+            )
+    return value
+
+
+class InputMessage(RequestModel):
+    where = "input[]."
+    understood = frozenset({"id", "status"})  # an earlier answer's, sent back
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Annotated[
+        list[ContentPart],
+        BeforeValidator(_check_content, json_schema_input_type=SafeStr | list[ContentPart]),
+    ]
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content)
+
+
+class TextFormat(RequestModel):
+    where = "text.format."
+    type: Literal["text", "json_object", "json_schema"]
+    name: Name | None = None
+    description: SafeStr | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("a json_schema format needs its schema")
+        return self
+
+
+class TextConfig(RequestModel):
+    where = "text."
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # (GPT-5's; only the default is meaningful here)
+
+
+class ResponsesRequest(RequestModel):
+    """The Responses API's request, checked as strictly as the chat request it becomes."""
+
+    nullable = frozenset({"stream", "parallel_tool_calls", "tool_choice", "metadata"})
+    understood = frozenset(RESPONSES_UNSUPPORTED) | frozenset(CHAT_EXTENSIONS)
+    model: Name | None = None
+    input: Annotated[
+        list[InputMessage],
+        Field(min_length=1, max_length=MAX_MESSAGES),
+        BeforeValidator(_check_input, json_schema_input_type=SafeStr | list[InputMessage]),
+    ]
+    instructions: SafeStr | None = None
+    max_output_tokens: Count | None = None
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
+    stream: bool = False
+    text: TextConfig | None = None
+    metadata: Annotated[dict[Name, SafeStr], doc(maxProperties=16)] | None = None
+    user: Name | None = None
+    parallel_tool_calls: bool = True
+    tool_choice: Literal["none", "auto"] = "auto"  # (no tools to choose: both mean none)
+    _unsupported = model_validator(mode="before")(_reject_unsupported)
+    # the chat extensions, kept as sent: the chat request they join types and checks them
+    _extensions: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _take_extensions(cls, data: Any, handler: Any) -> Any:
+        found = {k: data[k] for k in CHAT_EXTENSIONS if k in data} if isinstance(data, dict) else {}
+        model = handler({k: v for k, v in data.items() if k not in found} if found else data)
+        model._extensions = found
+        return model
+
+    @model_validator(mode="after")
+    def _check_metadata(self) -> ResponsesRequest:
+        if self.metadata is not None and len(self.metadata) > 16:
+            raise ValueError("metadata holds at most 16 keys")
+        return self
+
+    def messages(self) -> list[dict]:
+        """The chat this response continues: the instructions first, as a system message."""
+        turns: list[dict] = []
+        if self.instructions is not None:
+            turns.append({"role": "system", "content": self.instructions})
+        return turns + [{"role": m.role, "content": m.text()} for m in self.input]
+
+    def text_format(self) -> dict:
+        """text.format as a Response reports it."""
+        fmt = self.text.format if self.text else None
+        return fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
+
+    def response_format(self) -> dict | None:
+        fmt = self.text.format if self.text else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "json_object"}
+        spec = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
+        if fmt.description is not None:
+            spec["description"] = fmt.description
+        return {"type": "json_schema", "json_schema": spec}
+
+    def chat_request(self, context: dict) -> ResponsesChat:
+        """The chat completion request this response is served as (400s name this request's
+        fields: see ResponsesChat.wire_param)."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": self.messages(),
+            "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stream": self.stream,
+            "user": self.user,
+            "response_format": self.response_format(),
+            **self._extensions,
+        }
+        return ResponsesChat.model_validate(
+            {k: v for k, v in body.items() if v is not None}, context=context
+        )
+
+
+class ResponsesChat(ChatCompletionRequest):
+    """A response's chat request: faults are named by the Responses API's field names."""
+
+    def wire_param(self, param: str) -> str:
+        return {
+            "max_tokens": "max_output_tokens",
+            "max_completion_tokens": "max_output_tokens",
+            "response_format": "text.format",
+            "messages": "input",
+        }.get(param, param)

@@ -1,0 +1,290 @@
+"""OpenAI's Responses API (POST /v1/responses) through a real server and the real openai client.
+
+A response is served as the chat turn it describes, so the oracle is /v1/chat/completions on the
+same conversation: the same greedy text and token counts, streamed or not. What a stateless
+text-only server cannot do is a 400 that names the field, and no hostile value earns a 5xx or
+leaks a block.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from server_process import TINY_SERVER, ServerProcess
+from test_fuzz import NASTY
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+SYSTEM = "Answer briefly."
+QUESTION = "Describe a pet"
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with ServerProcess(tiny_model_dir, *TINY_SERVER, "--max-model-len", "512") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.openai()
+
+
+def chat_answer(client, messages, max_tokens=12, **kw):
+    return client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=max_tokens, temperature=0, **kw
+    )
+
+
+def test_a_response_is_the_chat_answer_to_its_conversation(client):
+    r = client.responses.create(
+        model="tiny",
+        instructions=SYSTEM,
+        input=QUESTION,
+        max_output_tokens=12,
+        temperature=0,
+        metadata={"run": "7"},
+    )
+    c = chat_answer(
+        client, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    )
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert [item.type for item in r.output] == ["message"]
+    assert r.output_text == c.choices[0].message.content and r.output_text
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (
+        c.usage.prompt_tokens,
+        c.usage.completion_tokens,
+    )
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    # the request's settings, as OpenAI reports them
+    assert (r.instructions, r.max_output_tokens, r.temperature) == (SYSTEM, 12, 0)
+    assert r.metadata == {"run": "7"} and r.store is False and r.tool_choice == "auto"
+    expect_status = "incomplete" if c.choices[0].finish_reason == "length" else "completed"
+    assert r.status == expect_status
+
+
+def test_input_items_are_the_conversation(client):
+    """A list of messages, an earlier answer sent back as OpenAI returned it (its id, status and
+    annotations), equals the chat of those messages; without instructions no system message."""
+    first = client.responses.create(
+        model="tiny", input=QUESTION, max_output_tokens=6, temperature=0
+    )
+    earlier = first.output[0].model_dump(exclude_none=True)
+    turns = [{"role": "user", "content": QUESTION}, earlier, {"role": "user", "content": "More"}]
+    r = client.responses.create(model="tiny", input=turns, max_output_tokens=10, temperature=0)
+    c = chat_answer(
+        client,
+        [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "More"},
+        ],
+        max_tokens=10,
+    )
+    assert r.output_text == c.choices[0].message.content
+    assert r.usage.input_tokens == c.usage.prompt_tokens
+
+
+def test_the_stream_builds_the_same_response(client):
+    kw = dict(model="tiny", instructions=SYSTEM, input=QUESTION, max_output_tokens=20)
+    whole = client.responses.create(**kw, temperature=0)
+    events = list(client.responses.create(**kw, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    end = "response.incomplete" if whole.status == "incomplete" else "response.completed"
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        end,
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) >= 2 and "".join(deltas) == whole.output_text
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert done.text == whole.output_text
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.id.startswith("resp_")
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    item_ids = {e.item.id for e in events if e.type.startswith("response.output_item")}
+    assert item_ids == {final.output[0].id}
+
+
+def test_max_output_tokens_leaves_it_incomplete(client, server):
+    r = client.responses.create(
+        model="tiny",
+        input=QUESTION,
+        max_output_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3 and r.output[0].status == "incomplete"
+    events = list(
+        client.responses.create(
+            model="tiny",
+            input=QUESTION,
+            max_output_tokens=3,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == r.output_text
+
+
+def test_the_request_id_header_names_the_response(server):
+    answer = server.http.post(
+        "/v1/responses",
+        json={"model": "tiny", "input": "hi", "max_output_tokens": 2},
+        headers={"X-Request-Id": "abc123"},
+    )
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["id"] == "resp_abc123" and body["output"][0]["id"] == "msg_abc123"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_text_format_json_schema_constrains_the_output(client, seed):
+    r = client.responses.create(
+        model="tiny",
+        input=QUESTION,
+        max_output_tokens=200,
+        temperature=1.0,
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}},
+        extra_body={"seed": seed},
+    )
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+    assert r.text.format.type == "json_schema"
+
+
+def test_sampling_extensions_pass_through(client):
+    """seed makes sampled answers repeat; a stop string ends one, as on /v1/chat/completions."""
+    kw = dict(model="tiny", input=QUESTION, max_output_tokens=12, temperature=1.0)
+    a = client.responses.create(**kw, extra_body={"seed": 5})
+    b = client.responses.create(**kw, extra_body={"seed": 5})
+    assert a.output_text == b.output_text
+    c = chat_answer(client, [{"role": "user", "content": QUESTION}], stop=[a.output_text[2:4]])
+    r = client.responses.create(
+        model="tiny",
+        input=QUESTION,
+        max_output_tokens=12,
+        temperature=0,
+        extra_body={"stop": [a.output_text[2:4]]},
+    )
+    assert r.output_text == c.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"store": True}, None, "not stored"),
+        ({"previous_response_id": "resp_1"}, None, "not stored"),
+        ({"tools": [{"type": "function", "name": "f"}]}, None, "tools are not supported"),
+        ({"tool_choice": "required"}, None, "no tools"),
+        ({"include": ["message.output_text.logprobs"]}, None, "include"),
+        ({"reasoning": {"effort": "low"}}, None, "reasoning"),
+        ({"background": True}, None, "background"),
+        ({"truncation": "auto"}, None, "truncation"),
+        ({"top_logprobs": 3}, None, "top_logprobs"),
+        ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input", "function_call"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input",
+            "input_image",
+        ),
+        ({"max_output_tokens": 0}, "max_output_tokens", ""),
+        ({"max_output_tokens": 100000}, "max_output_tokens", ""),
+        ({"temperature": 9}, "temperature", ""),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema"),
+    ],
+)
+def test_what_it_cannot_do_is_a_400_naming_the_field(server, fields, param, words):
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, **fields}
+    answer = server.http.post("/v1/responses", json=body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and words in error["message"], error
+    if param:
+        assert error["param"] and error["param"].startswith(param), error
+
+
+def test_an_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="nope", input="hi", max_output_tokens=2)
+
+
+def top(name: str):
+    return lambda v: {name: v}
+
+
+FIELDS = {
+    "model": lambda v: {"model": v},
+    "input": lambda v: {"input": v},
+    "input.0.role": lambda v: {"input": [{"role": v, "content": "hi"}]},
+    "input.0.content": lambda v: {"input": [{"role": "user", "content": v}]},
+    "input.0.content.0.text": lambda v: {
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": v}]}]
+    },
+    "input.0.type": lambda v: {"input": [{"type": v, "role": "user", "content": "hi"}]},
+    **{
+        name: top(name)
+        for name in (
+            "instructions",
+            "max_output_tokens",
+            "temperature",
+            "top_p",
+            "stream",
+            "text",
+            "metadata",
+            "user",
+            "store",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "truncation",
+            "include",
+            "top_logprobs",
+            "reasoning",
+            "seed",
+            "stop",
+            "top_k",
+            "logit_bias",
+        )
+    },
+    "text.format": lambda v: {"text": {"format": v}},
+    "text.format.schema": lambda v: {"text": {"format": {"type": "json_schema", "schema": v}}},
+}
+
+
+def test_no_hostile_value_in_any_field_is_a_5xx(server):
+    for field, put in FIELDS.items():
+        for value in NASTY:
+            body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, **put(value)}
+            answer = server.http.post(
+                "/v1/responses",
+                content=json.dumps(body, allow_nan=True).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            assert answer.status_code < 500, (field, value, answer.text[:300])
+            if answer.status_code >= 400:
+                assert answer.json()["error"]["message"], (field, value)
+    assert server.http.get("/health").status_code == 200
+    snap = server.wait_idle()
+    assert snap["used"] == 0 and "Traceback" not in server.output()
