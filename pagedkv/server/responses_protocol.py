@@ -1,12 +1,13 @@
 """OpenAI's Responses API request (POST /v1/responses), served as a chat completion.
 
 A response is one chat turn: `instructions` becomes a system message, `input` (a string, or a
-list of text messages) the conversation, `text.format` the response_format, and
+list of items: text messages, function calls and their outputs) the conversation, `tools`
+(function tools) and `tool_choice` the chat's, `text.format` the response_format, and
 `max_output_tokens` the completion limit. The sampling extensions of /v1/chat/completions (seed,
 top_k, stop, ...) pass through under their names. What a stateless text-only server cannot do is
 a 400 naming the field: stored responses (`store: true`, `previous_response_id`, `conversation`,
-`background`), tools, images and files, `include`, `top_logprobs`, `reasoning` options,
-`truncation: "auto"` and stored prompts.
+`background`), hosted tools (web search, files, MCP ...), images and files, `include`,
+`top_logprobs`, `reasoning` options, `truncation: "auto"` and stored prompts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, PrivateAttr, model_validator
 
+from pagedkv.engine.request import ParamError
 from pagedkv.server.protocol import ChatCompletionRequest, Count
 from pagedkv.server.validation import (
     MAX_MESSAGES,
@@ -31,7 +33,6 @@ RESPONSES_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "conversation": (None,),
     "background": (None, False),
     "store": (None, False),
-    "tools": (None, []),
     "include": (None, []),
     "top_logprobs": (None, 0),
     "reasoning": (None,),
@@ -45,7 +46,6 @@ WHY = {
     "store": "responses are not stored: send store: false",
     "previous_response_id": "responses are not stored: send the whole conversation as input",
     "conversation": "conversations are not stored: send the whole conversation as input",
-    "tools": "tools are not supported on /v1/responses; /v1/chat/completions has them",
 }
 # /v1/chat/completions fields a response passes on as they are
 CHAT_EXTENSIONS = (
@@ -75,8 +75,6 @@ def _reject_unsupported(data: Any) -> Any:
         for name, unused in RESPONSES_UNSUPPORTED.items():
             if name in data and data[name] not in unused:
                 raise ValueError(WHY.get(name, f"{name} is not supported by pagedkv"))
-        if data.get("tool_choice") not in (None, "none", "auto"):
-            raise ValueError("tool_choice: there are no tools to choose (tools are not supported)")
     return data
 
 
@@ -100,22 +98,33 @@ class ContentPart(RequestModel):
     text: SafeStr
 
 
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
 def _check_input(value: Any) -> Any:
-    """A string is one user message; items other than messages are refused by their type."""
+    """A string is one user message; an item without a type is a message; other item types
+    (hosted tools' calls, computer use, item references) are refused by their type."""
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    for item in value if isinstance(value, list) else ():
-        if isinstance(item, dict) and item.get("type", "message") != "message":
-            raise ValueError(
-                f"input items of type {item.get('type')!r} are not supported: only messages of text"
-            )
-    return value
+        return [{"type": "message", "role": "user", "content": value}]
+    if not isinstance(value, list):
+        return value
+    items = []
+    for item in value:
+        if isinstance(item, dict):
+            item = {"type": "message", **item}
+            if item["type"] not in ITEM_TYPES:
+                raise ValueError(
+                    f"input items of type {item['type']!r} are not supported: only messages of "
+                    "text, function_call, function_call_output and reasoning"
+                )
+        items.append(item)
+    return items
 
 
 class InputMessage(RequestModel):
     where = "input[]."
     understood = frozenset({"id", "status"})  # an earlier answer's, sent back
-    type: Literal["message"] = "message"
+    type: Literal["message"]
     role: Literal["user", "system", "developer", "assistant"]
     content: Annotated[
         list[ContentPart],
@@ -124,6 +133,71 @@ class InputMessage(RequestModel):
 
     def text(self) -> str:
         return "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(RequestModel):
+    """A call the model made, sent back with the conversation."""
+
+    where = "input[]."
+    understood = frozenset({"id", "status"})
+    type: Literal["function_call"]
+    call_id: Name
+    name: Name
+    arguments: SafeStr
+
+
+class FunctionCallOutputItem(RequestModel):
+    """What the client's function returned for a call."""
+
+    where = "input[]."
+    understood = frozenset({"id", "status"})
+    type: Literal["function_call_output"]
+    call_id: Name
+    output: SafeStr
+
+
+class ReasoningText(RequestModel):
+    where = "input[].content[]."
+    type: Literal["reasoning_text"]
+    text: SafeStr
+
+
+class ReasoningItem(RequestModel):
+    """An earlier answer's reasoning, sent back: the next assistant turn's `reasoning`."""
+
+    where = "input[]."
+    understood = frozenset({"id", "status", "summary"})
+    type: Literal["reasoning"]
+    content: list[ReasoningText] = []
+
+
+InputItem = Annotated[
+    InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+    Field(discriminator="type"),
+]
+
+
+class FunctionTool(RequestModel):
+    where = "tools[]."
+    type: Literal["function"]
+    name: Name
+    description: SafeStr | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+def _check_tool(tool: Any) -> Any:
+    if isinstance(tool, dict) and tool.get("type") != "function":
+        raise ValueError(
+            f"tools of type {tool.get('type')!r} are not supported: only function tools"
+        )
+    return tool
+
+
+class NamedFunction(RequestModel):
+    where = "tool_choice."
+    type: Literal["function"]
+    name: Name
 
 
 class TextFormat(RequestModel):
@@ -154,9 +228,9 @@ class ResponsesRequest(RequestModel):
     understood = frozenset(RESPONSES_UNSUPPORTED) | frozenset(CHAT_EXTENSIONS)
     model: Name | None = None
     input: Annotated[
-        list[InputMessage],
+        list[InputItem],
         Field(min_length=1, max_length=MAX_MESSAGES),
-        BeforeValidator(_check_input, json_schema_input_type=SafeStr | list[InputMessage]),
+        BeforeValidator(_check_input, json_schema_input_type=SafeStr | list[InputItem]),
     ]
     instructions: SafeStr | None = None
     max_output_tokens: Count | None = None
@@ -166,8 +240,9 @@ class ResponsesRequest(RequestModel):
     text: TextConfig | None = None
     metadata: Annotated[dict[Name, SafeStr], doc(maxProperties=16)] | None = None
     user: Name | None = None
+    tools: list[Annotated[FunctionTool, BeforeValidator(_check_tool)]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True
-    tool_choice: Literal["none", "auto"] = "auto"  # (no tools to choose: both mean none)
     _unsupported = model_validator(mode="before")(_reject_unsupported)
     # the chat extensions, kept as sent: the chat request they join types and checks them
     _extensions: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -187,11 +262,62 @@ class ResponsesRequest(RequestModel):
         return self
 
     def messages(self) -> list[dict]:
-        """The chat this response continues: the instructions first, as a system message."""
+        """The chat this response continues: the instructions first, as a system message; calls
+        join the assistant turn before them (or make one), outputs are tool messages."""
         turns: list[dict] = []
         if self.instructions is not None:
             turns.append({"role": "system", "content": self.instructions})
-        return turns + [{"role": m.role, "content": m.text()} for m in self.input]
+        thought: str | None = None  # a reasoning item's, for the assistant turn after it
+        for item in self.input:
+            if isinstance(item, ReasoningItem):
+                thought = "".join(part.text for part in item.content)
+                continue
+            if isinstance(item, FunctionCallOutputItem):
+                turns.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            elif isinstance(item, InputMessage):
+                turns.append({"role": item.role, "content": item.text()})
+            elif not (turns and turns[-1]["role"] == "assistant" and thought is None):
+                turns.append({"role": "assistant", "content": ""})
+            if isinstance(item, FunctionCallItem):
+                call = {"name": item.name, "arguments": item.arguments}
+                turns[-1].setdefault("tool_calls", []).append(
+                    {"id": item.call_id, "type": "function", "function": call}
+                )
+            if thought is not None and turns[-1]["role"] == "assistant":
+                turns[-1]["reasoning"], thought = thought, None
+        if thought is not None:
+            raise ParamError(
+                "input", "a reasoning item must come before the assistant output it belongs to"
+            )
+        return turns
+
+    def reported_tools(self) -> tuple[list[dict], str | dict]:
+        """tools and tool_choice as a Response reports them (OpenAI's default choice: auto)."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        choice = self.tool_choice or "auto"
+        return tools, choice if isinstance(choice, str) else choice.model_dump()
+
+    def chat_tools(self) -> dict:
+        """tools and tool_choice in the chat request's shape; without tools only a choice that
+        needs them goes on (to be refused there)."""
+        choice = self.tool_choice
+        named = isinstance(choice, NamedFunction)
+        if not self.tools:
+            return {"tool_choice": "required"} if choice == "required" or named else {}
+        tools = [
+            {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+            for t in self.tools
+        ]
+        if isinstance(choice, NamedFunction):
+            return {
+                "tools": tools,
+                "tool_choice": {"type": "function", "function": {"name": choice.name}},
+            }
+        return {
+            "tools": tools,
+            "tool_choice": choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
 
     def text_format(self) -> dict:
         """text.format as a Response reports it."""
@@ -221,6 +347,7 @@ class ResponsesRequest(RequestModel):
             "stream": self.stream,
             "user": self.user,
             "response_format": self.response_format(),
+            **self.chat_tools(),
             **self._extensions,
         }
         return ResponsesChat.model_validate(
@@ -237,4 +364,5 @@ class ResponsesChat(ChatCompletionRequest):
             "max_completion_tokens": "max_output_tokens",
             "response_format": "text.format",
             "messages": "input",
+            "tools": "tools",
         }.get(param, param)

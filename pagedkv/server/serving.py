@@ -197,13 +197,15 @@ class OpenAIServing:
     ) -> Response:
         """/v1/responses: the request's chat turn, answered as a Response (responses_format.py)."""
         given = request.headers.get(REQUEST_ID_HEADER) or chat.request_id
+        tools, tool_choice = req.reported_tools()
         settings = {
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "temperature": req.temperature,  # (None: the model's default, else 1)
             "top_p": req.top_p,
             "parallel_tool_calls": req.parallel_tool_calls,
-            "tool_choice": req.tool_choice,
+            "tools": tools,
+            "tool_choice": tool_choice,
             "metadata": req.metadata or {},
             "user": req.user,
             "text": {"format": req.text_format()},
