@@ -449,6 +449,8 @@ def test_a_server_serves_each_adapter_as_a_model(tiny_model_dir, adapters, llm):
         assert [m["id"] for m in models] == ["tiny", "all", "attn"]
         assert models[1]["parent"] == "tiny" and models[1]["root"] == adapters["all"]
         assert models[2]["parent"] == "Tiny/1"  # its base_model_name
+        card = srv.http.get("/v1/models/attn").json()  # one card: OpenAI's retrieve
+        assert {**card, "created": 0} == {**models[2], "created": 0}
         body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         r = srv.http.post("/v1/completions", json={**body, "model": "all"})
         assert r.status_code == 200, r.text

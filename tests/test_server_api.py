@@ -83,6 +83,11 @@ def test_health_and_models(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"]
     assert models[0].max_model_len == 1024
+    # OpenAI's retrieve: the same card; an unknown name is the 404 generation endpoints give
+    card = client.models.retrieve("tiny").model_dump(exclude={"created"})
+    assert card == models[0].model_dump(exclude={"created"})
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("other/model")
 
 
 def test_headers_past_vllms_default_count_are_a_431(server):

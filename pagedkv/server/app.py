@@ -179,10 +179,9 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
         """vLLM's: the generation requests in flight (middleware.ServerLoad)."""
         return JSONResponse({"server_load": request.app.state.server_load})
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    def model_cards() -> list[ModelCard]:
         base = engine.model_name
-        cards = [
+        return [
             ModelCard(id=name, root=engine.config.model or base, max_model_len=engine.max_model_len)
             for name in engine.config.served_model_names
         ] + [  # LoRA adapters, as vLLM lists them
@@ -191,7 +190,19 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
             )
             for a in engine.engine.loras.values()
         ]
-        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        body = ModelList(data=model_cards()).model_dump_json()
+        return Response(body, media_type="application/json")
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        """OpenAI's retrieve: one served name's (or adapter's) card."""
+        card = next((c for c in model_cards() if c.id == model), None)
+        if card is None:
+            raise serving.unknown_model(model)
+        return Response(card.model_dump_json(), media_type="application/json")
 
     # /tokenize, /detokenize, /version, /ping
     add_vllm_routes(app, engine, read_json, serving.check_model)

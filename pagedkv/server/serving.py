@@ -95,7 +95,11 @@ class OpenAIServing:
             return None
         if name in self.engine.engine.loras:
             return name
-        raise APIError(
+        raise self.unknown_model(name)
+
+    def unknown_model(self, name: str) -> APIError:
+        """The 404 for a model this server does not serve."""
+        return APIError(
             404,
             f"the model {name!r} does not exist; this server serves {self.engine.model_name!r}",
             param="model",
