@@ -234,6 +234,9 @@ def test_a_response_holds_the_reasoning_item_before_the_message(server, closing_
     # include_reasoning false: the message alone (a chat extension, passed through)
     bare = respond(server, logit_bias=closing_bias, include_reasoning=False)
     assert [item["type"] for item in bare["output"]] == ["message"]
+    assert (
+        bare["usage"]["output_tokens_details"]["reasoning_tokens"] == counted
+    )  # spent all the same
 
 
 def test_a_prompt_that_closed_the_section_is_answered_as_content(server):

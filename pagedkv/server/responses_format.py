@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.reasoning import split_reasoning
 from pagedkv.server import responses as api
 from pagedkv.server.chat_format import ChatFormat
 from pagedkv.server.response_format import Delta, usage_of
@@ -131,7 +132,9 @@ class ResponsesFormat(ChatFormat):
             item = self._item("function_call", done, call.arguments, call=i)
             call_id = streamed[i].id if i < len(streamed) else new_call_id()  # as streamed
             output.append({**item, "call_id": call_id, "name": call.name})
-        counted = self.count_tokens(reasoning) if reasoning and self.count_tokens else 0
+        # the tokens spent thinking, shown or not (include_reasoning)
+        thought = split_reasoning(o.text, self.thinking, True)[0] if self.thinking else ""
+        counted = self.count_tokens(thought) if thought and self.count_tokens else 0
         usage = usage_json(usage_of(finals), counted)
         return self._body(status, output, usage, "max_output_tokens" if cut else None)
 
