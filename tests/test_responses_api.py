@@ -225,7 +225,7 @@ def test_sampling_extensions_pass_through(client):
             "input_image",
         ),
         ({"max_output_tokens": 0}, "max_output_tokens", ""),
-        ({"max_output_tokens": 100000}, "max_output_tokens", ""),
+        ({"max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens=100000 plus"),
         ({"temperature": 9}, "temperature", ""),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema"),
     ],

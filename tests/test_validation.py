@@ -343,6 +343,8 @@ def test_bad_values_are_400s_naming_the_param(server, body, param):
     error = assert_400(post(server, path, body), param)
     if param is None:
         assert "not valid JSON" in error["message"]
+    if param and error["message"].split("=")[0].isidentifier():  # "field=value ...": as sent
+        assert error["message"].startswith(f"{param}="), error
 
 
 @pytest.mark.parametrize(

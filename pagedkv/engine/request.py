@@ -40,6 +40,14 @@ class ParamError(ConfigError):
         super().__init__(message)
         self.param = param
 
+    def rename(self, name: str) -> None:
+        """Name the field as the request spelled it, in `param` and in a message that starts
+        with `param=value` (chat's max_completion_tokens, a response's max_output_tokens)."""
+        message = str(self)
+        if name != self.param and message.startswith(f"{self.param}="):
+            self.args = (name + message[len(self.param) :],)
+        self.param = name
+
 
 def valid_text(text: str) -> bool:
     """True unless `text` holds a lone surrogate (JSON "\\ud800"), which no tokenizer can encode."""

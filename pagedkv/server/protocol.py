@@ -371,7 +371,7 @@ class ChatCompletionRequest(_SamplingRequest):
         try:
             return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None)
         except ParamError as e:
-            e.param = self.wire_param(e.param)
+            e.rename(self.wire_param(e.param))
             raise
 
     def wire_param(self, param: str) -> str:

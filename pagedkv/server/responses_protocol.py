@@ -364,5 +364,5 @@ class ResponsesChat(ChatCompletionRequest):
             "max_completion_tokens": "max_output_tokens",
             "response_format": "text.format",
             "messages": "input",
-            "tools": "tools",
+            "prompt": "input",
         }.get(param, param)

@@ -277,7 +277,7 @@ class OpenAIServing:
             for ids in prompts:
                 self.engine.validate(ids, params)
         except ParamError as e:  # name the field as this request spelled it
-            e.param = req.wire_param(e.param)
+            e.rename(req.wire_param(e.param))
             raise
         stream, include_usage = bool(req.stream), self.usage_chunk(req)
         events = merge(
