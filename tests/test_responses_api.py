@@ -125,25 +125,11 @@ def test_the_stream_builds_the_same_response(client):
 
 
 def test_max_output_tokens_leaves_it_incomplete(client, server):
-    r = client.responses.create(
-        model="tiny",
-        input=QUESTION,
-        max_output_tokens=3,
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
+    kw = dict(model="tiny", input=QUESTION, max_output_tokens=3, temperature=0)
+    r = client.responses.create(**kw, extra_body={"ignore_eos": True})
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 3 and r.output[0].status == "incomplete"
-    events = list(
-        client.responses.create(
-            model="tiny",
-            input=QUESTION,
-            max_output_tokens=3,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-    )
+    events = list(client.responses.create(**kw, stream=True, extra_body={"ignore_eos": True}))
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.output_text == r.output_text
 

@@ -8,6 +8,7 @@ accepts to ask for structured output (`structured_outputs`, `guided_*`, `respons
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
@@ -15,33 +16,43 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 from pagedkv.engine.request import ParamError, StructuredOutputsParams
 from pagedkv.server.validation import RequestModel, SafeStr
 
-# field -> the value that means "not used"; any other value is a 400 naming the field
-UNSUPPORTED: dict[str, Any] = {
-    "logits_processors": None,
-    "kv_transfer_params": None,
-    "vllm_xargs": None,
-    "prompt_embeds": None,
-    "mm_processor_kwargs": None,
-    "guided_whitespace_pattern": None,
-    "audio": None,
-    "modalities": None,
-    "prediction": None,
-    "web_search_options": None,
-    "functions": None,
-    "function_call": None,
-    "reasoning_effort": None,
-    "structural_tag": None,
+# field -> the values that mean "not used"; any other value is a 400 naming the field
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logits_processors": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "prompt_embeds": (None,),
+    "mm_processor_kwargs": (None,),
+    "guided_whitespace_pattern": (None,),
+    "audio": (None,),
+    "modalities": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "functions": (None,),
+    "function_call": (None,),
+    "reasoning_effort": (None,),
+    "structural_tag": (None,),
 }
 GUIDED_BACKENDS = (None, "auto", "guidance", "llguidance")
 
 
-def reject_unsupported(data: Any) -> Any:
-    """A before-validator: a field pagedkv does not implement, set to other than its default."""
-    if isinstance(data, dict):
-        for name, unused in UNSUPPORTED.items():
-            if name in data and data[name] is not None and data[name] != unused:
-                raise ValueError(f"{name} is not supported by pagedkv")
-    return data
+def refusing(
+    table: dict[str, tuple[Any, ...]], why: dict[str, str] | None = None
+) -> Callable[[Any], Any]:
+    """A before-validator: a field of `table` set to other than its "not used" values is a 400,
+    with the reason `why` gives for it, else that pagedkv does not support it."""
+
+    def check(data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, unused in table.items():
+                if name in data and data[name] not in unused:
+                    raise ValueError((why or {}).get(name, f"{name} is not supported by pagedkv"))
+        return data
+
+    return check
+
+
+reject_unsupported = refusing(UNSUPPORTED)
 
 
 class _Model(BaseModel):

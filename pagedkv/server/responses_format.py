@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, RootModel
 
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.reasoning import split_reasoning
@@ -139,7 +139,7 @@ class ResponsesFormat(ChatFormat):
         return self._body(status, output, usage, "max_output_tokens" if cut else None)
 
     def response(self, finals: list[RequestOutput]) -> BaseModel:
-        return _Raw(body=self._answer(finals))
+        return _Raw(self._answer(finals))
 
     # ---- the stream ---------------------------------------------------------------------
 
@@ -272,10 +272,5 @@ class ResponsesFormat(ChatFormat):
         raise NotImplementedError("a Response stream has no usage chunk")
 
 
-class _Raw(BaseModel):
+class _Raw(RootModel[dict[str, Any]]):
     """A body already in its JSON shape."""
-
-    body: dict[str, Any]
-
-    def model_dump_json(self, **kwargs: Any) -> str:
-        return json.dumps(self.body, ensure_ascii=False)

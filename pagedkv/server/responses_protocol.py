@@ -18,6 +18,7 @@ from pydantic import BeforeValidator, Field, PrivateAttr, model_validator
 
 from pagedkv.engine.request import ParamError
 from pagedkv.server.protocol import ChatCompletionRequest, Count
+from pagedkv.server.request_fields import refusing
 from pagedkv.server.validation import (
     MAX_MESSAGES,
     FiniteFloat,
@@ -68,14 +69,6 @@ CHAT_EXTENSIONS = (
     "include_reasoning",
 )
 TEXT_PARTS = ("input_text", "output_text")
-
-
-def _reject_unsupported(data: Any) -> Any:
-    if isinstance(data, dict):
-        for name, unused in RESPONSES_UNSUPPORTED.items():
-            if name in data and data[name] not in unused:
-                raise ValueError(WHY.get(name, f"{name} is not supported by pagedkv"))
-    return data
 
 
 def _check_content(value: Any) -> Any:
@@ -243,7 +236,7 @@ class ResponsesRequest(RequestModel):
     tools: list[Annotated[FunctionTool, BeforeValidator(_check_tool)]] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True
-    _unsupported = model_validator(mode="before")(_reject_unsupported)
+    _unsupported = model_validator(mode="before")(refusing(RESPONSES_UNSUPPORTED, WHY))
     # the chat extensions, kept as sent: the chat request they join types and checks them
     _extensions: dict[str, Any] = PrivateAttr(default_factory=dict)
 
