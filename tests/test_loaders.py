@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import threading
 import time
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from tiny_model import make_tiny_model
+from tiny_model import FAMILIES, make_tiny_model
 
 from pagedkv.config import ConfigError
 from pagedkv.model.config import LlamaConfig
@@ -333,7 +334,8 @@ def hf_to_gguf(
     specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    arch = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
+    gguf_arch = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+    arch = {**gguf_arch, "mixtral": "llama"}.get(cfg["model_type"], cfg["model_type"])
     rope = cfg["rope_parameters"]
 
     def meta(w: gguf.GGUFWriter) -> None:
@@ -357,6 +359,13 @@ def hf_to_gguf(
             w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(stretch) / math.log(old)))
         if arch in ("gemma2", "gemma3"):
             w.add_sliding_window(cfg["sliding_window"])
+        if "num_experts_per_tok" in cfg:  # (transformers 5 writes num_experts as Mixtral's name)
+            w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+            if "moe_intermediate_size" in cfg:
+                w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            if cfg.get("shared_expert_intermediate_size"):
+                w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
         if arch == "granite":  # (llama.cpp's converter: the multipliers as scales)
             w.add_embedding_scale(cfg["embedding_multiplier"])
             w.add_residual_scale(cfg["residual_multiplier"])
@@ -400,7 +409,17 @@ def hf_to_gguf(
         "self_attn.k_norm": "attn_k_norm",
         "self_attn.qkv_proj": "attn_qkv",  # Phi-3's, fused
         "mlp.gate_up_proj": "ffn_up",
+        "mlp.gate": "ffn_gate_inp",  # a mixture's router, shared expert and its gate
+        "block_sparse_moe.gate": "ffn_gate_inp",
+        "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj": "ffn_up_shexp",
+        "mlp.shared_expert.down_proj": "ffn_down_shexp",
+        "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     }
+    # each expert's projection, stacked by llama.cpp's converter into one tensor of all experts
+    stacked = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up"}
+    stacked.update(down_proj="down", w2="down")
+    experts: dict[str, dict[int, np.ndarray]] = {}
     gemma = arch.startswith("gemma")  # (llama.cpp's converter stores its norms as 1 + w)
     if arch in ("gemma2", "gemma3"):
         parts.update(
@@ -416,6 +435,11 @@ def hf_to_gguf(
             continue
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
         sub, kind = rest.rsplit(".", 1)
+        expert = re.fullmatch(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)", sub)
+        if expert:
+            name = f"blk.{layer}.ffn_{stacked[expert.group(2)]}_exps.{kind}"
+            experts.setdefault(name, {})[int(expert.group(1))] = w
+            continue
         part = parts[sub]
         if arch in ("llama", "smollm3", "granite") and part == "attn_q":  # (LlamaModel's)
             w = llama_cpp_permute(w, heads)
@@ -424,20 +448,19 @@ def hf_to_gguf(
         elif gemma and part.endswith("norm"):
             w = w + np.float32(1)
         tensors[f"blk.{layer}.{part}.{kind}"] = w
+    tensors.update({k: np.stack([e[i] for i in sorted(e)]) for k, e in experts.items()})
     if rope.get("rope_type") == "longrope":  # the factor sets as tensors
         for kind in ("long", "short"):
             tensors[f"rope_factors_{kind}.weight"] = np.array(rope[f"{kind}_factor"], np.float32)
     if qtype is not None:
         tensors = {
-            k: (gguf.quants.quantize(w, qtype), qtype) if w.ndim == 2 else w
+            k: (gguf.quants.quantize(w, qtype), qtype) if w.ndim >= 2 else w
             for k, w in tensors.items()
         }
     return write_gguf(out, arch=arch, tensors=tensors, meta=meta)
 
 
-@pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3"]
-)
+@pytest.mark.parametrize("arch", ["llama", *FAMILIES])
 def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
     if arch == "llama":
         folder = Path(tiny_model_dir)

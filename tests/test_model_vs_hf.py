@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_model import make_tiny_model
+from tiny_model import FAMILIES, make_tiny_model
 
 from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.config import ConfigError, default_model_path
@@ -335,15 +335,15 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_model_dir, tiny):
 
 @pytest.fixture(
     scope="module",
-    params=["qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3"],
+    params=FAMILIES,
 )
 def family(request, tmp_path_factory):
     """Qwen2, Qwen3, (fused in its checkpoint, otherwise Llama's) Phi-3, SmolLM3 (layers without
     RoPE), Granite (multipliers of the embeddings, residual adds, attention scale and logits),
     Gemma (its norms, GELU,
     embedding scale), Gemma 2 (norms after attention and the MLP, window layers, soft-capped
-    scores and logits) and Gemma 3 (q/k norms, window layers with a RoPE of their own); see
-    tiny_model._gemma*."""
+    scores and logits), Gemma 3 (q/k norms, window layers with a RoPE of their own; see
+    tiny_model._gemma*) and three mixtures of experts (tiny_model._experts)."""
     folder = make_tiny_model(tmp_path_factory.mktemp(request.param) / "m", arch=request.param)
     return load_model(folder, torch.float32), load_hf(folder), folder
 
@@ -351,8 +351,8 @@ def family(request, tmp_path_factory):
 def test_other_families_match_transformers(family, kernels):
     lm, hf, _ = family
     assert (lm.config.qkv_bias, lm.config.qk_norm, lm.config.final_softcap) == (
-        hf.config.model_type == "qwen2",
-        hf.config.model_type in ("qwen3", "gemma3_text"),
+        hf.config.model_type in ("qwen2", "qwen2_moe"),
+        hf.config.model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
         getattr(hf.config, "final_logit_softcapping", None),
     )
     nope = [i for i in range(hf.config.num_hidden_layers) if not lm.config.layer_rope(i)]

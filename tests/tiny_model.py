@@ -24,6 +24,12 @@ THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
     "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}"
     "{% elif open_thinking is defined and open_thinking %}{{ '<think>\n' }}{% endif %}",
 )
+# make_tiny_model's architectures beyond Llama (test_model_vs_hf and test_loaders run each), and
+# its mixtures of experts among them
+EXPERT_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+FAMILIES = ("qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3") + (
+    EXPERT_FAMILIES
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TAGS = ["<think>", "</think>"]  # added tokens, not special: they stay in decoded text
 _CORPUS = (
@@ -68,6 +74,17 @@ def _gemma3(num_layers: int, eos: int) -> dict:
         },
         "pad_token_id": eos,
     }
+
+
+def _experts(arch: str, num_layers: int, hidden: int) -> dict:
+    """A tiny mixture of experts: 8 experts (Mixtral 4), 2 per token, each half the MLP's width;
+    Qwen3's last layer a plain MLP, Qwen2's shared expert as wide as the MLP."""
+    if arch == "mixtral":
+        return {"num_local_experts": 4, "num_experts_per_tok": 2}
+    extra = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden}
+    if arch == "qwen3_moe":
+        return {**extra, "mlp_only_layers": [num_layers - 1], "norm_topk_prob": True}
+    return {**extra, "shared_expert_intermediate_size": 2 * hidden}
 
 
 def _gemma(eos: int) -> dict:
@@ -144,6 +161,11 @@ def make_tiny_model(
             "SmolLM3ForCausalLM",
             {"no_rope_layer_interval": 4 if num_layers % 4 == 0 else 2, "pad_token_id": eos},
         ),
+        # mixtures of experts: Qwen3's with its last layer dense (mlp_only_layers), Qwen2's with a
+        # shared expert, Mixtral's (see _experts)
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _experts(arch, num_layers, hidden)),
+        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", _experts(arch, num_layers, hidden)),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", _experts(arch, num_layers, hidden)),
         "gemma": ("GemmaConfig", "GemmaForCausalLM", _gemma(eos)),
         "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", _gemma2(eos)),
         "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(num_layers, eos)),
@@ -185,7 +207,7 @@ def make_tiny_model(
     model = getattr(transformers, model_class)(cfg)
     with torch.no_grad():  # larger weights than the default init, so outputs depend on the input
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # (transformers 5 holds a layer's experts as one 3-d tensor)
                 p.normal_(0.0, 0.15)
             elif name.endswith(".bias"):  # (zeros by default: a test could not tell them missing)
                 p.normal_(0.0, 0.5)

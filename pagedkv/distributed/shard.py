@@ -72,6 +72,10 @@ def split_heads(num_heads: int, num_kv_heads: int, rank: int, world: int) -> Hea
 def check_shardable(config, world: int) -> None:
     """Every rank's split exists (heads and MLP divide): checked before any worker starts."""
     split_heads(config.num_attention_heads, config.num_key_value_heads, 0, world)
+    if config.num_experts:
+        raise ConfigError(
+            "--tensor-parallel-size over 1 is not supported for a mixture of experts yet"
+        )
     if config.intermediate_size % world:
         raise ConfigError(
             f"--tensor-parallel-size {world} does not divide the MLP's "

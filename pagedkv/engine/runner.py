@@ -110,7 +110,14 @@ class ModelRunner:
         self.device = device
         self.offload = offload
         self.tp = tp
-        replay = not eager and tp is None and isinstance(model, LlamaForCausalLM)
+        # (a mixture of experts routes with torch ops, whose shapes change with the routing: never
+        # replayable, so not recorded)
+        replay = (
+            not eager
+            and tp is None
+            and isinstance(model, LlamaForCausalLM)
+            and not model.config.num_experts
+        )
         self.graphs = DecodeGraphs(model, storage.kv_caches) if replay else None
 
     def apply_copies(self, out: SchedulerOutput) -> None:

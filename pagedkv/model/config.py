@@ -21,6 +21,10 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    # mixtures of experts (a router picks each token's experts: model/moe.py)
+    "mixtral": {"expert_names": "mixtral"},
+    "qwen2_moe": {"qkv_bias": True},  # (and a shared expert, gated)
+    "qwen3_moe": {"qk_norm": True},
     "phi3": {},  # q/k/v and gate/up fused in the checkpoint (llama.FUSED_WHOLE)
     "smollm3": {},  # some layers without RoPE (NoPE: rope_layers)
     "granite": {},  # four multipliers (embeddings, residual adds, attention scale, logits)
@@ -43,6 +47,12 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
     },
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")
+# how a checkpoint names a layer's experts (LlamaConfig.expert_names): the mixture's module, and
+# each expert's gate, up and down projections
+EXPERT_NAMES = {
+    "qwen": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
 GEMMA_LOCAL_ROPE_THETA = 10000.0  # Gemma 3's window layers' RoPE base, where a file names none
 _DEFAULT_THETA = {"gemma3_text": 1e6, "smollm3": 2e6}  # RoPE bases where a file names none
 # Gemma 2's and 3's window layers where a file names none: every n-th layer attends to all
@@ -112,6 +122,19 @@ class LlamaConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) in place of the MLP on the layers
+    # moe_layers marks (None: every layer, when num_experts > 0): each token runs the
+    # experts_per_token experts its router scores highest, weighted by their softmax
+    # probabilities (renormalised over the chosen when norm_topk_prob), plus Qwen2-MoE's shared
+    # expert (shared_expert_size > 0), gated by a sigmoid. expert_names: the checkpoint's
+    # ("qwen": mlp.experts.E.gate_proj ..., "mixtral": block_sparse_moe.experts.E.w1 ...).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_size: int = 0
+    moe_layers: tuple[bool, ...] | None = None
+    expert_names: str = "qwen"
 
     @property
     def rope_dim(self) -> int:
@@ -148,6 +171,7 @@ class LlamaConfig:
                 self.max_position_embeddings = max(self.max_position_embeddings, stretched)
             if kind == "longrope":
                 self._check_longrope(scaling)
+        self._check_moe()
         if self.rope_layers is not None:
             if len(self.rope_layers) != self.num_hidden_layers:
                 raise ConfigError(
@@ -199,6 +223,25 @@ class LlamaConfig:
         if not isinstance(old, int) or old < 1:
             raise ConfigError("longrope needs original_max_position_embeddings")
         scaling.setdefault("long", self.max_position_embeddings > old)
+
+    def layer_moe(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) has experts in place of its MLP."""
+        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
+
+    def _check_moe(self) -> None:
+        if self.num_experts <= 0:
+            self.num_experts, self.moe_layers = 0, None
+            return
+        checks = {
+            "num_experts_per_tok": (self.experts_per_token, self.num_experts),
+            "moe_intermediate_size": (self.moe_intermediate_size, None),
+        }
+        for name, (value, most) in checks.items():
+            if not isinstance(value, int) or value < 1 or (most is not None and value > most):
+                within = f" (at most num_experts, {most})" if most is not None else ""
+                raise ConfigError(f"{name} must be a positive whole number{within}, got {value!r}")
+        if self.moe_layers is not None and all(self.moe_layers):
+            self.moe_layers = None
 
     def layer_rope(self, layer: int) -> bool:
         """Whether layer `layer` (0-based) rotates its q and k."""
@@ -274,6 +317,9 @@ class LlamaConfig:
         partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor", 1.0)
         if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
             raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {partial!r}")
+        flags = dict(MODEL_TYPES[model_type])
+        if model_type == "qwen2_moe":  # (its q/k/v biases can be turned off)
+            flags["qkv_bias"] = bool(d.get("qkv_bias", True))
         try:
             heads = d["num_attention_heads"]
             head_dim = d.get("head_dim") or d["hidden_size"] // heads
@@ -295,10 +341,11 @@ class LlamaConfig:
                 rotary_dim=int(head_dim * partial),  # (as transformers rounds it)
                 rope_layers=_rope_layers(d),
                 **_granite(d),
+                **experts_of(d),
                 **_sliding_window(d),
                 **gemma_args,
                 **softcaps,
-                **MODEL_TYPES[model_type],
+                **flags,
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
@@ -338,6 +385,45 @@ def _granite(d: dict[str, Any]) -> dict[str, Any]:
     return {k: d.get(k, 1.0) for k in keys}
 
 
+def experts_of(d: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts' shape: Mixtral's (num_local_experts, every layer, renormalised) or
+    Qwen's (num_experts; layers from decoder_sparse_step and mlp_only_layers, as transformers
+    picks them); none for a dense model."""
+    model_type = d.get("model_type")
+    if model_type == "mixtral":
+        return {
+            "num_experts": d.get("num_local_experts", 8),
+            "experts_per_token": d.get("num_experts_per_tok", 2),
+            "moe_intermediate_size": d["intermediate_size"],
+        }
+    if model_type not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    defaults = _QWEN_MOE_DEFAULTS[model_type]
+    # (transformers 5 writes num_experts as num_local_experts, Mixtral's name)
+    experts = d.get("num_experts", d.get("num_local_experts", defaults[0]))
+    step = d.get("decoder_sparse_step", 1)
+    dense = d.get("mlp_only_layers") or []
+    if not isinstance(step, int) or step < 1:
+        raise ConfigError(f"decoder_sparse_step must be a positive whole number, got {step!r}")
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise ConfigError("mlp_only_layers must be a list of layer numbers")
+    return {
+        "num_experts": experts,
+        "experts_per_token": d.get("num_experts_per_tok", defaults[1]),
+        "moe_intermediate_size": d.get("moe_intermediate_size", defaults[2]),
+        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+        "shared_expert_size": d.get("shared_expert_intermediate_size", defaults[3]),
+        "moe_layers": tuple(
+            i not in dense and (i + 1) % step == 0 for i in range(d["num_hidden_layers"])
+        ),
+    }
+
+
+# transformers' defaults where a Qwen MoE config.json leaves a key out: (experts, experts per
+# token, expert size, shared expert size)
+_QWEN_MOE_DEFAULTS = {"qwen2_moe": (60, 4, 1408, 5632), "qwen3_moe": (128, 8, 768, 0)}
+
+
 def _rope_layers(d: dict[str, Any]) -> tuple[bool, ...] | None:
     """SmolLM3's layers that rotate q and k (no_rope_layers: 1 where they do), by default all but
     every no_rope_layer_interval-th (transformers' rule); None for every other family."""
@@ -358,7 +444,7 @@ def _sliding_window(d: dict[str, Any]) -> dict[str, Any]:
     """config.json's sliding window as transformers reads it: Mistral's and Phi-3's on every layer;
     Qwen's only with use_sliding_window, on the layers from max_window_layers on, unless
     layer_types names them."""
-    qwen = d.get("model_type") in ("qwen2", "qwen3")
+    qwen = d.get("model_type") in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
     windowed = ("mistral", *GEMMA_WINDOW_PATTERN)
     window = d.get("sliding_window", 4096 if d.get("model_type") in windowed else None)
     opt_in = qwen or d.get("model_type") == "smollm3"  # (their use_sliding_window: off)

@@ -21,7 +21,8 @@ its rotation runs inside the kernels that write and read it.) The kernels read o
 the metadata's tensors, never its Python lists (the torch paths do). A step with LoRA adapters
 replays too: its rows' adapter slots are one more input, and the adapters' tables are part of its
 key (replaced, and their graphs dropped, when an adapter is added or removed). Tensor parallelism
-runs eagerly too (its all-reduce is not a kernel of ours), as does `--enforce-eager`.
+runs eagerly too (its all-reduce is not a kernel of ours), as do a mixture of experts (its
+routing is torch's) and `--enforce-eager`.
 """
 
 from __future__ import annotations

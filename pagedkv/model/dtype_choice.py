@@ -34,8 +34,9 @@ REPEATS = 3
 
 
 def layer_shapes(cfg: LlamaConfig) -> list[tuple[int, int]]:
-    """(out, in) of one decoder layer's projections: q, k, v, o, gate, up, down."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
+    """(out, in) of one decoder layer's projections: q, k, v, o, gate, up, down (an expert's,
+    where experts replace the MLP)."""
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size or cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
 

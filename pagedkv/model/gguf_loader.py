@@ -23,6 +23,7 @@ from torch import Tensor
 
 from pagedkv.config import ConfigError
 from pagedkv.model.config import (
+    EXPERT_NAMES,
     GEMMA_LOCAL_ROPE_THETA,
     GEMMA_WINDOW_PATTERN,
     MODEL_TYPES,
@@ -45,8 +46,11 @@ ARCHITECTURES = (
     "gemma3",
     "smollm3",
     "granite",
+    "qwen2moe",
+    "qwen3moe",
 )
-_MODEL_TYPE = {"gemma3": "gemma3_text"}  # config.json's model_type where it differs
+# config.json's model_type where it differs (a Mixtral is a "llama" with experts)
+_MODEL_TYPE = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # tensors an architecture names its own way: Phi-3 keeps q/k/v and gate/up fused (its ffn_up is
 # HF's gate_up_proj, gate first); Gemma 2 and 3 have a norm after attention and one after the MLP
 _SANDWICH_NORMS = {
@@ -93,6 +97,22 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# a layer's experts: the router, each expert's projections stacked into one [experts, out, in]
+# tensor, and Qwen2-MoE's shared expert and its gate; HF's names in the checkpoint's naming
+# (config.EXPERT_NAMES), "{e}" where an expert's number goes
+_EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def _expert_layer_names(config: LlamaConfig) -> dict[str, str]:
+    moe, projections = EXPERT_NAMES[config.expert_names]
+    names = {"ffn_gate_inp": f"{moe}.gate", "ffn_gate_inp_shexp": f"{moe}.shared_expert_gate"}
+    for tensor, projection in zip(_EXPERT_TENSORS, projections):
+        names[tensor] = f"{moe}.experts.{{e}}.{projection}"
+    for kind, projection in zip(("gate", "up", "down"), ("gate_proj", "up_proj", "down_proj")):
+        names[f"ffn_{kind}_shexp"] = f"{moe}.shared_expert.{projection}"
+    return names
+
+
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -200,6 +220,19 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
                 arch_args[name] = float(meta[f"{arch}.{key}"])
     if arch in _NO_ROPE_STEP:
         arch_args["rope_layers"] = all_but_every_nth(layers, _NO_ROPE_STEP[arch])
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if experts:  # (llama.cpp renormalises the chosen experts' weights for all but Qwen2-MoE)
+        arch_args.update(
+            num_experts=experts,
+            experts_per_token=int(get("expert_used_count")),
+            moe_intermediate_size=int(
+                get("expert_feed_forward_length", meta.get(f"{arch}.feed_forward_length"))
+            ),
+            norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+            shared_expert_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+            moe_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers)),
+            expert_names="mixtral" if arch == "llama" else "qwen",
+        )
     if arch == "gemma2":
         arch_args["attn_softcap"] = float(get("attn_logit_softcapping", 50.0))
         arch_args["final_softcap"] = float(get("final_logit_softcapping", 30.0))
@@ -208,7 +241,7 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
             tensors["token_embd.weight"].shape[1]
         ),  # GGUF shapes list the fastest dim first
         hidden_size=hidden,
-        intermediate_size=get("feed_forward_length"),
+        intermediate_size=get("feed_forward_length", 0 if experts else None),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=get("attention.head_count_kv", heads),
@@ -226,15 +259,18 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
     )
 
 
-def dequantize(t: gguf.ReaderTensor) -> np.ndarray:
-    """float32 array in numpy (row-major, HF) shape: GGUF lists dims fastest-first."""
+def dequantize(t: gguf.ReaderTensor, data: np.ndarray | None = None) -> np.ndarray:
+    """float32 array in numpy (row-major, HF) shape: GGUF lists dims fastest-first. `data`: a
+    3-d tensor's part for one expert (the shape its last two dims)."""
     try:
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        values = gguf.quants.dequantize(t.data if data is None else data, t.tensor_type)
     except NotImplementedError:
         raise ConfigError(
             f"tensor {t.name}: GGUF type {t.tensor_type.name} is not supported"
         ) from None
     shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+    if data is not None:
+        shape = shape[1:]
     if (
         not values.flags.writeable
     ):  # a view of the read-only file map (F32): torch wants its own copy
@@ -262,6 +298,8 @@ def iter_weights(
     interleaved = arch in INTERLEAVED_ROPE  # q/k rows in llama.cpp's RoPE order
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if config.num_experts:
+        names.update(_expert_layer_names(config))
     for t in reader.tensors:
         if t.name in _ROPE_TENSORS:
             continue  # folded into config.rope_scaling
@@ -272,16 +310,30 @@ def iter_weights(
             name = _NAMES[t.name]
         else:
             raise ConfigError(f"unexpected tensor {t.name!r} in a Llama GGUF file")
-        w: Tensor | Blocks
-        if keep_blocks and t.tensor_type in KEPT_TYPES and len(t.shape) == 2:
-            shape = (int(t.shape[1]), int(t.shape[0]))
-            w = blocks_from_gguf(t.data, t.tensor_type, shape)
-        else:
-            w = torch.from_numpy(dequantize(t))
+        if m and m.group(2) in _EXPERT_TENSORS:  # one matrix an expert, read one at a time
+            if len(t.shape) != 3:
+                raise ConfigError(f"tensor {t.name}: expected one matrix an expert, not {t.shape}")
+            for e in range(int(t.shape[2])):
+                yield name.format(e=e), _matrix(t, keep_blocks, t.data[e])
+            continue
+        w = _matrix(t, keep_blocks)
+        if m and m.group(2) == "ffn_gate_inp_shexp":  # (a vector in llama.cpp's files)
+            w = (w.dequantize() if isinstance(w, Blocks) else w).reshape(1, -1)
         if interleaved and m and m.group(2) in heads and m.group(3) == "weight":
             # (a bias of a Llama is refused when the model loads)
             w = _rows(w, functools.partial(unpermute_rope, num_heads=heads[m.group(2)]))
         yield name, w
+
+
+def _matrix(
+    t: gguf.ReaderTensor, keep_blocks: bool, expert: np.ndarray | None = None
+) -> Tensor | Blocks:
+    """A tensor's values (`expert`: one expert's part of a 3-d one), as the file's blocks where
+    they are kept, else in float32."""
+    if keep_blocks and t.tensor_type in KEPT_TYPES and (len(t.shape) == 2 or expert is not None):
+        rows, cols = (int(n) for n in reversed(t.shape.tolist()[:2]))
+        return blocks_from_gguf(t.data if expert is None else expert, t.tensor_type, (rows, cols))
+    return torch.from_numpy(dequantize(t, expert))
 
 
 def _rows(w: Tensor | Blocks, fn: Callable[[Tensor], Tensor]) -> Tensor | Blocks:

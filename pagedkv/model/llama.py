@@ -32,7 +32,8 @@ from pagedkv.attention.paged import AttentionMetadata, Cache, paged_attention
 from pagedkv.attention.store import QKNorm, rope_and_store
 from pagedkv.config import QUANTIZATIONS, ConfigError
 from pagedkv.model import ops
-from pagedkv.model.config import LlamaConfig
+from pagedkv.model.config import EXPERT_NAMES, LlamaConfig
+from pagedkv.model.moe import Expert, SparseMoE, frozen
 from pagedkv.model.prepacked import PrepackedWeight, prepack
 from pagedkv.model.quant_linear import (
     Blocks,
@@ -49,12 +50,6 @@ if TYPE_CHECKING:
     from pagedkv.model.lora import LoRABatch
 
 MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
-
-
-def _param(*shape: int, dtype: torch.dtype, device: str | None = None) -> nn.Parameter:
-    """device "meta" for a weight that loading replaces with a quantized one (no memory until
-    then)."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 def rope_inv_freq(config: LlamaConfig) -> tuple[Tensor, float]:
@@ -153,7 +148,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _param(size, dtype=dtype)
+        self.weight = frozen(size, dtype=dtype)
         self.eps = eps
 
 
@@ -173,9 +168,12 @@ class ForwardBuffers:
 
     @classmethod
     def of(cls, model: LlamaForCausalLM, tokens: int) -> ForwardBuffers:
-        layer = cast(DecoderLayer, model.layers[0])
-        _, qkv, _, _, gate_up, _ = layer._weights
-        hidden, inter = model.config.hidden_size, gate_up.shape[0]
+        layers = [cast(DecoderLayer, layer) for layer in model.layers]
+        layer = layers[0]
+        qkv = layer._weights[1]
+        # (the MLP's: a mixture of experts' layers make their own)
+        gate_up = next((d._weights[4] for d in layers if d._weights[4] is not None), None)
+        hidden, inter = model.config.hidden_size, 2 if gate_up is None else gate_up.shape[0]
 
         def empty(*shape: int) -> Tensor:
             return torch.empty(tokens, *shape, dtype=model.dtype)
@@ -203,13 +201,14 @@ class ForwardBuffers:
 
 class DecoderLayer(nn.Module):
     # set by refresh_weights in __dict__ (declared for mypy): norm1, qkv, o, norm2, gate_up, down
+    # (the MLP's: None where experts replace it)
     _weights: tuple[
         Tensor,
         Weight,
         Weight,
         Tensor,
-        Weight,
-        Weight,
+        Weight | None,
+        Weight | None,
     ]
     _qkv_bias: Tensor | None
     _qk_norm: QKNorm | None
@@ -222,10 +221,13 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: str | None = None,
         window: int | None = None,
+        experts: bool = False,
     ) -> None:
+        """window: this layer's sliding window (None: the whole context); experts: a mixture of
+        experts in place of the MLP."""
         super().__init__()
         c = config
-        self.window = window  # sliding window of this layer (None: whole context)
+        self.window = window
         self.num_heads, self.num_kv_heads, self.head_dim = (
             c.num_attention_heads,
             c.num_key_value_heads,
@@ -243,16 +245,18 @@ class DecoderLayer(nn.Module):
             self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
             self.mlp_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.act = ops.gelu_tanh_mul if c.hidden_act == "gelu_tanh" else ops.silu_mul
-        self.qkv_proj = _param(
+        self.qkv_proj = frozen(
             self.q_size + 2 * self.kv_size, c.hidden_size, dtype=dtype, device=device
         )
-        self.o_proj = _param(c.hidden_size, self.q_size, dtype=dtype, device=device)
-        self.gate_up_proj = _param(
-            2 * c.intermediate_size, c.hidden_size, dtype=dtype, device=device
-        )
-        self.down_proj = _param(c.hidden_size, c.intermediate_size, dtype=dtype, device=device)
+        self.o_proj = frozen(c.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.moe = SparseMoE(c, dtype, device) if experts else None
+        if not experts:
+            self.gate_up_proj = frozen(
+                2 * c.intermediate_size, c.hidden_size, dtype=dtype, device=device
+            )
+            self.down_proj = frozen(c.hidden_size, c.intermediate_size, dtype=dtype, device=device)
         if c.qkv_bias:
-            self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype)
+            self.qkv_bias = frozen(self.q_size + 2 * self.kv_size, dtype=dtype)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
@@ -269,9 +273,11 @@ class DecoderLayer(nn.Module):
             self.qkv_proj,
             self.o_proj,
             self.post_attention_layernorm.weight,
-            self.gate_up_proj,
-            self.down_proj,
+            getattr(self, "gate_up_proj", None),
+            getattr(self, "down_proj", None),
         )
+        if self.moe is not None:
+            self.moe.refresh_weights()
         self.__dict__["_qkv_bias"] = getattr(self, "qkv_bias", None)
         self.__dict__["_out_norms"] = (
             (self.attn_out_norm.weight, self.mlp_out_norm.weight)
@@ -330,13 +336,17 @@ class DecoderLayer(nn.Module):
         if out_norms is not None:
             o = ops.rms_norm(o, out_norms[0], self.eps, None, o)[0]
         h, residual = ops.rms_norm(o, norm2, self.eps, residual, buf.h, self.residual_scale)
-        gate_up = linear(h, gate_up_proj, buf.gate_up)
-        if lora is not None:
-            lora[0].add(lora[1], "gate_up", h, gate_up)
-        act = self.act(gate_up, buf.act)
-        out = linear(act, down_proj, buf.o)
-        if lora is not None:
-            lora[0].add(lora[1], "down", act, out)
+        if self.moe is not None:
+            out = self.moe.forward(h, self.act, buf.o)
+        else:
+            assert gate_up_proj is not None and down_proj is not None  # (a dense MLP's)
+            gate_up = linear(h, gate_up_proj, buf.gate_up)
+            if lora is not None:
+                lora[0].add(lora[1], "gate_up", h, gate_up)
+            act = self.act(gate_up, buf.act)
+            out = linear(act, down_proj, buf.o)
+            if lora is not None:
+                lora[0].add(lora[1], "down", act, out)
         if reduce is not None:
             reduce(out)
         if out_norms is not None:
@@ -376,6 +386,25 @@ OPTIONAL_PARTS = {
         "post_feedforward_layernorm.weight": ("mlp_out_norm.weight", 0),
     },
 }
+
+
+def expert_parts(config: LlamaConfig) -> dict[str, tuple[str, int, int]]:
+    """A layer's mixture of experts as FUSED_PARTS gives an MLP: HF sub-name -> (our parameter,
+    its part, of how many), in the checkpoint's naming (config.expert_names)."""
+    moe, names = EXPERT_NAMES[config.expert_names]
+    parts = {f"{moe}.gate.weight": ("moe.router", 0, 1)}
+    experts = [(f"{moe}.experts.{e}", f"moe.experts.{e}") for e in range(config.num_experts)]
+    if config.shared_expert_size:  # (Qwen2-MoE's)
+        experts.append((f"{moe}.shared_expert", "moe.shared"))
+        parts[f"{moe}.shared_expert_gate.weight"] = ("moe.shared_gate", 0, 1)
+    for hf, ours in experts:
+        gate, up, down = (f"{hf}.{name}.weight" for name in names)
+        parts[gate] = (f"{ours}.gate_up_proj", 0, 2)
+        parts[up] = (f"{ours}.gate_up_proj", 1, 2)
+        parts[down] = (f"{ours}.down_proj", 0, 1)
+    return parts
+
+
 _TOP = {
     "model.embed_tokens.weight": "embed_tokens",
     "model.norm.weight": "norm.weight",
@@ -408,16 +437,16 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = quantization
         self.pack = pack
         late = None if quantization == "none" else "meta"
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=late)
+        self.embed_tokens = frozen(config.vocab_size, config.hidden_size, dtype=dtype, device=late)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, late, config.layer_window(i))
+            DecoderLayer(config, dtype, late, config.layer_window(i), config.layer_moe(i))
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=late)
+            else frozen(config.vocab_size, config.hidden_size, dtype=dtype, device=late)
         )
         self.context = context or config.max_position_embeddings
         self.rotary = Rotary(config, self.context)
@@ -496,10 +525,15 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+    def _weight_owners(self) -> list[nn.Module]:
+        """The modules that hold matmul weights (MATMUL_WEIGHTS): the model, its layers and
+        their experts."""
+        return [self, *(m for m in self.modules() if isinstance(m, (DecoderLayer, Expert)))]
+
     def weight_bytes(self) -> int:
         """Resident bytes of all weights (a tied embedding counted once)."""
         found = {id(p): p for p in self.parameters()}
-        for owner in (self, *self.layers):
+        for owner in self._weight_owners():
             for name in MATMUL_WEIGHTS:
                 w = owner.__dict__.get(name)
                 if w is not None:
@@ -515,7 +549,8 @@ class LlamaForCausalLM(nn.Module):
         written as soon as all its parts have arrived, so a stream never needs
         more than about one layer in memory.
         """
-        # HF sub-name -> (our parameter, the part it is, of how many)
+        # HF sub-name -> (our parameter, the part it is, of how many), for a layer with an MLP and
+        # for one with experts in its place
         parts_of = {
             f"{hf}.weight": (target, i, _PARTS.get(target, 1))
             for hf, (target, i) in FUSED_PARTS.items()
@@ -524,17 +559,23 @@ class LlamaForCausalLM(nn.Module):
             if getattr(self.config, flag):
                 parts_of.update({k: (t, i, _PARTS.get(t, 1)) for k, (t, i) in optional.items()})
         parts_of.update({f"{hf}.weight": (target, 0, 1) for hf, target in FUSED_WHOLE.items()})
+        moe_parts = {k: v for k, v in parts_of.items() if v[0] not in ("gate_up_proj", "down_proj")}
+        moe_parts.update(expert_parts(self.config))
+        layer_parts = [
+            moe_parts if self.config.layer_moe(i) else parts_of for i in range(len(self.layers))
+        ]
         pending: dict[tuple[int, str], list[Tensor | Blocks | None]] = {}
         done: set[str] = set()
         for name, tensor in weights.items() if isinstance(weights, Mapping) else weights:
             m = _LAYER_WEIGHT.fullmatch(name)
             sub = m and f"{m.group(2)}.{m.group(3)}"
-            if m and sub in parts_of:
-                layer, (target, index, count) = int(m.group(1)), parts_of[sub]
-                if layer >= len(self.layers):
-                    raise ConfigError(
-                        f"unexpected weight {name!r}: the model has {len(self.layers)} layers"
-                    )
+            layer = int(m.group(1)) if m else -1
+            if m and layer >= len(self.layers):
+                raise ConfigError(
+                    f"unexpected weight {name!r}: the model has {len(self.layers)} layers"
+                )
+            if m and sub in layer_parts[layer]:
+                target, index, count = layer_parts[layer][sub]
                 parts = pending.setdefault((layer, target), [None] * count)
                 parts[index] = tensor
                 ready = [p for p in parts if p is not None]
@@ -554,8 +595,8 @@ class LlamaForCausalLM(nn.Module):
             required.add("lm_head.weight")
         required.update(
             f"model.layers.{i}.{t}"
-            for i in range(len(self.layers))
-            for t, _, _ in parts_of.values()
+            for i, parts in enumerate(layer_parts)
+            for t, _, _ in parts.values()
         )
         missing = sorted(required - done)
         if missing:
@@ -570,6 +611,9 @@ class LlamaForCausalLM(nn.Module):
     def _store(self, owner: nn.Module, target: str, value: Tensor | Blocks, name: str) -> None:
         """Copy a weight in, or (quantized model, matmul weight) replace the parameter with its
         quantized form."""
+        path, _, leaf = target.rpartition(".")
+        if path and leaf in MATMUL_WEIGHTS:  # (an expert's: moe.experts.E.gate_up_proj)
+            owner, target = owner.get_submodule(path), leaf
         if self.quantization == "none" or target not in MATMUL_WEIGHTS:
             value = value.dequantize() if isinstance(value, Blocks) else value
             if target.endswith("norm.weight") and self.config.norm_offset:  # Gemma's 1 + w
@@ -590,7 +634,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> None:
         """Pack the GGUF blocks a `pack=False` model holds (a tied lm_head as the embedding)."""
         packed: dict[int, Tensor | QuantWeight] = {}
-        for owner in (self, *self.layers):
+        for owner in self._weight_owners():
             for name in MATMUL_WEIGHTS:
                 w = owner.__dict__.get(name)
                 if isinstance(w, Blocks):
@@ -603,7 +647,7 @@ class LlamaForCausalLM(nn.Module):
     def prepack_weights(self) -> None:
         """Plain bfloat16 matmul weights to oneDNN's blocked layout (prepacked.py). A tied lm_head
         gets a prepacked copy of its own: the embedding stays plain for lookups."""
-        for owner in (self, *self.layers):
+        for owner in self._weight_owners():
             for name in MATMUL_WEIGHTS:
                 w = getattr(owner, name, None)
                 if name != "embed_tokens" and isinstance(w, Tensor):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.config import ConfigError, default_model_path
-from pagedkv.model.config import GEMMA, MODEL_TYPES, text_model_dict
+from pagedkv.model.config import GEMMA, MODEL_TYPES, experts_of, text_model_dict
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -109,6 +109,21 @@ def _positive_int(value, what: str, where: str) -> int:
     return value
 
 
+def _expert_params(cfg: dict, hidden: int) -> int:
+    """What a mixture of experts adds to llama_param_count's MLPs: on each layer with experts,
+    the router, every expert and a shared expert with its gate, less the MLP counted there."""
+    moe = experts_of(cfg)
+    if not moe.get("num_experts"):
+        return 0
+    layers = moe.get("moe_layers") or (True,) * cfg["num_hidden_layers"]
+    experts = moe["num_experts"] * (hidden + 3 * hidden * moe["moe_intermediate_size"])
+    shared = 3 * hidden * moe.get("shared_expert_size", 0) + hidden * bool(
+        moe.get("shared_expert_size")
+    )
+    mlp = 3 * hidden * cfg.get("intermediate_size", 4 * hidden)
+    return sum(layers) * (experts + shared - mlp)
+
+
 def shape_from_config(folder: Path) -> ModelShape:
     """A Hugging Face folder: config.json for the shape, *.safetensors sizes for the weights."""
     path = folder / "config.json"
@@ -145,6 +160,7 @@ def shape_from_config(folder: Path) -> ModelShape:
             if flag in ("qkv_bias", "qk_norm", "sandwich_norms")
         },
     )
+    params += _expert_params(cfg, hidden)
     files = sorted(folder.glob("*.safetensors"))
     weights = (  # (a multimodal folder's files hold other towers, which are not loaded)
         sum(f.stat().st_size for f in files)

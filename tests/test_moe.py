@@ -1,0 +1,202 @@
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): read as transformers reads them, served by
+the engine and the server with the same tokens as transformers, quantized experts, and what is not
+supported refused by name. (test_model_vs_hf.py's `family` compares the forwards themselves.)"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from server_process import REPO, TINY_SERVER, ServerProcess
+from test_engine import assert_pool_clean
+from tiny_model import EXPERT_FAMILIES, make_tiny_model
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.config import ConfigError
+from pagedkv.model.loader import load_model
+from pagedkv.model.quant_linear import Int8Weight
+from pagedkv.sim.shapes import shape_from_config
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [
+    "Hello world!",
+    "The quick brown fox jumps over the lazy dog. Paged attention keeps",
+    "Memory is cut into fixed-size blocks handed out on demand, mapped by",
+    "Émigré café 東京 😀 0123",
+]
+
+
+@pytest.fixture(scope="module", params=EXPERT_FAMILIES)
+def moe(request, tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp(request.param) / "m", arch=request.param)
+
+
+def hf_model(folder: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def test_experts_are_read_as_transformers_reads_them(moe):
+    lm, hf = load_model(moe, torch.float32), hf_model(moe)
+    c = lm.config
+    sparse = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers]
+    assert [c.layer_moe(i) for i in range(c.num_hidden_layers)] == sparse
+    assert any(sparse)
+    first = hf.model.layers[sparse.index(True)].mlp
+    assert c.num_experts == first.experts.gate_up_proj.shape[0]
+    assert c.moe_intermediate_size == first.experts.down_proj.shape[2]
+    assert c.experts_per_token == hf.config.num_experts_per_tok
+    assert c.shared_expert_size == (
+        hf.config.shared_expert_intermediate_size if hf.config.model_type == "qwen2_moe" else 0
+    )
+    assert not all(sparse) or hf.config.model_type != "qwen3_moe"  # (its last layer is dense)
+    for ours, theirs in zip(lm.model.layers, hf.model.layers):
+        assert (ours.moe is None) == (not type(theirs.mlp).__name__.endswith("SparseMoeBlock"))
+
+
+def test_plan_counts_every_expert(moe):
+    with safe_open(f"{moe}/model.safetensors", "pt") as f:
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert shape_from_config(Path(moe)).num_params == params
+
+
+def greedy(llm: LLM, prompts: list[str], max_tokens: int = 12) -> list[list[int]]:
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
+
+
+def test_the_engine_gives_transformers_tokens_alone_batched_and_preempted(moe):
+    """A step's experts see every running sequence's rows at once: batching, a small pool that
+    preempts, and prefix caching change no token."""
+    hf = hf_model(moe)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=f"{moe}/tokenizer.json")
+    want = []
+    for p in PROMPTS:
+        ids = torch.tensor([tok.encode(p)])
+        out = hf.generate(
+            ids, max_new_tokens=12, do_sample=False, min_new_tokens=12, eos_token_id=None
+        )
+        want.append(out[0, ids.shape[1] :].tolist())
+    roomy = LLM(moe, dtype="float32", block_size=4, num_gpu_blocks_override=256)
+    assert greedy(roomy, PROMPTS) == want
+    assert [greedy(roomy, [p])[0] for p in PROMPTS] == want
+    tight = LLM(moe, dtype="float32", block_size=4, num_gpu_blocks_override=14)
+    assert greedy(tight, PROMPTS * 2) == want * 2
+    assert tight.engine.scheduler.num_preemptions > 0
+    for llm in (roomy, tight):
+        assert_pool_clean(llm.engine)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe"])
+def test_int8_and_bfloat16_experts_stay_close_to_float32(arch, tmp_path):
+    folder = make_tiny_model(tmp_path / arch, arch=arch)
+    ref = load_model(folder, torch.float32)
+    ids = torch.tensor(ref.tokenizer.encode(PROMPTS[1]))
+    for dtype, quantization in ((torch.float32, "int8"), (torch.bfloat16, "none")):
+        lm = load_model(folder, dtype, quantization=quantization)
+        moe = lm.model.layers[0].moe
+        assert moe is not None
+        if quantization == "int8":  # every expert's matrices (the router stays as it was)
+            assert all(isinstance(w, Int8Weight) for e in moe._experts for w in e)
+            assert all(isinstance(w, Int8Weight) for w in moe._shared)
+            assert moe.router.dtype == torch.float32
+        logits = [_last_logits(m, ids) for m in (ref, lm)]
+        assert (logits[1] - logits[0]).abs().max() < 0.05 * logits[0].abs().max()
+
+
+def _last_logits(lm, ids: torch.Tensor) -> torch.Tensor:
+    """The prompt's last logits through the engine's own forward (test_model_vs_hf's driver)."""
+    from test_model_vs_hf import PagedDriver, Seq
+
+    return PagedDriver(lm, 16).step([(Seq(ids.tolist()), len(ids))])[0].float()
+
+
+def test_the_server_serves_a_mixture_of_experts(tmp_path):
+    folder = make_tiny_model(tmp_path / "qwen3_moe", arch="qwen3_moe")
+    offline = greedy(LLM(folder, dtype="float32", block_size=4), PROMPTS[:2], 10)
+    with ServerProcess(folder, *TINY_SERVER, "--dtype", "float32") as server:
+        client = server.openai()
+        for prompt, want in zip(PROMPTS[:2], offline):
+            r = client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=10,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+            assert r.choices[0].model_extra["token_ids"] == want
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+        server.wait_idle()
+
+
+def test_what_a_mixture_cannot_do_yet_is_refused(tmp_path):
+    folder = make_tiny_model(tmp_path / "mixtral", arch="mixtral")
+    with pytest.raises(ConfigError, match="--enable-lora is not supported for a mixture"):
+        LLM(folder, enable_lora=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", "generate", "--model", folder, "--prompt", "Hi"]
+        + ["-tp", "2", "--max-tokens", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "not supported for a mixture of experts" in out.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok must be"),
+        ({"moe_intermediate_size": 0}, "moe_intermediate_size must be"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step must be"),
+        ({"mlp_only_layers": "all"}, "mlp_only_layers must be"),
+    ],
+)
+def test_a_broken_expert_config_is_refused_by_name(changes, message):
+    from pagedkv.model.config import LlamaConfig
+
+    base = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_experts=8,
+    ).to_dict()
+    LlamaConfig.from_hf_dict(base)  # (the base itself is fine)
+    with pytest.raises(ConfigError, match=message):
+        LlamaConfig.from_hf_dict({**base, **changes})
+
+
+@pytest.mark.parametrize("arch", EXPERT_FAMILIES)
+def test_a_gguf_mixture_equals_its_folder(arch, tmp_path):
+    """llama.cpp's layout (each projection of all experts stacked in one tensor, the router as
+    ffn_gate_inp, Qwen2-MoE's shared expert as *_shexp) read back expert by expert; with 4-bit
+    blocks kept, every expert multiplies by its packed codes, as close to the same file
+    dequantized as our int4 GEMM is for a dense model."""
+    from gguf import GGMLQuantizationType as QT
+    from test_loaders import hf_to_gguf
+
+    from pagedkv.model.quant_linear import QuantWeight
+
+    folder = make_tiny_model(tmp_path / arch, arch=arch)
+    want = greedy(LLM(folder, dtype="float32"), PROMPTS)
+    path = hf_to_gguf(Path(folder), tmp_path / "f32.gguf")
+    assert greedy(LLM(str(path), dtype="float32"), PROMPTS) == want
+    q4_path = hf_to_gguf(Path(folder), tmp_path / "q4.gguf", QT.Q4_0)
+    q4 = load_model(q4_path, torch.float32, quantization="gguf")
+    moe = q4.model.layers[0].moe
+    assert moe is not None and all(isinstance(w, QuantWeight) for e in moe._experts for w in e)
+    ids = torch.tensor(q4.tokenizer.encode(PROMPTS[1]))
+    ref = _last_logits(load_model(q4_path, torch.float32, quantization="none"), ids)
+    assert (_last_logits(q4, ids) - ref).abs().max() < 0.05 * ref.abs().max()
