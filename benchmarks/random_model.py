@@ -1,11 +1,13 @@
 """A random-weight Hugging Face folder in the shape of a published model, for benchmarks of shapes
 no package ships (models are never fetched from a hub here).
 
-    python benchmarks/random_model.py qwen2.5-0.5b /tmp/qwen25-05b [--dtype bfloat16]
+    python benchmarks/random_model.py qwen2.5-0.5b /tmp/qwen25-05b [--dtype bfloat16] [--layers N]
 
 The folder has config.json, model.safetensors, and a tokenizer.json whose vocabulary is the byte
 alphabet plus filler tokens up to the model's vocabulary size (no merges), so that any engine can
 load it and decode any token id. Speed depends on the shape alone; the text is meaningless.
+`--layers N` keeps the first N layers (a mixture of experts too big for this machine's memory,
+cut to what fits: each layer costs what it costs in the whole model).
 """
 
 from __future__ import annotations
@@ -86,6 +88,26 @@ SHAPES: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "qwen3-30b-a3b": (  # a mixture of 128 experts, 8 a token: 30.5B parameters, 3.3B active
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
@@ -125,16 +147,19 @@ def main() -> None:
     ap.add_argument("folder", type=Path)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, help="keep the first N layers only")
     a = ap.parse_args()
     a.folder.mkdir(parents=True, exist_ok=True)
     config_class, fields = SHAPES[a.shape]
+    if a.layers:
+        fields = {**fields, "num_hidden_layers": a.layers}
     bos, eos = write_tokenizer(a.folder, fields["vocab_size"])
     config = getattr(transformers, config_class)(**fields, bos_token_id=bos, eos_token_id=eos)
     torch.manual_seed(a.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, a.dtype))
     with torch.no_grad():  # the published models' scale of weights, so activations stay finite
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # (transformers 5 holds a layer's experts as one 3-d tensor)
                 p.normal_(0.0, 0.02)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.1)

@@ -335,6 +335,7 @@ def hf_to_gguf(
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     gguf_arch = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+    granite = cfg["model_type"] in ("granite", "granitemoe")
     arch = {**gguf_arch, "mixtral": "llama"}.get(cfg["model_type"], cfg["model_type"])
     rope = cfg["rope_parameters"]
 
@@ -366,7 +367,7 @@ def hf_to_gguf(
                 w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
             if cfg.get("shared_expert_intermediate_size"):
                 w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-        if arch == "granite":  # (llama.cpp's converter: the multipliers as scales)
+        if granite:  # (llama.cpp's converter: the multipliers as scales)
             w.add_embedding_scale(cfg["embedding_multiplier"])
             w.add_residual_scale(cfg["residual_multiplier"])
             w.add_attention_scale(cfg["attention_multiplier"])
@@ -415,6 +416,7 @@ def hf_to_gguf(
         "mlp.shared_expert.up_proj": "ffn_up_shexp",
         "mlp.shared_expert.down_proj": "ffn_down_shexp",
         "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+        "block_sparse_moe.router.layer": "ffn_gate_inp",  # (GraniteMoE's)
     }
     # each expert's projection, stacked by llama.cpp's converter into one tensor of all experts
     stacked = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up"}
@@ -435,15 +437,24 @@ def hf_to_gguf(
             continue
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
         sub, kind = rest.rsplit(".", 1)
+        if sub == "block_sparse_moe.input_linear":  # GraniteMoE's stacked experts: gate, up
+            (
+                tensors[f"blk.{layer}.ffn_gate_exps.{kind}"],
+                tensors[f"blk.{layer}.ffn_up_exps.{kind}"],
+            ) = np.split(w, 2, axis=1)
+            continue
+        if sub == "block_sparse_moe.output_linear":
+            tensors[f"blk.{layer}.ffn_down_exps.{kind}"] = w
+            continue
         expert = re.fullmatch(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)", sub)
         if expert:
             name = f"blk.{layer}.ffn_{stacked[expert.group(2)]}_exps.{kind}"
             experts.setdefault(name, {})[int(expert.group(1))] = w
             continue
         part = parts[sub]
-        if arch in ("llama", "smollm3", "granite") and part == "attn_q":  # (LlamaModel's)
+        if arch in ("llama", "smollm3", "granite", "granitemoe") and part == "attn_q":  # (Llama's)
             w = llama_cpp_permute(w, heads)
-        elif arch in ("llama", "smollm3", "granite") and part == "attn_k":
+        elif arch in ("llama", "smollm3", "granite", "granitemoe") and part == "attn_k":
             w = llama_cpp_permute(w, kv_heads)
         elif gemma and part.endswith("norm"):
             w = w + np.float32(1)

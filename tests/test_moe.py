@@ -5,14 +5,12 @@ supported refused by name. (test_model_vs_hf.py's `family` compares the forwards
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from server_process import REPO, TINY_SERVER, ServerProcess
+from server_process import TINY_SERVER, ServerProcess
 from test_engine import assert_pool_clean
 from tiny_model import EXPERT_FAMILIES, make_tiny_model
 
@@ -44,10 +42,11 @@ def hf_model(folder: str):
 def test_experts_are_read_as_transformers_reads_them(moe):
     lm, hf = load_model(moe, torch.float32), hf_model(moe)
     c = lm.config
-    sparse = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers]
+    mlps = [getattr(layer, "mlp", None) or layer.block_sparse_moe for layer in hf.model.layers]
+    sparse = [hasattr(mlp, "experts") for mlp in mlps]
     assert [c.layer_moe(i) for i in range(c.num_hidden_layers)] == sparse
     assert any(sparse)
-    first = hf.model.layers[sparse.index(True)].mlp
+    first = mlps[sparse.index(True)]
     assert c.num_experts == first.experts.gate_up_proj.shape[0]
     assert c.moe_intermediate_size == first.experts.down_proj.shape[2]
     assert c.experts_per_token == hf.config.num_experts_per_tok
@@ -55,8 +54,7 @@ def test_experts_are_read_as_transformers_reads_them(moe):
         hf.config.shared_expert_intermediate_size if hf.config.model_type == "qwen2_moe" else 0
     )
     assert not all(sparse) or hf.config.model_type != "qwen3_moe"  # (its last layer is dense)
-    for ours, theirs in zip(lm.model.layers, hf.model.layers):
-        assert (ours.moe is None) == (not type(theirs.mlp).__name__.endswith("SparseMoeBlock"))
+    assert [layer.moe is not None for layer in lm.model.layers] == sparse
 
 
 def test_plan_counts_every_expert(moe):
@@ -141,16 +139,37 @@ def test_what_a_mixture_cannot_do_yet_is_refused(tmp_path):
     folder = make_tiny_model(tmp_path / "mixtral", arch="mixtral")
     with pytest.raises(ConfigError, match="--enable-lora is not supported for a mixture"):
         LLM(folder, enable_lora=True)
-    out = subprocess.run(
-        [sys.executable, "-m", "pagedkv.cli", "generate", "--model", folder, "--prompt", "Hi"]
-        + ["-tp", "2", "--max-tokens", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert "not supported for a mixture of experts" in out.stderr.strip().splitlines()[-1]
+
+
+def test_a_tensor_parallel_size_must_divide_every_expert():
+    """Each expert (and the shared one) is cut as an MLP: -tp must divide its features."""
+    from dataclasses import replace
+
+    from pagedkv.distributed.shard import check_shardable
+
+    shape = {"num_attention_heads": 6, "num_key_value_heads": 6, "moe_layers": None}
+    config = replace(_config(num_experts=8, moe_intermediate_size=64), **shape)
+    check_shardable(config, 2)
+    with pytest.raises(ConfigError, match="3 does not divide the experts's 64 features"):
+        check_shardable(config, 3)
+    shared = replace(config, moe_intermediate_size=48, shared_expert_size=128)
+    with pytest.raises(ConfigError, match="3 does not divide the shared expert's 128 features"):
+        check_shardable(shared, 3)
+
+
+def _config(**changes):
+    """A Qwen3-MoE LlamaConfig as transformers' config would have it, with `changes`."""
+    from pagedkv.model.config import LlamaConfig
+
+    base = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_experts=8,
+    ).to_dict()
+    return LlamaConfig.from_hf_dict({**base, **changes})
 
 
 @pytest.mark.parametrize(
@@ -163,40 +182,41 @@ def test_what_a_mixture_cannot_do_yet_is_refused(tmp_path):
     ],
 )
 def test_a_broken_expert_config_is_refused_by_name(changes, message):
-    from pagedkv.model.config import LlamaConfig
-
-    base = transformers.Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        num_experts=8,
-    ).to_dict()
-    LlamaConfig.from_hf_dict(base)  # (the base itself is fine)
+    _config()  # (the base itself is fine)
     with pytest.raises(ConfigError, match=message):
-        LlamaConfig.from_hf_dict({**base, **changes})
+        _config(**changes)
 
 
-@pytest.mark.parametrize("arch", EXPERT_FAMILIES)
-def test_a_gguf_mixture_equals_its_folder(arch, tmp_path):
-    """llama.cpp's layout (each projection of all experts stacked in one tensor, the router as
-    ffn_gate_inp, Qwen2-MoE's shared expert as *_shexp) read back expert by expert; with 4-bit
-    blocks kept, every expert multiplies by its packed codes, as close to the same file
-    dequantized as our int4 GEMM is for a dense model."""
+@pytest.mark.parametrize("arch", ["qwen2_moe", "granitemoe"])
+def test_each_rank_holds_its_share_of_every_experts_4_bit_codes(arch, tmp_path):
+    """-tp 2 over a GGUF mixture: each expert's (and the shared expert's) blocks are cut as an
+    MLP's before they are packed, so each rank multiplies by -tp 1's own codes for its part."""
     from gguf import GGMLQuantizationType as QT
     from test_loaders import hf_to_gguf
+    from test_tp_quant import transposed
 
+    from pagedkv.distributed.shard import shard_model
     from pagedkv.model.quant_linear import QuantWeight
 
-    folder = make_tiny_model(tmp_path / arch, arch=arch)
-    want = greedy(LLM(folder, dtype="float32"), PROMPTS)
-    path = hf_to_gguf(Path(folder), tmp_path / "f32.gguf")
-    assert greedy(LLM(str(path), dtype="float32"), PROMPTS) == want
-    q4_path = hf_to_gguf(Path(folder), tmp_path / "q4.gguf", QT.Q4_0)
-    q4 = load_model(q4_path, torch.float32, quantization="gguf")
-    moe = q4.model.layers[0].moe
-    assert moe is not None and all(isinstance(w, QuantWeight) for e in moe._experts for w in e)
-    ids = torch.tensor(q4.tokenizer.encode(PROMPTS[1]))
-    ref = _last_logits(load_model(q4_path, torch.float32, quantization="none"), ids)
-    assert (_last_logits(q4, ids) - ref).abs().max() < 0.05 * ref.abs().max()
+    folder = make_tiny_model(tmp_path / arch, arch=arch, hidden=64, intermediate=256)
+    q4 = str(hf_to_gguf(Path(folder), tmp_path / "q4.gguf", QT.Q4_1))
+    whole = load_model(q4, torch.float32, quantization="gguf").model
+    for rank in range(2):
+        part = load_model(q4, torch.float32, quantization="gguf", pack=False).model
+        shard_model(part, rank, 2, lambda t: None)
+        for mine, ref in zip(part.layers, whole.layers):
+            pairs = list(zip(mine.moe.experts, ref.moe.experts))
+            if ref.moe.shared is not None:
+                pairs.append((mine.moe.shared, ref.moe.shared))
+            for got, want in pairs:
+                assert isinstance(got.gate_up_proj, QuantWeight)  # (packed after the cut)
+                inter = want.down_proj.shape[1]
+                mlp = torch.arange(rank * inter // 2, (rank + 1) * inter // 2)
+                gate_up = transposed(want.gate_up_proj, want.gate_up_proj.shape[1])
+                assert torch.equal(
+                    transposed(got.gate_up_proj, got.gate_up_proj.shape[1]),
+                    gate_up[:, torch.cat([mlp, inter + mlp])],
+                )
+                down = transposed(want.down_proj, inter)[mlp]
+                assert torch.equal(transposed(got.down_proj, inter // 2), down)
+            assert torch.equal(mine.moe.router, ref.moe.router)

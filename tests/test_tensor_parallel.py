@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from server_process import REPO
-from tiny_model import make_tiny_model
+from tiny_model import EXPERT_FAMILIES, make_tiny_model
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ConfigError
@@ -68,13 +68,15 @@ def test_tp2_equals_tp1(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "arch", ["qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2", "gemma3"]
+    "arch",
+    ["qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2", "gemma3", *EXPERT_FAMILIES],
 )
 def test_tp2_equals_tp1_for_other_families(arch, tmp_path_factory):
     """Qwen2's q/k/v bias is cut with the projection's rows; Qwen3's per-head norms are whole;
     Phi-3's q/k/v and gate/up, fused in its checkpoint, are cut as ours; Gemma's norms of the
     attention's and the MLP's outputs come after the all-reduce, whole; Gemma 2's soft-capped
-    scores on each rank's heads, its logits' cap on the whole."""
+    scores on each rank's heads, its logits' cap on the whole; a mixture's router whole on every
+    rank, each expert (and Qwen2-MoE's shared one) cut as an MLP, Qwen3-MoE's dense layer too."""
     path = make_tiny_model(tmp_path_factory.mktemp(arch) / "m", heads=4, kv_heads=2, arch=arch)
     compare(path, 2, num_gpu_blocks_override=64, block_size=4)
 

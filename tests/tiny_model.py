@@ -26,7 +26,7 @@ THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
 )
 # make_tiny_model's architectures beyond Llama (test_model_vs_hf and test_loaders run each), and
 # its mixtures of experts among them
-EXPERT_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+EXPERT_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "granitemoe")
 FAMILIES = ("qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3") + (
     EXPERT_FAMILIES
 )
@@ -76,10 +76,20 @@ def _gemma3(num_layers: int, eos: int) -> dict:
     }
 
 
+# Granite's four multipliers, far from 1
+GRANITE_MULTIPLIERS = {
+    "embedding_multiplier": 2.5,
+    "residual_multiplier": 0.4,
+    "attention_multiplier": 0.2,
+    "logits_scaling": 3.0,
+}
+
+
 def _experts(arch: str, num_layers: int, hidden: int) -> dict:
-    """A tiny mixture of experts: 8 experts (Mixtral 4), 2 per token, each half the MLP's width;
-    Qwen3's last layer a plain MLP, Qwen2's shared expert as wide as the MLP."""
-    if arch == "mixtral":
+    """A tiny mixture of experts, 2 experts a token: 8 of half the MLP's width (Mixtral's and
+    GraniteMoE's: 4 of its width); Qwen3's last layer a plain MLP, Qwen2's shared expert as wide
+    as the MLP."""
+    if arch in ("mixtral", "granitemoe"):
         return {"num_local_experts": 4, "num_experts_per_tok": 2}
     extra = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden}
     if arch == "qwen3_moe":
@@ -144,17 +154,7 @@ def make_tiny_model(
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 2 * hidden // heads}),
         "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": eos}),
-        # Granite: its four multipliers, far from 1
-        "granite": (
-            "GraniteConfig",
-            "GraniteForCausalLM",
-            {
-                "embedding_multiplier": 2.5,
-                "residual_multiplier": 0.4,
-                "attention_multiplier": 0.2,
-                "logits_scaling": 3.0,
-            },
-        ),
+        "granite": ("GraniteConfig", "GraniteForCausalLM", GRANITE_MULTIPLIERS),
         # SmolLM3: every n-th layer without RoPE (NoPE), here every second
         "smollm3": (
             "SmolLM3Config",
@@ -166,6 +166,11 @@ def make_tiny_model(
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _experts(arch, num_layers, hidden)),
         "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", _experts(arch, num_layers, hidden)),
         "mixtral": ("MixtralConfig", "MixtralForCausalLM", _experts(arch, num_layers, hidden)),
+        "granitemoe": (
+            "GraniteMoeConfig",
+            "GraniteMoeForCausalLM",
+            {**GRANITE_MULTIPLIERS, **_experts(arch, num_layers, hidden)},
+        ),
         "gemma": ("GemmaConfig", "GemmaForCausalLM", _gemma(eos)),
         "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", _gemma2(eos)),
         "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(num_layers, eos)),

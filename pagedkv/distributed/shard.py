@@ -3,9 +3,11 @@ and down.
 
 Rank r keeps num_heads / world query heads and their KV heads (or, with fewer
 KV heads than ranks, the one KV head its query heads read: replicated), the same
-share of the MLP's intermediate size, and all of the embeddings, norms and
-lm_head. The outputs of o_proj and down_proj are partial sums: one all-reduce
-after each makes every rank's residual stream equal the unsplit model's.
+share of the MLP's intermediate size (of each expert's, in a mixture of experts,
+whose router every rank keeps whole and runs alike), and all of the embeddings,
+norms and lm_head. The outputs of o_proj and down_proj (of the experts' downs,
+weighted and summed) are partial sums: one all-reduce after each makes every
+rank's residual stream equal the unsplit model's.
 
 Quantized weights are cut in the form that keeps -tp 1's numbers: int8 after
 quantizing (a row keeps its whole-row scale), GGUF blocks before packing (the
@@ -28,6 +30,7 @@ from pagedkv.model.config import LlamaConfig
 from pagedkv.model.llama import DecoderLayer, LlamaForCausalLM, replace_weight
 from pagedkv.model.loader import finish_weights
 from pagedkv.model.lora import LoRACut
+from pagedkv.model.moe import Expert
 from pagedkv.model.quant_linear import Blocks, Int8Weight
 
 Cuttable = Tensor | Int8Weight | Blocks
@@ -72,15 +75,17 @@ def split_heads(num_heads: int, num_kv_heads: int, rank: int, world: int) -> Hea
 def check_shardable(config, world: int) -> None:
     """Every rank's split exists (heads and MLP divide): checked before any worker starts."""
     split_heads(config.num_attention_heads, config.num_key_value_heads, 0, world)
-    if config.num_experts:
-        raise ConfigError(
-            "--tensor-parallel-size over 1 is not supported for a mixture of experts yet"
-        )
-    if config.intermediate_size % world:
-        raise ConfigError(
-            f"--tensor-parallel-size {world} does not divide the MLP's "
-            f"{config.intermediate_size} features"
-        )
+    layers = range(config.num_hidden_layers)
+    sizes = {
+        "MLP": config.intermediate_size if not all(map(config.layer_moe, layers)) else 0,
+        "experts": config.moe_intermediate_size if config.num_experts else 0,
+        "shared expert": config.shared_expert_size,
+    }
+    for what, size in sizes.items():
+        if size % world:
+            raise ConfigError(
+                f"--tensor-parallel-size {world} does not divide the {what}'s {size} features"
+            )
 
 
 def _cut_refused(name: str, what: str) -> ConfigError:
@@ -143,30 +148,51 @@ class LayerCuts:
     cols: dict[str, range]  # row-parallel: the input features it reads
 
 
+def attention_cuts(head_dim: int, q_size: int, kv_size: int, split: HeadSplit) -> LayerCuts:
+    """The attention's share: its heads' rows of q, k and v, their input features of o."""
+    q, kv = _span(split.q_heads, head_dim), split.kv_heads
+    qkv = [q, _span(kv, head_dim, q_size), _span(kv, head_dim, q_size + kv_size)]
+    return LayerCuts({"qkv_proj": qkv}, {"o_proj": q})
+
+
+def mlp_cuts(inter: int, rank: int, world: int) -> LayerCuts:
+    """A gated MLP's (or an expert's) share: gate's and up's rows, down's input features."""
+    mlp = range(rank * inter // world, (rank + 1) * inter // world)
+    gate_up = [mlp, range(inter + mlp.start, inter + mlp.stop)]
+    return LayerCuts({"gate_up_proj": gate_up}, {"down_proj": mlp})
+
+
 def layer_cuts(
     head_dim: int, q_size: int, kv_size: int, inter: int, split: HeadSplit, rank: int, world: int
 ) -> LayerCuts:
-    mlp = range(rank * inter // world, (rank + 1) * inter // world)
-    q, kv = _span(split.q_heads, head_dim), split.kv_heads
-    rows = {
-        "qkv_proj": [q, _span(kv, head_dim, q_size), _span(kv, head_dim, q_size + kv_size)],
-        "gate_up_proj": [mlp, range(inter + mlp.start, inter + mlp.stop)],
-    }
-    return LayerCuts(rows, {"o_proj": q, "down_proj": mlp})
+    a, m = attention_cuts(head_dim, q_size, kv_size, split), mlp_cuts(inter, rank, world)
+    return LayerCuts({**a.rows, **m.rows}, {**a.cols, **m.cols})
+
+
+def _cut(owner: torch.nn.Module, cuts: LayerCuts, where: str) -> None:
+    """Replaces each of owner's weights that `cuts` names with this rank's share of it."""
+    for name, parts in cuts.rows.items():
+        replace_weight(owner, name, take_rows(getattr(owner, name), parts, f"{where}'s {name}"))
+    for name, cols in cuts.cols.items():
+        replace_weight(owner, name, take_cols(getattr(owner, name), cols, f"{where}'s {name}"))
 
 
 def _shard_layer(layer: DecoderLayer, index: int, split: HeadSplit, rank: int, world: int) -> None:
     d, q_size, kv_size = layer.head_dim, layer.q_size, layer.kv_size
-    w = {name: getattr(layer, name) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
-    cuts = layer_cuts(d, q_size, kv_size, w["down_proj"].shape[1], split, rank, world)
-    for name, weight in w.items():
-        where = f"layer {index}'s {name}"
-        if name in cuts.rows:
-            replace_weight(layer, name, take_rows(weight, cuts.rows[name], where))
-        else:
-            replace_weight(layer, name, take_cols(weight, cuts.cols[name], where))
+    where = f"layer {index}"
+    attention = attention_cuts(d, q_size, kv_size, split)
+    _cut(layer, attention, where)
+    moe, down = layer.moe, layer._weights[5]
+    if moe is None:
+        assert down is not None  # (a dense MLP's)
+        _cut(layer, mlp_cuts(down.shape[1], rank, world), where)
+    else:  # each expert, and the shared one, as an MLP; the router whole
+        experts = [(f"expert {e}", x) for e, x in enumerate(moe.experts)]
+        for what, expert in experts + ([("shared expert", moe.shared)] if moe.shared else []):
+            assert isinstance(expert, Expert)
+            _cut(expert, mlp_cuts(expert.down_proj.shape[1], rank, world), f"{where}'s {what}")
     if layer._qkv_bias is not None:  # cut as qkv_proj's rows; q/k norms are per head: kept whole
-        bias = take_rows(layer._qkv_bias, cuts.rows["qkv_proj"], f"layer {index}'s qkv_bias")
+        bias = take_rows(layer._qkv_bias, attention.rows["qkv_proj"], f"layer {index}'s qkv_bias")
         replace_weight(layer, "qkv_bias", bias)
     layer.num_heads, layer.num_kv_heads = split.num_heads, split.num_kv_heads
     layer.q_size, layer.kv_size = split.num_heads * d, split.num_kv_heads * d

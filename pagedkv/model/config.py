@@ -22,7 +22,8 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     # mixtures of experts (a router picks each token's experts: model/moe.py)
-    "mixtral": {"expert_names": "mixtral"},
+    "mixtral": {"expert_names": "mixtral", "float_routing_weights": True},
+    "granitemoe": {"expert_names": "granite", "softmax_over_chosen": True},  # (and Granite's)
     "qwen2_moe": {"qkv_bias": True},  # (and a shared expert, gated)
     "qwen3_moe": {"qk_norm": True},
     "phi3": {},  # q/k/v and gate/up fused in the checkpoint (llama.FUSED_WHOLE)
@@ -47,11 +48,14 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
     },
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")
-# how a checkpoint names a layer's experts (LlamaConfig.expert_names): the mixture's module, and
-# each expert's gate, up and down projections
+# how a checkpoint names a layer's experts (LlamaConfig.expert_names): the mixture's module, its
+# router, and each expert's gate, up and down projections
+# (GraniteMoE's checkpoints stack every expert's gate/up and down into one tensor each: none
+# per expert, llama.STACKED_EXPERTS)
 EXPERT_NAMES = {
-    "qwen": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
+    "granite": ("block_sparse_moe", "router.layer", ()),
 }
 GEMMA_LOCAL_ROPE_THETA = 10000.0  # Gemma 3's window layers' RoPE base, where a file names none
 _DEFAULT_THETA = {"gemma3_text": 1e6, "smollm3": 2e6}  # RoPE bases where a file names none
@@ -125,15 +129,19 @@ class LlamaConfig:
     # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) in place of the MLP on the layers
     # moe_layers marks (None: every layer, when num_experts > 0): each token runs the
     # experts_per_token experts its router scores highest, weighted by their softmax
-    # probabilities (renormalised over the chosen when norm_topk_prob), plus Qwen2-MoE's shared
-    # expert (shared_expert_size > 0), gated by a sigmoid. expert_names: the checkpoint's
-    # ("qwen": mlp.experts.E.gate_proj ..., "mixtral": block_sparse_moe.experts.E.w1 ...).
+    # probabilities (renormalised over the chosen when norm_topk_prob; GraniteMoE's softmax is
+    # over the chosen logits alone: softmax_over_chosen), rounded to the model's dtype before
+    # they scale an expert's output (Mixtral's stay float32: float_routing_weights), plus
+    # Qwen2-MoE's shared expert (shared_expert_size > 0), gated by a sigmoid. expert_names: the
+    # checkpoint's naming (EXPERT_NAMES).
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     shared_expert_size: int = 0
     moe_layers: tuple[bool, ...] | None = None
+    softmax_over_chosen: bool = False
+    float_routing_weights: bool = False
     expert_names: str = "qwen"
 
     @property
@@ -379,7 +387,7 @@ def text_model_dict(d: dict[str, Any]) -> dict[str, Any]:
 def _granite(d: dict[str, Any]) -> dict[str, Any]:
     """Granite's multipliers, with GraniteConfig's defaults (attention_multiplier 1.0, not
     head_dim^-0.5); none for every other family."""
-    if d.get("model_type") != "granite":
+    if d.get("model_type") not in ("granite", "granitemoe"):
         return {}
     keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
     return {k: d.get(k, 1.0) for k in keys}
@@ -390,7 +398,7 @@ def experts_of(d: dict[str, Any]) -> dict[str, Any]:
     Qwen's (num_experts; layers from decoder_sparse_step and mlp_only_layers, as transformers
     picks them); none for a dense model."""
     model_type = d.get("model_type")
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "granitemoe"):  # (their experts as wide as intermediate_size)
         return {
             "num_experts": d.get("num_local_experts", 8),
             "experts_per_token": d.get("num_experts_per_tok", 2),

@@ -46,6 +46,7 @@ ARCHITECTURES = (
     "gemma3",
     "smollm3",
     "granite",
+    "granitemoe",
     "qwen2moe",
     "qwen3moe",
 )
@@ -68,7 +69,7 @@ _ARCH_LAYER_NAMES = {
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's converter interleaves the RoPE halves of q and k only for these ("NORM" RoPE);
 # Qwen's GGUFs keep HF's layout ("NEOX")
-INTERLEAVED_ROPE = ("llama", "smollm3", "granite")
+INTERLEAVED_ROPE = ("llama", "smollm3", "granite", "granitemoe")
 # llama.cpp's SmolLM3: every 4th layer without RoPE, a rule of its code (no key in the file)
 _NO_ROPE_STEP = {"smollm3": 4}
 _GRANITE_KEYS = {
@@ -104,8 +105,8 @@ _EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 def _expert_layer_names(config: LlamaConfig) -> dict[str, str]:
-    moe, projections = EXPERT_NAMES[config.expert_names]
-    names = {"ffn_gate_inp": f"{moe}.gate", "ffn_gate_inp_shexp": f"{moe}.shared_expert_gate"}
+    moe, router, projections = EXPERT_NAMES[config.expert_names]
+    names = {"ffn_gate_inp": f"{moe}.{router}", "ffn_gate_inp_shexp": f"{moe}.shared_expert_gate"}
     for tensor, projection in zip(_EXPERT_TENSORS, projections):
         names[tensor] = f"{moe}.experts.{{e}}.{projection}"
     for kind, projection in zip(("gate", "up", "down"), ("gate_proj", "up_proj", "down_proj")):
@@ -214,7 +215,10 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
             arch_args["query_pre_attn_scalar"] = hidden // heads
     if arch == "gemma3":
         arch_args["local_rope_theta"] = GEMMA_LOCAL_ROPE_THETA
-    if arch == "granite":  # its multipliers, under llama.cpp's names (each written where set)
+    if arch in (
+        "granite",
+        "granitemoe",
+    ):  # its multipliers, under llama.cpp's names (each written where set)
         for key, name in _GRANITE_KEYS.items():
             if f"{arch}.{key}" in meta:
                 arch_args[name] = float(meta[f"{arch}.{key}"])
@@ -231,7 +235,10 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
             norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
             shared_expert_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
             moe_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers)),
+            # (llama.cpp's Mixtral is a "llama" with experts; every file names each expert's
+            # gate, up and down, as Qwen's checkpoints do)
             expert_names="mixtral" if arch == "llama" else "qwen",
+            float_routing_weights=arch == "llama",
         )
     if arch == "gemma2":
         arch_args["attn_softcap"] = float(get("attn_logit_softcapping", 50.0))

@@ -391,19 +391,28 @@ OPTIONAL_PARTS = {
 def expert_parts(config: LlamaConfig) -> dict[str, tuple[str, int, int]]:
     """A layer's mixture of experts as FUSED_PARTS gives an MLP: HF sub-name -> (our parameter,
     its part, of how many), in the checkpoint's naming (config.expert_names)."""
-    moe, names = EXPERT_NAMES[config.expert_names]
-    parts = {f"{moe}.gate.weight": ("moe.router", 0, 1)}
+    moe, router, names = EXPERT_NAMES[config.expert_names]
+    parts = {f"{moe}.{router}.weight": ("moe.router", 0, 1)}
     experts = [(f"{moe}.experts.{e}", f"moe.experts.{e}") for e in range(config.num_experts)]
     if config.shared_expert_size:  # (Qwen2-MoE's)
         experts.append((f"{moe}.shared_expert", "moe.shared"))
         parts[f"{moe}.shared_expert_gate.weight"] = ("moe.shared_gate", 0, 1)
-    for hf, ours in experts:
+    for hf, ours in experts if names else ():  # (GraniteMoE's: STACKED_EXPERTS)
         gate, up, down = (f"{hf}.{name}.weight" for name in names)
         parts[gate] = (f"{ours}.gate_up_proj", 0, 2)
         parts[up] = (f"{ours}.gate_up_proj", 1, 2)
         parts[down] = (f"{ours}.down_proj", 0, 1)
     return parts
 
+
+# checkpoints that hold each projection of all of a layer's experts in one [experts, out, in]
+# tensor: HF sub-name -> each expert's weight (GraniteMoE's: gate and up fused, gate first)
+STACKED_EXPERTS = {
+    "granite": {
+        "block_sparse_moe.input_linear.weight": "gate_up_proj",
+        "block_sparse_moe.output_linear.weight": "down_proj",
+    }
+}
 
 _TOP = {
     "model.embed_tokens.weight": "embed_tokens",
@@ -564,8 +573,20 @@ class LlamaForCausalLM(nn.Module):
         layer_parts = [
             moe_parts if self.config.layer_moe(i) else parts_of for i in range(len(self.layers))
         ]
+        stacked = STACKED_EXPERTS.get(self.config.expert_names, {})
         pending: dict[tuple[int, str], list[Tensor | Blocks | None]] = {}
         done: set[str] = set()
+
+        def add(layer: int, target: str, index: int, count: int, tensor: Tensor | Blocks) -> None:
+            parts = pending.setdefault((layer, target), [None] * count)
+            parts[index] = tensor
+            ready = [p for p in parts if p is not None]
+            if len(ready) == len(parts):
+                full = f"model.layers.{layer}.{target}"
+                self._store(self.layers[layer], target, _join(ready), full)
+                done.add(full)
+                del pending[(layer, target)]
+
         for name, tensor in weights.items() if isinstance(weights, Mapping) else weights:
             m = _LAYER_WEIGHT.fullmatch(name)
             sub = m and f"{m.group(2)}.{m.group(3)}"
@@ -575,15 +596,15 @@ class LlamaForCausalLM(nn.Module):
                     f"unexpected weight {name!r}: the model has {len(self.layers)} layers"
                 )
             if m and sub in layer_parts[layer]:
-                target, index, count = layer_parts[layer][sub]
-                parts = pending.setdefault((layer, target), [None] * count)
-                parts[index] = tensor
-                ready = [p for p in parts if p is not None]
-                if len(ready) == len(parts):
-                    full = f"model.layers.{layer}.{target}"
-                    self._store(self.layers[layer], target, _join(ready), full)
-                    done.add(full)
-                    del pending[(layer, target)]
+                add(layer, *layer_parts[layer][sub], tensor)
+            elif m and sub in stacked and self.config.layer_moe(layer):
+                if not isinstance(tensor, Tensor) or tensor.shape[0] != self.config.num_experts:
+                    raise ConfigError(
+                        f"weight {name} has shape {tuple(tensor.shape)}: expected one matrix "
+                        f"for each of {self.config.num_experts} experts"
+                    )
+                for e in range(self.config.num_experts):
+                    add(layer, f"moe.experts.{e}.{stacked[sub]}", 0, 1, tensor[e])
             elif name in _TOP:
                 if name != "lm_head.weight" or not self.config.tie_word_embeddings:
                     self._store(self, _TOP[name], tensor, name)
@@ -597,6 +618,13 @@ class LlamaForCausalLM(nn.Module):
             f"model.layers.{i}.{t}"
             for i, parts in enumerate(layer_parts)
             for t, _, _ in parts.values()
+        )
+        required.update(
+            f"model.layers.{i}.moe.experts.{e}.{t}"
+            for i in range(len(self.layers))
+            if self.config.layer_moe(i)
+            for e in range(self.config.num_experts)
+            for t in stacked.values()
         )
         missing = sorted(required - done)
         if missing:

@@ -61,9 +61,8 @@ class SparseMoE(nn.Module):
         c = config
         self.k = c.experts_per_token
         self.renormalise = c.norm_topk_prob
-        # Mixtral multiplies each expert's output by its float32 routing weight; Qwen's round
-        # the weights to the model's dtype first (as transformers does, for bfloat16's sake)
-        self.float_weights = c.expert_names == "mixtral"
+        self.softmax_over_chosen = c.softmax_over_chosen
+        self.float_weights = c.float_routing_weights
         self.router = frozen(c.num_experts, c.hidden_size, dtype=dtype)  # never quantized
         self.experts = nn.ModuleList(
             Expert(c.hidden_size, c.moe_intermediate_size, dtype, device)
@@ -82,10 +81,14 @@ class SparseMoE(nn.Module):
 
     def forward(self, h: Tensor, act: Callable[[Tensor], Tensor], out: Tensor) -> Tensor:
         """The mixture's output for rows h [T, hidden], written into out [T, hidden]."""
-        probs = torch.softmax(linear(h, self.router), dim=-1, dtype=torch.float32)
-        weights, chosen = probs.topk(self.k, dim=-1)
-        if self.renormalise:
-            weights /= weights.sum(dim=-1, keepdim=True)
+        logits = linear(h, self.router)
+        if self.softmax_over_chosen:  # (GraniteMoE's: the same weights, rounded otherwise)
+            weights, chosen = logits.float().topk(self.k, dim=-1)
+            weights = torch.softmax(weights, dim=-1)
+        else:
+            weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.k)
+            if self.renormalise:
+                weights /= weights.sum(dim=-1, keepdim=True)
         if not self.float_weights:
             weights = weights.to(h.dtype)
         # the (token, choice) pairs grouped by expert, tokens in order within each group
