@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from tiny_model import EXPERT_FAMILIES, make_tiny_model
 
 from pagedkv.config import ConfigError, default_model_path
 from pagedkv.sim.plan import kv_bytes_per_block, plan_capacity
@@ -53,11 +54,11 @@ def test_known_parameter_counts_match_the_published_ones():
 
 @pytest.mark.parametrize(
     "arch", ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3"]
+    + list(EXPERT_FAMILIES),
 )
 def test_a_folder_counts_the_parameters_transformers_holds(arch, tmp_path):
+    """(a mixture of experts: the router and every expert)"""
     from safetensors import safe_open
-    from tiny_model import make_tiny_model
-
     folder = make_tiny_model(tmp_path / arch, arch=arch)
     with safe_open(f"{folder}/model.safetensors", "pt") as f:
         held = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
