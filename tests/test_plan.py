@@ -50,6 +50,9 @@ def test_known_parameter_counts_match_the_published_ones():
     assert KNOWN_SHAPES["gemma2-2b"].num_params == 2_614_341_888
     assert KNOWN_SHAPES["gemma3-270m"].num_params == 268_098_176
     assert KNOWN_SHAPES["gemma3-1b"].num_params == 999_885_952
+    # mixtures of experts: the router and every expert of every layer
+    assert KNOWN_SHAPES["mixtral-8x7b"].num_params == 46_702_792_704
+    assert KNOWN_SHAPES["qwen3-30b-a3b"].num_params == 30_532_122_624
 
 
 @pytest.mark.parametrize(

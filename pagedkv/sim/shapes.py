@@ -11,6 +11,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pagedkv.config import ConfigError, default_model_path
 from pagedkv.model.config import GEMMA, MODEL_TYPES, experts_of, text_model_dict
@@ -52,6 +53,21 @@ def llama_param_count(
     return vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
 
 
+def _expert_params(cfg: dict, hidden: int) -> int:
+    """What a mixture of experts adds to llama_param_count's MLPs: on each layer with experts,
+    the router, every expert and a shared expert with its gate, less the MLP counted there."""
+    moe = experts_of(cfg)
+    if not moe.get("num_experts"):
+        return 0
+    layers = moe.get("moe_layers") or (True,) * cfg["num_hidden_layers"]
+    experts = moe["num_experts"] * (hidden + 3 * hidden * moe["moe_intermediate_size"])
+    shared = 3 * hidden * moe.get("shared_expert_size", 0) + hidden * bool(
+        moe.get("shared_expert_size")
+    )
+    mlp = 3 * hidden * cfg.get("intermediate_size", 4 * hidden)
+    return sum(layers) * (experts + shared - mlp)
+
+
 def _known(
     name: str,
     vocab: int,
@@ -63,17 +79,37 @@ def _known(
     head_dim: int,
     tied: bool,
     context: int,
-    **extras: bool,
+    experts: dict | None = None,
+    *,
+    qkv_bias: bool = False,
+    qk_norm: bool = False,
+    sandwich_norms: bool = False,
 ) -> ModelShape:
+    """experts: a mixture's config.json keys (model_type, num_experts ...), its MLPs replaced."""
     params = llama_param_count(
-        vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, tied, **extras
+        vocab,
+        hidden,
+        intermediate,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        tied,
+        qkv_bias,
+        qk_norm,
+        sandwich_norms,
     )
+    if experts:
+        cfg = {**experts, "num_hidden_layers": layers, "intermediate_size": intermediate}
+        params += _expert_params(cfg, hidden)
     return ModelShape(
         name, "known shape", layers, kv_heads, head_dim, params, 2 * params, context
     )  # bf16 weights
 
 
-_GEMMA = {"qk_norm": True, "sandwich_norms": True}
+_GEMMA: dict[str, Any] = {"qk_norm": True, "sandwich_norms": True}
+_MIXTRAL = {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}
+_QWEN3_30B_A3B = {"model_type": "qwen3_moe", "num_experts": 128, "moe_intermediate_size": 768}
 KNOWN_SHAPES = {
     s.name: s
     for s in (
@@ -92,6 +128,21 @@ KNOWN_SHAPES = {
         _known("gemma2-2b", 256000, 2304, 9216, 26, 8, 4, 256, True, 8192, sandwich_norms=True),
         _known("gemma3-270m", 262144, 640, 2048, 18, 4, 1, 256, True, 32768, **_GEMMA),
         _known("gemma3-1b", 262144, 1152, 6912, 26, 4, 1, 256, True, 32768, **_GEMMA),
+        _known("mixtral-8x7b", 32000, 4096, 14336, 32, 32, 8, 128, False, 32768, _MIXTRAL),
+        _known(
+            "qwen3-30b-a3b",
+            151936,
+            2048,
+            6144,
+            48,
+            32,
+            4,
+            128,
+            False,
+            40960,
+            _QWEN3_30B_A3B,
+            qk_norm=True,
+        ),
     )
 }
 
@@ -107,21 +158,6 @@ def _positive_int(value, what: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{where}: {what} must be a positive integer, got {value!r}")
     return value
-
-
-def _expert_params(cfg: dict, hidden: int) -> int:
-    """What a mixture of experts adds to llama_param_count's MLPs: on each layer with experts,
-    the router, every expert and a shared expert with its gate, less the MLP counted there."""
-    moe = experts_of(cfg)
-    if not moe.get("num_experts"):
-        return 0
-    layers = moe.get("moe_layers") or (True,) * cfg["num_hidden_layers"]
-    experts = moe["num_experts"] * (hidden + 3 * hidden * moe["moe_intermediate_size"])
-    shared = 3 * hidden * moe.get("shared_expert_size", 0) + hidden * bool(
-        moe.get("shared_expert_size")
-    )
-    mlp = 3 * hidden * cfg.get("intermediate_size", 4 * hidden)
-    return sum(layers) * (experts + shared - mlp)
 
 
 def shape_from_config(folder: Path) -> ModelShape:
