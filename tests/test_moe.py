@@ -126,10 +126,32 @@ def test_the_server_serves_a_mixture_of_experts(tmp_path):
         server.wait_idle()
 
 
-def test_what_a_mixture_cannot_do_yet_is_refused(tmp_path):
-    folder = make_tiny_model(tmp_path / "mixtral", arch="mixtral")
-    with pytest.raises(ConfigError, match="--enable-lora is not supported for a mixture"):
-        LLM(folder, enable_lora=True)
+def test_an_adapter_of_the_attention_applies_and_one_of_the_experts_is_refused(tmp_path):
+    """LoRA on a mixture: the attention's projections take an adapter (greedy output equals
+    transformers with it merged); the experts' do not, named (Qwen3-MoE's dense last layer's
+    MLP does)."""
+    from test_lora import make_adapter, merged_greedy
+
+    from pagedkv import LoRARequest
+
+    model = make_tiny_model(tmp_path / "qwen3_moe", arch="qwen3_moe")
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    adapter = make_adapter(tmp_path / "attn", model, seed=3, modules=attention)
+    llm = LLM(model, dtype="float32", enable_lora=True, num_gpu_blocks_override=128)
+    try:
+        prompts = [[5, 9, 23, 7, 81, 3], [40, 2, 2, 19]]
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        got = [
+            list(o.outputs[0].token_ids)
+            for o in llm.generate(prompts, sp, lora_request=LoRARequest("a", 1, adapter))
+        ]
+        assert got == merged_greedy(model, adapter, prompts)
+        assert got != [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
+        mlp = make_adapter(tmp_path / "mlp", model, modules=("q_proj", "gate_proj"))
+        with pytest.raises(ConfigError, match=r"layers\.0\.mlp\.gate_proj'.* layer 0 is a mixture"):
+            llm.generate(prompts, sp, lora_request=LoRARequest("m", 2, mlp))
+    finally:
+        llm.close()
 
 
 def test_a_tensor_parallel_size_must_divide_every_expert():

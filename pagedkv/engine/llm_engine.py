@@ -78,8 +78,6 @@ class LLMEngine:
             if config.reasoning_parser
             else None
         )
-        if config.enable_lora and self.loaded.config.num_experts:
-            raise ConfigError("--enable-lora is not supported for a mixture of experts yet")
         self.loras: dict[str, LoRAAdapter] = {}
         self.lora_keys: dict[str, str] = {}  # name -> its prefix-cache key (the scheduler's)
         for module in lora_modules(config.lora_modules).values():

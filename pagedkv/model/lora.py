@@ -39,6 +39,9 @@ WHOLE_TARGETS = {
     hf.rpartition(".")[2]: fused.removesuffix("_proj") for hf, fused in FUSED_WHOLE.items()
 }
 
+# the modules of the attention (all an adapter may change on a mixture of experts' layer)
+ATTENTION_TARGETS = {m for m, (fused, _) in TARGETS.items() if fused in ("qkv", "o")} | {"qkv_proj"}
+
 # what a PEFT name may hold before the decoder's `layers` (a multimodal model's text part too)
 _DECODER_PATH = {"base_model", "model", "language_model"}
 
@@ -124,6 +127,11 @@ def load_adapter(
         layer = int(names[names.index("layers") + 1])
         if not 0 <= layer < config.num_hidden_layers:
             raise ConfigError(f"{where}: {stem!r} is past the model's layers")
+        if config.layer_moe(layer) and module not in ATTENTION_TARGETS:
+            raise ConfigError(
+                f"{where}: {stem!r}: layer {layer} is a mixture of experts, whose experts take no "
+                "adapter (its attention does)"
+            )
         if module in TARGETS:
             target, part = TARGETS[module]
             split = {part: (ab["A"], ab["B"])}
