@@ -33,7 +33,7 @@ from pagedkv.attention.store import QKNorm, rope_and_store
 from pagedkv.config import QUANTIZATIONS, ConfigError
 from pagedkv.model import ops
 from pagedkv.model.config import EXPERT_NAMES, LlamaConfig
-from pagedkv.model.moe import Expert, SparseMoE, frozen
+from pagedkv.model.moe import Expert, SparseMoE
 from pagedkv.model.prepacked import PrepackedWeight, prepack
 from pagedkv.model.quant_linear import (
     Blocks,
@@ -41,6 +41,7 @@ from pagedkv.model.quant_linear import (
     QuantWeight,
     Weight,
     embed,
+    frozen,
     gguf_weight,
     linear,
     weight_nbytes,

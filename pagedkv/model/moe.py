@@ -1,13 +1,14 @@
-"""A mixture of experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""A mixture of experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoE).
 
 A router scores every expert for each token; each token runs through the k experts it scores
 highest, and their outputs are summed weighted by the router's softmax probabilities
-(renormalised over the k where the model says so). The step's tokens are grouped by expert, so
-each expert multiplies all the rows routed to it in one matmul, with its weights in whatever form
-`quant_linear.linear` takes (plain, prepacked for our GEMMs, int8, GGUF blocks): an expert is a
-small MLP like any other. Its outputs are added to their tokens' rows expert by expert, in expert
-order, as transformers adds them (so float32 sums are the same, bit for bit). Qwen2-MoE adds a
-shared expert that every token runs, gated by a sigmoid of its own projection.
+(renormalised over the k where the model says so, or GraniteMoE's softmax over the k logits).
+The step's tokens are grouped by expert, so each expert multiplies all the rows routed to it in
+one matmul, with its weights in whatever form `quant_linear.linear` takes (plain, prepacked for
+our GEMMs, int8, GGUF blocks): an expert is a small MLP like any other. Its outputs are added to
+their tokens' rows expert by expert, in expert order, as transformers adds them (so float32 sums
+are the same, bit for bit). Qwen2-MoE adds a shared expert that every token runs, gated by a
+sigmoid of its own projection.
 
 Only the experts some token chose are read, which is what makes a mixture cheap to decode: a
 single stream of Qwen3-30B-A3B reads 3B of its 30B parameters a token. A batch that touches every
@@ -23,16 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from pagedkv.model.config import LlamaConfig
-from pagedkv.model.quant_linear import Weight, linear
-
-# An expert's weights that are matmul weights (quantized, packed, prepacked like the MLP's)
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
-
-
-def frozen(*shape: int, dtype: torch.dtype, device: str | None = None) -> nn.Parameter:
-    """An inference weight; device "meta" for one that loading replaces with a quantized one (no
-    memory until then)."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+from pagedkv.model.quant_linear import Weight, frozen, linear
 
 
 class Expert(nn.Module):

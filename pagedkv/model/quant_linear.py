@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
-from torch import Tensor
+from torch import Tensor, nn
 
 from pagedkv import native
 from pagedkv.model.prepacked import GemmCall, PrepackedWeight, int4_form, prepack
@@ -280,6 +280,12 @@ class Int8Weight(PackedWeight):
 
 QuantWeight = Int4Weight | Int8Weight  # (PackedWeight's two kinds)
 Weight = Tensor | QuantWeight | PrepackedWeight  # what a matmul of the model multiplies by
+
+
+def frozen(*shape: int, dtype: torch.dtype, device: str | None = None) -> nn.Parameter:
+    """A model's weight, not trained; device "meta" for one that loading replaces with a
+    quantized one (no memory until then)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 def linear(x: Tensor, w: Weight, out: Tensor | None = None) -> Tensor:
