@@ -236,11 +236,12 @@ def test_each_rank_holds_its_share_of_every_experts_4_bit_codes(arch, tmp_path):
 
 
 @pytest.mark.parametrize("arch", EXPERT_FAMILIES)
-def test_a_gguf_mixture_equals_its_folder(arch, tmp_path):
+def test_a_gguf_mixture_equals_its_folder(arch, tmp_path, monkeypatch):
     """llama.cpp's layout (each projection of all experts stacked in one tensor, the router as
     ffn_gate_inp, Qwen2-MoE's shared expert as *_shexp) read back expert by expert; with 4-bit
     blocks kept, every expert multiplies by its packed codes, as close to the same file
-    dequantized as our int4 GEMM is for a dense model, and `pagedkv plan` counts what it holds."""
+    dequantized as our int4 GEMM is for a dense model, and `pagedkv plan` counts what it holds:
+    the experts keep no dense copy (the attention does, from 8 rows here)."""
     from gguf import GGMLQuantizationType as QT
     from test_loaders import hf_to_gguf
 
@@ -252,9 +253,12 @@ def test_a_gguf_mixture_equals_its_folder(arch, tmp_path):
     path = hf_to_gguf(Path(folder), tmp_path / "f32.gguf")
     assert greedy(LLM(str(path), dtype="float32"), PROMPTS) == want
     q4_path = hf_to_gguf(Path(folder), tmp_path / "q4.gguf", QT.Q4_0)
+    monkeypatch.setenv("PAGEDKV_DENSE_WEIGHTS", "8")
     q4 = load_model(q4_path, torch.float32, quantization="gguf")
     moe = q4.model.layers[0].moe
     assert moe is not None and all(isinstance(w, QuantWeight) for e in moe._experts for w in e)
+    assert all(w.dense is None for e in moe._experts for w in e)
+    assert q4.model.layers[0].qkv_proj.dense is not None
     ids = torch.tensor(q4.tokenizer.encode(PROMPTS[1]))
     ref = _last_logits(load_model(q4_path, torch.float32, quantization="none"), ids)
     assert (_last_logits(q4, ids) - ref).abs().max() < 0.05 * ref.abs().max()

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from pagedkv.config import ConfigError, format_size, is_digits
 from pagedkv.model.calibration_cache import cached, machine_key
 from pagedkv.model.dtype_choice import MIN_BYTES
+from pagedkv.model.moe import SparseMoE
 from pagedkv.model.prepacked import dense_form, supported
 from pagedkv.model.quant_linear import ACT_DTYPE, PackedWeight, linear
 
@@ -68,9 +69,18 @@ def keeps_copies() -> bool:
 
 
 def packed_weights(model: nn.Module) -> list[PackedWeight]:
-    """Each packed weight of the model once (a tied embedding and lm_head are one object)."""
+    """Each packed weight of the model once (a tied embedding and lm_head are one object), but a
+    mixture's routed experts': each sees a few of a step's rows (a token's k of many experts: 4
+    rows an expert at 64 sequences for Qwen3-30B-A3B), where the packed kernel wins, and copies of
+    them all would hold the mixture again in bfloat16 (61 GB for Qwen3-30B-A3B). (A shared
+    expert sees every row, as an MLP does: it keeps its copy.)"""
+    routed = {id(e) for m in model.modules() if isinstance(m, SparseMoE) for e in m.experts}
     found = {
-        id(w): w for m in model.modules() for w in vars(m).values() if isinstance(w, PackedWeight)
+        id(w): w
+        for m in model.modules()
+        if id(m) not in routed
+        for w in vars(m).values()
+        if isinstance(w, PackedWeight)
     }
     return list(found.values())
 

@@ -229,9 +229,10 @@ def gguf_resident_bytes(reader, quantization: str) -> int:
         dims = [int(n) for n in t.shape.tolist()]
         shape = (dims[1], dims[0]) if len(dims) >= 2 else (1, int(t.n_elements))
         vocab = t.name in ("token_embd.weight", "output.weight")
-        # (a mixture's [experts, out, in] tensor: one matrix an expert)
+        # (a mixture's [experts, out, in] tensor: one matrix a routed expert, with no dense copy)
         matrices = dims[2] if len(dims) == 3 else 1
-        held = matrices * resident_bytes(t.tensor_type, shape, quantization, 2, vocab, dense)
+        copy = dense and matrices == 1
+        held = matrices * resident_bytes(t.tensor_type, shape, quantization, 2, vocab, copy)
         if ".ffn_gate_inp" in t.name:  # a router (and a shared expert's gate): never quantized
             held = 2 * int(t.n_elements)
         plain = held == shape[0] * shape[1] * 2
