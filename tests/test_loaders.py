@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from tiny_model import FAMILIES, make_tiny_model
+from tiny_model import GGUF_FAMILIES, make_tiny_model
 
 from pagedkv.config import ConfigError
 from pagedkv.model.config import LlamaConfig
@@ -471,7 +471,7 @@ def hf_to_gguf(
     return write_gguf(out, arch=arch, tensors=tensors, meta=meta)
 
 
-@pytest.mark.parametrize("arch", ["llama", *FAMILIES])
+@pytest.mark.parametrize("arch", ["llama", *GGUF_FAMILIES])
 def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
     if arch == "llama":
         folder = Path(tiny_model_dir)

@@ -352,7 +352,7 @@ def test_other_families_match_transformers(family, kernels):
     lm, hf, _ = family
     assert (lm.config.qkv_bias, lm.config.qk_norm, lm.config.final_softcap) == (
         hf.config.model_type in ("qwen2", "qwen2_moe"),
-        hf.config.model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
+        hf.config.model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
         getattr(hf.config, "final_logit_softcapping", None),
     )
     nope = [i for i in range(hf.config.num_hidden_layers) if not lm.config.layer_rope(i)]

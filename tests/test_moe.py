@@ -10,7 +10,7 @@ import pytest
 import torch
 from server_process import TINY_SERVER, ServerProcess
 from test_engine import assert_pool_clean
-from tiny_model import EXPERT_FAMILIES, make_tiny_model
+from tiny_model import EXPERT_FAMILIES, GGUF_FAMILIES, make_tiny_model
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ConfigError
@@ -168,6 +168,9 @@ def test_a_tensor_parallel_size_must_divide_every_expert():
     shared = replace(config, moe_intermediate_size=48, shared_expert_size=128)
     with pytest.raises(ConfigError, match="3 does not divide the shared expert's 128 features"):
         check_shardable(shared, 3)
+    olmoe = replace(config, qk_norm=True, qk_norm_whole=True)  # (its norms span every head)
+    with pytest.raises(ConfigError, match="cannot split q and k norms taken over all heads"):
+        check_shardable(olmoe, 2)
 
 
 def _config(**changes):
@@ -235,7 +238,7 @@ def test_each_rank_holds_its_share_of_every_experts_4_bit_codes(arch, tmp_path):
             assert torch.equal(mine.moe.router, ref.moe.router)
 
 
-@pytest.mark.parametrize("arch", EXPERT_FAMILIES)
+@pytest.mark.parametrize("arch", [f for f in EXPERT_FAMILIES if f in GGUF_FAMILIES])
 def test_a_gguf_mixture_equals_its_folder(arch, tmp_path, monkeypatch):
     """llama.cpp's layout (each projection of all experts stacked in one tensor, the router as
     ffn_gate_inp, Qwen2-MoE's shared expert as *_shexp) read back expert by expert; with 4-bit

@@ -69,7 +69,8 @@ def test_tp2_equals_tp1(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "arch",
-    ["qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2", "gemma3", *EXPERT_FAMILIES],
+    ["qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2", "gemma3"]
+    + [f for f in EXPERT_FAMILIES if f != "olmoe"],  # (OLMoE's norms span every head: refused)
 )
 def test_tp2_equals_tp1_for_other_families(arch, tmp_path_factory):
     """Qwen2's q/k/v bias is cut with the projection's rows; Qwen3's per-head norms are whole;

@@ -26,10 +26,12 @@ THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
 )
 # make_tiny_model's architectures beyond Llama (test_model_vs_hf and test_loaders run each), and
 # its mixtures of experts among them
-EXPERT_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "granitemoe")
+EXPERT_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "granitemoe", "olmoe")
 FAMILIES = ("qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3") + (
     EXPERT_FAMILIES
 )
+# those pagedkv reads from GGUF files too (llama.cpp's OLMoE is not read: its layout unchecked)
+GGUF_FAMILIES = tuple(f for f in FAMILIES if f != "olmoe")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TAGS = ["<think>", "</think>"]  # added tokens, not special: they stay in decoded text
 _CORPUS = (
@@ -86,10 +88,10 @@ GRANITE_MULTIPLIERS = {
 
 
 def _experts(arch: str, num_layers: int, hidden: int) -> dict:
-    """A tiny mixture of experts, 2 experts a token: 8 of half the MLP's width (Mixtral's and
-    GraniteMoE's: 4 of its width); Qwen3's last layer a plain MLP, Qwen2's shared expert as wide
+    """A tiny mixture of experts, 2 experts a token: 8 of half the MLP's width (Mixtral's,
+    GraniteMoE's and OLMoE's: 4 of its width); Qwen3's last layer a plain MLP, Qwen2's shared expert as wide
     as the MLP."""
-    if arch in ("mixtral", "granitemoe"):
+    if arch in ("mixtral", "granitemoe", "olmoe"):
         return {"num_local_experts": 4, "num_experts_per_tok": 2}
     extra = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden}
     if arch == "qwen3_moe":
@@ -166,6 +168,12 @@ def make_tiny_model(
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _experts(arch, num_layers, hidden)),
         "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", _experts(arch, num_layers, hidden)),
         "mixtral": ("MixtralConfig", "MixtralForCausalLM", _experts(arch, num_layers, hidden)),
+        # OLMoE: q and k norms over all heads at once, q, k and v clipped
+        "olmoe": (
+            "OlmoeConfig",
+            "OlmoeForCausalLM",
+            {"clip_qkv": 1.5, **_experts(arch, num_layers, hidden)},
+        ),
         "granitemoe": (
             "GraniteMoeConfig",
             "GraniteMoeForCausalLM",

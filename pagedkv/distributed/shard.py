@@ -75,6 +75,11 @@ def split_heads(num_heads: int, num_kv_heads: int, rank: int, world: int) -> Hea
 def check_shardable(config, world: int) -> None:
     """Every rank's split exists (heads and MLP divide): checked before any worker starts."""
     split_heads(config.num_attention_heads, config.num_key_value_heads, 0, world)
+    if config.qk_norm_whole:
+        raise ConfigError(
+            "--tensor-parallel-size over 1 cannot split q and k norms taken over all heads at "
+            "once (OLMoE's)"
+        )
     layers = range(config.num_hidden_layers)
     sizes = {
         "MLP": config.intermediate_size if not all(map(config.layer_moe, layers)) else 0,

@@ -26,6 +26,7 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
     "granitemoe": {"expert_names": "granite", "softmax_over_chosen": True},  # (and Granite's)
     "qwen2_moe": {"qkv_bias": True},  # (and a shared expert, gated)
     "qwen3_moe": {"qk_norm": True},
+    "olmoe": {"qk_norm": True, "qk_norm_whole": True},  # q/k norms over all heads at once
     "phi3": {},  # q/k/v and gate/up fused in the checkpoint (llama.FUSED_WHOLE)
     "smollm3": {},  # some layers without RoPE (NoPE: rope_layers)
     "granite": {},  # four multipliers (embeddings, residual adds, attention scale, logits)
@@ -98,6 +99,8 @@ class LlamaConfig:
     eos_token_id: int | list[int] | None
     qkv_bias: bool = False  # q, k and v projections with a bias (Qwen2)
     qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
+    qk_norm_whole: bool = False  # that norm over all of q's (and k's) heads at once (OLMoE)
+    clip_qkv: float | None = None  # q, k (after their norms) and v clamped to +-clip_qkv (OLMoE)
     # A sliding window: a query at position p sees keys p - sliding_window < k <= p on the layers
     # window_layers marks (None: every layer; Qwen's configs slide only their upper layers).
     sliding_window: int | None = None
@@ -208,7 +211,7 @@ class LlamaConfig:
                 isinstance(value, (int, float)) and 0 < value < float("inf")
             ):
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
-        for name in ("attn_softcap", "final_softcap"):
+        for name in ("attn_softcap", "final_softcap", "clip_qkv"):
             cap = getattr(self, name)
             if cap is not None and not (isinstance(cap, (int, float)) and 0 < cap < float("inf")):
                 raise ConfigError(f"{name} must be a positive number, got {cap!r}")
@@ -348,6 +351,7 @@ class LlamaConfig:
                 eos_token_id=d.get("eos_token_id"),
                 rotary_dim=int(head_dim * partial),  # (as transformers rounds it)
                 rope_layers=_rope_layers(d),
+                clip_qkv=d.get("clip_qkv") if model_type == "olmoe" else None,
                 **_granite(d),
                 **experts_of(d),
                 **_sliding_window(d),
@@ -398,11 +402,13 @@ def experts_of(d: dict[str, Any]) -> dict[str, Any]:
     Qwen's (num_experts; layers from decoder_sparse_step and mlp_only_layers, as transformers
     picks them); none for a dense model."""
     model_type = d.get("model_type")
-    if model_type in ("mixtral", "granitemoe"):  # (their experts as wide as intermediate_size)
+    if model_type in ("mixtral", "granitemoe", "olmoe"):  # (experts as wide as intermediate_size)
+        olmoe = model_type == "olmoe"
         return {
-            "num_experts": d.get("num_local_experts", 8),
-            "experts_per_token": d.get("num_experts_per_tok", 2),
+            "num_experts": d.get("num_experts", d.get("num_local_experts", 64 if olmoe else 8)),
+            "experts_per_token": d.get("num_experts_per_tok", 8 if olmoe else 2),
             "moe_intermediate_size": d["intermediate_size"],
+            "norm_topk_prob": bool(d.get("norm_topk_prob", False)) if olmoe else True,
         }
     if model_type not in ("qwen2_moe", "qwen3_moe"):
         return {}

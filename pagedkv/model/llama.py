@@ -213,6 +213,7 @@ class DecoderLayer(nn.Module):
     ]
     _qkv_bias: Tensor | None
     _qk_norm: QKNorm | None
+    _whole_qk_norm: QKNorm | None
     _out_norms: tuple[Tensor, Tensor] | None
     all_reduce: Callable[[Tensor], None] | None
 
@@ -258,9 +259,11 @@ class DecoderLayer(nn.Module):
             self.down_proj = frozen(c.hidden_size, c.intermediate_size, dtype=dtype, device=device)
         if c.qkv_bias:
             self.qkv_bias = frozen(self.q_size + 2 * self.kv_size, dtype=dtype)
-        if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+        if c.qk_norm:  # (over each head, or OLMoE's over all heads at once: qk_norm_whole)
+            whole = c.qk_norm_whole
+            self.q_norm = RMSNorm(self.q_size if whole else c.head_dim, c.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.kv_size if whole else c.head_dim, c.rms_norm_eps, dtype)
+        self.clip_qkv = c.clip_qkv
         self.eps = c.rms_norm_eps
         self.refresh_weights()
 
@@ -285,14 +288,29 @@ class DecoderLayer(nn.Module):
             if hasattr(self, "attn_out_norm")
             else None
         )
-        self.__dict__["_qk_norm"] = (
+        qk_norm = (
             QKNorm(self.q_norm.weight, self.k_norm.weight, self.eps)
             if hasattr(self, "q_norm")
             else None
         )
+        whole = qk_norm is not None and qk_norm.q.numel() != self.head_dim
+        self.__dict__["_qk_norm"] = None if whole else qk_norm  # (per head: in the RoPE kernel)
+        self.__dict__["_whole_qk_norm"] = qk_norm if whole else None
         # Tensor parallelism (distributed/shard.py) sets this: it sums the ranks' partial outputs
         # of o_proj and down_proj in place.
         self.__dict__["all_reduce"] = None
+
+    def _norm_and_clip(self, qkv: Tensor) -> Tensor:
+        """OLMoE's q and k norms, each over all its heads at once, then q, k and v clamped to
+        +-clip_qkv, in place (in torch: a mixture of experts runs eagerly anyway)."""
+        norm = self._whole_qk_norm
+        if norm is not None:
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            q.copy_(ops.rms_norm(q.contiguous(), norm.q, norm.eps)[0])
+            k.copy_(ops.rms_norm(k.contiguous(), norm.k, norm.eps)[0])
+        if self.clip_qkv is not None:
+            qkv.clamp_(-self.clip_qkv, self.clip_qkv)
+        return qkv
 
     def forward(
         self,
@@ -314,6 +332,8 @@ class DecoderLayer(nn.Module):
         qkv = linear(h, qkv_proj, buf.qkv)
         if lora is not None:
             lora[0].add(lora[1], "qkv", h, qkv)
+        if self._whole_qk_norm is not None or self.clip_qkv is not None:
+            qkv = self._norm_and_clip(qkv)
         q = rope_and_store(
             qkv,
             self.num_heads,

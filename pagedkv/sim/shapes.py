@@ -43,12 +43,14 @@ def llama_param_count(
     qkv_bias: bool = False,
     qk_norm: bool = False,
     sandwich_norms: bool = False,
+    qk_norm_whole: bool = False,
 ) -> int:
     """Parameters of a Llama-family decoder: embeddings, attention, gated MLP and RMSNorms, with
-    Qwen2's q/k/v biases, Qwen3's (and Gemma's) q/k norms and Gemma's two norms more a layer where
-    the model has them."""
+    Qwen2's q/k/v biases, Qwen3's (and Gemma's) q/k norms (OLMoE's over all heads at once) and
+    Gemma's two norms more a layer where the model has them."""
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v projections
-    attention += qkv_bias * head_dim * (heads + 2 * kv_heads) + qk_norm * 2 * head_dim
+    norms = (heads + kv_heads) * head_dim if qk_norm_whole else 2 * head_dim
+    attention += qkv_bias * head_dim * (heads + 2 * kv_heads) + qk_norm * norms
     per_layer = attention + 3 * hidden * intermediate + (4 if sandwich_norms else 2) * hidden
     return vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
 
@@ -193,7 +195,7 @@ def shape_from_config(folder: Path) -> ModelShape:
         **{
             flag: value
             for flag, value in MODEL_TYPES.get(cfg.get("model_type", ""), {}).items()
-            if flag in ("qkv_bias", "qk_norm", "sandwich_norms")
+            if flag in ("qkv_bias", "qk_norm", "sandwich_norms", "qk_norm_whole")
         },
     )
     params += _expert_params(cfg, hidden)
