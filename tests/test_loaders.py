@@ -316,7 +316,12 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def hf_to_gguf(
-    folder: Path, out: Path, qtype: QT | None = None, pre: str = "default", extra=None
+    folder: Path,
+    out: Path,
+    qtype: QT | None = None,
+    pre: str = "default",
+    extra=None,
+    stack_experts: bool = True,
 ) -> Path:
     """The tiny HF model as llama.cpp would convert it (float32, a Llama's q/k permuted, GPT-2 BPE
     vocab; a Qwen2's, Qwen3's, Phi-3's or Gemma 3's under its own architecture, with its biases,
@@ -459,7 +464,11 @@ def hf_to_gguf(
         elif gemma and part.endswith("norm"):
             w = w + np.float32(1)
         tensors[f"blk.{layer}.{part}.{kind}"] = w
-    tensors.update({k: np.stack([e[i] for i in sorted(e)]) for k, e in experts.items()})
+    for k, e in experts.items():  # (stack_experts=False: a Mixtral file before April 2024's)
+        if stack_experts:
+            tensors[k] = np.stack([e[i] for i in sorted(e)])
+        else:
+            tensors.update({k.replace("_exps.", f".{i}."): w for i, w in e.items()})
     if rope.get("rope_type") == "longrope":  # the factor sets as tensors
         for kind in ("long", "short"):
             tensors[f"rope_factors_{kind}.weight"] = np.array(rope[f"{kind}_factor"], np.float32)

@@ -256,6 +256,12 @@ def test_a_gguf_mixture_equals_its_folder(arch, tmp_path, monkeypatch):
     want = greedy(LLM(folder, dtype="float32"), PROMPTS)
     path = hf_to_gguf(Path(folder), tmp_path / "f32.gguf")
     assert greedy(LLM(str(path), dtype="float32"), PROMPTS) == want
+    if arch == "mixtral":  # (llama.cpp's first Mixtral files: a tensor an expert)
+        old = hf_to_gguf(Path(folder), tmp_path / "old.gguf", stack_experts=False)
+        assert greedy(LLM(str(old), dtype="float32"), PROMPTS) == want
+        old_q4 = hf_to_gguf(Path(folder), tmp_path / "old_q4.gguf", QT.Q4_0, stack_experts=False)
+        held = load_model(old_q4, torch.bfloat16, quantization="gguf").model.weight_bytes()
+        assert shape_from_gguf(old_q4).weight_bytes == held
     q4_path = hf_to_gguf(Path(folder), tmp_path / "q4.gguf", QT.Q4_0)
     monkeypatch.setenv("PAGEDKV_DENSE_WEIGHTS", "8")
     q4 = load_model(q4_path, torch.float32, quantization="gguf")

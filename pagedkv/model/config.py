@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,8 @@ EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
     "granite": ("block_sparse_moe", "router.layer", ()),
 }
+# llama.cpp's first Mixtral files (before April 2024) hold a tensor an expert, not one a layer
+GGUF_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 GEMMA_LOCAL_ROPE_THETA = 10000.0  # Gemma 3's window layers' RoPE base, where a file names none
 _DEFAULT_THETA = {"gemma3_text": 1e6, "smollm3": 2e6}  # RoPE bases where a file names none
 # Gemma 2's and 3's window layers where a file names none: every n-th layer attends to all

@@ -26,6 +26,7 @@ from pagedkv.model.config import (
     EXPERT_NAMES,
     GEMMA_LOCAL_ROPE_THETA,
     GEMMA_WINDOW_PATTERN,
+    GGUF_EXPERT_TENSOR,
     MODEL_TYPES,
     Checkpoint,
     LlamaConfig,
@@ -311,7 +312,11 @@ def iter_weights(
         if t.name in _ROPE_TENSORS:
             continue  # folded into config.rope_scaling
         m = _LAYER_TENSOR.fullmatch(t.name)
-        if m and m.group(2) in names:
+        one = GGUF_EXPERT_TENSOR.fullmatch(t.name) if config.num_experts else None
+        if one:  # (an old Mixtral file's: one expert's matrix)
+            layer, kind, e = one.groups()
+            name = f"model.layers.{layer}.{names[f'ffn_{kind}_exps']}.weight".format(e=e)
+        elif m and m.group(2) in names:
             name = f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
         elif t.name in _NAMES:
             name = _NAMES[t.name]

@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.config import ConfigError, default_model_path
-from pagedkv.model.config import GEMMA, MODEL_TYPES, experts_of, text_model_dict
+from pagedkv.model.config import (
+    GEMMA,
+    GGUF_EXPERT_TENSOR,
+    MODEL_TYPES,
+    experts_of,
+    text_model_dict,
+)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -233,7 +239,7 @@ def gguf_resident_bytes(reader, quantization: str) -> int:
         vocab = t.name in ("token_embd.weight", "output.weight")
         # (a mixture's [experts, out, in] tensor: one matrix a routed expert, with no dense copy)
         matrices = dims[2] if len(dims) == 3 else 1
-        copy = dense and matrices == 1
+        copy = dense and matrices == 1 and not GGUF_EXPERT_TENSOR.fullmatch(t.name)
         held = matrices * resident_bytes(t.tensor_type, shape, quantization, 2, vocab, copy)
         if ".ffn_gate_inp" in t.name:  # a router (and a shared expert's gate): never quantized
             held = 2 * int(t.n_elements)
