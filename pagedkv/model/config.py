@@ -132,9 +132,9 @@ class LlamaConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) in place of the MLP on the layers
-    # moe_layers marks (None: every layer, when num_experts > 0): each token runs the
-    # experts_per_token experts its router scores highest, weighted by their softmax
+    # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoE, OLMoE) in place of the MLP
+    # on the layers moe_layers marks (None: every layer, when num_experts > 0): each token runs
+    # the experts_per_token experts its router scores highest, weighted by their softmax
     # probabilities (renormalised over the chosen when norm_topk_prob; GraniteMoE's softmax is
     # over the chosen logits alone: softmax_over_chosen), rounded to the model's dtype before
     # they scale an expert's output (Mixtral's stay float32: float_routing_weights), plus
@@ -401,7 +401,8 @@ def _granite(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def experts_of(d: dict[str, Any]) -> dict[str, Any]:
-    """A mixture of experts' shape: Mixtral's (num_local_experts, every layer, renormalised) or
+    """A mixture of experts' shape: Mixtral's and GraniteMoE's (num_local_experts as wide as the
+    MLP, every layer, renormalised), OLMoE's (the same, not renormalised unless it says so) or
     Qwen's (num_experts; layers from decoder_sparse_step and mlp_only_layers, as transformers
     picks them); none for a dense model."""
     model_type = d.get("model_type")

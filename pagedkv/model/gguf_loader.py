@@ -216,10 +216,8 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
             arch_args["query_pre_attn_scalar"] = hidden // heads
     if arch == "gemma3":
         arch_args["local_rope_theta"] = GEMMA_LOCAL_ROPE_THETA
-    if arch in (
-        "granite",
-        "granitemoe",
-    ):  # its multipliers, under llama.cpp's names (each written where set)
+    # Granite's multipliers, under llama.cpp's names (each written where set)
+    if arch in ("granite", "granitemoe"):
         for key, name in _GRANITE_KEYS.items():
             if f"{arch}.{key}" in meta:
                 arch_args[name] = float(meta[f"{arch}.{key}"])
