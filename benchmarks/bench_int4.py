@@ -2,10 +2,12 @@
 (csrc/gemm.cpp's gemm_int4: AVX512_BF16, or AVX2 builds dequantizing into float32), by the
 step's row count.
 
-The default model's int4 shapes, `--layers` layers of distinct random codes (weights come from
-memory, as in a step), group 32; the two layouts alternate within each round; best of `--rounds`.
+The default model's int4 shapes (or `--shapes NxK,...`: a mixture's experts, 1536x2048,2048x768
+for Qwen3-30B-A3B's), `--layers` layers of distinct random codes (weights come from memory, as in
+a step), group 32; the two layouts alternate within each round; best of `--rounds`. The last
+column is the rate at which the panels' kernel reads the packed weights.
 
-    python benchmarks/bench_int4.py [--rows 1,2,4,5,8,16,32] [--rounds 7]
+    python benchmarks/bench_int4.py [--rows 1,2,4,5,8,16,32] [--rounds 7] [--shapes NxK,...]
 """
 
 from __future__ import annotations
@@ -35,7 +37,11 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,5,8,16,32")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--shapes", help="NxK,... (default: SmolLM2-135M's)")
     args = p.parse_args()
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     gen = torch.Generator().manual_seed(0)
     blocks = [
         Blocks(
@@ -46,15 +52,16 @@ def main() -> None:
             4,
         )
         for _ in range(args.layers)
-        for n, k in SHAPES
+        for n, k in shapes
     ]
     forms = {"aten": packed(blocks, "onednn"), "panels": packed(blocks, "")}
     assert all(w.panels for w in forms["panels"]), "gemm_int4 unused here (no AVX512_BF16/AVX2)"
     print(f"threads={torch.get_num_threads()}, {args.layers} layers, best of {args.rounds}")
-    print("| rows | aten int4 (ms) | panels (ms) | speed-up |")
-    print("|---:|---:|---:|---:|")
+    print("| rows | aten int4 (ms) | panels (ms) | speed-up | panels GB/s |")
+    print("|---:|---:|---:|---:|---:|")
+    nbytes = sum(w.packed.nbytes + w.scales_zeros.nbytes for w in forms["panels"])
     for rows in map(int, args.rows.split(",")):
-        xs = {k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for k in (576, 1536)}
+        xs = {k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for _, k in shapes}
         best = dict.fromkeys(forms, float("inf"))
         for round_ in range(args.rounds + 1):  # round 0 warms up
             for name, weights in forms.items():
@@ -64,7 +71,7 @@ def main() -> None:
                 if round_:
                     best[name] = min(best[name], time.perf_counter() - start)
         a, b = best["aten"], best["panels"]
-        print(f"| {rows} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.2f}x |")
+        print(f"| {rows} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.2f}x | {nbytes / b / 1e9:.1f} |")
 
 
 if __name__ == "__main__":
