@@ -325,7 +325,9 @@ def hf_to_gguf(
 ) -> Path:
     """The tiny HF model as llama.cpp would convert it (float32, a Llama's q/k permuted, GPT-2 BPE
     vocab; a Qwen2's, Qwen3's, Phi-3's or Gemma 3's under its own architecture, with its biases,
-    q/k norms, fused tensors, or 1 + w norms and sliding window); with qtype, its matrices
+    q/k norms, fused tensors, or 1 + w norms and sliding window; a mixture's router as
+    ffn_gate_inp and each projection of all its experts stacked in one tensor, or one tensor an
+    expert with stack_experts=False, as the first Mixtral files); with qtype, its matrices
     quantized by gguf's own quantizer."""
     from safetensors.numpy import load_file
 
