@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from tiny_model import GGUF_FAMILIES, make_tiny_model
+from tiny_model import FAMILIES, make_tiny_model
 
 from pagedkv.config import ConfigError
 from pagedkv.model.config import LlamaConfig
@@ -374,6 +374,8 @@ def hf_to_gguf(
                 w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
             if cfg.get("shared_expert_intermediate_size"):
                 w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        if cfg.get("clip_qkv"):  # (OLMoE's)
+            w.add_clamp_kqv(cfg["clip_qkv"])
         if granite:  # (llama.cpp's converter: the multipliers as scales)
             w.add_embedding_scale(cfg["embedding_multiplier"])
             w.add_residual_scale(cfg["residual_multiplier"])
@@ -482,7 +484,7 @@ def hf_to_gguf(
     return write_gguf(out, arch=arch, tensors=tensors, meta=meta)
 
 
-@pytest.mark.parametrize("arch", ["llama", *GGUF_FAMILIES])
+@pytest.mark.parametrize("arch", ["llama", *FAMILIES])
 def test_gguf_model_equals_hf_model(arch, tiny_model_dir, tmp_path):
     if arch == "llama":
         folder = Path(tiny_model_dir)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from server_process import TINY_SERVER, ServerProcess
 from test_engine import assert_pool_clean
-from tiny_model import EXPERT_FAMILIES, GGUF_FAMILIES, make_tiny_model
+from tiny_model import EXPERT_FAMILIES, make_tiny_model
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ConfigError
@@ -239,7 +239,7 @@ def test_each_rank_holds_its_share_of_every_experts_4_bit_codes(arch, tmp_path):
             assert torch.equal(mine.moe.router, ref.moe.router)
 
 
-@pytest.mark.parametrize("arch", [f for f in EXPERT_FAMILIES if f in GGUF_FAMILIES])
+@pytest.mark.parametrize("arch", EXPERT_FAMILIES)
 def test_a_gguf_mixture_equals_its_folder(arch, tmp_path, monkeypatch):
     """llama.cpp's layout (each projection of all experts stacked in one tensor, the router as
     ffn_gate_inp, Qwen2-MoE's shared expert as *_shexp) read back expert by expert; with 4-bit

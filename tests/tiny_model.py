@@ -30,8 +30,6 @@ EXPERT_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "granitemoe", "olmoe")
 FAMILIES = ("qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3") + (
     EXPERT_FAMILIES
 )
-# those pagedkv reads from GGUF files too (llama.cpp's OLMoE is not read: its layout unchecked)
-GGUF_FAMILIES = tuple(f for f in FAMILIES if f != "olmoe")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TAGS = ["<think>", "</think>"]  # added tokens, not special: they stay in decoded text
 _CORPUS = (

@@ -48,6 +48,7 @@ ARCHITECTURES = (
     "smollm3",
     "granite",
     "granitemoe",
+    "olmoe",
     "qwen2moe",
     "qwen3moe",
 )
@@ -224,14 +225,16 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
     if arch in _NO_ROPE_STEP:
         arch_args["rope_layers"] = all_but_every_nth(layers, _NO_ROPE_STEP[arch])
     experts = int(meta.get(f"{arch}.expert_count") or 0)
-    if experts:  # (llama.cpp renormalises the chosen experts' weights for all but Qwen2-MoE)
+    if experts:  # (llama.cpp renormalises the chosen experts' weights but Qwen2-MoE's, OLMoE's)
         arch_args.update(
             num_experts=experts,
             experts_per_token=int(get("expert_used_count")),
             moe_intermediate_size=int(
                 get("expert_feed_forward_length", meta.get(f"{arch}.feed_forward_length"))
             ),
-            norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+            norm_topk_prob=bool(
+                meta.get(f"{arch}.expert_weights_norm", arch not in ("qwen2moe", "olmoe"))
+            ),
             shared_expert_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
             moe_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers)),
             # (llama.cpp's Mixtral is a "llama" with experts; every file names each expert's
@@ -239,6 +242,8 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
             expert_names="mixtral" if arch == "llama" else "qwen",
             float_routing_weights=arch == "llama",
         )
+    if f"{arch}.attention.clamp_kqv" in meta:  # (OLMoE's clip_qkv)
+        arch_args["clip_qkv"] = float(meta[f"{arch}.attention.clamp_kqv"])
     if arch == "gemma2":
         arch_args["attn_softcap"] = float(get("attn_logit_softcapping", 50.0))
         arch_args["final_softcap"] = float(get("final_logit_softcapping", 30.0))
