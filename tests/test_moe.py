@@ -1,6 +1,7 @@
-"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): read as transformers reads them, served by
-the engine and the server with the same tokens as transformers, quantized experts, and what is not
-supported refused by name. (test_model_vs_hf.py's `family` compares the forwards themselves.)"""
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoE, OLMoE): read as transformers
+reads them, served by the engine and the server with the same tokens as transformers, from GGUF
+files, quantized, split over -tp ranks, under LoRA, and what is not supported refused by name.
+(test_model_vs_hf.py's `family` compares the forwards themselves.)"""
 
 from __future__ import annotations
 
