@@ -20,7 +20,8 @@ from pagedkv.config import CONTENT_FORMATS, ConfigError, EngineConfig
 from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedkv.engine.chat import render_chat
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedkv.engine.pooling import PoolingParams, embedding
 from pagedkv.engine.request import LoRARequest, ParamError, SamplingParams
 
 Prompt = str | list[int] | dict
@@ -161,6 +162,33 @@ class LLM:
         outs = self.generate(prompts, params.sampling_params(), use_tqdm, lora_request=lora_request)
         tok = self.engine.tokenizer
         return [BeamSearchOutput.of(o, lambda t: tok.decode(t)) for o in outs]
+
+    def embed(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's: one embedding per prompt, pooled as the model says (engine/pooling.py)."""
+        pooler = self.engine.pooler
+        pp = pooling_params or PoolingParams()
+        if not isinstance(pp, PoolingParams):
+            raise ConfigError("pooling_params must be a PoolingParams")
+        hidden = self.engine.loaded.config.hidden_size
+        params = pooler.request_params(hidden, pp.dimensions, truncate_prompt_tokens)
+        normalize = pooler.normalize if pp.normalize is None else pp.normalize
+        outs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
+        result = []
+        for o in outs:
+            if o.pooled is None:
+                raise ConfigError(f"request {o.request_id} failed: {o.error}")
+            vector = embedding(o.pooled, normalize, pp.dimensions)
+            result.append(
+                EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(vector))
+            )
+        return result
 
     def _lora_name(self, request: LoRARequest | None) -> str | None:
         """The adapter's name, loaded on first use."""

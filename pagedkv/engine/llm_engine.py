@@ -24,6 +24,7 @@ from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.isolation import Failures, IsolatedForward, device_broken
 from pagedkv.engine.options import apply_engine_options, generation_defaults
 from pagedkv.engine.outputs import RequestOutput, SampleLogprob
+from pagedkv.engine.pooling import Pooler
 from pagedkv.engine.reasoning import ReasoningTags
 from pagedkv.engine.request import SamplingParams
 from pagedkv.engine.runner import ModelRunner
@@ -65,6 +66,7 @@ class LLMEngine:
         check_environment(self.device)
         # read before the load: a mistake in them is one line at once, not after the weights
         self.generation_defaults = generation_defaults(config)
+        self.pooler = Pooler.of_model(config.model)  # how embeddings are made (engine/pooling.py)
         if self.device.type == "cpu":
             keep_freed_memory()
         if config.reasoning_parser and loaded is None:  # its tags, before the weights load

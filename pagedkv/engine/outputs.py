@@ -91,8 +91,26 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the engine failed this request (finish_reason "error")
     prompt_logprobs: list[SampleLogprob | None] | None = None  # the first prompt token has none
+    pooled: list[float] | None = None  # an embedding request's pooled hidden state, once finished
 
     def decode_logprobs(self, decode) -> RequestOutput:
         for o in self.outputs:
             o.decode_logprobs(decode)
         return self
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's result of LLM.embed for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -12,6 +12,8 @@ from typing import Any
 
 from pagedkv.config import ConfigError, is_digits
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # how engine/pooling.py makes an embedding
+
 # Limits on what one request may ask for; the server's request models reuse them.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch and numpy can hold: seeds, top_k, counts
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature means greedy
@@ -207,6 +209,9 @@ class SamplingParams:
     # length_penalty; the fields of sampling (BEAM_EXCLUDED) cannot be combined with it
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # an embedding (engine/pooling.py): "LAST", "MEAN" or "CLS" pooling of the prompt's final
+    # hidden states; the one token sampled after the prompt is not shown
+    pooling: str | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)  # by the engine
 
     def __post_init__(self) -> None:
@@ -234,6 +239,21 @@ class SamplingParams:
             _check_bool(flag, getattr(self, flag))
         self._normalise()
         self._check_beam_search()
+        self._check_pooling()
+
+    @property
+    def every_prompt_position(self) -> bool:
+        """Whether the request needs every prompt position's hidden row (prompt logprobs, MEAN or
+        CLS pooling), so skips the prefix cache: a cached block's positions are never computed."""
+        return self.prompt_logprobs is not None or self.pooling in ("MEAN", "CLS")
+
+    def _check_pooling(self) -> None:
+        if self.pooling is None:
+            return
+        if self.pooling not in POOLING_TYPES:
+            raise ParamError("pooling", f"pooling must be one of {', '.join(POOLING_TYPES)}")
+        if self.n != 1 or self.use_beam_search:
+            raise ParamError("pooling", "an embedding is one vector a prompt: n 1, no beams")
 
     def _check_beam_search(self) -> None:
         """Beam search ranks candidates by the model's logprobs alone: what would shape them

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pagedkv.attention.paged import AttentionMetadata
+from pagedkv.engine import pooling
 from pagedkv.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.plan import BlockLoad, BlockSave
@@ -267,10 +268,14 @@ class ModelRunner:
 
     @staticmethod
     def attach_prompt_hidden(scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
-        """A request asking for prompt_logprobs gets the hidden rows of its unscored prompt."""
+        """A request asking for prompt_logprobs gets the hidden rows of its unscored prompt; an
+        embedding request, what its pooling takes of them."""
         row = 0
         for s in scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
+            if seq.group.pooled is not None:
+                rows = hidden[row : row + s.num_new_tokens]
+                pooling.add_rows(seq.group.pooled, start, rows, seq.num_prompt_tokens)
             if seq.params.prompt_logprobs is not None:
                 first = max(start, len(seq.group.prompt_logprobs))
                 last = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)

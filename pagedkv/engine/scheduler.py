@@ -269,7 +269,7 @@ class Scheduler:
         bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            every_position = seq.params.prompt_logprobs is not None  # cached blocks have no logits
+            every_position = seq.params.every_prompt_position
             try:  # reads the offload tiers: a failure there is this request's, not the engine's
                 prefix = NO_PREFIX if every_position else self.kv.lookup_prefix(seq.block_hashes)
                 n = len(seq.token_ids) - prefix.num_blocks * bs - self._held_back(seq)

@@ -14,6 +14,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from pagedkv.engine import pooling
 from pagedkv.engine.beam_search import BeamState
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprob
 from pagedkv.engine.request import SamplingParams
@@ -94,6 +95,7 @@ class SequenceGroup:
         default_factory=list
     )  # prompt tokens 1.. (if asked)
     beam: BeamState | None = None  # a beam search's finished beams and steps
+    pooled: pooling.Pooled | None = None  # an embedding request's pooling so far
 
     @property
     def live(self) -> list[Sequence]:
@@ -112,6 +114,8 @@ class SequenceGroup:
         group.seqs.append(group.new_seq(0, list(prompt_token_ids)))
         if params.use_beam_search:
             group.beam = BeamState()
+        if params.pooling is not None:
+            group.pooled = pooling.Pooled(params.pooling)
         return group
 
     def new_seq(self, index: int, token_ids: list[int]) -> Sequence:
@@ -156,6 +160,9 @@ class SequenceGroup:
         )
         wants = self.params.prompt_logprobs is not None
         prompt_lps = [None, *self.prompt_logprobs] if wants else None
+        pooled, num_prompt = None, len(self.prompt_token_ids)
+        if self.pooled is not None and self.finished and self.pooled.upto == num_prompt:
+            pooled = pooling.result(self.pooled, num_prompt)  # (not when aborted part way)
         return RequestOutput(
             self.request_id,
             self.prompt,
@@ -165,4 +172,5 @@ class SequenceGroup:
             self.num_cached_tokens,
             self.metrics,
             prompt_logprobs=prompt_lps,
+            pooled=pooled,
         )

@@ -31,6 +31,8 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine.request import INT64_MAX, INT64_MIN
 from pagedkv.server import protocol as api
 from pagedkv.server import protocol_extra
+from pagedkv.server.embeddings import EmbeddingRequest
+from pagedkv.server.embeddings import embeddings as serve_embeddings
 from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.listen import HTTPOptions, bind, served_url
 from pagedkv.server.metrics import ServerMetrics
@@ -216,6 +218,10 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
     @app.post("/v1/chat/completions", openapi_extra=json_body(api.ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(await read_json(request, api.ChatCompletionRequest), request)
+
+    @app.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest))
+    async def embeddings(request: Request) -> Response:
+        return await serve_embeddings(serving, await read_json(request, EmbeddingRequest), request)
 
     @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest))
     async def responses(request: Request) -> Response:

@@ -59,7 +59,7 @@ Prompt = str | list[int]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 PromptText = Annotated[SafeStr, Field(min_length=1)]
 PromptBatch = Annotated[list[PromptText | TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
-PromptInput = PromptText | TokenIds | PromptBatch  # for the schema; _check_prompt reads it
+PromptInput = PromptText | TokenIds | PromptBatch  # for the schema; check_prompts reads it
 StopText = Annotated[SafeStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 StopInput = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None
 Count = Annotated[Int64, doc(minimum=1)]
@@ -75,24 +75,26 @@ def _is_token_ids(v: Any) -> bool:
     return isinstance(v, list) and all(type(t) is int for t in v)
 
 
-def _check_prompt(v: Any) -> list[Prompt]:
-    """A string, a list of token ids, or a batch of either.
+def check_prompts(v: Any, info: ValidationInfo) -> list[Prompt]:
+    """A string, a list of token ids, or a batch of either (a completion's prompt, an embedding
+    request's input).
 
     Returns a non-empty list of non-empty prompts."""
+    name = info.field_name or "prompt"
     if isinstance(v, str) or _is_token_ids(v):
         prompts = [v]
     elif isinstance(v, list) and v and all(isinstance(p, str) or _is_token_ids(p) for p in v):
         prompts = v
     else:
-        raise ValueError("prompt must be a string, a list of token ids, or a list of those")
+        raise ValueError(f"{name} must be a string, a list of token ids, or a list of those")
     if len(prompts) > MAX_PROMPTS:
-        raise ValueError(f"prompt takes at most {MAX_PROMPTS} prompts in one request")
+        raise ValueError(f"{name} takes at most {MAX_PROMPTS} prompts in one request")
     if any(len(p) == 0 for p in prompts):
-        raise ValueError("prompt must not be empty")
+        raise ValueError(f"{name} must not be empty")
     for p in prompts:
-        check_text(p, "prompt")
+        check_text(p, name)
         if not isinstance(p, str) and not all(0 <= t <= INT64_MAX for t in p):
-            raise ValueError("prompt token ids must be integers in [0, 2**63)")
+            raise ValueError(f"{name} token ids must be integers in [0, 2**63)")
     return prompts
 
 
@@ -253,7 +255,7 @@ class _SamplingRequest(RequestModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Annotated[
-        list[Prompt], BeforeValidator(_check_prompt, json_schema_input_type=PromptInput)
+        list[Prompt], BeforeValidator(check_prompts, json_schema_input_type=PromptInput)
     ]
     # 0 with echo: score the prompt only (its prompt logprobs), as OpenAI's legacy API and vLLM
     max_tokens: Annotated[Int64, doc(minimum=0)] | None = 16

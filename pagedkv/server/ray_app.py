@@ -266,7 +266,8 @@ class Ingress:
             # content parts shaped as the replica shapes them (render_chat)
             messages = [m.as_template_input() for m in chat.messages]
             return tok.encode(render_chat(tok, messages), add_special_tokens=False)
-        prompt = data.get("prompt") if path.endswith("/completions") else None
+        field = "prompt" if path.endswith("/completions") else "input"
+        prompt = data.get(field) if path.endswith(("/completions", "/embeddings")) else None
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]
         if isinstance(prompt, str):

@@ -288,7 +288,7 @@ class OpenAIServing:
         )
         try:
             if not stream:
-                finals = await until_disconnect(request, self._collect(events, len(prompts)))
+                finals = await until_disconnect(request, self.collect(events, len(prompts)))
                 check_not_aborted(finals)
                 answer = fmt.response(finals)
                 body = answer.model_dump_json()
@@ -301,7 +301,7 @@ class OpenAIServing:
             raise
         return EventStream(self._stream(fmt, first, events, len(prompts), params.n, include_usage))
 
-    async def _collect(
+    async def collect(
         self, events: AsyncGenerator[tuple[int, RequestOutput], None], num: int
     ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * num

@@ -1,0 +1,134 @@
+"""Embeddings: a prompt's final hidden states pooled into one vector (/v1/embeddings, LLM.embed).
+
+An embedding request runs through the engine like any other (batched, chunked, preempted, its
+blocks cached); the runner hands each step's hidden rows of its prompt to `add_rows`, which keeps
+only what the pooling needs: the last prompt token's row (LAST, as Qwen3-Embedding and vLLM's
+default for a causal LM), the first's (CLS), or the running sum of all of them (MEAN). A request
+that pools MEAN or CLS skips the prefix cache, as one asking for prompt logprobs does: a cached
+block's positions are never computed. Rows a recomputation (preemption) runs again are not
+added twice. The engine samples one token after the prompt, which the answer leaves out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedkv.config import ConfigError
+from pagedkv.engine.request import POOLING_TYPES, ParamError, SamplingParams
+
+# sentence-transformers' 1_Pooling/config.json flags, by the pooling they name
+_SENTENCE_TRANSFORMERS_MODES = {
+    "pooling_mode_lasttoken": "LAST",
+    "pooling_mode_mean_tokens": "MEAN",
+    "pooling_mode_cls_token": "CLS",
+}
+
+
+@dataclass(frozen=True)
+class Pooler:
+    """How a model's embeddings are made: the pooling, and whether to scale to unit length."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def request_params(
+        self,
+        hidden_size: int,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+    ) -> SamplingParams:
+        """An embedding request's engine parameters (its prompt, then one token not shown);
+        `dimensions` checked against the model's width."""
+        if dimensions is not None and not 1 <= dimensions <= hidden_size:
+            raise ParamError(
+                "dimensions", f"dimensions must be from 1 to the model's {hidden_size}"
+            )
+        return SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            pooling=self.pooling_type,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            priority=priority,
+        )
+
+    @classmethod
+    def of_model(cls, model: str | Path | None) -> Pooler:
+        """The pooling a sentence-transformers folder declares (modules.json and its Pooling
+        module's config; a Normalize module), else LAST and normalized."""
+        folder = Path(model) if model is not None else None
+        if folder is None or not (folder / "modules.json").is_file():
+            return cls()
+        try:
+            modules = json.loads((folder / "modules.json").read_text())
+            kinds = {m["type"].rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+            pooling = "LAST"
+            if "Pooling" in kinds:
+                config = json.loads((folder / kinds["Pooling"] / "config.json").read_text())
+                chosen = [t for flag, t in _SENTENCE_TRANSFORMERS_MODES.items() if config.get(flag)]
+                if len(chosen) != 1:
+                    raise ConfigError(
+                        f"{folder}: its Pooling module asks for {chosen or 'no pooling'}; "
+                        f"pagedkv pools one of {', '.join(POOLING_TYPES)}"
+                    )
+                pooling = chosen[0]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(
+                f"{folder}: cannot read its sentence-transformers modules ({e})"
+            ) from None
+        return cls(pooling, "Normalize" in kinds)
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """vLLM's, for LLM.embed: the first `dimensions` values only (Matryoshka models), and whether
+    to scale to unit length (None: as the model's Pooler says)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+
+
+@dataclass
+class Pooled:
+    """One request's pooling so far: the positions taken and their row (LAST, CLS) or sum."""
+
+    pooling_type: str
+    upto: int = 0  # prompt positions [0, upto) have been seen
+    vector: torch.Tensor | None = None  # float32 [hidden]
+
+
+def add_rows(pooled: Pooled, start: int, rows: torch.Tensor, prompt_len: int) -> None:
+    """A step's hidden rows for positions start.. of a prompt of `prompt_len` tokens (rows past
+    the prompt, and positions seen before, are left out)."""
+    first, last = max(start, pooled.upto), min(start + len(rows), prompt_len)
+    if first >= last:
+        return
+    if pooled.pooling_type == "MEAN":
+        total = rows[first - start : last - start].float().sum(0)
+        pooled.vector = total if pooled.vector is None else pooled.vector + total
+    elif pooled.pooling_type == "CLS":
+        if first == 0:
+            pooled.vector = rows[0].float().clone()
+    elif last == prompt_len:  # LAST
+        pooled.vector = rows[last - 1 - start].float().clone()
+    pooled.upto = last
+
+
+def result(pooled: Pooled, prompt_len: int) -> list[float]:
+    """The pooled vector once every prompt position was seen."""
+    assert pooled.vector is not None and pooled.upto == prompt_len
+    v = pooled.vector / prompt_len if pooled.pooling_type == "MEAN" else pooled.vector
+    return v.tolist()
+
+
+def embedding(vector: list[float], normalize: bool, dimensions: int | None = None) -> list[float]:
+    """What the client gets: the first `dimensions` values (Matryoshka models), then, if asked,
+    scaled to unit length."""
+    v = torch.tensor(vector[:dimensions] if dimensions else vector, dtype=torch.float32)
+    if normalize:
+        v = torch.nn.functional.normalize(v, dim=0)
+    return v.tolist()

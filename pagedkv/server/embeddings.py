@@ -1,0 +1,126 @@
+"""/v1/embeddings: OpenAI's embeddings endpoint (with vLLM's extra fields) over the engine.
+
+Each input runs as an engine request that pools its prompt's final hidden states
+(engine/pooling.py), batched with whatever else is running; the answer is OpenAI's list of
+embeddings, as float lists or, as the openai client asks by default, base64 of little-endian
+float32.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Annotated, Literal
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, BeforeValidator
+
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.pooling import embedding
+from pagedkv.server.errors import APIError
+from pagedkv.server.protocol import Count, Prompt, PromptInput, check_prompts
+from pagedkv.server.serving import OpenAIServing, check_not_aborted, encode, request_id
+from pagedkv.server.streaming import ClientGone, merge, until_disconnect
+from pagedkv.server.validation import Int64, Name, RequestModel
+
+
+class EmbeddingRequest(RequestModel):
+    """OpenAI's fields, and vLLM's: truncate_prompt_tokens, add_special_tokens, priority,
+    request_id and normalize (None: as the model's pooling says)."""
+
+    input: Annotated[
+        list[Prompt], BeforeValidator(check_prompts, json_schema_input_type=PromptInput)
+    ]
+    model: Name | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Count | None = None
+    user: Name | None = None
+    truncate_prompt_tokens: Int64 | None = None
+    add_special_tokens: bool = True
+    priority: Int64 = 0
+    request_id: Name | None = None
+    normalize: bool | None = None
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
+def encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+
+
+def pooled(out: RequestOutput) -> list[float]:
+    if out.pooled is None:  # (a failed request raised; an aborted one is a 503 above)
+        raise APIError(500, f"request {out.request_id} finished without its embedding")
+    return out.pooled
+
+
+async def embeddings(serving: OpenAIServing, req: EmbeddingRequest, request: Request) -> Response:
+    engine = serving.engine
+    lora = serving.check_model(req.model)
+    pooler = engine.engine.pooler
+    hidden = engine.engine.loaded.config.hidden_size
+    params = pooler.request_params(hidden, req.dimensions, req.truncate_prompt_tokens, req.priority)
+    params.lora_name = lora
+    tok = engine.tokenizer
+    prompts = [
+        params.truncate(
+            p if isinstance(p, list) else await encode(tok, p, req.add_special_tokens),
+            engine.max_model_len,
+        )
+        for p in req.input
+    ]
+    for ids in prompts:
+        engine.validate(ids, params)
+    answer_id = request_id("embd", request, req.request_id)
+    events = merge(
+        [
+            engine.generate(ids, params, request_id=f"{answer_id}-{i}")
+            for i, ids in enumerate(prompts)
+        ]
+    )
+    try:
+        finals = await until_disconnect(request, serving.collect(events, len(prompts)))
+    except ClientGone:
+        return Response(status_code=499)
+    check_not_aborted(finals)
+    normalize = pooler.normalize if req.normalize is None else req.normalize
+    data = [
+        EmbeddingData(
+            index=i,
+            embedding=encoded(
+                embedding(pooled(out), normalize, req.dimensions), req.encoding_format
+            ),
+        )
+        for i, out in enumerate(finals)
+    ]
+    used = sum(len(ids) for ids in prompts)
+    body = EmbeddingResponse(
+        id=answer_id,
+        created=int(time.time()),
+        model=lora or engine.model_name,
+        data=data,
+        usage=EmbeddingUsage(prompt_tokens=used, total_tokens=used),
+    )
+    return Response(body.model_dump_json(), media_type="application/json")
