@@ -1,7 +1,8 @@
 """pagedkv: an LLM inference engine and OpenAI-compatible server built around a paged KV cache.
 
 The Python API mirrors vLLM's: LLM, SamplingParams, RequestOutput, CompletionOutput,
-Logprob, AsyncLLMEngine, AsyncEngineArgs / EngineArgs, TextPrompt, TokensPrompt, LoRARequest.
+Logprob, AsyncLLMEngine, AsyncEngineArgs / EngineArgs, TextPrompt, TokensPrompt, LoRARequest,
+PoolingParams and EmbeddingRequestOutput (LLM.embed).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ __all__ = [
     "TextPrompt",
     "TokensPrompt",
     "LoRARequest",
+    "PoolingParams",
+    "EmbeddingRequestOutput",
 ]
 
 # module that defines each lazily imported name
@@ -31,6 +34,8 @@ _LAZY = {
     "RequestOutput": "pagedkv.engine.outputs",
     "CompletionOutput": "pagedkv.engine.outputs",
     "Logprob": "pagedkv.engine.outputs",
+    "PoolingParams": "pagedkv.engine.pooling",
+    "EmbeddingRequestOutput": "pagedkv.engine.outputs",
     "AsyncLLMEngine": "pagedkv.engine.async_compat",
     "AsyncEngineArgs": "pagedkv.engine.async_compat",
     "EngineArgs": "pagedkv.engine.async_compat",

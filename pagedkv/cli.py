@@ -223,6 +223,13 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
+        help="generate: text only; pooling: embeddings only (/v1/embeddings, LLM.embed); auto "
+        "(default): both, or embeddings only from a checkpoint with no LM head",
+    )
+    p.add_argument(
         "--scheduling-policy",
         default="fcfs",
         choices=["fcfs", "priority"],

@@ -41,6 +41,9 @@ _UNITS = {
 ALLOCATION_POLICIES = ("paged", "reserve-max", "reserve-output")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's --runner: what a server makes; auto: text and embeddings (only embeddings from a
+# checkpoint without an LM head)
+RUNNERS = ("auto", "generate", "pooling")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "bfloat16", "float32", "float16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's spellings of the same choices (fp8 here is e4m3)
@@ -332,6 +335,7 @@ class EngineConfig:
     # the same bytes (4 GiB stays 4 GiB instead of becoming 4 * 2**30 GiB).
     swap_space_bytes: int = field(init=False, default=0)
     preemption_mode: str = "recompute"
+    runner: str = "auto"  # "generate": no embeddings; "pooling": embeddings only (RUNNERS)
     scheduling_policy: str = "fcfs"  # or "priority": a request's priority (lower first) orders it
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
@@ -451,6 +455,7 @@ class EngineConfig:
             self.preemption_mode in PREEMPTION_MODES,
             f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}",
         )
+        need(self.runner in RUNNERS, f"--runner must be one of {', '.join(RUNNERS)}")
         need(
             self.scheduling_policy in SCHEDULING_POLICIES,
             f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}",

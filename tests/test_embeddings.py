@@ -218,3 +218,54 @@ def test_the_server_answers_the_openai_client(qwen3):
             assert error["message"] and (param is None or error["param"] == param), error
         server.wait_idle()
         assert server.metrics()["pagedkv:kv_cache_free_blocks"] == 512
+
+
+def base_model_folder(tmp_path) -> str:
+    """A tiny Qwen3 saved as transformers' base model, as Qwen3-Embedding ships: flat names
+    (embed_tokens, layers, norm), no LM head, and tie_word_embeddings false."""
+    src = make_tiny_model(tmp_path / "causal", arch="qwen3")
+    base = transformers.AutoModel.from_pretrained(src, dtype=torch.float32)
+    base.save_pretrained(tmp_path / "base")
+    shutil.copy(f"{src}/tokenizer.json", tmp_path / "base")
+    return str(tmp_path / "base")
+
+
+def test_a_base_model_checkpoint_makes_embeddings_only(tmp_path):
+    folder = base_model_folder(tmp_path)
+    assert not json.loads((tmp_path / "base" / "config.json").read_text())["tie_word_embeddings"]
+    ref = [torch.nn.functional.normalize(h[-1], dim=0) for h in hf_hidden(folder, PROMPTS)]
+    llm = LLM(folder, dtype="float32", block_size=4)
+    for out, want in zip(llm.embed(PROMPTS, use_tqdm=False), ref):
+        close(out.outputs.embedding, want)
+    from pagedkv.config import ConfigError
+
+    with pytest.raises(ConfigError, match="makes embeddings only .the checkpoint has no LM head"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ConfigError, match="--runner generate: the checkpoint has no LM head"):
+        LLM(folder, dtype="float32", runner="generate")
+
+
+@pytest.mark.parametrize("runner", ["pooling", "generate"])
+def test_the_runner_flag_limits_what_a_server_makes(qwen3, runner):
+    """vLLM's --runner: pooling refuses text, generate refuses embeddings, each with a 400 that
+    says so; the other endpoint works."""
+    with ServerProcess(qwen3, *TINY_SERVER, "--dtype", "float32", "--runner", runner) as server:
+        client = server.openai(api_key="none")
+        text = httpx.post(
+            f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=60
+        )
+        vectors = httpx.post(
+            f"{server.url}/v1/embeddings", json={"model": "tiny", "input": "hi"}, timeout=60
+        )
+        refused, served = (text, vectors) if runner == "pooling" else (vectors, text)
+        assert served.status_code == 200, served.text
+        assert refused.status_code == 400
+        want = (
+            "makes embeddings only (--runner pooling)"
+            if runner == "pooling"
+            else "makes no embeddings (--runner generate)"
+        )
+        assert want in refused.json()["error"]["message"]
+        if runner == "pooling":
+            assert len(client.embeddings.create(model="tiny", input=["a", "b"]).data) == 2
+        server.wait_idle()

@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from pagedkv.config import ConfigError
 from pagedkv.engine.logits_processors import bad_words_token_ids, completing_tokens
+from pagedkv.engine.pooling import NO_LM_HEAD
 from pagedkv.engine.request import ParamError, SamplingParams, shown, valid_text
 
 if TYPE_CHECKING:
@@ -59,6 +61,11 @@ def _check_beam_width(width: int, vocab_size: int) -> None:
 def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> int:
     """Reject what can never run, with the reason; returns max_tokens resolved."""
     params.validate(engine.vocab_size)  # again: offline callers may have changed fields since
+    if params.pooling is None and not engine.generates:
+        why = "--runner pooling" if engine.config.runner == "pooling" else NO_LM_HEAD
+        raise ConfigError(f"this server makes embeddings only ({why}): /v1/embeddings, LLM.embed")
+    if params.pooling is not None and not engine.pools:
+        raise ConfigError("this server makes no embeddings (--runner generate)")
     if params.priority != 0 and engine.config.scheduling_policy != "priority":
         raise ParamError(
             "priority",

@@ -24,7 +24,7 @@ from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.isolation import Failures, IsolatedForward, device_broken
 from pagedkv.engine.options import apply_engine_options, generation_defaults
 from pagedkv.engine.outputs import RequestOutput, SampleLogprob
-from pagedkv.engine.pooling import Pooler
+from pagedkv.engine.pooling import NO_LM_HEAD, Pooler
 from pagedkv.engine.reasoning import ReasoningTags
 from pagedkv.engine.request import SamplingParams
 from pagedkv.engine.runner import ModelRunner
@@ -85,6 +85,10 @@ class LLMEngine:
         for module in lora_modules(config.lora_modules).values():
             self.add_lora(module.name, module.path, module.base_model_name)
         self.vocab_size = self.loaded.config.vocab_size
+        self.generates = self.loaded.config.generates and config.runner != "pooling"
+        self.pools = config.runner != "generate"
+        if config.runner == "generate" and not self.loaded.config.generates:
+            raise ConfigError(f"--runner generate: {NO_LM_HEAD}")
         self.model_name = config.served_model_names[0]
         self.max_model_len: int = config.max_model_len or self.loaded.max_model_len
         if self.max_model_len > self.loaded.max_model_len:  # as vLLM: a longer one is refused

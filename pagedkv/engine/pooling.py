@@ -20,6 +20,7 @@ import torch
 from pagedkv.config import ConfigError
 from pagedkv.engine.request import POOLING_TYPES, ParamError, SamplingParams
 
+NO_LM_HEAD = "the checkpoint has no LM head, lm_head.weight"
 # sentence-transformers' 1_Pooling/config.json flags, by the pooling they name
 _SENTENCE_TRANSFORMERS_MODES = {
     "pooling_mode_lasttoken": "LAST",

@@ -4,6 +4,7 @@ image-and-text checkpoints are read as their text model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -88,6 +89,12 @@ _VISION_PREFIXES = (
 )
 
 
+def backbone_name(name: str) -> str:
+    """A base model's tensor (transformers' Qwen3Model, ...: embed_tokens, layers, norm) under
+    its causal LM's name."""
+    return "model." + name
+
+
 def text_model_name(name: str) -> str | None:
     """A multimodal checkpoint's tensor under its text model's name; None for the vision part."""
     if name.startswith(_VISION_PREFIXES):
@@ -105,10 +112,18 @@ def load_hf(folder: Path) -> Checkpoint:
     for path in files:
         _open(path)  # fail on a damaged file now, before building anything
     multimodal = raw.get("model_type") in MULTIMODAL_WRAPPERS
+    rename = text_model_name if multimodal else None
+    names = {name for path in files for name in _open(path).keys()}
+    if not multimodal and "embed_tokens.weight" in names:  # a base model's flat names
+        rename = backbone_name
+    if not multimodal and "lm_head.weight" not in names and not config.tie_word_embeddings:
+        # no LM head: embeddings only (the one token an embedding request samples after its
+        # prompt, never shown, comes from the embedding matrix)
+        config = dataclasses.replace(config, tie_word_embeddings=True, generates=False)
     return Checkpoint(
         config=config,
         tokenizer=Tokenizer.from_hf_folder(folder, config.eos_token_id),
-        weights=iter_weights(files, text_model_name if multimodal else None),
+        weights=iter_weights(files, rename),
         files=files,
         max_model_len=config.max_position_embeddings,
     )
