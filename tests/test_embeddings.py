@@ -217,7 +217,12 @@ def test_the_server_answers_the_openai_client(qwen3):
             error = reply.json()["error"]
             assert error["message"] and (param is None or error["param"] == param), error
         server.wait_idle()
-        assert server.metrics()["pagedkv:kv_cache_free_blocks"] == 512
+        metrics = server.metrics()
+        assert metrics["pagedkv:kv_cache_free_blocks"] == 512
+        # one success a prompt: the 4 + 1 + 1 inputs of the three answers above
+        assert metrics["pagedkv:request_success_total"] == len(PROMPTS) + 2
+        assert metrics["pagedkv:request_prompt_tokens_count"] == len(PROMPTS) + 2
+        assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
 
 
 def base_model_folder(tmp_path) -> str:

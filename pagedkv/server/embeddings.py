@@ -105,6 +105,8 @@ async def embeddings(serving: OpenAIServing, req: EmbeddingRequest, request: Req
     except ClientGone:
         return Response(status_code=499)
     check_not_aborted(finals)
+    for ids in prompts:
+        serving.metrics.observe_embedding(len(ids))
     normalize = pooler.normalize if req.normalize is None else req.normalize
     data = [
         EmbeddingData(

@@ -284,6 +284,12 @@ class ServerMetrics:
             self.e2e.observe(m.finished_time - m.arrival_time)
         self._phases(m)
 
+    def observe_embedding(self, prompt_tokens: int) -> None:
+        """Record a finished embedding request: a success ("stop", as vLLM counts a pooling
+        request) and its prompt's length; it generates nothing."""
+        self._success.labels(self.model_name, "stop").inc()
+        self.prompt_len.observe(prompt_tokens)
+
     def ended_early(self, reason: str) -> None:
         """Record a request that ended before its final output, under vLLM's finished_reason:
         "abort" (its client went away) or "error" (it failed inside the engine, a 500); its

@@ -154,10 +154,12 @@ class RequestIdHeader:
 
 
 class ServerLoad:
-    """vLLM's GET /load: the generation requests in flight (`app.state.server_load`), from their
-    arrival until their answer's last byte, streamed or not."""
+    """vLLM's GET /load: the model's requests in flight (generations and embeddings,
+    `app.state.server_load`), from their arrival until their answer's last byte, streamed or not."""
 
-    PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+    PATHS = frozenset(
+        {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"}
+    )
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
