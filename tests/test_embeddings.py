@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import httpx
 import pytest
@@ -274,3 +275,37 @@ def test_the_runner_flag_limits_what_a_server_makes(qwen3, runner):
         if runner == "pooling":
             assert len(client.embeddings.create(model="tiny", input=["a", "b"]).data) == 2
         server.wait_idle()
+
+
+def test_a_gguf_declares_its_pooling(qwen3, tmp_path):
+    """llama.cpp's {arch}.pooling_type: mean here, pooled as transformers' mean and unit length
+    (llama.cpp's server normalizes too); a reranker's (rank) is refused by name."""
+    import gguf
+    from test_loaders import hf_to_gguf
+
+    from pagedkv.config import ConfigError
+
+    def pooling(kind):
+        return lambda w: w.add_pooling_type(kind)
+
+    path = hf_to_gguf(Path(qwen3), tmp_path / "mean.gguf", extra=pooling(gguf.PoolingType.MEAN))
+    llm = LLM(str(path), dtype="float32", block_size=4)
+    assert llm.engine.pooler == Pooler("MEAN", True)
+    ref = [torch.nn.functional.normalize(h.mean(0), dim=0) for h in hf_hidden(qwen3, PROMPTS)]
+    for out, want in zip(llm.embed(PROMPTS, use_tqdm=False), ref):
+        close(out.outputs.embedding, want)
+    rank = hf_to_gguf(Path(qwen3), tmp_path / "rank.gguf", extra=pooling(gguf.PoolingType.RANK))
+    with pytest.raises(ConfigError, match="rerankers .4. are not supported"):
+        LLM(str(rank), dtype="float32")
+
+
+def test_tensor_parallelism_gives_the_same_embeddings(qwen3):
+    """-tp 2: rank 0 pools the hidden rows its all-reduce made, equal to one process's."""
+    one = LLM(qwen3, dtype="float32", block_size=4).embed(PROMPTS, use_tqdm=False)
+    llm = LLM(qwen3, dtype="float32", block_size=4, tensor_parallel_size=2)
+    try:
+        two = llm.embed(PROMPTS, use_tqdm=False)
+    finally:
+        llm.close()
+    for a, b in zip(one, two):
+        close(b.outputs.embedding, torch.tensor(a.outputs.embedding))

@@ -66,13 +66,15 @@ class LLMEngine:
         check_environment(self.device)
         # read before the load: a mistake in them is one line at once, not after the weights
         self.generation_defaults = generation_defaults(config)
-        self.pooler = Pooler.of_model(config.model)  # how embeddings are made (engine/pooling.py)
+        pooler = Pooler.of_model(config.model)  # how embeddings are made (engine/pooling.py)
         if self.device.type == "cpu":
             keep_freed_memory()
         if config.reasoning_parser and loaded is None:  # its tags, before the weights load
             ReasoningTags.of(config.reasoning_parser, read_checkpoint(config.model)[0].tokenizer)
         self.loaded, num_kv_heads = load_engine_model(config, self.device, loaded)
         self.weight_bytes = self.loaded.model.weight_bytes()
+        declared = self.loaded.config.pooling  # (a GGUF's; a folder's comes from its modules)
+        self.pooler = Pooler(declared) if declared else pooler
         self.tokenizer = self.loaded.tokenizer
         apply_engine_options(self, config)  # seed, chat template
         self.reasoning = (

@@ -60,7 +60,8 @@ class Pooler:
     @classmethod
     def of_model(cls, model: str | Path | None) -> Pooler:
         """The pooling a sentence-transformers folder declares (modules.json and its Pooling
-        module's config; a Normalize module), else LAST and normalized."""
+        module's config; a Normalize module), else LAST and normalized. (A GGUF declares its
+        own in its metadata: LlamaConfig.pooling.)"""
         folder = Path(model) if model is not None else None
         if folder is None or not (folder / "modules.json").is_file():
             return cls()

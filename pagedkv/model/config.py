@@ -103,6 +103,7 @@ class LlamaConfig:
     # False for a checkpoint without an LM head (a base model saved for embeddings, as
     # Qwen3-Embedding's): it makes embeddings only (engine/pooling.py)
     generates: bool = True
+    pooling: str | None = None  # the embeddings' pooling a GGUF declares ({arch}.pooling_type)
     qkv_bias: bool = False  # q, k and v projections with a bias (Qwen2)
     qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
     qk_norm_whole: bool = False  # that norm over all of q's (and k's) heads at once (OLMoE)

@@ -158,6 +158,20 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     }
 
 
+# llama.cpp's enum llama_pooling_type: none, mean, cls, last, rank
+_POOLING_TYPES = (None, "MEAN", "CLS", "LAST")
+
+
+def _pooling(value: Any) -> str | None:
+    """The pooling an embedding model's GGUF declares; a reranker's (rank) is refused."""
+    if value not in range(len(_POOLING_TYPES)):
+        raise ConfigError(
+            f"GGUF pooling_type {value!r}: pagedkv pools mean (1), cls (2) or last (3); "
+            "rerankers (4) are not supported"
+        )
+    return _POOLING_TYPES[value]
+
+
 def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> LlamaConfig:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -263,6 +277,7 @@ def config_from_metadata(meta: dict[str, Any], reader: gguf.GGUFReader) -> Llama
         rope_scaling=rope_scaling,
         max_position_embeddings=get("context_length", 2048),
         tie_word_embeddings="output.weight" not in tensors,
+        pooling=_pooling(meta.get(f"{arch}.pooling_type", 0)),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         sliding_window=window,
