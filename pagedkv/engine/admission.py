@@ -63,9 +63,9 @@ def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingP
     params.validate(engine.vocab_size)  # again: offline callers may have changed fields since
     if params.pooling is None and not engine.generates:
         why = "--runner pooling" if engine.config.runner == "pooling" else NO_LM_HEAD
-        raise ConfigError(f"this server makes embeddings only ({why}): /v1/embeddings, LLM.embed")
+        raise ConfigError(f"this engine makes embeddings only ({why}): /v1/embeddings, LLM.embed")
     if params.pooling is not None and not engine.pools:
-        raise ConfigError("this server makes no embeddings (--runner generate)")
+        raise ConfigError("this engine makes no embeddings (--runner generate)")
     if params.priority != 0 and engine.config.scheduling_policy != "priority":
         raise ParamError(
             "priority",
