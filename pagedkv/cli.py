@@ -230,6 +230,19 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
         "(default): both, or embeddings only from a checkpoint with no LM head",
     )
     p.add_argument(
+        "--convert",
+        default="auto",
+        choices=["auto", "none", "embed"],
+        help="vLLM's: embed serves a causal LM's embeddings only (as --runner pooling)",
+    )
+    p.add_argument(
+        "--pooler-config",
+        default=None,
+        metavar="JSON",
+        help='how embeddings are pooled, over what the model says: \'{"pooling_type": "MEAN", '
+        '"normalize": false}\' (LAST, MEAN or CLS)',
+    )
+    p.add_argument(
         "--scheduling-policy",
         default="fcfs",
         choices=["fcfs", "priority"],

@@ -44,6 +44,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's --runner: what a server makes; auto: text and embeddings (only embeddings from a
 # checkpoint without an LM head)
 RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")  # vLLM's --convert: embed means --runner pooling here
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "bfloat16", "float32", "float16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's spellings of the same choices (fp8 here is e4m3)
@@ -336,6 +337,9 @@ class EngineConfig:
     swap_space_bytes: int = field(init=False, default=0)
     preemption_mode: str = "recompute"
     runner: str = "auto"  # "generate": no embeddings; "pooling": embeddings only (RUNNERS)
+    convert: str = "auto"  # vLLM's; "embed": a causal LM's embeddings only (runner "pooling")
+    # vLLM's {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over the model's pooling
+    pooler_config: dict | str | None = None
     scheduling_policy: str = "fcfs"  # or "priority": a request's priority (lower first) orders it
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
@@ -492,16 +496,18 @@ class EngineConfig:
             "--generation-config must be 'auto', 'vllm' or a folder, "
             f"got {self.generation_config!r}",
         )
-        if isinstance(self.override_generation_config, str):  # the flag's JSON
-            try:
-                self.override_generation_config = json.loads(self.override_generation_config)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--override-generation-config is not JSON: {e}") from None
-        need(
-            self.override_generation_config is None
-            or isinstance(self.override_generation_config, dict),
-            "--override-generation-config must be a JSON object, e.g. '{\"temperature\": 0.5}'",
+        self.override_generation_config = json_object(
+            "--override-generation-config", self.override_generation_config, '{"temperature": 0.5}'
         )
+        self.pooler_config = json_object(
+            "--pooler-config", self.pooler_config, '{"pooling_type": "MEAN"}'
+        )
+        need(self.convert in CONVERTS, f"--convert must be one of {', '.join(CONVERTS)}")
+        if self.convert == "embed":
+            need(
+                self.runner != "generate", "--convert embed makes embeddings: not --runner generate"
+            )
+            self.runner = "pooling"
         for name in PARALLEL_SIZES:
             size = getattr(self, name)
             need(
@@ -563,6 +569,18 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown option(s): {', '.join(unknown)}")
         return cls(**options)
+
+
+def json_object(flag: str, value: dict | str | None, example: str) -> dict | None:
+    """A flag that takes a JSON object (or, offline, the dict itself)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag} is not JSON: {e}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object, e.g. '{example}'")
+    return value
 
 
 def note(message: str) -> None:

@@ -309,3 +309,31 @@ def test_tensor_parallelism_gives_the_same_embeddings(qwen3):
         llm.close()
     for a, b in zip(one, two):
         close(b.outputs.embedding, torch.tensor(a.outputs.embedding))
+
+
+def test_the_pooler_config_overrides_the_models_pooling(qwen3):
+    """vLLM's --pooler-config: mean pooling, not scaled, over the model's last-token default;
+    --convert embed is --runner pooling; mistakes are one line, exit 2, before the load."""
+    from server_process import serve_error
+
+    from pagedkv.config import ConfigError
+
+    config = {"pooling_type": "mean", "normalize": False}
+    llm = LLM(qwen3, dtype="float32", block_size=4, pooler_config=config, convert="embed")
+    assert llm.engine.pooler == Pooler("MEAN", False) and llm.engine.config.runner == "pooling"
+    for out, hidden in zip(llm.embed(PROMPTS, use_tqdm=False), hf_hidden(qwen3, PROMPTS)):
+        close(out.outputs.embedding, hidden.mean(0))
+    for bad, message in [
+        ({"pooling_type": "MAX"}, "pooling_type must be one of LAST, MEAN, CLS"),
+        ({"softmax": True}, "--pooler-config: softmax not supported"),
+        ({"normalize": "yes"}, "normalize must be true or false"),
+        ("[1]", "--pooler-config must be a JSON object"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            LLM(qwen3, dtype="float32", pooler_config=bad)
+    assert serve_error(qwen3, "--pooler-config", "{nope") == [
+        "pagedkv serve: error: --pooler-config is not JSON: "
+        "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+    ]
+    lines = serve_error(qwen3, "--convert", "embed", "--runner", "generate")
+    assert lines[-1].endswith("--convert embed makes embeddings: not --runner generate")

@@ -67,6 +67,7 @@ class LLMEngine:
         # read before the load: a mistake in them is one line at once, not after the weights
         self.generation_defaults = generation_defaults(config)
         pooler = Pooler.of_model(config.model)  # how embeddings are made (engine/pooling.py)
+        pooler.overridden(config.pooler_config)  # (checked now, applied after the load)
         if self.device.type == "cpu":
             keep_freed_memory()
         if config.reasoning_parser and loaded is None:  # its tags, before the weights load
@@ -74,7 +75,7 @@ class LLMEngine:
         self.loaded, num_kv_heads = load_engine_model(config, self.device, loaded)
         self.weight_bytes = self.loaded.model.weight_bytes()
         declared = self.loaded.config.pooling  # (a GGUF's; a folder's comes from its modules)
-        self.pooler = Pooler(declared) if declared else pooler
+        self.pooler = (Pooler(declared) if declared else pooler).overridden(config.pooler_config)
         self.tokenizer = self.loaded.tokenizer
         apply_engine_options(self, config)  # seed, chat template
         self.reasoning = (

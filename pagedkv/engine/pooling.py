@@ -57,6 +57,27 @@ class Pooler:
             priority=priority,
         )
 
+    def overridden(self, config: dict | str | None) -> Pooler:
+        """--pooler-config (vLLM's PoolerConfig) over this pooling: its pooling_type and
+        normalize; any other key is refused by name."""
+        if not config:
+            return self
+        assert isinstance(config, dict)  # (EngineConfig read the flag's JSON)
+        unknown = sorted(set(config) - {"pooling_type", "normalize"})
+        if unknown:
+            raise ConfigError(
+                f"--pooler-config: {', '.join(unknown)} not supported (pooling_type, normalize)"
+            )
+        kind = config.get("pooling_type", self.pooling_type)
+        if not isinstance(kind, str) or kind.upper() not in POOLING_TYPES:
+            raise ConfigError(
+                f"--pooler-config: pooling_type must be one of {', '.join(POOLING_TYPES)}"
+            )
+        normalize = config.get("normalize", self.normalize)
+        if not isinstance(normalize, bool):
+            raise ConfigError("--pooler-config: normalize must be true or false")
+        return Pooler(kind.upper(), normalize)
+
     @classmethod
     def of_model(cls, model: str | Path | None) -> Pooler:
         """The pooling a sentence-transformers folder declares (modules.json and its Pooling
