@@ -176,7 +176,14 @@ def test_a_broken_pooling_module_is_refused_by_name(qwen3, tmp_path):
     )
     from pagedkv.config import ConfigError
 
-    with pytest.raises(ConfigError, match="pagedkv pools one of LAST, MEAN, CLS"):
+    with pytest.raises(
+        ConfigError,
+        match="st: its Pooling module asks for pooling_mode_mean_tokens, pooling_mode_cls_token; "
+        "pagedkv pools one of LAST, MEAN, CLS$",
+    ):
+        Pooler.of_model(folder)
+    config.write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(ConfigError, match="asks for pooling_mode_max_tokens; pagedkv pools one of"):
         Pooler.of_model(folder)
     config.write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read its sentence-transformers modules"):

@@ -89,20 +89,22 @@ class Pooler:
         try:
             modules = json.loads((folder / "modules.json").read_text())
             kinds = {m["type"].rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
-            pooling = "LAST"
+            config = {}
             if "Pooling" in kinds:
                 config = json.loads((folder / kinds["Pooling"] / "config.json").read_text())
-                chosen = [t for flag, t in _SENTENCE_TRANSFORMERS_MODES.items() if config.get(flag)]
-                if len(chosen) != 1:
-                    raise ConfigError(
-                        f"{folder}: its Pooling module asks for {chosen or 'no pooling'}; "
-                        f"pagedkv pools one of {', '.join(POOLING_TYPES)}"
-                    )
-                pooling = chosen[0]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            asked = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(
                 f"{folder}: cannot read its sentence-transformers modules ({e})"
             ) from None
+        pooling = "LAST"
+        if "Pooling" in kinds:
+            if len(asked) != 1 or asked[0] not in _SENTENCE_TRANSFORMERS_MODES:
+                raise ConfigError(
+                    f"{folder}: its Pooling module asks for {', '.join(asked) or 'no pooling'}; "
+                    f"pagedkv pools one of {', '.join(POOLING_TYPES)}"
+                )
+            pooling = _SENTENCE_TRANSFORMERS_MODES[asked[0]]
         return cls(pooling, "Normalize" in kinds)
 
 
