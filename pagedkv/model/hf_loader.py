@@ -109,11 +109,10 @@ def load_hf(folder: Path) -> Checkpoint:
     raw = _read_config(folder)
     config = LlamaConfig.from_hf_dict(raw)
     files = safetensors_files(folder)
-    for path in files:
-        _open(path)  # fail on a damaged file now, before building anything
+    # every tensor's name; opening each file fails on a damaged one now, before building anything
+    names = {name for path in files for name in _open(path).keys()}
     multimodal = raw.get("model_type") in MULTIMODAL_WRAPPERS
     rename = text_model_name if multimodal else None
-    names = {name for path in files for name in _open(path).keys()}
     if not multimodal and "embed_tokens.weight" in names:  # a base model's flat names
         rename = backbone_name
     if not multimodal and "lm_head.weight" not in names and not config.tie_word_embeddings:
