@@ -243,6 +243,15 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
         '"normalize": false}\' (LAST, MEAN or CLS)',
     )
     p.add_argument(
+        "--hf-overrides",
+        default=None,
+        metavar="JSON",
+        help="vLLM's, for an LLM used as a reranker: '{\"architectures\": "
+        '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        "\"is_original_qwen3_reranker\": true}' scores pairs by those tokens' logits (/score, "
+        "/rerank)",
+    )
+    p.add_argument(
         "--scheduling-policy",
         default="fcfs",
         choices=["fcfs", "priority"],

@@ -340,6 +340,8 @@ class EngineConfig:
     convert: str = "auto"  # vLLM's; "embed": a causal LM's embeddings only (runner "pooling")
     # vLLM's {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over the model's pooling
     pooler_config: dict | str | None = None
+    # vLLM's --hf-overrides, the keys that make a causal LM a cross-encoder (engine/scoring.py)
+    hf_overrides: dict | str | None = None
     scheduling_policy: str = "fcfs"  # or "priority": a request's priority (lower first) orders it
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
@@ -501,6 +503,9 @@ class EngineConfig:
         )
         self.pooler_config = json_object(
             "--pooler-config", self.pooler_config, '{"pooling_type": "MEAN"}'
+        )
+        self.hf_overrides = json_object(
+            "--hf-overrides", self.hf_overrides, '{"classifier_from_token": ["no", "yes"]}'
         )
         need(self.convert in CONVERTS, f"--convert must be one of {', '.join(CONVERTS)}")
         if self.convert == "embed":

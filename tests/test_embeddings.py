@@ -276,7 +276,7 @@ def test_the_runner_flag_limits_what_a_server_makes(qwen3, runner):
         want = (
             "makes embeddings only (--runner pooling)"
             if runner == "pooling"
-            else "makes no embeddings (--runner generate)"
+            else "makes no embeddings or scores (--runner generate)"
         )
         assert want in refused.json()["error"]["message"]
         if runner == "pooling":

@@ -62,10 +62,17 @@ def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingP
     """Reject what can never run, with the reason; returns max_tokens resolved."""
     params.validate(engine.vocab_size)  # again: offline callers may have changed fields since
     if params.pooling is None and not engine.generates:
+        if engine.classifier is not None:
+            raise ConfigError(
+                "this engine scores text pairs only (--hf-overrides): /score, /rerank, LLM.score"
+            )
         why = "--runner pooling" if engine.config.runner == "pooling" else NO_LM_HEAD
-        raise ConfigError(f"this engine makes embeddings only ({why}): /v1/embeddings, LLM.embed")
-    if params.pooling is not None and not engine.pools:
-        raise ConfigError("this engine makes no embeddings (--runner generate)")
+        raise ConfigError(
+            f"this engine makes embeddings only ({why}): /v1/embeddings, /score, /rerank, "
+            "LLM.embed, LLM.score"
+        )
+    if params.pooling is not None:
+        engine.check_pools()
     if params.priority != 0 and engine.config.scheduling_policy != "priority":
         raise ParamError(
             "priority",

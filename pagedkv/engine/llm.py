@@ -20,13 +20,26 @@ from pagedkv.config import CONTENT_FORMATS, ConfigError, EngineConfig
 from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedkv.engine.chat import render_chat
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedkv.engine.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pagedkv.engine.pooling import PoolingParams, embedding
 from pagedkv.engine.request import LoRARequest, ParamError, SamplingParams
+from pagedkv.engine.scoring import plan as scoring_plan
 
 Prompt = str | list[int] | dict
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 _SALT = "cache_salt"  # a prompt dict's prefix-cache salt (SamplingParams.cache_salt)
+
+
+def _pooling_params(pp: PoolingParams | None) -> PoolingParams:
+    if pp is not None and not isinstance(pp, PoolingParams):
+        raise ConfigError("pooling_params must be a PoolingParams")
+    return pp or PoolingParams()
 
 
 def to_prompt(p: Any) -> str | list[int]:
@@ -172,23 +185,84 @@ class LLM:
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's: one embedding per prompt, pooled as the model says (engine/pooling.py)."""
-        pooler = self.engine.pooler
-        pp = pooling_params or PoolingParams()
-        if not isinstance(pp, PoolingParams):
-            raise ConfigError("pooling_params must be a PoolingParams")
+        self.engine.check_pools(embeddings=True)
+        pp = _pooling_params(pooling_params)
+        outs = self._pool(prompts, use_tqdm, pp.dimensions, truncate_prompt_tokens, lora_request)
+        normalize = pp.normalizes(self.engine.pooler)
+        return [
+            EmbeddingRequestOutput(
+                o.request_id,
+                o.prompt_token_ids,
+                EmbeddingOutput(embedding(v, normalize, pp.dimensions)),
+            )
+            for o, v in outs
+        ]
+
+    def score(
+        self,
+        data_1: str | list[str],
+        data_2: str | list[str],
+        /,
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        tokenization_kwargs: dict | None = None,
+        chat_template: str | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's: a score for each pair, one query against many documents (1:N) or one to one
+        (N:N): the cosine of an embedding model's vectors, or a reranker's (--hf-overrides)
+        classifier over the pair read as one prompt (engine/scoring.py)."""
+        engine = self.engine
+        engine.check_pools()
+        pp = _pooling_params(pooling_params)
+        if pp.dimensions is not None or pp.normalize is not None:
+            raise ParamError("pooling_params", "a score takes only use_activation of PoolingParams")
+        kwargs = dict(tokenization_kwargs or {})
+        truncate = kwargs.pop("truncate_prompt_tokens", None)
+        if kwargs:
+            raise ParamError(
+                "tokenization_kwargs",
+                f"tokenization_kwargs {sorted(kwargs)} not supported (truncate_prompt_tokens)",
+            )
+        if chat_template is not None and engine.classifier is None:
+            raise ParamError("chat_template", "a score template is for a cross-encoder's pairs")
+        scoring = scoring_plan(
+            data_1,
+            data_2,
+            engine.classifier,
+            engine.tokenizer,
+            chat_template or engine.config.chat_template,
+        )
+        outs = self._pool(scoring.prompts, use_tqdm, None, truncate, lora_request)
+        scores = scoring.scores([v for _, v in outs], pp.use_activation is not False)
+        return [
+            ScoringRequestOutput(
+                f"{outs[i][0].request_id}_{outs[j][0].request_id}"
+                if i != j
+                else outs[i][0].request_id,
+                outs[i][0].prompt_token_ids + (outs[j][0].prompt_token_ids if i != j else []),
+                ScoringOutput(s),
+            )
+            for (i, j), s in zip(scoring.pairs, scores)
+        ]
+
+    def _pool(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        use_tqdm: bool,
+        dimensions: int | None,
+        truncate_prompt_tokens: int | None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None,
+    ) -> list[tuple[RequestOutput, list[float]]]:
+        """Each prompt run as a pooling request: its output and pooled vector."""
         hidden = self.engine.loaded.config.hidden_size
-        params = pooler.request_params(hidden, pp.dimensions, truncate_prompt_tokens)
-        normalize = pooler.normalize if pp.normalize is None else pp.normalize
+        params = self.engine.pooler.request_params(hidden, dimensions, truncate_prompt_tokens)
         outs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
-        result = []
         for o in outs:
             if o.pooled is None:
                 raise ConfigError(f"request {o.request_id} failed: {o.error}")
-            vector = embedding(o.pooled, normalize, pp.dimensions)
-            result.append(
-                EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(vector))
-            )
-        return result
+        return [(o, o.pooled) for o in outs if o.pooled is not None]
 
     def _lora_name(self, request: LoRARequest | None) -> str | None:
         """The adapter's name, loaded on first use."""

@@ -30,6 +30,7 @@ from pagedkv.engine.request import SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler
+from pagedkv.engine.scoring import Classifier, ClassifierSpec
 from pagedkv.engine.sequence import Sequence, SequenceGroup
 from pagedkv.engine.setup import (
     build_engine_kv,
@@ -68,6 +69,12 @@ class LLMEngine:
         self.generation_defaults = generation_defaults(config)
         pooler = Pooler.of_model(config.model)  # how embeddings are made (engine/pooling.py)
         pooler.overridden(config.pooler_config)  # (checked now, applied after the load)
+        scorer = ClassifierSpec.of(config.hf_overrides)  # a cross-encoder's head (scoring.py)
+        if scorer is not None and (config.runner == "generate" or config.pooler_config):
+            raise ConfigError(
+                "--hf-overrides makes a classifier, which scores pairs by its last token: not "
+                + ("--runner generate" if config.runner == "generate" else "--pooler-config")
+            )
         if self.device.type == "cpu":
             keep_freed_memory()
         if config.reasoning_parser and loaded is None:  # its tags, before the weights load
@@ -77,6 +84,13 @@ class LLMEngine:
         declared = self.loaded.config.pooling  # (a GGUF's; a folder's comes from its modules)
         self.pooler = (Pooler(declared) if declared else pooler).overridden(config.pooler_config)
         self.tokenizer = self.loaded.tokenizer
+        self.classifier = (
+            Classifier.of(scorer, self.tokenizer.token_id, self.loaded.model.head_rows)
+            if scorer
+            else None
+        )
+        if self.classifier is not None:
+            self.pooler = Pooler("LAST", normalize=False)
         apply_engine_options(self, config)  # seed, chat template
         self.reasoning = (
             ReasoningTags.of(config.reasoning_parser, self.tokenizer)
@@ -88,7 +102,9 @@ class LLMEngine:
         for module in lora_modules(config.lora_modules).values():
             self.add_lora(module.name, module.path, module.base_model_name)
         self.vocab_size = self.loaded.config.vocab_size
-        self.generates = self.loaded.config.generates and config.runner != "pooling"
+        self.generates = (
+            self.loaded.config.generates and config.runner != "pooling" and not self.classifier
+        )
         self.pools = config.runner != "generate"
         if config.runner == "generate" and not self.loaded.config.generates:
             raise ConfigError(f"--runner generate: {NO_LM_HEAD}")
@@ -181,6 +197,17 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         return tokenize(self.tokenizer, prompt, add_special_tokens)
+
+    def check_pools(self, embeddings: bool = False) -> None:
+        """Refuse pooling requests (embeddings, scores) where this engine makes none, and
+        embeddings where it is a classifier, saying why."""
+        if not self.pools:
+            raise ConfigError("this engine makes no embeddings or scores (--runner generate)")
+        if embeddings and self.classifier is not None:
+            raise ConfigError(
+                "this engine is a classifier (--hf-overrides): it scores text pairs (/score, "
+                "/rerank, LLM.score) and makes no embeddings"
+            )
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Reject what can never run, with the reason; returns max_tokens resolved."""

@@ -114,3 +114,20 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's: one pair's score."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's result of LLM.score for one pair (the tokens of the prompts it was scored from)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -110,11 +110,19 @@ class Pooler:
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """vLLM's, for LLM.embed: the first `dimensions` values only (Matryoshka models), and whether
-    to scale to unit length (None: as the model's Pooler says)."""
+    """vLLM's, for LLM.embed and LLM.score: the first `dimensions` values only (Matryoshka
+    models); whether to scale an embedding to unit length (None: as the model's Pooler says);
+    use_activation, vLLM's newer name for it, which for a classifier's score means the sigmoid
+    (None: on)."""
 
     dimensions: int | None = None
     normalize: bool | None = None
+    use_activation: bool | None = None
+
+    def normalizes(self, pooler: Pooler) -> bool:
+        if self.normalize is not None:
+            return self.normalize
+        return pooler.normalize if self.use_activation is None else self.use_activation
 
 
 @dataclass

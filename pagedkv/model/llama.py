@@ -555,6 +555,17 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+    def head_rows(self, ids: list[int]) -> Tensor:
+        """float32 rows of the LM head (a reranker's classifier is made of them), in whatever
+        form it is kept; a tied head's from the embedding, which stays unpacked."""
+        w = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        if isinstance(w, Tensor):
+            return w[ids].float()
+        if isinstance(w, PrepackedWeight):
+            return w.rows(ids)
+        assert not isinstance(w, Blocks)  # (packed when the load ended)
+        return w.rows(torch.tensor(ids), torch.float32)
+
     def _weight_owners(self) -> list[nn.Module]:
         """The modules that hold matmul weights (MATMUL_WEIGHTS): the model, its layers and
         their experts."""

@@ -202,6 +202,28 @@ class PrepackedWeight:
             raise native.KernelError(f"{kernel}: x must be {dtype}, got {x.dtype}")
         return self.call(x if x.stride(-1) == 1 else x.contiguous(), out)
 
+    def rows(self, ids: list[int]) -> Tensor:
+        """Rows of W, float32, read back out of the packed form (oneDNN's opaque one by
+        multiplying unit vectors: exact, each output one weight times 1)."""
+        n, k = self.shape
+        if self.kind == "pairs":  # panel p: [k/2, its rows, 2]
+            picked = []
+            for i in ids:
+                p, r = divmod(i, PANEL)
+                width = min(PANEL, n - p * PANEL)
+                panel = self.packed[p * PANEL * k : (p * PANEL + width) * k]
+                picked.append(panel.view(k // 2, width, 2)[:, r].reshape(k))
+            return torch.stack(picked).float()
+        if self.kind == "panels":  # panel p: [k, c]
+            lib = native.library()
+            assert lib is not None  # (it packed this weight)
+            c = 2 * lib.vector_width
+            panels = self.packed.view(-1, k, c)
+            return panels[[i // c for i in ids], :, [i % c for i in ids]].float()
+        eye = torch.eye(k, dtype=torch.bfloat16)
+        cols = torch.cat([self.mm(eye[at : at + 256])[:, ids] for at in range(0, k, 256)])
+        return cols.T.float().contiguous()
+
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes

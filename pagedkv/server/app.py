@@ -56,6 +56,9 @@ from pagedkv.server.routes_extra import (
     is_serving,
     runtime_lora_updating,
 )
+from pagedkv.server.scoring import RerankRequest, ScoreRequest
+from pagedkv.server.scoring import rerank as serve_rerank
+from pagedkv.server.scoring import score as serve_score
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.validation import IGNORED, checked, load_json_object
 from pagedkv.signals import exit_on_sigterm
@@ -222,6 +225,18 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
     @app.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest))
     async def embeddings(request: Request) -> Response:
         return await serve_embeddings(serving, await read_json(request, EmbeddingRequest), request)
+
+    for path in ("/score", "/v1/score"):
+
+        @app.post(path, openapi_extra=json_body(ScoreRequest))
+        async def score(request: Request) -> Response:
+            return await serve_score(serving, await read_json(request, ScoreRequest), request)
+
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+
+        @app.post(path, openapi_extra=json_body(RerankRequest))
+        async def rerank(request: Request) -> Response:
+            return await serve_rerank(serving, await read_json(request, RerankRequest), request)
 
     @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest))
     async def responses(request: Request) -> Response:

@@ -76,9 +76,34 @@ def pooled(out: RequestOutput) -> list[float]:
     return out.pooled
 
 
+async def pool_prompts(
+    serving: OpenAIServing, request: Request, prompts: list[list[int]], params, answer_id: str
+) -> list[list[float]] | None:
+    """Each prompt run as a pooling request (batched with whatever else runs): their vectors in
+    order, or None if the client went away first."""
+    engine = serving.engine
+    for ids in prompts:
+        engine.validate(ids, params)
+    events = merge(
+        [
+            engine.generate(ids, params, request_id=f"{answer_id}-{i}")
+            for i, ids in enumerate(prompts)
+        ]
+    )
+    try:
+        finals = await until_disconnect(request, serving.collect(events, len(prompts)))
+    except ClientGone:
+        return None
+    check_not_aborted(finals)
+    for ids in prompts:
+        serving.metrics.observe_pooling(len(ids))
+    return [pooled(out) for out in finals]
+
+
 async def embeddings(serving: OpenAIServing, req: EmbeddingRequest, request: Request) -> Response:
     engine = serving.engine
     lora = serving.check_model(req.model)
+    engine.engine.check_pools(embeddings=True)
     pooler = engine.engine.pooler
     hidden = engine.engine.loaded.config.hidden_size
     params = pooler.request_params(hidden, req.dimensions, req.truncate_prompt_tokens, req.priority)
@@ -91,31 +116,16 @@ async def embeddings(serving: OpenAIServing, req: EmbeddingRequest, request: Req
         )
         for p in req.input
     ]
-    for ids in prompts:
-        engine.validate(ids, params)
     answer_id = request_id("embd", request, req.request_id)
-    events = merge(
-        [
-            engine.generate(ids, params, request_id=f"{answer_id}-{i}")
-            for i, ids in enumerate(prompts)
-        ]
-    )
-    try:
-        finals = await until_disconnect(request, serving.collect(events, len(prompts)))
-    except ClientGone:
+    vectors = await pool_prompts(serving, request, prompts, params, answer_id)
+    if vectors is None:
         return Response(status_code=499)
-    check_not_aborted(finals)
-    for ids in prompts:
-        serving.metrics.observe_embedding(len(ids))
     normalize = pooler.normalize if req.normalize is None else req.normalize
     data = [
         EmbeddingData(
-            index=i,
-            embedding=encoded(
-                embedding(pooled(out), normalize, req.dimensions), req.encoding_format
-            ),
+            index=i, embedding=encoded(embedding(v, normalize, req.dimensions), req.encoding_format)
         )
-        for i, out in enumerate(finals)
+        for i, v in enumerate(vectors)
     ]
     used = sum(len(ids) for ids in prompts)
     body = EmbeddingResponse(

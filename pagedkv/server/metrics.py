@@ -284,9 +284,9 @@ class ServerMetrics:
             self.e2e.observe(m.finished_time - m.arrival_time)
         self._phases(m)
 
-    def observe_embedding(self, prompt_tokens: int) -> None:
-        """Record a finished embedding request: a success ("stop", as vLLM counts a pooling
-        request) and its prompt's length; it generates nothing."""
+    def observe_pooling(self, prompt_tokens: int) -> None:
+        """Record a finished pooling request (an embedding, a text scored): a success ("stop", as
+        vLLM counts one) and its prompt's length; it generates nothing."""
         self._success.labels(self.model_name, "stop").inc()
         self.prompt_len.observe(prompt_tokens)
 

@@ -154,11 +154,12 @@ class RequestIdHeader:
 
 
 class ServerLoad:
-    """vLLM's GET /load: the model's requests in flight (generations and embeddings,
+    """vLLM's GET /load: the model's requests in flight (generations, embeddings and scores,
     `app.state.server_load`), from their arrival until their answer's last byte, streamed or not."""
 
     PATHS = frozenset(
         {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"}
+        | {"/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"}
     )
 
     def __init__(self, app: ASGIApp) -> None:

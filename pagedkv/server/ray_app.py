@@ -44,6 +44,15 @@ START_ATTEMPTS = 2  # tries to start a request while replicas are found dead
 LOAD_LORA, UNLOAD_LORA = "v1/load_lora_adapter", "v1/unload_lora_adapter"
 
 
+# the body fields a request's prompt is read from, for routing (a query's pairs go together)
+_PROMPT_FIELDS: dict[str, tuple[str, ...]] = {
+    "/completions": ("prompt",),
+    "/embeddings": ("input",),
+    "/rerank": ("query",),
+    "/score": ("text_1", "queries", "data_1"),
+}
+
+
 class ReplicaGone(Exception):
     """The replica serving a request failed or died."""
 
@@ -266,8 +275,8 @@ class Ingress:
             # content parts shaped as the replica shapes them (render_chat)
             messages = [m.as_template_input() for m in chat.messages]
             return tok.encode(render_chat(tok, messages), add_special_tokens=False)
-        field = "prompt" if path.endswith("/completions") else "input"
-        prompt = data.get(field) if path.endswith(("/completions", "/embeddings")) else None
+        named = next((f for end, f in _PROMPT_FIELDS.items() if path.endswith(end)), ())
+        prompt = next((data[f] for f in named if data.get(f) is not None), None)
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]
         if isinstance(prompt, str):

@@ -1,0 +1,303 @@
+"""Scores of text pairs (engine/scoring.py; /score, /rerank, LLM.score): an embedding model's
+cosine, equal to the cosine of transformers' hidden states; a causal LM made a reranker by vLLM's
+--hf-overrides, equal to transformers' softmax over the two tokens' logits (or the one token's
+sigmoid); the classifier's rows read back from every form the LM head is kept in; and the
+server's endpoints, their errors, and no block left behind."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from server_process import TINY_SERVER, ServerProcess, serve_error
+from tiny_model import make_tiny_model
+
+from pagedkv.config import ConfigError
+from pagedkv.engine.llm import LLM
+from pagedkv.engine.pooling import PoolingParams
+from pagedkv.engine.request import ParamError, SamplingParams
+
+QUERY = "what is the capital of France"
+DOCS = ["Paris is the capital of France.", "Berlin is in Germany.", "the cat sat on the mat"]
+# Qwen3-Reranker's prompt, as vLLM's example template writes it (shortened)
+TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements. "
+    'Answer only "yes" or "no".<|im_end|>\n<|im_start|>user\n<Instruct>: '
+    "{{ instruction | default('Given a web search query, retrieve relevant passages') }}\n"
+    "<Query>: {{ messages[0]['content'] }}\n<Document>: {{ messages[1]['content'] }}<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("score") / "qwen3", arch="qwen3", tie=True)
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("score") / "untied", arch="qwen3")
+
+
+def tokens(folder: str, *ids: int) -> list[str]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{folder}/tokenizer.json")
+    return [tok.id_to_token(i) for i in ids]
+
+
+def reranker(folder: str, **kwargs) -> LLM:
+    no, yes = tokens(folder, 100, 200)
+    overrides = {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": [no, yes],
+        "is_original_qwen3_reranker": True,
+    }
+    return LLM(folder, hf_overrides=overrides, block_size=4, **{"dtype": "float32", **kwargs})
+
+
+def hf_logits(folder: str, texts: list[str]) -> list[torch.Tensor]:
+    """transformers' logits at each text's last token."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{folder}/tokenizer.json")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return [model(torch.tensor([tok.encode(t).ids])).logits[0, -1] for t in texts]
+
+
+def test_an_embedding_model_scores_by_cosine(qwen3):
+    """A bi-encoder: each text embedded once (the query once for all its documents), each pair
+    scored by the cosine of transformers' last hidden states; 1:N and N:N alike."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{qwen3}/tokenizer.json")
+    model = transformers.AutoModel.from_pretrained(qwen3, dtype=torch.float32)
+
+    def hidden(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([tok.encode(text).ids])).last_hidden_state[0, -1]
+
+    llm = LLM(qwen3, dtype="float32", block_size=4, num_gpu_blocks_override=64)
+    got = llm.score(QUERY, DOCS, use_tqdm=False)
+    want = [torch.cosine_similarity(hidden(QUERY), hidden(d), dim=0).item() for d in DOCS]
+    assert [o.outputs.score for o in got] == pytest.approx(want, abs=1e-5)
+    assert got[0].prompt_token_ids == tok.encode(QUERY).ids + tok.encode(DOCS[0]).ids
+    pairs = llm.score(DOCS[:2], DOCS[1:], use_tqdm=False)
+    want = [
+        torch.cosine_similarity(hidden(a), hidden(b), dim=0).item() for a, b in [DOCS[:2], DOCS[1:]]
+    ]
+    assert [o.outputs.score for o in pairs] == pytest.approx(want, abs=1e-5)
+    assert llm.score("same text", "same text", use_tqdm=False)[0].outputs.score == pytest.approx(
+        1.0
+    )
+    with pytest.raises(ParamError, match="pairs are one against many .1:N. or one to one"):
+        llm.score(DOCS[:2], DOCS, use_tqdm=False)
+    with pytest.raises(ParamError, match="data_2 must hold at least one text"):
+        llm.score(QUERY, [], use_tqdm=False)
+    with pytest.raises(ParamError, match="a score template is for a cross-encoder"):
+        llm.score(QUERY, DOCS, use_tqdm=False, chat_template=TEMPLATE)
+    assert llm.engine.scheduler.kv.num_free_blocks() == 64
+
+
+def test_a_causal_lm_made_a_reranker_equals_transformers(qwen3):
+    """vLLM's --hf-overrides for the original Qwen3-Reranker: the pair as one prompt, scored
+    by the softmax of the "yes" token's logit against the "no" one's at its last token; with a
+    score template (roles query and document, an instruction); without the sigmoid, the logit
+    difference. The prompts of one query share their first blocks: the prefix cache serves them."""
+    llm = reranker(qwen3, num_gpu_blocks_override=64)
+    assert llm.engine.generates is False
+    got = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+    logits = hf_logits(qwen3, [QUERY + d for d in DOCS])
+    want = [torch.softmax(lg[[100, 200]], 0)[1].item() for lg in logits]
+    assert got == pytest.approx(want, abs=1e-5)
+    raw = llm.score(QUERY, DOCS, use_tqdm=False, pooling_params=PoolingParams(use_activation=False))
+    assert [o.outputs.score for o in raw] == pytest.approx(
+        [(lg[200] - lg[100]).item() for lg in logits], abs=1e-4
+    )
+    # a score template, and an instruction passed to it
+    kv = llm.engine.scheduler.kv
+    templated = llm.score(
+        QUERY,
+        DOCS,
+        use_tqdm=False,
+        chat_template=TEMPLATE,
+        tokenization_kwargs={"truncate_prompt_tokens": 500},
+    )
+    from jinja2 import Template
+
+    texts = [Template(TEMPLATE).render(messages=[{"content": QUERY}, {"content": d}]) for d in DOCS]
+    want = [torch.softmax(lg[[100, 200]], 0)[1].item() for lg in hf_logits(qwen3, texts)]
+    assert [o.outputs.score for o in templated] == pytest.approx(want, abs=1e-5)
+    assert kv.num_free_blocks() == 64
+    # generation and embeddings are refused, each saying why
+    with pytest.raises(ConfigError, match="scores text pairs only .--hf-overrides"):
+        llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ConfigError, match="is a classifier .--hf-overrides.* no embeddings"):
+        llm.embed("hi", use_tqdm=False)
+
+
+def test_one_tokens_logit_and_the_checkpoint_forms_of_the_head(untied):
+    """method no_post_processing (bge-reranker-v2-gemma's): the sigmoid of one token's logit.
+    The classifier's rows equal the checkpoint's lm_head rows in every form the head is kept:
+    float32 panels, bfloat16 prepacked, int8."""
+    yes = tokens(untied, 300)
+    overrides = {"classifier_from_token": yes, "method": "no_post_processing"}
+    llm = LLM(untied, dtype="float32", block_size=4, hf_overrides=overrides)
+    got = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+    want = [torch.sigmoid(lg[300]).item() for lg in hf_logits(untied, [QUERY + d for d in DOCS])]
+    assert got == pytest.approx(want, abs=1e-5)
+    head = load_file(f"{untied}/model.safetensors")["lm_head.weight"]
+    assert torch.equal(llm.engine.classifier.row, head[300].float())
+    bf16 = LLM(untied, dtype="bfloat16", block_size=4, hf_overrides=overrides)
+    assert torch.equal(bf16.engine.classifier.row, head[300].to(torch.bfloat16).float())
+    int8 = LLM(untied, dtype="bfloat16", quantization="int8", block_size=4, hf_overrides=overrides)
+    lm_head = int8.engine.loaded.model.lm_head
+    assert torch.equal(int8.engine.classifier.row, lm_head.dequantize()[300])
+
+
+def test_the_prepacked_forms_give_back_their_rows():
+    """PrepackedWeight.rows: every form this machine packs, rows across panel edges."""
+    from pagedkv.model.prepacked import PrepackedWeight
+
+    ran = 0
+    for kind, dtype in [
+        ("pairs", torch.bfloat16),
+        ("panels", torch.float32),
+        ("onednn", torch.bfloat16),
+    ]:
+        for n in (100, 33):
+            w = torch.randn(n, 64).to(dtype)
+            try:
+                packed = PrepackedWeight.of(w, kind)
+            except Exception:  # (a form this CPU or build does not have)
+                continue
+            ids = [0, 5, 31, 32, n - 1]
+            assert torch.equal(packed.rows(ids), w[ids].float()), (kind, n)
+            ran += 1
+    assert ran >= 2  # (every x86 build packs pairs or oneDNN's, and panels)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"rope_theta": 1.0}, "--hf-overrides: rope_theta not supported"),
+        ({"architectures": ["Qwen3ForSequenceClassification"]}, "needs classifier_from_token"),
+        ({"classifier_from_token": ["a", "b"]}, "method must be from_2_way_softmax"),
+        (
+            {"classifier_from_token": ["a"], "method": "from_2_way_softmax"},
+            "from_2_way_softmax takes 2 token",
+        ),
+        (
+            {"classifier_from_token": ["a"], "is_original_qwen3_reranker": "yes"},
+            "is_original_qwen3_reranker must be true or false",
+        ),
+        (
+            {
+                "classifier_from_token": ["a"],
+                "method": "no_post_processing",
+                "architectures": ["Qwen3ForCausalLM"],
+            },
+            "makes a \\*ForSequenceClassification, not Qwen3ForCausalLM",
+        ),
+        (
+            {"classifier_from_token": ["not-a-token!"], "method": "no_post_processing"},
+            "'not-a-token!' is not a token of this model's vocabulary",
+        ),
+    ],
+)
+def test_bad_overrides_are_refused_by_name(qwen3, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(qwen3, dtype="float32", hf_overrides=overrides)
+
+
+def test_bad_overrides_on_the_command_line(qwen3):
+    assert serve_error(qwen3, "--hf-overrides", "[1]") == [
+        "pagedkv serve: error: --hf-overrides must be a JSON object, e.g. "
+        '\'{"classifier_from_token": ["no", "yes"]}\''
+    ]
+    over = json.dumps({"classifier_from_token": ["a", "b"], "method": "from_2_way_softmax"})
+    lines = serve_error(qwen3, "--hf-overrides", over, "--runner", "generate")
+    assert lines[-1] == (
+        "pagedkv serve: error: --hf-overrides makes a classifier, which scores pairs by its last "
+        "token: not --runner generate"
+    )
+
+
+def test_the_server_scores_and_reranks(qwen3):
+    """/score (its four request shapes, /v1/score too) and /rerank (/v1, /v2): the offline
+    scores, sorted for rerank and cut to top_n; OpenAI-shaped 400s naming the field; an
+    embedding server's cosines; no block left, and one success a text in /metrics."""
+    no, yes = tokens(qwen3, 100, 200)
+    over = json.dumps({"classifier_from_token": [no, yes], "is_original_qwen3_reranker": True})
+    offline = [o.outputs.score for o in reranker(qwen3).score(QUERY, DOCS, use_tqdm=False)]
+    with ServerProcess(qwen3, *TINY_SERVER, "--dtype", "float32", "--hf-overrides", over) as server:
+        for path, body in [
+            ("/score", {"text_1": QUERY, "text_2": DOCS}),
+            ("/v1/score", {"queries": [QUERY], "documents": DOCS}),
+            ("/score", {"queries": QUERY, "items": DOCS, "model": "tiny"}),
+            ("/score", {"data_1": [QUERY] * 3, "data_2": DOCS}),
+        ]:
+            r = httpx.post(server.url + path, json=body, timeout=60)
+            assert r.status_code == 200, server.output()[-3000:]
+            answer = r.json()
+            assert answer["object"] == "list" and answer["id"].startswith("score-")
+            assert [d["index"] for d in answer["data"]] == [0, 1, 2]
+            assert [d["score"] for d in answer["data"]] == pytest.approx(offline, abs=1e-5)
+            assert answer["usage"]["prompt_tokens"] == answer["usage"]["total_tokens"] > 0
+        order = sorted(range(3), key=lambda i: -offline[i])
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            r = httpx.post(
+                server.url + path, json={"query": QUERY, "documents": DOCS, "top_n": 2}, timeout=60
+            )
+            assert r.status_code == 200, r.text
+            results = r.json()["results"]
+            assert [x["index"] for x in results] == order[:2]
+            assert [x["document"]["text"] for x in results] == [DOCS[i] for i in order[:2]]
+            assert [x["relevance_score"] for x in results] == pytest.approx(
+                [offline[i] for i in order[:2]], abs=1e-5
+            )
+        every = httpx.post(server.url + "/rerank", json={"query": QUERY, "documents": DOCS}).json()
+        assert len(every["results"]) == 3
+        for path, body, param in [
+            ("/score", {"text_1": DOCS[:2], "text_2": DOCS}, "text_1"),
+            ("/score", {"text_1": QUERY}, None),
+            ("/score", {"text_1": QUERY, "documents": DOCS}, None),
+            ("/score", {"text_1": QUERY, "text_2": []}, "text_2"),
+            ("/score", {"text_1": QUERY, "text_2": [{"content": []}]}, "text_2"),
+            ("/rerank", {"query": QUERY, "documents": DOCS, "max_tokens_per_doc": 5}, None),
+            ("/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, "top_n"),
+            ("/rerank", {"query": QUERY, "documents": DOCS, "instruction": "x"}, None),
+            ("/rerank", {"query": QUERY, "documents": DOCS, "model": "other"}, "model"),
+            ("/v1/embeddings", {"input": "hi"}, None),
+            ("/v1/completions", {"prompt": "hi"}, None),
+        ]:
+            r = httpx.post(server.url + path, json=body, timeout=60)
+            status = 404 if body.get("model") == "other" else 400
+            assert r.status_code == status, (path, body, r.text)
+            error = r.json()["error"]
+            assert error["message"] and (param is None or error["param"] == param), error
+        # no template: an instruction has nowhere to go, said so
+        said = httpx.post(
+            server.url + "/rerank", json={"query": QUERY, "documents": DOCS, "instruction": "x"}
+        ).json()["error"]["message"]
+        assert "need a score template (--chat-template)" in said
+        server.wait_idle()
+        metrics = server.metrics()
+        assert metrics["pagedkv:kv_cache_free_blocks"] == 512
+        assert metrics["pagedkv:request_success_total"] == 4 * 3 + 3 * 3 + 3
+        assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
+    # an embedding model's server: cosines, the query embedded once
+    offline = [
+        o.outputs.score for o in LLM(qwen3, dtype="float32").score(QUERY, DOCS, use_tqdm=False)
+    ]
+    with ServerProcess(qwen3, *TINY_SERVER, "--dtype", "float32") as server:
+        r = httpx.post(server.url + "/rerank", json={"query": QUERY, "documents": DOCS}, timeout=60)
+        results = sorted(r.json()["results"], key=lambda x: x["index"])
+        assert [x["relevance_score"] for x in results] == pytest.approx(offline, abs=1e-5)
+        server.wait_idle()
+        assert server.metrics()["pagedkv:request_success_total"] == 1 + len(DOCS)
