@@ -2,7 +2,7 @@
 
 The Python API mirrors vLLM's: LLM, SamplingParams, RequestOutput, CompletionOutput,
 Logprob, AsyncLLMEngine, AsyncEngineArgs / EngineArgs, TextPrompt, TokensPrompt, LoRARequest,
-PoolingParams and EmbeddingRequestOutput (LLM.embed).
+PoolingParams, EmbeddingRequestOutput (LLM.embed) and ScoringRequestOutput (LLM.score).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ __all__ = [
     "LoRARequest",
     "PoolingParams",
     "EmbeddingRequestOutput",
+    "ScoringRequestOutput",
 ]
 
 # module that defines each lazily imported name
@@ -36,6 +37,7 @@ _LAZY = {
     "Logprob": "pagedkv.engine.outputs",
     "PoolingParams": "pagedkv.engine.pooling",
     "EmbeddingRequestOutput": "pagedkv.engine.outputs",
+    "ScoringRequestOutput": "pagedkv.engine.outputs",
     "AsyncLLMEngine": "pagedkv.engine.async_compat",
     "AsyncEngineArgs": "pagedkv.engine.async_compat",
     "EngineArgs": "pagedkv.engine.async_compat",

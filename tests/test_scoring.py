@@ -160,6 +160,18 @@ def test_one_tokens_logit_and_the_checkpoint_forms_of_the_head(untied):
     assert torch.equal(int8.engine.classifier.row, lm_head.dequantize()[300])
 
 
+def test_tensor_parallelism_gives_the_same_scores(qwen3):
+    """-tp 2: rank 0 holds the whole LM head, so the classifier and its scores are one
+    process's."""
+    one = [o.outputs.score for o in reranker(qwen3).score(QUERY, DOCS, use_tqdm=False)]
+    llm = reranker(qwen3, tensor_parallel_size=2)
+    try:
+        two = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+    finally:
+        llm.close()
+    assert two == pytest.approx(one, abs=1e-5)
+
+
 def test_the_prepacked_forms_give_back_their_rows():
     """PrepackedWeight.rows: every form this machine packs, rows across panel edges."""
     from pagedkv.model.prepacked import PrepackedWeight
@@ -263,6 +275,11 @@ def test_the_server_scores_and_reranks(qwen3):
             )
         every = httpx.post(server.url + "/rerank", json={"query": QUERY, "documents": DOCS}).json()
         assert len(every["results"]) == 3
+        bare = httpx.post(
+            server.url + "/rerank",
+            json={"query": QUERY, "documents": DOCS, "return_documents": False},
+        ).json()["results"]
+        assert [set(x) for x in bare] == [{"index", "relevance_score"}] * 3
         for path, body, param in [
             ("/score", {"text_1": DOCS[:2], "text_2": DOCS}, "text_1"),
             ("/score", {"text_1": QUERY}, None),
@@ -270,6 +287,7 @@ def test_the_server_scores_and_reranks(qwen3):
             ("/score", {"text_1": QUERY, "text_2": []}, "text_2"),
             ("/score", {"text_1": QUERY, "text_2": [{"content": []}]}, "text_2"),
             ("/rerank", {"query": QUERY, "documents": DOCS, "max_tokens_per_doc": 5}, None),
+            ("/rerank", {"query": QUERY, "documents": DOCS, "truncation_side": "right"}, None),
             ("/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, "top_n"),
             ("/rerank", {"query": QUERY, "documents": DOCS, "instruction": "x"}, None),
             ("/rerank", {"query": QUERY, "documents": DOCS, "model": "other"}, "model"),
@@ -289,7 +307,7 @@ def test_the_server_scores_and_reranks(qwen3):
         server.wait_idle()
         metrics = server.metrics()
         assert metrics["pagedkv:kv_cache_free_blocks"] == 512
-        assert metrics["pagedkv:request_success_total"] == 4 * 3 + 3 * 3 + 3
+        assert metrics["pagedkv:request_success_total"] == 4 * 3 + 3 * 3 + 3 + 3
         assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
     # an embedding model's server: cosines, the query embedded once
     offline = [

@@ -24,7 +24,6 @@ from pagedkv.engine.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
-    ScoringOutput,
     ScoringRequestOutput,
 )
 from pagedkv.engine.pooling import PoolingParams, embedding
@@ -237,13 +236,7 @@ class LLM:
         outs = self._pool(scoring.prompts, use_tqdm, None, truncate, lora_request)
         scores = scoring.scores([v for _, v in outs], pp.use_activation is not False)
         return [
-            ScoringRequestOutput(
-                f"{outs[i][0].request_id}_{outs[j][0].request_id}"
-                if i != j
-                else outs[i][0].request_id,
-                outs[i][0].prompt_token_ids + (outs[j][0].prompt_token_ids if i != j else []),
-                ScoringOutput(s),
-            )
+            ScoringRequestOutput.of(outs[i][0], outs[j][0], s)
             for (i, j), s in zip(scoring.pairs, scores)
         ]
 

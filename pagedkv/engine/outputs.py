@@ -131,3 +131,12 @@ class ScoringRequestOutput:
     prompt_token_ids: list[int]
     outputs: ScoringOutput
     finished: bool = True
+
+    @classmethod
+    def of(cls, a: RequestOutput, b: RequestOutput, score: float) -> ScoringRequestOutput:
+        """The pair scored from the prompts of a and b (a bi-encoder's two texts), or of a alone
+        (a cross-encoder's, b being a)."""
+        if a is b:
+            return cls(a.request_id, a.prompt_token_ids, ScoringOutput(score))
+        ids = a.prompt_token_ids + b.prompt_token_ids
+        return cls(f"{a.request_id}_{b.request_id}", ids, ScoringOutput(score))

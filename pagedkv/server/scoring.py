@@ -27,6 +27,14 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "truncation_side": (None, "left"),  # (truncate_prompt_tokens keeps the last tokens)
     "mm_processor_kwargs": (None,),
 }
+_WHY = {
+    "max_tokens_per_query": "max_tokens_per_query is not supported by pagedkv "
+    "(truncate_prompt_tokens keeps a prompt's last tokens)",
+    "max_tokens_per_doc": "max_tokens_per_doc is not supported by pagedkv "
+    "(truncate_prompt_tokens keeps a prompt's last tokens)",
+    "truncation_side": "truncation_side: truncate_prompt_tokens keeps a prompt's last tokens "
+    "(left); right is not supported by pagedkv",
+}
 # the pairs of fields /score takes, as vLLM's four request shapes name them
 _SCORE_FIELDS: tuple[tuple[str, str], ...] = (
     ("text_1", "text_2"),
@@ -65,7 +73,7 @@ class _ScoringRequest(RequestModel):
     instruction: SafeStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     understood = frozenset(_UNSUPPORTED)
-    _unsupported = model_validator(mode="before")(refusing(_UNSUPPORTED))
+    _unsupported = model_validator(mode="before")(refusing(_UNSUPPORTED, _WHY))
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """chat_template_kwargs with `instruction` in it (the dict's own key wins, as vLLM's)."""
@@ -102,6 +110,7 @@ class RerankRequest(_ScoringRequest):
     query: SafeStr
     documents: Texts
     top_n: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0  # 0: every document
+    return_documents: bool = True  # (Cohere's and Jina's: false leaves each text out)
 
 
 class ScoreData(BaseModel):
@@ -130,7 +139,7 @@ class RerankDocument(BaseModel):
 
 class RerankResult(BaseModel):
     index: int
-    document: RerankDocument
+    document: RerankDocument | None = None
     relevance_score: float
 
 
@@ -203,7 +212,11 @@ async def rerank(serving: OpenAIServing, req: RerankRequest, request: Request) -
         return got
     answer_id, model, scores, used = got
     results = [
-        RerankResult(index=i, document=RerankDocument(text=doc), relevance_score=s)
+        RerankResult(
+            index=i,
+            document=RerankDocument(text=doc) if req.return_documents else None,
+            relevance_score=s,
+        )
         for i, (doc, s) in enumerate(zip(req.documents, scores))
     ]
     results.sort(key=lambda r: r.relevance_score, reverse=True)  # (stable: ties keep their order)
@@ -213,4 +226,4 @@ async def rerank(serving: OpenAIServing, req: RerankRequest, request: Request) -
         usage=Usage(prompt_tokens=used, total_tokens=used),
         results=results[: req.top_n or None],
     )
-    return Response(body.model_dump_json(), media_type="application/json")
+    return Response(body.model_dump_json(exclude_none=True), media_type="application/json")
