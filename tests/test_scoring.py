@@ -102,6 +102,9 @@ def test_an_embedding_model_scores_by_cosine(qwen3):
     with pytest.raises(ParamError, match="a score template is for a cross-encoder"):
         llm.score(QUERY, DOCS, use_tqdm=False, chat_template=TEMPLATE)
     assert llm.engine.scheduler.kv.num_free_blocks() == 64
+    # (vLLM's newer use_activation is an embedding's normalize)
+    raw = llm.embed(QUERY, use_tqdm=False, pooling_params=PoolingParams(use_activation=False))
+    assert raw[0].outputs.embedding == pytest.approx(hidden(QUERY).tolist(), abs=1e-5)
 
 
 def test_a_causal_lm_made_a_reranker_equals_transformers(qwen3):
@@ -214,7 +217,8 @@ def test_the_prepacked_forms_give_back_their_rows():
                 "method": "no_post_processing",
                 "architectures": ["Qwen3ForCausalLM"],
             },
-            "makes a \\*ForSequenceClassification, not Qwen3ForCausalLM",
+            "architectures may only name a \\*ForSequenceClassification .a reranker., not "
+            "Qwen3ForCausalLM",
         ),
         (
             {"classifier_from_token": ["not-a-token!"], "method": "no_post_processing"},

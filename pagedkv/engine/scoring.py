@@ -51,6 +51,11 @@ class ClassifierSpec:
         archs = overrides.get("architectures", [])
         if not (isinstance(archs, list) and len(archs) <= 1 and all(type(a) is str for a in archs)):
             raise ConfigError("--hf-overrides: architectures must be a list of one name")
+        if archs and not archs[0].endswith(_SEQ_CLS):
+            raise ConfigError(
+                f"--hf-overrides: architectures may only name a *{_SEQ_CLS} (a reranker), not "
+                f"{archs[0]}: the checkpoint's own architecture is read from it"
+            )
         qwen3 = overrides.get("is_original_qwen3_reranker", False)
         if not isinstance(qwen3, bool):
             raise ConfigError("--hf-overrides: is_original_qwen3_reranker must be true or false")
@@ -62,13 +67,9 @@ class ClassifierSpec:
                     "--hf-overrides: a classifier needs classifier_from_token (pagedkv makes its "
                     "head of those tokens' LM-head rows)"
                 )
-            return None  # (architectures naming a causal LM: what the checkpoint is anyway)
+            return None
         if not (isinstance(tokens, list) and tokens and all(type(t) is str for t in tokens)):
             raise ConfigError("--hf-overrides: classifier_from_token must be a list of tokens")
-        if archs and not archs[0].endswith(_SEQ_CLS):
-            raise ConfigError(
-                f"--hf-overrides: classifier_from_token makes a *{_SEQ_CLS}, not {archs[0]}"
-            )
         if method not in SCORE_METHODS or (qwen3 and method != "from_2_way_softmax"):
             raise ConfigError(
                 "--hf-overrides: method must be from_2_way_softmax (two tokens: false, true) or "
