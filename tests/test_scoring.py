@@ -163,6 +163,50 @@ def test_one_tokens_logit_and_the_checkpoint_forms_of_the_head(untied):
     assert torch.equal(int8.engine.classifier.row, lm_head.dequantize()[300])
 
 
+def seq_cls_folder(src: str, dst, num_labels: int = 1) -> str:
+    """The model as a *ForSequenceClassification checkpoint (the "seq-cls" conversions of LLM
+    rerankers ship so): its backbone and a score head, no LM head."""
+    import shutil
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        src, num_labels=num_labels, dtype=torch.float32
+    )
+    torch.manual_seed(0)
+    torch.nn.init.normal_(model.score.weight, std=0.5)
+    model.save_pretrained(dst)
+    shutil.copy(f"{src}/tokenizer.json", dst)
+    return str(dst)
+
+
+def test_a_checkpoint_with_its_own_score_head(qwen3, tmp_path):
+    """Qwen3ForSequenceClassification as saved: the sigmoid of score.weight times the last
+    token's hidden state, equal to transformers'; it refuses text; more than one label, or
+    --hf-overrides over it, is refused by name."""
+    from tokenizers import Tokenizer
+
+    folder = seq_cls_folder(qwen3, tmp_path / "seqcls")
+    llm = LLM(folder, dtype="float32", block_size=4)
+    got = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+    tok = Tokenizer.from_file(f"{folder}/tokenizer.json")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    with torch.no_grad():
+        want = [
+            torch.sigmoid(model(torch.tensor([tok.encode(QUERY + d).ids])).logits[0, 0]).item()
+            for d in DOCS
+        ]
+    assert got == pytest.approx(want, abs=1e-5)
+    with pytest.raises(ConfigError, match="scores text pairs only .a \\*ForSequenceClass"):
+        llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ConfigError, match="checkpoint makes a classifier.*: not --runner generate"):
+        LLM(folder, dtype="float32", runner="generate")
+    two = seq_cls_folder(qwen3, tmp_path / "two", num_labels=2)
+    with pytest.raises(ConfigError, match="classifier has 2 labels; pagedkv scores pairs with one"):
+        LLM(two, dtype="float32")
+    overrides = {"classifier_from_token": tokens(qwen3, 5), "method": "no_post_processing"}
+    with pytest.raises(ConfigError, match="a score head of its own"):
+        LLM(folder, dtype="float32", hf_overrides=overrides)
+
+
 def test_tensor_parallelism_gives_the_same_scores(qwen3):
     """-tp 2: rank 0 holds the whole LM head, so the classifier and its scores are one
     process's."""

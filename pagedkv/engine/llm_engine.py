@@ -70,11 +70,6 @@ class LLMEngine:
         pooler = Pooler.of_model(config.model)  # how embeddings are made (engine/pooling.py)
         pooler.overridden(config.pooler_config)  # (checked now, applied after the load)
         scorer = ClassifierSpec.of(config.hf_overrides)  # a cross-encoder's head (scoring.py)
-        if scorer is not None and (config.runner == "generate" or config.pooler_config):
-            raise ConfigError(
-                "--hf-overrides makes a classifier, which scores pairs by its last token: not "
-                + ("--runner generate" if config.runner == "generate" else "--pooler-config")
-            )
         if self.device.type == "cpu":
             keep_freed_memory()
         if config.reasoning_parser and loaded is None:  # its tags, before the weights load
@@ -84,12 +79,14 @@ class LLMEngine:
         declared = self.loaded.config.pooling  # (a GGUF's; a folder's comes from its modules)
         self.pooler = (Pooler(declared) if declared else pooler).overridden(config.pooler_config)
         self.tokenizer = self.loaded.tokenizer
-        self.classifier = (
-            Classifier.of(scorer, self.tokenizer.token_id, self.loaded.model.head_rows)
-            if scorer
-            else None
-        )
+        self.classifier = Classifier.of_model(scorer, self.loaded.model, self.tokenizer)
         if self.classifier is not None:
+            if config.runner == "generate" or config.pooler_config:
+                raise ConfigError(
+                    f"{self.classifier_source()} makes a classifier, which scores pairs by its "
+                    "last token: not "
+                    + ("--runner generate" if config.runner == "generate" else "--pooler-config")
+                )
             self.pooler = Pooler("LAST", normalize=False)
         apply_engine_options(self, config)  # seed, chat template
         self.reasoning = (
@@ -205,9 +202,15 @@ class LLMEngine:
             raise ConfigError("this engine makes no embeddings or scores (--runner generate)")
         if embeddings and self.classifier is not None:
             raise ConfigError(
-                "this engine is a classifier (--hf-overrides): it scores text pairs (/score, "
-                "/rerank, LLM.score) and makes no embeddings"
+                f"this engine is a classifier ({self.classifier_source()}): it scores text pairs "
+                "(/score, /rerank, LLM.score) and makes no embeddings"
             )
+
+    def classifier_source(self) -> str:
+        """What made this engine a classifier, for its refusals."""
+        if self.config.hf_overrides:
+            return "--hf-overrides"
+        return "a *ForSequenceClassification checkpoint"
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Reject what can never run, with the reason; returns max_tokens resolved."""

@@ -5,7 +5,8 @@ the two vectors; a query scored against many documents is embedded once. An LLM 
 reranker (a cross-encoder: Qwen3-Reranker, bge-reranker-v2-gemma, mxbai-rerank-v2) reads each
 pair as one prompt, the query then the document (or a --chat-template given the messages
 {"role": "query"} and {"role": "document"}), and its last token's hidden state meets a classifier
-made of LM-head rows, as vLLM's --hf-overrides asks:
+made of LM-head rows, as vLLM's --hf-overrides asks (or a *ForSequenceClassification checkpoint's
+own one-label head, score.weight, as the "seq-cls" conversions of these rerankers ship):
 - method "from_2_way_softmax", tokens [false, true]: the true token's row less the false one's.
   Its sigmoid is the probability of the true token against the false one (Qwen3-Reranker's
   softmax over "no" and "yes");
@@ -18,12 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedkv.config import ConfigError
 from pagedkv.engine.chat import render_chat
 from pagedkv.engine.request import ParamError
+
+if TYPE_CHECKING:
+    from pagedkv.model.llama import LlamaForCausalLM
+    from pagedkv.model.tokenizer import Tokenizer
 
 SCORE_METHODS = {"from_2_way_softmax": 2, "no_post_processing": 1}  # -> tokens it takes
 _OVERRIDES = ("architectures", "classifier_from_token", "method", "is_original_qwen3_reranker")
@@ -89,6 +95,25 @@ class Classifier:
     """A cross-encoder's one-label head: a float32 row the last token's hidden state meets."""
 
     row: torch.Tensor
+
+    @classmethod
+    def of_model(
+        cls, spec: ClassifierSpec | None, model: LlamaForCausalLM, tokenizer: Tokenizer
+    ) -> Classifier | None:
+        """The engine's: what --hf-overrides asks for, or a *ForSequenceClassification
+        checkpoint's own head (score.weight); None for neither."""
+        if model.score is None:
+            return cls.of(spec, tokenizer.token_id, model.head_rows) if spec else None
+        if spec is not None:
+            raise ConfigError(
+                "--hf-overrides: this checkpoint is a classifier with a score head of its own"
+            )
+        if model.score.shape[0] != 1:
+            raise ConfigError(
+                f"this checkpoint's classifier has {model.score.shape[0]} labels; pagedkv scores "
+                "pairs with one (/classify is not built)"
+            )
+        return cls(model.score[0].detach().float())
 
     @classmethod
     def of(

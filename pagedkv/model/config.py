@@ -103,6 +103,9 @@ class LlamaConfig:
     # False for a checkpoint without an LM head (a base model saved for embeddings, as
     # Qwen3-Embedding's): it makes embeddings only (engine/pooling.py)
     generates: bool = True
+    # a *ForSequenceClassification checkpoint's labels: its score head (score.weight), a
+    # reranker's with one label (engine/scoring.py); 0 for a causal LM
+    num_labels: int = 0
     pooling: str | None = None  # the embeddings' pooling a GGUF declares ({arch}.pooling_type)
     qkv_bias: bool = False  # q, k and v projections with a bias (Qwen2)
     qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
@@ -358,6 +361,7 @@ class LlamaConfig:
                 eos_token_id=d.get("eos_token_id"),
                 rotary_dim=int(head_dim * partial),  # (as transformers rounds it)
                 rope_layers=_rope_layers(d),
+                num_labels=_num_labels(d),
                 clip_qkv=d.get("clip_qkv") if model_type == "olmoe" else None,
                 **_granite(d),
                 **experts_of(d),
@@ -368,6 +372,14 @@ class LlamaConfig:
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+
+
+def _num_labels(d: dict[str, Any]) -> int:
+    """A sequence classifier's labels (transformers' num_labels: id2label's, else 2)."""
+    archs = d.get("architectures") or []
+    if not (archs and str(archs[0]).endswith("ForSequenceClassification")):
+        return 0
+    return len(d.get("id2label") or {}) or d.get("num_labels", 2)
 
 
 def use_long_rope(config: LlamaConfig, max_model_len: int) -> None:

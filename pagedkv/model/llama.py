@@ -478,6 +478,12 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else frozen(config.vocab_size, config.hidden_size, dtype=dtype, device=late)
         )
+        # a sequence classifier's head (float32, as vLLM keeps it: a score is one dot product)
+        self.score = (
+            frozen(config.num_labels, config.hidden_size, dtype=torch.float32)
+            if config.num_labels
+            else None
+        )
         self.context = context or config.max_position_embeddings
         self.rotary = Rotary(config, self.context)
         # Gemma 3's sliding layers rotate with tables of their own; each layer's, in order
@@ -641,9 +647,15 @@ class LlamaForCausalLM(nn.Module):
                 if name != "lm_head.weight" or not self.config.tie_word_embeddings:
                     self._store(self, _TOP[name], tensor, name)
                 done.add(name)
+            elif name == "score.weight" and self.score is not None:
+                assert isinstance(tensor, Tensor)  # (no GGUF file has one)
+                self._copy(self.score, tensor, name)
+                done.add(name)
             elif not name.endswith("rotary_emb.inv_freq"):
                 raise ConfigError(f"unexpected weight {name!r} for a Llama model")
         required = {"model.embed_tokens.weight", "model.norm.weight"}
+        if self.score is not None:
+            required.add("score.weight")
         if not self.config.tie_word_embeddings:
             required.add("lm_head.weight")
         required.update(
