@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from pooling_llm import pooling_llm  # same folder
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
@@ -37,27 +39,15 @@ def main() -> None:
     sys.path.insert(0, args.shared)
     import workloads as wl
 
-    caching = not args.no_prefix_caching
+    llm = pooling_llm(args.engine, args.model, enable_prefix_caching=not args.no_prefix_caching)
     if args.engine == "vllm":
-        from vllm import LLM
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(
-            model=args.model,
-            dtype="bfloat16",
-            max_model_len=2048,
-            seed=0,
-            runner="pooling",
-            enable_prefix_caching=caching,
-        )
-
         def embed(prompts):
-            outs = llm.embed([TokensPrompt(prompt_token_ids=ids) for ids in prompts], use_tqdm=False)
+            batch = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
+            outs = llm.embed(batch, use_tqdm=False)
             return [o.outputs.embedding for o in outs]
     else:
-        from pagedkv import LLM
-
-        llm = LLM(args.model, max_model_len=2048, seed=0, enable_prefix_caching=caching)
 
         def embed(prompts):
             return [o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]

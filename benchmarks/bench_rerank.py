@@ -19,6 +19,8 @@ import argparse
 import random
 import time
 
+from pooling_llm import pooling_llm  # same folder
+
 WORDS = (
     "the a of to in and is for on with as by at from that this it be are was an or which "
     "cache memory block paged attention token model server request prefix query document "
@@ -53,21 +55,7 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
-    if args.engine == "vllm":
-        from vllm import LLM
-
-        llm = LLM(
-            model=args.model,
-            dtype="bfloat16",
-            max_model_len=2048,
-            seed=0,
-            runner="pooling",
-            hf_overrides=OVERRIDES,
-        )
-    else:
-        from pagedkv import LLM
-
-        llm = LLM(args.model, max_model_len=2048, seed=0, hf_overrides=OVERRIDES)
+    llm = pooling_llm(args.engine, args.model, hf_overrides=OVERRIDES)
 
     def rerank(query: str, docs: list[str]) -> list[float]:
         return [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]

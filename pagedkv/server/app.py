@@ -226,13 +226,13 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
     async def embeddings(request: Request) -> Response:
         return await serve_embeddings(serving, await read_json(request, EmbeddingRequest), request)
 
-    for path in ("/score", "/v1/score"):
+    for path in api.SCORE_PATHS:
 
         @app.post(path, openapi_extra=json_body(ScoreRequest))
         async def score(request: Request) -> Response:
             return await serve_score(serving, await read_json(request, ScoreRequest), request)
 
-    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+    for path in api.RERANK_PATHS:
 
         @app.post(path, openapi_extra=json_body(RerankRequest))
         async def rerank(request: Request) -> Response:

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.config import is_digits
 from pagedkv.server.errors import APIError, error_response
+from pagedkv.server.protocol import RERANK_PATHS, SCORE_PATHS
 
 MAX_BODY_BYTES = 8 * 2**20
 MAX_HEADER_COUNT = 256  # vLLM's --h11-max-header-count default
@@ -159,7 +160,7 @@ class ServerLoad:
 
     PATHS = frozenset(
         {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"}
-        | {"/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"}
+        | {*SCORE_PATHS, *RERANK_PATHS}
     )
 
     def __init__(self, app: ASGIApp) -> None:

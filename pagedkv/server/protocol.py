@@ -70,6 +70,10 @@ RepetitionPenalty = Annotated[
     FiniteFloat, doc(minimum=REPETITION_PENALTY_RANGE[0], maximum=REPETITION_PENALTY_RANGE[1])
 ]
 
+# the scoring routes (server/scoring.py), as vLLM serves them (Jina's and Cohere's clients too)
+SCORE_PATHS = ("/score", "/v1/score")
+RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+
 
 def _is_token_ids(v: Any) -> bool:
     return isinstance(v, list) and all(type(t) is int for t in v)
