@@ -2,7 +2,8 @@
 
 The Python API mirrors vLLM's: LLM, SamplingParams, RequestOutput, CompletionOutput,
 Logprob, AsyncLLMEngine, AsyncEngineArgs / EngineArgs, TextPrompt, TokensPrompt, LoRARequest,
-PoolingParams, EmbeddingRequestOutput (LLM.embed) and ScoringRequestOutput (LLM.score).
+PoolingParams, EmbeddingRequestOutput (LLM.embed), ClassificationRequestOutput (LLM.classify) and
+ScoringRequestOutput (LLM.score).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "LoRARequest",
     "PoolingParams",
     "EmbeddingRequestOutput",
+    "ClassificationRequestOutput",
     "ScoringRequestOutput",
 ]
 
@@ -37,6 +39,7 @@ _LAZY = {
     "Logprob": "pagedkv.engine.outputs",
     "PoolingParams": "pagedkv.engine.pooling",
     "EmbeddingRequestOutput": "pagedkv.engine.outputs",
+    "ClassificationRequestOutput": "pagedkv.engine.outputs",
     "ScoringRequestOutput": "pagedkv.engine.outputs",
     "AsyncLLMEngine": "pagedkv.engine.async_compat",
     "AsyncEngineArgs": "pagedkv.engine.async_compat",

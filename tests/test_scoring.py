@@ -1,8 +1,9 @@
 """Scores of text pairs (engine/scoring.py; /score, /rerank, LLM.score): an embedding model's
 cosine, equal to the cosine of transformers' hidden states; a causal LM made a reranker by vLLM's
 --hf-overrides, equal to transformers' softmax over the two tokens' logits (or the one token's
-sigmoid); the classifier's rows read back from every form the LM head is kept in; and the
-server's endpoints, their errors, and no block left behind."""
+sigmoid); the classifier's rows read back from every form the LM head is kept in; a classifier's
+labels (/classify, LLM.classify) equal to transformers'; and the server's endpoints, their
+errors, and no block left behind."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pagedkv.config import ConfigError
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.pooling import PoolingParams
 from pagedkv.engine.request import ParamError, SamplingParams
+from pagedkv.server.middleware import IGNORED_HEADER
 
 QUERY = "what is the capital of France"
 DOCS = ["Paris is the capital of France.", "Berlin is in Germany.", "the cat sat on the mat"]
@@ -138,7 +140,7 @@ def test_a_causal_lm_made_a_reranker_equals_transformers(qwen3):
     assert [o.outputs.score for o in templated] == pytest.approx(want, abs=1e-5)
     assert kv.num_free_blocks() == 64
     # generation and embeddings are refused, each saying why
-    with pytest.raises(ConfigError, match="scores text pairs only .--hf-overrides"):
+    with pytest.raises(ConfigError, match="is a classifier only .--hf-overrides"):
         llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ConfigError, match="is a classifier .--hf-overrides.* no embeddings"):
         llm.embed("hi", use_tqdm=False)
@@ -155,21 +157,22 @@ def test_one_tokens_logit_and_the_checkpoint_forms_of_the_head(untied):
     want = [torch.sigmoid(lg[300]).item() for lg in hf_logits(untied, [QUERY + d for d in DOCS])]
     assert got == pytest.approx(want, abs=1e-5)
     head = load_file(f"{untied}/model.safetensors")["lm_head.weight"]
-    assert torch.equal(llm.engine.classifier.row, head[300].float())
+    assert torch.equal(llm.engine.classifier.rows[0], head[300].float())
     bf16 = LLM(untied, dtype="bfloat16", block_size=4, hf_overrides=overrides)
-    assert torch.equal(bf16.engine.classifier.row, head[300].to(torch.bfloat16).float())
+    assert torch.equal(bf16.engine.classifier.rows[0], head[300].to(torch.bfloat16).float())
     int8 = LLM(untied, dtype="bfloat16", quantization="int8", block_size=4, hf_overrides=overrides)
     lm_head = int8.engine.loaded.model.lm_head
-    assert torch.equal(int8.engine.classifier.row, lm_head.dequantize()[300])
+    assert torch.equal(int8.engine.classifier.rows[0], lm_head.dequantize()[300])
 
 
-def seq_cls_folder(src: str, dst, num_labels: int = 1) -> str:
+def seq_cls_folder(src: str, dst, num_labels: int = 1, **config) -> str:
     """The model as a *ForSequenceClassification checkpoint (the "seq-cls" conversions of LLM
-    rerankers ship so): its backbone and a score head, no LM head."""
+    rerankers ship so): its backbone and a score head, no LM head. `config`: more of its
+    config's fields (id2label, problem_type)."""
     import shutil
 
     model = transformers.AutoModelForSequenceClassification.from_pretrained(
-        src, num_labels=num_labels, dtype=torch.float32
+        src, num_labels=num_labels, dtype=torch.float32, **config
     )
     torch.manual_seed(0)
     torch.nn.init.normal_(model.score.weight, std=0.5)
@@ -195,16 +198,60 @@ def test_a_checkpoint_with_its_own_score_head(qwen3, tmp_path):
             for d in DOCS
         ]
     assert got == pytest.approx(want, abs=1e-5)
-    with pytest.raises(ConfigError, match="scores text pairs only .a \\*ForSequenceClass"):
+    with pytest.raises(ConfigError, match="is a classifier only .a \\*ForSequenceClass"):
         llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ConfigError, match="checkpoint makes a classifier.*: not --runner generate"):
         LLM(folder, dtype="float32", runner="generate")
-    two = seq_cls_folder(qwen3, tmp_path / "two", num_labels=2)
-    with pytest.raises(ConfigError, match="classifier has 2 labels; pagedkv scores pairs with one"):
-        LLM(two, dtype="float32")
     overrides = {"classifier_from_token": tokens(qwen3, 5), "method": "no_post_processing"}
     with pytest.raises(ConfigError, match="a score head of its own"):
         LLM(folder, dtype="float32", hf_overrides=overrides)
+
+
+def hf_classifier_logits(folder: str, texts: list[str]) -> torch.Tensor:
+    """transformers' classifier logits, a row per text."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{folder}/tokenizer.json")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    with torch.no_grad():
+        return torch.cat([model(torch.tensor([tok.encode(t).ids])).logits for t in texts])
+
+
+def test_a_classifier_of_many_labels_equals_transformers(qwen3, tmp_path):
+    """LLM.classify: the softmax over transformers' logits (a sigmoid each where the labels are
+    independent; the logits without use_activation), the labels named as id2label names them;
+    such a classifier scores no pairs, generates nothing and makes no embeddings, each said so;
+    an embedding model has no classifier to classify with."""
+    names = {0: "negative", 1: "neutral", 2: "positive"}
+    folder = seq_cls_folder(qwen3, tmp_path / "three", num_labels=3, id2label=names)
+    llm = LLM(folder, dtype="float32", block_size=4)
+    texts = [QUERY, *DOCS, "x"]
+    logits = hf_classifier_logits(folder, texts)
+    outs = llm.classify(texts, use_tqdm=False)
+    assert [o.outputs.num_classes for o in outs] == [3] * len(texts)
+    for o, want in zip(outs, torch.softmax(logits, 1)):
+        assert o.outputs.probs == pytest.approx(want.tolist(), abs=1e-5)
+    assert [o.prompt_token_ids for o in outs] == [llm.engine.tokenize(t) for t in texts]
+    assert llm.engine.classifier.labels == ("negative", "neutral", "positive")
+    raw = llm.classify(texts, use_tqdm=False, pooling_params=PoolingParams(use_activation=False))
+    assert [o.outputs.probs for o in raw] == [pytest.approx(r, abs=1e-5) for r in logits.tolist()]
+    with pytest.raises(ConfigError, match="has 3 labels and scores no pairs.*/classify"):
+        llm.score(QUERY, DOCS, use_tqdm=False)
+    with pytest.raises(ConfigError, match="is a classifier only"):
+        llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ConfigError, match="makes no embeddings"):
+        llm.embed("hi", use_tqdm=False)
+    with pytest.raises(ParamError, match="classify takes only use_activation"):
+        llm.classify("hi", use_tqdm=False, pooling_params=PoolingParams(dimensions=2))
+    assert llm.engine.scheduler.kv.num_free_blocks() == llm.engine.scheduler.kv.num_blocks
+    multi = seq_cls_folder(
+        qwen3, tmp_path / "multi", num_labels=2, problem_type="multi_label_classification"
+    )
+    got = [o.outputs.probs for o in LLM(multi, dtype="float32").classify(DOCS, use_tqdm=False)]
+    want = torch.sigmoid(hf_classifier_logits(multi, DOCS)).tolist()
+    assert got == [pytest.approx(w, abs=1e-5) for w in want]
+    with pytest.raises(ConfigError, match="no classifier to classify with"):
+        LLM(qwen3, dtype="float32").classify("hi", use_tqdm=False)
 
 
 def test_tensor_parallelism_gives_the_same_scores(qwen3):
@@ -362,8 +409,68 @@ def test_the_server_scores_and_reranks(qwen3):
         o.outputs.score for o in LLM(qwen3, dtype="float32").score(QUERY, DOCS, use_tqdm=False)
     ]
     with ServerProcess(qwen3, *TINY_SERVER, "--dtype", "float32") as server:
+        r = httpx.post(server.url + "/classify", json={"input": QUERY}, timeout=60)
+        assert r.status_code == 400 and "no classifier" in r.json()["error"]["message"], r.text
         r = httpx.post(server.url + "/rerank", json={"query": QUERY, "documents": DOCS}, timeout=60)
         results = sorted(r.json()["results"], key=lambda x: x["index"])
         assert [x["relevance_score"] for x in results] == pytest.approx(offline, abs=1e-5)
         server.wait_idle()
         assert server.metrics()["pagedkv:request_success_total"] == 1 + len(DOCS)
+
+
+def test_the_server_classifies(qwen3, tmp_path):
+    """/classify and /v1/classify: the offline probabilities (texts and token ids), the likeliest
+    label's name, vLLM's answer shape; OpenAI-shaped 400s naming the field; /score refused on a
+    classifier of three labels; no block left, and one success an input in /metrics."""
+    names = {0: "negative", 1: "neutral", 2: "positive"}
+    folder = seq_cls_folder(qwen3, tmp_path / "three", num_labels=3, id2label=names)
+    llm = LLM(folder, dtype="float32")
+    offline = [o.outputs.probs for o in llm.classify(DOCS, use_tqdm=False)]
+    ids = llm.engine.tokenize(QUERY)
+    by_ids = llm.classify([ids], use_tqdm=False)[0].outputs.probs
+    with ServerProcess(folder, *TINY_SERVER, "--dtype", "float32") as server:
+        for path, body, want in [
+            ("/classify", {"input": DOCS}, offline),
+            ("/v1/classify", {"input": DOCS[0], "model": "tiny"}, offline[:1]),
+            ("/classify", {"input": ids}, [by_ids]),
+            ("/classify", {"input": [ids, DOCS[1]]}, [by_ids, offline[1]]),
+        ]:
+            r = httpx.post(server.url + path, json=body, timeout=60)
+            assert r.status_code == 200, server.output()[-3000:]
+            answer = r.json()
+            assert answer["object"] == "list" and answer["id"].startswith("classify-")
+            assert [d["index"] for d in answer["data"]] == list(range(len(want)))
+            for d, probs in zip(answer["data"], want):
+                assert d["probs"] == pytest.approx(probs, abs=1e-5)
+                assert d["num_classes"] == 3
+                assert d["label"] == names[max(range(3), key=probs.__getitem__)]
+            usage = answer["usage"]
+            assert usage["prompt_tokens"] == usage["total_tokens"] > 0
+            assert usage["completion_tokens"] == 0
+        raw = httpx.post(server.url + "/classify", json={"input": DOCS[0], "use_activation": False})
+        assert sum(raw.json()["data"][0]["probs"]) != pytest.approx(1.0)
+        # a field nothing reads is named in the answer's header, as everywhere
+        named = httpx.post(server.url + "/classify", json={"input": "hi", "dimensions": 2})
+        assert named.status_code == 200 and "dimensions" in named.headers[IGNORED_HEADER]
+        for path, body, param in [
+            ("/classify", {"input": []}, "input"),
+            ("/classify", {"input": ""}, "input"),
+            ("/classify", {}, "input"),
+            ("/classify", {"input": "hi", "truncate_prompt_tokens": "x"}, "truncate_prompt_tokens"),
+            ("/classify", {"input": [[10**9]]}, None),
+            ("/classify", {"input": "hi", "model": "other"}, "model"),
+            ("/score", {"text_1": QUERY, "text_2": DOCS}, None),
+            ("/v1/embeddings", {"input": "hi"}, None),
+        ]:
+            r = httpx.post(server.url + path, json=body, timeout=60)
+            status = 404 if body.get("model") == "other" else 400
+            assert r.status_code == status, (path, body, r.text)
+            error = r.json()["error"]
+            assert error["message"] and (param is None or error["param"] == param), error
+        said = httpx.post(server.url + "/score", json={"text_1": QUERY, "text_2": DOCS}).json()
+        assert "scores no pairs" in said["error"]["message"]
+        server.wait_idle()
+        metrics = server.metrics()
+        assert metrics["pagedkv:kv_cache_free_blocks"] == 512
+        assert metrics["pagedkv:request_success_total"] == 3 + 1 + 1 + 2 + 1 + 1
+        assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}

@@ -64,8 +64,8 @@ def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingP
     if params.pooling is None and not engine.generates:
         if engine.classifier is not None:
             raise ConfigError(
-                f"this engine scores text pairs only ({engine.classifier_source()}): /score, "
-                "/rerank, LLM.score"
+                f"this engine is a classifier only ({engine.classifier_source()}): /classify, "
+                "/score, /rerank, LLM.classify, LLM.score"
             )
         why = "--runner pooling" if engine.config.runner == "pooling" else NO_LM_HEAD
         raise ConfigError(

@@ -21,6 +21,8 @@ from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedkv.engine.chat import render_chat
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
@@ -39,6 +41,15 @@ def _pooling_params(pp: PoolingParams | None) -> PoolingParams:
     if pp is not None and not isinstance(pp, PoolingParams):
         raise ConfigError("pooling_params must be a PoolingParams")
     return pp or PoolingParams()
+
+
+def _use_activation(pp: PoolingParams | None, call: str) -> bool:
+    """Whether a classifier's call (score, classify), which takes use_activation of PoolingParams
+    only, applies its activation."""
+    pp = _pooling_params(pp)
+    if pp.dimensions is not None or pp.normalize is not None:
+        raise ParamError("pooling_params", f"{call} takes only use_activation of PoolingParams")
+    return pp.use_activation is not False
 
 
 def to_prompt(p: Any) -> str | list[int]:
@@ -186,13 +197,36 @@ class LLM:
         """vLLM's: one embedding per prompt, pooled as the model says (engine/pooling.py)."""
         self.engine.check_pools(embeddings=True)
         pp = _pooling_params(pooling_params)
-        outs = self._pool(prompts, use_tqdm, pp.dimensions, truncate_prompt_tokens, lora_request)
         normalize = pp.normalizes(self.engine.pooler)
+        outs = self._pool(prompts, use_tqdm, pp.dimensions, truncate_prompt_tokens, lora_request)
         return [
             EmbeddingRequestOutput(
                 o.request_id,
                 o.prompt_token_ids,
                 EmbeddingOutput(embedding(v, normalize, pp.dimensions)),
+            )
+            for o, v in outs
+        ]
+
+    def classify(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's: each prompt's labels' probabilities from the model's classifier (a
+        *ForSequenceClassification checkpoint's head, or --hf-overrides'), engine/scoring.py."""
+        classifier = self.engine.check_classifier()
+        activate = _use_activation(pooling_params, "classify")
+        outs = self._pool(prompts, use_tqdm, None, truncate_prompt_tokens, lora_request)
+        return [
+            ClassificationRequestOutput(
+                o.request_id,
+                o.prompt_token_ids,
+                ClassificationOutput(classifier.probs(v, activate)),
             )
             for o, v in outs
         ]
@@ -214,9 +248,7 @@ class LLM:
         classifier over the pair read as one prompt (engine/scoring.py)."""
         engine = self.engine
         engine.check_pools()
-        pp = _pooling_params(pooling_params)
-        if pp.dimensions is not None or pp.normalize is not None:
-            raise ParamError("pooling_params", "a score takes only use_activation of PoolingParams")
+        activate = _use_activation(pooling_params, "a score")
         kwargs = dict(tokenization_kwargs or {})
         truncate = kwargs.pop("truncate_prompt_tokens", None)
         if kwargs:
@@ -234,7 +266,7 @@ class LLM:
             chat_template or engine.config.chat_template,
         )
         outs = self._pool(scoring.prompts, use_tqdm, None, truncate, lora_request)
-        scores = scoring.scores([v for _, v in outs], pp.use_activation is not False)
+        scores = scoring.scores([v for _, v in outs], activate)
         return [
             ScoringRequestOutput.of(outs[i][0], outs[j][0], s)
             for (i, j), s in zip(scoring.pairs, scores)

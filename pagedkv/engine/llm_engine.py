@@ -202,9 +202,20 @@ class LLMEngine:
             raise ConfigError("this engine makes no embeddings or scores (--runner generate)")
         if embeddings and self.classifier is not None:
             raise ConfigError(
-                f"this engine is a classifier ({self.classifier_source()}): it scores text pairs "
-                "(/score, /rerank, LLM.score) and makes no embeddings"
+                f"this engine is a classifier ({self.classifier_source()}): it classifies texts "
+                "and scores pairs (/classify, /score, /rerank, LLM.classify, LLM.score) and makes "
+                "no embeddings"
             )
+
+    def check_classifier(self) -> Classifier:
+        """The engine's classifier, or the refusal of a model that has none."""
+        self.check_pools()
+        if self.classifier is None:
+            raise ConfigError(
+                "this model has no classifier to classify with: a *ForSequenceClassification "
+                "checkpoint has one, or --hf-overrides makes one of LM-head rows"
+            )
+        return self.classifier
 
     def classifier_source(self) -> str:
         """What made this engine a classifier, for its refusals."""

@@ -117,6 +117,27 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    """vLLM's: one prompt's labels' probabilities (or logits, without use_activation)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's result of LLM.classify for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
 class ScoringOutput:
     """vLLM's: one pair's score."""
 

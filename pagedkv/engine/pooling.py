@@ -110,10 +110,10 @@ class Pooler:
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """vLLM's, for LLM.embed and LLM.score: the first `dimensions` values only (Matryoshka
-    models); whether to scale an embedding to unit length (None: as the model's Pooler says);
-    use_activation, vLLM's newer name for it, which for a classifier's score means the sigmoid
-    (None: on)."""
+    """vLLM's, for LLM.embed, LLM.classify and LLM.score: the first `dimensions` values only
+    (Matryoshka models); whether to scale an embedding to unit length (None: as the model's Pooler
+    says); use_activation, vLLM's newer name for it, which for a classifier means the sigmoid or
+    softmax of its logits (None: on)."""
 
     dimensions: int | None = None
     normalize: bool | None = None

@@ -1,4 +1,5 @@
-"""Scores of text pairs (/score, /rerank, LLM.score), as vLLM computes them.
+"""Scores of text pairs (/score, /rerank, LLM.score) and a classifier's labels (/classify,
+LLM.classify), as vLLM computes them.
 
 An embedding model (a bi-encoder) embeds each text on its own and scores a pair by the cosine of
 the two vectors; a query scored against many documents is embedded once. An LLM used as a
@@ -11,6 +12,9 @@ own one-label head, score.weight, as the "seq-cls" conversions of these reranker
   Its sigmoid is the probability of the true token against the false one (Qwen3-Reranker's
   softmax over "no" and "yes");
 - method "no_post_processing", one token: that row, whose sigmoid is the score.
+A *ForSequenceClassification checkpoint of more labels (a sentiment or topic classifier) scores no
+pairs; /classify gives each text its labels' probabilities: a softmax over the labels, or a sigmoid
+for each where the labels are independent (problem_type multi_label_classification) or one.
 Either way every text runs as an embedding request (pooling, engine/pooling.py), so it batches,
 chunks, preempts and meets the prefix cache like any other.
 """
@@ -92,9 +96,12 @@ class ClassifierSpec:
 
 @dataclass(frozen=True)
 class Classifier:
-    """A cross-encoder's one-label head: a float32 row the last token's hidden state meets."""
+    """A classifier's head: float32 rows, one a label, that the last token's hidden state meets
+    (a cross-encoder's has one)."""
 
-    row: torch.Tensor
+    rows: torch.Tensor  # [labels, hidden]
+    labels: tuple[str, ...] = ("LABEL_0",)
+    multi_label: bool = False
 
     @classmethod
     def of_model(
@@ -108,12 +115,8 @@ class Classifier:
             raise ConfigError(
                 "--hf-overrides: this checkpoint is a classifier with a score head of its own"
             )
-        if model.score.shape[0] != 1:
-            raise ConfigError(
-                f"this checkpoint's classifier has {model.score.shape[0]} labels; pagedkv scores "
-                "pairs with one (/classify is not built)"
-            )
-        return cls(model.score[0].detach().float())
+        config = model.config
+        return cls(model.score.detach().float(), config.labels, config.multi_label)
 
     @classmethod
     def of(
@@ -132,12 +135,33 @@ class Classifier:
                 )
             ids.append(i)
         rows = head_rows(ids)
-        return cls(rows[1] - rows[0] if spec.method == "from_2_way_softmax" else rows[0])
+        return cls((rows[1] - rows[0] if spec.method == "from_2_way_softmax" else rows[0])[None])
+
+    def check_pairs(self) -> None:
+        """Refuse to score pairs with more than one label, saying what it does instead."""
+        if len(self.labels) != 1:
+            raise ConfigError(
+                f"this classifier has {len(self.labels)} labels and scores no pairs (a reranker "
+                "has one): /classify and LLM.classify give its labels' probabilities"
+            )
 
     def score(self, vector: list[float], use_activation: bool = True) -> float:
-        """The sigmoid of the row times the hidden state, or without use_activation the logit."""
-        logit = self.row @ torch.tensor(vector, dtype=torch.float32)
-        return float(torch.sigmoid(logit) if use_activation else logit)
+        """A one-label head's sigmoid of its row times the hidden state, or without
+        use_activation the logit."""
+        return self.probs(vector, use_activation)[0]
+
+    def probs(self, vector: list[float], use_activation: bool = True) -> list[float]:
+        """Each label's probability (softmax over the labels, or a sigmoid each where they are
+        independent or one), or without use_activation their logits."""
+        logits = self.rows @ torch.tensor(vector, dtype=torch.float32)
+        if not use_activation:
+            return logits.tolist()
+        sigmoid = self.multi_label or len(self.labels) == 1
+        return (torch.sigmoid(logits) if sigmoid else torch.softmax(logits, 0)).tolist()
+
+    def label(self, probs: list[float]) -> str:
+        """The most likely label's name (the first of ties)."""
+        return self.labels[max(range(len(probs)), key=probs.__getitem__)]
 
 
 def cosine(a: list[float], b: list[float]) -> float:
@@ -194,6 +218,7 @@ def plan(
             )
         n = len(first)
         return ScorePlan(first + second, [(i, n + j) for j, i in enumerate(which)], None)
+    classifier.check_pairs()
     prompts = [
         pair_prompt(tokenizer, first[i], doc, chat_template, template_kwargs)
         for i, doc in zip(which, second)

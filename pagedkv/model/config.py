@@ -106,6 +106,8 @@ class LlamaConfig:
     # a *ForSequenceClassification checkpoint's labels: its score head (score.weight), a
     # reranker's with one label (engine/scoring.py); 0 for a causal LM
     num_labels: int = 0
+    labels: tuple[str, ...] = ()  # their names (id2label), as /classify answers them
+    multi_label: bool = False  # problem_type multi_label_classification: a sigmoid for each
     pooling: str | None = None  # the embeddings' pooling a GGUF declares ({arch}.pooling_type)
     qkv_bias: bool = False  # q, k and v projections with a bias (Qwen2)
     qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
@@ -361,7 +363,7 @@ class LlamaConfig:
                 eos_token_id=d.get("eos_token_id"),
                 rotary_dim=int(head_dim * partial),  # (as transformers rounds it)
                 rope_layers=_rope_layers(d),
-                num_labels=_num_labels(d),
+                **_classifier(d),
                 clip_qkv=d.get("clip_qkv") if model_type == "olmoe" else None,
                 **_granite(d),
                 **experts_of(d),
@@ -374,12 +376,21 @@ class LlamaConfig:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
 
 
-def _num_labels(d: dict[str, Any]) -> int:
-    """A sequence classifier's labels (transformers' num_labels: id2label's, else 2)."""
+def _classifier(d: dict[str, Any]) -> dict[str, Any]:
+    """A sequence classifier's labels (transformers' num_labels: id2label's, else 2), their names
+    (transformers' LABEL_i where id2label has none) and whether they are independent."""
     archs = d.get("architectures") or []
     if not (archs and str(archs[0]).endswith("ForSequenceClassification")):
-        return 0
-    return len(d.get("id2label") or {}) or d.get("num_labels", 2)
+        return {}
+    names = d.get("id2label") or {}
+    n = len(names) or d.get("num_labels", 2)
+    if not (isinstance(n, int) and n > 0 and isinstance(names, dict)):
+        raise ConfigError(f"a classifier's num_labels must be a positive int, got {n!r}")
+    return {
+        "num_labels": n,
+        "labels": tuple(str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(n)),
+        "multi_label": d.get("problem_type") == "multi_label_classification",
+    }
 
 
 def use_long_rope(config: LlamaConfig, max_model_len: int) -> None:

@@ -31,6 +31,8 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine.request import INT64_MAX, INT64_MIN
 from pagedkv.server import protocol as api
 from pagedkv.server import protocol_extra
+from pagedkv.server.classify import ClassificationRequest
+from pagedkv.server.classify import classify as serve_classify
 from pagedkv.server.embeddings import EmbeddingRequest
 from pagedkv.server.embeddings import embeddings as serve_embeddings
 from pagedkv.server.errors import APIError, install_error_handlers
@@ -237,6 +239,13 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
         @app.post(path, openapi_extra=json_body(RerankRequest))
         async def rerank(request: Request) -> Response:
             return await serve_rerank(serving, await read_json(request, RerankRequest), request)
+
+    for path in api.CLASSIFY_PATHS:
+
+        @app.post(path, openapi_extra=json_body(ClassificationRequest))
+        async def classify(request: Request) -> Response:
+            req = await read_json(request, ClassificationRequest)
+            return await serve_classify(serving, req, request)
 
     @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest))
     async def responses(request: Request) -> Response:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import numpy as np
@@ -26,21 +28,27 @@ from pagedkv.server.streaming import ClientGone, merge, until_disconnect
 from pagedkv.server.validation import Int64, Name, RequestModel
 
 
-class EmbeddingRequest(RequestModel):
-    """OpenAI's fields, and vLLM's: truncate_prompt_tokens, add_special_tokens, priority,
-    request_id and normalize (None: as the model's pooling says)."""
+class PoolingRequest(RequestModel):
+    """The fields of a request whose inputs are pooled (embeddings, /classify): OpenAI's, and
+    vLLM's truncate_prompt_tokens, add_special_tokens, priority and request_id."""
 
     input: Annotated[
         list[Prompt], BeforeValidator(check_prompts, json_schema_input_type=PromptInput)
     ]
     model: Name | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Count | None = None
     user: Name | None = None
     truncate_prompt_tokens: Int64 | None = None
     add_special_tokens: bool = True
     priority: Int64 = 0
     request_id: Name | None = None
+
+
+class EmbeddingRequest(PoolingRequest):
+    """And OpenAI's encoding_format and dimensions, vLLM's normalize (None: as the model's
+    pooling says)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Count | None = None
     normalize: bool | None = None
 
 
@@ -76,6 +84,51 @@ def pooled(out: RequestOutput) -> list[float]:
     return out.pooled
 
 
+@dataclass
+class Pooled:
+    """A pooling request's run: its answer's id, the model's name, the inputs' vectors in order
+    and the prompt tokens they took."""
+
+    answer_id: str
+    model: str
+    vectors: list[list[float]]
+    used: int
+
+
+async def pool_inputs(
+    serving: OpenAIServing,
+    req: PoolingRequest,
+    request: Request,
+    kind: str,
+    check: Callable[[], object],
+    dimensions: int | None = None,
+) -> Pooled | Response:
+    """Runs each input (a text or token ids, truncated as asked) as a pooling request, after the
+    model's name and then `check` (what this engine can answer) pass: the vectors, or the 499 of a
+    client gone. `kind` prefixes the answer's id."""
+    engine = serving.engine
+    lora = serving.check_model(req.model)
+    check()
+    hidden = engine.engine.loaded.config.hidden_size
+    pooler = engine.engine.pooler
+    params = pooler.request_params(hidden, dimensions, req.truncate_prompt_tokens, req.priority)
+    params.lora_name = lora
+    tok = engine.tokenizer
+    prompts = [
+        params.truncate(
+            p if isinstance(p, list) else await encode(tok, p, req.add_special_tokens),
+            engine.max_model_len,
+        )
+        for p in req.input
+    ]
+    answer_id = request_id(kind, request, req.request_id)
+    vectors = await pool_prompts(serving, request, prompts, params, answer_id)
+    if vectors is None:
+        return Response(status_code=499)
+    used = sum(len(ids) for ids in prompts)
+    return Pooled(answer_id, lora or engine.model_name, vectors, used)
+
+
 async def pool_prompts(
     serving: OpenAIServing, request: Request, prompts: list[list[int]], params, answer_id: str
 ) -> list[list[float]] | None:
@@ -101,38 +154,24 @@ async def pool_prompts(
 
 
 async def embeddings(serving: OpenAIServing, req: EmbeddingRequest, request: Request) -> Response:
-    engine = serving.engine
-    lora = serving.check_model(req.model)
-    engine.engine.check_pools(embeddings=True)
-    pooler = engine.engine.pooler
-    hidden = engine.engine.loaded.config.hidden_size
-    params = pooler.request_params(hidden, req.dimensions, req.truncate_prompt_tokens, req.priority)
-    params.lora_name = lora
-    tok = engine.tokenizer
-    prompts = [
-        params.truncate(
-            p if isinstance(p, list) else await encode(tok, p, req.add_special_tokens),
-            engine.max_model_len,
-        )
-        for p in req.input
-    ]
-    answer_id = request_id("embd", request, req.request_id)
-    vectors = await pool_prompts(serving, request, prompts, params, answer_id)
-    if vectors is None:
-        return Response(status_code=499)
-    normalize = pooler.normalize if req.normalize is None else req.normalize
+    core = serving.engine.engine
+    run = await pool_inputs(
+        serving, req, request, "embd", lambda: core.check_pools(embeddings=True), req.dimensions
+    )
+    if isinstance(run, Response):
+        return run
+    normalize = core.pooler.normalize if req.normalize is None else req.normalize
     data = [
         EmbeddingData(
             index=i, embedding=encoded(embedding(v, normalize, req.dimensions), req.encoding_format)
         )
-        for i, v in enumerate(vectors)
+        for i, v in enumerate(run.vectors)
     ]
-    used = sum(len(ids) for ids in prompts)
     body = EmbeddingResponse(
-        id=answer_id,
+        id=run.answer_id,
         created=int(time.time()),
-        model=lora or engine.model_name,
+        model=run.model,
         data=data,
-        usage=EmbeddingUsage(prompt_tokens=used, total_tokens=used),
+        usage=EmbeddingUsage(prompt_tokens=run.used, total_tokens=run.used),
     )
     return Response(body.model_dump_json(), media_type="application/json")

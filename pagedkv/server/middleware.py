@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.config import is_digits
 from pagedkv.server.errors import APIError, error_response
-from pagedkv.server.protocol import RERANK_PATHS, SCORE_PATHS
+from pagedkv.server.protocol import CLASSIFY_PATHS, RERANK_PATHS, SCORE_PATHS
 
 MAX_BODY_BYTES = 8 * 2**20
 MAX_HEADER_COUNT = 256  # vLLM's --h11-max-header-count default
@@ -155,12 +155,12 @@ class RequestIdHeader:
 
 
 class ServerLoad:
-    """vLLM's GET /load: the model's requests in flight (generations, embeddings and scores,
+    """vLLM's GET /load: the model's requests in flight (generations, embeddings, scores, labels,
     `app.state.server_load`), from their arrival until their answer's last byte, streamed or not."""
 
     PATHS = frozenset(
         {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"}
-        | {*SCORE_PATHS, *RERANK_PATHS}
+        | {*SCORE_PATHS, *RERANK_PATHS, *CLASSIFY_PATHS}
     )
 
     def __init__(self, app: ASGIApp) -> None:

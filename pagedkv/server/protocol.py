@@ -70,9 +70,11 @@ RepetitionPenalty = Annotated[
     FiniteFloat, doc(minimum=REPETITION_PENALTY_RANGE[0], maximum=REPETITION_PENALTY_RANGE[1])
 ]
 
-# the scoring routes (server/scoring.py), as vLLM serves them (Jina's and Cohere's clients too)
+# the scoring routes (server/scoring.py), as vLLM serves them (Jina's and Cohere's clients too),
+# and the classifier's (server/classify.py)
 SCORE_PATHS = ("/score", "/v1/score")
 RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+CLASSIFY_PATHS = ("/classify", "/v1/classify")
 
 
 def _is_token_ids(v: Any) -> bool:

@@ -48,6 +48,7 @@ LOAD_LORA, UNLOAD_LORA = "v1/load_lora_adapter", "v1/unload_lora_adapter"
 _PROMPT_FIELDS: dict[str, tuple[str, ...]] = {
     "/completions": ("prompt",),
     "/embeddings": ("input",),
+    "/classify": ("input",),
     "/rerank": ("query",),
     "/score": ("text_1", "queries", "data_1"),
 }
