@@ -197,8 +197,8 @@ class LLM:
         """vLLM's: one embedding per prompt, pooled as the model says (engine/pooling.py)."""
         self.engine.check_pools(embeddings=True)
         pp = _pooling_params(pooling_params)
-        normalize = pp.normalizes(self.engine.pooler)
         outs = self._pool(prompts, use_tqdm, pp.dimensions, truncate_prompt_tokens, lora_request)
+        normalize = pp.normalizes(self.engine.pooler)
         return [
             EmbeddingRequestOutput(
                 o.request_id,

@@ -103,8 +103,8 @@ class LlamaConfig:
     # False for a checkpoint without an LM head (a base model saved for embeddings, as
     # Qwen3-Embedding's): it makes embeddings only (engine/pooling.py)
     generates: bool = True
-    # a *ForSequenceClassification checkpoint's labels: its score head (score.weight), a
-    # reranker's with one label (engine/scoring.py); 0 for a causal LM
+    # a *ForSequenceClassification checkpoint's labels: its score head (score.weight), of one
+    # for a reranker, of more for a classifier (engine/scoring.py); 0 for a causal LM
     num_labels: int = 0
     labels: tuple[str, ...] = ()  # their names (id2label), as /classify answers them
     multi_label: bool = False  # problem_type multi_label_classification: a sigmoid for each
