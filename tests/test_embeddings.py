@@ -16,6 +16,7 @@ import transformers
 from server_process import TINY_SERVER, ServerProcess
 from tiny_model import make_tiny_model
 
+from pagedkv.engine.chat import render_chat
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.pooling import Pooler, PoolingParams
 from pagedkv.engine.request import ParamError, SamplingParams
@@ -192,11 +193,14 @@ def test_a_broken_pooling_module_is_refused_by_name(qwen3, tmp_path):
 
 def test_the_server_answers_the_openai_client(qwen3):
     """The openai client asks for base64 by default; floats on request; the same vectors as
-    LLM.embed. Bad input: OpenAI-shaped 400s and 404s, and no block kept."""
-    offline = [
-        o.outputs.embedding
-        for o in LLM(qwen3, dtype="float32", block_size=4).embed(PROMPTS, use_tqdm=False)
-    ]
+    LLM.embed; vLLM's chat form (messages rendered by the template, no generation prompt) as the
+    rendered text's tokens. Bad input: OpenAI-shaped 400s and 404s, and no block kept."""
+    llm = LLM(qwen3, dtype="float32", block_size=4)
+    offline = [o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    rendered = render_chat(llm.engine.tokenizer, messages, add_generation_prompt=False)
+    ids = llm.engine.tokenize(rendered, add_special_tokens=False)
+    by_chat = llm.embed([ids], use_tqdm=False)[0].outputs.embedding
     with ServerProcess(qwen3, *TINY_SERVER, "--dtype", "float32") as server:
         client = server.openai(api_key="none")
         r = client.embeddings.create(model="tiny", input=PROMPTS)
@@ -212,7 +216,11 @@ def test_the_server_answers_the_openai_client(qwen3):
             torch.nn.functional.normalize(torch.tensor(text.data[0].embedding[:8]), dim=0),
         )
         url = f"{server.url}/v1/embeddings"
+        chat = httpx.post(url, json={"messages": messages}, timeout=60).json()
+        close(chat["data"][0]["embedding"], torch.tensor(by_chat))
+        assert chat["usage"]["prompt_tokens"] == len(ids)
         for body, status, param in [
+            ({"model": "tiny", "input": "x", "messages": messages}, 400, None),
             ({"model": "tiny", "input": []}, 400, "input"),
             ({"model": "tiny", "input": "x", "dimensions": 65}, 400, "dimensions"),
             ({"model": "tiny", "input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
@@ -227,9 +235,9 @@ def test_the_server_answers_the_openai_client(qwen3):
         server.wait_idle()
         metrics = server.metrics()
         assert metrics["pagedkv:kv_cache_free_blocks"] == 512
-        # one success a prompt: the 4 + 1 + 1 inputs of the three answers above
-        assert metrics["pagedkv:request_success_total"] == len(PROMPTS) + 2
-        assert metrics["pagedkv:request_prompt_tokens_count"] == len(PROMPTS) + 2
+        # one success a prompt: the 4 + 1 + 1 + 1 inputs of the four answers above
+        assert metrics["pagedkv:request_success_total"] == len(PROMPTS) + 3
+        assert metrics["pagedkv:request_prompt_tokens_count"] == len(PROMPTS) + 3
         assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
 
 

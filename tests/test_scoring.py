@@ -18,6 +18,7 @@ from server_process import TINY_SERVER, ServerProcess, serve_error
 from tiny_model import make_tiny_model
 
 from pagedkv.config import ConfigError
+from pagedkv.engine.chat import render_chat
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.pooling import PoolingParams
 from pagedkv.engine.request import ParamError, SamplingParams
@@ -177,7 +178,8 @@ def seq_cls_folder(src: str, dst, num_labels: int = 1, **config) -> str:
     torch.manual_seed(0)
     torch.nn.init.normal_(model.score.weight, std=0.5)
     model.save_pretrained(dst)
-    shutil.copy(f"{src}/tokenizer.json", dst)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # (the chat template is in the second)
+        shutil.copy(f"{src}/{name}", dst)
     return str(dst)
 
 
@@ -428,12 +430,19 @@ def test_the_server_classifies(qwen3, tmp_path):
     offline = [o.outputs.probs for o in llm.classify(DOCS, use_tqdm=False)]
     ids = llm.engine.tokenize(QUERY)
     by_ids = llm.classify([ids], use_tqdm=False)[0].outputs.probs
+    # vLLM's chat form: the conversation rendered by the template, no generation prompt, no
+    # special tokens of the tokenizer's own
+    messages = [{"role": "user", "content": QUERY}, {"role": "assistant", "content": DOCS[0]}]
+    rendered = render_chat(llm.engine.tokenizer, messages, add_generation_prompt=False)
+    chat_ids = llm.engine.tokenize(rendered, add_special_tokens=False)
+    by_chat = llm.classify([chat_ids], use_tqdm=False)[0].outputs.probs
     with ServerProcess(folder, *TINY_SERVER, "--dtype", "float32") as server:
         for path, body, want in [
             ("/classify", {"input": DOCS}, offline),
             ("/v1/classify", {"input": DOCS[0], "model": "tiny"}, offline[:1]),
             ("/classify", {"input": ids}, [by_ids]),
             ("/classify", {"input": [ids, DOCS[1]]}, [by_ids, offline[1]]),
+            ("/classify", {"messages": messages}, [by_chat]),
         ]:
             r = httpx.post(server.url + path, json=body, timeout=60)
             assert r.status_code == 200, server.output()[-3000:]
@@ -455,7 +464,10 @@ def test_the_server_classifies(qwen3, tmp_path):
         for path, body, param in [
             ("/classify", {"input": []}, "input"),
             ("/classify", {"input": ""}, "input"),
-            ("/classify", {}, "input"),
+            ("/classify", {}, None),
+            ("/classify", {"input": "hi", "messages": messages}, None),
+            ("/classify", {"messages": []}, "messages"),
+            ("/classify", {"messages": messages, "chat_template": "{{ 1 }}"}, "chat_template"),
             ("/classify", {"input": "hi", "truncate_prompt_tokens": "x"}, "truncate_prompt_tokens"),
             ("/classify", {"input": [[10**9]]}, None),
             ("/classify", {"input": "hi", "model": "other"}, "model"),
@@ -472,5 +484,5 @@ def test_the_server_classifies(qwen3, tmp_path):
         server.wait_idle()
         metrics = server.metrics()
         assert metrics["pagedkv:kv_cache_free_blocks"] == 512
-        assert metrics["pagedkv:request_success_total"] == 3 + 1 + 1 + 2 + 1 + 1
+        assert metrics["pagedkv:request_success_total"] == 3 + 1 + 1 + 2 + 1 + 1 + 1
         assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}

@@ -23,22 +23,28 @@ from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.pooling import embedding
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import Count, Prompt, PromptInput, check_prompts
+from pagedkv.server.protocol_extra import ChatForm
 from pagedkv.server.serving import OpenAIServing, check_not_aborted, encode, request_id
 from pagedkv.server.streaming import ClientGone, merge, until_disconnect
-from pagedkv.server.validation import Int64, Name, RequestModel
+from pagedkv.server.tools import chat_prompt
+from pagedkv.server.validation import Int64, Name
 
 
-class PoolingRequest(RequestModel):
+class PoolingRequest(ChatForm):
     """The fields of a request whose inputs are pooled (embeddings, /classify): OpenAI's, and
-    vLLM's truncate_prompt_tokens, add_special_tokens, priority and request_id."""
+    vLLM's truncate_prompt_tokens, add_special_tokens, priority and request_id; or, in place of
+    `input`, vLLM's chat form: `messages` rendered with the chat template into one input (no
+    generation prompt unless asked)."""
 
-    input: Annotated[
-        list[Prompt], BeforeValidator(check_prompts, json_schema_input_type=PromptInput)
-    ]
+    text_field = "input"
+    input: (
+        Annotated[list[Prompt], BeforeValidator(check_prompts, json_schema_input_type=PromptInput)]
+        | None
+    ) = None
+    add_generation_prompt: bool = False
     model: Name | None = None
     user: Name | None = None
     truncate_prompt_tokens: Int64 | None = None
-    add_special_tokens: bool = True
     priority: Int64 = 0
     request_id: Name | None = None
 
@@ -114,12 +120,13 @@ async def pool_inputs(
     params = pooler.request_params(hidden, dimensions, req.truncate_prompt_tokens, req.priority)
     params.lora_name = lora
     tok = engine.tokenizer
+    inputs = req.input if req.input is not None else [chat_prompt(tok, req, engine.config)]
     prompts = [
         params.truncate(
-            p if isinstance(p, list) else await encode(tok, p, req.add_special_tokens),
+            p if isinstance(p, list) else await encode(tok, p, req.special_tokens()),
             engine.max_model_len,
         )
-        for p in req.input
+        for p in inputs
     ]
     answer_id = request_id(kind, request, req.request_id)
     vectors = await pool_prompts(serving, request, prompts, params, answer_id)

@@ -38,12 +38,9 @@ def add_vllm_routes(app: FastAPI, engine, read_json, check_model) -> None:
     def tokenized(req: api.TokenizeRequest) -> Response:
         """The answer; run off the event loop, as megabytes of prompt take seconds to render,
         encode, decode token by token and write as JSON, and every other request would wait."""
-        if req.prompt is not None:  # else messages: the request has exactly one of the two
-            text, special = req.prompt, req.add_special_tokens is not False
-        else:
-            text = chat_prompt(tok, req, engine.config)
-            special = bool(req.add_special_tokens)  # the template already has BOS and the like
-        ids = tok.encode(text, add_special_tokens=special)
+        # (the request has exactly one of prompt and messages)
+        text = req.prompt if req.prompt is not None else chat_prompt(tok, req, engine.config)
+        ids = tok.encode(text, add_special_tokens=req.special_tokens())
         strs = (
             [tok.decode([t], skip_special_tokens=False) for t in ids]
             if req.return_token_strs
