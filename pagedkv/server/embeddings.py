@@ -22,8 +22,7 @@ from pydantic import BaseModel, BeforeValidator
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.pooling import embedding
 from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import Count, Prompt, PromptInput, check_prompts
-from pagedkv.server.protocol_extra import ChatForm
+from pagedkv.server.protocol import ChatForm, Count, Prompt, PromptInput, check_prompts
 from pagedkv.server.serving import OpenAIServing, check_not_aborted, encode, request_id
 from pagedkv.server.streaming import ClientGone, merge, until_disconnect
 from pagedkv.server.tools import chat_prompt

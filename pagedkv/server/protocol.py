@@ -11,7 +11,7 @@ exactly the same values.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -344,6 +344,35 @@ def _arguments_object(arguments: str) -> Any:
         raise ParamError(
             "messages", f"tool call arguments are not JSON: {arguments[:80]!r}"
         ) from None
+
+
+class ChatForm(RequestModel):
+    """A request that comes as text (its field `text_field`) or as a conversation, rendered with
+    the chat template (tools.chat_prompt) by vLLM's fields for it: exactly one of the two."""
+
+    text_field: ClassVar[str]
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # default: True for text, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: SafeStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    documents: list[dict] | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self) -> ChatForm:
+        if (getattr(self, self.text_field) is None) == (self.messages is None):
+            raise ValueError(f"give exactly one of {self.text_field} and messages")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        return self
+
+    def special_tokens(self) -> bool:
+        """Whether encoding adds the tokenizer's special tokens (a template has its own)."""
+        if self.messages is None:
+            return self.add_special_tokens is not False
+        return bool(self.add_special_tokens)
 
 
 class ChatCompletionRequest(_SamplingRequest):
