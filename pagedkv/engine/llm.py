@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, TypeVar
 
 from pagedkv.config import CONTENT_FORMATS, ConfigError, EngineConfig
 from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams
@@ -33,6 +34,8 @@ from pagedkv.engine.request import LoRARequest, ParamError, SamplingParams
 from pagedkv.engine.scoring import plan as scoring_plan
 
 Prompt = str | list[int] | dict
+Made = TypeVar("Made")  # what a pooled vector makes (an embedding, a classification)
+R = TypeVar("R")  # the call's result for one request
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 _SALT = "cache_salt"  # a prompt dict's prefix-cache salt (SamplingParams.cache_salt)
 
@@ -41,6 +44,15 @@ def _pooling_params(pp: PoolingParams | None) -> PoolingParams:
     if pp is not None and not isinstance(pp, PoolingParams):
         raise ConfigError("pooling_params must be a PoolingParams")
     return pp or PoolingParams()
+
+
+def _each(
+    outs: list[tuple[RequestOutput, list[float]]],
+    result: Callable[[str, list[int], Made], R],
+    output: Callable[[list[float]], Made],
+) -> list[R]:
+    """A pooling call's results: for each request, its id, prompt and what its vector makes."""
+    return [result(o.request_id, o.prompt_token_ids, output(v)) for o, v in outs]
 
 
 def _use_activation(pp: PoolingParams | None, call: str) -> bool:
@@ -197,16 +209,13 @@ class LLM:
         """vLLM's: one embedding per prompt, pooled as the model says (engine/pooling.py)."""
         self.engine.check_pools(embeddings=True)
         pp = _pooling_params(pooling_params)
-        outs = self._pool(prompts, use_tqdm, pp.dimensions, truncate_prompt_tokens, lora_request)
         normalize = pp.normalizes(self.engine.pooler)
-        return [
-            EmbeddingRequestOutput(
-                o.request_id,
-                o.prompt_token_ids,
-                EmbeddingOutput(embedding(v, normalize, pp.dimensions)),
-            )
-            for o, v in outs
-        ]
+        outs = self._pool(prompts, use_tqdm, pp.dimensions, truncate_prompt_tokens, lora_request)
+
+        def output(v: list[float]) -> EmbeddingOutput:
+            return EmbeddingOutput(embedding(v, normalize, pp.dimensions))
+
+        return _each(outs, EmbeddingRequestOutput, output)
 
     def classify(
         self,
@@ -222,14 +231,11 @@ class LLM:
         classifier = self.engine.check_classifier()
         activate = _use_activation(pooling_params, "classify")
         outs = self._pool(prompts, use_tqdm, None, truncate_prompt_tokens, lora_request)
-        return [
-            ClassificationRequestOutput(
-                o.request_id,
-                o.prompt_token_ids,
-                ClassificationOutput(classifier.probs(v, activate)),
-            )
-            for o, v in outs
-        ]
+
+        def output(v: list[float]) -> ClassificationOutput:
+            return ClassificationOutput(classifier.probs(v, activate))
+
+        return _each(outs, ClassificationRequestOutput, output)
 
     def score(
         self,

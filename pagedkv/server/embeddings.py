@@ -90,7 +90,7 @@ def pooled(out: RequestOutput) -> list[float]:
 
 
 @dataclass
-class Pooled:
+class PoolingRun:
     """A pooling request's run: its answer's id, the model's name, the inputs' vectors in order
     and the prompt tokens they took."""
 
@@ -107,7 +107,7 @@ async def pool_inputs(
     kind: str,
     check: Callable[[], object],
     dimensions: int | None = None,
-) -> Pooled | Response:
+) -> PoolingRun | Response:
     """Runs each input (a text or token ids, truncated as asked) as a pooling request, after the
     model's name and then `check` (what this engine can answer) pass: the vectors, or the 499 of a
     client gone. `kind` prefixes the answer's id."""
@@ -132,7 +132,7 @@ async def pool_inputs(
     if vectors is None:
         return Response(status_code=499)
     used = sum(len(ids) for ids in prompts)
-    return Pooled(answer_id, lora or engine.model_name, vectors, used)
+    return PoolingRun(answer_id, lora or engine.model_name, vectors, used)
 
 
 async def pool_prompts(
