@@ -13,6 +13,12 @@ plain read of 1 GiB 1.0-1.25x. The matmul weights gained nothing measurable, so 
 Debian's kernel gives anonymous memory huge pages only where asked (THP "madvise"), and only at the
 first touch: hence `empty` advises before anything is written. Elsewhere (THP off, not Linux) the
 advice is refused and the tensor keeps small pages; nothing else changes.
+
+A large tensor also starts on a 2 MiB boundary. glibc puts a large allocation 64 bytes into its
+mapping, so each 4 KiB run of the pool straddled two 4 KiB pages, which the hardware prefetcher
+does not cross, and the pool's first huge page was lost to small ones. Aligned, the decode kernel
+ran 1.08x faster on the AVX2 EPYC VM (BENCHMARKS.md, session 34). The few unused bytes before the
+boundary are never touched, so they take no memory.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import sys
 from collections.abc import Callable
 
@@ -75,8 +82,14 @@ def advise(t: Tensor) -> bool:
 
 
 def empty(*shape: int, dtype: torch.dtype) -> Tensor:
-    """torch.empty on the CPU, on huge pages where granted (see the module docstring)."""
-    t = torch.empty(*shape, dtype=dtype)
+    """torch.empty on the CPU; a large one starts on a 2 MiB boundary, on huge pages where granted
+    (see the module docstring)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < _MIN_BYTES:
+        return torch.empty(*shape, dtype=dtype)
+    raw = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _HUGE
+    t = raw[skip : skip + nbytes].view(dtype).view(shape)
     advise(t)
     return t
 

@@ -56,6 +56,24 @@ def test_the_kv_pool_is_advised_and_zeroed():
     assert storage.data[0, 0, 7, 1].eq(1.0).all() and not v.any()  # still views of one tensor
 
 
+def test_large_tensors_start_on_a_huge_page_boundary():
+    """The pool's 4 KiB runs must not straddle pages: a large tensor starts 2 MiB-aligned, whatever
+    its dtype, is contiguous, holds exactly its elements and writes through; a small one is
+    plain."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        t = cpu_memory.zeros(3000, 3, 16, 64, dtype=dtype)  # 9-36 MiB
+        assert t.data_ptr() % (2 << 20) == 0 and t.is_contiguous() and t.dtype == dtype
+        assert t.shape == (3000, 3, 16, 64) and t.nbytes == 3000 * 3 * 16 * 64 * dtype.itemsize
+        assert not t.view(torch.uint8).any()
+        t.view(torch.uint8)[-1, -1, -1, -1] = 1
+        assert t.view(torch.uint8).sum() == 1
+    storage = KVStorage(4, 256, 3, 16, 64, torch.bfloat16)
+    assert storage.data.data_ptr() % (2 << 20) == 0
+    assert all(k.data_ptr() % 4096 == 0 and v.data_ptr() % 4096 == 0 for k, v in storage.kv_caches)
+    small = cpu_memory.empty(2, 3, dtype=torch.float32)
+    assert small.storage_offset() == 0 and small.untyped_storage().nbytes() == 24
+
+
 def test_only_cpu_tensors_are_advised():
     meta = torch.empty(3, 5 << 20, device="meta")  # large, but no memory of ours to advise
     assert not cpu_memory.advise(meta)
