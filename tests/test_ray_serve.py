@@ -379,6 +379,30 @@ def test_a_responses_route_key_is_its_chats(tmp_path):
     assert other != chat
 
 
+def test_an_invocations_route_key_is_the_endpoint_its_body_names(tmp_path):
+    """SageMaker's /invocations is routed as the endpoint its body stands for (chat by messages,
+    completion by prompt, embeddings by input, rerank by query): it keeps prefix affinity."""
+    from types import SimpleNamespace
+
+    from pagedkv.model.tokenizer import Tokenizer
+    from pagedkv.server.ray_app import Ingress
+
+    ingress = SimpleNamespace(tokenizer=Tokenizer.from_hf_folder(make_tiny_model(tmp_path / "m")))
+
+    def ids(path: str, body: dict) -> list[int]:
+        return Ingress.func_or_class._prompt_ids(ingress, path, body)
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    for path, body in [
+        ("/v1/chat/completions", {"messages": messages}),
+        ("/v1/completions", {"prompt": "Hello there"}),
+        ("/v1/embeddings", {"input": ["Hello there, again"]}),
+        ("/rerank", {"query": "Hello", "documents": ["a"]}),
+    ]:
+        assert ids("/invocations", body) == ids(path, body) != [], path
+    assert ids("/invocations", {"text": "Hello"}) == []
+
+
 def test_a_request_for_an_adapter_is_routed_apart_from_the_base_models(tmp_path):
     """Replicas key an adapter's prefix blocks apart, so the same prompt under another adapter
     (or none) must not be steered to the replica holding the other one's blocks."""

@@ -29,8 +29,8 @@ from pydantic import BaseModel, ValidationError
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.request import INT64_MAX, INT64_MIN
+from pagedkv.server import invocations
 from pagedkv.server import protocol as api
-from pagedkv.server import protocol_extra
 from pagedkv.server.classify import ClassificationRequest
 from pagedkv.server.classify import classify as serve_classify
 from pagedkv.server.embeddings import EmbeddingRequest
@@ -138,17 +138,7 @@ def build_app(
             await engine.shutdown()
 
     app = FastAPI(title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None)
-    install_openapi(
-        app,
-        [
-            api.CompletionRequest,
-            api.ChatCompletionRequest,
-            protocol_extra.TokenizeRequest,
-            protocol_extra.DetokenizeRequest,
-            protocol_extra.LoadLoRAAdapterRequest,
-            protocol_extra.UnloadLoRAAdapterRequest,
-        ],
-    )
+    install_openapi(app)
     app.state.ready = False
     app.state.server_load = 0
     install_error_handlers(app)
@@ -246,6 +236,25 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
         async def classify(request: Request) -> Response:
             req = await read_json(request, ClassificationRequest)
             return await serve_classify(serving, req, request)
+
+    answers = {  # invocations.KINDS' endpoints
+        "/v1/chat/completions": chat_completions,
+        "/v1/completions": completions,
+        "/v1/embeddings": embeddings,
+        api.CLASSIFY_PATHS[0]: classify,
+        api.RERANK_PATHS[0]: rerank,
+        api.SCORE_PATHS[0]: score,
+    }
+    bodies: list[type[BaseModel]] = [api.ChatCompletionRequest, api.CompletionRequest]
+    bodies += [EmbeddingRequest, ClassificationRequest, RerankRequest, ScoreRequest]
+
+    @app.post(invocations.PATH, openapi_extra=json_body(*bodies))
+    async def invoke(request: Request) -> Response:
+        """SageMaker's: the body goes to the endpoint its fields name (server/invocations.py)."""
+        kind = invocations.pick(load_json_object(await request.body()), engine.engine)
+        if kind is None:
+            raise APIError(400, invocations.unmarked(engine.engine))
+        return await answers[kind.path](request)
 
     @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest))
     async def responses(request: Request) -> Response:

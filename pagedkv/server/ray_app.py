@@ -27,6 +27,7 @@ from ray.serve.config import RequestRouterConfig
 
 from pagedkv.config import EngineConfig, is_digits, lora_modules
 from pagedkv.routing import prompt_block_hashes
+from pagedkv.server import invocations
 from pagedkv.server.aggregate import merge_kv, merge_metrics
 from pagedkv.server.errors import error_body
 from pagedkv.server.metrics import exposition
@@ -263,6 +264,9 @@ class Ingress:
 
     def _prompt_ids(self, path: str, data: dict) -> list[int]:
         tok = self.tokenizer
+        if path.endswith(invocations.PATH):  # routed as the endpoint it stands for
+            kind = invocations.pick(data)
+            path = kind.path if kind is not None else path
         if path.endswith("/chat/completions") or path.endswith("/responses"):
             from pagedkv.engine.chat import render_chat
             from pagedkv.server.protocol import ChatCompletionRequest
