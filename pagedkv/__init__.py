@@ -2,8 +2,8 @@
 
 The Python API mirrors vLLM's: LLM, SamplingParams, RequestOutput, CompletionOutput,
 Logprob, AsyncLLMEngine, AsyncEngineArgs / EngineArgs, TextPrompt, TokensPrompt, LoRARequest,
-PoolingParams, EmbeddingRequestOutput (LLM.embed), ClassificationRequestOutput (LLM.classify) and
-ScoringRequestOutput (LLM.score).
+PoolingParams, EmbeddingRequestOutput (LLM.embed), ClassificationRequestOutput (LLM.classify),
+ScoringRequestOutput (LLM.score) and PoolingRequestOutput (LLM.encode, AsyncLLMEngine.encode).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ __all__ = [
     "EmbeddingRequestOutput",
     "ClassificationRequestOutput",
     "ScoringRequestOutput",
+    "PoolingRequestOutput",
 ]
 
 # module that defines each lazily imported name
@@ -41,6 +42,7 @@ _LAZY = {
     "EmbeddingRequestOutput": "pagedkv.engine.outputs",
     "ClassificationRequestOutput": "pagedkv.engine.outputs",
     "ScoringRequestOutput": "pagedkv.engine.outputs",
+    "PoolingRequestOutput": "pagedkv.engine.outputs",
     "AsyncLLMEngine": "pagedkv.engine.async_compat",
     "AsyncEngineArgs": "pagedkv.engine.async_compat",
     "EngineArgs": "pagedkv.engine.async_compat",

@@ -16,10 +16,13 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
+import torch
+
 from pagedkv.config import EngineConfig
-from pagedkv.engine.async_engine import AsyncLLM
+from pagedkv.engine.async_engine import AsyncLLM, RequestFailedError
 from pagedkv.engine.llm import reject_unsupported, to_prompt, token_text, with_salt
-from pagedkv.engine.outputs import Logprob, RequestOutput
+from pagedkv.engine.outputs import Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedkv.engine.pooling import PoolingParams
 from pagedkv.engine.request import LoRARequest, SamplingParams
 
 
@@ -96,6 +99,36 @@ class AsyncLLMEngine:
                 yield out
         finally:
             await stream.aclose()
+
+    async def encode(
+        self,
+        prompt: str | list[int] | dict,
+        pooling_params: PoolingParams,
+        request_id: str,
+        **kwargs: Any,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """vLLM's: the prompt pooled and made into pooling_params.task's output (None: the
+        model's own task, as LLM.encode); one output, finished. `lora_request`, `priority` and
+        `truncate_prompt_tokens` as for generate and LLM.encode."""
+        truncate = kwargs.pop("truncate_prompt_tokens", None)
+        core = self._llm.engine
+        if not isinstance(pooling_params, PoolingParams):
+            raise TypeError("pooling_params must be a pagedkv PoolingParams")
+        task = core.pooling_task(pooling_params.task, pooling_params)
+        hidden = core.loaded.config.hidden_size
+        params = core.pooler.request_params(hidden, pooling_params.dimensions, truncate)
+        async for out in self.generate(prompt, params, request_id, **kwargs):
+            if out.finished:
+                if out.pooled is None:
+                    raise RequestFailedError(f"request {request_id} ended without its vector")
+                data = torch.tensor(core.pooled_data(task, out.pooled, pooling_params))
+                yield PoolingRequestOutput(
+                    out.request_id,
+                    out.prompt_token_ids,
+                    PoolingOutput(data),
+                    True,
+                    out.num_cached_tokens,
+                )
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

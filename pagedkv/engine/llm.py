@@ -17,6 +17,8 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any, TypeVar
 
+import torch
+
 from pagedkv.config import CONTENT_FORMATS, ConfigError, EngineConfig
 from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedkv.engine.chat import render_chat
@@ -26,10 +28,12 @@ from pagedkv.engine.outputs import (
     ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     ScoringRequestOutput,
 )
-from pagedkv.engine.pooling import PoolingParams, embedding
+from pagedkv.engine.pooling import PoolingParams
 from pagedkv.engine.request import LoRARequest, ParamError, SamplingParams
 from pagedkv.engine.scoring import plan as scoring_plan
 
@@ -53,15 +57,6 @@ def _each(
 ) -> list[R]:
     """A pooling call's results: for each request, its id, prompt and what its vector makes."""
     return [result(o.request_id, o.prompt_token_ids, output(v)) for o, v in outs]
-
-
-def _use_activation(pp: PoolingParams | None, call: str) -> bool:
-    """Whether a classifier's call (score, classify), which takes use_activation of PoolingParams
-    only, applies its activation."""
-    pp = _pooling_params(pp)
-    if pp.dimensions is not None or pp.normalize is not None:
-        raise ParamError("pooling_params", f"{call} takes only use_activation of PoolingParams")
-    return pp.use_activation is not False
 
 
 def to_prompt(p: Any) -> str | list[int]:
@@ -207,15 +202,9 @@ class LLM:
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's: one embedding per prompt, pooled as the model says (engine/pooling.py)."""
-        self.engine.check_pools(embeddings=True)
         pp = _pooling_params(pooling_params)
-        normalize = pp.normalizes(self.engine.pooler)
-        outs = self._pool(prompts, use_tqdm, pp.dimensions, truncate_prompt_tokens, lora_request)
-
-        def output(v: list[float]) -> EmbeddingOutput:
-            return EmbeddingOutput(embedding(v, normalize, pp.dimensions))
-
-        return _each(outs, EmbeddingRequestOutput, output)
+        made = self._made("embed", pp, prompts, use_tqdm, truncate_prompt_tokens, lora_request)
+        return _each(made, EmbeddingRequestOutput, EmbeddingOutput)
 
     def classify(
         self,
@@ -228,14 +217,27 @@ class LLM:
     ) -> list[ClassificationRequestOutput]:
         """vLLM's: each prompt's labels' probabilities from the model's classifier (a
         *ForSequenceClassification checkpoint's head, or --hf-overrides'), engine/scoring.py."""
-        classifier = self.engine.check_classifier()
-        activate = _use_activation(pooling_params, "classify")
-        outs = self._pool(prompts, use_tqdm, None, truncate_prompt_tokens, lora_request)
+        pp = _pooling_params(pooling_params)
+        made = self._made("classify", pp, prompts, use_tqdm, truncate_prompt_tokens, lora_request)
+        return _each(made, ClassificationRequestOutput, ClassificationOutput)
 
-        def output(v: list[float]) -> ClassificationOutput:
-            return ClassificationOutput(classifier.probs(v, activate))
-
-        return _each(outs, ClassificationRequestOutput, output)
+    def encode(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        pooling_task: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's: each prompt pooled and made into `pooling_task`'s output as a tensor ("embed":
+        its embedding, "classify": its labels' probabilities; None: pooling_params.task, else the
+        model's own)."""
+        pp = _pooling_params(pooling_params)
+        task = pooling_task or pp.task
+        made = self._made(task, pp, prompts, use_tqdm, truncate_prompt_tokens, lora_request)
+        return _each(made, PoolingRequestOutput, lambda v: PoolingOutput(torch.tensor(v)))
 
     def score(
         self,
@@ -254,7 +256,7 @@ class LLM:
         classifier over the pair read as one prompt (engine/scoring.py)."""
         engine = self.engine
         engine.check_pools()
-        activate = _use_activation(pooling_params, "a score")
+        activate = _pooling_params(pooling_params).only_activation("a score")
         kwargs = dict(tokenization_kwargs or {})
         truncate = kwargs.pop("truncate_prompt_tokens", None)
         if kwargs:
@@ -277,6 +279,20 @@ class LLM:
             ScoringRequestOutput.of(outs[i][0], outs[j][0], s)
             for (i, j), s in zip(scoring.pairs, scores)
         ]
+
+    def _made(
+        self,
+        task: str | None,
+        pp: PoolingParams,
+        prompts: Prompt | Seq[Prompt],
+        use_tqdm: bool,
+        truncate_prompt_tokens: int | None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None,
+    ) -> list[tuple[RequestOutput, list[float]]]:
+        """Each prompt pooled, and what the pooling task (checked first) makes of its vector."""
+        task = self.engine.pooling_task(task, pp)
+        outs = self._pool(prompts, use_tqdm, pp.dimensions, truncate_prompt_tokens, lora_request)
+        return [(o, self.engine.pooled_data(task, v, pp)) for o, v in outs]
 
     def _pool(
         self,

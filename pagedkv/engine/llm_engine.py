@@ -24,9 +24,16 @@ from pagedkv.engine.faults import FaultInjector
 from pagedkv.engine.isolation import Failures, IsolatedForward, device_broken
 from pagedkv.engine.options import apply_engine_options, generation_defaults
 from pagedkv.engine.outputs import RequestOutput, SampleLogprob
-from pagedkv.engine.pooling import NO_LM_HEAD, Pooler
+from pagedkv.engine.pooling import (
+    NO_LM_HEAD,
+    PER_TOKEN_TASKS,
+    POOLING_TASKS,
+    Pooler,
+    PoolingParams,
+    embedding,
+)
 from pagedkv.engine.reasoning import ReasoningTags
-from pagedkv.engine.request import SamplingParams
+from pagedkv.engine.request import ParamError, SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler
@@ -216,6 +223,32 @@ class LLMEngine:
                 "checkpoint has one, or --hf-overrides makes one of LM-head rows"
             )
         return self.classifier
+
+    def pooling_task(self, task: str | None, params: PoolingParams) -> str:
+        """The pooling task a call runs (POOLING_TASKS; None: this model's own), refused where
+        this engine makes no such output or `params` holds what the task does not take."""
+        task = task or ("classify" if self.classifier is not None else "embed")
+        if task in PER_TOKEN_TASKS:
+            raise ParamError(
+                "task",
+                f"pooling task {task!r} is not supported: pagedkv pools one vector a prompt "
+                f"({', '.join(POOLING_TASKS)})",
+            )
+        if task not in POOLING_TASKS:
+            raise ParamError("task", f"unknown pooling task {task!r}: {' or '.join(POOLING_TASKS)}")
+        if task == "embed":
+            self.check_pools(embeddings=True)
+        else:
+            self.check_classifier()
+            params.only_activation(task)
+        return task
+
+    def pooled_data(self, task: str, vector: list[float], params: PoolingParams) -> list[float]:
+        """What a pooling task (checked by pooling_task) makes of a prompt's pooled vector: its
+        embedding, or its labels' probabilities (their logits without use_activation)."""
+        if task == "embed":
+            return embedding(vector, params.normalizes(self.pooler), params.dimensions)
+        return self.check_classifier().probs(vector, params.use_activation is not False)
 
     def classifier_source(self) -> str:
         """What made this engine a classifier, for its refusals."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class SampleLogprob:
@@ -135,6 +137,25 @@ class ClassificationRequestOutput:
     prompt_token_ids: list[int]
     outputs: ClassificationOutput
     finished: bool = True
+
+
+@dataclass
+class PoolingOutput:
+    """vLLM's: what a pooling task made of one prompt (LLM.encode): its embedding, or its labels'
+    probabilities, as a float32 tensor."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's result of LLM.encode and AsyncLLMEngine.encode for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
 
 
 @dataclass

@@ -110,19 +110,34 @@ class Pooler:
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """vLLM's, for LLM.embed, LLM.classify and LLM.score: the first `dimensions` values only
-    (Matryoshka models); whether to scale an embedding to unit length (None: as the model's Pooler
-    says); use_activation, vLLM's newer name for it, which for a classifier means the sigmoid or
-    softmax of its logits (None: on)."""
+    """vLLM's, for LLM.embed, LLM.classify, LLM.score and LLM.encode: the first `dimensions` values
+    only (Matryoshka models); whether to scale an embedding to unit length (None: as the model's
+    Pooler says); use_activation, vLLM's newer name for it, which for a classifier means the
+    sigmoid or softmax of its logits (None: on); `task`, what LLM.encode and AsyncLLMEngine.encode
+    make of the pooled vector (POOLING_TASKS; None: the model's own)."""
 
     dimensions: int | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
+    task: str | None = None
 
     def normalizes(self, pooler: Pooler) -> bool:
         if self.normalize is not None:
             return self.normalize
         return pooler.normalize if self.use_activation is None else self.use_activation
+
+    def only_activation(self, call: str) -> bool:
+        """Whether a classifier's call (classify, score), which takes use_activation only, applies
+        its activation."""
+        for name in ("dimensions", "normalize"):
+            if getattr(self, name) is not None:
+                raise ParamError(name, f"{call} takes only use_activation of PoolingParams")
+        return self.use_activation is not False
+
+
+# vLLM's pooling tasks: those pagedkv makes (one vector a prompt), and those it does not
+POOLING_TASKS = ("embed", "classify")
+PER_TOKEN_TASKS = ("token_embed", "token_classify", "plugin")
 
 
 @dataclass

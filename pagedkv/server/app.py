@@ -50,6 +50,8 @@ from pagedkv.server.middleware import (
     ServerLoad,
 )
 from pagedkv.server.openapi import install_openapi, json_body
+from pagedkv.server.pooling import PoolRequest
+from pagedkv.server.pooling import pooling as serve_pooling
 from pagedkv.server.responses import ModelCard, ModelList
 from pagedkv.server.responses_protocol import ResponsesRequest
 from pagedkv.server.routes_extra import (
@@ -217,6 +219,10 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
     @app.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest))
     async def embeddings(request: Request) -> Response:
         return await serve_embeddings(serving, await read_json(request, EmbeddingRequest), request)
+
+    @app.post("/pooling", openapi_extra=json_body(PoolRequest))
+    async def pool(request: Request) -> Response:
+        return await serve_pooling(serving, await read_json(request, PoolRequest), request)
 
     for path in api.SCORE_PATHS:
 

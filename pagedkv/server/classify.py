@@ -4,14 +4,12 @@ classifier (engine/scoring.py), each input an engine request batched with whatev
 
 from __future__ import annotations
 
-import time
-from typing import Literal
-
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from pagedkv.server.embeddings import PoolingRequest, pool_inputs
+from pagedkv.engine.pooling import PoolingParams
+from pagedkv.server.embeddings import ListAnswer, PoolingRequest, pool_inputs
 from pagedkv.server.serving import OpenAIServing
 
 
@@ -34,11 +32,7 @@ class ClassificationUsage(BaseModel):
     completion_tokens: int = 0
 
 
-class ClassificationResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int
-    model: str
+class ClassificationResponse(ListAnswer):
     data: list[ClassificationData]
     usage: ClassificationUsage
 
@@ -51,20 +45,13 @@ async def classify(
     if isinstance(run, Response):
         return run
     classifier = core.check_classifier()
-    activate = req.use_activation is not False
+    params = PoolingParams(use_activation=req.use_activation)
     data = []
     for i, vector in enumerate(run.vectors):
-        probs = classifier.probs(vector, activate)
+        probs = core.pooled_data("classify", vector, params)
         data.append(
             ClassificationData(
                 index=i, label=classifier.label(probs), probs=probs, num_classes=len(probs)
             )
         )
-    body = ClassificationResponse(
-        id=run.answer_id,
-        created=int(time.time()),
-        model=run.model,
-        data=data,
-        usage=ClassificationUsage(prompt_tokens=run.used, total_tokens=run.used),
-    )
-    return Response(body.model_dump_json(), media_type="application/json")
+    return run.answer(ClassificationResponse, data, ClassificationUsage)

@@ -12,7 +12,7 @@ import base64
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import Request
@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, BeforeValidator
 
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.pooling import embedding
+from pagedkv.engine.pooling import PoolingParams
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import ChatForm, Count, Prompt, PromptInput, check_prompts
 from pagedkv.server.serving import OpenAIServing, check_not_aborted, encode, request_id
@@ -68,11 +68,17 @@ class EmbeddingUsage(BaseModel):
     total_tokens: int
 
 
-class EmbeddingResponse(BaseModel):
+class ListAnswer(BaseModel):
+    """OpenAI's list answer, which the embeddings, /classify and /pooling give: their `data` and
+    `usage` are each one's own."""
+
     id: str
     object: Literal["list"] = "list"
     created: int
     model: str
+
+
+class EmbeddingResponse(ListAnswer):
     data: list[EmbeddingData]
     usage: EmbeddingUsage
 
@@ -98,6 +104,17 @@ class PoolingRun:
     model: str
     vectors: list[list[float]]
     used: int
+
+    def answer(self, kind: type[ListAnswer], data: list, usage: type[BaseModel]) -> Response:
+        """The run's answer: a `kind` of `data`, the prompt tokens used as its `usage`."""
+        fields: dict[str, Any] = {
+            "id": self.answer_id,
+            "created": int(time.time()),
+            "model": self.model,
+            "data": data,
+            "usage": usage(prompt_tokens=self.used, total_tokens=self.used),
+        }
+        return Response(kind(**fields).model_dump_json(), media_type="application/json")
 
 
 async def pool_inputs(
@@ -166,18 +183,11 @@ async def embeddings(serving: OpenAIServing, req: EmbeddingRequest, request: Req
     )
     if isinstance(run, Response):
         return run
-    normalize = core.pooler.normalize if req.normalize is None else req.normalize
+    params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
     data = [
         EmbeddingData(
-            index=i, embedding=encoded(embedding(v, normalize, req.dimensions), req.encoding_format)
+            index=i, embedding=encoded(core.pooled_data("embed", v, params), req.encoding_format)
         )
         for i, v in enumerate(run.vectors)
     ]
-    body = EmbeddingResponse(
-        id=run.answer_id,
-        created=int(time.time()),
-        model=run.model,
-        data=data,
-        usage=EmbeddingUsage(prompt_tokens=run.used, total_tokens=run.used),
-    )
-    return Response(body.model_dump_json(), media_type="application/json")
+    return run.answer(EmbeddingResponse, data, EmbeddingUsage)

@@ -160,7 +160,7 @@ class ServerLoad:
 
     PATHS = frozenset(
         {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"}
-        | {*SCORE_PATHS, *RERANK_PATHS, *CLASSIFY_PATHS, "/invocations"}
+        | {*SCORE_PATHS, *RERANK_PATHS, *CLASSIFY_PATHS, "/pooling", "/invocations"}
     )
 
     def __init__(self, app: ASGIApp) -> None:

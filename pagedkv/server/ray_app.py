@@ -50,6 +50,7 @@ _PROMPT_FIELDS: dict[str, tuple[str, ...]] = {
     "/completions": ("prompt",),
     "/embeddings": ("input",),
     "/classify": ("input",),
+    "/pooling": ("input",),
     "/rerank": ("query",),
     "/score": ("text_1", "queries", "data_1"),
 }
