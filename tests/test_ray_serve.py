@@ -403,6 +403,34 @@ def test_an_invocations_route_key_is_the_endpoint_its_body_names(tmp_path):
     assert ids("/invocations", {"text": "Hello"}) == []
 
 
+def test_a_pooling_chat_forms_route_key_is_the_prompt_its_replica_pools(tmp_path):
+    """vLLM's chat form of an embeddings, /classify or /pooling request is routed by the prompt
+    the replica pools: the messages rendered with no generation prompt unless asked (as
+    tests/test_embeddings.py checks the replica makes it)."""
+    from types import SimpleNamespace
+
+    from pagedkv.engine.chat import render_chat
+    from pagedkv.model.tokenizer import Tokenizer
+    from pagedkv.server.ray_app import Ingress
+
+    tok = Tokenizer.from_hf_folder(make_tiny_model(tmp_path / "m"))
+    ingress = SimpleNamespace(tokenizer=tok)
+
+    def ids(path: str, body: dict) -> list[int]:
+        return Ingress.func_or_class._prompt_ids(ingress, path, body)
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    pooled = tok.encode(render_chat(tok, messages, add_generation_prompt=False), False)
+    chat = ids("/v1/chat/completions", {"messages": messages})
+    assert pooled and pooled != chat
+    for path in ("/v1/embeddings", "/classify", "/pooling", "/invocations"):
+        got = ids(path, {"input": None, "messages": messages})
+        assert got == (chat if path == "/invocations" else pooled), path
+        asked = {"messages": messages, "add_generation_prompt": True}
+        if path != "/invocations":
+            assert ids(path, asked) == chat, path
+
+
 def test_a_request_for_an_adapter_is_routed_apart_from_the_base_models(tmp_path):
     """Replicas key an adapter's prefix blocks apart, so the same prompt under another adapter
     (or none) must not be steered to the replica holding the other one's blocks."""

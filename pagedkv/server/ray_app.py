@@ -268,11 +268,21 @@ class Ingress:
         if path.endswith(invocations.PATH):  # routed as the endpoint it stands for
             kind = invocations.pick(data)
             path = kind.path if kind is not None else path
-        if path.endswith("/chat/completions") or path.endswith("/responses"):
+        named = next((f for end, f in _PROMPT_FIELDS.items() if path.endswith(end)), ())
+        # (the pooling endpoints, whose prompt is `input`, or vLLM's chat form in its place)
+        pooled_chat = named == ("input",) and data.get("input") is None and data.get("messages")
+        if path.endswith("/chat/completions") or path.endswith("/responses") or pooled_chat:
             from pagedkv.engine.chat import render_chat
+            from pagedkv.server.embeddings import PoolingRequest
             from pagedkv.server.protocol import ChatCompletionRequest
             from pagedkv.server.responses_protocol import ResponsesRequest
 
+            if pooled_chat:  # vLLM's chat form of a pooling request: no generation prompt
+                pool = PoolingRequest.model_validate(data)
+                assert pool.messages is not None  # (pooled_chat)
+                messages = [m.as_template_input() for m in pool.messages]
+                text = render_chat(tok, messages, add_generation_prompt=pool.add_generation_prompt)
+                return tok.encode(text, add_special_tokens=pool.special_tokens())
             chat = (
                 ResponsesRequest.model_validate(data).chat_request({})
                 if path.endswith("/responses")
@@ -281,7 +291,6 @@ class Ingress:
             # content parts shaped as the replica shapes them (render_chat)
             messages = [m.as_template_input() for m in chat.messages]
             return tok.encode(render_chat(tok, messages), add_special_tokens=False)
-        named = next((f for end, f in _PROMPT_FIELDS.items() if path.endswith(end)), ())
         prompt = next((data[f] for f in named if data.get(f) is not None), None)
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]
