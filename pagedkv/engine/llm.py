@@ -50,15 +50,6 @@ def _pooling_params(pp: PoolingParams | None) -> PoolingParams:
     return pp or PoolingParams()
 
 
-def _each(
-    outs: list[tuple[RequestOutput, list[float]]],
-    result: Callable[[str, list[int], Made], R],
-    output: Callable[[list[float]], Made],
-) -> list[R]:
-    """A pooling call's results: for each request, its id, prompt and what its vector makes."""
-    return [result(o.request_id, o.prompt_token_ids, output(v)) for o, v in outs]
-
-
 def to_prompt(p: Any) -> str | list[int]:
     """One prompt in any of vLLM's single-prompt forms -> text or token ids."""
     if isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p)):
@@ -202,9 +193,10 @@ class LLM:
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's: one embedding per prompt, pooled as the model says (engine/pooling.py)."""
-        pp = _pooling_params(pooling_params)
-        made = self._made("embed", pp, prompts, use_tqdm, truncate_prompt_tokens, lora_request)
-        return _each(made, EmbeddingRequestOutput, EmbeddingOutput)
+        return self._results(
+            "embed", pooling_params, prompts, use_tqdm, truncate_prompt_tokens, lora_request,
+            EmbeddingRequestOutput, EmbeddingOutput,
+        )  # fmt: skip
 
     def classify(
         self,
@@ -217,9 +209,10 @@ class LLM:
     ) -> list[ClassificationRequestOutput]:
         """vLLM's: each prompt's labels' probabilities from the model's classifier (a
         *ForSequenceClassification checkpoint's head, or --hf-overrides'), engine/scoring.py."""
-        pp = _pooling_params(pooling_params)
-        made = self._made("classify", pp, prompts, use_tqdm, truncate_prompt_tokens, lora_request)
-        return _each(made, ClassificationRequestOutput, ClassificationOutput)
+        return self._results(
+            "classify", pooling_params, prompts, use_tqdm, truncate_prompt_tokens, lora_request,
+            ClassificationRequestOutput, ClassificationOutput,
+        )  # fmt: skip
 
     def encode(
         self,
@@ -234,10 +227,10 @@ class LLM:
         """vLLM's: each prompt pooled and made into `pooling_task`'s output as a tensor ("embed":
         its embedding, "classify": its labels' probabilities; None: pooling_params.task, else the
         model's own)."""
-        pp = _pooling_params(pooling_params)
-        task = pooling_task or pp.task
-        made = self._made(task, pp, prompts, use_tqdm, truncate_prompt_tokens, lora_request)
-        return _each(made, PoolingRequestOutput, lambda v: PoolingOutput(torch.tensor(v)))
+        return self._results(
+            pooling_task, pooling_params, prompts, use_tqdm, truncate_prompt_tokens, lora_request,
+            PoolingRequestOutput, lambda v: PoolingOutput(torch.tensor(v)),
+        )  # fmt: skip
 
     def score(
         self,
@@ -280,19 +273,27 @@ class LLM:
             for (i, j), s in zip(scoring.pairs, scores)
         ]
 
-    def _made(
+    def _results(
         self,
         task: str | None,
-        pp: PoolingParams,
+        pooling_params: PoolingParams | None,
         prompts: Prompt | Seq[Prompt],
         use_tqdm: bool,
         truncate_prompt_tokens: int | None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None,
-    ) -> list[tuple[RequestOutput, list[float]]]:
-        """Each prompt pooled, and what the pooling task (checked first) makes of its vector."""
-        task = self.engine.pooling_task(task, pp)
+        result: Callable[[str, list[int], Made], R],
+        output: Callable[[list[float]], Made],
+    ) -> list[R]:
+        """A pooling call's results: each prompt pooled, and for each its id, prompt and `output`
+        of what the task (checked first; None: pooling_params.task, else the model's) makes of
+        its vector."""
+        pp = _pooling_params(pooling_params)
+        task = self.engine.pooling_task(task or pp.task, pp)
         outs = self._pool(prompts, use_tqdm, pp.dimensions, truncate_prompt_tokens, lora_request)
-        return [(o, self.engine.pooled_data(task, v, pp)) for o, v in outs]
+        return [
+            result(o.request_id, o.prompt_token_ids, output(self.engine.pooled_data(task, v, pp)))
+            for o, v in outs
+        ]
 
     def _pool(
         self,

@@ -90,7 +90,7 @@ async def read_json(request: Request, model: type[M]) -> M:
 
     A 400 if the body does not fit `model`. Fields it does not know are dropped and named: in a
     warning (once per name) and in the reply's X-PagedKV-Ignored-Fields header."""
-    data = load_json_object(await request.body())
+    data = getattr(request.state, "body", None) or load_json_object(await request.body())
     context: dict = {}
     try:
         parsed = model.model_validate(data, context=context)
@@ -257,7 +257,8 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
     @app.post(invocations.PATH, openapi_extra=json_body(*bodies))
     async def invoke(request: Request) -> Response:
         """SageMaker's: the body goes to the endpoint its fields name (server/invocations.py)."""
-        kind = invocations.pick(load_json_object(await request.body()), engine.engine)
+        request.state.body = load_json_object(await request.body())  # (parsed once: read_json)
+        kind = invocations.pick(request.state.body, engine.engine)
         if kind is None:
             raise APIError(400, invocations.unmarked(engine.engine))
         return await answers[kind.path](request)
