@@ -67,7 +67,7 @@ def sentence_transformers_folder(src: str, dst, mode: str, normalize: bool) -> s
     return str(dst)
 
 
-def close(got: list[float], want: torch.Tensor) -> None:
+def close(got: list, want: torch.Tensor) -> None:
     assert len(got) == len(want)
     torch.testing.assert_close(torch.tensor(got), want, atol=2e-5, rtol=1e-4)
 
@@ -88,14 +88,16 @@ def test_last_token_pooling_equals_transformers_through_chunks_batches_and_the_p
         assert kv.num_free_blocks() == total  # (cached blocks count as free)
     again = llm.generate(PROMPTS, llm.engine.pooler.request_params(64), use_tqdm=False)
     assert again[2].num_cached_tokens == 52  # all but the last block, which is computed again
-    close(torch.nn.functional.normalize(torch.tensor(again[2].pooled), dim=0).tolist(), ref[2])
+    close(torch.nn.functional.normalize(again[2].pooled, dim=0).tolist(), ref[2])
 
 
-def test_beside_generation_and_preempted_nothing_changes(qwen3):
+@pytest.mark.parametrize("task", [None, "token_embed"])
+def test_beside_generation_and_preempted_nothing_changes(qwen3, task):
     """An embedding request in a 16-block pool beside a growing generation: preempted and
-    recomputed, it pools each position once (its vector equals transformers'), and the
-    generation's tokens equal those it makes alone."""
-    ref = torch.nn.functional.normalize(hf_hidden(qwen3, PROMPTS[2:3])[0][-1], dim=0)
+    recomputed, it pools each position once (its vector equals transformers'; a per-token
+    task's rows too, one a token), and the generation's tokens equal those it makes alone."""
+    rows = hf_hidden(qwen3, PROMPTS[2:3])[0]
+    ref = rows if task else torch.nn.functional.normalize(rows[-1], dim=0)
     llm = LLM(
         qwen3,
         dtype="float32",
@@ -110,13 +112,14 @@ def test_beside_generation_and_preempted_nothing_changes(qwen3):
     engine.add_request("gen", PROMPTS[0], gen)
     for _ in range(24):  # the generation holds 8 blocks, and grows
         engine.step()
-    engine.add_request("embed", PROMPTS[2], engine.pooler.request_params(64))  # needs 14
+    engine.add_request("embed", PROMPTS[2], engine.pooler.request_params(64, task=task))  # 14
     done = {}
     while engine.has_unfinished():
         done.update((out.request_id, out) for out in engine.step() if out.finished)
     assert engine.scheduler.num_preemptions > 0
     assert done["gen"].outputs[0].token_ids == alone and done["gen"].pooled is None
-    close(torch.nn.functional.normalize(torch.tensor(done["embed"].pooled), dim=0).tolist(), ref)
+    pooled = done["embed"].pooled
+    close((pooled if task else torch.nn.functional.normalize(pooled, dim=0)).tolist(), ref)
     assert llm.engine.scheduler.kv.num_free_blocks() == 16
 
 

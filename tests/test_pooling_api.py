@@ -1,6 +1,9 @@
 """vLLM's generic pooling API: LLM.encode, AsyncLLMEngine.encode and POST /pooling make each
 prompt's pooled vector into its task's output ("embed" as LLM.embed and /v1/embeddings make it,
-"classify" as LLM.classify and /classify do; by default the model's own task), refuse the tasks
+"classify" as LLM.classify and /classify do; by default the model's own task), and each prompt
+token's own hidden state into the same for the per-token tasks ("token_embed", equal to
+transformers' rows, through chunks and the prefix cache; "token_classify"; preempted:
+test_embeddings.py), refuse what
 pagedkv does not make by name, and leave no block behind."""
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from server_process import TINY_SERVER, ServerProcess
+from test_embeddings import hf_hidden
 from test_scoring import seq_cls_folder
 from tiny_model import make_tiny_model
 
@@ -36,8 +40,8 @@ def classifier(qwen3, tmp_path_factory) -> str:
     return seq_cls_folder(qwen3, tmp_path_factory.mktemp("pool") / "cls", num_labels=3)
 
 
-def close(got: list[float], want: list[float]) -> None:
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-5, rtol=1e-4)
+def close(got, want) -> None:
+    torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), atol=2e-5, rtol=1e-4)
 
 
 def no_block_left(llm: LLM) -> None:
@@ -62,10 +66,10 @@ def test_encode_makes_what_embed_and_classify_make(qwen3, classifier):
             torch.nn.functional.normalize(torch.tensor(want[:8]), dim=0).tolist(),
         )
     for task, error, match in [
-        ("token_embed", ParamError, "'token_embed' is not supported: pagedkv pools one vector"),
-        ("plugin", ParamError, "'plugin' is not supported"),
-        ("rerank", ParamError, "unknown pooling task 'rerank': embed or classify"),
+        ("plugin", ParamError, "'plugin' is not supported: pagedkv has no plugins"),
+        ("rerank", ParamError, "'rerank': one of embed, classify, token_embed, token_classify"),
         ("classify", ConfigError, "this model has no classifier"),
+        ("token_classify", ConfigError, "this model has no classifier"),
     ]:
         with pytest.raises(error, match=match):
             llm.encode(PROMPTS, pooling_task=task, use_tqdm=False)
@@ -82,19 +86,64 @@ def test_encode_makes_what_embed_and_classify_make(qwen3, classifier):
     with pytest.raises(ParamError, match="classify takes only use_activation") as e:
         labels.encode(TEXTS, PoolingParams(dimensions=2), use_tqdm=False)
     assert e.value.param == "dimensions"
-    with pytest.raises(ConfigError, match="is a classifier"):
-        labels.encode(TEXTS, pooling_task="embed", use_tqdm=False)
+    for task in ("embed", "token_embed"):
+        with pytest.raises(ConfigError, match="is a classifier"):
+            labels.encode(TEXTS, pooling_task=task, use_tqdm=False)
+    no_block_left(labels)
+
+
+LONG = [5, 17, 33, 90, 4, 7] * 9  # 54 tokens: 14 blocks of 4
+
+
+def test_per_token_tasks_give_each_prompt_tokens_own_output(qwen3, classifier):
+    """token_embed: every prompt token's hidden state, equal to transformers' rows, in chunks of
+    16 and with the prompt's blocks in the prefix cache (all its positions computed again);
+    token_classify: the classifier's labels for every token, its last row what classify gives."""
+    prompts = [*PROMPTS[:2], LONG]
+    rows = hf_hidden(qwen3, prompts)
+    llm = LLM(qwen3, dtype="float32", block_size=4, max_num_batched_tokens=16)
+    llm.embed(prompts, use_tqdm=False)  # their blocks now in the prefix cache
+    outs = llm.encode(prompts, pooling_task="token_embed", use_tqdm=False)
+    for o, want, prompt in zip(outs, rows, prompts):
+        assert o.outputs.data.shape == (len(prompt), 64) and o.num_cached_tokens == 0
+        close(o.outputs.data, torch.nn.functional.normalize(want, dim=-1))
+    raw = llm.encode(prompts, PoolingParams(8, normalize=False, task="token_embed"), use_tqdm=False)
+    for o, want in zip(raw, rows):
+        close(o.outputs.data, want[:, :8])
+    last = llm.embed(prompts, use_tqdm=False)
+    for o, e in zip(outs, last):
+        close(o.outputs.data[-1], e.outputs.embedding)
+    no_block_left(llm)
+
+    labels = LLM(classifier, dtype="float32", block_size=4)
+    probs = [o.outputs.probs for o in labels.classify(TEXTS, use_tqdm=False)]
+    per_token = labels.encode(TEXTS, pooling_task="token_classify", use_tqdm=False)
+    logits = labels.encode(
+        TEXTS, PoolingParams(use_activation=False, task="token_classify"), use_tqdm=False
+    )
+    for o, lo, want in zip(per_token, logits, probs):
+        n = len(o.prompt_token_ids)
+        assert o.outputs.data.shape == (n, 3) and n > 1
+        close(o.outputs.data.sum(1), torch.ones(n))
+        close(o.outputs.data[-1], want)
+        close(torch.softmax(lo.outputs.data, -1), o.outputs.data)
+    with pytest.raises(ParamError, match="token_classify takes only use_activation"):
+        labels.encode(TEXTS, PoolingParams(dimensions=2, task="token_classify"), use_tqdm=False)
     no_block_left(labels)
 
 
 def test_the_async_engine_encodes_as_offline(qwen3):
     want = LLM(qwen3, dtype="float32", block_size=4).embed(["hello world"], use_tqdm=False)
+    rows = torch.nn.functional.normalize(hf_hidden(qwen3, [LONG])[0], dim=-1)
 
     async def main() -> list[PoolingRequestOutput]:
         args = AsyncEngineArgs(model=qwen3, dtype="float32", block_size=4)
         engine = AsyncLLMEngine.from_engine_args(args)
         try:
             outs = [o async for o in engine.encode("hello world", PoolingParams(), "e1")]
+            tokens = [o async for o in engine.encode(LONG, PoolingParams(task="token_embed"), "t")]
+            assert len(tokens) == 1 and tokens[0].finished
+            close(tokens[0].outputs.data, rows)
             with pytest.raises(ConfigError, match="this model has no classifier"):
                 await anext(engine.encode("hi", PoolingParams(task="classify"), "e2"))
             with pytest.raises(TypeError, match="pooling_params must be a pagedkv PoolingParams"):
@@ -130,12 +179,22 @@ def test_the_pooling_endpoint_answers_as_the_task_endpoints(qwen3, classifier):
                 assert d["object"] == "pooling"
                 close(d["data"], want["embedding"])
         b64 = pool(server, {"input": TEXTS[:1], "encoding_format": "base64"}).json()
-        raw = np.frombuffer(base64.b64decode(b64["data"][0]["data"]), dtype="<f4")
+        raw = np.frombuffer(base64.b64decode(b64["data"][0]["data"]), dtype="<f4").copy()
         close(raw.tolist(), embedded[0]["embedding"])
         chat = pool(server, {"messages": [{"role": "user", "content": "hi"}]})
         assert chat.status_code == 200 and len(chat.json()["data"][0]["data"]) == 64
+        ids = [5, 17, 33, 90, 4, 7]
+        rows = pool(server, {"input": [ids, TEXTS[0]], "task": "token_embed"}).json()
+        assert rows["usage"]["prompt_tokens"] == len(ids) + len(rows["data"][1]["data"])
+        want = torch.nn.functional.normalize(hf_hidden(qwen3, [ids])[0], dim=-1)
+        close(rows["data"][0]["data"], want)  # a list of floats a token
+        close(rows["data"][1]["data"][-1], embedded[0]["embedding"])
+        flat = pool(server, {"input": [ids], "task": "token_embed", "encoding_format": "base64"})
+        raw = np.frombuffer(base64.b64decode(flat.json()["data"][0]["data"]), dtype="<f4").copy()
+        close(raw.reshape(len(ids), 64), want)  # the rows one after another
         for body, status, param, words in [
-            ({"input": "x", "task": "token_embed"}, 400, "task", "pools one vector a prompt"),
+            ({"input": "x", "task": "plugin"}, 400, "task", "pagedkv has no plugins"),
+            ({"input": "x", "task": "token_classify"}, 400, None, "has no classifier"),
             ({"input": "x", "task": "classify"}, 400, None, "has no classifier"),
             ({"input": "x", "dimensions": 65}, 400, "dimensions", "from 1 to the model's 64"),
             ({"input": "x", "model": "other"}, 404, "model", "other"),
@@ -159,8 +218,13 @@ def test_the_pooling_endpoint_answers_as_the_task_endpoints(qwen3, classifier):
         logits = pool(server, {"input": TEXTS, "use_activation": False}).json()["data"]
         for d, want in zip(logits, labelled):
             close(torch.softmax(torch.tensor(d["data"]), 0).tolist(), want["probs"])
-        refused = pool(server, {"input": "x", "task": "embed"})
-        assert refused.status_code == 400 and "is a classifier" in refused.text
+        per_token = pool(server, {"input": TEXTS, "task": "token_classify"}).json()["data"]
+        for d, want in zip(per_token, labelled):
+            assert len(d["data"]) > 1 and all(len(row) == 3 for row in d["data"])
+            close(d["data"][-1], want["probs"])
+        for task in ("embed", "token_embed"):
+            refused = pool(server, {"input": "x", "task": task})
+            assert refused.status_code == 400 and "is a classifier" in refused.text
         dims = pool(server, {"input": "x", "dimensions": 2})
         assert dims.status_code == 400 and dims.json()["error"]["param"] == "dimensions"
         server.wait_idle()

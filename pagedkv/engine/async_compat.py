@@ -16,8 +16,6 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-import torch
-
 from pagedkv.config import EngineConfig
 from pagedkv.engine.async_engine import AsyncLLM, RequestFailedError
 from pagedkv.engine.llm import reject_unsupported, to_prompt, token_text, with_salt
@@ -116,12 +114,12 @@ class AsyncLLMEngine:
             raise TypeError("pooling_params must be a pagedkv PoolingParams")
         task = core.pooling_task(pooling_params.task, pooling_params)
         hidden = core.loaded.config.hidden_size
-        params = core.pooler.request_params(hidden, pooling_params.dimensions, truncate)
+        params = core.pooler.request_params(hidden, pooling_params.dimensions, truncate, task=task)
         async for out in self.generate(prompt, params, request_id, **kwargs):
             if out.finished:
                 if out.pooled is None:
                     raise RequestFailedError(f"request {request_id} ended without its vector")
-                data = torch.tensor(core.pooled_data(task, out.pooled, pooling_params))
+                data = core.pooled_data(task, out.pooled, pooling_params)
                 yield PoolingRequestOutput(
                     out.request_id,
                     out.prompt_token_ids,

@@ -195,7 +195,7 @@ class LLM:
         """vLLM's: one embedding per prompt, pooled as the model says (engine/pooling.py)."""
         return self._results(
             "embed", pooling_params, prompts, use_tqdm, truncate_prompt_tokens, lora_request,
-            EmbeddingRequestOutput, EmbeddingOutput,
+            EmbeddingRequestOutput, lambda v: EmbeddingOutput(v.tolist()),
         )  # fmt: skip
 
     def classify(
@@ -211,7 +211,7 @@ class LLM:
         *ForSequenceClassification checkpoint's head, or --hf-overrides'), engine/scoring.py."""
         return self._results(
             "classify", pooling_params, prompts, use_tqdm, truncate_prompt_tokens, lora_request,
-            ClassificationRequestOutput, ClassificationOutput,
+            ClassificationRequestOutput, lambda v: ClassificationOutput(v.tolist()),
         )  # fmt: skip
 
     def encode(
@@ -229,7 +229,7 @@ class LLM:
         model's own)."""
         return self._results(
             pooling_task, pooling_params, prompts, use_tqdm, truncate_prompt_tokens, lora_request,
-            PoolingRequestOutput, lambda v: PoolingOutput(torch.tensor(v)),
+            PoolingRequestOutput, PoolingOutput,
         )  # fmt: skip
 
     def score(
@@ -282,14 +282,16 @@ class LLM:
         truncate_prompt_tokens: int | None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None,
         result: Callable[[str, list[int], Made], R],
-        output: Callable[[list[float]], Made],
+        output: Callable[[torch.Tensor], Made],
     ) -> list[R]:
         """A pooling call's results: each prompt pooled, and for each its id, prompt and `output`
         of what the task (checked first; None: pooling_params.task, else the model's) makes of
         its vector."""
         pp = _pooling_params(pooling_params)
         task = self.engine.pooling_task(task or pp.task, pp)
-        outs = self._pool(prompts, use_tqdm, pp.dimensions, truncate_prompt_tokens, lora_request)
+        outs = self._pool(
+            prompts, use_tqdm, pp.dimensions, truncate_prompt_tokens, lora_request, task
+        )
         return [
             result(o.request_id, o.prompt_token_ids, output(self.engine.pooled_data(task, v, pp)))
             for o, v in outs
@@ -302,10 +304,14 @@ class LLM:
         dimensions: int | None,
         truncate_prompt_tokens: int | None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None,
-    ) -> list[tuple[RequestOutput, list[float]]]:
-        """Each prompt run as a pooling request: its output and pooled vector."""
+        task: str | None = None,
+    ) -> list[tuple[RequestOutput, torch.Tensor]]:
+        """Each prompt run as a pooling request for `task`: its output and pooled vector (a
+        vector a token for a per-token task)."""
         hidden = self.engine.loaded.config.hidden_size
-        params = self.engine.pooler.request_params(hidden, dimensions, truncate_prompt_tokens)
+        params = self.engine.pooler.request_params(
+            hidden, dimensions, truncate_prompt_tokens, task=task
+        )
         outs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         for o in outs:
             if o.pooled is None:

@@ -26,7 +26,6 @@ from pagedkv.engine.options import apply_engine_options, generation_defaults
 from pagedkv.engine.outputs import RequestOutput, SampleLogprob
 from pagedkv.engine.pooling import (
     NO_LM_HEAD,
-    PER_TOKEN_TASKS,
     POOLING_TASKS,
     Pooler,
     PoolingParams,
@@ -228,25 +227,26 @@ class LLMEngine:
         """The pooling task a call runs (POOLING_TASKS; None: this model's own), refused where
         this engine makes no such output or `params` holds what the task does not take."""
         task = task or ("classify" if self.classifier is not None else "embed")
-        if task in PER_TOKEN_TASKS:
+        if task == "plugin":
             raise ParamError(
-                "task",
-                f"pooling task {task!r} is not supported: pagedkv pools one vector a prompt "
-                f"({', '.join(POOLING_TASKS)})",
+                "task", "pooling task 'plugin' is not supported: pagedkv has no plugins"
             )
         if task not in POOLING_TASKS:
-            raise ParamError("task", f"unknown pooling task {task!r}: {' or '.join(POOLING_TASKS)}")
-        if task == "embed":
+            raise ParamError(
+                "task", f"unknown pooling task {task!r}: one of {', '.join(POOLING_TASKS)}"
+            )
+        if task.removeprefix("token_") == "embed":
             self.check_pools(embeddings=True)
         else:
             self.check_classifier()
             params.only_activation(task)
         return task
 
-    def pooled_data(self, task: str, vector: list[float], params: PoolingParams) -> list[float]:
+    def pooled_data(self, task: str, vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         """What a pooling task (checked by pooling_task) makes of a prompt's pooled vector: its
-        embedding, or its labels' probabilities (their logits without use_activation)."""
-        if task == "embed":
+        embedding, or its labels' probabilities (their logits without use_activation); of a
+        per-token task's vectors, the same for each."""
+        if task.removeprefix("token_") == "embed":
             return embedding(vector, params.normalizes(self.pooler), params.dimensions)
         return self.check_classifier().probs(vector, params.use_activation is not False)
 

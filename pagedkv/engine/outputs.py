@@ -93,7 +93,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the engine failed this request (finish_reason "error")
     prompt_logprobs: list[SampleLogprob | None] | None = None  # the first prompt token has none
-    pooled: list[float] | None = None  # an embedding request's pooled hidden state, once finished
+    # a pooling request's pooled hidden state (a row a prompt token for a per-token task), once
+    # finished
+    pooled: torch.Tensor | None = None  # float32
 
     def decode_logprobs(self, decode) -> RequestOutput:
         for o in self.outputs:

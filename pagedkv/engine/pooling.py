@@ -3,9 +3,10 @@
 An embedding request runs through the engine like any other (batched, chunked, preempted, its
 blocks cached); the runner hands each step's hidden rows of its prompt to `add_rows`, which keeps
 only what the pooling needs: the last prompt token's row (LAST, as Qwen3-Embedding and vLLM's
-default for a causal LM), the first's (CLS), or the running sum of all of them (MEAN). A request
-that pools MEAN or CLS skips the prefix cache, as one asking for prompt logprobs does: a cached
-block's positions are never computed. Rows a recomputation (preemption) runs again are not
+default for a causal LM), the first's (CLS), the running sum of all of them (MEAN), or every row
+(ALL: vLLM's per-token tasks, token_embed and token_classify). A request that pools anything but
+LAST skips the prefix cache, as one asking for prompt logprobs does: a cached block's positions are
+never computed. Rows a recomputation (preemption) runs again are not
 added twice. The engine samples one token after the prompt, which the answer leaves out.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.config import ConfigError
-from pagedkv.engine.request import POOLING_TYPES, ParamError, SamplingParams
+from pagedkv.engine.request import EVERY_TOKEN, POOLING_TYPES, ParamError, SamplingParams
 
 NO_LM_HEAD = "the checkpoint has no LM head, lm_head.weight"
 # sentence-transformers' 1_Pooling/config.json flags, by the pooling they name
@@ -42,9 +43,11 @@ class Pooler:
         dimensions: int | None = None,
         truncate_prompt_tokens: int | None = None,
         priority: int = 0,
+        task: str | None = None,
     ) -> SamplingParams:
-        """An embedding request's engine parameters (its prompt, then one token not shown);
-        `dimensions` checked against the model's width."""
+        """A pooling request's engine parameters (its prompt, then one token not shown): a
+        per-token task (PER_TOKEN_TASKS) keeps every prompt token's row; `dimensions` checked
+        against the model's width."""
         if dimensions is not None and not 1 <= dimensions <= hidden_size:
             raise ParamError(
                 "dimensions", f"dimensions must be from 1 to the model's {hidden_size}"
@@ -52,7 +55,7 @@ class Pooler:
         return SamplingParams(
             max_tokens=1,
             temperature=0.0,
-            pooling=self.pooling_type,
+            pooling=EVERY_TOKEN if task in PER_TOKEN_TASKS else self.pooling_type,
             truncate_prompt_tokens=truncate_prompt_tokens,
             priority=priority,
         )
@@ -135,18 +138,20 @@ class PoolingParams:
         return self.use_activation is not False
 
 
-# vLLM's pooling tasks: those pagedkv makes (one vector a prompt), and those it does not
-POOLING_TASKS = ("embed", "classify")
-PER_TOKEN_TASKS = ("token_embed", "token_classify", "plugin")
+# vLLM's pooling tasks that pagedkv makes: one vector a prompt, or (PER_TOKEN_TASKS) one a prompt
+# token, each that task without its "token_" made of the token's own hidden state
+PER_TOKEN_TASKS = ("token_embed", "token_classify")
+POOLING_TASKS = ("embed", "classify", *PER_TOKEN_TASKS)
 
 
 @dataclass
 class Pooled:
-    """One request's pooling so far: the positions taken and their row (LAST, CLS) or sum."""
+    """One request's pooling so far: the positions taken and their row (LAST, CLS), sum (MEAN)
+    or rows (ALL)."""
 
     pooling_type: str
     upto: int = 0  # prompt positions [0, upto) have been seen
-    vector: torch.Tensor | None = None  # float32 [hidden]
+    vector: torch.Tensor | None = None  # float32 [hidden] ([upto, hidden] for ALL)
 
 
 def add_rows(pooled: Pooled, start: int, rows: torch.Tensor, prompt_len: int) -> None:
@@ -158,6 +163,9 @@ def add_rows(pooled: Pooled, start: int, rows: torch.Tensor, prompt_len: int) ->
     if pooled.pooling_type == "MEAN":
         total = rows[first - start : last - start].float().sum(0)
         pooled.vector = total if pooled.vector is None else pooled.vector + total
+    elif pooled.pooling_type == EVERY_TOKEN:
+        new = rows[first - start : last - start].float()
+        pooled.vector = new.clone() if pooled.vector is None else torch.cat((pooled.vector, new))
     elif pooled.pooling_type == "CLS":
         if first == 0:
             pooled.vector = rows[0].float().clone()
@@ -166,17 +174,14 @@ def add_rows(pooled: Pooled, start: int, rows: torch.Tensor, prompt_len: int) ->
     pooled.upto = last
 
 
-def result(pooled: Pooled, prompt_len: int) -> list[float]:
-    """The pooled vector once every prompt position was seen."""
+def result(pooled: Pooled, prompt_len: int) -> torch.Tensor:
+    """The pooled vector once every prompt position was seen (for ALL, a vector a position)."""
     assert pooled.vector is not None and pooled.upto == prompt_len
-    v = pooled.vector / prompt_len if pooled.pooling_type == "MEAN" else pooled.vector
-    return v.tolist()
+    return pooled.vector / prompt_len if pooled.pooling_type == "MEAN" else pooled.vector
 
 
-def embedding(vector: list[float], normalize: bool, dimensions: int | None = None) -> list[float]:
+def embedding(vector: torch.Tensor, normalize: bool, dimensions: int | None = None) -> torch.Tensor:
     """What the client gets: the first `dimensions` values (Matryoshka models), then, if asked,
-    scaled to unit length."""
-    v = torch.tensor(vector[:dimensions] if dimensions else vector, dtype=torch.float32)
-    if normalize:
-        v = torch.nn.functional.normalize(v, dim=0)
-    return v.tolist()
+    scaled to unit length; of a vector, or of each row of a per-token task's vectors."""
+    v = vector[..., :dimensions]
+    return torch.nn.functional.normalize(v, dim=-1) if normalize else v

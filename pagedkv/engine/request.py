@@ -13,6 +13,7 @@ from typing import Any
 from pagedkv.config import ConfigError, is_digits
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")  # how engine/pooling.py makes an embedding
+EVERY_TOKEN = "ALL"  # every prompt token's own hidden state (vLLM's per-token pooling tasks)
 
 # Limits on what one request may ask for; the server's request models reuse them.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch and numpy can hold: seeds, top_k, counts
@@ -210,7 +211,8 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     # an embedding (engine/pooling.py): "LAST", "MEAN" or "CLS" pooling of the prompt's final
-    # hidden states; the one token sampled after the prompt is not shown
+    # hidden states, or "ALL" of them, a row a token; the one token sampled after the prompt is
+    # not shown
     pooling: str | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)  # by the engine
 
@@ -243,15 +245,17 @@ class SamplingParams:
 
     @property
     def every_prompt_position(self) -> bool:
-        """Whether the request needs every prompt position's hidden row (prompt logprobs, MEAN or
-        CLS pooling), so skips the prefix cache: a cached block's positions are never computed."""
-        return self.prompt_logprobs is not None or self.pooling in ("MEAN", "CLS")
+        """Whether the request needs every prompt position's hidden row (prompt logprobs, MEAN,
+        CLS or ALL pooling), so skips the prefix cache: a cached block's positions are never
+        computed."""
+        return self.prompt_logprobs is not None or self.pooling in ("MEAN", "CLS", EVERY_TOKEN)
 
     def _check_pooling(self) -> None:
         if self.pooling is None:
             return
-        if self.pooling not in POOLING_TYPES:
-            raise ParamError("pooling", f"pooling must be one of {', '.join(POOLING_TYPES)}")
+        if self.pooling not in (*POOLING_TYPES, EVERY_TOKEN):
+            kinds = ", ".join((*POOLING_TYPES, EVERY_TOKEN))
+            raise ParamError("pooling", f"pooling must be one of {kinds}")
         if self.n != 1 or self.use_beam_search:
             raise ParamError("pooling", "an embedding is one vector a prompt: n 1, no beams")
 

@@ -145,27 +145,28 @@ class Classifier:
                 "has one): /classify and LLM.classify give its labels' probabilities"
             )
 
-    def score(self, vector: list[float], use_activation: bool = True) -> float:
+    def score(self, vector: torch.Tensor, use_activation: bool = True) -> float:
         """A one-label head's sigmoid of its row times the hidden state, or without
         use_activation the logit."""
-        return self.probs(vector, use_activation)[0]
+        return float(self.probs(vector, use_activation)[0])
 
-    def probs(self, vector: list[float], use_activation: bool = True) -> list[float]:
+    def probs(self, vector: torch.Tensor, use_activation: bool = True) -> torch.Tensor:
         """Each label's probability (softmax over the labels, or a sigmoid each where they are
-        independent or one), or without use_activation their logits."""
-        logits = self.rows @ torch.tensor(vector, dtype=torch.float32)
+        independent or one), or without use_activation their logits; of a hidden state, or of
+        each of a per-token task's."""
+        logits = vector @ self.rows.T
         if not use_activation:
-            return logits.tolist()
+            return logits
         sigmoid = self.multi_label or len(self.labels) == 1
-        return (torch.sigmoid(logits) if sigmoid else torch.softmax(logits, 0)).tolist()
+        return torch.sigmoid(logits) if sigmoid else torch.softmax(logits, -1)
 
     def label(self, probs: list[float]) -> str:
         """The most likely label's name (the first of ties)."""
         return self.labels[max(range(len(probs)), key=probs.__getitem__)]
 
 
-def cosine(a: list[float], b: list[float]) -> float:
-    return float(torch.nn.functional.cosine_similarity(torch.tensor(a), torch.tensor(b), dim=0))
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ class ScorePlan:
     pairs: list[tuple[int, int]]
     classifier: Classifier | None
 
-    def scores(self, vectors: Sequence[list[float]], use_activation: bool = True) -> list[float]:
+    def scores(self, vectors: Sequence[torch.Tensor], use_activation: bool = True) -> list[float]:
         if self.classifier is not None:
             return [self.classifier.score(vectors[i], use_activation) for i, _ in self.pairs]
         return [cosine(vectors[i], vectors[j]) for i, j in self.pairs]

@@ -48,7 +48,7 @@ async def classify(
     params = PoolingParams(use_activation=req.use_activation)
     data = []
     for i, vector in enumerate(run.vectors):
-        probs = core.pooled_data("classify", vector, params)
+        probs = core.pooled_data("classify", vector, params).tolist()
         data.append(
             ClassificationData(
                 index=i, label=classifier.label(probs), probs=probs, num_classes=len(probs)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-import numpy as np
+import torch
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, BeforeValidator
@@ -83,13 +83,15 @@ class EmbeddingResponse(ListAnswer):
     usage: EmbeddingUsage
 
 
-def encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+def encoded(vector: torch.Tensor, encoding_format: str) -> list[Any] | str:
+    """As the client asked: floats, or base64 of little-endian float32 (a per-token task's rows
+    one after another, as vLLM sends them)."""
     if encoding_format == "float":
-        return vector
-    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+        return vector.tolist()
+    return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
 
 
-def pooled(out: RequestOutput) -> list[float]:
+def pooled(out: RequestOutput) -> torch.Tensor:
     if out.pooled is None:  # (a failed request raised; an aborted one is a 503 above)
         raise APIError(500, f"request {out.request_id} finished without its embedding")
     return out.pooled
@@ -102,7 +104,7 @@ class PoolingRun:
 
     answer_id: str
     model: str
-    vectors: list[list[float]]
+    vectors: list[torch.Tensor]
     used: int
 
     def answer(self, kind: type[ListAnswer], data: list, usage: type[BaseModel]) -> Response:
@@ -124,16 +126,19 @@ async def pool_inputs(
     kind: str,
     check: Callable[[], object],
     dimensions: int | None = None,
+    task: str | None = None,
 ) -> PoolingRun | Response:
-    """Runs each input (a text or token ids, truncated as asked) as a pooling request, after the
-    model's name and then `check` (what this engine can answer) pass: the vectors, or the 499 of a
-    client gone. `kind` prefixes the answer's id."""
+    """Runs each input (a text or token ids, truncated as asked) as a pooling request for `task`
+    (None: one vector a prompt), after the model's name and then `check` (what this engine can
+    answer) pass: the vectors, or the 499 of a client gone. `kind` prefixes the answer's id."""
     engine = serving.engine
     lora = serving.check_model(req.model)
     check()
     hidden = engine.engine.loaded.config.hidden_size
     pooler = engine.engine.pooler
-    params = pooler.request_params(hidden, dimensions, req.truncate_prompt_tokens, req.priority)
+    params = pooler.request_params(
+        hidden, dimensions, req.truncate_prompt_tokens, req.priority, task
+    )
     params.lora_name = lora
     tok = engine.tokenizer
     inputs = req.input if req.input is not None else [chat_prompt(tok, req, engine.config)]
@@ -154,7 +159,7 @@ async def pool_inputs(
 
 async def pool_prompts(
     serving: OpenAIServing, request: Request, prompts: list[list[int]], params, answer_id: str
-) -> list[list[float]] | None:
+) -> list[torch.Tensor] | None:
     """Each prompt run as a pooling request (batched with whatever else runs): their vectors in
     order, or None if the client went away first."""
     engine = serving.engine

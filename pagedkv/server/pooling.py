@@ -1,7 +1,9 @@
 """vLLM's POST /pooling: each input pooled and made into its task's output, "embed" (an embedding,
 as /v1/embeddings makes it) or "classify" (the labels' probabilities, as /classify makes them), by
-default the model's own task; answered as vLLM's PoolingResponse, whose `data` holds each input's
-values as floats or base64."""
+default the model's own task; or, for "token_embed" and "token_classify", that output for each of
+the input's tokens. Answered as vLLM's PoolingResponse, whose `data` holds each input's values as
+floats (a list a token for the per-token tasks) or base64 (a per-token task's rows one after
+another)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ class PoolRequest(EmbeddingRequest):
 class PoolingData(BaseModel):
     index: int
     object: Literal["pooling"] = "pooling"
-    data: list[float] | str
+    data: list[float] | list[list[float]] | str
 
 
 class PoolingResponse(ListAnswer):
@@ -40,7 +42,13 @@ async def pooling(serving: OpenAIServing, req: PoolRequest, request: Request) ->
     core = serving.engine.engine
     params = PoolingParams(req.dimensions, req.normalize, req.use_activation)
     run = await pool_inputs(
-        serving, req, request, "pool", lambda: core.pooling_task(req.task, params), req.dimensions
+        serving,
+        req,
+        request,
+        "pool",
+        lambda: core.pooling_task(req.task, params),
+        req.dimensions,
+        req.task,
     )
     if isinstance(run, Response):
         return run
