@@ -438,6 +438,9 @@ def test_adapter_mistakes_are_config_errors(llm, tiny_model_dir, adapters, tmp_p
     assert not llm.engine.has_unfinished()
 
 
+sagemaker_name = "X-Amzn-SageMaker-Adapter-Identifier"
+
+
 def test_a_server_serves_each_adapter_as_a_model(tiny_model_dir, adapters, llm):
     expected = greedy(llm, PROMPTS[:1], LoRARequest("all", 1, adapters["all"]))[0]
     module = json.dumps({"name": "attn", "path": adapters["attn"], "base_model_name": "Tiny/1"})
@@ -458,6 +461,15 @@ def test_a_server_serves_each_adapter_as_a_model(tiny_model_dir, adapters, llm):
         assert r.json()["choices"][0]["text"] == llm.get_tokenizer().decode(expected)
         r = srv.http.post("/v1/completions", json={**body, "model": "nope"})
         assert r.status_code == 404, r.text
+        # SageMaker's /invocations runs on the adapter its header names, over the body's model
+        sagemaker = {sagemaker_name: "all"}
+        r = srv.http.post("/invocations", json={**body, "model": "tiny"}, headers=sagemaker)
+        assert r.status_code == 200 and r.json()["model"] == "all", r.text
+        assert r.json()["choices"][0]["text"] == llm.get_tokenizer().decode(expected)
+        r = srv.http.post("/invocations", json=body)
+        assert r.status_code == 200 and r.json()["model"] == "tiny"
+        r = srv.http.post("/invocations", json=body, headers={sagemaker_name: "nope"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
     line = serve_error("--model", tiny_model_dir, "--lora-modules", "x")[-1]
     assert "--lora-modules takes NAME=PATH or a JSON object" in line
 
@@ -465,9 +477,10 @@ def test_a_server_serves_each_adapter_as_a_model(tiny_model_dir, adapters, llm):
 def test_adapters_load_and_unload_at_runtime_where_allowed(
     tiny_model_dir, adapters, llm, monkeypatch
 ):
-    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, behind its environment switch:
-    a loaded adapter serves as a model with its offline output, an unloaded one is gone (404),
-    and mistakes are 4xx that change nothing."""
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, and SageMaker's POST /adapters and
+    DELETE /adapters/{name}, behind vLLM's environment switch: a loaded adapter serves as a model
+    with its offline output, an unloaded one is gone (404), and mistakes are 4xx that change
+    nothing."""
     expected = llm.get_tokenizer().decode(
         greedy(llm, PROMPTS[:1], LoRARequest("all", 1, adapters["all"]))[0]
     )
@@ -476,6 +489,7 @@ def test_adapters_load_and_unload_at_runtime_where_allowed(
     with ServerProcess(*args) as srv:  # without the switch the routes do not exist
         r = srv.http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/"})
         assert r.status_code == 404
+        assert srv.http.post("/adapters", json={"name": "x", "src": "/"}).status_code == 404
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     with ServerProcess(*args) as srv:
         load = {"lora_name": "all", "lora_path": adapters["all"]}
@@ -502,6 +516,31 @@ def test_adapters_load_and_unload_at_runtime_where_allowed(
         assert srv.http.post("/v1/load_lora_adapter", json=load).status_code == 200
         r = srv.http.post("/v1/completions", json={**body, "model": "all"})
         assert r.json()["choices"][0]["text"] == expected
+
+        # SageMaker's forms: a JSON body or query parameters; answered with the alias if given
+        alias = {"X-Amzn-SageMaker-Adapter-Alias": "the SQL one"}
+        r = srv.http.post("/adapters", json={"name": "sql", "src": adapters["all"]}, headers=alias)
+        assert r.status_code == 200 and r.text == "Adapter the SQL one registered", r.text
+        r = srv.http.post("/adapters", params={"name": "q", "src": adapters["all"]})
+        assert r.status_code == 200 and r.text == "Adapter q registered", r.text
+        for name in ("sql", "q"):
+            r = srv.http.post("/v1/completions", json={**body, "model": name})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text
+        for bad, param in [
+            ({"name": "q", "src": adapters["all"]}, "name"),  # registered already
+            ({"name": "z", "src": str(Path(adapters["all"]).parent)}, "src"),
+            ({"name": "", "src": adapters["all"]}, "name"),
+            ({"src": adapters["all"]}, "name"),
+        ]:
+            r = srv.http.post("/adapters", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+        r = srv.http.delete("/adapters/q")
+        assert r.status_code == 200 and r.text == "Adapter q unregistered", r.text
+        r = srv.http.delete("/adapters/q")
+        assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]
+        assert srv.http.post("/v1/completions", json={**body, "model": "q"}).status_code == 404
+        served = [m["id"] for m in srv.http.get("/v1/models").json()["data"]]
+        assert served == ["tiny", "all", "sql"]
         assert srv.http.get("/health").status_code == 200
 
 

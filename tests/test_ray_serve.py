@@ -446,9 +446,9 @@ def test_a_request_for_an_adapter_is_routed_apart_from_the_base_models(tmp_path)
         tokenizer=tok, block_size=4, adapters=frozenset({"sql", "chat"}), _prompt_ids=None
     )
     ingress._prompt_ids = lambda path, data: Ingress.func_or_class._prompt_ids(ingress, path, data)
-    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []})
 
-    def hashes(**fields):
+    def hashes(path="/v1/completions", headers=(), **fields):
+        request = Request({"type": "http", "method": "POST", "path": path, "headers": headers})
         body = json.dumps({"prompt": list(range(5, 30)), **fields}).encode()
         return Ingress.func_or_class.route_key(ingress, request, body).hashes
 
@@ -458,6 +458,10 @@ def test_a_request_for_an_adapter_is_routed_apart_from_the_base_models(tmp_path)
     sql, chat = hashes(model="sql"), hashes(model="chat")
     assert len({base, sql, chat}) == 3 and all(len(h) == 6 for h in (sql, chat))
     assert hashes(model="sql", cache_salt="s") not in (sql, hashes(cache_salt="s"))
+    # SageMaker's /invocations: the adapter its header names, over the body's model
+    header = [(b"x-amzn-sagemaker-adapter-identifier", b"sql")]
+    assert hashes("/invocations", header, model="chat") == sql
+    assert hashes("/invocations", model="chat") == chat
 
 
 def test_runtime_lora_updates_reach_every_replica(cluster, tmp_path_factory):
@@ -492,3 +496,10 @@ def test_runtime_lora_updates_reach_every_replica(cluster, tmp_path_factory):
     assert [served(i) for i in range(2)] == [404, 404]
     r = post("unload", lora_name="sql")
     assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"], r.text
+    # SageMaker's forms reach every replica too
+    r = httpx.post(f"{cluster}/adapters", json={"name": "sql", "src": adapter}, timeout=120)
+    assert r.status_code == 200 and r.text == "Adapter sql registered", r.text
+    assert [served(i) for i in range(2)] == [200, 200]
+    r = httpx.delete(f"{cluster}/adapters/sql", timeout=120)
+    assert r.status_code == 200 and r.text == "Adapter sql unregistered", r.text
+    assert [served(i) for i in range(2)] == [404, 404]

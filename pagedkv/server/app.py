@@ -55,6 +55,7 @@ from pagedkv.server.pooling import pooling as serve_pooling
 from pagedkv.server.responses import ModelCard, ModelList
 from pagedkv.server.responses_protocol import ResponsesRequest
 from pagedkv.server.routes_extra import (
+    ADAPTER_HEADER,
     add_lora_routes,
     add_vllm_routes,
     is_serving,
@@ -258,6 +259,8 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
     async def invoke(request: Request) -> Response:
         """SageMaker's: the body goes to the endpoint its fields name (server/invocations.py)."""
         request.state.body = load_json_object(await request.body())  # (parsed once: read_json)
+        if adapter := request.headers.get(ADAPTER_HEADER):  # SageMaker's: the adapter to run on
+            request.state.body["model"] = adapter
         kind = invocations.pick(request.state.body, engine.engine)
         if kind is None:
             raise APIError(400, invocations.unmarked(engine.engine))

@@ -49,6 +49,17 @@ class LoadLoRAAdapterRequest(RequestModel):
     lora_path: SafeStr = Field(min_length=1)
 
 
+class RegisterAdapterRequest(RequestModel):
+    """SageMaker's POST /adapters body (or query): the adapter's name and folder. pagedkv loads
+    every adapter when it is registered and keeps it until it is unregistered, which is what
+    SageMaker's `preload` and `pin` ask for (both accepted; false changes nothing)."""
+
+    name: SafeStr = Field(min_length=1)
+    src: SafeStr = Field(min_length=1)
+    preload: bool = True
+    pin: bool = False
+
+
 class UnloadLoRAAdapterRequest(RequestModel):
     """vLLM's /v1/unload_lora_adapter body (its lora_int_id is accepted: names are the key)."""
 

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import ray
 from fastapi import FastAPI, Request
@@ -33,6 +34,7 @@ from pagedkv.server.errors import error_body
 from pagedkv.server.metrics import exposition
 from pagedkv.server.middleware import MAX_BODY_BYTES, BodySizeLimit, HeaderCountLimit
 from pagedkv.server.ray_router import PagedKVRouter, RouteKey
+from pagedkv.server.routes_extra import ADAPTER_HEADER
 
 log = logging.getLogger("pagedkv.server")
 REPLICA_HEADER = (
@@ -186,12 +188,36 @@ app.add_middleware(HeaderCountLimit)  # vLLM's default limit (the HTTP flags are
 
 
 # Serve pickles the deployment classes where they are declared: what they call must come first.
-def _lora_name(body: bytes) -> str | None:
-    try:
-        name = json.loads(body).get("lora_name")
-    except (ValueError, AttributeError):
+@dataclass(frozen=True)
+class AdapterUpdate:
+    """A request that loads or unloads an adapter (vLLM's routes, or SageMaker's /adapters): the
+    adapter's name, and for a load the body that loads it through vLLM's route (what a replica
+    started later is given)."""
+
+    loads: bool
+    name: str | None
+    load_body: bytes = b""
+
+
+def _adapter_update(request: Request, path: str, body: bytes) -> AdapterUpdate | None:
+    """What the request changes, if it loads or unloads an adapter; None for any other."""
+    sagemaker = path == "adapters" and request.method == "POST"
+    if path not in (LOAD_LORA, UNLOAD_LORA) and not sagemaker:
+        if path.startswith("adapters/") and request.method == "DELETE":
+            return AdapterUpdate(False, path.removeprefix("adapters/") or None)
         return None
-    return name if isinstance(name, str) else None
+    try:
+        data = json.loads(body) if body.strip() else dict(request.query_params)
+    except ValueError:
+        data = None
+    fields = ("name", "src") if sagemaker else ("lora_name", "lora_path")
+    name = data.get(fields[0]) if isinstance(data, dict) else None
+    name = name if isinstance(name, str) else None
+    if path == UNLOAD_LORA:
+        return AdapterUpdate(False, name)
+    src = data.get(fields[1]) if isinstance(data, dict) else None
+    load = json.dumps({"lora_name": name, "lora_path": src}).encode() if sagemaker else body
+    return AdapterUpdate(True, name, load)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -256,6 +282,8 @@ class Ingress:
             ids = self._prompt_ids(request.url.path, data) if isinstance(data, dict) else []
             salt = data.get("cache_salt") if isinstance(data, dict) else None
             model = data.get("model") if isinstance(data, dict) else None
+            if request.url.path.endswith(invocations.PATH):  # its adapter header, as replicas
+                model = request.headers.get(ADAPTER_HEADER) or model
         except Exception:  # noqa: BLE001 - bad input is the replica's to reject, with its own message
             ids, salt, model = [], None, None
         salt = salt if isinstance(salt, str) and salt else None
@@ -392,7 +420,9 @@ class Ingress:
             )
         )
 
-    async def _update_adapters(self, request: Request, path: str, body: bytes) -> Response:
+    async def _update_adapters(
+        self, request: Request, update: AdapterUpdate, body: bytes
+    ) -> Response:
         """Load or unload an adapter on every replica, so that any of them serves it. A load that
         fails on one is undone on the others; an unload counts a replica that never had the
         adapter (404) as done. The registry keeps what is loaded for a replica Ray starts later."""
@@ -400,13 +430,13 @@ class Ingress:
         if not answers:
             return _error(503, "no engine replica is running")
         done = [head for head, _ in answers if head["status"] == 200]
-        if path == UNLOAD_LORA:
+        if not update.loads:
             failed = [(h, b) for h, b in answers if h["status"] not in (200, 404)]
         else:
             failed = [(h, b) for h, b in answers if h["status"] != 200]
-        name = _lora_name(body)
+        name = update.name
         if failed:
-            if path == LOAD_LORA and name is not None:
+            if update.loads and name is not None:
                 undo = json.dumps({"lora_name": name}).encode()
                 for head in done:
                     try:
@@ -422,9 +452,9 @@ class Ingress:
             head, answer = answers[0]
         else:
             head, answer = done[0], next(b for h, b in answers if h is done[0])
-            if name is not None and path == LOAD_LORA:
+            if name is not None and update.loads:
                 self.adapters |= {name}
-                await self.registry.put.remote(name, body)
+                await self.registry.put.remote(name, update.load_body)
             elif name is not None:
                 self.adapters -= {name}
                 await self.registry.drop.remote(name)
@@ -436,8 +466,8 @@ class Ingress:
     )
     async def proxy(self, request: Request, path: str) -> Response:
         body = await request.body()
-        if path in (LOAD_LORA, UNLOAD_LORA):  # one replica would change
-            return await self._update_adapters(request, path, body)
+        if (update := _adapter_update(request, path, body)) is not None:  # not one replica alone
+            return await self._update_adapters(request, update, body)
         try:
             head, stream = await self._call(request, self.route_key(request, body), body)
         except ReplicaGone as e:

@@ -1,6 +1,7 @@
 """vLLM's utility routes: /tokenize, /detokenize, /version, /ping (GET and POST), HEAD /health,
 and, where VLLM_ALLOW_RUNTIME_LORA_UPDATING is set as in vLLM, /v1/load_lora_adapter and
-/v1/unload_lora_adapter.
+/v1/unload_lora_adapter, and SageMaker's forms of the same, POST /adapters and DELETE
+/adapters/{name}.
 
 Kept apart from app.py so the generation routes and these stay small; each
 validates its body like the OpenAI routes (400 with the field named).
@@ -97,33 +98,62 @@ def runtime_lora_updating() -> bool:
     return os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
 
 
+# SageMaker's headers: the adapter a request to /invocations runs on (set as its body's model),
+# and the name its adapter routes' answers give an adapter
+ADAPTER_HEADER = "x-amzn-sagemaker-adapter-identifier"
+ALIAS_HEADER = "x-amzn-sagemaker-adapter-alias"
+
+
 def add_lora_routes(app: FastAPI, engine, read_json) -> None:
     """POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter {lora_name},
-    answered as vLLM answers them (plain text on success)."""
+    answered as vLLM answers them (plain text on success); SageMaker's POST /adapters {name, src}
+    (or the same as query parameters) and DELETE /adapters/{name}, answered as vLLM's SageMaker
+    layer answers them ("Adapter NAME registered", the alias header's name if given)."""
+
+    async def load(name: str, path: str, fields: tuple[str, str]) -> None:
+        """Loads the adapter, or the 400 naming `fields`' name or path field."""
+        if name in engine.engine.loras:
+            message = f"The lora adapter '{name}' has already been loaded."
+            raise APIError(400, message, param=fields[0])
+        if name in engine.config.served_model_names:
+            raise APIError(400, f"{name!r} is the base model's name", param=fields[0])
+        try:
+            await asyncio.to_thread(engine.load_lora, name, path)
+        except ConfigError as e:
+            raise APIError(400, str(e), param=fields[1]) from None
+
+    async def unload(name: str, field: str | None) -> None:
+        try:
+            await asyncio.to_thread(engine.unload_lora, name)
+        except LookupError:
+            message = f"The lora adapter '{name}' cannot be found."
+            raise APIError(404, message, param=field) from None
+        except ConfigError as e:
+            raise APIError(400, str(e), param=field) from None
 
     @app.post("/v1/load_lora_adapter", openapi_extra=json_body(api.LoadLoRAAdapterRequest))
     async def load_lora_adapter(request: Request) -> Response:
         req = await read_json(request, api.LoadLoRAAdapterRequest)
-        if req.lora_name in engine.engine.loras:
-            message = f"The lora adapter '{req.lora_name}' has already been loaded."
-            raise APIError(400, message, param="lora_name")
-        if req.lora_name in engine.config.served_model_names:
-            raise APIError(400, f"{req.lora_name!r} is the base model's name", param="lora_name")
-        try:
-            await asyncio.to_thread(engine.load_lora, req.lora_name, req.lora_path)
-        except ConfigError as e:
-            raise APIError(400, str(e), param="lora_path") from None
+        await load(req.lora_name, req.lora_path, ("lora_name", "lora_path"))
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", openapi_extra=json_body(api.UnloadLoRAAdapterRequest))
     async def unload_lora_adapter(request: Request) -> Response:
         req = await read_json(request, api.UnloadLoRAAdapterRequest)
-        try:
-            await asyncio.to_thread(engine.unload_lora, req.lora_name)
-        except LookupError:
-            raise APIError(
-                404, f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name"
-            ) from None
-        except ConfigError as e:
-            raise APIError(400, str(e), param="lora_name") from None
+        await unload(req.lora_name, "lora_name")
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    @app.post("/adapters", openapi_extra=json_body(api.RegisterAdapterRequest))
+    async def register_adapter(request: Request) -> Response:
+        if not (await request.body()).strip():  # SageMaker's other form: query parameters
+            request.state.body = dict(request.query_params)
+        req = await read_json(request, api.RegisterAdapterRequest)
+        await load(req.name, req.src, ("name", "src"))
+        alias = request.headers.get(ALIAS_HEADER) or req.name
+        return PlainTextResponse(f"Adapter {alias} registered")
+
+    @app.delete("/adapters/{adapter_name}")
+    async def unregister_adapter(adapter_name: str, request: Request) -> Response:
+        await unload(adapter_name, None)
+        alias = request.headers.get(ALIAS_HEADER) or adapter_name
+        return PlainTextResponse(f"Adapter {alias} unregistered")
