@@ -79,8 +79,21 @@ _NOOP_BOOL = (
     "enable_log_outputs",
     "calculate_kv_scales",
     "enable_server_load_tracking",
+    "use_tqdm_on_load",
+    "disable_hybrid_kv_cache_manager",
+    "enable_log_deltas",
+    "aggregate_engine_logging",
+    "disable_cascade_attn",
 )
-_NOOP_SHORT = {"compilation_config": "-O"}  # vLLM's -O3 is --compilation-config 3
+# vLLM's boolean flags whose --no- form is accepted too (ALWAYS_ON's is refused)
+_NOOP_PAIRED = (
+    "use_tqdm_on_load",
+    "disable_hybrid_kv_cache_manager",
+    "enable_log_deltas",
+    "disable_cascade_attn",
+)
+_NOOP_NARGS = {"hf_token": "?", "ignore_patterns": "+", "cudagraph_capture_sizes": "+"}
+_NOOP_SHORT = {"compilation_config": "-O", "api_server_count": "-asc"}  # vLLM's -O3: -O 3
 
 
 def add_noop_args(p: argparse.ArgumentParser) -> None:
@@ -88,13 +101,14 @@ def add_noop_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("accepted for vLLM compatibility, no effect here (a note says why)")
     for name in NOOP_OPTIONS:
         flag = "--" + name.replace("_", "-")
-        flags = [flag, "--no-" + flag[2:]] if name in ALWAYS_ON else [flag]
+        paired = name in ALWAYS_ON or name in _NOOP_PAIRED
+        flags = [flag, "--no-" + flag[2:]] if paired else [flag]
         flags += [_NOOP_SHORT[name]] if name in _NOOP_SHORT else []
         g.add_argument(
             *flags,
             dest=name,
             action=NoteAction,
-            nargs=0 if name in _NOOP_BOOL else None,
+            nargs=0 if name in _NOOP_BOOL else _NOOP_NARGS.get(name),
             default=argparse.SUPPRESS,
             help=NOOP_OPTIONS[name],
         )

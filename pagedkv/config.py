@@ -90,6 +90,26 @@ NOOP_OPTIONS = {
     "enable_server_load_tracking": "GET /load always reports the generation requests in flight",
     "max_loras": "adapters hold no slots here: a batch runs any number of them",
     "max_cpu_loras": "every adapter given stays loaded",
+    "hf_token": "models are local files or folders here, never fetched: no token to send",
+    "tokenizer_revision": "models are local files or folders here, never fetched: no revision "
+    "to pick",
+    "code_revision": "models run on pagedkv's own Llama code, never the checkpoint's",
+    "ignore_patterns": "models are local files or folders here, never downloaded",
+    "use_tqdm_on_load": "pagedkv shows no progress bar while the weights load",
+    "pt_load_map_location": "the weights load into CPU memory, where the engine runs",
+    "safetensors_load_strategy": "pagedkv reads safetensors files its one way",
+    "cudagraph_capture_sizes": "no CUDA graphs on CPU; decode graphs are pagedkv's own "
+    "(--enforce-eager turns them off)",
+    "max_cudagraph_capture_size": "no CUDA graphs on CPU; decode graphs are pagedkv's own "
+    "(--enforce-eager turns them off)",
+    "disable_hybrid_kv_cache_manager": "one block pool serves every layer here, sliding-window "
+    "layers too",
+    "api_server_count": "one API server process serves here (under -dp, one ingress before the "
+    "replicas)",
+    "enable_log_deltas": "pagedkv does not log requests",
+    "aggregate_engine_logging": "pagedkv does not log periodic stats (see /metrics)",
+    "disable_cascade_attn": "vLLM deprecated it, and it has no effect there either; pagedkv "
+    "chooses cascade attention step by step (PAGEDKV_CASCADE=0 turns it off)",
 }
 ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")  # False cannot be honoured
 PARALLEL_SIZES = (

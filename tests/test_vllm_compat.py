@@ -42,12 +42,19 @@ NOOP_FLAGS = [
     "--enable-prompt-tokens-details",
     "--enable-log-outputs",
     "--calculate-kv-scales",
+    "--disable-cascade-attn",
+    "--no-use-tqdm-on-load",
+    "--disable-hybrid-kv-cache-manager",
 ]
 NOOP_VALUES = {  # flags with a value, as deployments write them
     "--max-log-len": "100",
     "--cpu-offload-gb": "4",
     "--model-impl": "auto",
     "--max-parallel-loading-workers": "2",
+    "--hf-token": "hf_abc",
+    "--tokenizer-revision": "main",
+    "--api-server-count": "2",
+    "--cudagraph-capture-sizes": "8",
 }
 
 
