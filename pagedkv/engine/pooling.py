@@ -6,8 +6,8 @@ only what the pooling needs: the last prompt token's row (LAST, as Qwen3-Embeddi
 default for a causal LM), the first's (CLS), the running sum of all of them (MEAN), or every row
 (ALL: vLLM's per-token tasks, token_embed and token_classify). A request that pools anything but
 LAST skips the prefix cache, as one asking for prompt logprobs does: a cached block's positions are
-never computed. Rows a recomputation (preemption) runs again are not
-added twice. The engine samples one token after the prompt, which the answer leaves out.
+never computed. Rows a recomputation (preemption) runs again are not added twice. The engine
+samples one token after the prompt, which the answer leaves out.
 """
 
 from __future__ import annotations

@@ -257,7 +257,7 @@ class SamplingParams:
             kinds = ", ".join((*POOLING_TYPES, EVERY_TOKEN))
             raise ParamError("pooling", f"pooling must be one of {kinds}")
         if self.n != 1 or self.use_beam_search:
-            raise ParamError("pooling", "an embedding is one vector a prompt: n 1, no beams")
+            raise ParamError("pooling", "a prompt is pooled once: n 1, no beams")
 
     def _check_beam_search(self) -> None:
         """Beam search ranks candidates by the model's logprobs alone: what would shape them
