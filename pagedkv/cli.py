@@ -312,6 +312,13 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
         help="queue length beyond which new requests get 429",
     )
     p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=d["stream_interval"].default,
+        help="new tokens each streamed chunk carries at least, but the first and the last "
+        "(vLLM's; a request's stream_interval may raise it)",
+    )
+    p.add_argument(
         "-tp",
         "--tensor-parallel-size",
         type=int,

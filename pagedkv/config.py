@@ -269,6 +269,7 @@ _COUNTS = (
     "block_size",
     "max_num_seqs",
     "max_waiting",
+    "stream_interval",
     "data_parallel_size",
     "tensor_parallel_size",
     *_OPTIONAL_COUNTS,
@@ -374,6 +375,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # 4096, or vLLM's 32k / 32K / 1M
     max_waiting: int = 1024
+    stream_interval: int = 1  # new tokens a streamed output carries at least (vLLM's)
     tensor_parallel_size: int = 1  # ranks, one process each (distributed/)
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1  # engine replicas on Ray Serve (`pagedkv serve` only)

@@ -532,3 +532,37 @@ def test_return_token_ids_gives_the_prompt_s_and_the_output_s(server, client):
     assert [t for c in streamed for t in (c.choices[0].token_ids or [])] == answer.choices[
         0
     ].token_ids
+
+
+def _chunk_tokens(client, **extra) -> tuple[list[int], str]:
+    """A streamed completion's tokens per chunk (those with any), and its whole text."""
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=13, temperature=0, logprobs=0, stream=True,
+        extra_body={"ignore_eos": True, **extra},
+    )  # fmt: skip
+    counts, text = [], ""
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs and c.logprobs.tokens:
+                counts.append(len(c.logprobs.tokens))
+    return counts, text
+
+
+def test_stream_interval_batches_the_tokens_of_each_chunk(client, tiny_model_dir):
+    """vLLM's stream_interval (a request's, over the server's --stream-interval): every chunk but
+    the first and the last carries at least that many tokens; the text is unchanged."""
+    want = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=13, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0].text  # fmt: skip
+    counts, text = _chunk_tokens(client, stream_interval=4)
+    assert text == want and sum(counts) == 13
+    assert all(n >= 4 for n in counts[1:-1]) and len(counts) <= 5, counts
+    with pytest.raises(openai.BadRequestError, match="stream_interval"):
+        _chunk_tokens(client, stream_interval=0)
+    with ServerProcess(tiny_model_dir, *TINY_SERVER, "--stream-interval", "3") as srv:
+        other = srv.openai()
+        for extra in ({}, {"stream_interval": 2}):  # a request's lower one is raised to 3
+            counts, text = _chunk_tokens(other, **extra)
+            assert text == want and all(n >= 3 for n in counts[1:-1]), (extra, counts)
+    assert "--stream-interval must be" in serve_error("--stream-interval", "0")[-1]

@@ -69,6 +69,19 @@ class _Outputs(asyncio.Queue):
             pending.append(item)
 
 
+def _due(out: RequestOutput, sent: list[int], interval: int) -> bool:
+    """Whether a streamed output is given (vLLM's --stream-interval): the first with tokens, then
+    one where a sequence has `interval` tokens more than the last output given."""
+    if interval <= 1:
+        return True
+    if not any(sent):
+        return any(o.token_ids for o in out.outputs)
+    return any(
+        len(o.token_ids) - (sent[i] if i < len(sent) else 0) >= interval
+        for i, o in enumerate(out.outputs)
+    )
+
+
 @dataclass(slots=True)
 class AddRequest:
     request_id: str
@@ -164,11 +177,16 @@ class AsyncLLM:
             self._inbox.append(AddRequest(request_id, ids, params, text))
             self._wake.notify()
         finished = False
+        interval = max(params.stream_interval or 1, self.config.stream_interval)
+        sent: list[int] = []  # tokens each sequence had in the last output given
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
+                if not item.finished and not _due(item, sent, interval):
+                    continue  # (cumulative: the next output given carries these tokens too)
+                sent = [len(o.token_ids) for o in item.outputs]
                 yield item
                 if item.finished:
                     finished = True

@@ -205,6 +205,9 @@ class SamplingParams:
     # the LoRA adapter the request runs under (the server: the request's model; LLM.generate:
     # its lora_request); None: the base model
     lora_name: str | None = None
+    # streaming (vLLM's): outputs carry at least this many new tokens each, but the first and the
+    # last, raising the engine's --stream-interval (None: as the engine says)
+    stream_interval: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # beam search (engine/beam_search.py): n beams, scored by cumulative logprob / length **
     # length_penalty; the fields of sampling (BEAM_EXCLUDED) cannot be combined with it
@@ -301,6 +304,8 @@ class SamplingParams:
             if getattr(self, name) is not None:  # the engine's --max-logprobs caps them
                 _check_int(name, getattr(self, name), -1)
         _check_int("priority", self.priority, INT64_MIN)
+        if self.stream_interval is not None:
+            _check_int("stream_interval", self.stream_interval, 1)
         _need(
             self.lora_name is None or (isinstance(self.lora_name, str) and self.lora_name != ""),
             "lora_name",

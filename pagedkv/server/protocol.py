@@ -197,6 +197,7 @@ class _SamplingRequest(RequestModel):
     guided_decoding_backend: Name | None = None
     use_beam_search: bool = False  # n beams (engine/beam_search.py)
     length_penalty: FiniteFloat = 1.0
+    stream_interval: Annotated[Int64, doc(minimum=1)] | None = None  # over --stream-interval
     _unsupported = model_validator(mode="before")(reject_unsupported)
     understood = frozenset(UNSUPPORTED)
 
@@ -233,6 +234,7 @@ class _SamplingRequest(RequestModel):
             structured_outputs=structured_spec(self),
             use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
+            stream_interval=self.stream_interval,
         )
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
