@@ -314,8 +314,11 @@ class LLMEngine:
             self.runner.model, [s for s in out.scheduled if s.seq.group not in failures]
         )
         self.runner.write_through(out.offload_writes, failures.stale_blocks)
+        pooled: list[Sequence] = []  # pooling requests whose prompt this step completes
         for s in out.scheduled:
             if s.seq.group not in failures:
+                if s.completes and s.seq.group.pooled is not None:
+                    pooled.append(s.seq)
                 s.seq.num_computed_tokens += s.num_new_tokens
         plain: list[Sequence] = []
         plain_rows: list[int] = []
@@ -341,7 +344,7 @@ class LLMEngine:
                 logits if picked == list(range(row)) else logits[picked], seqs, failures
             )
         ended = self._advance_beams(beams, logits) if beams else []
-        return self._finish_step(drawn, failures, speculative, logits) + ended
+        return self._finish_step(drawn, failures, speculative, logits, pooled) + ended
 
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence], failures: Failures
@@ -386,11 +389,18 @@ class LLMEngine:
         failures: Failures,
         speculative: list[tuple[ScheduledSeq, int]],
         logits: torch.Tensor | None,
+        pooled: list[Sequence],
     ) -> list[RequestOutput]:
-        """Append each drawn token (detokenize, stop checks) and verify each speculating sequence's
-        drafts from its rows of `logits`; the outputs, failed requests too."""
+        """Append each drawn token (detokenize, stop checks), verify each speculating sequence's
+        drafts from its rows of `logits` and end each pooling request whose prompt is done; the
+        outputs, failed requests too."""
         now = time.monotonic()
         touched: dict[str, SequenceGroup] = {}
+        for seq in pooled:  # (as vLLM: a pooling request generates nothing)
+            self._time_token(seq.group, now, step=True)
+            seq.finish_reason = "stop"
+            self.scheduler.finish(seq)
+            touched[seq.group.request_id] = seq.group
         for seq, token, lp, grammar_done in drawn:
             if seq.group in failures:
                 continue

@@ -6,8 +6,8 @@ only what the pooling needs: the last prompt token's row (LAST, as Qwen3-Embeddi
 default for a causal LM), the first's (CLS), the running sum of all of them (MEAN), or every row
 (ALL: vLLM's per-token tasks, token_embed and token_classify). A request that pools anything but
 LAST skips the prefix cache, as one asking for prompt logprobs does: a cached block's positions are
-never computed. Rows a recomputation (preemption) runs again are not added twice. The engine
-samples one token after the prompt, which the answer leaves out.
+never computed. Rows a recomputation (preemption) runs again are not added twice. The request
+ends with its prompt: it samples no token, as in vLLM.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Pooler:
         priority: int = 0,
         task: str | None = None,
     ) -> SamplingParams:
-        """A pooling request's engine parameters (its prompt, then one token not shown): a
+        """A pooling request's engine parameters (max_tokens 1 reserves nothing it uses): a
         per-token task (PER_TOKEN_TASKS) keeps every prompt token's row; `dimensions` checked
         against the model's width."""
         if dimensions is not None and not 1 <= dimensions <= hidden_size:

@@ -42,10 +42,15 @@ class ScheduledSeq:
     prompt_hidden: tuple | None = None  # (first position, hidden rows) for prompt_logprobs
 
     @property
-    def samples(self) -> bool:
-        """True when this step computes the sequence's last known token, so its logits are
-        sampled."""
+    def completes(self) -> bool:
+        """True when this step computes the sequence's last known token."""
         return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+
+    @property
+    def samples(self) -> bool:
+        """True when this step's last row is sampled: it completes the sequence, and the
+        sequence generates (a pooling request ends with its prompt)."""
+        return self.completes and self.seq.group.pooled is None
 
 
 @dataclass

@@ -116,8 +116,7 @@ def load_hf(folder: Path) -> Checkpoint:
     if not multimodal and "embed_tokens.weight" in names:  # a base model's flat names
         rename = backbone_name
     if not multimodal and "lm_head.weight" not in names and not config.tie_word_embeddings:
-        # no LM head: embeddings only (the one token an embedding request samples after its
-        # prompt, never shown, comes from the embedding matrix)
+        # no LM head: embeddings only (the embedding matrix stands in for the head it never uses)
         config = dataclasses.replace(config, tie_word_embeddings=True, generates=False)
     return Checkpoint(
         config=config,
