@@ -99,14 +99,19 @@ def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingP
     if params.bad_words and not params.bad_words_token_ids:
         params.bad_words_token_ids = bad_words_token_ids(engine.tokenizer, params.bad_words)
     _check_first_token_allowed(params, engine.tokenizer.eos_token_ids)
-    if n_prompt >= engine.max_model_len:
+    pools = params.pooling is not None  # (it ends with its prompt: no output)
+    if n_prompt > engine.max_model_len or (n_prompt == engine.max_model_len and not pools):
         raise ParamError(
             "prompt",
-            f"the prompt has {n_prompt} tokens, but max_model_len is "
-            f"{engine.max_model_len}: no room is left for output",
+            f"the prompt has {n_prompt} tokens, but max_model_len is {engine.max_model_len}"
+            + ("" if pools else ": no room is left for output"),
         )
     max_tokens = (
-        params.max_tokens if params.max_tokens is not None else engine.max_model_len - n_prompt
+        0
+        if pools
+        else params.max_tokens
+        if params.max_tokens is not None
+        else engine.max_model_len - n_prompt
     )
     if n_prompt + max_tokens > engine.max_model_len:
         raise ParamError(

@@ -8,6 +8,7 @@ others in its batch go on as if it had finished.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -59,6 +60,15 @@ Drawn = tuple[Sequence, int, SampleLogprob | None, bool]
 DEFAULT_MAX_BATCHED_TOKENS = 2048
 
 
+def encoder_config(config: EngineConfig) -> EngineConfig:
+    """An encoder engine's config: no LoRA, no prefix cache (it keeps no K/V to reuse)."""
+    if config.enable_lora:
+        raise ConfigError("--enable-lora: pagedkv runs no LoRA adapter on an encoder")
+    if config.enable_prefix_caching:
+        log.info("prefix caching off: an encoder keeps no K/V")
+    return dataclasses.replace(config, enable_prefix_caching=False)
+
+
 class LLMEngine:
     generation_defaults: dict  # SamplingParams fields from generation_config.json (options.py)
 
@@ -74,16 +84,19 @@ class LLMEngine:
         # read before the load: a mistake in them is one line at once, not after the weights
         self.generation_defaults = generation_defaults(config)
         pooler = Pooler.of_model(config.model)  # how embeddings are made (engine/pooling.py)
-        pooler.overridden(config.pooler_config)  # (checked now, applied after the load)
+        Pooler().overridden(config.pooler_config)  # (checked now, applied after the load)
         scorer = ClassifierSpec.of(config.hf_overrides)  # a cross-encoder's head (scoring.py)
         if self.device.type == "cpu":
             keep_freed_memory()
         if config.reasoning_parser and loaded is None:  # its tags, before the weights load
             ReasoningTags.of(config.reasoning_parser, read_checkpoint(config.model)[0].tokenizer)
         self.loaded, num_kv_heads = load_engine_model(config, self.device, loaded)
+        if self.loaded.config.encoder:
+            self.config = config = encoder_config(config)
         self.weight_bytes = self.loaded.model.weight_bytes()
-        declared = self.loaded.config.pooling  # (a GGUF's; a folder's comes from its modules)
-        self.pooler = (Pooler(declared) if declared else pooler).overridden(config.pooler_config)
+        if pooler is None:  # no sentence-transformers modules: what the model declares
+            pooler = Pooler(self.loaded.config.pooling or "LAST")
+        self.pooler = pooler.overridden(config.pooler_config)
         self.tokenizer = self.loaded.tokenizer
         self.classifier = Classifier.of_model(scorer, self.loaded.model, self.tokenizer)
         if self.classifier is not None:
@@ -127,6 +140,13 @@ class LLMEngine:
                 f"this model's RoPE tables were built for a context of "
                 f"{self.loaded.model.context}, not --max-model-len {self.max_model_len}"
             )
+        if self.loaded.config.encoder and self.max_model_len > (
+            config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS
+        ):
+            raise ConfigError(
+                f"--max-num-batched-tokens must hold a whole prompt of --max-model-len "
+                f"{self.max_model_len}: an encoder runs each prompt in one step"
+            )
         kv = build_engine_kv(config, self.loaded, num_kv_heads, self.device, self.max_model_len)
         self.tp, self.storage, self.offload, self.kv = kv.tp, kv.storage, kv.offload, kv.manager
         proposer = NgramProposer(config.speculative_config) if config.speculative_config else None
@@ -139,6 +159,7 @@ class LLMEngine:
             proposer=proposer,
             policy=config.scheduling_policy,
             adapter_keys=self.lora_keys,
+            whole_prompts=self.loaded.config.encoder,
         )
         self.runner = ModelRunner(
             self.loaded.model,

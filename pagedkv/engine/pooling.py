@@ -82,13 +82,13 @@ class Pooler:
         return Pooler(kind.upper(), normalize)
 
     @classmethod
-    def of_model(cls, model: str | Path | None) -> Pooler:
+    def of_model(cls, model: str | Path | None) -> Pooler | None:
         """The pooling a sentence-transformers folder declares (modules.json and its Pooling
-        module's config; a Normalize module), else LAST and normalized. (A GGUF declares its
-        own in its metadata: LlamaConfig.pooling.)"""
+        module's config; a Normalize module); None for a model without those modules (then
+        LlamaConfig.pooling: a GGUF's metadata, an encoder's CLS; else LAST, normalized)."""
         folder = Path(model) if model is not None else None
         if folder is None or not (folder / "modules.json").is_file():
-            return cls()
+            return None
         try:
             modules = json.loads((folder / "modules.json").read_text())
             kinds = {m["type"].rsplit(".", 1)[-1]: m.get("path", "") for m in modules}

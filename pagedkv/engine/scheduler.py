@@ -85,10 +85,15 @@ class Scheduler:
         proposer: NgramProposer | None = None,
         policy: str = "fcfs",
         adapter_keys: Mapping[str, str] | None = None,
+        whole_prompts: bool = False,
     ) -> None:
         """adapter_keys: each LoRA adapter's name -> what keys its prefix blocks (its weights'
-        fingerprint: a restart with other weights under the same name finds none of them)."""
+        fingerprint: a restart with other weights under the same name finds none of them).
+        whole_prompts: a prompt runs in one step, never in chunks, nor after a cached prefix (an
+        encoder's: every token attends to all of its prompt; max_num_batched_tokens must hold
+        the longest)."""
         self.kv = kv
+        self.whole_prompts = whole_prompts
         self.adapter_keys = adapter_keys if adapter_keys is not None else {}
         self.by_priority = policy == "priority"
         self.proposer = proposer
@@ -274,10 +279,12 @@ class Scheduler:
         bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            every_position = seq.params.every_prompt_position
+            every_position = seq.params.every_prompt_position or self.whole_prompts
             try:  # reads the offload tiers: a failure there is this request's, not the engine's
                 prefix = NO_PREFIX if every_position else self.kv.lookup_prefix(seq.block_hashes)
                 n = len(seq.token_ids) - prefix.num_blocks * bs - self._held_back(seq)
+                if self.whole_prompts and n > budget:
+                    break  # (it runs first in the next step)
                 n = min(n, budget)
                 remaining = seq.group.max_tokens - seq.num_output_tokens
                 copies = self.kv.allocate_slots(

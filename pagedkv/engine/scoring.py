@@ -32,6 +32,7 @@ from pagedkv.engine.chat import render_chat
 from pagedkv.engine.request import ParamError
 
 if TYPE_CHECKING:
+    from pagedkv.model.encoder import EncoderModel
     from pagedkv.model.llama import LlamaForCausalLM
     from pagedkv.model.tokenizer import Tokenizer
 
@@ -105,7 +106,10 @@ class Classifier:
 
     @classmethod
     def of_model(
-        cls, spec: ClassifierSpec | None, model: LlamaForCausalLM, tokenizer: Tokenizer
+        cls,
+        spec: ClassifierSpec | None,
+        model: LlamaForCausalLM | EncoderModel,
+        tokenizer: Tokenizer,
     ) -> Classifier | None:
         """The engine's: what --hf-overrides asks for, or a *ForSequenceClassification
         checkpoint's own head (score.weight); None for neither."""

@@ -20,6 +20,7 @@ from pagedkv.kv.plan import OffloadTiers
 from pagedkv.kvstore.offload import KVOffload
 from pagedkv.kvstore.storage import KVStorage, free_memory
 from pagedkv.model import dense_weights, prepacked
+from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.loader import LoadedModel, load_model
 from pagedkv.model.lora import LoRACut
 
@@ -126,6 +127,8 @@ def load_rank_model(
             sliding_window=not config.disable_sliding_window,
             max_model_len=config.max_model_len,
         )
+    if not isinstance(loaded.model, LlamaForCausalLM):
+        raise ConfigError("--tensor-parallel-size: pagedkv runs an encoder on one rank")
     return loaded, shard_model(loaded.model, rank, world, all_reduce).num_kv_heads
 
 

@@ -50,6 +50,15 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
     },
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")
+# encoders (model/encoder.py): most sentence-transformers embedding models (all-MiniLM, bge, e5,
+# gte: BERT; multilingual-e5, bge-m3: XLM-RoBERTa)
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+# their activations, by config.json's hidden_act: the erf GELU or its tanh approximation
+ENCODER_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+}
 # how a checkpoint names a layer's experts (LlamaConfig.expert_names): the mixture's module, its
 # router, and each expert's gate, up and down projections
 # (GraniteMoE's checkpoints stack every expert's gate/up and down into one tensor each: none
@@ -108,7 +117,9 @@ class LlamaConfig:
     num_labels: int = 0
     labels: tuple[str, ...] = ()  # their names (id2label), as /classify answers them
     multi_label: bool = False  # problem_type multi_label_classification: a sigmoid for each
-    pooling: str | None = None  # the embeddings' pooling a GGUF declares ({arch}.pooling_type)
+    # the embeddings' pooling the model declares (a GGUF's {arch}.pooling_type; an encoder's CLS)
+    # where no sentence-transformers module names one
+    pooling: str | None = None
     qkv_bias: bool = False  # q, k and v projections with a bias (Qwen2)
     qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
     qk_norm_whole: bool = False  # that norm over all of q's (and k's) heads at once (OLMoE)
@@ -158,6 +169,12 @@ class LlamaConfig:
     softmax_over_chosen: bool = False
     float_routing_weights: bool = False
     expert_names: str = "qwen"
+    # An encoder (BERT, RoBERTa, XLM-RoBERTa: model/encoder.py): every token sees its whole
+    # prompt, positions are learned embeddings from position_offset on (RoBERTa's pad id + 1),
+    # LayerNorm (of rms_norm_eps) after each block, a plain MLP (hidden_act "gelu" or
+    # "gelu_tanh") and biases everywhere. It makes embeddings only.
+    encoder: bool = False
+    position_offset: int = 0
 
     @property
     def rope_dim(self) -> int:
@@ -281,11 +298,14 @@ class LlamaConfig:
         """From a Hugging Face config.json (old `rope_scaling` and new `rope_parameters` styles)."""
         d = text_model_dict(d)
         model_type = d.get("model_type")
+        if model_type in ENCODER_MODEL_TYPES:
+            return cls._encoder(d)
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = ", ".join(d.get("architectures") or []) or model_type
             raise ConfigError(
                 f"unsupported architecture {archs!r}: pagedkv runs Llama-family models "
-                f"(model_type {', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"(model_type {', '.join(SUPPORTED_MODEL_TYPES)}) and encoders "
+                f"({', '.join(ENCODER_MODEL_TYPES)})"
             )
         for flag in ("attention_bias", "mlp_bias"):
             if d.get(flag):
@@ -371,6 +391,57 @@ class LlamaConfig:
                 **gemma_args,
                 **softcaps,
                 **flags,
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+
+    @classmethod
+    def _encoder(cls, d: dict[str, Any]) -> LlamaConfig:
+        """A BERT, RoBERTa or XLM-RoBERTa config.json: pooled CLS where no sentence-transformers
+        module says otherwise (as vLLM pools BertModel); the context is its position table's,
+        less RoBERTa's offset."""
+        archs = d.get("architectures") or []
+        if archs and str(archs[0]).endswith("ForSequenceClassification"):
+            raise ConfigError(
+                f"{archs[0]} is a cross-encoder: pagedkv serves encoders as embedding models "
+                "(BertModel, XLMRobertaModel, ...), not their classifiers"
+            )
+        act = d.get("hidden_act", "gelu")
+        if act not in ENCODER_ACTIVATIONS:
+            raise ConfigError(
+                f"unsupported activation {act!r} for an encoder ({', '.join(ENCODER_ACTIVATIONS)})"
+            )
+        positions = d.get("position_embedding_type", "absolute")
+        if positions != "absolute":
+            raise ConfigError(
+                f"unsupported position_embedding_type {positions!r} (absolute position embeddings)"
+            )
+        offset = 0 if d.get("model_type") == "bert" else int(d.get("pad_token_id", 1)) + 1
+        try:
+            hidden, heads = d["hidden_size"], d["num_attention_heads"]
+            if hidden % heads:
+                raise ConfigError(f"hidden_size {hidden} is not a multiple of {heads} heads")
+            return cls(
+                vocab_size=d["vocab_size"],
+                hidden_size=hidden,
+                intermediate_size=d["intermediate_size"],
+                num_hidden_layers=d["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=heads,
+                head_dim=hidden // heads,
+                rms_norm_eps=d.get("layer_norm_eps", 1e-12),
+                rope_theta=0.0,
+                rope_scaling=None,
+                max_position_embeddings=d.get("max_position_embeddings", 512) - offset,
+                tie_word_embeddings=True,
+                bos_token_id=None,
+                eos_token_id=None,
+                generates=False,
+                pooling="CLS",
+                qkv_bias=True,
+                hidden_act=ENCODER_ACTIVATIONS[act],
+                encoder=True,
+                position_offset=offset,
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None

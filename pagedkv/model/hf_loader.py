@@ -118,10 +118,30 @@ def load_hf(folder: Path) -> Checkpoint:
     if not multimodal and "lm_head.weight" not in names and not config.tie_word_embeddings:
         # no LM head: embeddings only (the embedding matrix stands in for the head it never uses)
         config = dataclasses.replace(config, tie_word_embeddings=True, generates=False)
+    tokenizer = Tokenizer.from_hf_folder(folder, config.eos_token_id)
+    max_model_len = config.max_position_embeddings
+    sentence = _sentence_config(folder)
+    if sentence.get("do_lower_case"):
+        tokenizer.lowercase()
+    if isinstance(sentence.get("max_seq_length"), int):  # (the length it was trained to embed)
+        max_model_len = min(max_model_len, sentence["max_seq_length"])
     return Checkpoint(
         config=config,
-        tokenizer=Tokenizer.from_hf_folder(folder, config.eos_token_id),
+        tokenizer=tokenizer,
         weights=iter_weights(files, rename),
         files=files,
-        max_model_len=config.max_position_embeddings,
+        max_model_len=max_model_len,
     )
+
+
+def _sentence_config(folder: Path) -> dict:
+    """sentence-transformers' sentence_bert_config.json, as vLLM reads it: max_seq_length is
+    the context served, do_lower_case lowercases every text first."""
+    path = folder / "sentence_bert_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable JSON ({e})") from None
+    return found if isinstance(found, dict) else {}

@@ -17,6 +17,7 @@ import torch
 from pagedkv.config import QUANTIZATIONS, ConfigError, default_model_path
 from pagedkv.model.config import Checkpoint, LlamaConfig, use_long_rope
 from pagedkv.model.dense_weights import add_dense_copies
+from pagedkv.model.encoder import EncoderModel
 from pagedkv.model.gguf_loader import load_gguf
 from pagedkv.model.hf_loader import load_hf
 from pagedkv.model.llama import LlamaForCausalLM
@@ -28,7 +29,7 @@ _CHUNK = 8 << 20  # bytes hashed at a time
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | EncoderModel
     config: LlamaConfig
     tokenizer: Tokenizer
     fingerprint: str  # identity of the weights (keys persistent KV, e.g. the disk offload tier)
@@ -126,6 +127,17 @@ def finish_weights(model: LlamaForCausalLM) -> None:
     model.prepack_weights()
 
 
+def build_model(
+    config: LlamaConfig, dtype: torch.dtype, quantization: str, pack: bool, context: int
+) -> LlamaForCausalLM | EncoderModel:
+    """The model of this config, without its weights."""
+    if not config.encoder:
+        return LlamaForCausalLM(config, dtype, quantization, pack, context)
+    if quantization != "none":
+        raise ConfigError(f"--quantization {quantization}: pagedkv runs an encoder unquantized")
+    return EncoderModel(config, dtype, context)
+
+
 def load_model(
     path: str | Path | None,
     dtype: torch.dtype | str,
@@ -151,10 +163,10 @@ def load_model(
     use_long_rope(ckpt.config, context)
     dtype = resolve_dtype(dtype, device, ckpt.config)
     with torch.device(device):
-        model = LlamaForCausalLM(ckpt.config, dtype, quantization, pack, context)
+        model = build_model(ckpt.config, dtype, quantization, pack, context)
     model.load_weights(ckpt.weights)
     model.eval()
-    if pack:
+    if pack and isinstance(model, LlamaForCausalLM):
         finish_weights(model)
     # quantized weights give other K/V: a persistent KV tier must not mix them up
     key = fingerprint(ckpt.files, ckpt.config) + (

@@ -102,6 +102,10 @@ class Tokenizer:
         self, tokenizer: HFTokenizer, special: SpecialTokens, chat_template: str | None
     ) -> None:
         self._tok = tokenizer
+        # (a tokenizer.json may hold its trainer's truncation and padding: a prompt is never cut
+        # or padded quietly here; the engine refuses a long one or truncates as asked)
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         self.bos_token_id = special.bos_token_id
         self.eos_token_id = special.eos_token_id
         self.eos_token_ids: set[int] = set(special.extra_eos_ids)
@@ -119,6 +123,13 @@ class Tokenizer:
     def _adds_bos(self) -> bool:
         ids = self._tok.encode("a", add_special_tokens=True).ids
         return bool(ids) and ids[0] == self.bos_token_id
+
+    def lowercase(self) -> None:
+        """Lowercase every text before the tokenizer's own normalizer (sentence-transformers'
+        do_lower_case)."""
+        own = self._tok.normalizer
+        lower = normalizers.Lowercase()
+        self._tok.normalizer = lower if own is None else normalizers.Sequence([lower, own])
 
     @property
     def vocab_size(self) -> int:

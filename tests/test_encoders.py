@@ -1,0 +1,198 @@
+"""Encoders (model/encoder.py): BERT and XLM-RoBERTa embedding models, whose every token sees its
+whole prompt. Their embeddings equal transformers' own hidden states pooled as the folder says
+(CLS by default, MEAN from sentence-transformers modules), batched and one prompt a step alike,
+with no block left; what an encoder cannot do is refused by name; served to the openai client."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import transformers
+from server_process import TINY_SERVER, ServerProcess
+from test_embeddings import sentence_transformers_folder
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from pagedkv.config import ConfigError
+from pagedkv.engine.llm import LLM
+from pagedkv.engine.pooling import Pooler
+from pagedkv.engine.request import ParamError, SamplingParams
+
+WORDS = "the a cat dog sat on mat ran fast slow big small red blue and or not".split()
+TEXTS = [
+    "the cat sat on the mat",
+    "a big red dog ran fast and the small blue cat sat",
+    "the dog sat on the mat",  # (as long as the first: a batch of one length)
+    "cat",
+    "the slow cat and the fast dog ran on the big red mat or not " * 3,
+]
+SPECIAL = {
+    "bert": ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+    "xlm-roberta": ["<s>", "<pad>", "</s>", "<unk>", "<mask>"],  # (pad 1: positions from 2)
+}
+
+
+def encoder_folder(folder: Path, model_type: str = "bert", **config) -> str:
+    """A random encoder of two layers and its WordPiece tokenizer ([CLS] text [SEP], or <s> text
+    </s>); every weight random, the norms' too, so that none can be misplaced unseen."""
+    special = SPECIAL[model_type]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    vocab = special + WORDS + letters + ["##" + c for c in letters]
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token=special[1]))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=False)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    cls, sep = (special[2], special[3]) if model_type == "bert" else (special[0], special[2])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, vocab.index(cls)), (sep, vocab.index(sep))],
+    )
+    tok.decoder = decoders.WordPiece()
+    tok.enable_truncation(8)  # (a trainer's leftover: the engine must not cut prompts quietly)
+    folder.mkdir(parents=True)
+    tok.save(str(folder / "tokenizer.json"))
+    shape = dict(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=96,
+        max_position_embeddings=128,
+    )
+    shape.update(config)
+    if model_type == "bert":
+        model = transformers.BertModel(transformers.BertConfig(**shape))
+    else:
+        shape["max_position_embeddings"] += 2
+        model = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(pad_token_id=1, **shape))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "LayerNorm.weight" in name else 0.0, 0.3)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def hf_rows(folder: str, texts: list[str]) -> list[torch.Tensor]:
+    """transformers' last hidden states of each text alone, and the ids it read."""
+    tok = Tokenizer.from_file(f"{folder}/tokenizer.json")
+    tok.no_truncation()
+    model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return [model(torch.tensor([tok.encode(t).ids])).last_hidden_state[0] for t in texts]
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> str:
+    return encoder_folder(tmp_path_factory.mktemp("enc") / "bert")
+
+
+def close(got: list[float] | torch.Tensor, want: list[float] | torch.Tensor) -> None:
+    torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "xlm-roberta"])
+def test_cls_embeddings_equal_transformers_batched_and_whole(tmp_path, model_type):
+    """No modules.json: the CLS row, unit length (as vLLM pools BertModel). All five texts in one
+    step, two of them of one length; then with a step budget of 48 tokens, which the longest
+    (47) waits a step for rather than being cut: the same vectors, every prompt whole in its
+    step, no block held after, nothing read from a cache the second time."""
+    folder = encoder_folder(tmp_path / model_type, model_type)
+    want = [torch.nn.functional.normalize(h[0], dim=0) for h in hf_rows(folder, TEXTS)]
+    for budget, steps in ((2048, 1), (48, 2)):
+        llm = LLM(
+            folder, dtype="float32", block_size=4, max_num_batched_tokens=budget, max_model_len=48
+        )
+        assert llm.engine.pooler == Pooler("CLS", True)
+        scheduler = llm.engine.scheduler
+        total = scheduler.kv.num_free_blocks()
+        schedule, seen = scheduler.schedule, []
+
+        def recorded(schedule=schedule, seen=seen):
+            out = schedule()
+            if out.scheduled:
+                seen.append([(s.num_new_tokens, len(s.seq.token_ids)) for s in out.scheduled])
+            return out
+
+        scheduler.schedule = recorded  # type: ignore[method-assign]
+        for _ in range(2):
+            outs = llm.embed(TEXTS, use_tqdm=False)
+            for out, ref in zip(outs, want):
+                close(out.outputs.embedding, ref)
+            assert scheduler.kv.num_free_blocks() == total
+        assert len(seen) == 2 * steps
+        assert all(n == length for step in seen for n, length in step)
+
+
+def test_sentence_transformers_mean_pooling_its_length_and_lowercase(bert, tmp_path):
+    """A sentence-transformers folder: MEAN over every token, unit length; its
+    sentence_bert_config.json caps the context (a longer prompt is refused, or truncated as
+    asked) and lowercases every text first (do_lower_case)."""
+    folder = Path(
+        sentence_transformers_folder(bert, tmp_path / "st", "pooling_mode_mean_tokens", True)
+    )
+    (folder / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 20, "do_lower_case": True})
+    )
+    llm = LLM(str(folder), dtype="float32", block_size=4)
+    assert llm.engine.pooler == Pooler("MEAN", True)
+    assert llm.engine.max_model_len == 20
+    short = TEXTS[:4]
+    want = [torch.nn.functional.normalize(h.mean(0), dim=0) for h in hf_rows(bert, short)]
+    outs = llm.embed([t.upper() for t in short], use_tqdm=False)
+    for out, ref in zip(outs, want):
+        close(out.outputs.embedding, ref)
+    with pytest.raises(ParamError, match="20"):
+        llm.embed(TEXTS[4], use_tqdm=False)
+    cut = llm.embed(TEXTS[4], truncate_prompt_tokens=20, use_tqdm=False)[0]
+    assert len(cut.prompt_token_ids) == 20
+
+
+def test_what_an_encoder_cannot_do_is_refused_by_name(bert, tmp_path):
+    llm = LLM(bert, dtype="float32")
+    with pytest.raises(ConfigError, match="makes embeddings only"):
+        llm.generate(TEXTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.config.enable_prefix_caching  # (it keeps no K/V to reuse)
+    for kwargs, message in [
+        ({"enable_lora": True}, "no LoRA adapter on an encoder"),
+        ({"quantization": "int8"}, "runs an encoder unquantized"),
+        ({"max_num_batched_tokens": 64}, "must hold a whole prompt of --max-model-len 128"),
+        ({"runner": "generate"}, "--runner generate"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            LLM(bert, dtype="float32", **kwargs)
+    config = json.loads(Path(bert, "config.json").read_text())
+    for change, message in [
+        ({"architectures": ["BertForSequenceClassification"]}, "is a cross-encoder"),
+        ({"hidden_act": "silu"}, "unsupported activation 'silu' for an encoder"),
+        ({"position_embedding_type": "relative_key"}, "position_embedding_type 'relative_key'"),
+    ]:
+        other = tmp_path / next(iter(change))
+        other.mkdir()
+        for f in Path(bert).iterdir():
+            (other / f.name).symlink_to(f)
+        (other / "config.json").unlink()
+        (other / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ConfigError, match=message):
+            LLM(str(other), dtype="float32")
+
+
+def test_served_embeddings_equal_offline_and_text_is_a_400(bert):
+    """/v1/embeddings to the real openai client equals LLM.embed; /v1/completions is a 400 that
+    says the model makes embeddings only."""
+    import openai
+
+    offline = [o.outputs.embedding for o in LLM(bert, dtype="float32").embed(TEXTS, use_tqdm=False)]
+    with ServerProcess(bert, *TINY_SERVER, "--dtype", "float32") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x")
+        got = client.embeddings.create(model=client.models.list().data[0].id, input=TEXTS)
+        for item, want in zip(got.data, offline):
+            close(item.embedding, want)
+        r = httpx.post(
+            f"{server.url}/v1/completions", json={"prompt": "the cat", "max_tokens": 2}, timeout=30
+        )
+        assert r.status_code == 400
+        assert "embeddings only" in r.json()["error"]["message"]
