@@ -46,8 +46,10 @@ def encoder_folder(folder: Path, model_type: str = "bert", **config) -> str:
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     cls, sep = (special[2], special[3]) if model_type == "bert" else (special[0], special[2])
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{cls} $A {sep}",
-        pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        single=f"{cls} $A {sep}",  # (a pair: BERT's second text of type 1, RoBERTa's of type 0)
+        pair=f"{cls} $A {sep} $B:1 {sep}:1"
+        if model_type == "bert"
+        else f"{cls} $A {sep} {sep} $B {sep}",
         special_tokens=[(cls, vocab.index(cls)), (sep, vocab.index(sep))],
     )
     tok.decoder = decoders.WordPiece()
@@ -67,7 +69,8 @@ def encoder_folder(folder: Path, model_type: str = "bert", **config) -> str:
         model = transformers.BertModel(transformers.BertConfig(**shape))
     else:
         shape["max_position_embeddings"] += 2
-        model = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(pad_token_id=1, **shape))
+        config = transformers.XLMRobertaConfig(pad_token_id=1, type_vocab_size=1, **shape)
+        model = transformers.XLMRobertaModel(config)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -161,12 +164,12 @@ def test_what_an_encoder_cannot_do_is_refused_by_name(bert, tmp_path):
         ({"quantization": "int8"}, "runs an encoder unquantized"),
         ({"max_num_batched_tokens": 64}, "must hold a whole prompt of --max-model-len 128"),
         ({"runner": "generate"}, "--runner generate"),
+        ({"chat_template": "{{ messages }}"}, "--chat-template: an encoder has no chat"),
     ]:
         with pytest.raises(ConfigError, match=message):
             LLM(bert, dtype="float32", **kwargs)
     config = json.loads(Path(bert, "config.json").read_text())
     for change, message in [
-        ({"architectures": ["BertForSequenceClassification"]}, "is a cross-encoder"),
         ({"hidden_act": "silu"}, "unsupported activation 'silu' for an encoder"),
         ({"position_embedding_type": "relative_key"}, "position_embedding_type 'relative_key'"),
     ]:
@@ -196,3 +199,81 @@ def test_served_embeddings_equal_offline_and_text_is_a_400(bert):
         )
         assert r.status_code == 400
         assert "embeddings only" in r.json()["error"]["message"]
+
+
+def cross_encoder_folder(src: str, dst: Path, num_labels: int = 1) -> str:
+    """The encoder as a *ForSequenceClassification checkpoint, its head random."""
+    import shutil
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        src, num_labels=num_labels, dtype=torch.float32
+    )
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(("classifier", "bert.pooler")):
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(dst)
+    shutil.copy(f"{src}/tokenizer.json", dst)
+    return str(dst)
+
+
+def hf_logits(folder: str, pairs: list[tuple[str, str]]) -> torch.Tensor:
+    """transformers' logits of each pair as its tokenizer joins them (token types included)."""
+    tok = Tokenizer.from_file(f"{folder}/tokenizer.json")
+    tok.no_truncation()
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    rows = []
+    with torch.no_grad():
+        for query, doc in pairs:
+            enc = tok.encode(query, doc)
+            ids, types = torch.tensor([enc.ids]), torch.tensor([enc.type_ids])
+            rows.append(model(input_ids=ids, token_type_ids=types).logits[0])
+    return torch.stack(rows)
+
+
+QUERY = "the cat sat"
+DOCS = TEXTS[1:4]
+
+
+@pytest.mark.parametrize("model_type", ["bert", "xlm-roberta"])
+def test_a_cross_encoder_scores_pairs_as_transformers(tmp_path, model_type):
+    """BertForSequenceClassification and XLMRobertaForSequenceClassification (ms-marco-MiniLM,
+    bge-reranker): each query-document pair as the tokenizer joins them, the second text of
+    type 1 (BERT), through the dense + tanh head and the biased projection: the sigmoid equals
+    transformers' (1:N and N:N), and without use_activation the logit."""
+    base = encoder_folder(tmp_path / "base", model_type)
+    folder = cross_encoder_folder(base, tmp_path / "cross")
+    llm = LLM(folder, dtype="float32", block_size=4)
+    want = hf_logits(folder, [(QUERY, d) for d in DOCS])[:, 0]
+    got = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+    close(got, torch.sigmoid(want))
+    pairs = list(zip(DOCS, reversed(DOCS)))
+    got = llm.score([a for a, _ in pairs], [b for _, b in pairs], use_tqdm=False)
+    close([o.outputs.score for o in got], torch.sigmoid(hf_logits(folder, pairs)[:, 0]))
+    from pagedkv.engine.pooling import PoolingParams
+
+    raw = llm.score(QUERY, DOCS, pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
+    close([o.outputs.score for o in raw], want)
+
+
+def test_a_bert_classifier_of_three_labels_and_a_served_rerank(bert, tmp_path):
+    """A three-label BERT classifier: LLM.classify's softmax equals transformers' on one text;
+    a one-label one served: /rerank orders the documents by transformers' scores."""
+    three = cross_encoder_folder(bert, tmp_path / "three", num_labels=3)
+    tok = Tokenizer.from_file(f"{three}/tokenizer.json")
+    tok.no_truncation()
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(three)
+    with torch.no_grad():
+        want = [model(torch.tensor([tok.encode(t).ids])).logits[0].softmax(-1) for t in TEXTS]
+    got = LLM(three, dtype="float32").classify(TEXTS, use_tqdm=False)
+    close([o.outputs.probs for o in got], torch.stack(want))
+
+    one = cross_encoder_folder(bert, tmp_path / "one")
+    scores = torch.sigmoid(hf_logits(one, [(QUERY, d) for d in DOCS])[:, 0])
+    with ServerProcess(one, *TINY_SERVER, "--dtype", "float32") as server:
+        r = httpx.post(f"{server.url}/rerank", json={"query": QUERY, "documents": DOCS}, timeout=60)
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == scores.argsort(descending=True).tolist()
+        close([x["relevance_score"] for x in results], scores.sort(descending=True).values)

@@ -64,6 +64,11 @@ def encoder_config(config: EngineConfig) -> EngineConfig:
     """An encoder engine's config: no LoRA, no prefix cache (it keeps no K/V to reuse)."""
     if config.enable_lora:
         raise ConfigError("--enable-lora: pagedkv runs no LoRA adapter on an encoder")
+    if config.chat_template:
+        raise ConfigError(
+            "--chat-template: an encoder has no chat, and a cross-encoder reads each pair as its "
+            "tokenizer's pair of texts"
+        )
     if config.enable_prefix_caching:
         log.info("prefix caching off: an encoder keeps no K/V")
     return dataclasses.replace(config, enable_prefix_caching=False)
@@ -106,7 +111,7 @@ class LLMEngine:
                     "last token: not "
                     + ("--runner generate" if config.runner == "generate" else "--pooler-config")
                 )
-            self.pooler = Pooler("LAST", normalize=False)
+            self.pooler = Pooler(self.loaded.config.pooling or "LAST", normalize=False)
         apply_engine_options(self, config)  # seed, chat template
         self.reasoning = (
             ReasoningTags.of(config.reasoning_parser, self.tokenizer)

@@ -30,9 +30,9 @@ import torch
 from pagedkv.config import ConfigError
 from pagedkv.engine.chat import render_chat
 from pagedkv.engine.request import ParamError
+from pagedkv.model.encoder import EncoderModel
 
 if TYPE_CHECKING:
-    from pagedkv.model.encoder import EncoderModel
     from pagedkv.model.llama import LlamaForCausalLM
     from pagedkv.model.tokenizer import Tokenizer
 
@@ -97,12 +97,17 @@ class ClassifierSpec:
 
 @dataclass(frozen=True)
 class Classifier:
-    """A classifier's head: float32 rows, one a label, that the last token's hidden state meets
-    (a cross-encoder's has one)."""
+    """A classifier's head: float32 rows, one a label, that the pooled hidden state meets (a
+    cross-encoder's has one); an encoder's adds a bias, and first a dense layer and its tanh."""
 
     rows: torch.Tensor  # [labels, hidden]
     labels: tuple[str, ...] = ("LABEL_0",)
     multi_label: bool = False
+    bias: torch.Tensor | None = None  # [labels]
+    dense: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, bias)
+    # a pair is its tokenizer's pair of texts ([CLS] query [SEP] document [SEP]: an encoder's),
+    # not one text of the query then the document
+    text_pairs: bool = False
 
     @classmethod
     def of_model(
@@ -119,8 +124,12 @@ class Classifier:
             raise ConfigError(
                 "--hf-overrides: this checkpoint is a classifier with a score head of its own"
             )
-        config = model.config
-        return cls(model.score.detach().float(), config.labels, config.multi_label)
+        config, rows = model.config, model.score.detach().float()
+        if not isinstance(model, EncoderModel):
+            return cls(rows, config.labels, config.multi_label)
+        assert model.score_bias is not None and model.head_dense is not None  # (with score)
+        dense = (model.head_dense.weight.detach(), model.head_dense.bias.detach())
+        return cls(rows, config.labels, config.multi_label, model.score_bias.detach(), dense, True)
 
     @classmethod
     def of(
@@ -158,7 +167,11 @@ class Classifier:
         """Each label's probability (softmax over the labels, or a sigmoid each where they are
         independent or one), or without use_activation their logits; of a hidden state, or of
         each of a per-token task's."""
+        if self.dense is not None:
+            vector = torch.tanh(vector @ self.dense[0].T + self.dense[1])
         logits = vector @ self.rows.T
+        if self.bias is not None:
+            logits = logits + self.bias
         if not use_activation:
             return logits
         sigmoid = self.multi_label or len(self.labels) == 1
@@ -179,7 +192,7 @@ class ScorePlan:
     prompts whose vectors make its score: (i, j) for a bi-encoder's cosine, (i, i) for a
     cross-encoder's one prompt."""
 
-    prompts: list[str]
+    prompts: list[str | list[int]]  # (a pair of texts comes tokenized)
     pairs: list[tuple[int, int]]
     classifier: Classifier | None
 
@@ -222,10 +235,19 @@ def plan(
                 "embeds each text (a bi-encoder)",
             )
         n = len(first)
-        return ScorePlan(first + second, [(i, n + j) for j, i in enumerate(which)], None)
+        each: list[str | list[int]] = [*first, *second]
+        return ScorePlan(each, [(i, n + j) for j, i in enumerate(which)], None)
     classifier.check_pairs()
-    prompts = [
-        pair_prompt(tokenizer, first[i], doc, chat_template, template_kwargs)
+    if classifier.text_pairs and template_kwargs:
+        raise ParamError(
+            "chat_template_kwargs",
+            "instruction and chat_template_kwargs shape a score template; this cross-encoder "
+            "reads each pair as its tokenizer's pair of texts",
+        )
+    prompts: list[str | list[int]] = [
+        tokenizer.encode_pair(first[i], doc)
+        if classifier.text_pairs
+        else pair_prompt(tokenizer, first[i], doc, chat_template, template_kwargs)
         for i, doc in zip(which, second)
     ]
     return ScorePlan(prompts, [(j, j) for j in range(len(prompts))], classifier)

@@ -172,9 +172,12 @@ class LlamaConfig:
     # An encoder (BERT, RoBERTa, XLM-RoBERTa: model/encoder.py): every token sees its whole
     # prompt, positions are learned embeddings from position_offset on (RoBERTa's pad id + 1),
     # LayerNorm (of rms_norm_eps) after each block, a plain MLP (hidden_act "gelu" or
-    # "gelu_tanh") and biases everywhere. It makes embeddings only.
+    # "gelu_tanh") and biases everywhere. It makes embeddings, or as a classifier (num_labels)
+    # scores; a BERT classifier reads a pair's second text as token type 1: every token after
+    # its prompt's first sep_token_id (as its tokenizer marks a pair: filled in by the loader).
     encoder: bool = False
     position_offset: int = 0
+    sep_token_id: int | None = None
 
     @property
     def rope_dim(self) -> int:
@@ -397,15 +400,10 @@ class LlamaConfig:
 
     @classmethod
     def _encoder(cls, d: dict[str, Any]) -> LlamaConfig:
-        """A BERT, RoBERTa or XLM-RoBERTa config.json: pooled CLS where no sentence-transformers
-        module says otherwise (as vLLM pools BertModel); the context is its position table's,
-        less RoBERTa's offset."""
-        archs = d.get("architectures") or []
-        if archs and str(archs[0]).endswith("ForSequenceClassification"):
-            raise ConfigError(
-                f"{archs[0]} is a cross-encoder: pagedkv serves encoders as embedding models "
-                "(BertModel, XLMRobertaModel, ...), not their classifiers"
-            )
+        """A BERT, RoBERTa or XLM-RoBERTa config.json (a base model, or a classifier: a
+        cross-encoder, *ForSequenceClassification): pooled CLS where no sentence-transformers
+        module says otherwise (as vLLM pools them); the context is its position table's, less
+        RoBERTa's offset."""
         act = d.get("hidden_act", "gelu")
         if act not in ENCODER_ACTIVATIONS:
             raise ConfigError(
@@ -442,6 +440,7 @@ class LlamaConfig:
                 hidden_act=ENCODER_ACTIVATIONS[act],
                 encoder=True,
                 position_offset=offset,
+                **_classifier(d),
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None

@@ -7,8 +7,14 @@ kept: no K/V is written to the paged cache or read from it, and no prefix is cac
 is one span of the step's rows; the spans attend apart, batched by length. The engine pools the
 hidden states this returns (CLS by default, or as the folder's sentence-transformers modules say).
 
-Token types: every token is of type 0 (one text, as an embedding reads it), whose embedding is
-folded into the position table as the weights load.
+A classifier (a cross-encoder: BertForSequenceClassification, XLMRobertaForSequenceClassification)
+has a head on the CLS row, the same in both: tanh of a dense layer (BERT's pooler, RoBERTa's
+classifier.dense), then a projection with a bias to the labels (engine/scoring.py applies it).
+
+Token types: a token is of type 0 (one text, as an embedding reads it), whose embedding is folded
+into the position table as the weights load; in a BERT classifier, whose tokenizer makes a pair
+[CLS] query [SEP] document [SEP], the tokens after a prompt's first [SEP] are of type 1, as the
+tokenizer marks a pair's second text.
 """
 
 from __future__ import annotations
@@ -45,6 +51,17 @@ _EMBEDDINGS = {
 _TOKEN_TYPES = "embeddings.token_type_embeddings.weight"
 # what a checkpoint's names start with: BertModel's none, the task models' their base's name
 _PREFIXES = ("bert.", "roberta.", "model.")
+# a classifier's head: BERT's and RoBERTa's names for its dense layer and its projection
+_HEAD = {
+    "pooler.dense.weight": "head_dense.weight",
+    "pooler.dense.bias": "head_dense.bias",
+    "classifier.weight": "score",
+    "classifier.bias": "score_bias",
+    "classifier.dense.weight": "head_dense.weight",
+    "classifier.dense.bias": "head_dense.bias",
+    "classifier.out_proj.weight": "score",
+    "classifier.out_proj.bias": "score_bias",
+}
 # tensors read past: a base model's pooler (a dense + tanh that sentence-transformers skips),
 # a masked LM's head, old checkpoints' position-id buffers
 _UNUSED = ("pooler.", "cls.", "lm_head.", "embeddings.position_ids")
@@ -83,8 +100,6 @@ class EncoderModel(nn.Module):
     """An encoder's embeddings and layers; `forward` takes what LlamaForCausalLM's does, so the
     runner runs either."""
 
-    score = None  # (no classifier head: a cross-encoder is refused as its config is read)
-
     def __init__(self, config: LlamaConfig, dtype: torch.dtype, context: int | None = None) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
@@ -97,6 +112,13 @@ class EncoderModel(nn.Module):
         self.layers = nn.ModuleList(
             EncoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
         )
+        # a classifier's head (float32, as LlamaForCausalLM's score), None for an embedding model
+        labels = config.num_labels
+        self.score = nn.Parameter(torch.zeros(labels, hidden)) if labels else None
+        self.score_bias = nn.Parameter(torch.zeros(labels)) if labels else None
+        self.head_dense = nn.Linear(hidden, hidden) if labels else None
+        # type 1's embedding less type 0's, for a classifier's pairs (set as the weights load)
+        self.second_text: Tensor | None = None
         self.requires_grad_(False)
 
     def forward(
@@ -112,7 +134,12 @@ class EncoderModel(nn.Module):
             raise ConfigError("an encoder runs no LoRA adapter")
         spans = prompt_spans(meta)
         offset = self.config.position_offset
-        x = self.norm(self.word(input_ids) + self.position(positions + offset))
+        x = self.word(input_ids) + self.position(positions + offset)
+        sep = self.config.sep_token_id
+        if self.second_text is not None and sep is not None:
+            second = second_texts(input_ids, spans, sep)
+            x += second[:, None] * self.second_text
+        x = self.norm(x)
         for layer in self.layers:
             x = layer(x, spans)
         return x
@@ -141,12 +168,15 @@ class EncoderModel(nn.Module):
         token_types: Tensor | None = None
         for stored, tensor in weights.items() if isinstance(weights, Mapping) else weights:
             name = next((stored[len(p) :] for p in _PREFIXES if stored.startswith(p)), stored)
-            if name.startswith(_UNUSED):
+            if self.score is not None and name in _HEAD:
+                name = _HEAD[name]
+            elif name.startswith(_UNUSED):
                 continue
             if name == _TOKEN_TYPES and isinstance(tensor, Tensor):
                 token_types = tensor
                 continue
-            target, part = _EMBEDDINGS.get(name), None
+            target = _EMBEDDINGS.get(name) or (name if name in _HEAD.values() else None)
+            part = None
             if target is None and name.startswith("encoder.layer."):
                 index, _, rest = name[len("encoder.layer.") :].partition(".")
                 module, _, leaf = rest.rpartition(".")
@@ -177,6 +207,18 @@ class EncoderModel(nn.Module):
             )
         if token_types is not None:
             self.position.weight += token_types[0].to(self.dtype)
+            pairs = self.score is not None and self.config.sep_token_id is not None
+            if pairs and len(token_types) > 1:
+                self.second_text = (token_types[1] - token_types[0]).to(self.dtype)
+
+
+def second_texts(input_ids: Tensor, spans: list[Tensor], sep: int) -> Tensor:
+    """1 for each row after its prompt's first `sep`, else 0 ([T], float)."""
+    second = torch.zeros(len(input_ids))
+    for rows in spans:
+        is_sep = torch.eq(input_ids[rows], sep).int()
+        second[rows.flatten()] = (is_sep.cumsum(1) > is_sep).float().flatten()
+    return second
 
 
 def prompt_spans(meta: AttentionMetadata) -> list[Tensor]:

@@ -119,6 +119,8 @@ def load_hf(folder: Path) -> Checkpoint:
         # no LM head: embeddings only (the embedding matrix stands in for the head it never uses)
         config = dataclasses.replace(config, tie_word_embeddings=True, generates=False)
     tokenizer = Tokenizer.from_hf_folder(folder, config.eos_token_id)
+    if config.encoder and config.num_labels:  # (a BERT cross-encoder's pairs: model/encoder.py)
+        config = dataclasses.replace(config, sep_token_id=tokenizer.pair_separator())
     max_model_len = config.max_position_embeddings
     sentence = _sentence_config(folder)
     if sentence.get("do_lower_case"):

@@ -149,6 +149,22 @@ class Tokenizer:
         except TypeError:  # a lone surrogate ("\ud800") in text that reached here untyped
             raise ConfigError("the text holds a lone surrogate: it is not valid Unicode") from None
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """A pair of texts as the tokenizer joins them (BERT's [CLS] first [SEP] second [SEP]),
+        what a cross-encoder reads."""
+        try:
+            return self._tok.encode(first, second, add_special_tokens=True).ids
+        except TypeError:
+            raise ConfigError("the text holds a lone surrogate: it is not valid Unicode") from None
+
+    def pair_separator(self) -> int | None:
+        """The token before a pair's second text where the tokenizer marks that text as type 1
+        (BERT's [SEP]), else None."""
+        pair = self._tok.encode("a", "b", add_special_tokens=True)
+        if 1 not in pair.type_ids[1:]:
+            return None
+        return pair.ids[pair.type_ids.index(1) - 1]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -177,7 +177,10 @@ async def _scores(
     params = core.pooler.request_params(hidden, None, req.truncate_prompt_tokens, req.priority)
     params.lora_name = lora
     prompts = [
-        params.truncate(await encode(engine.tokenizer, p, True), engine.max_model_len)
+        params.truncate(
+            p if isinstance(p, list) else await encode(engine.tokenizer, p, True),
+            engine.max_model_len,
+        )
         for p in scoring.prompts
     ]
     answer_id = request_id("score", request, req.request_id)
