@@ -79,10 +79,16 @@ def encoder_folder(folder: Path, model_type: str = "bert", **config) -> str:
     return str(folder)
 
 
-def hf_rows(folder: str, texts: list[str]) -> list[torch.Tensor]:
-    """transformers' last hidden states of each text alone, and the ids it read."""
+def hf_tokenizer(folder: str) -> Tokenizer:
+    """The folder's tokenizer as transformers' reads it, less the leftover truncation."""
     tok = Tokenizer.from_file(f"{folder}/tokenizer.json")
     tok.no_truncation()
+    return tok
+
+
+def hf_rows(folder: str, texts: list[str]) -> list[torch.Tensor]:
+    """transformers' last hidden states of each text alone, and the ids it read."""
+    tok = hf_tokenizer(folder)
     model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         return [model(torch.tensor([tok.encode(t).ids])).last_hidden_state[0] for t in texts]
@@ -150,8 +156,40 @@ def test_sentence_transformers_mean_pooling_its_length_and_lowercase(bert, tmp_p
         close(out.outputs.embedding, ref)
     with pytest.raises(ParamError, match="20"):
         llm.embed(TEXTS[4], use_tqdm=False)
+    tok = hf_tokenizer(bert)
+    ids = tok.encode(TEXTS[4]).ids  # [CLS] 45 tokens [SEP]
     cut = llm.embed(TEXTS[4], truncate_prompt_tokens=20, use_tqdm=False)[0]
-    assert len(cut.prompt_token_ids) == 20
+    assert cut.prompt_token_ids == ids[:19] + ids[-1:]  # (a pooling request keeps the first)
+    model = transformers.AutoModel.from_pretrained(bert, dtype=torch.float32)
+    with torch.no_grad():
+        rows = model(torch.tensor([cut.prompt_token_ids])).last_hidden_state[0]
+    close(cut.outputs.embedding, torch.nn.functional.normalize(rows.mean(0), dim=0))
+
+
+def test_truncation_keeps_the_special_tokens_at_either_side():
+    """truncate_prompt_tokens N keeps N tokens: the first (right: a pooling request's default,
+    as vLLM 0.32) or the last (left: a generation's), with the tokens the tokenizer added at
+    either end ([CLS] ... [SEP], a BOS) kept in place; token-id prompts have none."""
+    ids = [101, *range(10, 20), 102]
+    pool = SamplingParams(max_tokens=1, pooling="CLS", truncate_prompt_tokens=5)
+    assert pool.truncate(ids, 64, (1, 1)) == [101, 10, 11, 12, 102]
+    assert pool.truncate(ids, 64) == ids[:5]
+    pool.truncation_side = "left"
+    assert pool.truncate(ids, 64, (1, 1)) == [101, 17, 18, 19, 102]
+    gen = SamplingParams(max_tokens=1, truncate_prompt_tokens=4)
+    assert gen.truncate(ids[:-1], 64, (1, 0)) == [101, 17, 18, 19]  # (a BOS)
+    assert gen.truncate(ids, 64) == ids[-4:]
+    assert gen.truncate(ids[:3], 64, (1, 1)) == ids[:3]  # (short enough already)
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate(ids, 6, (1, 1)) == [
+        101,
+        16,
+        17,
+        18,
+        19,
+        102,
+    ]
+    with pytest.raises(ParamError, match="truncation_side must be left or right"):
+        SamplingParams(truncation_side="up")
 
 
 def test_what_an_encoder_cannot_do_is_refused_by_name(bert, tmp_path):
@@ -194,6 +232,18 @@ def test_served_embeddings_equal_offline_and_text_is_a_400(bert):
         got = client.embeddings.create(model=client.models.list().data[0].id, input=TEXTS)
         for item, want in zip(got.data, offline):
             close(item.embedding, want)
+        left = httpx.post(
+            f"{server.url}/v1/embeddings",
+            json={"input": TEXTS[4], "truncate_prompt_tokens": 9, "truncation_side": "left"},
+            timeout=30,
+        ).json()
+        assert left["usage"]["prompt_tokens"] == 9
+        tok = hf_tokenizer(bert)
+        ids = tok.encode(TEXTS[4]).ids
+        model = transformers.AutoModel.from_pretrained(bert, dtype=torch.float32)
+        with torch.no_grad():  # ([CLS], the last 7 tokens, [SEP])
+            rows = model(torch.tensor([ids[:1] + ids[-8:]])).last_hidden_state[0]
+        close(left["data"][0]["embedding"], torch.nn.functional.normalize(rows[0], dim=0))
         r = httpx.post(
             f"{server.url}/v1/completions", json={"prompt": "the cat", "max_tokens": 2}, timeout=30
         )
@@ -220,8 +270,7 @@ def cross_encoder_folder(src: str, dst: Path, num_labels: int = 1) -> str:
 
 def hf_logits(folder: str, pairs: list[tuple[str, str]]) -> torch.Tensor:
     """transformers' logits of each pair as its tokenizer joins them (token types included)."""
-    tok = Tokenizer.from_file(f"{folder}/tokenizer.json")
-    tok.no_truncation()
+    tok = hf_tokenizer(folder)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
     rows = []
     with torch.no_grad():
@@ -261,8 +310,7 @@ def test_a_bert_classifier_of_three_labels_and_a_served_rerank(bert, tmp_path):
     """A three-label BERT classifier: LLM.classify's softmax equals transformers' on one text;
     a one-label one served: /rerank orders the documents by transformers' scores."""
     three = cross_encoder_folder(bert, tmp_path / "three", num_labels=3)
-    tok = Tokenizer.from_file(f"{three}/tokenizer.json")
-    tok.no_truncation()
+    tok = hf_tokenizer(three)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(three)
     with torch.no_grad():
         want = [model(torch.tensor([tok.encode(t).ids])).logits[0].softmax(-1) for t in TEXTS]

@@ -384,7 +384,7 @@ def test_the_server_scores_and_reranks(qwen3):
             ("/score", {"text_1": QUERY, "text_2": []}, "text_2"),
             ("/score", {"text_1": QUERY, "text_2": [{"content": []}]}, "text_2"),
             ("/rerank", {"query": QUERY, "documents": DOCS, "max_tokens_per_doc": 5}, None),
-            ("/rerank", {"query": QUERY, "documents": DOCS, "truncation_side": "right"}, None),
+            ("/rerank", {"query": QUERY, "documents": DOCS, "truncation_side": "up"}, None),
             ("/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, "top_n"),
             ("/rerank", {"query": QUERY, "documents": DOCS, "instruction": "x"}, None),
             ("/rerank", {"query": QUERY, "documents": DOCS, "model": "other"}, "model"),

@@ -160,7 +160,10 @@ class AsyncLLM:
         Closing the iterator aborts the request."""
         self._check_accepting()
         self._ensure_started()
-        ids = params.truncate(self.engine.tokenize(prompt, add_special_tokens), self.max_model_len)
+        ends = self.engine.special_ends(prompt, add_special_tokens)
+        ids = params.truncate(
+            self.engine.tokenize(prompt, add_special_tokens), self.max_model_len, ends
+        )
         self.engine.validate(ids, params)
         queue = _Outputs()
         with self._wake:

@@ -227,6 +227,12 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         return tokenize(self.tokenizer, prompt, add_special_tokens)
 
+    def special_ends(self, prompt: str | list[int], add_special_tokens: bool) -> tuple[int, int]:
+        """The special tokens tokenizing this prompt puts at its start and its end (truncation
+        keeps them)."""
+        text = isinstance(prompt, str)
+        return self.tokenizer.special_ends if text and add_special_tokens else (0, 0)
+
     def check_pools(self, embeddings: bool = False) -> None:
         """Refuse pooling requests (embeddings, scores) where this engine makes none, and
         embeddings where it is a classifier, saying why."""
@@ -295,7 +301,11 @@ class LLMEngine:
     ) -> SequenceGroup:
         if request_id in self.groups:
             raise ConfigError(f"request id {request_id!r} is already in use")
-        prompt_ids = params.truncate(self.tokenize(prompt, add_special_tokens), self.max_model_len)
+        prompt_ids = params.truncate(
+            self.tokenize(prompt, add_special_tokens),
+            self.max_model_len,
+            self.special_ends(prompt, add_special_tokens),
+        )
         max_tokens = self.validate(prompt_ids, params)
         group = SequenceGroup.create(
             request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params, max_tokens

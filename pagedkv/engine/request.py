@@ -197,7 +197,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be drawn
     bad_words: list[str] | None = None  # never completed (vLLM's semantics)
     prompt_logprobs: int | None = None  # top alternatives per prompt token; -1: all
-    truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens (-1: all fit)
+    truncate_prompt_tokens: int | None = None  # keep N prompt tokens (-1: all that fit)
+    # which of them (`truncate`): "left" cuts the start, "right" the end; None: a generation's
+    # left, a pooling request's right (as vLLM 0.32)
+    truncation_side: str | None = None
     # prefix-cache isolation: only requests with the same salt share cached blocks (vLLM takes it
     # with the prompt; the offline API also reads a prompt dict's "cache_salt")
     cache_salt: str | None = None
@@ -316,6 +319,11 @@ class SamplingParams:
             "cache_salt",
             "cache_salt must be a non-empty string",
         )
+        _need(
+            self.truncation_side in (None, "left", "right"),
+            "truncation_side",
+            "truncation_side must be left or right",
+        )
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1)
             _need(
@@ -412,12 +420,25 @@ class SamplingParams:
             )
         self.bad_words = words or None
 
-    def truncate(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt as the model sees it: its last truncate_prompt_tokens tokens, if set."""
+    def truncate(
+        self, prompt_ids: list[int], max_model_len: int, specials: tuple[int, int] = (0, 0)
+    ) -> list[int]:
+        """The prompt as the model sees it: with truncate_prompt_tokens N, N of its tokens, cut
+        at truncation_side's end. `specials`: how many tokens at its start and at its end the
+        tokenizer added ([CLS] and [SEP], a BOS): they stay, as a tokenizer's own truncation
+        keeps them (a prompt of token ids has none)."""
         n = self.truncate_prompt_tokens
         if n is None:
             return prompt_ids
-        return prompt_ids[-(max_model_len if n == -1 else n) :]
+        n = max_model_len if n == -1 else n
+        if len(prompt_ids) <= n:
+            return prompt_ids
+        lead, trail = specials if sum(specials) < n else (0, 0)
+        body = prompt_ids[lead : len(prompt_ids) - trail]
+        keep = n - lead - trail
+        right = (self.truncation_side or ("left" if self.pooling is None else "right")) == "right"
+        body = body[:keep] if right else body[len(body) - keep :]
+        return prompt_ids[:lead] + body + prompt_ids[len(prompt_ids) - trail :]
 
     def _normalise(self) -> None:
         """vLLM's meanings: seed -1 is no seed, top_k 0 is off, a tiny temperature is greedy."""

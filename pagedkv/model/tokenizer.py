@@ -157,6 +157,17 @@ class Tokenizer:
         except TypeError:
             raise ConfigError("the text holds a lone surrogate: it is not valid Unicode") from None
 
+    @functools.cached_property
+    def special_ends(self) -> tuple[int, int]:
+        """How many special tokens encode(..., add_special_tokens=True) puts before a text and
+        after it (BERT's [CLS] and [SEP]: 1, 1; a Llama BOS: 1, 0)."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        for lead in range(len(full) - len(plain) + 1):
+            if full[lead : lead + len(plain)] == plain:
+                return lead, len(full) - lead - len(plain)
+        return 0, 0
+
     def pair_separator(self) -> int | None:
         """The token before a pair's second text where the tokenizer marks that text as type 1
         (BERT's [SEP]), else None."""

@@ -44,6 +44,7 @@ class PoolingRequest(ChatForm):
     model: Name | None = None
     user: Name | None = None
     truncate_prompt_tokens: Int64 | None = None
+    truncation_side: Literal["left", "right"] | None = None
     priority: Int64 = 0
     request_id: Name | None = None
 
@@ -139,14 +140,15 @@ async def pool_inputs(
     params = pooler.request_params(
         hidden, dimensions, req.truncate_prompt_tokens, req.priority, task
     )
-    params.lora_name = lora
+    params.lora_name, params.truncation_side = lora, req.truncation_side
     tok = engine.tokenizer
     inputs = req.input if req.input is not None else [chat_prompt(tok, req, engine.config)]
+    special = req.special_tokens()
+    ends = tok.special_ends if special else (0, 0)  # (what encoding a text adds)
     prompts = [
-        params.truncate(
-            p if isinstance(p, list) else await encode(tok, p, req.special_tokens()),
-            engine.max_model_len,
-        )
+        params.truncate(p, engine.max_model_len)
+        if isinstance(p, list)
+        else params.truncate(await encode(tok, p, special), engine.max_model_len, ends)
         for p in inputs
     ]
     answer_id = request_id(kind, request, req.request_id)

@@ -24,16 +24,13 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "max_tokens_per_query": (None, 0),
     "max_tokens_per_doc": (None, 0),
     "padding": (None, "do_not_pad"),
-    "truncation_side": (None, "left"),  # (truncate_prompt_tokens keeps the last tokens)
     "mm_processor_kwargs": (None,),
 }
 _WHY = {
     "max_tokens_per_query": "max_tokens_per_query is not supported by pagedkv "
-    "(truncate_prompt_tokens keeps a prompt's last tokens)",
+    "(truncate_prompt_tokens cuts each pair as one prompt)",
     "max_tokens_per_doc": "max_tokens_per_doc is not supported by pagedkv "
-    "(truncate_prompt_tokens keeps a prompt's last tokens)",
-    "truncation_side": "truncation_side: truncate_prompt_tokens keeps a prompt's last tokens "
-    "(left); right is not supported by pagedkv",
+    "(truncate_prompt_tokens cuts each pair as one prompt)",
 }
 # the pairs of fields /score takes, as vLLM's four request shapes name them
 _SCORE_FIELDS: tuple[tuple[str, str], ...] = (
@@ -67,6 +64,7 @@ class _ScoringRequest(RequestModel):
     model: Name | None = None
     user: Name | None = None
     truncate_prompt_tokens: Int64 | None = None
+    truncation_side: Literal["left", "right"] | None = None
     priority: Int64 = 0
     request_id: Name | None = None
     use_activation: bool | None = None
@@ -175,11 +173,13 @@ async def _scores(
     )
     hidden = core.loaded.config.hidden_size
     params = core.pooler.request_params(hidden, None, req.truncate_prompt_tokens, req.priority)
-    params.lora_name = lora
+    params.lora_name, params.truncation_side = lora, req.truncation_side
+    ends = engine.tokenizer.special_ends  # (a pair's too: [CLS] ... [SEP])
     prompts = [
         params.truncate(
             p if isinstance(p, list) else await encode(engine.tokenizer, p, True),
             engine.max_model_len,
+            ends,
         )
         for p in scoring.prompts
     ]
