@@ -197,12 +197,15 @@ def test_what_an_encoder_cannot_do_is_refused_by_name(bert, tmp_path):
     with pytest.raises(ConfigError, match="makes embeddings only"):
         llm.generate(TEXTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not llm.engine.config.enable_prefix_caching  # (it keeps no K/V to reuse)
+    assert llm.engine.storage.kv_caches == []  # (its blocks only count tokens: no bytes)
     for kwargs, message in [
         ({"enable_lora": True}, "no LoRA adapter on an encoder"),
         ({"quantization": "int8"}, "runs an encoder unquantized"),
         ({"max_num_batched_tokens": 64}, "must hold a whole prompt of --max-model-len 128"),
         ({"runner": "generate"}, "--runner generate"),
         ({"chat_template": "{{ messages }}"}, "--chat-template: an encoder has no chat"),
+        ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype: an encoder keeps no K/V"),
+        ({"preemption_mode": "swap"}, "--preemption-mode swap: an encoder keeps no K/V"),
     ]:
         with pytest.raises(ConfigError, match=message):
             LLM(bert, dtype="float32", **kwargs)

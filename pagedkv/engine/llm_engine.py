@@ -69,6 +69,15 @@ def encoder_config(config: EngineConfig) -> EngineConfig:
             "--chat-template: an encoder has no chat, and a cross-encoder reads each pair as its "
             "tokenizer's pair of texts"
         )
+    kept = {  # (an encoder keeps no K/V: nothing to quantize, swap or offload)
+        "--kv-cache-dtype": config.kv_cache_dtype != "auto",
+        "--preemption-mode swap": config.preemption_mode == "swap",
+        "--kv-offload-host-memory": config.kv_offload_host_memory is not None,
+        "--kv-offload-dir": config.kv_offload_dir is not None,
+    }
+    asked = [flag for flag, given in kept.items() if given]
+    if asked:
+        raise ConfigError(f"{asked[0]}: an encoder keeps no K/V (each prompt runs whole)")
     if config.enable_prefix_caching:
         log.info("prefix caching off: an encoder keeps no K/V")
     return dataclasses.replace(config, enable_prefix_caching=False)
@@ -111,7 +120,7 @@ class LLMEngine:
                     "last token: not "
                     + ("--runner generate" if config.runner == "generate" else "--pooler-config")
                 )
-            self.pooler = Pooler(self.loaded.config.pooling or "LAST", normalize=False)
+            self.pooler = Pooler("CLS" if self.loaded.config.encoder else "LAST", normalize=False)
         apply_engine_options(self, config)  # seed, chat template
         self.reasoning = (
             ReasoningTags.of(config.reasoning_parser, self.tokenizer)

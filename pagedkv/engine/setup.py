@@ -68,14 +68,18 @@ def build_kv_storage(
     """The KV pool, the swap space (unless swap borrows the host tier's slots) and the bytes per
     block: the same on every tensor-parallel rank, sized by the smallest rank."""
     shape = dict(
-        num_layers=mc.num_hidden_layers,
+        num_layers=0 if mc.encoder else mc.num_hidden_layers,
         num_kv_heads=num_kv_heads,
         block_size=config.block_size,
         head_dim=mc.head_dim,
         dtype=kv_cache_dtype(config, dtype),
     )
     bytes_per_block = KVStorage.bytes_per_block(**shape)
-    num_blocks = num_kv_blocks(config, bytes_per_block, device)
+    if mc.encoder:  # (blocks of no bytes: they count a step's tokens, for --max-num-seqs prompts)
+        whole = -(-mc.max_position_embeddings // config.block_size)
+        num_blocks = config.num_gpu_blocks_override or config.max_num_seqs * whole
+    else:
+        num_blocks = num_kv_blocks(config, bytes_per_block, device)
     if config.tensor_parallel_size > 1:
         from pagedkv.distributed.group import min_over_ranks
 
