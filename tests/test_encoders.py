@@ -328,3 +328,49 @@ def test_a_bert_classifier_of_three_labels_and_a_served_rerank(bert, tmp_path):
         results = r.json()["results"]
         assert [x["index"] for x in results] == scores.argsort(descending=True).tolist()
         close([x["relevance_score"] for x in results], scores.sort(descending=True).values)
+
+
+def test_a_dense_module_projects_the_pooled_vector(bert, tmp_path):
+    """sentence-transformers' Dense module (LaBSE's): tanh(W x + b) of the pooled vector, before
+    Normalize; `dimensions` counts its outputs; a cosine score is of the projected vectors; a
+    module of another kind is refused by name."""
+    from safetensors.torch import save_file
+
+    folder = Path(
+        sentence_transformers_folder(bert, tmp_path / "st", "pooling_mode_mean_tokens", True)
+    )
+    modules = json.loads((folder / "modules.json").read_text())
+    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    modules.insert(2, dense)
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "2_Dense").mkdir()
+    (folder / "2_Dense" / "config.json").write_text(
+        json.dumps(
+            {
+                "in_features": 64,
+                "out_features": 32,
+                "bias": True,
+                "activation_function": "torch.nn.modules.activation.Tanh",
+            }
+        )
+    )
+    torch.manual_seed(2)
+    w, b = torch.randn(32, 64) * 0.3, torch.randn(32) * 0.3
+    save_file({"linear.weight": w, "linear.bias": b}, str(folder / "2_Dense" / "model.safetensors"))
+    llm = LLM(str(folder), dtype="float32")
+    means = [h.mean(0) for h in hf_rows(bert, TEXTS)]
+    want = [torch.nn.functional.normalize(torch.tanh(w @ m + b), dim=0) for m in means]
+    for out, ref in zip(llm.embed(TEXTS, use_tqdm=False), want):
+        close(out.outputs.embedding, ref)
+    from pagedkv.engine.pooling import PoolingParams
+
+    short = llm.embed(TEXTS[:1], pooling_params=PoolingParams(dimensions=16), use_tqdm=False)
+    close(short[0].outputs.embedding, torch.nn.functional.normalize(want[0][:16], dim=0))
+    with pytest.raises(ParamError, match="dimensions must be from 1 to the model's 32"):
+        llm.embed(TEXTS[:1], pooling_params=PoolingParams(dimensions=33), use_tqdm=False)
+    score = llm.score(TEXTS[0], TEXTS[1], use_tqdm=False)[0].outputs.score
+    assert score == pytest.approx(float(want[0] @ want[1]), abs=1e-5)
+    modules[2]["type"] = "sentence_transformers.models.LayerNorm"
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ConfigError, match="module LayerNorm is not supported"):
+        LLM(str(folder), dtype="float32")

@@ -33,7 +33,7 @@ from pagedkv.engine.pooling import (
     embedding,
 )
 from pagedkv.engine.reasoning import ReasoningTags
-from pagedkv.engine.request import ParamError, SamplingParams
+from pagedkv.engine.request import EVERY_TOKEN, ParamError, SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.scheduler import ScheduledSeq, Scheduler
@@ -121,6 +121,8 @@ class LLMEngine:
                     + ("--runner generate" if config.runner == "generate" else "--pooler-config")
                 )
             self.pooler = Pooler("CLS" if self.loaded.config.encoder else "LAST", normalize=False)
+        # the Dense modules' projection of a pooled vector, checked against the model
+        self.projection = self.pooler.projection(self.loaded.config.hidden_size)
         apply_engine_options(self, config)  # seed, chat template
         self.reasoning = (
             ReasoningTags.of(config.reasoning_parser, self.tokenizer)
@@ -319,6 +321,8 @@ class LLMEngine:
         group = SequenceGroup.create(
             request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params, max_tokens
         )
+        if group.pooled is not None and group.pooled.pooling_type != EVERY_TOKEN:
+            group.pooled.project = self.projection
         init_offsets(group.seqs[0])
         self.groups[request_id] = group
         self.scheduler.add(group.seqs[0])

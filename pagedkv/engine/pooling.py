@@ -12,8 +12,10 @@ ends with its prompt: it samples no token, as in vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,6 +30,49 @@ _SENTENCE_TRANSFORMERS_MODES = {
     "pooling_mode_mean_tokens": "MEAN",
     "pooling_mode_cls_token": "CLS",
 }
+# the sentence-transformers modules pagedkv makes (the model itself, then after its pooling)
+_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+# a Dense module's activation_function: whether it is a tanh (else none)
+_DENSE_ACTIVATIONS = {
+    "torch.nn.modules.activation.Tanh": True,
+    "torch.nn.modules.linear.Identity": False,
+}
+
+
+@dataclass(frozen=True)
+class Dense:
+    """A sentence-transformers Dense module (LaBSE's, sentence-t5's): tanh or nothing of
+    x W^T + b, of the pooled vector, before a Normalize module; float32."""
+
+    weight: torch.Tensor  # [out, in]
+    bias: torch.Tensor | None
+    tanh: bool
+
+    def __call__(self, vector: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.linear(vector, self.weight, self.bias)
+        return torch.tanh(out) if self.tanh else out
+
+    @classmethod
+    def read(cls, folder: Path) -> Dense:
+        """From the module's folder: config.json and model.safetensors."""
+        from safetensors.torch import load_file
+
+        config = json.loads((folder / "config.json").read_text())
+        activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")
+        if activation not in _DENSE_ACTIVATIONS:
+            raise ConfigError(
+                f"{folder}: a Dense module's activation {activation!r} is not supported "
+                "(Tanh, Identity)"
+            )
+        weights_file = folder / "model.safetensors"
+        if not weights_file.is_file():
+            raise ConfigError(f"{folder}: no model.safetensors (other formats are not supported)")
+        weights = load_file(str(weights_file))
+        bias = weights.get("linear.bias") if config.get("bias", True) else None
+        weight = weights["linear.weight"].float()
+        if tuple(weight.shape) != (config["out_features"], config["in_features"]):
+            raise ConfigError(f"{folder}: linear.weight is not out_features x in_features")
+        return cls(weight, None if bias is None else bias.float(), _DENSE_ACTIVATIONS[activation])
 
 
 @dataclass(frozen=True)
@@ -36,6 +81,29 @@ class Pooler:
 
     pooling_type: str = "LAST"
     normalize: bool = True
+    dense: tuple[Dense, ...] = field(default=(), compare=False)  # after the pooling, in order
+
+    def width(self, hidden_size: int) -> int:
+        """An embedding's values: the model's hidden size, or the last Dense module's outputs."""
+        return self.dense[-1].weight.shape[0] if self.dense else hidden_size
+
+    def projection(self, hidden_size: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What the Dense modules make of a pooled vector (None: no Dense module), checked
+        against the model's hidden size."""
+        if not self.dense:
+            return None
+        if self.dense[0].weight.shape[1] != hidden_size:
+            raise ConfigError(
+                f"the first Dense module takes {self.dense[0].weight.shape[1]} values, not the "
+                f"model's {hidden_size}"
+            )
+
+        def project(vector: torch.Tensor) -> torch.Tensor:
+            for dense in self.dense:
+                vector = dense(vector)
+            return vector
+
+        return project
 
     def request_params(
         self,
@@ -48,10 +116,9 @@ class Pooler:
         """A pooling request's engine parameters (max_tokens 1 reserves nothing it uses): a
         per-token task (PER_TOKEN_TASKS) keeps every prompt token's row; `dimensions` checked
         against the model's width."""
-        if dimensions is not None and not 1 <= dimensions <= hidden_size:
-            raise ParamError(
-                "dimensions", f"dimensions must be from 1 to the model's {hidden_size}"
-            )
+        width = self.width(hidden_size)
+        if dimensions is not None and not 1 <= dimensions <= width:
+            raise ParamError("dimensions", f"dimensions must be from 1 to the model's {width}")
         return SamplingParams(
             max_tokens=1,
             temperature=0.0,
@@ -79,27 +146,39 @@ class Pooler:
         normalize = config.get("normalize", self.normalize)
         if not isinstance(normalize, bool):
             raise ConfigError("--pooler-config: normalize must be true or false")
-        return Pooler(kind.upper(), normalize)
+        return dataclasses.replace(self, pooling_type=kind.upper(), normalize=normalize)
 
     @classmethod
     def of_model(cls, model: str | Path | None) -> Pooler | None:
         """The pooling a sentence-transformers folder declares (modules.json and its Pooling
-        module's config; a Normalize module); None for a model without those modules (then
-        LlamaConfig.pooling: a GGUF's metadata, an encoder's CLS; else LAST, normalized)."""
+        module's config; Dense modules; a Normalize module); None for a model without those
+        modules (then LlamaConfig.pooling: a GGUF's metadata, an encoder's CLS; else LAST,
+        normalized). A module of another kind is refused by name."""
         folder = Path(model) if model is not None else None
         if folder is None or not (folder / "modules.json").is_file():
             return None
         try:
             modules = json.loads((folder / "modules.json").read_text())
             kinds = {m["type"].rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+            unknown = sorted(set(kinds) - set(_MODULES))
             config = {}
             if "Pooling" in kinds:
                 config = json.loads((folder / kinds["Pooling"] / "config.json").read_text())
             asked = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
+            dense = tuple(
+                Dense.read(folder / m.get("path", ""))
+                for m in modules
+                if m["type"].rsplit(".", 1)[-1] == "Dense"
+            )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(
                 f"{folder}: cannot read its sentence-transformers modules ({e})"
             ) from None
+        if unknown:
+            raise ConfigError(
+                f"{folder}: sentence-transformers module {unknown[0]} is not supported "
+                f"({', '.join(_MODULES)})"
+            )
         pooling = "LAST"
         if "Pooling" in kinds:
             if len(asked) != 1 or asked[0] not in _SENTENCE_TRANSFORMERS_MODES:
@@ -108,7 +187,7 @@ class Pooler:
                     f"pagedkv pools one of {', '.join(POOLING_TYPES)}"
                 )
             pooling = _SENTENCE_TRANSFORMERS_MODES[asked[0]]
-        return cls(pooling, "Normalize" in kinds)
+        return cls(pooling, "Normalize" in kinds, dense)
 
 
 @dataclass(frozen=True)
@@ -152,6 +231,9 @@ class Pooled:
     pooling_type: str
     upto: int = 0  # prompt positions [0, upto) have been seen
     vector: torch.Tensor | None = None  # float32 [hidden] ([upto, hidden] for ALL)
+    # what the model's Dense modules make of the pooled vector (Pooler.projection; not for ALL,
+    # as sentence-transformers projects only a text's vector)
+    project: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def add_rows(pooled: Pooled, start: int, rows: torch.Tensor, prompt_len: int) -> None:
@@ -177,7 +259,8 @@ def add_rows(pooled: Pooled, start: int, rows: torch.Tensor, prompt_len: int) ->
 def result(pooled: Pooled, prompt_len: int) -> torch.Tensor:
     """The pooled vector once every prompt position was seen (for ALL, a vector a position)."""
     assert pooled.vector is not None and pooled.upto == prompt_len
-    return pooled.vector / prompt_len if pooled.pooling_type == "MEAN" else pooled.vector
+    vector = pooled.vector / prompt_len if pooled.pooling_type == "MEAN" else pooled.vector
+    return vector if pooled.project is None else pooled.project(vector)
 
 
 def embedding(vector: torch.Tensor, normalize: bool, dimensions: int | None = None) -> torch.Tensor:
