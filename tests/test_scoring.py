@@ -209,6 +209,28 @@ def test_a_checkpoint_with_its_own_score_head(qwen3, tmp_path):
         LLM(folder, dtype="float32", hf_overrides=overrides)
 
 
+def test_a_score_head_with_a_bias(qwen3, tmp_path):
+    """A *ForSequenceClassification checkpoint whose score head has a bias (score.bias): each
+    label's logit is its row times the last hidden state plus its bias, as a biased nn.Linear
+    gives; a bias of the wrong shape is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    folder = seq_cls_folder(qwen3, tmp_path / "biased", num_labels=3)
+    texts = [QUERY, *DOCS]
+    plain = hf_classifier_logits(folder, texts)
+    weights = load_file(f"{folder}/model.safetensors")
+    bias = torch.tensor([0.5, -1.0, 2.0])
+    save_file({**weights, "score.bias": bias}, f"{folder}/model.safetensors")
+    llm = LLM(folder, dtype="float32", block_size=4)
+    got = llm.classify(texts, pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
+    torch.testing.assert_close(
+        torch.tensor([o.outputs.probs for o in got]), plain + bias, atol=1e-5, rtol=1e-4
+    )
+    save_file({**weights, "score.bias": bias[:2]}, f"{folder}/model.safetensors")
+    with pytest.raises(ConfigError, match=r"weight score.bias has shape \(2,\), expected \(3,\)"):
+        LLM(folder, dtype="float32")
+
+
 def hf_classifier_logits(folder: str, texts: list[str]) -> torch.Tensor:
     """transformers' classifier logits, a row per text."""
     from tokenizers import Tokenizer

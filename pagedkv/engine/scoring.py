@@ -126,7 +126,7 @@ class Classifier:
             )
         config, rows = model.config, model.score.detach().float()
         if not isinstance(model, EncoderModel):
-            return cls(rows, config.labels, config.multi_label)
+            return cls(rows, config.labels, config.multi_label, model.score_bias)
         assert model.score_bias is not None and model.head_dense is not None  # (with score)
         dense = (model.head_dense.weight.detach(), model.head_dense.bias.detach())
         return cls(rows, config.labels, config.multi_label, model.score_bias.detach(), dense, True)

@@ -484,6 +484,7 @@ class LlamaForCausalLM(nn.Module):
             if config.num_labels
             else None
         )
+        self.score_bias: Tensor | None = None  # its bias, where the checkpoint has one
         self.context = context or config.max_position_embeddings
         self.rotary = Rotary(config, self.context)
         # Gemma 3's sliding layers rotate with tables of their own; each layer's, in order
@@ -647,6 +648,14 @@ class LlamaForCausalLM(nn.Module):
                 if name != "lm_head.weight" or not self.config.tie_word_embeddings:
                     self._store(self, _TOP[name], tensor, name)
                 done.add(name)
+            elif name == "score.bias" and self.score is not None:
+                assert isinstance(tensor, Tensor)  # (no GGUF file has one)
+                if tuple(tensor.shape) != (self.config.num_labels,):
+                    raise ConfigError(
+                        f"weight {name} has shape {tuple(tensor.shape)}, expected "
+                        f"({self.config.num_labels},)"
+                    )
+                self.score_bias = tensor.float()
             elif name == "score.weight" and self.score is not None:
                 assert isinstance(tensor, Tensor)  # (no GGUF file has one)
                 self._copy(self.score, tensor, name)
