@@ -374,3 +374,78 @@ def test_a_dense_module_projects_the_pooled_vector(bert, tmp_path):
     (folder / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ConfigError, match="module LayerNorm is not supported"):
         LLM(str(folder), dtype="float32")
+
+
+def modernbert_folder(folder: Path, task: str = "base", **config) -> str:
+    """A random ModernBERT of four layers (the first and last attend to all, the middle two to
+    a window of 4 either way), the BERT test tokenizer, every weight random."""
+    encoder_folder(folder, "bert")  # (its tokenizer; the model is replaced)
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    shape = transformers.ModernBertConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        local_attention=8,
+        max_position_embeddings=256,
+        pad_token_id=vocab["[PAD]"],
+        cls_token_id=vocab["[CLS]"],
+        sep_token_id=vocab["[SEP]"],
+        bos_token_id=vocab["[CLS]"],
+        eos_token_id=vocab["[SEP]"],
+        **config,
+    )
+    kind = {
+        "base": transformers.ModernBertModel,
+        "classifier": transformers.ModernBertForSequenceClassification,
+    }[task]
+    model = kind(shape)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def test_modernbert_embeddings_equal_transformers_and_its_published_config(tmp_path):
+    """ModernBERT (gte-modernbert, modernbert-embed): RoPE of two bases, window layers that see 4
+    tokens either way (the longest text is 47), GeGLU, pre-norm: the CLS row equals
+    transformers'; the same from the config as the published checkpoints write it
+    (global_attn_every_n_layers, global_rope_theta, local_rope_theta)."""
+    folder = Path(modernbert_folder(tmp_path / "modernbert"))
+    want = [torch.nn.functional.normalize(h[0], dim=0) for h in hf_rows(str(folder), TEXTS)]
+    for out, ref in zip(LLM(str(folder), dtype="float32").embed(TEXTS, use_tqdm=False), want):
+        close(out.outputs.embedding, ref)
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    assert config.pop("layer_types") == [
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+    ]
+    config.update(
+        global_attn_every_n_layers=3,
+        global_rope_theta=rope["full_attention"]["rope_theta"],
+        local_rope_theta=rope["sliding_attention"]["rope_theta"],
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    for out, ref in zip(LLM(str(folder), dtype="float32").embed(TEXTS, use_tqdm=False), want):
+        close(out.outputs.embedding, ref)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_a_modernbert_cross_encoder_scores_as_transformers(tmp_path, pooling):
+    """ModernBertForSequenceClassification (gte-reranker-modernbert): its classifier_pooling,
+    then dense, GELU and LayerNorm, then the biased projection: the sigmoid equals
+    transformers' on each pair as the tokenizer joins them."""
+    folder = modernbert_folder(
+        tmp_path / "cross", "classifier", num_labels=1, classifier_pooling=pooling
+    )
+    llm = LLM(folder, dtype="float32")
+    want = torch.sigmoid(hf_logits(folder, [(QUERY, d) for d in DOCS])[:, 0])
+    close([o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)], want)

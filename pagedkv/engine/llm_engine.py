@@ -120,7 +120,10 @@ class LLMEngine:
                     "last token: not "
                     + ("--runner generate" if config.runner == "generate" else "--pooler-config")
                 )
-            self.pooler = Pooler("CLS" if self.loaded.config.encoder else "LAST", normalize=False)
+            encoder = self.loaded.config.encoder  # (its classifier pools as its config says)
+            self.pooler = Pooler(
+                (self.loaded.config.pooling or "CLS") if encoder else "LAST", normalize=False
+            )
         # the Dense modules' projection of a pooled vector, checked against the model
         self.projection = self.pooler.projection(self.loaded.config.hidden_size)
         apply_engine_options(self, config)  # seed, chat template
@@ -175,7 +178,7 @@ class LLMEngine:
             proposer=proposer,
             policy=config.scheduling_policy,
             adapter_keys=self.lora_keys,
-            whole_prompts=self.loaded.config.encoder,
+            whole_prompts=bool(self.loaded.config.encoder),
         )
         self.runner = ModelRunner(
             self.loaded.model,

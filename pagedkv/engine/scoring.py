@@ -30,7 +30,7 @@ import torch
 from pagedkv.config import ConfigError
 from pagedkv.engine.chat import render_chat
 from pagedkv.engine.request import ParamError
-from pagedkv.model.encoder import EncoderModel
+from pagedkv.model.encoder import Encoder
 
 if TYPE_CHECKING:
     from pagedkv.model.llama import LlamaForCausalLM
@@ -98,13 +98,14 @@ class ClassifierSpec:
 @dataclass(frozen=True)
 class Classifier:
     """A classifier's head: float32 rows, one a label, that the pooled hidden state meets (a
-    cross-encoder's has one); an encoder's adds a bias, and first a dense layer and its tanh."""
+    cross-encoder's has one), and their bias where it has one; an encoder's first makes
+    something else of the pooled state (`head`: BERT's tanh of a dense layer, ...)."""
 
     rows: torch.Tensor  # [labels, hidden]
     labels: tuple[str, ...] = ("LABEL_0",)
     multi_label: bool = False
     bias: torch.Tensor | None = None  # [labels]
-    dense: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, bias)
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None
     # a pair is its tokenizer's pair of texts ([CLS] query [SEP] document [SEP]: an encoder's),
     # not one text of the query then the document
     text_pairs: bool = False
@@ -113,7 +114,7 @@ class Classifier:
     def of_model(
         cls,
         spec: ClassifierSpec | None,
-        model: LlamaForCausalLM | EncoderModel,
+        model: LlamaForCausalLM | Encoder,
         tokenizer: Tokenizer,
     ) -> Classifier | None:
         """The engine's: what --hf-overrides asks for, or a *ForSequenceClassification
@@ -125,11 +126,11 @@ class Classifier:
                 "--hf-overrides: this checkpoint is a classifier with a score head of its own"
             )
         config, rows = model.config, model.score.detach().float()
-        if not isinstance(model, EncoderModel):
+        if not isinstance(model, Encoder):
             return cls(rows, config.labels, config.multi_label, model.score_bias)
-        assert model.score_bias is not None and model.head_dense is not None  # (with score)
-        dense = (model.head_dense.weight.detach(), model.head_dense.bias.detach())
-        return cls(rows, config.labels, config.multi_label, model.score_bias.detach(), dense, True)
+        assert model.score_bias is not None  # (with score)
+        bias = model.score_bias.detach()
+        return cls(rows, config.labels, config.multi_label, bias, model.classifier_head, True)
 
     @classmethod
     def of(
@@ -167,8 +168,8 @@ class Classifier:
         """Each label's probability (softmax over the labels, or a sigmoid each where they are
         independent or one), or without use_activation their logits; of a hidden state, or of
         each of a per-token task's."""
-        if self.dense is not None:
-            vector = torch.tanh(vector @ self.dense[0].T + self.dense[1])
+        if self.head is not None:
+            vector = self.head(vector)
         logits = vector @ self.rows.T
         if self.bias is not None:
             logits = logits + self.bias

@@ -51,8 +51,8 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 # encoders (model/encoder.py): most sentence-transformers embedding models (all-MiniLM, bge, e5,
-# gte: BERT; multilingual-e5, bge-m3: XLM-RoBERTa)
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+# gte: BERT; multilingual-e5, bge-m3: XLM-RoBERTa; gte-modernbert, modernbert-embed: ModernBERT)
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "modernbert")
 # their activations, by config.json's hidden_act: the erf GELU or its tanh approximation
 ENCODER_ACTIVATIONS = {
     "gelu": "gelu",
@@ -169,13 +169,16 @@ class LlamaConfig:
     softmax_over_chosen: bool = False
     float_routing_weights: bool = False
     expert_names: str = "qwen"
-    # An encoder (BERT, RoBERTa, XLM-RoBERTa: model/encoder.py): every token sees its whole
-    # prompt, positions are learned embeddings from position_offset on (RoBERTa's pad id + 1),
+    # An encoder (model/encoder.py), "bert" (BERT, RoBERTa, XLM-RoBERTa) or "modernbert": every
+    # token sees its whole prompt. It makes embeddings, or as a classifier (num_labels) scores.
+    # BERT's positions are learned embeddings from position_offset on (RoBERTa's pad id + 1),
     # LayerNorm (of rms_norm_eps) after each block, a plain MLP (hidden_act "gelu" or
-    # "gelu_tanh") and biases everywhere. It makes embeddings, or as a classifier (num_labels)
-    # scores; a BERT classifier reads a pair's second text as token type 1: every token after
-    # its prompt's first sep_token_id (as its tokenizer marks a pair: filled in by the loader).
-    encoder: bool = False
+    # "gelu_tanh") and biases everywhere; a BERT classifier reads a pair's second text as token
+    # type 1: every token after its prompt's first sep_token_id (as its tokenizer marks a pair:
+    # filled in by the loader). ModernBERT's: RoPE (rope_theta; local_rope_theta on its window
+    # layers, where a token sees those within sliding_window of it either way), LayerNorm
+    # before each block and at the end, a GeGLU MLP, no biases.
+    encoder: str = ""
     position_offset: int = 0
     sep_token_id: int | None = None
 
@@ -301,6 +304,8 @@ class LlamaConfig:
         """From a Hugging Face config.json (old `rope_scaling` and new `rope_parameters` styles)."""
         d = text_model_dict(d)
         model_type = d.get("model_type")
+        if model_type == "modernbert":
+            return cls._modernbert(d)
         if model_type in ENCODER_MODEL_TYPES:
             return cls._encoder(d)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -438,9 +443,65 @@ class LlamaConfig:
                 pooling="CLS",
                 qkv_bias=True,
                 hidden_act=ENCODER_ACTIVATIONS[act],
-                encoder=True,
+                encoder="bert",
                 position_offset=offset,
                 **_classifier(d),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+
+    @classmethod
+    def _modernbert(cls, d: dict[str, Any]) -> LlamaConfig:
+        """A ModernBERT config.json, as transformers 5 writes it (layer_types, rope_parameters)
+        or as the published checkpoints do (global_attn_every_n_layers, global_rope_theta,
+        local_rope_theta); a classifier pools as its classifier_pooling says."""
+        for flag in ("attention_bias", "mlp_bias", "norm_bias", "classifier_bias"):
+            if d.get(flag):
+                raise ConfigError(f"unsupported model option {flag}=true")
+        for key in ("hidden_activation", "classifier_activation"):
+            if d.get(key, "gelu") != "gelu":
+                raise ConfigError(f"unsupported {key} {d[key]!r} for ModernBERT (gelu)")
+        try:
+            layers, hidden, heads = (
+                d["num_hidden_layers"],
+                d["hidden_size"],
+                d["num_attention_heads"],
+            )
+            types = d.get("layer_types")
+            every = d.get("global_attn_every_n_layers", 3)
+            local = (
+                tuple(t == "sliding_attention" for t in types)
+                if types
+                else tuple(bool(i % every) for i in range(layers))
+            )
+            rope = d.get("rope_parameters") or {}
+            full = (rope.get("full_attention") or {}).get("rope_theta")
+            near = (rope.get("sliding_attention") or {}).get("rope_theta")
+            classifier = _classifier(d)
+            mean = classifier and d.get("classifier_pooling", "cls") == "mean"
+            return cls(
+                vocab_size=d["vocab_size"],
+                hidden_size=hidden,
+                intermediate_size=d["intermediate_size"],
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=heads,
+                head_dim=hidden // heads,
+                rms_norm_eps=d.get("norm_eps", 1e-5),
+                rope_theta=float(full or d.get("global_rope_theta", 160000.0)),
+                rope_scaling=None,
+                max_position_embeddings=d.get("max_position_embeddings", 8192),
+                tie_word_embeddings=True,
+                bos_token_id=None,
+                eos_token_id=None,
+                generates=False,
+                pooling="MEAN" if mean else "CLS",
+                hidden_act="gelu",
+                local_rope_theta=float(near or d.get("local_rope_theta", 10000.0)),
+                sliding_window=d.get("local_attention", 128) // 2,
+                window_layers=local,
+                encoder="modernbert",
+                **classifier,
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None

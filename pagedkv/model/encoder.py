@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from pagedkv.attention.paged import AttentionMetadata
 from pagedkv.config import ConfigError
 from pagedkv.model.config import LlamaConfig
+from pagedkv.model.llama import Rotary
 from pagedkv.model.quant_linear import Blocks
 
 # a layer's tensors under their checkpoint names (after `encoder.layer.N.`): ours, and which
@@ -64,7 +65,27 @@ _HEAD = {
 }
 # tensors read past: a base model's pooler (a dense + tanh that sentence-transformers skips),
 # a masked LM's head, old checkpoints' position-id buffers
-_UNUSED = ("pooler.", "cls.", "lm_head.", "embeddings.position_ids")
+_UNUSED = ("pooler.", "cls.", "lm_head.", "embeddings.position_ids", "head.", "decoder.")
+# ModernBERT's names (after `model.`): ours
+_MODERN = {
+    "embeddings.tok_embeddings.weight": "word.weight",
+    "embeddings.norm.weight": "norm.weight",
+    "final_norm.weight": "final_norm.weight",
+}
+_MODERN_LAYER = {  # (after `layers.N.`)
+    "attn_norm.weight": "attn_norm.weight",
+    "attn.Wqkv.weight": "qkv.weight",
+    "attn.Wo.weight": "out.weight",
+    "mlp_norm.weight": "mlp_norm.weight",
+    "mlp.Wi.weight": "up.weight",
+    "mlp.Wo.weight": "down.weight",
+}
+_MODERN_HEAD = {
+    "head.dense.weight": "head_dense.weight",
+    "head.norm.weight": "head_norm.weight",
+    "classifier.weight": "score",
+    "classifier.bias": "score_bias",
+}
 
 
 class EncoderLayer(nn.Module):
@@ -96,30 +117,20 @@ class EncoderLayer(nn.Module):
         return self.mlp_norm(x + self.down(F.gelu(self.up(x), approximate=self.approximate)))
 
 
-class EncoderModel(nn.Module):
-    """An encoder's embeddings and layers; `forward` takes what LlamaForCausalLM's does, so the
-    runner runs either."""
+class Encoder(nn.Module):
+    """What every encoder shares: `forward` takes what LlamaForCausalLM's does, so the runner
+    runs either; a classifier's head (`score`, `score_bias`, `classifier_head`: float32, as
+    LlamaForCausalLM's score); the checkpoint's tensors copied in by the names `_target` gives."""
 
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype, context: int | None = None) -> None:
+    split_qkv = True  # whether a checkpoint holds q, k and v apart (BERT's) or fused
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype, context: int | None) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
         self.context = context or config.max_position_embeddings
-        hidden = config.hidden_size
-        self.word = nn.Embedding(config.vocab_size, hidden, dtype=dtype)
-        table = config.max_position_embeddings + config.position_offset
-        self.position = nn.Embedding(table, hidden, dtype=dtype)
-        self.norm = nn.LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
-        self.layers = nn.ModuleList(
-            EncoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
-        )
-        # a classifier's head (float32, as LlamaForCausalLM's score), None for an embedding model
         labels = config.num_labels
-        self.score = nn.Parameter(torch.zeros(labels, hidden)) if labels else None
+        self.score = nn.Parameter(torch.zeros(labels, config.hidden_size)) if labels else None
         self.score_bias = nn.Parameter(torch.zeros(labels)) if labels else None
-        self.head_dense = nn.Linear(hidden, hidden) if labels else None
-        # type 1's embedding less type 0's, for a classifier's pairs (set as the weights load)
-        self.second_text: Tensor | None = None
-        self.requires_grad_(False)
 
     def forward(
         self,
@@ -132,17 +143,15 @@ class EncoderModel(nn.Module):
         """Hidden states [T, hidden] of the step's prompts, each whole (kv_caches unused)."""
         if lora is not None:
             raise ConfigError("an encoder runs no LoRA adapter")
-        spans = prompt_spans(meta)
-        offset = self.config.position_offset
-        x = self.word(input_ids) + self.position(positions + offset)
-        sep = self.config.sep_token_id
-        if self.second_text is not None and sep is not None:
-            second = second_texts(input_ids, spans, sep)
-            x += second[:, None] * self.second_text
-        x = self.norm(x)
-        for layer in self.layers:
-            x = layer(x, spans)
-        return x
+        return self.encode(input_ids, positions, prompt_spans(meta))
+
+    def encode(self, input_ids: Tensor, positions: Tensor, spans: list[Tensor]) -> Tensor:
+        raise NotImplementedError
+
+    def classifier_head(self, vector: Tensor) -> Tensor:
+        """What a classifier makes of its pooled vector (float32) before the projection to its
+        labels."""
+        raise NotImplementedError
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         raise RuntimeError("an encoder makes no logits: it only pools")
@@ -156,60 +165,215 @@ class EncoderModel(nn.Module):
     def prepack_weights(self) -> None:
         """(Nothing to prepack: the encoder's matmuls are torch's own.)"""
 
+    def _target(self, name: str) -> tuple[str, int | None] | None:
+        """A checkpoint tensor's parameter (prefix removed) and the third of a fused q/k/v it
+        fills (None: all of it); None for a tensor this model does not have."""
+        raise NotImplementedError
+
+    def _special(self, name: str, tensor: Tensor) -> bool:
+        """Take a tensor that is no parameter's (BERT's token types); whether it was one."""
+        return False
+
+    def _loaded(self) -> None:
+        """(After every tensor is in.)"""
+
     @torch.no_grad()
     def load_weights(
         self, weights: Mapping[str, Tensor | Blocks] | Iterable[tuple[str, Tensor | Blocks]]
     ) -> None:
-        """Copy a checkpoint's tensors in (BertModel's names, or a task model's with its
-        `bert.` / `roberta.` prefix), fusing q, k and v; the type-0 token embedding is added to
-        every position's."""
+        """Copy a checkpoint's tensors in: the base model's names, or a task model's with its
+        prefix (`bert.`, `roberta.`, `model.`); what a base or masked-LM model has beside the
+        encoder is passed over, anything else refused, and every parameter must be given."""
         params = dict(self.named_parameters())
         done: set[str] = set()
-        token_types: Tensor | None = None
         for stored, tensor in weights.items() if isinstance(weights, Mapping) else weights:
+            if not isinstance(tensor, Tensor):  # (no GGUF file is read for an encoder)
+                raise ConfigError(f"weight {stored} is not a plain tensor")
             name = next((stored[len(p) :] for p in _PREFIXES if stored.startswith(p)), stored)
-            if self.score is not None and name in _HEAD:
-                name = _HEAD[name]
-            elif name.startswith(_UNUSED):
+            if self._special(name, tensor):
                 continue
-            if name == _TOKEN_TYPES and isinstance(tensor, Tensor):
-                token_types = tensor
+            found = self._target(name)
+            if found is None and name.startswith(_UNUSED):
                 continue
-            target = _EMBEDDINGS.get(name) or (name if name in _HEAD.values() else None)
-            part = None
-            if target is None and name.startswith("encoder.layer."):
-                index, _, rest = name[len("encoder.layer.") :].partition(".")
-                module, _, leaf = rest.rpartition(".")
-                leaf = {"gamma": "weight", "beta": "bias"}.get(leaf, leaf)  # (old LayerNorms)
-                if module in _LAYER and index.isdigit() and int(index) < len(self.layers):
-                    ours, part = _LAYER[module]
-                    target = f"layers.{index}.{ours}.{leaf}"
-            if target is None or target not in params:
+            if found is None or found[0] not in params:
                 raise ConfigError(f"unexpected weight {stored!r} for an encoder")
+            target, part = found
             param = params[target]
             if part is not None:
                 third = param.shape[0] // 3
                 param = param[part * third : (part + 1) * third]  # type: ignore[assignment]
                 target = f"{target}:{part}"
-            if not isinstance(tensor, Tensor) or tuple(param.shape) != tuple(tensor.shape):
+            if tuple(param.shape) != tuple(tensor.shape):
                 raise ConfigError(
                     f"weight {stored} has shape {tuple(tensor.shape)}, expected "
                     f"{tuple(param.shape)}"
                 )
             param.copy_(tensor)
             done.add(target)
-        fused = {n for n in params if ".qkv." in n}
+        fused = {n for n in params if ".qkv." in n and self.split_qkv}
         required = (set(params) - fused) | {f"{n}:{i}" for n in fused for i in range(3)}
         missing = sorted(required - done)
         if missing:
             raise ConfigError(
                 f"missing weights: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
             )
-        if token_types is not None:
-            self.position.weight += token_types[0].to(self.dtype)
-            pairs = self.score is not None and self.config.sep_token_id is not None
-            if pairs and len(token_types) > 1:
-                self.second_text = (token_types[1] - token_types[0]).to(self.dtype)
+        self._loaded()
+
+
+class EncoderModel(Encoder):
+    """BERT, RoBERTa, XLM-RoBERTa."""
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype, context: int | None = None) -> None:
+        super().__init__(config, dtype, context)
+        hidden = config.hidden_size
+        self.word = nn.Embedding(config.vocab_size, hidden, dtype=dtype)
+        table = config.max_position_embeddings + config.position_offset
+        self.position = nn.Embedding(table, hidden, dtype=dtype)
+        self.norm = nn.LayerNorm(hidden, config.rms_norm_eps, dtype=dtype)
+        self.layers = nn.ModuleList(
+            EncoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
+        )
+        self.head_dense = nn.Linear(hidden, hidden) if config.num_labels else None
+        # the token-type embeddings as they load; then type 1's less type 0's, for a
+        # classifier's pairs
+        self._token_types: Tensor | None = None
+        self.second_text: Tensor | None = None
+        self.requires_grad_(False)
+
+    def encode(self, input_ids: Tensor, positions: Tensor, spans: list[Tensor]) -> Tensor:
+        x = self.word(input_ids) + self.position(positions + self.config.position_offset)
+        sep = self.config.sep_token_id
+        if self.second_text is not None and sep is not None:
+            second = second_texts(input_ids, spans, sep)
+            x += second[:, None] * self.second_text
+        x = self.norm(x)
+        for layer in self.layers:
+            x = layer(x, spans)
+        return x
+
+    def classifier_head(self, vector: Tensor) -> Tensor:
+        assert self.head_dense is not None  # (a classifier's)
+        return torch.tanh(self.head_dense(vector))
+
+    def _target(self, name: str) -> tuple[str, int | None] | None:
+        if self.score is not None and name in _HEAD:
+            return _HEAD[name], None
+        if name in _EMBEDDINGS:
+            return _EMBEDDINGS[name], None
+        if not name.startswith("encoder.layer."):
+            return None
+        index, _, rest = name[len("encoder.layer.") :].partition(".")
+        module, _, leaf = rest.rpartition(".")
+        leaf = {"gamma": "weight", "beta": "bias"}.get(leaf, leaf)  # (old LayerNorms)
+        if module not in _LAYER or not index.isdigit():
+            return None
+        ours, part = _LAYER[module]
+        return f"layers.{index}.{ours}.{leaf}", part
+
+    def _special(self, name: str, tensor: Tensor) -> bool:
+        if name != _TOKEN_TYPES:
+            return False
+        self._token_types = tensor
+        return True
+
+    def _loaded(self) -> None:
+        """The type-0 token embedding added to every position's."""
+        types = self._token_types
+        if types is None:
+            return
+        self.position.weight += types[0].to(self.dtype)
+        pairs = self.score is not None and self.config.sep_token_id is not None
+        if pairs and len(types) > 1:
+            self.second_text = (types[1] - types[0]).to(self.dtype)
+        self._token_types = None
+
+
+class ModernBertLayer(nn.Module):
+    """LayerNorm (none before the first layer's attention), attention with RoPE (over a window
+    on the window layers), each block added to its input; then a LayerNorm and a GeGLU MLP."""
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype, index: int) -> None:
+        super().__init__()
+        hidden, eps, inner = config.hidden_size, config.rms_norm_eps, config.intermediate_size
+        self.heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.attn_norm = nn.LayerNorm(hidden, eps, bias=False, dtype=dtype) if index else None
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False, dtype=dtype)
+        self.out = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
+        self.mlp_norm = nn.LayerNorm(hidden, eps, bias=False, dtype=dtype)
+        self.up = nn.Linear(hidden, 2 * inner, bias=False, dtype=dtype)
+        self.down = nn.Linear(inner, hidden, bias=False, dtype=dtype)
+        self.window = config.layer_window(index)  # a key within it either way of the query
+
+    def forward(self, x: Tensor, spans: list[Tensor], rope: tuple[Tensor, Tensor]) -> Tensor:
+        """rope: each row's cos and sin [T, 1, head_dim] (rotate_half's sign in sin)."""
+        y = x if self.attn_norm is None else self.attn_norm(x)
+        q, k, v = self.qkv(y).view(-1, 3, self.heads, self.head_dim).unbind(1)
+        cos, sin = rope
+        half = self.head_dim // 2
+        q, k = (torch.addcmul(t * cos, t.roll(half, dims=-1), sin) for t in (q, k))
+        mixed = torch.empty_like(x)
+        for rows in spans:
+            length, mask = rows.shape[1], None
+            if self.window is not None and length > self.window + 1:
+                at = torch.arange(length, device=x.device)
+                mask = (at[:, None] - at[None, :]).abs() <= self.window
+            out = F.scaled_dot_product_attention(
+                q[rows].transpose(1, 2),
+                k[rows].transpose(1, 2),
+                v[rows].transpose(1, 2),
+                attn_mask=mask,
+            )
+            mixed[rows.flatten()] = out.transpose(1, 2).flatten(2).flatten(0, 1)
+        x = x + self.out(mixed)
+        gelu, gate = self.up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.gelu(gelu) * gate)
+
+
+class ModernBertModel(Encoder):
+    """ModernBERT: token embeddings and their LayerNorm, the layers, a final LayerNorm; a
+    classifier's head is a dense layer, GELU and a LayerNorm, then the projection."""
+
+    split_qkv = False
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype, context: int | None = None) -> None:
+        super().__init__(config, dtype, context)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.word = nn.Embedding(config.vocab_size, hidden, dtype=dtype)
+        self.norm = nn.LayerNorm(hidden, eps, bias=False, dtype=dtype)
+        self.layers = nn.ModuleList(
+            ModernBertLayer(config, dtype, i) for i in range(config.num_hidden_layers)
+        )
+        self.final_norm = nn.LayerNorm(hidden, eps, bias=False, dtype=dtype)
+        labels = config.num_labels
+        self.head_dense = nn.Linear(hidden, hidden, bias=False) if labels else None
+        self.head_norm = nn.LayerNorm(hidden, eps, bias=False) if labels else None
+        self.rotary = Rotary(config, self.context)
+        self.local_rotary = Rotary(config, self.context, local=True)
+        self.requires_grad_(False)
+
+    def encode(self, input_ids: Tensor, positions: Tensor, spans: list[Tensor]) -> Tensor:
+        x = self.norm(self.word(input_ids))
+        tables = {
+            near: tuple(t[positions][:, None].to(x.dtype) for t in (rot.cos, rot.sin))
+            for near, rot in ((False, self.rotary), (True, self.local_rotary))
+        }
+        for layer in self.layers:
+            x = layer(x, spans, tables[layer.window is not None])
+        return self.final_norm(x)
+
+    def classifier_head(self, vector: Tensor) -> Tensor:
+        assert self.head_dense is not None and self.head_norm is not None  # (a classifier's)
+        return self.head_norm(F.gelu(self.head_dense(vector)))
+
+    def _target(self, name: str) -> tuple[str, int | None] | None:
+        if self.score is not None and name in _MODERN_HEAD:
+            return _MODERN_HEAD[name], None
+        if name in _MODERN:
+            return _MODERN[name], None
+        index, _, rest = name.removeprefix("layers.").partition(".")
+        if not (name.startswith("layers.") and index.isdigit() and rest in _MODERN_LAYER):
+            return None
+        return f"layers.{index}.{_MODERN_LAYER[rest]}", None
 
 
 def second_texts(input_ids: Tensor, spans: list[Tensor], sep: int) -> Tensor:

@@ -17,7 +17,7 @@ import torch
 from pagedkv.config import QUANTIZATIONS, ConfigError, default_model_path
 from pagedkv.model.config import Checkpoint, LlamaConfig, use_long_rope
 from pagedkv.model.dense_weights import add_dense_copies
-from pagedkv.model.encoder import EncoderModel
+from pagedkv.model.encoder import Encoder, EncoderModel, ModernBertModel
 from pagedkv.model.gguf_loader import load_gguf
 from pagedkv.model.hf_loader import load_hf
 from pagedkv.model.llama import LlamaForCausalLM
@@ -29,7 +29,7 @@ _CHUNK = 8 << 20  # bytes hashed at a time
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM | EncoderModel
+    model: LlamaForCausalLM | Encoder
     config: LlamaConfig
     tokenizer: Tokenizer
     fingerprint: str  # identity of the weights (keys persistent KV, e.g. the disk offload tier)
@@ -129,13 +129,14 @@ def finish_weights(model: LlamaForCausalLM) -> None:
 
 def build_model(
     config: LlamaConfig, dtype: torch.dtype, quantization: str, pack: bool, context: int
-) -> LlamaForCausalLM | EncoderModel:
+) -> LlamaForCausalLM | Encoder:
     """The model of this config, without its weights."""
     if not config.encoder:
         return LlamaForCausalLM(config, dtype, quantization, pack, context)
     if quantization != "none":
         raise ConfigError(f"--quantization {quantization}: pagedkv runs an encoder unquantized")
-    return EncoderModel(config, dtype, context)
+    kind = ModernBertModel if config.encoder == "modernbert" else EncoderModel
+    return kind(config, dtype, context)
 
 
 def load_model(
