@@ -1,7 +1,9 @@
-"""Encoders (BERT, RoBERTa, XLM-RoBERTa): the embedding models most sentence-transformers
-checkpoints are (all-MiniLM, bge, e5, gte; multilingual-e5, bge-m3).
+"""Encoders (BERT, RoBERTa, XLM-RoBERTa; ModernBERT): the embedding models most
+sentence-transformers checkpoints are (all-MiniLM, bge, e5, gte; multilingual-e5, bge-m3;
+gte-modernbert, modernbert-embed), and their cross-encoders.
 
-Every token attends to every token of its prompt, before and after it, so a prompt runs whole in
+Every token attends to the tokens of its prompt before and after it (all of them, or on
+ModernBERT's window layers those within its window), so a prompt runs whole in
 one step (the scheduler never chunks one: `Scheduler(whole_prompts=True)`) and nothing of it is
 kept: no K/V is written to the paged cache or read from it, and no prefix is cached. Each prompt
 is one span of the step's rows; the spans attend apart, batched by length. The engine pools the
@@ -9,7 +11,9 @@ hidden states this returns (CLS by default, or as the folder's sentence-transfor
 
 A classifier (a cross-encoder: BertForSequenceClassification, XLMRobertaForSequenceClassification)
 has a head on the CLS row, the same in both: tanh of a dense layer (BERT's pooler, RoBERTa's
-classifier.dense), then a projection with a bias to the labels (engine/scoring.py applies it).
+classifier.dense), then a projection with a bias to the labels (engine/scoring.py applies it);
+ModernBertForSequenceClassification's, on its CLS row or the mean of its rows: GELU of a dense
+layer, a LayerNorm, then the projection.
 
 Token types: a token is of type 0 (one text, as an embedding reads it), whose embedding is folded
 into the position table as the weights load; in a BERT classifier, whose tokenizer makes a pair
