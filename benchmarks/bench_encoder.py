@@ -1,5 +1,6 @@
-"""Encoder embedding throughput: a random-weight BERT in the shape of a published sentence-
-transformers model (all-MiniLM-L6-v2, bge-base-en-v1.5), its WordPiece tokenizer trained on Alice's
+"""Encoder embedding throughput: a random-weight BERT or ModernBERT in the shape of a published
+sentence-transformers model (all-MiniLM-L6-v2, bge-base-en-v1.5, modernbert-embed-base: 22 layers,
+windows of 128 on two in three), its WordPiece tokenizer trained on Alice's
 first chapter, embedding 512 passages of that chapter (20 to 120 words) with pagedkv's LLM.embed,
 or vLLM CPU's (`--engine vllm`, run with the peer venv's python: its pooling runner).
 
@@ -29,6 +30,9 @@ SHAPES = {
     ),
     "bge-base-en-v1.5": dict(
         hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072
+    ),
+    "modernbert-embed-base": dict(
+        hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152
     ),
 }
 
@@ -64,9 +68,16 @@ def make(folder: Path, shape: str) -> None:
             }
         )
     )
-    config = transformers.BertConfig(vocab_size=30522, **SHAPES[shape])
     torch.manual_seed(0)
-    model = transformers.BertModel(config)
+    if shape.startswith("modernbert"):
+        ids = {f"{n}_token_id": i for n, i in (("pad", 0), ("cls", 2), ("sep", 3), ("bos", 2))}
+        config = transformers.ModernBertConfig(
+            vocab_size=50368, eos_token_id=3, **ids, **SHAPES[shape]
+        )
+        model = transformers.ModernBertModel(config)
+    else:
+        config = transformers.BertConfig(vocab_size=30522, **SHAPES[shape])
+        model = transformers.BertModel(config)
     model.save_pretrained(str(folder))
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
