@@ -322,7 +322,23 @@ def test_a_bert_classifier_of_three_labels_and_a_served_rerank(bert, tmp_path):
 
     one = cross_encoder_folder(bert, tmp_path / "one")
     scores = torch.sigmoid(hf_logits(one, [(QUERY, d) for d in DOCS])[:, 0])
+    pair = hf_tokenizer(one).encode(QUERY, TEXTS[4])  # (a pair cut to 12 keeps its last [SEP])
+    ids, types = (x[:11] + x[-1:] for x in (pair.ids, pair.type_ids))
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(one)
+    with torch.no_grad():
+        logit = model(input_ids=torch.tensor([ids]), token_type_ids=torch.tensor([types])).logits
+    cut = torch.sigmoid(logit[0, 0]).item()
+    offline = LLM(one, dtype="float32").score(
+        QUERY, TEXTS[4], tokenization_kwargs={"truncate_prompt_tokens": 12}, use_tqdm=False
+    )
+    assert offline[0].outputs.score == pytest.approx(cut, abs=1e-5)
     with ServerProcess(one, *TINY_SERVER, "--dtype", "float32") as server:
+        r = httpx.post(
+            f"{server.url}/rerank",
+            json={"query": QUERY, "documents": [TEXTS[4]], "truncate_prompt_tokens": 12},
+            timeout=60,
+        )
+        assert r.json()["results"][0]["relevance_score"] == pytest.approx(cut, abs=1e-5)
         r = httpx.post(f"{server.url}/rerank", json={"query": QUERY, "documents": DOCS}, timeout=60)
         assert r.status_code == 200, r.text
         results = r.json()["results"]

@@ -266,7 +266,13 @@ class LLM:
             engine.tokenizer,
             chat_template or engine.config.chat_template,
         )
-        outs = self._pool(scoring.prompts, use_tqdm, None, truncate, lora_request)
+        hidden, ends = engine.loaded.config.hidden_size, engine.tokenizer.special_ends
+        cut = engine.pooler.request_params(hidden, truncate_prompt_tokens=truncate)
+        prompts = [  # (a tokenized pair keeps its [CLS] and last [SEP], as a text its own)
+            p if isinstance(p, str) else cut.truncate(p, engine.max_model_len, ends)
+            for p in scoring.prompts
+        ]
+        outs = self._pool(prompts, use_tqdm, None, truncate, lora_request)
         scores = scoring.scores([v for _, v in outs], activate)
         return [
             ScoringRequestOutput.of(outs[i][0], outs[j][0], s)
