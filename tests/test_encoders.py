@@ -465,3 +465,15 @@ def test_a_modernbert_cross_encoder_scores_as_transformers(tmp_path, pooling):
     llm = LLM(folder, dtype="float32")
     want = torch.sigmoid(hf_logits(folder, [(QUERY, d) for d in DOCS])[:, 0])
     close([o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)], want)
+
+
+def test_an_encoder_gives_each_token_its_vector(bert):
+    """vLLM's token_embed on an encoder: every prompt token's own row (unit length), each equal
+    to transformers' row; its CLS row equals the embedding."""
+    llm = LLM(bert, dtype="float32")
+    outs = llm.encode(TEXTS, pooling_task="token_embed", use_tqdm=False)
+    for out, rows in zip(outs, hf_rows(bert, TEXTS)):
+        got = torch.as_tensor(out.outputs.data)
+        close(got, torch.nn.functional.normalize(rows, dim=-1))
+    first = llm.embed(TEXTS[:1], use_tqdm=False)[0].outputs.embedding
+    close(first, torch.as_tensor(outs[0].outputs.data)[0])
