@@ -35,6 +35,20 @@ SPECIAL = {
 }
 
 
+# the test models' width: 4 heads of 16, an MLP of 96
+TINY = dict(hidden_size=64, num_attention_heads=4, intermediate_size=96)
+
+
+def randomize(model: torch.nn.Module, seed: int, only: tuple[str, ...] = ("",)) -> None:
+    """Every weight whose name starts as `only` says random (norms' weights about 1), so that
+    none can be misplaced unseen."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(only):
+                p.normal_(1.0 if name.lower().endswith("norm.weight") else 0.0, 0.3)
+
+
 def encoder_folder(folder: Path, model_type: str = "bert", **config) -> str:
     """A random encoder of two layers and its WordPiece tokenizer ([CLS] text [SEP], or <s> text
     </s>); every weight random, the norms' too, so that none can be misplaced unseen."""
@@ -56,14 +70,7 @@ def encoder_folder(folder: Path, model_type: str = "bert", **config) -> str:
     tok.enable_truncation(8)  # (a trainer's leftover: the engine must not cut prompts quietly)
     folder.mkdir(parents=True)
     tok.save(str(folder / "tokenizer.json"))
-    shape = dict(
-        vocab_size=len(vocab),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=96,
-        max_position_embeddings=128,
-    )
+    shape = dict(vocab_size=len(vocab), num_hidden_layers=2, max_position_embeddings=128, **TINY)
     shape.update(config)
     if model_type == "bert":
         model = transformers.BertModel(transformers.BertConfig(**shape))
@@ -71,10 +78,7 @@ def encoder_folder(folder: Path, model_type: str = "bert", **config) -> str:
         shape["max_position_embeddings"] += 2
         config = transformers.XLMRobertaConfig(pad_token_id=1, type_vocab_size=1, **shape)
         model = transformers.XLMRobertaModel(config)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "LayerNorm.weight" in name else 0.0, 0.3)
+    randomize(model, 0)
     model.save_pretrained(folder)
     return str(folder)
 
@@ -261,11 +265,7 @@ def cross_encoder_folder(src: str, dst: Path, num_labels: int = 1) -> str:
     model = transformers.AutoModelForSequenceClassification.from_pretrained(
         src, num_labels=num_labels, dtype=torch.float32
     )
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith(("classifier", "bert.pooler")):
-                p.normal_(0.0, 0.3)
+    randomize(model, 1, only=("classifier", "bert.pooler"))
     model.save_pretrained(dst)
     shutil.copy(f"{src}/tokenizer.json", dst)
     return str(dst)
@@ -399,10 +399,7 @@ def modernbert_folder(folder: Path, task: str = "base", **config) -> str:
     vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
     shape = transformers.ModernBertConfig(
         vocab_size=len(vocab),
-        hidden_size=64,
-        intermediate_size=96,
         num_hidden_layers=4,
-        num_attention_heads=4,
         local_attention=8,
         max_position_embeddings=256,
         pad_token_id=vocab["[PAD]"],
@@ -410,6 +407,7 @@ def modernbert_folder(folder: Path, task: str = "base", **config) -> str:
         sep_token_id=vocab["[SEP]"],
         bos_token_id=vocab["[CLS]"],
         eos_token_id=vocab["[SEP]"],
+        **TINY,
         **config,
     )
     kind = {
@@ -417,10 +415,7 @@ def modernbert_folder(folder: Path, task: str = "base", **config) -> str:
         "classifier": transformers.ModernBertForSequenceClassification,
     }[task]
     model = kind(shape)
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    randomize(model, 3)
     for f in folder.glob("*.safetensors"):
         f.unlink()
     model.save_pretrained(folder)

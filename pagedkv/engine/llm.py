@@ -266,7 +266,7 @@ class LLM:
             engine.tokenizer,
             chat_template or engine.config.chat_template,
         )
-        hidden, ends = engine.loaded.config.hidden_size, engine.tokenizer.special_ends
+        hidden, ends = engine.loaded.config.hidden_size, engine.tokenizer.special_ends()
         cut = engine.pooler.request_params(hidden, truncate_prompt_tokens=truncate)
         prompts = [  # (a tokenized pair keeps its [CLS] and last [SEP], as a text its own)
             p if isinstance(p, str) else cut.truncate(p, engine.max_model_len, ends)

@@ -159,9 +159,8 @@ class LLMEngine:
                 f"this model's RoPE tables were built for a context of "
                 f"{self.loaded.model.context}, not --max-model-len {self.max_model_len}"
             )
-        if self.loaded.config.encoder and self.max_model_len > (
-            config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS
-        ):
+        budget = config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS
+        if self.loaded.config.encoder and self.max_model_len > budget:
             raise ConfigError(
                 f"--max-num-batched-tokens must hold a whole prompt of --max-model-len "
                 f"{self.max_model_len}: an encoder runs each prompt in one step"
@@ -173,7 +172,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS,
+            max_num_batched_tokens=budget,
             preemption_mode=config.preemption_mode,
             proposer=proposer,
             policy=config.scheduling_policy,
@@ -244,8 +243,7 @@ class LLMEngine:
     def special_ends(self, prompt: str | list[int], add_special_tokens: bool) -> tuple[int, int]:
         """The special tokens tokenizing this prompt puts at its start and its end (truncation
         keeps them)."""
-        text = isinstance(prompt, str)
-        return self.tokenizer.special_ends if text and add_special_tokens else (0, 0)
+        return self.tokenizer.special_ends(isinstance(prompt, str) and add_special_tokens)
 
     def check_pools(self, embeddings: bool = False) -> None:
         """Refuse pooling requests (embeddings, scores) where this engine makes none, and

@@ -420,35 +420,17 @@ class LlamaConfig:
                 f"unsupported position_embedding_type {positions!r} (absolute position embeddings)"
             )
         offset = 0 if d.get("model_type") == "bert" else int(d.get("pad_token_id", 1)) + 1
-        try:
-            hidden, heads = d["hidden_size"], d["num_attention_heads"]
-            if hidden % heads:
-                raise ConfigError(f"hidden_size {hidden} is not a multiple of {heads} heads")
-            return cls(
-                vocab_size=d["vocab_size"],
-                hidden_size=hidden,
-                intermediate_size=d["intermediate_size"],
-                num_hidden_layers=d["num_hidden_layers"],
-                num_attention_heads=heads,
-                num_key_value_heads=heads,
-                head_dim=hidden // heads,
-                rms_norm_eps=d.get("layer_norm_eps", 1e-12),
-                rope_theta=0.0,
-                rope_scaling=None,
-                max_position_embeddings=d.get("max_position_embeddings", 512) - offset,
-                tie_word_embeddings=True,
-                bos_token_id=None,
-                eos_token_id=None,
-                generates=False,
-                pooling="CLS",
-                qkv_bias=True,
-                hidden_act=ENCODER_ACTIVATIONS[act],
-                encoder="bert",
-                position_offset=offset,
-                **_classifier(d),
-            )
-        except KeyError as e:
-            raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+        return cls(
+            **_encoder_shape(d),
+            rms_norm_eps=d.get("layer_norm_eps", 1e-12),
+            rope_theta=0.0,
+            max_position_embeddings=d.get("max_position_embeddings", 512) - offset,
+            pooling="CLS",
+            qkv_bias=True,
+            hidden_act=ENCODER_ACTIVATIONS[act],
+            encoder="bert",
+            position_offset=offset,
+        )
 
     @classmethod
     def _modernbert(cls, d: dict[str, Any]) -> LlamaConfig:
@@ -461,50 +443,60 @@ class LlamaConfig:
         for key in ("hidden_activation", "classifier_activation"):
             if d.get(key, "gelu") != "gelu":
                 raise ConfigError(f"unsupported {key} {d[key]!r} for ModernBERT (gelu)")
-        try:
-            layers, hidden, heads = (
-                d["num_hidden_layers"],
-                d["hidden_size"],
-                d["num_attention_heads"],
-            )
-            types = d.get("layer_types")
-            every = d.get("global_attn_every_n_layers", 3)
-            local = (
-                tuple(t == "sliding_attention" for t in types)
-                if types
-                else tuple(bool(i % every) for i in range(layers))
-            )
-            rope = d.get("rope_parameters") or {}
-            full = (rope.get("full_attention") or {}).get("rope_theta")
-            near = (rope.get("sliding_attention") or {}).get("rope_theta")
-            classifier = _classifier(d)
-            mean = classifier and d.get("classifier_pooling", "cls") == "mean"
-            return cls(
-                vocab_size=d["vocab_size"],
-                hidden_size=hidden,
-                intermediate_size=d["intermediate_size"],
-                num_hidden_layers=layers,
-                num_attention_heads=heads,
-                num_key_value_heads=heads,
-                head_dim=hidden // heads,
-                rms_norm_eps=d.get("norm_eps", 1e-5),
-                rope_theta=float(full or d.get("global_rope_theta", 160000.0)),
-                rope_scaling=None,
-                max_position_embeddings=d.get("max_position_embeddings", 8192),
-                tie_word_embeddings=True,
-                bos_token_id=None,
-                eos_token_id=None,
-                generates=False,
-                pooling="MEAN" if mean else "CLS",
-                hidden_act="gelu",
-                local_rope_theta=float(near or d.get("local_rope_theta", 10000.0)),
-                sliding_window=d.get("local_attention", 128) // 2,
-                window_layers=local,
-                encoder="modernbert",
-                **classifier,
-            )
-        except KeyError as e:
-            raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+        shape = _encoder_shape(d)
+        types = d.get("layer_types")
+        every = d.get("global_attn_every_n_layers", 3)
+        local = (
+            tuple(t == "sliding_attention" for t in types)
+            if types
+            else tuple(bool(i % every) for i in range(shape["num_hidden_layers"]))
+        )
+        rope = d.get("rope_parameters") or {}
+        full = (rope.get("full_attention") or {}).get("rope_theta")
+        near = (rope.get("sliding_attention") or {}).get("rope_theta")
+        mean = shape["num_labels"] and d.get("classifier_pooling", "cls") == "mean"
+        return cls(
+            **shape,
+            rms_norm_eps=d.get("norm_eps", 1e-5),
+            rope_theta=float(full or d.get("global_rope_theta", 160000.0)),
+            max_position_embeddings=d.get("max_position_embeddings", 8192),
+            pooling="MEAN" if mean else "CLS",
+            hidden_act="gelu",
+            local_rope_theta=float(near or d.get("local_rope_theta", 10000.0)),
+            sliding_window=d.get("local_attention", 128) // 2,
+            window_layers=local,
+            encoder="modernbert",
+        )
+
+
+def _encoder_shape(d: dict[str, Any]) -> dict[str, Any]:
+    """What every encoder's LlamaConfig holds alike: its sizes (as many K/V heads as heads), no
+    LM head (embeddings, or a classifier's labels, _classifier), no RoPE scaling."""
+    try:
+        hidden, heads = d["hidden_size"], d["num_attention_heads"]
+        shape = dict(
+            vocab_size=d["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=hidden // heads,
+        )
+    except KeyError as e:
+        raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+    if hidden % heads:
+        raise ConfigError(f"hidden_size {hidden} is not a multiple of {heads} heads")
+    return {
+        **shape,
+        "rope_scaling": None,
+        "tie_word_embeddings": True,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "generates": False,
+        "num_labels": 0,
+        **_classifier(d),
+    }
 
 
 def _classifier(d: dict[str, Any]) -> dict[str, Any]:

@@ -157,10 +157,13 @@ class Tokenizer:
         except TypeError:
             raise ConfigError("the text holds a lone surrogate: it is not valid Unicode") from None
 
+    def special_ends(self, added: bool = True) -> tuple[int, int]:
+        """How many special tokens encode(..., add_special_tokens=added) puts before a text and
+        after it (BERT's [CLS] and [SEP]: 1, 1; a Llama BOS: 1, 0; none unless `added`)."""
+        return self._special_ends if added else (0, 0)
+
     @functools.cached_property
-    def special_ends(self) -> tuple[int, int]:
-        """How many special tokens encode(..., add_special_tokens=True) puts before a text and
-        after it (BERT's [CLS] and [SEP]: 1, 1; a Llama BOS: 1, 0)."""
+    def _special_ends(self) -> tuple[int, int]:
         plain = self._tok.encode("a", add_special_tokens=False).ids
         full = self._tok.encode("a", add_special_tokens=True).ids
         for lead in range(len(full) - len(plain) + 1):

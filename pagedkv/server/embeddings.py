@@ -144,7 +144,7 @@ async def pool_inputs(
     tok = engine.tokenizer
     inputs = req.input if req.input is not None else [chat_prompt(tok, req, engine.config)]
     special = req.special_tokens()
-    ends = tok.special_ends if special else (0, 0)  # (what encoding a text adds)
+    ends = tok.special_ends(special)  # (what encoding a text adds)
     prompts = [
         params.truncate(p, engine.max_model_len)
         if isinstance(p, list)

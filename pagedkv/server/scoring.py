@@ -174,7 +174,7 @@ async def _scores(
     hidden = core.loaded.config.hidden_size
     params = core.pooler.request_params(hidden, None, req.truncate_prompt_tokens, req.priority)
     params.lora_name, params.truncation_side = lora, req.truncation_side
-    ends = engine.tokenizer.special_ends  # (a pair's too: [CLS] ... [SEP])
+    ends = engine.tokenizer.special_ends()  # (a pair's too: [CLS] ... [SEP])
     prompts = [
         params.truncate(
             p if isinstance(p, list) else await encode(engine.tokenizer, p, True),

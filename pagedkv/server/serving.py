@@ -130,7 +130,7 @@ class OpenAIServing:
             p if isinstance(p, list) else await encode(tok, p, add_special_tokens=special)
             for p in req.prompt
         ]
-        ends = tok.special_ends if special else (0, 0)  # (what encoding a text adds)
+        ends = tok.special_ends(special)  # (what encoding a text adds)
         prompts = [
             params.truncate(ids, self.engine.max_model_len, (0, 0) if p is ids else ends)
             for p, ids in zip(req.prompt, encoded)
@@ -179,7 +179,7 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         text = chat_prompt(tok, req, self.engine.config)
         prompt = await encode(tok, text, add_special_tokens=req.add_special_tokens)
-        ends = tok.special_ends if req.add_special_tokens else (0, 0)
+        ends = tok.special_ends(req.add_special_tokens)
         prompt = params.truncate(prompt, self.engine.max_model_len, ends)
         # as vLLM: the answer goes on the last message when no generation prompt opens a new one,
         # and echo repeats the last message when the answer is in its role
