@@ -15,8 +15,15 @@ import pytest
 from server_process import TINY_SERVER, ServerProcess
 
 from pagedkv.model.tokenizer import Tokenizer
-from pagedkv.server.tool_parsers import HermesToolParser, ToolCallStream, final_tool_calls
-from pagedkv.server.tools import hermes_messages
+from pagedkv.server.tool_parsers import (
+    PARSERS,
+    HermesToolParser,
+    MistralToolParser,
+    ToolCallStream,
+    final_tool_calls,
+    tool_parser,
+)
+from pagedkv.server.tools import plain_tool_messages
 
 WEATHER = {
     "type": "object",
@@ -58,7 +65,7 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 def test_hermes_text_parses_into_calls():
     parsed = HermesToolParser().parse(HERMES, final=True)
     assert parsed.content == "Let me check."
-    calls = final_tool_calls(parsed)
+    calls = final_tool_calls(parsed, HermesToolParser())
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris", "days": 2}),
         ("get_time", {"zone": "CET"}),
@@ -77,7 +84,7 @@ def test_hermes_text_parses_into_calls():
 )
 def test_text_that_is_not_a_call_stays_content(text):
     parsed = HermesToolParser().parse(text, final=True)
-    assert parsed.content == text and final_tool_calls(parsed) == []
+    assert parsed.content == text and final_tool_calls(parsed, HermesToolParser()) == []
 
 
 def test_streamed_pieces_add_up_to_the_whole():
@@ -114,7 +121,7 @@ def test_tools_and_history_reach_a_template_that_knows_no_tools(tiny_model_dir):
         },
         {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
     ]
-    msgs = hermes_messages(history, [TOOLS[0]])
+    msgs = plain_tool_messages(history, [TOOLS[0]], HermesToolParser())
     assert msgs[0]["role"] == "system" and '"get_weather"' in msgs[0]["content"]
     assert (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n'
@@ -129,6 +136,182 @@ def test_tools_and_history_reach_a_template_that_knows_no_tools(tiny_model_dir):
     assert "tool_calls" not in msgs[2]
     text = Tokenizer.from_hf_folder(tiny_model_dir).apply_chat_template(msgs)
     assert "<tool_response>" in text and "Weather forecast" in text
+
+
+# ---------------------------------------------------------------- the other formats
+
+CALLS = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "CET"})]
+# (parser, text, content): the same two calls as each format writes them
+FORMATS = [
+    ("hermes", HERMES, "Let me check."),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; '
+        '{"name": "get_time", "parameters": {"zone": "CET"}}',
+        "",
+    ),
+    (
+        "llama3_json",
+        ' {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}};'
+        '{"name": "get_time", "arguments": {"zone": "CET"}}',
+        "",
+    ),
+    (
+        "mistral",
+        'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"days": 2}}, {"name": "get_time", "arguments": {"zone": "CET"}}]',
+        "Let me check.",
+    ),
+    (  # tokenizers v11 and v13
+        "mistral",
+        'Let me check.[TOOL_CALLS]get_weather{"city": "Paris", "days": 2}'
+        '[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}',
+        "Let me check.",
+    ),
+    (
+        "granite",
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+        '{"name": "get_time", "arguments": {"zone": "CET"}}]',
+        "",
+    ),
+    (
+        "granite",
+        '<tool_call>\n[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+        '{"name": "get_time", "arguments": {"zone": "CET"}}]',
+        "",
+    ),
+    ("pythonic", "[get_weather(city='Paris', days=2), get_time(zone=\"CET\")]", ""),
+]
+
+
+def streamed(parser, text: str) -> tuple[str, list[dict]]:
+    """Content and calls as a client rebuilds them from a stream fed a character at a time."""
+    stream, content, calls = ToolCallStream(parser), "", {}
+    for end in range(1, len(text) + 1):
+        piece, deltas = stream.update(text[:end], final=end == len(text))
+        content += piece
+        for d in deltas:
+            call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+            assert d.id is None or d.id == call["id"]
+            call["arguments"] += d.function.arguments or ""
+    return content, list(calls.values())
+
+
+@pytest.mark.parametrize(("name", "text", "content"), FORMATS)
+def test_each_format_parses_whole_and_streamed_alike(name, text, content):
+    parsed = tool_parser(name).parse(text, final=True)
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == CALLS
+    assert all(c.complete for c in parsed.calls)
+    sent, calls = streamed(tool_parser(name), text)
+    assert sent == content
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.name, c.arguments) for c in parsed.calls
+    ]
+    assert all(c["id"] for c in calls)
+    assert len(tool_parser(name, max_calls=1).parse(text, final=True).calls) == 1
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_each_format_reads_what_it_writes(name):
+    parser = tool_parser(name)
+    text = parser.write(CALLS)
+    parsed = parser.parse(text, final=True)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == CALLS
+    assert parsed.content == ""
+    assert parser.instructions  # told to a model whose template knows no tools
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_plain_answers_stream_as_they_come(name):
+    """An answer that does not begin as calls is content at once, not held to the end."""
+    text = "It is sunny in Paris today, 21 degrees."
+    sent = ""
+    stream = ToolCallStream(tool_parser(name))
+    for end in range(1, len(text) + 1):
+        piece, deltas = stream.update(text[:end], final=False)
+        sent += piece
+        assert not deltas
+        assert len(text[:end]) - len(sent) < len("[TOOL_CALLS]")  # at most a possible marker held
+    assert sent + stream.update(text, final=True)[0] == text
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("llama3_json", '{"name": "f", "parameters": {}} and then some prose'),
+        ("llama3_json", '{"city": "Paris"}'),  # JSON, not a call
+        ("llama3_json", '<|python_tag|>print("hi")'),
+        ("llama3_json", '{"name": "f", "parameters": {"a": 1'),  # cut short
+        ("granite", "[1, 2, 3]"),
+        ("granite", '[{"name": "f", "arguments": {}}] trailing'),
+        ("granite", '<tool_call>{"name": "f", "arguments": {}}'),  # Hermes' block, not a list
+        ("mistral", "Sure.[TOOL_CALLS]not a call!"),
+        ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}'),
+        ("pythonic", "[f(1)]"),  # positional
+        ("pythonic", "[f(a=b)]"),  # not a literal
+        ("pythonic", "[f(a={1, 2})]"),  # a set: not JSON
+        ("pythonic", "[f(a=1e999)]"),  # inf: not JSON
+        ("pythonic", "[f(**k)]"),
+        ("pythonic", "[f(a=1)"),
+        ("pythonic", "[f(a=1)] and more"),
+        ("pythonic", "[]"),
+        ("granite", "[]"),
+    ],
+)
+def test_text_that_is_not_calls_of_the_format_stays_content(name, text):
+    parsed = tool_parser(name).parse(text, final=True)
+    assert parsed.content == text and parsed.calls == []
+    sent, calls = streamed(tool_parser(name), text)
+    assert sent == text
+
+
+def test_pythonic_literals_become_json():
+    (call,) = (
+        tool_parser("pythonic")
+        .parse("[f(a=True, b=None, c=(1, -2.5), d={'k': [1, 'x']}, e='it\\'s')]", final=True)
+        .calls
+    )
+    assert json.loads(call.arguments) == {
+        "a": True,
+        "b": None,
+        "c": [1, -2.5],
+        "d": {"k": [1, "x"]},
+        "e": "it's",
+    }
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits():
+    """Mistral's chat templates refuse other ids when the calls come back in the history."""
+    parser = MistralToolParser()
+    calls = final_tool_calls(parser.parse(parser.write(CALLS), final=True), parser)
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+    assert parser.keeps_special_tokens  # [TOOL_CALLS] is a control token: decoded, it must stay
+
+
+def test_a_template_that_knows_no_tools_is_told_the_parsers_format():
+    history = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [  # arguments as OpenAI sends them: JSON text
+                {
+                    "id": "abcdefghi",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'},
+                }
+            ],
+        },
+    ]
+    msgs = plain_tool_messages(history, [TOOLS[0]], MistralToolParser())
+    assert "[TOOL_CALLS]" in msgs[0]["content"] and "<tool_call>" not in msgs[0]["content"]
+    written = msgs[2]["content"]
+    assert (
+        written == '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}]'
+    )
+    (call,) = MistralToolParser().parse(written, final=True).calls
+    assert json.loads(call.arguments) == {"city": "Oslo", "days": 1}
 
 
 # ---------------------------------------------------------------- through the server
@@ -239,6 +422,44 @@ def test_auto_parses_a_hermes_answer(client):
         plain.choices[0].message.content == "just text" and not plain.choices[0].message.tool_calls
     )
     assert plain.choices[0].finish_reason == "stop"
+
+
+def test_auto_reads_calls_in_the_servers_parser_format(tiny_model_dir):
+    """--tool-call-parser mistral: the text is forced to Mistral's calls; whole and streamed, the
+    answer has them (with Mistral's ids), and a Hermes answer is text to this server."""
+    text = FORMATS[3][1]
+    with ServerProcess(
+        tiny_model_dir,
+        *TINY_SERVER,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "mistral",
+    ) as srv:
+        client = srv.openai()
+        kw = dict(tool_choice="auto", extra_body={"guided_choice": [text]}, max_tokens=300)
+        choice = chat(client, **kw).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+        calls = choice.message.tool_calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == CALLS
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+        content, pieces, finish = "", {}, None
+        for chunk in chat(client, stream=True, **kw):
+            delta = chunk.choices[0].delta
+            finish = chunk.choices[0].finish_reason or finish
+            content += delta.content or ""
+            for d in delta.tool_calls or []:
+                call = pieces.setdefault(d.index, {"name": d.function.name, "arguments": ""})
+                call["arguments"] += d.function.arguments or ""
+        assert finish == "tool_calls" and content == "Let me check."
+        assert [(c["name"], c["arguments"]) for c in pieces.values()] == [
+            (c.function.name, c.function.arguments) for c in calls
+        ]
+        hermes = chat(
+            client, tool_choice="auto", extra_body={"guided_choice": [HERMES]}, max_tokens=300
+        )
+        assert hermes.choices[0].message.content == HERMES
+        assert not hermes.choices[0].message.tool_calls
+        srv.wait_idle()
 
 
 def test_history_with_tool_calls_and_results_is_accepted(client):

@@ -16,7 +16,7 @@ from pagedkv.server.response_format import (
     prompt_logprobs_json,
     usage_of,
 )
-from pagedkv.server.tool_parsers import HermesToolParser, ToolCallStream, final_tool_calls
+from pagedkv.server.tool_parsers import ToolCallStream, ToolParser, final_tool_calls
 
 
 @dataclass
@@ -30,7 +30,7 @@ class _Sent:
 
 @dataclass
 class ChatFormat(ResponseFormat):
-    parser: HermesToolParser | None = None  # tool calls are read from the output
+    parser: ToolParser | None = None  # tool calls are read from the output
     role: str = "assistant"  # the answer's
     echo: str = ""  # the last message, when the client asked to echo it
     # with a reasoning parser: where the output begins (engine/reasoning.py), and whether the
@@ -130,7 +130,7 @@ class ChatFormat(ResponseFormat):
         reasoning_or_none = reasoning or None
         if self.parser is not None:
             parsed = self.parser.parse(text, final=True)
-            calls = final_tool_calls(parsed)
+            calls = final_tool_calls(parsed, self.parser)
             if calls:
                 content = self.echo + parsed.content
                 finish = "tool_calls" if o.finish_reason == "stop" else o.finish_reason

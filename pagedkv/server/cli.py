@@ -12,7 +12,7 @@ import json
 import sys
 
 from pagedkv.cli import add_engine_args, engine_config_from_args
-from pagedkv.config import ConfigError
+from pagedkv.config import TOOL_CALL_PARSERS, ConfigError
 from pagedkv.server.listen import HTTPOptions
 
 UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
@@ -116,7 +116,10 @@ def add_parser(subparsers) -> None:
         help='tool_choice "none" leaves the tools out of the prompt (default: shown, as vLLM)',
     )
     p.add_argument(
-        "--tool-call-parser", default=None, help="how tool calls are read from the output: hermes"
+        "--tool-call-parser",
+        default=None,
+        help="how tool calls are read from the output (vLLM's names): "
+        + ", ".join(TOOL_CALL_PARSERS),
     )
     p.add_argument(
         "--reasoning-parser",

@@ -22,7 +22,7 @@ from pagedkv.engine.reasoning import split_reasoning
 from pagedkv.server import responses as api
 from pagedkv.server.chat_format import ChatFormat
 from pagedkv.server.response_format import Delta, usage_of
-from pagedkv.server.tool_parsers import ParsedCall, ToolCallStream, new_call_id
+from pagedkv.server.tool_parsers import ParsedCall, ToolCallStream
 
 
 class Events(BaseModel):
@@ -128,9 +128,10 @@ class ResponsesFormat(ChatFormat):
             output.append(self._item("message", status, content))
         streamed = self._calls.calls if self._calls else []
         for i, call in enumerate(calls):
+            assert self.parser is not None  # (calls come from it)
             done = "completed" if call.complete else "incomplete"
             item = self._item("function_call", done, call.arguments, call=i)
-            call_id = streamed[i].id if i < len(streamed) else new_call_id()  # as streamed
+            call_id = streamed[i].id if i < len(streamed) else self.parser.call_id()  # as streamed
             output.append({**item, "call_id": call_id, "name": call.name})
         # the tokens spent thinking, shown or not (include_reasoning)
         thought = split_reasoning(o.text, self.thinking, True)[0] if self.thinking else ""

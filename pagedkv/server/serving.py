@@ -167,7 +167,9 @@ class OpenAIServing:
         lora = self.check_model(req.model)
         params = self.model_defaults(req, req.sampling_params())
         params.lora_name = lora
-        plan = plan_tools(req, self.engine.config.enable_auto_tool_choice)
+        plan = plan_tools(req, self.engine.config)
+        if plan.parser is not None and plan.parser.keeps_special_tokens:
+            params.skip_special_tokens = False  # the format's marker is one (as vLLM's mistral)
         if plan.grammar is not None:
             if params.structured_outputs is not None:
                 raise ParamError(
@@ -177,7 +179,7 @@ class OpenAIServing:
                 )
             params.structured_outputs = StructuredOutputsParams(grammar=plan.grammar)
         tok = self.engine.tokenizer
-        text = chat_prompt(tok, req, self.engine.config)
+        text = chat_prompt(tok, req, self.engine.config, plan.parser)
         prompt = await encode(tok, text, add_special_tokens=req.add_special_tokens)
         ends = tok.special_ends(req.add_special_tokens)
         prompt = params.truncate(prompt, self.engine.max_model_len, ends)

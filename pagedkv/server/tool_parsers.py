@@ -1,19 +1,37 @@
-"""Tool calls in model output, Hermes style:
-`<tool_call>{"name": ..., "arguments": ...}</tool_call>`.
+"""Tool calls in model output, in the formats of vLLM's `--tool-call-parser`:
 
-One parser serves both answers: `parse(text, final=True)` for the whole output, and the same call on
+- `hermes` (Qwen 2.5 and 3, Hermes, most fine-tunes): content, then `<tool_call>{"name": ...,
+  "arguments": ...}</tool_call>` blocks;
+- `llama3_json` / `llama4_json` (Llama 3.1-3.3, 4): the whole answer is `{"name": ..., "parameters":
+  ...}` objects apart by `;`, perhaps after `<|python_tag|>`;
+- `mistral`: content, then `[TOOL_CALLS]` and a JSON list of calls, or (tokenizers v11 on) one
+  `[TOOL_CALLS]name{arguments}` (or `name[ARGS]{...}`) per call;
+- `granite` (Granite 3.x): the whole answer is a JSON list of calls, perhaps after `<|tool_call|>`
+  or `<tool_call>`;
+- `pythonic` (Llama 3.2 and 4 with a pythonic template, ToolACE): the whole answer is a Python
+  list of calls with literal keyword arguments, `[get_weather(city="Paris"), ...]`.
+
+One parse serves both answers: `parse(text, final=True)` for the whole output, and the same call on
 the text so far while streaming, where it returns only what can no longer change (content before a
-possible `<tool_call>`, a name once its closing quote is out, the arguments up to what could still
-turn out to close the call). `ToolCallStream` turns successive parses into OpenAI's
-`delta.tool_calls` pieces, so the pieces of a stream add up to the non-streamed answer.
+possible call, a name once it is whole, the arguments up to what could still turn out to close the
+call). `ToolCallStream` turns successive parses into OpenAI's `delta.tool_calls` pieces, so the
+pieces of a stream add up to the non-streamed answer. Text that does not turn out to be calls of
+the format is content, whole.
+
+Each parser also writes calls in its format (`write`), and says how (`instructions`), for a chat
+template that knows no tools (server/tools.py).
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import random
 import re
+import string
 import uuid
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from pagedkv.engine.reasoning import hold_back
 from pagedkv.server.request_fields import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
@@ -36,86 +54,390 @@ class ParsedOutput:
     calls: list[ParsedCall] = field(default_factory=list)
 
 
+class NotCalls(Exception):
+    """The text is not calls of the format after all: it is content."""
+
+
+class PlainText(Exception):
+    """The answer does not begin as calls: it is content, to be streamed as it comes."""
+
+
 @dataclass
-class HermesToolParser:
+class ToolParser:
+    """A format of tool calls: how they are read from the output, and written for a template that
+    knows no tools."""
+
     max_calls: int | None = None  # 1 when parallel_tool_calls is false: later calls are dropped
-    start = "<tool_call>"
-    end = "</tool_call>"
+    name: ClassVar[str]
+    instructions: ClassVar[str]  # how to call, told to a model whose template knows no tools
+    keeps_special_tokens: ClassVar[bool] = False  # the format's marker is a special token
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
+        try:
+            parsed = self._read(text, final)
+        except PlainText:
+            return ParsedOutput(text)
+        except NotCalls:
+            return ParsedOutput(text if final else self._before_calls(text))
+        if final and not (
+            parsed.calls and all(c.complete and c.name is not None for c in parsed.calls)
+        ):
+            return ParsedOutput(text)
+        del parsed.calls[self.max_calls or len(parsed.calls) :]
+        return parsed
+
+    def _read(self, text: str, final: bool) -> ParsedOutput:
+        raise NotImplementedError
+
+    def _before_calls(self, text: str) -> str:
+        """While streaming, the content of text that turned out not to be calls: what came before
+        the format's marker (the rest is shown when the output ends)."""
+        return ""
+
+    def write(self, calls: list[tuple[str, Any]]) -> str:
+        """Calls (name, arguments) as the model writes them."""
+        raise NotImplementedError
+
+    def call_id(self) -> str:
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    start = "<tool_call>"
+    end = "</tool_call>"
+    instructions = (
+        "For each function call, return a JSON object with the function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+
+    def _read(self, text: str, final: bool) -> ParsedOutput:
         at = text.find(self.start)
         if at == -1:
             return ParsedOutput(text if final else hold_back(text, self.start))
         calls = []
         for block in text[at:].split(self.start)[1:]:
             body, closed = block.split(self.end, 1)[0], self.end in block
-            call = _parse_call(body, complete=closed or final)
-            if call is None:  # not a tool call after all (the model wrote the tag in prose)
-                return ParsedOutput(text if final else text[:at])
-            calls.append(call)
-        del calls[self.max_calls or len(calls) :]
+            calls.append(_object_call(body, complete=closed or final))
         return ParsedOutput(text[:at], calls)
 
+    def _before_calls(self, text: str) -> str:
+        return text[: text.find(self.start)]
 
-def _parse_call(body: str, complete: bool) -> ParsedCall | None:
+    def write(self, calls: list[tuple[str, Any]]) -> str:
+        return "".join(
+            f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>"
+            for n, a in calls
+        )
+
+
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+    tag = "<|python_tag|>"
+    instructions = (
+        "To call functions, answer with nothing but one JSON object per call, separated by "
+        '"; ": {"name": <function-name>, "parameters": <args-json-object>}'
+    )
+
+    def _read(self, text: str, final: bool) -> ParsedOutput:
+        at = _after_marker(text, (self.tag,), final)
+        if at is None:
+            return ParsedOutput("")
+        bodies, _ = _objects(text, at, ";", None)
+        return ParsedOutput("", [_object_call(b, whole or final) for b, whole in bodies])
+
+    def write(self, calls: list[tuple[str, Any]]) -> str:
+        return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+
+
+class GraniteToolParser(ToolParser):
+    name = "granite"
+    markers = ("<|tool_call|>", "<tool_call>")  # Granite 3.0's token, 3.1's text
+    instructions = (
+        "To call functions, answer with nothing but <tool_call> and a JSON list of calls: "
+        '<tool_call>[{"name": <function-name>, "arguments": <args-json-object>}]'
+    )
+
+    def _read(self, text: str, final: bool) -> ParsedOutput:
+        at = _after_marker(text, self.markers, final, opener="[")
+        if at is None:
+            return ParsedOutput("")
+        return ParsedOutput("", _list_calls(text, at + 1, final))
+
+    def write(self, calls: list[tuple[str, Any]]) -> str:
+        return "<tool_call>" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+
+
+class MistralToolParser(ToolParser):
+    name = "mistral"
+    start = "[TOOL_CALLS]"
+    args_tag = "[ARGS]"
+    keeps_special_tokens = True  # [TOOL_CALLS] is a control token, gone from text decoded without
+    instructions = (
+        "To call functions, write [TOOL_CALLS] and a JSON list of calls: "
+        '[TOOL_CALLS][{"name": <function-name>, "arguments": <args-json-object>}]'
+    )
+    _FN = re.compile(r"\s*([A-Za-z0-9_.\-]+)")
+
+    def _read(self, text: str, final: bool) -> ParsedOutput:
+        at = text.find(self.start)
+        if at == -1:
+            return ParsedOutput(text if final else hold_back(text, self.start))
+        calls: list[ParsedCall] = []
+        for piece in text[at:].split(self.start)[1:]:
+            head = piece.lstrip()
+            if head.startswith("["):  # a list of call objects
+                calls += _list_calls(piece, len(piece) - len(head) + 1, final)
+            elif head or final:
+                calls.append(self._named_call(piece, final))
+        return ParsedOutput(text[:at], calls)
+
+    def _named_call(self, piece: str, final: bool) -> ParsedCall:
+        """`name{...}` or `name[ARGS]{...}` (tokenizers v11 and v13)."""
+        fn = self._FN.match(piece)
+        if fn is None:
+            raise NotCalls
+        rest = piece[fn.end() :].lstrip()
+        if rest.startswith(self.args_tag):
+            rest = rest[len(self.args_tag) :].lstrip()
+        elif not final and self.args_tag.startswith(rest):
+            return ParsedCall(None, "", False)  # the name may go on, or [ARGS] be on its way
+        if not rest.startswith("{"):
+            if rest or final:
+                raise NotCalls
+            return ParsedCall(None, "", False)
+        args, whole = _raw_json(rest, 0)
+        if whole and rest[len(args) :].strip():
+            raise NotCalls
+        return ParsedCall(fn.group(1), args, whole)
+
+    def _before_calls(self, text: str) -> str:
+        return text[: text.find(self.start)]
+
+    def write(self, calls: list[tuple[str, Any]]) -> str:
+        return self.start + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+
+    def call_id(self) -> str:
+        """Nine letters and digits: Mistral's templates refuse other ids in the history."""
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+class PythonicToolParser(ToolParser):
+    name = "pythonic"
+    instructions = (
+        "To call functions, answer with nothing but a Python list of calls with keyword "
+        'arguments: [func_name1(param1="value1", param2=2), func_name2(param="value")]'
+    )
+    _CALLEE = re.compile(r"\s*([A-Za-z_]\w*)\s*\(")
+
+    def _read(self, text: str, final: bool) -> ParsedOutput:
+        at = _after_marker(text, (), final, opener="[")
+        if at is None:
+            return ParsedOutput("")
+        items, closed = _python_items(text, at + 1)
+        if final and not closed:
+            raise NotCalls
+        calls = []
+        for item, whole in items:
+            if whole:
+                calls.append(_python_call(item))
+                continue
+            callee = self._CALLEE.match(item)  # a name is whole once its "(" is out
+            calls.append(ParsedCall(callee.group(1) if callee else None, "", False))
+        return ParsedOutput("", calls)
+
+    def write(self, calls: list[tuple[str, Any]]) -> str:
+        def call(name: str, args: Any) -> str:
+            kw = args.items() if isinstance(args, dict) else ()
+            return f"{name}({', '.join(f'{k}={_python_literal(v)}' for k, v in kw)})"
+
+        return "[" + ", ".join(call(n, a) for n, a in calls) + "]"
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "llama4_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "granite": GraniteToolParser,
+    "pythonic": PythonicToolParser,
+}
+
+
+def tool_parser(name: str, max_calls: int | None = None) -> ToolParser:
+    return PARSERS[name](max_calls=max_calls)
+
+
+# ---------------------------------------------------------------- reading the formats
+
+
+def _after_marker(
+    text: str, markers: tuple[str, ...], final: bool, opener: str = "{"
+) -> int | None:
+    """For a format whose calls are the whole answer: where the first call's `opener` is, past
+    leading space and an optional marker; None while the start is still undecided (streaming)."""
+    at = len(text) - len(text.lstrip())
+    marked = False
+    for marker in markers:
+        if text.startswith(marker, at):
+            at += len(marker)
+            at += len(text[at:]) - len(text[at:].lstrip())
+            marked = True
+            break
+        if not final and marker.startswith(text[at:]):
+            return None
+    if at == len(text) and not final:
+        return None
+    if not text.startswith(opener, at):
+        raise NotCalls if marked else PlainText
+    return at
+
+
+def _objects(text: str, at: int, sep: str, close: str | None) -> tuple[list[tuple[str, bool]], int]:
+    """The JSON objects from text[at], apart by space and `sep`, up to `close` (None: the end), each
+    as its text and whether it is whole; and where the run ends (after `close`, else len(text)).
+    An unfinished object ends the run: the output ends there or it will go on."""
+    bodies: list[tuple[str, bool]] = []
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == sep):
+            at += 1
+        if at == len(text):
+            return bodies, at
+        if text[at] == close:
+            return bodies, at + 1
+        if text[at] != "{":
+            raise NotCalls
+        body, whole = _raw_json(text, at)
+        bodies.append((body, whole))
+        if not whole:
+            return bodies, len(text)
+        at += len(body)
+
+
+def _list_calls(text: str, at: int, final: bool) -> list[ParsedCall]:
+    """A JSON list of call objects whose "[" ends at `at`; nothing may follow its "]"."""
+    bodies, end = _objects(text, at, ",", "]")
+    if text[end:].strip() or (final and text[end - 1 : end] != "]"):
+        raise NotCalls
+    return [_object_call(b, whole or final) for b, whole in bodies]
+
+
+def _raw_json(text: str, at: int) -> tuple[str, bool]:
+    """The JSON value at text[at] as written, and whether it is whole; while it is not, without a
+    tail of closing braces and spaces that may belong to the call around it."""
+    try:
+        _, end = _DECODER.raw_decode(text, at)
+        return text[at:end], True
+    except (ValueError, RecursionError):  # unfinished, bad, or nested deeper than Python parses
+        return text[at:].rstrip(" \t\r\n}"), False
+
+
+def _object_call(body: str, complete: bool) -> ParsedCall:
     return _complete_call(body) if complete else _partial_call(body)
 
 
-def _complete_call(body: str) -> ParsedCall | None:
-    """A whole block: its JSON decides; the arguments keep the model's own text when it is that JSON
-    (so they equal what was streamed), else they are re-serialized."""
+def _complete_call(body: str) -> ParsedCall:
+    """A whole call object: its JSON decides; the arguments keep the model's own text when it is
+    that JSON (so they equal what was streamed), else they are re-serialized."""
     try:
         obj = json.loads(body)
-    except (
-        ValueError,
-        RecursionError,
-    ):  # not JSON, or nested deeper than Python parses: not a call
-        return None
+    except (ValueError, RecursionError):
+        raise NotCalls from None
     if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
-        return None
+        raise NotCalls
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # arguments sent as a JSON string: its content
         return ParsedCall(obj["name"], args, True)
-    raw, whole = _raw_arguments(body)
+    at = _ARGS.search(body)
+    raw, whole = _raw_json(body, at.end()) if at else ("", False)
     if not (whole and json.loads(raw) == args):
         raw = json.dumps(args, ensure_ascii=False)
     return ParsedCall(obj["name"], raw, True)
 
 
 def _partial_call(body: str) -> ParsedCall:
-    """A block still being written: the name once its closing quote is out, the arguments so far."""
+    """A call object still being written: the name once its closing quote is out, the arguments
+    so far."""
     args = _ARGS.search(body)
     name = _NAME.search(body, 0, args.start() if args else len(body))
     try:  # a name with an escape JSON does not know ("a\\q") is not a name yet
         name_text = json.loads(f'"{name.group(1)}"') if name else None
     except ValueError:
         name_text = None
-    return ParsedCall(name_text, _raw_arguments(body)[0] if args else "", False)
+    return ParsedCall(name_text, _raw_json(body, args.end())[0] if args else "", False)
 
 
-def _raw_arguments(body: str) -> tuple[str, bool]:
-    """The arguments' JSON text as written, and whether it is whole; while it is not, without a
-    tail of closing braces and spaces that may belong to the call object itself."""
-    args = _ARGS.search(body)
-    if args is None:
-        return "", False
+def _python_items(text: str, at: int) -> tuple[list[tuple[str, bool]], bool]:
+    """The items of a Python list whose "[" ends at `at`, each as its text and whether it is whole,
+    and whether the list is closed (then nothing but space may follow)."""
+    items: list[tuple[str, bool]] = []
+    depth, quote, start, i = 0, "", at, at
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                if ch != "]":
+                    raise NotCalls
+                if text[start:i].strip():
+                    items.append((text[start:i], True))
+                if text[i + 1 :].strip():
+                    raise NotCalls
+                return items, True
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append((text[start:i], True))
+            start = i + 1
+        i += 1
+    if text[start:].strip():
+        items.append((text[start:], False))
+    return items, False
+
+
+def _python_call(src: str) -> ParsedCall:
+    """`name(key=literal, ...)` as a call with JSON arguments."""
     try:
-        _, end = _DECODER.raw_decode(body, args.end())
-        return body[args.end() : end], True
-    except (ValueError, RecursionError):
-        return body[args.end() :].rstrip(" \t\r\n}"), False
+        node = ast.parse(src.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise NotCalls from None
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+        raise NotCalls
+    try:
+        args = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+        if len(args) != len(node.keywords):  # a **spread
+            raise NotCalls
+        return ParsedCall(node.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False), True)
+    except (ValueError, TypeError, SyntaxError, RecursionError):  # not literals, or not JSON's
+        raise NotCalls from None
 
 
-def final_tool_calls(parsed: ParsedOutput) -> list[ToolCall]:
+def _python_literal(value: Any) -> str:
+    """A JSON value as a Python literal."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_python_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_python_literal(v) for v in value) + "]"
+    return repr(value)
+
+
+# ---------------------------------------------------------------- the answer
+
+
+def final_tool_calls(parsed: ParsedOutput, parser: ToolParser) -> list[ToolCall]:
     return [
-        ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+        ToolCall(id=parser.call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in parsed.calls
         if c.complete and c.name is not None
     ]
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass
@@ -128,7 +450,7 @@ class _SentCall:
 class ToolCallStream:
     """What one streamed choice has sent: content characters and, per call, its id and arguments."""
 
-    parser: HermesToolParser
+    parser: ToolParser
     content: int = 0
     calls: list[_SentCall] = field(default_factory=list)
 
@@ -142,7 +464,7 @@ class ToolCallStream:
             if call.name is None:
                 break
             if i == len(self.calls):
-                self.calls.append(_SentCall(new_call_id()))
+                self.calls.append(_SentCall(self.parser.call_id()))
                 deltas.append(
                     DeltaToolCall(
                         index=i,

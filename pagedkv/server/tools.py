@@ -2,15 +2,18 @@
 
 - `tool_choice` "none": the tools reach the template, the output is plain text (as vLLM).
 - "auto" (the default when tools are given): needs `--enable-auto-tool-choice --tool-call-parser
-  hermes`, else a 400 as in vLLM; the output is parsed for Hermes `<tool_call>` blocks.
+  NAME`, else a 400 as in vLLM; the output is read for calls in that parser's format
+  (server/tool_parsers.py).
 - "required" or a named function: the output is forced by a grammar to be Hermes tool call blocks
   whose JSON is `{"name": <one of the tools>, "arguments": <that tool's parameters schema>}`, so it
   always parses; one block when `parallel_tool_calls` is false or a function is named.
 
 A chat template that never mentions `tools` (SmolLM2's) cannot show them to the model, so the
 messages are rewritten the way Hermes models are trained: a system prompt listing the tools as JSON
-(appended to the conversation's own system message, or as a new first message), assistant tool calls
-as `<tool_call>` blocks in the content and tool results as `<tool_response>` blocks.
+(appended to the conversation's own system message, or as a new first message) and saying how to
+call them, assistant tool calls written in the content and tool results as `<tool_response>` blocks.
+The calls are written, and the model told to write them, in the format the output will be read in:
+Hermes blocks for "required" and named calls, else the server's parser's (Hermes without one).
 """
 
 from __future__ import annotations
@@ -23,27 +26,24 @@ from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.chat import content_text, render_chat
 from pagedkv.engine.request import ParamError
 from pagedkv.engine.structured import JSON_OPTIONS
-from pagedkv.server.tool_parsers import HermesToolParser
+from pagedkv.server.tool_parsers import HermesToolParser, ToolParser, tool_parser
 
 if TYPE_CHECKING:
     from pagedkv.server.protocol import ChatCompletionRequest
 
-HERMES_SYSTEM_PROMPT = (
+TOOLS_SYSTEM_PROMPT = (
     "You are a function calling AI model. You may call one or more functions to assist with the "
     "user query. Here are the available tools: <tools> {tools} </tools>\n"
-    "For each function call, return a JSON object with the function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
 
 
 @dataclass
 class ToolPlan:
-    parser: HermesToolParser | None = None  # None: the output is plain text
+    parser: ToolParser | None = None  # None: the output is plain text
     grammar: str | None = None  # Lark grammar forcing the calls (required / named)
 
 
-def plan_tools(req: ChatCompletionRequest, auto_tool_choice: bool) -> ToolPlan:
+def plan_tools(req: ChatCompletionRequest, config: EngineConfig) -> ToolPlan:
     """Check tools / tool_choice against each other and the server's flags."""
     tools = req.tools or []
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
@@ -53,13 +53,13 @@ def plan_tools(req: ChatCompletionRequest, auto_tool_choice: bool) -> ToolPlan:
         raise ParamError("tool_choice", "tool_choice needs tools")
     single = req.parallel_tool_calls is False
     if choice == "auto":
-        if not auto_tool_choice:
+        if not (config.enable_auto_tool_choice and config.tool_call_parser):
             raise ParamError(
                 "tool_choice",
                 '"auto" tool choice requires --enable-auto-tool-choice and '
                 "--tool-call-parser to be set",
             )
-        return ToolPlan(HermesToolParser(max_calls=1 if single else None))
+        return ToolPlan(tool_parser(config.tool_call_parser, max_calls=1 if single else None))
     if choice == "required":
         chosen = tools
     else:
@@ -131,9 +131,10 @@ def _rebased(schema: Any, base: str) -> Any:
     return out
 
 
-def chat_prompt(tokenizer, req, config: EngineConfig) -> str:
+def chat_prompt(tokenizer, req, config: EngineConfig, parser: ToolParser | None = None) -> str:
     """A chat request (chat completions or /tokenize) as prompt text: template arguments, tools,
-    history, continuation. A template sent with the request runs only on a server started with
+    history, continuation; `parser`: the format calls are read in (default: the server's). A
+    template sent with the request runs only on a server started with
     --trust-request-chat-template (as in vLLM: rendering one can take the server's CPU and
     memory). The tools are shown to the model even with tool_choice "none", as in vLLM, unless
     --exclude-tools-when-tool-choice-none."""
@@ -160,7 +161,9 @@ def chat_prompt(tokenizer, req, config: EngineConfig) -> str:
     if "tool" not in template and (
         tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     ):
-        messages = hermes_messages(messages, tools)
+        if parser is None:
+            parser = tool_parser(config.tool_call_parser or HermesToolParser.name)
+        messages = plain_tool_messages(messages, tools, parser)
     try:
         return render_chat(
             tokenizer,
@@ -179,27 +182,39 @@ def chat_prompt(tokenizer, req, config: EngineConfig) -> str:
         raise ParamError(sent or "messages", str(e)) from None
 
 
-def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
-    """The conversation for a template that knows no tools (see the module docstring)."""
+def plain_tool_messages(
+    messages: list[dict], tools: list[dict] | None, parser: ToolParser
+) -> list[dict]:
+    """The conversation for a template that knows no tools, calls in `parser`'s format (see the
+    module docstring)."""
     out = []
     for m in messages:
         content = content_text(m["content"])  # such a template takes text
         if m.get("tool_calls"):
-            content += "".join(
-                "<tool_call>\n"
-                + json.dumps(
-                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                )
-                + "\n</tool_call>"
-                for c in m["tool_calls"]
+            content += parser.write(
+                [
+                    (c["function"]["name"], _arguments(c["function"]["arguments"]))
+                    for c in m["tool_calls"]
+                ]
             )
         elif m["role"] == "tool":
             content = f"<tool_response>\n{content}\n</tool_response>"
         out.append({**{k: v for k, v in m.items() if k != "tool_calls"}, "content": content})
     if tools:
-        prompt = HERMES_SYSTEM_PROMPT.format(tools=json.dumps(tools))
+        prompt = TOOLS_SYSTEM_PROMPT.format(tools=json.dumps(tools)) + parser.instructions
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+def _arguments(text: Any) -> Any:
+    """A past call's arguments (OpenAI's JSON text) as a value, to be written in a format; text
+    that is not JSON stays text."""
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
