@@ -14,6 +14,7 @@ import openai
 import pytest
 from server_process import TINY_SERVER, ServerProcess
 
+from pagedkv.config import TOOL_CALL_PARSERS, ConfigError, EngineConfig
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.server.tool_parsers import (
     PARSERS,
@@ -264,6 +265,12 @@ def test_text_that_is_not_calls_of_the_format_stays_content(name, text):
     assert parsed.content == text and parsed.calls == []
     sent, calls = streamed(tool_parser(name), text)
     assert sent == text
+
+
+def test_the_flag_takes_every_parser_and_only_those():
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)
+    with pytest.raises(ConfigError, match="--tool-call-parser must be one of hermes, llama3_json"):
+        EngineConfig(tool_call_parser="xlam")
 
 
 def test_pythonic_literals_become_json():
