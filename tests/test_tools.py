@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 from server_process import TINY_SERVER, ServerProcess
+from tiny_model import make_tiny_model
 
 from pagedkv.config import TOOL_CALL_PARSERS, ConfigError, EngineConfig
 from pagedkv.model.tokenizer import Tokenizer
@@ -466,6 +467,26 @@ def test_auto_reads_calls_in_the_servers_parser_format(tiny_model_dir):
         )
         assert hermes.choices[0].message.content == HERMES
         assert not hermes.choices[0].message.tool_calls
+        srv.wait_idle()
+
+
+def test_mistrals_marker_token_reaches_the_parser(tmp_path):
+    """[TOOL_CALLS] is a special token in Mistral's vocabulary (here too): decoded skipping special
+    tokens, as requests are by default, the parser would never see it."""
+    folder = make_tiny_model(tmp_path / "model", tool_tags=True)
+    (marker,) = Tokenizer.from_hf_folder(folder).encode("[TOOL_CALLS]", add_special_tokens=False)
+    args = ("--enable-auto-tool-choice", "--tool-call-parser", "mistral")
+    with ServerProcess(folder, *TINY_SERVER, *args) as srv:
+        client = srv.openai()
+        # the marker alone: in the text, and no call (nothing follows it)
+        bare = chat(client, tool_choice="auto", logit_bias={str(marker): 100}, max_tokens=1)
+        assert bare.choices[0].message.content == "[TOOL_CALLS]"
+        assert not bare.choices[0].message.tool_calls
+        # without tools the request decodes as it asks
+        plain = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, logit_bias={str(marker): 100}, max_tokens=1
+        )
+        assert plain.choices[0].message.content == ""
         srv.wait_idle()
 
 

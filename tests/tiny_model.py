@@ -32,6 +32,7 @@ FAMILIES = ("qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TAGS = ["<think>", "</think>"]  # added tokens, not special: they stay in decoded text
+TOOL_TAGS = ["[TOOL_CALLS]"]  # Mistral's: a special token, gone from text decoded skipping those
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in blocks. "
     "Hello world! Serving a model means holding each request's cache while it grows a token at a time. "
@@ -40,14 +41,16 @@ _CORPUS = (
 )
 
 
-def _train_tokenizer(vocab_size: int, think_tags: bool = False):
+def _train_tokenizer(vocab_size: int, think_tags: bool = False, tool_tags: bool = False):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    added = THINK_TAGS * think_tags + TOOL_TAGS * tool_tags
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - (len(THINK_TAGS) if think_tags else 0),
+        vocab_size=vocab_size - len(added),
         special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -55,6 +58,8 @@ def _train_tokenizer(vocab_size: int, think_tags: bool = False):
     tok.train_from_iterator([_CORPUS] * 20, trainer=trainer)
     if think_tags:
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TAGS])
+    if tool_tags:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TOOL_TAGS])
     return tok
 
 
@@ -130,6 +135,7 @@ def make_tiny_model(
     seed: int = 0,
     tie: bool = False,
     think_tags: bool = False,
+    tool_tags: bool = False,
     arch: str = "llama",
 ) -> str:
     """Write the folder (once) and return its path. arch: "llama", "qwen2" (q/k/v biases),
@@ -138,7 +144,8 @@ def make_tiny_model(
     num_layers is a multiple of 4, as llama.cpp assumes, else every 2nd), "gemma", "gemma2" or
     "gemma3" (Gemma 3's text model; see _gemma, _gemma2 and
     _gemma3), or "gemma3_vision" (that text model inside Gemma 3's image-and-text model, with a
-    small vision tower)."""
+    small vision tower). think_tags: <think> and </think> as added tokens;
+    tool_tags: Mistral's [TOOL_CALLS] as a special token."""
     import torch
     import transformers
 
@@ -146,7 +153,7 @@ def make_tiny_model(
     if (path / "config.json").exists():
         return str(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer(vocab_size, think_tags)
+    tok = _train_tokenizer(vocab_size, think_tags, tool_tags)
     tok.save(str(path / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
     config_class, model_class, extra = {
