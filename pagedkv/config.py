@@ -262,6 +262,7 @@ SERVE_ONLY = frozenset(
         "enable_request_id_headers",
         "exclude_tools_when_tool_choice_none",
         "chat_template_content_format",
+        "max_stored_responses",
     }
 )
 # integer options >= 1, and those of them that may be None (not set)
@@ -396,6 +397,7 @@ class EngineConfig:
     enable_request_id_headers: bool = False  # replies carry X-Request-Id
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none" hides the tools too
     tool_call_parser: str | None = None
+    max_stored_responses: int = 1000  # /v1/responses kept for previous_response_id (0: none)
     # how the chat template gets a message's content: "string", "openai" (a list of text
     # parts), or "auto" (parts for a template that loops over them), as vLLM's
     chat_template_content_format: str = "auto"
@@ -475,6 +477,11 @@ class EngineConfig:
         need(
             type(self.max_logprobs) is int and self.max_logprobs >= -1,
             f"--max-logprobs must be an integer >= -1 (-1: no cap), got {self.max_logprobs!r}",
+        )
+        need(
+            type(self.max_stored_responses) is int and self.max_stored_responses >= 0,
+            "--max-stored-responses must be an integer >= 0 (0: none stored), "
+            f"got {self.max_stored_responses!r}",
         )
         need(
             type(self.memory_utilization) in (int, float) and 0.0 < self.memory_utilization <= 1.0,

@@ -1,7 +1,8 @@
 """OpenAI's Responses API (POST /v1/responses) through a real server and the real openai client.
 
 A response is served as the chat turn it describes, so the oracle is /v1/chat/completions on the
-same conversation: the same greedy text and token counts, streamed or not. What a stateless
+same conversation: the same greedy text and token counts, streamed or not. A stored response
+continued by previous_response_id answers as the whole conversation sent at once does. What a
 text-only server cannot do is a 400 that names the field, and no hostile value earns a 5xx or
 leaks a block.
 """
@@ -67,7 +68,7 @@ def test_a_response_is_the_chat_answer_to_its_conversation(client):
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     # the request's settings, as OpenAI reports them
     assert (r.instructions, r.max_output_tokens, r.temperature) == (SYSTEM, 12, 0)
-    assert r.metadata == {"run": "7"} and r.store is False and r.tool_choice == "auto"
+    assert r.metadata == {"run": "7"} and r.store is True and r.tool_choice == "auto"
     expect_status = "incomplete" if c.choices[0].finish_reason == "length" else "completed"
     assert r.status == expect_status
 
@@ -180,8 +181,8 @@ def test_sampling_extensions_pass_through(client):
 @pytest.mark.parametrize(
     ("fields", "param", "words"),
     [
-        ({"store": True}, None, "not stored"),
-        ({"previous_response_id": "resp_1"}, None, "not stored"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "no stored response"),
+        ({"conversation": "conv_1"}, None, "not stored"),
         ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
         (
             {"tools": [{"type": "function", "name": "f"}]},
@@ -404,6 +405,7 @@ FIELDS = {
             "metadata",
             "user",
             "store",
+            "previous_response_id",
             "tools",
             "tool_choice",
             "parallel_tool_calls",
@@ -443,3 +445,125 @@ def test_no_hostile_value_in_any_field_is_a_5xx(server):
     assert server.http.get("/health").status_code == 200
     snap = server.wait_idle()
     assert snap["used"] == 0 and "Traceback" not in server.output()
+
+
+# ---------------------------------------------------------------- stored responses
+
+
+def test_previous_response_id_continues_the_stored_conversation(client):
+    """Each turn answers as the whole conversation sent at once does (greedy text, prompt
+    tokens); the earlier turns' instructions do not carry over, as in OpenAI's."""
+    kw = dict(model="tiny", max_output_tokens=8, temperature=0)
+    first = client.responses.create(**kw, instructions="Be terse.", input=QUESTION)
+    second = client.responses.create(**kw, previous_response_id=first.id, input="More")
+    third = client.responses.create(
+        **kw, instructions=SYSTEM, previous_response_id=second.id, input="Why?"
+    )
+    whole = [
+        {"role": "user", "content": QUESTION},
+        first.output[0].model_dump(exclude_none=True),
+        {"role": "user", "content": "More"},
+        second.output[0].model_dump(exclude_none=True),
+        {"role": "user", "content": "Why?"},
+    ]
+    sent = client.responses.create(**kw, instructions=SYSTEM, input=whole)
+    assert third.output_text == sent.output_text and third.output_text
+    assert third.usage.input_tokens == sent.usage.input_tokens
+    c = chat_answer(
+        client,
+        [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "More"},
+            {"role": "assistant", "content": second.output_text},
+            {"role": "user", "content": "Why?"},
+        ],
+        max_tokens=8,
+    )
+    assert third.output_text == c.choices[0].message.content
+    assert third.usage.input_tokens == c.usage.prompt_tokens
+
+
+def test_a_call_answered_through_previous_response_id(client):
+    """The agent loop: the model calls a function; the next request sends only the call's output
+    and the previous response's id, and is answered as if the call were sent back with it."""
+    kw = dict(model="tiny", tools=[WEATHER], temperature=0)
+    ask = "Weather in Paris?"
+    called = client.responses.create(
+        **kw, input=ask, tool_choice="required", parallel_tool_calls=False, max_output_tokens=200
+    )
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    after = dict(kw, tool_choice="none", max_output_tokens=10)
+    r = client.responses.create(**after, previous_response_id=called.id, input=[output])
+    sent = client.responses.create(
+        **after,
+        input=[{"role": "user", "content": ask}, call.model_dump(exclude_none=True), output],
+    )
+    assert r.output_text == sent.output_text
+    assert r.usage.input_tokens == sent.usage.input_tokens
+
+
+def test_a_stored_response_is_retrieved_listed_and_deleted(client, server):
+    first = client.responses.create(model="tiny", input=QUESTION, max_output_tokens=5)
+    r = client.responses.create(
+        model="tiny",
+        previous_response_id=first.id,
+        input=[{"role": "user", "content": "One"}, {"role": "user", "content": "Two"}],
+        max_output_tokens=5,
+    )
+    assert client.responses.retrieve(r.id).model_dump() == r.model_dump()
+    items = client.responses.input_items.list(r.id)  # its own request's, newest first
+    texts = [item.content[0].text for item in items.data]
+    assert texts == ["Two", "One"] and not items.has_more
+    path = f"/v1/responses/{r.id}/input_items"
+    page = server.http.get(path, params={"order": "asc", "limit": 1}).json()
+    assert [i["content"][0]["text"] for i in page["data"]] == ["One"] and page["has_more"]
+    rest = server.http.get(path, params={"order": "asc", "after": page["last_id"]}).json()
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["Two"] and not rest["has_more"]
+    unknown = server.http.get(f"/v1/responses/{r.id}", params={"include": "x"})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "include"
+    gone = server.http.delete(f"/v1/responses/{first.id}")
+    assert gone.status_code == 200 and gone.json()["deleted"] is True
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError, match="earlier turn"):  # the chain is broken
+        client.responses.create(model="tiny", previous_response_id=r.id, input="x")
+
+
+def test_store_false_and_streamed_answers(client):
+    kept_not = client.responses.create(
+        model="tiny", input=QUESTION, max_output_tokens=4, store=False
+    )
+    assert kept_not.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept_not.id)
+    kw = dict(model="tiny", input=QUESTION, max_output_tokens=6, stream=True)
+    events = list(client.responses.create(**kw))
+    final = events[-1].response
+    assert final.store is True and events[0].response.store is True
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+
+
+def test_the_store_keeps_the_latest_and_can_be_off(tiny_model_dir):
+    args = (*TINY_SERVER, "--max-model-len", "1024", "--max-stored-responses")
+    kw = dict(model="tiny", max_output_tokens=3)
+    with ServerProcess(tiny_model_dir, *args, "2") as srv:
+        client = srv.openai()
+        a = client.responses.create(**kw, input="a")
+        b = client.responses.create(**kw, previous_response_id=a.id, input="b")
+        client.responses.create(**kw, previous_response_id=b.id, input="c")  # a leaves
+        with pytest.raises(openai.NotFoundError, match="keeps the latest 2"):
+            client.responses.retrieve(a.id)
+        with pytest.raises(openai.BadRequestError, match="earlier turn"):
+            client.responses.create(**kw, previous_response_id=b.id, input="d")
+        srv.wait_idle()
+    with ServerProcess(tiny_model_dir, *args, "0") as srv:
+        client = srv.openai()
+        r = client.responses.create(**kw, input="a")
+        assert r.store is False
+        for field in ({"store": True}, {"previous_response_id": r.id}):
+            with pytest.raises(openai.BadRequestError, match="--max-stored-responses 0"):
+                client.responses.create(**kw, input="a", **field)
+        srv.wait_idle()

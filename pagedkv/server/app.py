@@ -17,7 +17,7 @@ import logging.config
 import re
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
@@ -52,6 +52,7 @@ from pagedkv.server.middleware import (
 from pagedkv.server.openapi import install_openapi, json_body
 from pagedkv.server.pooling import PoolRequest
 from pagedkv.server.pooling import pooling as serve_pooling
+from pagedkv.server.response_store import item_page
 from pagedkv.server.responses import ModelCard, ModelList
 from pagedkv.server.responses_protocol import ResponsesRequest
 from pagedkv.server.routes_extra import (
@@ -100,6 +101,14 @@ async def read_json(request: Request, model: type[M]) -> M:
     if ignored := context.get(IGNORED):
         request.state.ignored = _name_ignored(ignored)
     return parsed
+
+
+def known_query(request: Request) -> None:
+    """A query parameter the route does not declare is a 400: a typo must not pass unseen."""
+    known = {p.alias for p in request.scope["route"].dependant.query_params}
+    if unknown := sorted(set(request.query_params) - known):
+        listed = f" (known: {', '.join(sorted(known))})" if known else ""
+        raise APIError(400, f"unknown query parameter {unknown[0]!r}{listed}", param=unknown[0])
 
 
 def _name_ignored(ignored: set[str]) -> str:
@@ -268,12 +277,35 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
 
     @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest))
     async def responses(request: Request) -> Response:
-        req = await read_json(request, ResponsesRequest)
-        try:
-            chat = req.chat_request({})
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
-        return await serving.responses(req, chat, request)
+        return await serving.responses(await read_json(request, ResponsesRequest), request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str, request: Request) -> Response:
+        """A kept response (OpenAI's retrieve), as it was answered."""
+        known_query(request)
+        return JSONResponse(serving.stored_response(response_id).body)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> Response:
+        known_query(request)
+        serving.stored_response(response_id)  # (404 if not kept)
+        assert serving.stored is not None
+        serving.stored.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(
+        response_id: str,
+        request: Request,
+        order: Literal["asc", "desc"] = Query("desc"),
+        limit: int = Query(20, ge=1, le=100),
+        after: str | None = Query(None, max_length=256),
+    ) -> Response:
+        """The input items of a kept response's own request, OpenAI's list: newest first unless
+        order=asc, `limit` a page, from the item after `after`."""
+        known_query(request)
+        items = serving.stored_response(response_id).input_items
+        return JSONResponse(item_page(items, order == "desc", limit, after))
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
@@ -307,13 +339,7 @@ def add_simulate_route(app: FastAPI) -> None:
         policies: str = Query("reserve-max,reserve-output,paged:16,paged:256", max_length=128),
     ) -> JSONResponse:
         """The seeds' experiment, computed exactly as `pagedkv simulate --json` does."""
-        known = {p.alias for p in request.scope["route"].dependant.query_params}
-        if unknown := sorted(set(request.query_params) - known):  # a typo must not pass unseen
-            raise APIError(
-                400,
-                f"unknown query parameter {unknown[0]!r} (known: {', '.join(sorted(known))})",
-                param=unknown[0],
-            )
+        known_query(request)
         from pagedkv.sim.cli import load_requests
         from pagedkv.sim.simulate import parse_policies, pool_tokens_for
         from pagedkv.sim.simulate import simulate as run_simulation

@@ -12,7 +12,7 @@ import json
 import sys
 
 from pagedkv.cli import add_engine_args, engine_config_from_args
-from pagedkv.config import TOOL_CALL_PARSERS, ConfigError
+from pagedkv.config import TOOL_CALL_PARSERS, ConfigError, EngineConfig
 from pagedkv.server.listen import HTTPOptions
 
 UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
@@ -120,6 +120,13 @@ def add_parser(subparsers) -> None:
         default=None,
         help="how tool calls are read from the output (vLLM's names): "
         + ", ".join(TOOL_CALL_PARSERS),
+    )
+    p.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=EngineConfig.max_stored_responses,
+        help="the latest N /v1/responses answers kept for previous_response_id and GET "
+        "/v1/responses/{id} (0: none; with --data-parallel-size none either)",
     )
     p.add_argument(
         "--reasoning-parser",

@@ -12,6 +12,7 @@ Events carry `sequence_number`s and go out as SSE with their type as the event n
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ def _text(item: dict) -> str:
 class ResponsesFormat(ChatFormat):
     settings: dict[str, Any] = field(default_factory=dict)  # the request's, as Responses show them
     count_tokens: Any = None  # text -> its token count (reasoning_tokens)
+    keep: Callable[[dict], None] | None = None  # stores the finished Response (None: not kept)
     done_marker = None
     _seq: int = 0
     _items: list[dict] = field(default_factory=list)  # output items streamed so far, in order
@@ -97,7 +99,7 @@ class ResponsesFormat(ChatFormat):
             "model": self.model,
             "output": output,
             "usage": usage,
-            "store": False,
+            "store": self.keep is not None,
             "background": False,
             "previous_response_id": None,
             "reasoning": None,
@@ -137,7 +139,10 @@ class ResponsesFormat(ChatFormat):
         thought = split_reasoning(o.text, self.thinking, True)[0] if self.thinking else ""
         counted = self.count_tokens(thought) if thought and self.count_tokens else 0
         usage = usage_json(usage_of(finals), counted)
-        return self._body(status, output, usage, "max_output_tokens" if cut else None)
+        body = self._body(status, output, usage, "max_output_tokens" if cut else None)
+        if self.keep is not None:
+            self.keep(body)
+        return body
 
     def response(self, finals: list[RequestOutput]) -> BaseModel:
         return _Raw(self._answer(finals))

@@ -4,17 +4,18 @@ A response is one chat turn: `instructions` becomes a system message, `input` (a
 list of items: text messages, function calls and their outputs) the conversation, `tools`
 (function tools) and `tool_choice` the chat's, `text.format` the response_format, and
 `max_output_tokens` the completion limit. The sampling extensions of /v1/chat/completions (seed,
-top_k, stop, ...) pass through under their names. What a stateless text-only server cannot do is
-a 400 naming the field: stored responses (`store: true`, `previous_response_id`, `conversation`,
-`background`), hosted tools (web search, files, MCP ...), images and files, `include`,
-`top_logprobs`, `reasoning` options, `truncation: "auto"` and stored prompts.
+top_k, stop, ...) pass through under their names. A response may continue a stored one
+(`previous_response_id`: its conversation comes first, its instructions do not carry over, as in
+OpenAI's; server/response_store.py). What a text-only server cannot do is a 400 naming the field:
+conversations (`conversation`), `background`, hosted tools (web search, files, MCP ...), images and
+files, `include`, `top_logprobs`, `reasoning` options, `truncation: "auto"` and stored prompts.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, PrivateAttr, model_validator
+from pydantic import BeforeValidator, Field, PrivateAttr, TypeAdapter, model_validator
 
 from pagedkv.engine.request import ParamError
 from pagedkv.server.protocol import ChatCompletionRequest, Count
@@ -30,10 +31,8 @@ from pagedkv.server.validation import documented as doc
 
 # field -> the values that mean "not used"; any other value is a 400 naming the field
 RESPONSES_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "previous_response_id": (None,),
     "conversation": (None,),
     "background": (None, False),
-    "store": (None, False),
     "include": (None, []),
     "top_logprobs": (None, 0),
     "reasoning": (None,),
@@ -44,9 +43,8 @@ RESPONSES_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "stream_options": (None,),
 }
 WHY = {
-    "store": "responses are not stored: send store: false",
-    "previous_response_id": "responses are not stored: send the whole conversation as input",
-    "conversation": "conversations are not stored: send the whole conversation as input",
+    "conversation": "conversations are not stored: send the whole conversation as input, or "
+    "previous_response_id",
 }
 # /v1/chat/completions fields a response passes on as they are
 CHAT_EXTENSIONS = (
@@ -168,6 +166,13 @@ InputItem = Annotated[
     InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
     Field(discriminator="type"),
 ]
+_ITEMS = TypeAdapter(list[InputItem])
+_ID_PREFIX = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
 
 
 class FunctionTool(RequestModel):
@@ -236,6 +241,8 @@ class ResponsesRequest(RequestModel):
     tools: list[Annotated[FunctionTool, BeforeValidator(_check_tool)]] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True
+    store: bool | None = None  # (None: OpenAI's default, true)
+    previous_response_id: Name | None = None
     _unsupported = model_validator(mode="before")(refusing(RESPONSES_UNSUPPORTED, WHY))
     # the chat extensions, kept as sent: the chat request they join types and checks them
     _extensions: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -254,14 +261,15 @@ class ResponsesRequest(RequestModel):
             raise ValueError("metadata holds at most 16 keys")
         return self
 
-    def messages(self) -> list[dict]:
-        """The chat this response continues: the instructions first, as a system message; calls
-        join the assistant turn before them (or make one), outputs are tool messages."""
+    def messages(self, earlier: list[InputItem] | None = None) -> list[dict]:
+        """The chat this response continues: the instructions first, as a system message, then
+        the earlier items (a stored conversation's) and the input; calls join the assistant turn
+        before them (or make one), outputs are tool messages."""
         turns: list[dict] = []
         if self.instructions is not None:
             turns.append({"role": "system", "content": self.instructions})
         thought: str | None = None  # a reasoning item's, for the assistant turn after it
-        for item in self.input:
+        for item in [*(earlier or ()), *self.input]:
             if isinstance(item, ReasoningItem):
                 thought = "".join(part.text for part in item.content)
                 continue
@@ -328,12 +336,13 @@ class ResponsesRequest(RequestModel):
             spec["description"] = fmt.description
         return {"type": "json_schema", "json_schema": spec}
 
-    def chat_request(self, context: dict) -> ResponsesChat:
-        """The chat completion request this response is served as (400s name this request's
-        fields: see ResponsesChat.wire_param)."""
+    def chat_request(self, context: dict, earlier: list[dict] | None = None) -> ResponsesChat:
+        """The chat completion request this response is served as, after `earlier` items (a
+        stored conversation's, as kept: OpenAI's output items are input items). 400s name this
+        request's fields: see ResponsesChat.wire_param."""
         body: dict[str, Any] = {
             "model": self.model,
-            "messages": self.messages(),
+            "messages": self.messages(_ITEMS.validate_python(earlier) if earlier else None),
             "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -359,3 +368,13 @@ class ResponsesChat(ChatCompletionRequest):
             "messages": "input",
             "prompt": "input",
         }.get(param, param)
+
+
+def input_items(req: ResponsesRequest, response_id: str) -> list[dict]:
+    """The request's input items as a stored response keeps them, each with an id (its own, else
+    one made from the response's)."""
+    suffix = response_id.removeprefix("resp_")
+    return [
+        {"id": f"{_ID_PREFIX[item.type]}_{suffix}_in{i}", **item.model_dump(exclude_none=True)}
+        for i, item in enumerate(req.input)
+    ]

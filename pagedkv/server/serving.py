@@ -20,8 +20,9 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from pagedkv.engine.async_engine import RequestFailedError
 from pagedkv.engine.chat import content_text
@@ -40,8 +41,9 @@ from pagedkv.server.errors import APIError, error_body, to_api_error
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import REQUEST_ID_HEADER
 from pagedkv.server.response_format import Delta, ResponseFormat, token_decoder
+from pagedkv.server.response_store import ResponseStore, StoredResponse
 from pagedkv.server.responses_format import ResponsesFormat
-from pagedkv.server.responses_protocol import ResponsesChat, ResponsesRequest
+from pagedkv.server.responses_protocol import ResponsesRequest, input_items
 from pagedkv.server.streaming import ClientGone, EventStream, merge, sse, until_disconnect
 from pagedkv.server.tools import chat_prompt, plan_tools
 
@@ -87,6 +89,9 @@ class OpenAIServing:
 
     def __init__(self, engine, metrics: ServerMetrics) -> None:
         self.engine, self.metrics = engine, metrics
+        config = engine.config
+        kept = config.max_stored_responses if config.data_parallel_size == 1 else 0
+        self.stored = ResponseStore(kept) if kept else None
 
     def check_model(self, name: str | None) -> str | None:
         """The LoRA adapter a request's model names (None: the base model); 404 for a model
@@ -203,11 +208,28 @@ class OpenAIServing:
         )
         return await self._run(request, req, fmt, [prompt], params)
 
-    async def responses(
-        self, req: ResponsesRequest, chat: ResponsesChat, request: Request
-    ) -> Response:
-        """/v1/responses: the request's chat turn, answered as a Response (responses_format.py)."""
+    async def responses(self, req: ResponsesRequest, request: Request) -> Response:
+        """/v1/responses: the request's chat turn, answered as a Response (responses_format.py),
+        after the conversation it continues (previous_response_id); kept unless store is false."""
+        store = self.response_store(req)
+        earlier: list[dict] = []
+        if req.previous_response_id is not None:
+            assert store is not None  # (response_store refuses the id without one)
+            found = store.conversation(req.previous_response_id)
+            if isinstance(found, str):
+                turn = "" if found == req.previous_response_id else f"its earlier turn {found!r} "
+                raise ParamError(
+                    "previous_response_id",
+                    f"no stored response {req.previous_response_id!r}: {turn}is not kept "
+                    f"(this server keeps the latest {store.capacity})",
+                )
+            earlier = found
+        try:
+            chat = req.chat_request({}, earlier)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
         given = request.headers.get(REQUEST_ID_HEADER) or chat.request_id
+        answer_id = f"resp_{given or uuid.uuid4().hex}"
         tools, tool_choice = req.reported_tools()
         settings = {
             "instructions": req.instructions,
@@ -222,14 +244,48 @@ class OpenAIServing:
             "text": {"format": req.text_format()},
         }
         tok = self.engine.tokenizer
+        keep = None
+        if store is not None:
+            own = input_items(req, answer_id)
+            previous = req.previous_response_id
+            keep = lambda body: store.put(StoredResponse(body, own, previous))  # noqa: E731
         return await self.chat(
             chat,
             request,
-            answer_id=f"resp_{given or uuid.uuid4().hex}",
+            answer_id=answer_id,
             form=ResponsesFormat,
             settings=settings,
             count_tokens=lambda text: len(tok.encode(text, add_special_tokens=False)),
+            keep=keep,
         )
+
+    def response_store(self, req: ResponsesRequest) -> ResponseStore | None:
+        """Where the answer is kept (None: not kept); asking a server that keeps none to store
+        or continue one is a 400."""
+        if self.stored is None and (req.store or req.previous_response_id is not None):
+            why = (
+                f"--data-parallel-size {self.engine.config.data_parallel_size} spreads requests "
+                "over replicas"
+                if self.engine.config.data_parallel_size > 1
+                else "--max-stored-responses 0"
+            )
+            field = "store" if req.store else "previous_response_id"
+            send = "store: false" if req.store else "the whole conversation as input"
+            raise ParamError(field, f"this server keeps no responses ({why}): send {send}")
+        return None if req.store is False else self.stored
+
+    def stored_response(self, response_id: str) -> StoredResponse:
+        """A kept response, or the 404 OpenAI answers for one it does not have."""
+        found = self.stored.get(response_id) if self.stored is not None else None
+        if found is None:
+            kept = f"the latest {self.stored.capacity}" if self.stored else "none"
+            raise APIError(
+                404,
+                f"no stored response {response_id!r} (this server keeps {kept})",
+                param="response_id",
+                code="not_found",
+            )
+        return found
 
     def as_token_ids(self, req) -> bool:
         """return_tokens_as_token_ids: the request's, else --return-tokens-as-token-ids."""

@@ -1,0 +1,82 @@
+"""Responses kept for `previous_response_id` and GET / DELETE /v1/responses/{id} (OpenAI's stored
+responses; `store` defaults to true there, and here).
+
+A response is kept with its own request's input items and the id of the response it continued,
+not the whole conversation again: a chain of N turns holds each item once. The latest
+`--max-stored-responses` are kept, the least recently used leaving first; continuing a
+conversation touches every response of it, so a chain in use is not evicted from under its next
+turn. In memory only: a restart forgets them, and under --data-parallel-size (one store a replica,
+requests spread over replicas) none are kept.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from pagedkv.server.errors import APIError
+
+
+@dataclass
+class StoredResponse:
+    body: dict[str, Any]  # the Response as it was answered
+    input_items: list[dict[str, Any]]  # its request's input, each item with an id
+    previous: str | None  # the response it continued
+
+
+class ResponseStore:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, stored: StoredResponse) -> None:
+        key = stored.body["id"]
+        self._kept[key] = stored
+        self._kept.move_to_end(key)
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        stored = self._kept.get(response_id)
+        if stored is not None:
+            self._kept.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str) -> bool:
+        return self._kept.pop(response_id, None) is not None
+
+    def conversation(self, response_id: str) -> list[dict[str, Any]] | str:
+        """The items of the conversation through response_id's answer, oldest first: each turn's
+        input, then its output. A response of the chain that is not kept: its id, instead."""
+        chain: list[StoredResponse] = []
+        at: str | None = response_id
+        while at is not None:
+            stored = self._kept.get(at)
+            if stored is None:
+                return at
+            chain.append(stored)
+            at = stored.previous
+        items: list[dict[str, Any]] = []
+        for stored in reversed(chain):  # the oldest touched first: the latest stays the newest
+            self._kept.move_to_end(stored.body["id"])
+            items += stored.input_items + stored.body["output"]
+        return items
+
+
+def item_page(items: list[dict], newest_first: bool, limit: int, after: str | None) -> dict:
+    """OpenAI's list of items: a page of `limit` from the one after `after`, in the order asked."""
+    items = items[::-1] if newest_first else items
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise APIError(400, f"no input item {after!r} in this response", param="after")
+        items = items[at + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
