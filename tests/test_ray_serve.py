@@ -150,6 +150,11 @@ def test_openai_routes_errors_and_streaming(cluster):
         "param",
         "code",
     }
+    # each replica would keep its own responses, and the next turn may reach another: none kept
+    with pytest.raises(openai.BadRequestError, match="keeps no responses"):
+        client.responses.create(model=model, input="x", max_output_tokens=2, store=True)
+    unstored = client.responses.create(model=model, input="x", max_output_tokens=2)
+    assert unstored.store is False
 
 
 def test_kv_and_metrics_cover_every_replica(cluster):

@@ -203,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
 
         replica = copy.copy(config)  # each replica is one engine
         replica.data_parallel_size = 1
+        if config.data_parallel_size > 1:  # its own store; a conversation's next turn may go
+            replica.max_stored_responses = 0  # to another replica
         serve_replicas(
             replica,
             args.host,

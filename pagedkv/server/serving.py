@@ -89,8 +89,7 @@ class OpenAIServing:
 
     def __init__(self, engine, metrics: ServerMetrics) -> None:
         self.engine, self.metrics = engine, metrics
-        config = engine.config
-        kept = config.max_stored_responses if config.data_parallel_size == 1 else 0
+        kept = engine.config.max_stored_responses
         self.stored = ResponseStore(kept) if kept else None
 
     def check_model(self, name: str | None) -> str | None:
@@ -263,15 +262,13 @@ class OpenAIServing:
         """Where the answer is kept (None: not kept); asking a server that keeps none to store
         or continue one is a 400."""
         if self.stored is None and (req.store or req.previous_response_id is not None):
-            why = (
-                f"--data-parallel-size {self.engine.config.data_parallel_size} spreads requests "
-                "over replicas"
-                if self.engine.config.data_parallel_size > 1
-                else "--max-stored-responses 0"
-            )
             field = "store" if req.store else "previous_response_id"
             send = "store: false" if req.store else "the whole conversation as input"
-            raise ParamError(field, f"this server keeps no responses ({why}): send {send}")
+            raise ParamError(
+                field,
+                "this server keeps no responses (--max-stored-responses 0, or replicas of "
+                f"--data-parallel-size, where the next turn may reach another): send {send}",
+            )
         return None if req.store is False else self.stored
 
     def stored_response(self, response_id: str) -> StoredResponse:
