@@ -118,7 +118,15 @@ PARALLEL_SIZES = (
 _HEADER_VALUE = re.compile(r"[!-~]([ -~]*[!-~])?")  # what `Authorization: Bearer KEY` carries
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:i?q\d\w*|b?f16|f32|fp16|bf16)$", re.IGNORECASE)
 # vLLM's names (server/tool_parsers.py: PARSERS)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "llama4_json", "mistral", "granite", "pythonic")
+TOOL_CALL_PARSERS = (
+    "hermes",
+    "qwen3_coder",
+    "llama3_json",
+    "llama4_json",
+    "mistral",
+    "granite",
+    "pythonic",
+)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # both read <think> ... </think>
 CONTENT_FORMATS = ("auto", "string", "openai")  # --chat-template-content-format
 QUANTIZATIONS = ("none", "int8", "gguf")  # weights; None = gguf for a GGUF file on CPU, else none

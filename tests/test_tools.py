@@ -143,9 +143,17 @@ def test_tools_and_history_reach_a_template_that_knows_no_tools(tiny_model_dir):
 # ---------------------------------------------------------------- the other formats
 
 CALLS = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "CET"})]
+PROPERTIES = {name: schema["properties"] for name, schema in SCHEMAS.items()}
 # (parser, text, content): the same two calls as each format writes them
 FORMATS = [
     ("hermes", HERMES, "Let me check."),
+    (
+        "qwen3_coder",
+        "Let me check.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>"
+        "\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+        "<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>\n</tool_call>",
+        "Let me check.",
+    ),
     (
         "llama3_json",
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; '
@@ -201,22 +209,22 @@ def streamed(parser, text: str) -> tuple[str, list[dict]]:
 
 @pytest.mark.parametrize(("name", "text", "content"), FORMATS)
 def test_each_format_parses_whole_and_streamed_alike(name, text, content):
-    parsed = tool_parser(name).parse(text, final=True)
+    parsed = tool_parser(name, tools=PROPERTIES).parse(text, final=True)
     assert parsed.content == content
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == CALLS
     assert all(c.complete for c in parsed.calls)
-    sent, calls = streamed(tool_parser(name), text)
+    sent, calls = streamed(tool_parser(name, tools=PROPERTIES), text)
     assert sent == content
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.name, c.arguments) for c in parsed.calls
     ]
     assert all(c["id"] for c in calls)
-    assert len(tool_parser(name, max_calls=1).parse(text, final=True).calls) == 1
+    assert len(tool_parser(name, max_calls=1, tools=PROPERTIES).parse(text, final=True).calls) == 1
 
 
 @pytest.mark.parametrize("name", sorted(PARSERS))
 def test_each_format_reads_what_it_writes(name):
-    parser = tool_parser(name)
+    parser = tool_parser(name, tools=PROPERTIES)
     text = parser.write(CALLS)
     parsed = parser.parse(text, final=True)
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == CALLS
@@ -229,7 +237,7 @@ def test_plain_answers_stream_as_they_come(name):
     """An answer that does not begin as calls is content at once, not held to the end."""
     text = "It is sunny in Paris today, 21 degrees."
     sent = ""
-    stream = ToolCallStream(tool_parser(name))
+    stream = ToolCallStream(tool_parser(name, tools=PROPERTIES))
     for end in range(1, len(text) + 1):
         piece, deltas = stream.update(text[:end], final=False)
         sent += piece
@@ -259,19 +267,70 @@ def test_plain_answers_stream_as_they_come(name):
         ("pythonic", "[f(a=1)] and more"),
         ("pythonic", "[]"),
         ("granite", "[]"),
+        ("qwen3_coder", "<tool_call>\n<function=f>\nnot a parameter\n</function>\n</tool_call>"),
+        ("qwen3_coder", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'),
+        ("qwen3_coder", "<tool_call>\n<function=f>\n</function>\ntrailing\n</tool_call>"),
     ],
 )
 def test_text_that_is_not_calls_of_the_format_stays_content(name, text):
-    parsed = tool_parser(name).parse(text, final=True)
+    parsed = tool_parser(name, tools=PROPERTIES).parse(text, final=True)
     assert parsed.content == text and parsed.calls == []
-    sent, calls = streamed(tool_parser(name), text)
+    sent, calls = streamed(tool_parser(name, tools=PROPERTIES), text)
     assert sent == text
 
 
 def test_the_flag_takes_every_parser_and_only_those():
     assert set(TOOL_CALL_PARSERS) == set(PARSERS)
-    with pytest.raises(ConfigError, match="--tool-call-parser must be one of hermes, llama3_json"):
+    with pytest.raises(
+        ConfigError, match="--tool-call-parser must be one of hermes, qwen3_coder, llama3_json"
+    ):
         EngineConfig(tool_call_parser="xlam")
+
+
+def test_qwen3_coder_values_are_typed_by_the_tools_schema():
+    """As vLLM reads them: each value by its parameter's type; text not of that type, or of a
+    parameter the schema does not name, stays text; "null" is null."""
+    schema = {
+        "n": {"type": "integer"},
+        "x": {"type": "number"},
+        "b": {"type": "boolean"},
+        "o": {"type": "object"},
+        "l": {"type": "array"},
+        "s": {"type": "string"},
+        "u": {"type": ["string", "null"]},
+    }
+    values = {
+        "n": "12",
+        "x": "2.5",
+        "b": "True",
+        "o": '{"k": [1, 2]}',
+        "l": "[1, 'two']",
+        "s": "12",
+        "u": "null",
+        "other": "3",
+        "bad": "x",
+    }
+    text = (
+        "<tool_call>\n<function=f>\n"
+        + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+        + "</function>\n</tool_call>"
+    )
+    schema["bad"] = {"type": "integer"}
+    (call,) = tool_parser("qwen3_coder", tools={"f": schema}).parse(text, final=True).calls
+    assert json.loads(call.arguments) == {
+        "n": 12,
+        "x": 2.5,
+        "b": True,
+        "o": {"k": [1, 2]},
+        "l": [1, "two"],
+        "s": "12",
+        "u": None,
+        "other": "3",
+        "bad": "x",
+    }
+    multiline = "<tool_call><function=f><parameter=s>\na\n\nb\n</parameter></function></tool_call>"
+    (call,) = tool_parser("qwen3_coder").parse(multiline, final=True).calls
+    assert json.loads(call.arguments) == {"s": "a\n\nb"}
 
 
 def test_pythonic_literals_become_json():
@@ -432,16 +491,18 @@ def test_auto_parses_a_hermes_answer(client):
     assert plain.choices[0].finish_reason == "stop"
 
 
-def test_auto_reads_calls_in_the_servers_parser_format(tiny_model_dir):
-    """--tool-call-parser mistral: the text is forced to Mistral's calls; whole and streamed, the
-    answer has them (with Mistral's ids), and a Hermes answer is text to this server."""
-    text = FORMATS[3][1]
+@pytest.mark.parametrize("parser", ["mistral", "qwen3_coder"])
+def test_auto_reads_calls_in_the_servers_parser_format(tiny_model_dir, parser):
+    """The text is forced to the parser's calls; whole and streamed, the answer has them (with
+    Mistral's ids; qwen3_coder's values typed by the request's tools), and a Hermes answer is text
+    to such a server."""
+    text = next(t for name, t, _ in FORMATS if name == parser)
     with ServerProcess(
         tiny_model_dir,
         *TINY_SERVER,
         "--enable-auto-tool-choice",
         "--tool-call-parser",
-        "mistral",
+        parser,
     ) as srv:
         client = srv.openai()
         kw = dict(tool_choice="auto", extra_body={"guided_choice": [text]}, max_tokens=300)
@@ -449,7 +510,8 @@ def test_auto_reads_calls_in_the_servers_parser_format(tiny_model_dir):
         assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
         calls = choice.message.tool_calls
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == CALLS
-        assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+        if parser == "mistral":
+            assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
         content, pieces, finish = "", {}, None
         for chunk in chat(client, stream=True, **kw):
             delta = chunk.choices[0].delta

@@ -2,6 +2,8 @@
 
 - `hermes` (Qwen 2.5 and 3, Hermes, most fine-tunes): content, then `<tool_call>{"name": ...,
   "arguments": ...}</tool_call>` blocks;
+- `qwen3_coder` (Qwen3-Coder): content, then `<tool_call><function=NAME><parameter=KEY>value
+  </parameter>...</function></tool_call>` blocks, each value typed by the tool's parameter schema;
 - `llama3_json` / `llama4_json` (Llama 3.1-3.3, 4): the whole answer is `{"name": ..., "parameters":
   ...}` objects apart by `;`, perhaps after `<|python_tag|>`;
 - `mistral`: content, then `[TOOL_CALLS]` and a JSON list of calls, or (tokenizers v11 on) one
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import random
 import re
 import string
@@ -68,6 +71,7 @@ class ToolParser:
     knows no tools."""
 
     max_calls: int | None = None  # 1 when parallel_tool_calls is false: later calls are dropped
+    tools: dict[str, dict] = field(default_factory=dict)  # name -> its parameters' properties
     name: ClassVar[str]
     instructions: ClassVar[str]  # how to call, told to a model whose template knows no tools
     keeps_special_tokens: ClassVar[bool] = False  # the format's marker is a special token
@@ -128,6 +132,85 @@ class HermesToolParser(ToolParser):
     def write(self, calls: list[tuple[str, Any]]) -> str:
         return "".join(
             f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>"
+            for n, a in calls
+        )
+
+
+class Qwen3CoderToolParser(ToolParser):
+    name = "qwen3_coder"
+    start = "<tool_call>"
+    end = "</tool_call>"
+    instructions = (
+        "For each function call, write its name and each parameter's value within tags:\n"
+        "<tool_call>\n<function=function-name>\n<parameter=parameter-name>\nvalue\n"
+        "</parameter>\n</function>\n</tool_call>"
+    )
+    _FUNCTION = re.compile(r"<function=([^>\n]+)>")
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>")
+
+    def _read(self, text: str, final: bool) -> ParsedOutput:
+        at = text.find(self.start)
+        if at == -1:
+            return ParsedOutput(text if final else hold_back(text, self.start))
+        calls = []
+        for block in text[at:].split(self.start)[1:]:
+            body, closed = block.split(self.end, 1)[0], self.end in block
+            calls.append(self._call(body.lstrip(), closed or final))
+        return ParsedOutput(text[:at], calls)
+
+    def _call(self, body: str, complete: bool) -> ParsedCall:
+        """One block; while it is not complete, its name once its tag is whole and the
+        parameters whose closing tag is out (their JSON text only grows)."""
+        fn = self._FUNCTION.match(body)
+        if fn is None:
+            if not complete and _may_open(body, "<function="):
+                return ParsedCall(None, "", False)
+            raise NotCalls
+        name = fn.group(1).strip()
+        schema = self.tools.get(name)
+        schema = schema if isinstance(schema, dict) else {}  # (a request's properties may be odd)
+        entries: list[str] = []
+        at = fn.end()
+        while True:
+            rest = body[at:].lstrip()
+            if rest.startswith("</function>"):
+                tail = rest[len("</function>") :].strip()  # (a block's end may be on its way)
+                if tail and (complete or not self.end.startswith(tail)):
+                    raise NotCalls
+                return ParsedCall(name, "{" + ", ".join(entries) + "}", complete)
+            param = self._PARAMETER.match(rest)
+            if param is None:
+                if complete and not rest:  # the output ended before </function>
+                    return ParsedCall(name, "{" + ", ".join(entries) + "}", True)
+                if complete or not (
+                    _may_open(rest, "<parameter=") or "</function>".startswith(rest)
+                ):
+                    raise NotCalls
+                return ParsedCall(name, "{" + ", ".join(entries), False)
+            close = rest.find("</parameter>", param.end())
+            if close == -1 and not complete:
+                return ParsedCall(name, "{" + ", ".join(entries), False)
+            value = rest[param.end() : close if close != -1 else len(rest)]
+            value = value.removeprefix("\n").removesuffix("\n")
+            key = param.group(1).strip()
+            typed = _typed(value, schema.get(key))
+            entries.append(f"{json.dumps(key)}: {json.dumps(typed, ensure_ascii=False)}")
+            at = len(body) - len(rest) + (close + len("</parameter>") if close != -1 else len(rest))
+
+    def _before_calls(self, text: str) -> str:
+        return text[: text.find(self.start)]
+
+    def write(self, calls: list[tuple[str, Any]]) -> str:
+        def value(v: Any) -> str:
+            return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+
+        return "".join(
+            f"<tool_call>\n<function={n}>\n"
+            + "".join(
+                f"<parameter={k}>\n{value(v)}\n</parameter>\n"
+                for k, v in (a.items() if isinstance(a, dict) else ())
+            )
+            + "</function>\n</tool_call>"
             for n, a in calls
         )
 
@@ -257,6 +340,7 @@ class PythonicToolParser(ToolParser):
 
 PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
     "llama3_json": Llama3JsonToolParser,
     "llama4_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
@@ -265,8 +349,11 @@ PARSERS: dict[str, type[ToolParser]] = {
 }
 
 
-def tool_parser(name: str, max_calls: int | None = None) -> ToolParser:
-    return PARSERS[name](max_calls=max_calls)
+def tool_parser(
+    name: str, max_calls: int | None = None, tools: dict[str, dict] | None = None
+) -> ToolParser:
+    """`tools`: each tool's parameter properties by its name (qwen3_coder types values by them)."""
+    return PARSERS[name](max_calls=max_calls, tools=tools or {})
 
 
 # ---------------------------------------------------------------- reading the formats
@@ -418,6 +505,40 @@ def _python_call(src: str) -> ParsedCall:
         return ParsedCall(node.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False), True)
     except (ValueError, TypeError, SyntaxError, RecursionError):  # not literals, or not JSON's
         raise NotCalls from None
+
+
+def _may_open(text: str, tag: str) -> bool:
+    """Whether text may still become `tag` and what follows it on its line (streaming)."""
+    return tag.startswith(text) or (text.startswith(tag) and "\n" not in text and ">" not in text)
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A qwen3_coder parameter's text as the value its schema's type says (as vLLM reads them):
+    text that is not of that type stays text, and "null" is null."""
+    if value.lower() == "null":
+        return None
+    kind = schema.get("type", "string") if isinstance(schema, dict) else "string"
+    kinds = {str(k).lower() for k in (kind if isinstance(kind, list) else [kind])}
+    if kinds & {"string", "null"} == kinds or "string" in kinds:
+        return value
+    try:
+        if kinds <= {"integer"}:
+            return int(value)
+        if kinds <= {"number", "integer"}:
+            number = float(value)
+            if not math.isfinite(number):
+                return value
+            return int(number) if number.is_integer() else number
+        if kinds <= {"boolean"}:
+            return {"true": True, "false": False}.get(value.strip().lower(), value)
+        try:
+            return json.loads(value)
+        except ValueError:
+            literal = ast.literal_eval(value)
+            json.dumps(literal, allow_nan=False)  # only what JSON can hold
+            return literal
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return value
 
 
 def _python_literal(value: Any) -> str:

@@ -59,7 +59,11 @@ def plan_tools(req: ChatCompletionRequest, config: EngineConfig) -> ToolPlan:
                 '"auto" tool choice requires --enable-auto-tool-choice and '
                 "--tool-call-parser to be set",
             )
-        return ToolPlan(tool_parser(config.tool_call_parser, max_calls=1 if single else None))
+        properties = {  # (qwen3_coder types each value by its parameter's schema)
+            t.function.name: (t.function.parameters or {}).get("properties") or {} for t in tools
+        }
+        parser = tool_parser(config.tool_call_parser, 1 if single else None, properties)
+        return ToolPlan(parser)
     if choice == "required":
         chosen = tools
     else:
