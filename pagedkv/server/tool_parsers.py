@@ -106,28 +106,52 @@ class ToolParser:
         return f"call_{uuid.uuid4().hex[:24]}"
 
 
-class HermesToolParser(ToolParser):
-    name = "hermes"
+class MarkedToolParser(ToolParser):
+    """A format whose calls may follow text: content up to its marker, calls from there."""
+
+    start: ClassVar[str]
+
+    def _read(self, text: str, final: bool) -> ParsedOutput:
+        at = text.find(self.start)
+        if at == -1:
+            return ParsedOutput(text if final else hold_back(text, self.start))
+        return ParsedOutput(text[:at], self._calls(text[at:], final))
+
+    def _calls(self, text: str, final: bool) -> list[ParsedCall]:
+        """The calls of text from the marker on."""
+        raise NotImplementedError
+
+    def _before_calls(self, text: str) -> str:
+        return text[: text.find(self.start)]
+
+
+class TagBlockToolParser(MarkedToolParser):
+    """Calls in `<tool_call>` ... `</tool_call>` blocks, one a block."""
+
     start = "<tool_call>"
     end = "</tool_call>"
+
+    def _calls(self, text: str, final: bool) -> list[ParsedCall]:
+        calls = []
+        for block in text.split(self.start)[1:]:
+            body, closed = block.split(self.end, 1)[0], self.end in block
+            calls.append(self._block(body, closed or final))
+        return calls
+
+    def _block(self, body: str, complete: bool) -> ParsedCall:
+        raise NotImplementedError
+
+
+class HermesToolParser(TagBlockToolParser):
+    name = "hermes"
     instructions = (
         "For each function call, return a JSON object with the function name and arguments within "
         "<tool_call></tool_call> XML tags:\n<tool_call>\n"
         '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     )
 
-    def _read(self, text: str, final: bool) -> ParsedOutput:
-        at = text.find(self.start)
-        if at == -1:
-            return ParsedOutput(text if final else hold_back(text, self.start))
-        calls = []
-        for block in text[at:].split(self.start)[1:]:
-            body, closed = block.split(self.end, 1)[0], self.end in block
-            calls.append(_object_call(body, complete=closed or final))
-        return ParsedOutput(text[:at], calls)
-
-    def _before_calls(self, text: str) -> str:
-        return text[: text.find(self.start)]
+    def _block(self, body: str, complete: bool) -> ParsedCall:
+        return _object_call(body, complete)
 
     def write(self, calls: list[tuple[str, Any]]) -> str:
         return "".join(
@@ -136,10 +160,8 @@ class HermesToolParser(ToolParser):
         )
 
 
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(TagBlockToolParser):
     name = "qwen3_coder"
-    start = "<tool_call>"
-    end = "</tool_call>"
     instructions = (
         "For each function call, write its name and each parameter's value within tags:\n"
         "<tool_call>\n<function=function-name>\n<parameter=parameter-name>\nvalue\n"
@@ -148,19 +170,10 @@ class Qwen3CoderToolParser(ToolParser):
     _FUNCTION = re.compile(r"<function=([^>\n]+)>")
     _PARAMETER = re.compile(r"<parameter=([^>\n]+)>")
 
-    def _read(self, text: str, final: bool) -> ParsedOutput:
-        at = text.find(self.start)
-        if at == -1:
-            return ParsedOutput(text if final else hold_back(text, self.start))
-        calls = []
-        for block in text[at:].split(self.start)[1:]:
-            body, closed = block.split(self.end, 1)[0], self.end in block
-            calls.append(self._call(body.lstrip(), closed or final))
-        return ParsedOutput(text[:at], calls)
-
-    def _call(self, body: str, complete: bool) -> ParsedCall:
-        """One block; while it is not complete, its name once its tag is whole and the
-        parameters whose closing tag is out (their JSON text only grows)."""
+    def _block(self, body: str, complete: bool) -> ParsedCall:
+        """While the block is not complete: its name once its tag is whole, and the parameters
+        whose closing tag is out (their JSON text only grows)."""
+        body = body.lstrip()
         fn = self._FUNCTION.match(body)
         if fn is None:
             if not complete and _may_open(body, "<function="):
@@ -196,9 +209,6 @@ class Qwen3CoderToolParser(ToolParser):
             typed = _typed(value, schema.get(key))
             entries.append(f"{json.dumps(key)}: {json.dumps(typed, ensure_ascii=False)}")
             at = len(body) - len(rest) + (close + len("</parameter>") if close != -1 else len(rest))
-
-    def _before_calls(self, text: str) -> str:
-        return text[: text.find(self.start)]
 
     def write(self, calls: list[tuple[str, Any]]) -> str:
         def value(v: Any) -> str:
@@ -252,7 +262,7 @@ class GraniteToolParser(ToolParser):
         return "<tool_call>" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(MarkedToolParser):
     name = "mistral"
     start = "[TOOL_CALLS]"
     args_tag = "[ARGS]"
@@ -263,18 +273,15 @@ class MistralToolParser(ToolParser):
     )
     _FN = re.compile(r"\s*([A-Za-z0-9_.\-]+)")
 
-    def _read(self, text: str, final: bool) -> ParsedOutput:
-        at = text.find(self.start)
-        if at == -1:
-            return ParsedOutput(text if final else hold_back(text, self.start))
+    def _calls(self, text: str, final: bool) -> list[ParsedCall]:
         calls: list[ParsedCall] = []
-        for piece in text[at:].split(self.start)[1:]:
+        for piece in text.split(self.start)[1:]:
             head = piece.lstrip()
             if head.startswith("["):  # a list of call objects
                 calls += _list_calls(piece, len(piece) - len(head) + 1, final)
             elif head or final:
                 calls.append(self._named_call(piece, final))
-        return ParsedOutput(text[:at], calls)
+        return calls
 
     def _named_call(self, piece: str, final: bool) -> ParsedCall:
         """`name{...}` or `name[ARGS]{...}` (tokenizers v11 and v13)."""
@@ -294,9 +301,6 @@ class MistralToolParser(ToolParser):
         if whole and rest[len(args) :].strip():
             raise NotCalls
         return ParsedCall(fn.group(1), args, whole)
-
-    def _before_calls(self, text: str) -> str:
-        return text[: text.find(self.start)]
 
     def write(self, calls: list[tuple[str, Any]]) -> str:
         return self.start + json.dumps([{"name": n, "arguments": a} for n, a in calls])
