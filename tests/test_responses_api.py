@@ -483,6 +483,12 @@ def test_previous_response_id_continues_the_stored_conversation(client):
     )
     assert third.output_text == c.choices[0].message.content
     assert third.usage.input_tokens == c.usage.prompt_tokens
+    assert (third.previous_response_id, first.previous_response_id) == (second.id, None)
+    # continued but not kept itself
+    fourth = client.responses.create(**kw, previous_response_id=third.id, input="Ok", store=False)
+    assert fourth.store is False and fourth.previous_response_id == third.id
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(fourth.id)
 
 
 def test_a_call_answered_through_previous_response_id(client):
@@ -530,6 +536,27 @@ def test_a_stored_response_is_retrieved_listed_and_deleted(client, server):
         client.responses.retrieve(first.id)
     with pytest.raises(openai.BadRequestError, match="earlier turn"):  # the chain is broken
         client.responses.create(model="tiny", previous_response_id=r.id, input="x")
+
+
+def test_an_answer_may_not_continue_itself(client):
+    """A request id (the answer's id) reused with previous_response_id naming it would make the
+    kept conversation a loop."""
+    first = client.responses.create(
+        model="tiny", input="a", max_output_tokens=2, extra_body={"request_id": "same"}
+    )
+    assert first.id == "resp_same"
+    with pytest.raises(openai.BadRequestError, match="another request id"):
+        client.responses.create(
+            model="tiny",
+            input="b",
+            max_output_tokens=2,
+            previous_response_id=first.id,
+            extra_body={"request_id": "same"},
+        )
+    again = client.responses.create(
+        model="tiny", input="b", max_output_tokens=2, previous_response_id=first.id
+    )
+    assert again.id != first.id and again.previous_response_id == first.id
 
 
 def test_store_false_and_streamed_answers(client):

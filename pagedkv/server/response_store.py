@@ -46,9 +46,10 @@ class ResponseStore:
     def delete(self, response_id: str) -> bool:
         return self._kept.pop(response_id, None) is not None
 
-    def conversation(self, response_id: str) -> list[dict[str, Any]] | str:
-        """The items of the conversation through response_id's answer, oldest first: each turn's
-        input, then its output. A response of the chain that is not kept: its id, instead."""
+    def chain(self, response_id: str) -> list[StoredResponse] | str:
+        """The responses of the conversation through response_id, oldest first; a response of it
+        that is not kept: its id, instead. Each is touched, the oldest first (the latest stays
+        the newest)."""
         chain: list[StoredResponse] = []
         at: str | None = response_id
         while at is not None:
@@ -57,11 +58,14 @@ class ResponseStore:
                 return at
             chain.append(stored)
             at = stored.previous
-        items: list[dict[str, Any]] = []
-        for stored in reversed(chain):  # the oldest touched first: the latest stays the newest
+        for stored in reversed(chain):
             self._kept.move_to_end(stored.body["id"])
-            items += stored.input_items + stored.body["output"]
-        return items
+        return chain[::-1]
+
+
+def conversation(chain: list[StoredResponse]) -> list[dict[str, Any]]:
+    """A chain's items: each turn's input, then its output."""
+    return [item for stored in chain for item in stored.input_items + stored.body["output"]]
 
 
 def item_page(items: list[dict], newest_first: bool, limit: int, after: str | None) -> dict:

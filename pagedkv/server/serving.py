@@ -41,7 +41,7 @@ from pagedkv.server.errors import APIError, error_body, to_api_error
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import REQUEST_ID_HEADER
 from pagedkv.server.response_format import Delta, ResponseFormat, token_decoder
-from pagedkv.server.response_store import ResponseStore, StoredResponse
+from pagedkv.server.response_store import ResponseStore, StoredResponse, conversation
 from pagedkv.server.responses_format import ResponsesFormat
 from pagedkv.server.responses_protocol import ResponsesRequest, input_items
 from pagedkv.server.streaming import ClientGone, EventStream, merge, sse, until_disconnect
@@ -211,24 +211,19 @@ class OpenAIServing:
         """/v1/responses: the request's chat turn, answered as a Response (responses_format.py),
         after the conversation it continues (previous_response_id); kept unless store is false."""
         store = self.response_store(req)
-        earlier: list[dict] = []
-        if req.previous_response_id is not None:
-            assert store is not None  # (response_store refuses the id without one)
-            found = store.conversation(req.previous_response_id)
-            if isinstance(found, str):
-                turn = "" if found == req.previous_response_id else f"its earlier turn {found!r} "
-                raise ParamError(
-                    "previous_response_id",
-                    f"no stored response {req.previous_response_id!r}: {turn}is not kept "
-                    f"(this server keeps the latest {store.capacity})",
-                )
-            earlier = found
+        chain = self.continued(req)
         try:
-            chat = req.chat_request({}, earlier)
+            chat = req.chat_request({}, conversation(chain))
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
         given = request.headers.get(REQUEST_ID_HEADER) or chat.request_id
         answer_id = f"resp_{given or uuid.uuid4().hex}"
+        if store is not None and any(s.body["id"] == answer_id for s in chain):
+            raise ParamError(  # (kept, it would continue itself)
+                "request_id",
+                f"the answer's id {answer_id!r} is that of a response it continues: "
+                "send another request id",
+            )
         tools, tool_choice = req.reported_tools()
         settings = {
             "instructions": req.instructions,
@@ -241,6 +236,7 @@ class OpenAIServing:
             "metadata": req.metadata or {},
             "user": req.user,
             "text": {"format": req.text_format()},
+            "previous_response_id": req.previous_response_id,
         }
         tok = self.engine.tokenizer
         keep = None
@@ -270,6 +266,21 @@ class OpenAIServing:
                 f"--data-parallel-size, where the next turn may reach another): send {send}",
             )
         return None if req.store is False else self.stored
+
+    def continued(self, req: ResponsesRequest) -> list[StoredResponse]:
+        """The stored responses that previous_response_id continues, oldest first."""
+        if req.previous_response_id is None:
+            return []
+        assert self.stored is not None  # (response_store refuses the id without one)
+        chain = self.stored.chain(req.previous_response_id)
+        if isinstance(chain, str):
+            turn = "" if chain == req.previous_response_id else f"its earlier turn {chain!r} "
+            raise ParamError(
+                "previous_response_id",
+                f"no stored response {req.previous_response_id!r}: {turn}is not kept "
+                f"(this server keeps the latest {self.stored.capacity})",
+            )
+        return chain
 
     def stored_response(self, response_id: str) -> StoredResponse:
         """A kept response, or the 404 OpenAI answers for one it does not have."""
