@@ -512,6 +512,10 @@ def test_auto_reads_calls_in_the_servers_parser_format(tiny_model_dir, parser):
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == CALLS
         if parser == "mistral":
             assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+            # forced calls (Hermes blocks) get the ids Mistral's templates take back too
+            forced = chat(client, tool_choice="required", parallel_tool_calls=False, seed=0)
+            (call,) = forced.choices[0].message.tool_calls
+            assert len(call.id) == 9 and call.id.isalnum()
         content, pieces, finish = "", {}, None
         for chunk in chat(client, stream=True, **kw):
             delta = chunk.choices[0].delta

@@ -371,8 +371,8 @@ class ResponsesChat(ChatCompletionRequest):
 
 
 def input_items(req: ResponsesRequest, response_id: str) -> list[dict]:
-    """The request's input items as a stored response keeps them, each with an id (its own, else
-    one made from the response's)."""
+    """The request's input items as a stored response keeps them, each with an id made from the
+    response's."""
     suffix = response_id.removeprefix("resp_")
     return [
         {"id": f"{_ID_PREFIX[item.type]}_{suffix}_in{i}", **item.model_dump(exclude_none=True)}

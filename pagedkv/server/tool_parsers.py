@@ -72,6 +72,9 @@ class ToolParser:
 
     max_calls: int | None = None  # 1 when parallel_tool_calls is false: later calls are dropped
     tools: dict[str, dict] = field(default_factory=dict)  # name -> its parameters' properties
+    # calls' ids: "call_" and 24 hex digits, or this many letters and digits (Mistral's templates
+    # refuse other ids when the calls come back in the history)
+    id_length: int | None = None
     name: ClassVar[str]
     instructions: ClassVar[str]  # how to call, told to a model whose template knows no tools
     keeps_special_tokens: ClassVar[bool] = False  # the format's marker is a special token
@@ -103,6 +106,8 @@ class ToolParser:
         raise NotImplementedError
 
     def call_id(self) -> str:
+        if self.id_length is not None:
+            return "".join(random.choices(string.ascii_letters + string.digits, k=self.id_length))
         return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -262,6 +267,7 @@ class GraniteToolParser(ToolParser):
         return "<tool_call>" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
 
 
+@dataclass
 class MistralToolParser(MarkedToolParser):
     name = "mistral"
     start = "[TOOL_CALLS]"
@@ -305,9 +311,7 @@ class MistralToolParser(MarkedToolParser):
     def write(self, calls: list[tuple[str, Any]]) -> str:
         return self.start + json.dumps([{"name": n, "arguments": a} for n, a in calls])
 
-    def call_id(self) -> str:
-        """Nine letters and digits: Mistral's templates refuse other ids in the history."""
-        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+    id_length: int | None = 9
 
 
 class PythonicToolParser(ToolParser):

@@ -26,7 +26,7 @@ from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.chat import content_text, render_chat
 from pagedkv.engine.request import ParamError
 from pagedkv.engine.structured import JSON_OPTIONS
-from pagedkv.server.tool_parsers import HermesToolParser, ToolParser, tool_parser
+from pagedkv.server.tool_parsers import PARSERS, HermesToolParser, ToolParser, tool_parser
 
 if TYPE_CHECKING:
     from pagedkv.server.protocol import ChatCompletionRequest
@@ -74,7 +74,10 @@ def plan_tools(req: ChatCompletionRequest, config: EngineConfig) -> ToolPlan:
                 f"tool_choice names {choice.function.name!r}, which is not among the tools",
             )
         single = True
-    return ToolPlan(HermesToolParser(max_calls=1 if single else None), call_grammar(chosen, single))
+    # forced calls are Hermes blocks, their ids as the model's own format has them
+    ids = PARSERS[config.tool_call_parser].id_length if config.tool_call_parser else None
+    forced = HermesToolParser(max_calls=1 if single else None, id_length=ids)
+    return ToolPlan(forced, call_grammar(chosen, single))
 
 
 def call_grammar(tools: list, single: bool) -> str:
