@@ -572,6 +572,29 @@ def test_readme_examples_work_as_written():
             extra_body={"use_beam_search": True},
         )
         assert len(beams.choices) == 3 and beams.choices[0].text
+        answer = client.responses.create(
+            model="SmolLM2-135M-Instruct",
+            instructions="Answer in one sentence.",
+            input="What is the capital of France?",
+            max_output_tokens=32,
+        )
+        follow = client.responses.create(
+            model="SmolLM2-135M-Instruct",
+            previous_response_id=answer.id,
+            input="And of Italy?",
+            max_output_tokens=32,
+        )
+        whole = client.responses.create(
+            model="SmolLM2-135M-Instruct",
+            input=[
+                {"role": "user", "content": "What is the capital of France?"},
+                answer.output[0].model_dump(exclude_none=True),
+                {"role": "user", "content": "And of Italy?"},
+            ],
+            max_output_tokens=1,
+        )
+        assert answer.output_text and follow.output_text
+        assert follow.usage.input_tokens == whole.usage.input_tokens
         r = httpx.post(
             f"{srv.url}/v1/completions",
             json={
