@@ -10,6 +10,7 @@ leaks a block.
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import openai
@@ -192,7 +193,6 @@ def test_sampling_extensions_pass_through(client):
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"include": ["message.output_text.logprobs"]}, None, "include"),
         ({"reasoning": {"effort": "low"}}, None, "reasoning"),
-        ({"background": True}, None, "background"),
         ({"truncation": "auto"}, None, "truncation"),
         ({"top_logprobs": 3}, None, "top_logprobs"),
         ({"input": [{"type": "computer_call", "call_id": "c"}]}, "input", "computer_call"),
@@ -590,7 +590,59 @@ def test_the_store_keeps_the_latest_and_can_be_off(tiny_model_dir):
         client = srv.openai()
         r = client.responses.create(**kw, input="a")
         assert r.store is False
-        for field in ({"store": True}, {"previous_response_id": r.id}):
+        for field in ({"store": True}, {"previous_response_id": r.id}, {"background": True}):
             with pytest.raises(openai.BadRequestError, match="--max-stored-responses 0"):
                 client.responses.create(**kw, input="a", **field)
         srv.wait_idle()
+
+
+# ---------------------------------------------------------------- background responses
+
+
+def poll(client, response_id: str, timeout: float = 60.0):
+    end = time.monotonic() + timeout
+    while (r := client.responses.retrieve(response_id)).status == "queued":
+        assert time.monotonic() < end, "the background response never ended"
+        time.sleep(0.05)
+    return r
+
+
+def test_a_background_response_is_polled_until_done(client, server):
+    kw = dict(model="tiny", input=QUESTION, max_output_tokens=8, temperature=0)
+    queued = client.responses.create(**kw, background=True)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    done = poll(client, queued.id)
+    same = client.responses.create(**kw)
+    assert done.status == same.status == "incomplete" and done.background is True  # (8 tokens)
+    assert done.output_text == same.output_text and done.output_text
+    assert done.usage.output_tokens == same.usage.output_tokens
+    with pytest.raises(openai.BadRequestError, match="not running"):
+        client.responses.cancel(queued.id)
+    after = client.responses.create(**kw, previous_response_id=done.id)
+    assert after.previous_response_id == done.id
+    server.wait_idle()
+
+
+def test_a_cancelled_background_response_frees_its_blocks(client, server):
+    r = client.responses.create(
+        model="tiny",
+        input=QUESTION,
+        max_output_tokens=900,
+        background=True,
+        extra_body={"ignore_eos": True},
+    )
+    with pytest.raises(openai.BadRequestError, match="still running"):
+        client.responses.create(model="tiny", input="x", previous_response_id=r.id)
+    cancelled = client.responses.cancel(r.id)
+    assert cancelled.status == "cancelled" and cancelled.output == []
+    assert client.responses.retrieve(r.id).status == "cancelled"
+    assert server.wait_idle()["used"] == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"), [({"stream": True}, "stream"), ({"store": False}, "background")]
+)
+def test_a_background_response_is_stored_and_not_streamed(server, fields, param):
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "background": True, **fields}
+    answer = server.http.post("/v1/responses", json=body)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param

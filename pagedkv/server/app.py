@@ -293,6 +293,12 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
         serving.stored.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> Response:
+        """Cancels a background response still running; answers the Response, cancelled."""
+        known_query(request)
+        return JSONResponse(await serving.cancel_response(response_id))
+
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(
         response_id: str,

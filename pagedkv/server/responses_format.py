@@ -52,6 +52,7 @@ class ResponsesFormat(ChatFormat):
     settings: dict[str, Any] = field(default_factory=dict)  # the request's, as Responses show them
     count_tokens: Any = None  # text -> its token count (reasoning_tokens)
     keep: Callable[[dict], None] | None = None  # stores the finished Response (None: not kept)
+    background: bool = False  # answered at once as queued; kept as it ends (serving.py)
     done_marker = None
     _seq: int = 0
     _items: list[dict] = field(default_factory=list)  # output items streamed so far, in order
@@ -100,7 +101,7 @@ class ResponsesFormat(ChatFormat):
             "output": output,
             "usage": usage,
             "store": self.keep is not None,
-            "background": False,
+            "background": self.background,
             "previous_response_id": None,
             "reasoning": None,
             "truncation": "disabled",
@@ -146,6 +147,13 @@ class ResponsesFormat(ChatFormat):
 
     def response(self, finals: list[RequestOutput]) -> BaseModel:
         return _Raw(self._answer(finals))
+
+    def left(self, status: str, error: dict | None = None) -> dict:
+        """A background Response without its answer, kept: queued, cancelled or failed."""
+        body = {**self._body(status, [], None, None), "error": error}
+        if self.keep is not None:
+            self.keep(body)
+        return body
 
     # ---- the stream ---------------------------------------------------------------------
 

@@ -6,8 +6,9 @@ list of items: text messages, function calls and their outputs) the conversation
 `max_output_tokens` the completion limit. The sampling extensions of /v1/chat/completions (seed,
 top_k, stop, ...) pass through under their names. A response may continue a stored one
 (`previous_response_id`: its conversation comes first, its instructions do not carry over, as in
-OpenAI's; server/response_store.py). What a text-only server cannot do is a 400 naming the field:
-conversations (`conversation`), `background`, hosted tools (web search, files, MCP ...), images and
+OpenAI's; server/response_store.py), or run in the background (`background`: the answer is the
+queued response, the client polls for it). What a text-only server cannot do is a 400 naming the
+field: conversations (`conversation`), hosted tools (web search, files, MCP ...), images and
 files, `include`, `top_logprobs`, `reasoning` options, `truncation: "auto"` and stored prompts.
 """
 
@@ -32,7 +33,6 @@ from pagedkv.server.validation import documented as doc
 # field -> the values that mean "not used"; any other value is a 400 naming the field
 RESPONSES_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "conversation": (None,),
-    "background": (None, False),
     "include": (None, []),
     "top_logprobs": (None, 0),
     "reasoning": (None,),
@@ -242,6 +242,7 @@ class ResponsesRequest(RequestModel):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True
     store: bool | None = None  # (None: OpenAI's default, true)
+    background: bool = False  # answered at once, queued; the client polls for the rest
     previous_response_id: Name | None = None
     _unsupported = model_validator(mode="before")(refusing(RESPONSES_UNSUPPORTED, WHY))
     # the chat extensions, kept as sent: the chat request they join types and checks them

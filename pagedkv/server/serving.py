@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from pagedkv.engine.async_engine import RequestFailedError
@@ -91,6 +91,7 @@ class OpenAIServing:
         self.engine, self.metrics = engine, metrics
         kept = engine.config.max_stored_responses
         self.stored = ResponseStore(kept) if kept else None
+        self.background: dict[str, asyncio.Task] = {}  # background responses running, by id
 
     def check_model(self, name: str | None) -> str | None:
         """The LoRA adapter a request's model names (None: the base model); 404 for a model
@@ -252,18 +253,37 @@ class OpenAIServing:
             settings=settings,
             count_tokens=lambda text: len(tok.encode(text, add_special_tokens=False)),
             keep=keep,
+            background=req.background,
         )
 
     def response_store(self, req: ResponsesRequest) -> ResponseStore | None:
         """Where the answer is kept (None: not kept); asking a server that keeps none to store
         or continue one is a 400."""
-        if self.stored is None and (req.store or req.previous_response_id is not None):
-            field = "store" if req.store else "previous_response_id"
-            send = "store: false" if req.store else "the whole conversation as input"
+        if self.stored is None and (
+            req.store or req.background or req.previous_response_id is not None
+        ):
+            field, send = (
+                ("store", "store: false")
+                if req.store
+                else ("background", "no background")
+                if req.background
+                else ("previous_response_id", "the whole conversation as input")
+            )
             raise ParamError(
                 field,
                 "this server keeps no responses (--max-stored-responses 0, or replicas of "
                 f"--data-parallel-size, where the next turn may reach another): send {send}",
+            )
+        if req.background and req.store is False:
+            raise ParamError(
+                "background",
+                "a background response must be stored, its answer retrieved later: send "
+                "store: true, or none",
+            )
+        if req.background and req.stream:
+            raise ParamError(
+                "stream",
+                "a background response is not streamed here: poll GET /v1/responses/{id} for it",
             )
         return None if req.store is False else self.stored
 
@@ -273,6 +293,12 @@ class OpenAIServing:
             return []
         assert self.stored is not None  # (response_store refuses the id without one)
         chain = self.stored.chain(req.previous_response_id)
+        if not isinstance(chain, str) and chain[-1].body["status"] == "queued":
+            raise ParamError(
+                "previous_response_id",
+                f"response {req.previous_response_id!r} is still running in the background: "
+                "continue it once it is done",
+            )
         if isinstance(chain, str):
             turn = "" if chain == req.previous_response_id else f"its earlier turn {chain!r} "
             raise ParamError(
@@ -357,6 +383,8 @@ class OpenAIServing:
                 for i, ids in enumerate(prompts)
             ]
         )
+        if isinstance(fmt, ResponsesFormat) and fmt.background:
+            return self._in_background(fmt, events, len(prompts))
         try:
             if not stream:
                 finals = await until_disconnect(request, self.collect(events, len(prompts)))
@@ -371,6 +399,46 @@ class OpenAIServing:
                 return Response(status_code=499)
             raise
         return EventStream(self._stream(fmt, first, events, len(prompts), params.n, include_usage))
+
+    def _in_background(
+        self,
+        fmt: ResponsesFormat,
+        events: AsyncGenerator[tuple[int, RequestOutput], None],
+        num: int,
+    ) -> Response:
+        """Answers with the queued Response and runs it on; it is kept as it ends (completed or
+        incomplete, cancelled, failed) for the client to retrieve."""
+        task = asyncio.create_task(self.collect(events, num))
+        self.background[fmt.id] = task
+
+        def settle(done: asyncio.Task) -> None:
+            self.background.pop(fmt.id, None)
+            if done.cancelled():
+                fmt.left("cancelled")
+            elif (error := done.exception()) is not None:
+                fmt.left("failed", {"code": "server_error", "message": str(error) or "failed"})
+            elif any(c.finish_reason == "abort" for o in done.result() for c in o.outputs):
+                fmt.left("failed", {"code": "server_error", "message": "the server shut down"})
+            else:
+                fmt.response(done.result())  # kept by the format
+
+        task.add_done_callback(settle)
+        return JSONResponse(fmt.left("queued"))
+
+    async def cancel_response(self, response_id: str) -> dict:
+        """Cancels a background response still running (OpenAI's cancel): the kept Response."""
+        stored = self.stored_response(response_id)
+        task = self.background.get(response_id)
+        if task is None:
+            raise APIError(
+                400,
+                f"response {response_id!r} is not running in the background "
+                f"(status {stored.body['status']!r}): only a queued one can be cancelled",
+                param="response_id",
+            )
+        task.cancel()
+        await asyncio.wait([task])
+        return self.stored_response(response_id).body
 
     async def collect(
         self, events: AsyncGenerator[tuple[int, RequestOutput], None], num: int
