@@ -1,5 +1,6 @@
 """Responses kept for `previous_response_id` and GET / DELETE /v1/responses/{id} (OpenAI's stored
-responses; `store` defaults to true there, and here).
+responses; `store` defaults to true there, and here). A background response is kept from the
+start, queued, and replaced as it runs and ends (server/serving.py).
 
 A response is kept with its own request's input items and the id of the response it continued,
 not the whole conversation again: a chain of N turns holds each item once. The latest

@@ -53,6 +53,7 @@ class ResponsesFormat(ChatFormat):
     count_tokens: Any = None  # text -> its token count (reasoning_tokens)
     keep: Callable[[dict], None] | None = None  # stores the finished Response (None: not kept)
     background: bool = False  # answered at once as queued; kept as it ends (serving.py)
+    status: str = "queued"  # a background Response's, as last kept
     done_marker = None
     _seq: int = 0
     _items: list[dict] = field(default_factory=list)  # output items streamed so far, in order
@@ -149,7 +150,9 @@ class ResponsesFormat(ChatFormat):
         return _Raw(self._answer(finals))
 
     def left(self, status: str, error: dict | None = None) -> dict:
-        """A background Response without its answer, kept: queued, cancelled or failed."""
+        """A background Response without its answer, kept: queued, in progress, cancelled or
+        failed."""
+        self.status = status
         body = {**self._body(status, [], None, None), "error": error}
         if self.keep is not None:
             self.keep(body)

@@ -293,7 +293,7 @@ class OpenAIServing:
             return []
         assert self.stored is not None  # (response_store refuses the id without one)
         chain = self.stored.chain(req.previous_response_id)
-        if not isinstance(chain, str) and chain[-1].body["status"] == "queued":
+        if not isinstance(chain, str) and chain[-1].body["status"] in ("queued", "in_progress"):
             raise ParamError(
                 "previous_response_id",
                 f"response {req.previous_response_id!r} is still running in the background: "
@@ -406,9 +406,18 @@ class OpenAIServing:
         events: AsyncGenerator[tuple[int, RequestOutput], None],
         num: int,
     ) -> Response:
-        """Answers with the queued Response and runs it on; it is kept as it ends (completed or
-        incomplete, cancelled, failed) for the client to retrieve."""
-        task = asyncio.create_task(self.collect(events, num))
+        """Answers with the queued Response and runs it on; it is kept in progress once the
+        engine runs it, and as it ends (completed or incomplete, cancelled, failed), for the
+        client to retrieve."""
+
+        async def started() -> AsyncGenerator[tuple[int, RequestOutput], None]:
+            async with aclosing(events):
+                async for i, out in events:
+                    if fmt.status == "queued":
+                        fmt.left("in_progress")
+                    yield i, out
+
+        task = asyncio.create_task(self.collect(started(), num))
         self.background[fmt.id] = task
 
         def settle(done: asyncio.Task) -> None:
