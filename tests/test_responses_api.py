@@ -629,10 +629,14 @@ def test_a_cancelled_background_response_frees_its_blocks(client, server):
         input=QUESTION,
         max_output_tokens=900,
         background=True,
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, "request_id": "long"},
     )
     with pytest.raises(openai.BadRequestError, match="still running"):
         client.responses.create(model="tiny", input="x", previous_response_id=r.id)
+    with pytest.raises(openai.BadRequestError, match="is running: send another request id"):
+        client.responses.create(
+            model="tiny", input="x", background=True, extra_body={"request_id": "long"}
+        )
     end = time.monotonic() + 60
     while client.responses.retrieve(r.id).status == "queued":  # until the engine runs it
         assert time.monotonic() < end

@@ -293,18 +293,18 @@ class OpenAIServing:
             return []
         assert self.stored is not None  # (response_store refuses the id without one)
         chain = self.stored.chain(req.previous_response_id)
-        if not isinstance(chain, str) and chain[-1].body["status"] in ("queued", "in_progress"):
-            raise ParamError(
-                "previous_response_id",
-                f"response {req.previous_response_id!r} is still running in the background: "
-                "continue it once it is done",
-            )
         if isinstance(chain, str):
             turn = "" if chain == req.previous_response_id else f"its earlier turn {chain!r} "
             raise ParamError(
                 "previous_response_id",
                 f"no stored response {req.previous_response_id!r}: {turn}is not kept "
                 f"(this server keeps the latest {self.stored.capacity})",
+            )
+        if chain[-1].body["status"] in ("queued", "in_progress"):
+            raise ParamError(
+                "previous_response_id",
+                f"response {req.previous_response_id!r} is still running in the background: "
+                "continue it once it is done",
             )
         return chain
 
@@ -417,19 +417,29 @@ class OpenAIServing:
                         fmt.left("in_progress")
                     yield i, out
 
+        if fmt.id in self.background:
+            raise ParamError(
+                "request_id",
+                f"a background response {fmt.id!r} is running: send another request id",
+            )
         task = asyncio.create_task(self.collect(started(), num))
         self.background[fmt.id] = task
 
         def settle(done: asyncio.Task) -> None:
             self.background.pop(fmt.id, None)
+            failed = {"code": "server_error", "message": "the server shut down"}
             if done.cancelled():
                 fmt.left("cancelled")
-            elif (error := done.exception()) is not None:
-                fmt.left("failed", {"code": "server_error", "message": str(error) or "failed"})
-            elif any(c.finish_reason == "abort" for o in done.result() for c in o.outputs):
-                fmt.left("failed", {"code": "server_error", "message": "the server shut down"})
-            else:
-                fmt.response(done.result())  # kept by the format
+                return
+            try:
+                if (error := done.exception()) is not None:
+                    failed["message"] = str(error) or type(error).__name__
+                elif not any(c.finish_reason == "abort" for o in done.result() for c in o.outputs):
+                    fmt.response(done.result())  # kept by the format
+                    return
+            except Exception as e:  # noqa: BLE001 - the answer could not be made: it failed
+                failed["message"] = f"the answer could not be made: {e}"
+            fmt.left("failed", failed)
 
         task.add_done_callback(settle)
         return JSONResponse(fmt.left("queued"))
