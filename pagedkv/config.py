@@ -125,6 +125,7 @@ TOOL_CALL_PARSERS = (
     "llama4_json",
     "mistral",
     "granite",
+    "phi4_mini_json",
     "pythonic",
 )
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # both read <think> ... </think>

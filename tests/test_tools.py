@@ -1,8 +1,9 @@
-"""Tool calls: the Hermes parser on its own, then `tools` / `tool_choice` through a real server.
+"""Tool calls: each format's parser on its own (whole, streamed a character at a time, what is not
+a call), then `tools` / `tool_choice` through a real server.
 
 With the tiny random model, `required` and named calls show the grammar at work (the call always
-parses and its arguments validate); `auto` is checked by forcing the model's text to a Hermes call
-with a choice constraint, so the auto parser sees exactly what a Hermes model writes.
+parses and its arguments validate); `auto` is checked by forcing the model's text to a call in the
+server's format with a choice constraint, so the parser sees exactly what such a model writes.
 """
 
 from __future__ import annotations
@@ -190,6 +191,12 @@ FORMATS = [
         '{"name": "get_time", "arguments": {"zone": "CET"}}]',
         "",
     ),
+    (
+        "phi4_mini_json",
+        'Let me check.functools[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},'
+        ' {"name": "get_time", "parameters": {"zone": "CET"}}]',
+        "Let me check.",
+    ),
     ("pythonic", "[get_weather(city='Paris', days=2), get_time(zone=\"CET\")]", ""),
 ]
 
@@ -258,6 +265,8 @@ def test_plain_answers_stream_as_they_come(name):
         ("granite", '<tool_call>{"name": "f", "arguments": {}}'),  # Hermes' block, not a list
         ("mistral", "Sure.[TOOL_CALLS]not a call!"),
         ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}'),
+        ("phi4_mini_json", "Use functools[lru_cache] here."),
+        ("phi4_mini_json", 'functools[{"name": "f", "arguments": {}}] and more'),
         ("pythonic", "[f(1)]"),  # positional
         ("pythonic", "[f(a=b)]"),  # not a literal
         ("pythonic", "[f(a={1, 2})]"),  # a set: not JSON

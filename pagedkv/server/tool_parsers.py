@@ -8,6 +8,7 @@
   ...}` objects apart by `;`, perhaps after `<|python_tag|>`;
 - `mistral`: content, then `[TOOL_CALLS]` and a JSON list of calls, or (tokenizers v11 on) one
   `[TOOL_CALLS]name{arguments}` (or `name[ARGS]{...}`) per call;
+- `phi4_mini_json` (Phi-4-mini): content, then `functools[...]`, a JSON list of calls;
 - `granite` (Granite 3.x): the whole answer is a JSON list of calls, perhaps after `<|tool_call|>`
   or `<tool_call>`;
 - `pythonic` (Llama 3.2 and 4 with a pythonic template, ToolACE): the whole answer is a Python
@@ -314,6 +315,21 @@ class MistralToolParser(MarkedToolParser):
     id_length: int | None = 9
 
 
+class Phi4MiniJsonToolParser(MarkedToolParser):
+    name = "phi4_mini_json"
+    start = "functools["
+    instructions = (
+        "To call functions, write functools and a JSON list of calls: "
+        'functools[{"name": <function-name>, "arguments": <args-json-object>}]'
+    )
+
+    def _calls(self, text: str, final: bool) -> list[ParsedCall]:
+        return _list_calls(text, len(self.start), final)
+
+    def write(self, calls: list[tuple[str, Any]]) -> str:
+        return "functools" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+
+
 class PythonicToolParser(ToolParser):
     name = "pythonic"
     instructions = (
@@ -353,6 +369,7 @@ PARSERS: dict[str, type[ToolParser]] = {
     "llama4_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "granite": GraniteToolParser,
+    "phi4_mini_json": Phi4MiniJsonToolParser,
     "pythonic": PythonicToolParser,
 }
 
