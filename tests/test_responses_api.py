@@ -646,6 +646,18 @@ def test_a_cancelled_background_response_frees_its_blocks(client, server):
     assert cancelled.status == "cancelled" and cancelled.output == []
     assert client.responses.retrieve(r.id).status == "cancelled"
     assert server.wait_idle()["used"] == 0
+    # deleted while it runs: stopped first, so that its end does not keep it again
+    running = client.responses.create(
+        model="tiny",
+        input=QUESTION,
+        max_output_tokens=900,
+        background=True,
+        extra_body={"ignore_eos": True},
+    )
+    client.responses.delete(running.id)
+    assert server.wait_idle()["used"] == 0
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(running.id)
 
 
 @pytest.mark.parametrize(

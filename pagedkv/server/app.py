@@ -288,9 +288,7 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> Response:
         known_query(request)
-        serving.stored_response(response_id)  # (404 if not kept)
-        assert serving.stored is not None
-        serving.stored.delete(response_id)
+        await serving.delete_response(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.post("/v1/responses/{response_id}/cancel")

@@ -459,6 +459,15 @@ class OpenAIServing:
         await asyncio.wait([task])
         return self.stored_response(response_id).body
 
+    async def delete_response(self, response_id: str) -> None:
+        """Forgets a kept response (404 if none), stopping it first if it runs in the background
+        (else its end would keep it again)."""
+        self.stored_response(response_id)
+        if response_id in self.background:
+            await self.cancel_response(response_id)
+        assert self.stored is not None  # (stored_response found it)
+        self.stored.delete(response_id)
+
     async def collect(
         self, events: AsyncGenerator[tuple[int, RequestOutput], None], num: int
     ) -> list[RequestOutput]:
