@@ -90,24 +90,6 @@ def test_text_that_is_not_a_call_stays_content(text):
     assert parsed.content == text and final_tool_calls(parsed, HermesToolParser()) == []
 
 
-def test_streamed_pieces_add_up_to_the_whole():
-    """Fed a character at a time, the deltas rebuild the same content and calls as one parse."""
-    stream, content, calls = ToolCallStream(HermesToolParser()), "", {}
-    for end in range(1, len(HERMES) + 1):
-        text, deltas = stream.update(HERMES[:end], final=end == len(HERMES))
-        content += text
-        for d in deltas:
-            call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
-            assert d.id is None or d.id == call["id"]
-            call["arguments"] += d.function.arguments or ""
-    assert content == "Let me check."
-    whole = HermesToolParser().parse(HERMES, final=True).calls
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
-        (c.name, c.arguments) for c in whole
-    ]
-    assert all(c["id"] for c in calls.values())
-
-
 def test_tools_and_history_reach_a_template_that_knows_no_tools(tiny_model_dir):
     history = [
         {"role": "user", "content": "Weather?", "name": "alice"},
