@@ -128,7 +128,7 @@ TOOL_CALL_PARSERS = (
     "phi4_mini_json",
     "pythonic",
 )
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # both read <think> ... </think>
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "granite")  # engine/reasoning.py
 CONTENT_FORMATS = ("auto", "string", "openai")  # --chat-template-content-format
 QUANTIZATIONS = ("none", "int8", "gguf")  # weights; None = gguf for a GGUF file on CPU, else none
 
@@ -272,6 +272,7 @@ SERVE_ONLY = frozenset(
         "exclude_tools_when_tool_choice_none",
         "chat_template_content_format",
         "max_stored_responses",
+        "default_chat_template_kwargs",
     }
 )
 # integer options >= 1, and those of them that may be None (not set)
@@ -415,8 +416,14 @@ class EngineConfig:
     lora_modules: list | dict | None = None
     max_lora_rank: int = 16
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask; -1: no cap
-    # <think> sections: the chat answer's `reasoning`, and a grammar waits for their end
+    # thinking sections (engine/reasoning.py): the chat answer's `reasoning`, a grammar waits for
+    # their end, a request's thinking_token_budget ends them
     reasoning_parser: str | None = None
+    # vLLM's {"reasoning_start_str": ..., "reasoning_end_str": ...}: the text a thinking budget
+    # forces to close a section (a phrase, then the closing tag)
+    reasoning_config: dict | str | None = None
+    # vLLM's: chat template arguments of every request that does not set them itself
+    default_chat_template_kwargs: dict | str | None = None
 
     def __post_init__(self) -> None:
         for name in PATH_FIELDS:  # LLM(model=Path(...)), as vLLM takes them
@@ -579,6 +586,20 @@ class EngineConfig:
         need(
             self.reasoning_parser in (None, *REASONING_PARSERS),
             f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}",
+        )
+        self.reasoning_config = json_object(
+            "--reasoning-config",
+            self.reasoning_config,
+            '{"reasoning_end_str": "Time is up, I answer now.</think>"}',
+        )
+        need(
+            not self.reasoning_config or self.reasoning_parser is not None,
+            "--reasoning-config needs --reasoning-parser",
+        )
+        self.default_chat_template_kwargs = json_object(
+            "--default-chat-template-kwargs",
+            self.default_chat_template_kwargs,
+            '{"enable_thinking": false}',
         )
         need(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,

@@ -14,7 +14,15 @@ import pytest
 from server_process import TINY_SERVER, ServerProcess, serve_error
 from tiny_model import make_tiny_model
 
-from pagedkv.engine.reasoning import END, START, ReasoningTags, Section, ThinkState, split_reasoning
+from pagedkv.engine.reasoning import (
+    END,
+    FORMATS,
+    START,
+    ReasoningSplit,
+    ReasoningTags,
+    Section,
+    ThinkState,
+)
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.server.protocol import ChatMessage
 
@@ -34,6 +42,10 @@ TEXTS = [
 
 
 # ---------------------------------------------------------------- the rule
+
+
+def split_reasoning(text: str, first: Section, final: bool, parser: str = "qwen3"):
+    return ReasoningSplit(FORMATS[parser].marks, first).split(text, final)
 
 
 @pytest.mark.parametrize("first", [Section.THINK, Section.EITHER])
@@ -296,8 +308,10 @@ def test_a_parser_the_model_cannot_serve_is_one_line_and_exit_2(tiny_model_dir):
     errors = [line for line in lines if "error" in line]
     assert len(errors) == 1 and "no <think> token" in lines[-1], lines
     assert not any("loaded" in line for line in lines), lines  # before the weights load
-    lines = serve_error("--model", tiny_model_dir, "--reasoning-parser", "granite")
-    assert len(lines) == 1 and "deepseek_r1, qwen3" in lines[0], lines
+    lines = serve_error("--model", tiny_model_dir, "--reasoning-parser", "mistral")
+    assert "no [THINK] token" in lines[-1], lines
+    lines = serve_error("--model", tiny_model_dir, "--reasoning-parser", "olmo3")
+    assert len(lines) == 1 and "deepseek_r1, qwen3, mistral, granite" in lines[0], lines
 
 
 def test_completions_are_left_as_the_model_wrote_them(server, closing_bias):
@@ -315,3 +329,70 @@ def test_completions_are_left_as_the_model_wrote_them(server, closing_bias):
     assert r.status_code == 200
     choice = r.json()["choices"][0]
     assert END in choice["text"] and "reasoning" not in choice
+
+
+# ---------------------------------------------------------------- thinking_token_budget
+
+
+def test_a_thinking_budget_is_forced_after_that_many_tokens():
+    tags = ReasoningTags("qwen3", 7, 8, closing=(5, 6, 8))  # a phrase, then the closing tag
+    state = ThinkState.of(tags, [1, 7], [])
+    drawn = []
+    for _ in range(6):
+        token = state.forced(2)
+        drawn.append(token)
+        state.step(3 if token is None else token)
+    assert drawn == [None, None, 5, 6, 8, None]  # two free, the phrase, then the answer
+    assert state.section is Section.ANSWER
+    undecided = ThinkState.of(tags, [1], [])
+    assert undecided.forced(0) is None  # nothing to close before a section opens
+    undecided.step(7)
+    assert undecided.forced(0) == 5  # ... and at once after it opens with a budget of 0
+
+
+def detokenized(server, ids: list[int]) -> str:
+    r = server.http.post("/detokenize", json={"model": "tiny", "tokens": ids})
+    assert r.status_code == 200, r.text
+    return r.json()["prompt"]
+
+
+@pytest.mark.parametrize("budget", [0, 3])
+def test_a_thinking_budget_closes_the_section(server, tags, budget):
+    """The section ends after `budget` tokens (a random model never ends one by itself), the same
+    tokens as without a budget before that; the rest is the answer, streamed alike."""
+    free = chat(server, ignore_eos=True)["choices"][0]
+    assert tags.end_id not in free["token_ids"]
+    choice = chat(server, ignore_eos=True, thinking_token_budget=budget)["choices"][0]
+    ids = choice["token_ids"]
+    assert ids[:budget] == free["token_ids"][:budget] and ids[budget] == tags.end_id
+    message = choice["message"]
+    reasoning = message["reasoning"] or ""
+    assert reasoning == detokenized(server, ids[:budget]) and message["content"]
+    # the same request as a completion (never split) is closed alike
+    assert raw_text(server, ignore_eos=True, thinking_token_budget=budget) == (
+        reasoning + END + message["content"]
+    )
+    streamed = stream(server, ignore_eos=True, thinking_token_budget=budget)
+    assert streamed[:2] == (reasoning, message["content"])
+    # a budget the output never reaches changes nothing
+    roomy = chat(server, ignore_eos=True, thinking_token_budget=16)["choices"][0]
+    assert roomy["token_ids"] == free["token_ids"]
+
+
+def test_a_grammar_takes_over_where_the_budget_closed_the_section(server, tags):
+    choice = chat(server, thinking_token_budget=2, structured_outputs={"choice": ["yes", "no"]})[
+        "choices"
+    ][0]
+    assert choice["token_ids"][2] == tags.end_id
+    assert choice["message"]["content"] in ("yes", "no") and choice["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"thinking_token_budget": -1}, {"thinking_token_budget": 2, "use_beam_search": True, "n": 2}],
+)
+def test_a_bad_thinking_budget_is_a_400_naming_it(server, extra):
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **extra}
+    r = server.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "thinking_token_budget", r.text

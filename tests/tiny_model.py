@@ -33,6 +33,7 @@ FAMILIES = ("qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TAGS = ["<think>", "</think>"]  # added tokens, not special: they stay in decoded text
 TOOL_TAGS = ["[TOOL_CALLS]"]  # Mistral's: a special token, gone from text decoded skipping those
+MISTRAL_THINK_TAGS = ["[THINK]", "[/THINK]"]  # Magistral's: special tokens too
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in blocks. "
     "Hello world! Serving a model means holding each request's cache while it grows a token at a time. "
@@ -41,10 +42,13 @@ _CORPUS = (
 )
 
 
-def _train_tokenizer(vocab_size: int, think_tags: bool = False, tool_tags: bool = False):
+def _train_tokenizer(
+    vocab_size: int, think_tags: bool = False, tool_tags: bool = False, mistral_think: bool = False
+):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    added = THINK_TAGS * think_tags + TOOL_TAGS * tool_tags
+    special = TOOL_TAGS * tool_tags + MISTRAL_THINK_TAGS * mistral_think
+    added = THINK_TAGS * think_tags + special
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -58,8 +62,8 @@ def _train_tokenizer(vocab_size: int, think_tags: bool = False, tool_tags: bool 
     tok.train_from_iterator([_CORPUS] * 20, trainer=trainer)
     if think_tags:
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TAGS])
-    if tool_tags:
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TOOL_TAGS])
+    if special:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     return tok
 
 
@@ -136,6 +140,7 @@ def make_tiny_model(
     tie: bool = False,
     think_tags: bool = False,
     tool_tags: bool = False,
+    mistral_think: bool = False,
     arch: str = "llama",
 ) -> str:
     """Write the folder (once) and return its path. arch: "llama", "qwen2" (q/k/v biases),
@@ -145,7 +150,8 @@ def make_tiny_model(
     "gemma3" (Gemma 3's text model; see _gemma, _gemma2 and
     _gemma3), or "gemma3_vision" (that text model inside Gemma 3's image-and-text model, with a
     small vision tower). think_tags: <think> and </think> as added tokens;
-    tool_tags: Mistral's [TOOL_CALLS] as a special token."""
+    tool_tags: Mistral's [TOOL_CALLS] as a special token; mistral_think: Magistral's [THINK] and
+    [/THINK], special tokens too."""
     import torch
     import transformers
 
@@ -153,7 +159,7 @@ def make_tiny_model(
     if (path / "config.json").exists():
         return str(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer(vocab_size, think_tags, tool_tags)
+    tok = _train_tokenizer(vocab_size, think_tags, tool_tags, mistral_think)
     tok.save(str(path / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
     config_class, model_class, extra = {

@@ -96,6 +96,13 @@ def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingP
         )
     if params.structured_outputs is not None:
         engine.structured.compile(params.structured_outputs)  # cached: the server compiled it
+    if params.thinking_token_budget is not None and engine.thinking is None:
+        raise ParamError(
+            "thinking_token_budget",
+            "thinking_token_budget needs an engine started with --reasoning-parser "
+            "deepseek_r1, qwen3 or mistral (reasoning_parser= offline)"
+            + (": granite's marks are phrases, not tokens" if engine.reasoning else ""),
+        )
     if params.bad_words and not params.bad_words_token_ids:
         params.bad_words_token_ids = bad_words_token_ids(engine.tokenizer, params.bad_words)
     _check_first_token_allowed(params, engine.tokenizer.eos_token_ids)

@@ -32,7 +32,7 @@ from pagedkv.engine.pooling import (
     PoolingParams,
     embedding,
 )
-from pagedkv.engine.reasoning import ReasoningTags
+from pagedkv.engine.reasoning import ReasoningTags, ThinkTracker
 from pagedkv.engine.request import EVERY_TOKEN, ParamError, SamplingParams
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler
@@ -103,7 +103,11 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()
         if config.reasoning_parser and loaded is None:  # its tags, before the weights load
-            ReasoningTags.of(config.reasoning_parser, read_checkpoint(config.model)[0].tokenizer)
+            ReasoningTags.of(
+                config.reasoning_parser,
+                read_checkpoint(config.model)[0].tokenizer,
+                config.reasoning_config,
+            )
         self.loaded, num_kv_heads = load_engine_model(config, self.device, loaded)
         if self.loaded.config.encoder:
             self.config = config = encoder_config(config)
@@ -128,7 +132,7 @@ class LLMEngine:
         self.projection = self.pooler.projection(self.loaded.config.hidden_size)
         apply_engine_options(self, config)  # seed, chat template
         self.reasoning = (
-            ReasoningTags.of(config.reasoning_parser, self.tokenizer)
+            ReasoningTags.of(config.reasoning_parser, self.tokenizer, config.reasoning_config)
             if config.reasoning_parser
             else None
         )
@@ -191,8 +195,12 @@ class LLMEngine:
             loras=self.loras,
             lora_cut=rank_lora_cut(config, self.loaded, 0),
         )
-        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.reasoning)
-        self.sampler = Sampler(self.tokenizer.eos_token_ids, self.structured)
+        # sections followed by token: a grammar waits for the answer, a thinking budget ends them
+        self.thinking = (
+            ThinkTracker(self.reasoning) if self.reasoning and self.reasoning.tokens else None
+        )
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.thinking)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, self.structured, self.thinking)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.faults = FaultInjector.from_env(self.tokenizer)  # tests only: see faults.py
         self._forward = IsolatedForward(self.runner, self._check_faults)

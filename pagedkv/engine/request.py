@@ -32,7 +32,7 @@ MAX_LENGTH_PENALTY = 100.0
 BEAM_EXCLUDED = (
     "top_p", "top_k", "min_p", "seed", "min_tokens", "stop", "stop_token_ids", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
-    "bad_words", "prompt_logprobs", "structured_outputs",
+    "bad_words", "prompt_logprobs", "structured_outputs", "thinking_token_budget",
 )  # fmt: skip
 
 
@@ -212,6 +212,9 @@ class SamplingParams:
     # last, raising the engine's --stream-interval (None: as the engine says)
     stream_interval: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: a reasoning section that has run this many tokens is closed, its closing tokens
+    # forced (engine/reasoning.py; needs a reasoning parser whose marks are tokens)
+    thinking_token_budget: int | None = None
     # beam search (engine/beam_search.py): n beams, scored by cumulative logprob / length **
     # length_penalty; the fields of sampling (BEAM_EXCLUDED) cannot be combined with it
     use_beam_search: bool = False
@@ -295,6 +298,8 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0)
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget, 0)
         _need(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens",

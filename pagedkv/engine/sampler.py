@@ -137,9 +137,10 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int], structured=None) -> None:
+    def __init__(self, eos_token_ids: set[int], structured=None, thinking=None) -> None:
         self.eos_token_ids = eos_token_ids
         self.structured = structured  # engine.structured.StructuredOutputs: grammar masks
+        self.thinking = thinking  # engine.reasoning.ThinkTracker: sections, thinking budgets
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], uniforms: list[float]
@@ -151,6 +152,8 @@ class Sampler:
         apply_token_rules(logits, seqs)
         if self.structured is not None:
             self.structured.apply(logits, seqs)
+        if self.thinking is not None:
+            self.thinking.force(logits, seqs)
         _end_dead_rows(logits, seqs, self.eos_token_ids)
         params = [s.params for s in seqs]
         greedy = torch.tensor([p.temperature == 0.0 for p in params])
@@ -170,7 +173,16 @@ class Sampler:
             )
             tokens = torch.where(greedy, tokens, drawn)
         token_list = tokens.tolist()
-        done = self.structured.accept(seqs, token_list) if self.structured is not None else None
+        answers = (
+            self.thinking.advance(seqs, token_list)
+            if self.thinking is not None
+            else [True] * len(seqs)
+        )
+        done = (
+            self.structured.accept(seqs, token_list, answers)
+            if self.structured is not None
+            else None
+        )
         return SampleResult(token_list, self._logprobs(logits, seqs, token_list), done)
 
     @staticmethod

@@ -13,8 +13,9 @@ matchers; a sequence whose grammar can take no more tokens is finished.
 JSON is generated compact (no optional whitespace): the same values, and a model cannot pad the
 output with blank lines until max_tokens.
 
-With a reasoning parser (engine/reasoning.py) the grammar constrains the answer only: rows still
-thinking are left free, and a row whose first token is undecided may also draw `<think>`.
+With a reasoning parser whose marks are tokens (engine/reasoning.py) the grammar constrains the
+answer only: rows still thinking are left free, and a row whose first token is undecided may also
+draw the opening tag.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import llguidance
 import torch
 
 from pagedkv.config import ConfigError
-from pagedkv.engine.reasoning import ReasoningTags, Section, ThinkState
+from pagedkv.engine.reasoning import Section, ThinkState, ThinkTracker
 from pagedkv.engine.request import StructuredOutputsParams
 from pagedkv.engine.sequence import Sequence
 
@@ -68,17 +69,14 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
 class StructuredOutputs:
     """Grammar compilation (cached) and the per-sequence matchers of one engine."""
 
-    def __init__(self, tokenizer, vocab_size: int, reasoning: ReasoningTags | None = None) -> None:
+    def __init__(self, tokenizer, vocab_size: int, thinking: ThinkTracker | None = None) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
-        self.reasoning = reasoning
+        self.thinking = thinking
         self._lltok: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self._matchers: weakref.WeakKeyDictionary[Sequence, llguidance.LLMatcher] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._thinking: weakref.WeakKeyDictionary[Sequence, ThinkState] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -122,22 +120,10 @@ class StructuredOutputs:
 
     def _answer(self, seq: Sequence) -> list[int]:
         """The output tokens the grammar has taken: all of them, or the answer's."""
-        if self.reasoning is None:
+        if self.thinking is None:
             return seq.output_token_ids
-        state = ThinkState.of(self.reasoning, seq.token_ids[: seq.num_prompt_tokens], [])
+        state = ThinkState.of(self.thinking.tags, seq.token_ids[: seq.num_prompt_tokens], [])
         return [t for t in seq.output_token_ids if state.step(t)]
-
-    def _state(self, seq: Sequence) -> ThinkState | None:
-        """Where the row's output stands (None without a reasoning parser: always the answer)."""
-        if self.reasoning is None:
-            return None
-        state = self._thinking.get(seq)
-        if state is None:
-            prompt = seq.token_ids[: seq.num_prompt_tokens]
-            state = self._thinking[seq] = ThinkState.of(
-                self.reasoning, prompt, seq.output_token_ids
-            )
-        return state
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Mask, in place, every token the grammar of each constrained row forbids.
@@ -149,8 +135,7 @@ class StructuredOutputs:
         for i, seq in enumerate(seqs):
             if seq.params.structured_outputs is None:
                 continue
-            state = self._state(seq)
-            section = Section.ANSWER if state is None else state.section
+            section = Section.ANSWER if self.thinking is None else self.thinking.state(seq).section
             if section is not Section.THINK:  # a row still thinking is left free
                 rows.append(i)
                 undecided.append(section is Section.EITHER)
@@ -162,21 +147,21 @@ class StructuredOutputs:
         for k, i in enumerate(rows):  # llguidance writes each row in place, the GIL released
             self._matcher(seqs[i]).unsafe_compute_mask_ptr(bitmask[k].data_ptr(), row_bytes)
             if undecided[k]:
-                assert self.reasoning is not None  # only a reasoning parser leaves it undecided
-                byte, bit = divmod(self.reasoning.start_id, 8)  # the model may think first
+                assert self.thinking is not None  # only a reasoning parser leaves it undecided
+                start_id = self.thinking.tags.start_id
+                assert start_id is not None  # (a tracker's tags are tokens)
+                byte, bit = divmod(start_id, 8)  # the model may think first
                 bitmask[k].view(torch.uint8)[byte] |= 1 << bit
         bias = _BYTE_BIAS.index_select(0, bitmask.view(torch.uint8).view(-1).long())
         index = torch.tensor(rows)
         logits.index_add_(0, index, bias.view(len(rows), -1)[:, :vocab])  # branch-free
 
-    def accept(self, seqs: list[Sequence], tokens: list[int]) -> list[bool]:
-        """Advance each constrained row's matcher; True where its grammar is now complete."""
+    def accept(self, seqs: list[Sequence], tokens: list[int], answers: list[bool]) -> list[bool]:
+        """Advance each constrained row's matcher by its token if that is the answer's (not a
+        reasoning section's); True where its grammar is now complete."""
         done = [False] * len(seqs)
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            if seq.params.structured_outputs is None:
-                continue
-            state = self._state(seq)  # as of the output so far, then past this token
-            if state is not None and not state.step(token):
+            if seq.params.structured_outputs is None or not answers[i]:
                 continue
             m = self._matcher(seq)
             m.consume_token(token)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput, SampleLogprob
-from pagedkv.engine.reasoning import Section, split_reasoning
+from pagedkv.engine.reasoning import ReasoningSplit
 from pagedkv.server import responses as api
 from pagedkv.server.response_format import (
     MIN_LOGPROB,
@@ -33,9 +33,9 @@ class ChatFormat(ResponseFormat):
     parser: ToolParser | None = None  # tool calls are read from the output
     role: str = "assistant"  # the answer's
     echo: str = ""  # the last message, when the client asked to echo it
-    # with a reasoning parser: where the output begins (engine/reasoning.py), and whether the
-    # client gets the reasoning (include_reasoning)
-    thinking: Section | None = None
+    # with a reasoning parser: its marks and where the output begins (engine/reasoning.py), and
+    # whether the client gets the reasoning (include_reasoning)
+    thinking: ReasoningSplit | None = None
     include_reasoning: bool = True
     streams: dict[int, _Sent] = field(default_factory=dict)
 
@@ -88,7 +88,7 @@ class ChatFormat(ResponseFormat):
         """(reasoning, content) of the output so far; no reasoning without a reasoning parser."""
         if self.thinking is None:
             return "", text
-        reasoning, content = split_reasoning(text, self.thinking, final)
+        reasoning, content = self.thinking.split(text, final)
         return (reasoning if self.include_reasoning else ""), content
 
     def chunk(self, d: Delta) -> BaseModel | None:

@@ -12,7 +12,7 @@ import json
 import sys
 
 from pagedkv.cli import add_engine_args, engine_config_from_args
-from pagedkv.config import TOOL_CALL_PARSERS, ConfigError, EngineConfig
+from pagedkv.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ConfigError, EngineConfig
 from pagedkv.server.listen import HTTPOptions
 
 UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
@@ -131,8 +131,23 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--reasoning-parser",
         default=None,
-        help="deepseek_r1 or qwen3: a chat answer's <think> section becomes its `reasoning`, and "
-        "a structured output constrains what follows it",
+        help=", ".join(REASONING_PARSERS) + ": a chat answer's thinking section becomes its "
+        "`reasoning`, a structured output constrains what follows it, and a request's "
+        "thinking_token_budget closes it",
+    )
+    p.add_argument(
+        "--reasoning-config",
+        default=None,
+        metavar="JSON",
+        help='what a thinking budget forces to close a section: {"reasoning_end_str": '
+        '"a phrase, then the closing tag"}',
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="chat template arguments of every request that does not set them, e.g. "
+        "'{\"enable_thinking\": false}'",
     )
     p.add_argument(
         "--ray-address", default=None, help="join this Ray cluster (default: start a local one)"

@@ -198,6 +198,8 @@ class _SamplingRequest(RequestModel):
     use_beam_search: bool = False  # n beams (engine/beam_search.py)
     length_penalty: FiniteFloat = 1.0
     stream_interval: Annotated[Int64, doc(minimum=1)] | None = None  # over --stream-interval
+    # with --reasoning-parser: a section that has run this many tokens is closed
+    thinking_token_budget: Annotated[Int64, doc(minimum=0)] | None = None
     _unsupported = model_validator(mode="before")(reject_unsupported)
     understood = frozenset(UNSUPPORTED)
 
@@ -235,6 +237,7 @@ class _SamplingRequest(RequestModel):
             use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
             stream_interval=self.stream_interval,
+            thinking_token_budget=self.thinking_token_budget,
         )
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

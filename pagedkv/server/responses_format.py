@@ -19,7 +19,6 @@ from typing import Any
 from pydantic import BaseModel, RootModel
 
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.reasoning import split_reasoning
 from pagedkv.server import responses as api
 from pagedkv.server.chat_format import ChatFormat
 from pagedkv.server.response_format import Delta, usage_of
@@ -138,7 +137,7 @@ class ResponsesFormat(ChatFormat):
             call_id = streamed[i].id if i < len(streamed) else self.parser.call_id()  # as streamed
             output.append({**item, "call_id": call_id, "name": call.name})
         # the tokens spent thinking, shown or not (include_reasoning)
-        thought = split_reasoning(o.text, self.thinking, True)[0] if self.thinking else ""
+        thought = self.thinking.split(o.text, True)[0] if self.thinking else ""
         counted = self.count_tokens(thought) if thought and self.count_tokens else 0
         usage = usage_json(usage_of(finals), counted)
         body = self._body(status, output, usage, "max_output_tokens" if cut else None)

@@ -65,6 +65,7 @@ CHAT_EXTENSIONS = (
     "chat_template_kwargs",
     "skip_special_tokens",
     "include_reasoning",
+    "thinking_token_budget",
 )
 TEXT_PARTS = ("input_text", "output_text")
 

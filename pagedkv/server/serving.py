@@ -173,8 +173,10 @@ class OpenAIServing:
         params = self.model_defaults(req, req.sampling_params())
         params.lora_name = lora
         plan = plan_tools(req, self.engine.config)
-        if plan.parser is not None and plan.parser.keeps_special_tokens:
-            params.skip_special_tokens = False  # the format's marker is one (as vLLM's mistral)
+        tags = self.engine.engine.reasoning
+        keeps = plan.parser is not None and plan.parser.keeps_special_tokens
+        if keeps or (tags is not None and tags.special):
+            params.skip_special_tokens = False  # a mark is a special token (as vLLM's mistral)
         if plan.grammar is not None:
             if params.structured_outputs is not None:
                 raise ParamError(
@@ -193,7 +195,6 @@ class OpenAIServing:
         last = req.messages[-1]
         role = self.engine.config.response_role if req.add_generation_prompt else last.role
         echo = content_text(last.content) or "" if req.echo and last.role == role else ""
-        tags = self.engine.engine.reasoning
         fmt = form(
             answer_id or request_id("chatcmpl", request, req.request_id),
             lora or self.engine.model_name,
@@ -202,7 +203,7 @@ class OpenAIServing:
             parser=plan.parser,
             role=role,
             echo=echo,
-            thinking=tags.first_section(prompt) if tags else None,
+            thinking=tags.split_for(prompt) if tags else None,
             include_reasoning=req.include_reasoning,
             **form_fields,
         )

@@ -145,12 +145,14 @@ def chat_prompt(tokenizer, req, config: EngineConfig, parser: ToolParser | None 
     --trust-request-chat-template (as in vLLM: rendering one can take the server's CPU and
     memory). The tools are shown to the model even with tool_choice "none", as in vLLM, unless
     --exclude-tools-when-tool-choice-none."""
-    kwargs = req.chat_template_kwargs or {}
+    own = req.chat_template_kwargs or {}
+    defaults = config.default_chat_template_kwargs or {}
+    assert isinstance(defaults, dict)  # EngineConfig parsed the flag's JSON
     sent = (  # the field that carries a template sent with the request
         "chat_template"
         if req.chat_template is not None
         else "chat_template_kwargs"
-        if kwargs.get("chat_template") is not None
+        if own.get("chat_template") is not None
         else None
     )
     if sent and not config.trust_request_chat_template:
@@ -180,7 +182,8 @@ def chat_prompt(tokenizer, req, config: EngineConfig, parser: ToolParser | None 
             chat_template=req.chat_template,
             tools=tools,
             documents=req.documents,
-            chat_template_kwargs=kwargs,
+            # --default-chat-template-kwargs under the request's own
+            chat_template_kwargs={**defaults, **own},
             content_format=config.chat_template_content_format,
         )
     except ParamError:
