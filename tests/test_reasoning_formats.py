@@ -254,6 +254,19 @@ def test_a_budget_forces_the_configured_phrase(qwen3):
     assert choice["token_ids"][2 : 2 + len(phrase)] == phrase
     assert choice["message"]["reasoning"].endswith(PHRASE.removesuffix(END))
     assert choice["message"]["content"]
+    # /v1/responses passes the budget on as well
+    answer = post(
+        qwen3,
+        "/v1/responses",
+        input=MESSAGES,
+        chat_template_kwargs=opened,
+        temperature=0,
+        max_output_tokens=16,
+        thinking_token_budget=2,
+    )
+    thought = answer["output"][0]
+    assert thought["type"] == "reasoning", answer
+    assert thought["content"][0]["text"] == choice["message"]["reasoning"]
 
 
 @pytest.mark.parametrize(
