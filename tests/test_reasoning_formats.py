@@ -222,6 +222,7 @@ def qwen3(think_model):
         json.dumps({"reasoning_end_str": PHRASE}),
         "--default-chat-template-kwargs",
         '{"enable_thinking": false}',
+        "--trust-request-chat-template",
     ) as s:
         yield s
 
@@ -235,6 +236,40 @@ def test_the_servers_template_arguments_apply_unless_a_request_sets_them(qwen3):
     assert closed == own + shut["tokens"]  # the default closed an empty section
     message = post(qwen3, "/v1/chat/completions", messages=MESSAGES, temperature=0, max_tokens=8)
     assert message["choices"][0]["message"].get("reasoning") is None  # answered as content
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it(qwen3):
+    """As `reasoning_effort`, and as `enable_thinking` (false for "none") unless the request's
+    own arguments set that; /v1/responses' reasoning.effort the same way."""
+
+    def prompt(**body) -> list[int]:
+        answer = post(
+            qwen3,
+            "/v1/chat/completions",
+            messages=MESSAGES,
+            max_tokens=1,
+            return_token_ids=True,
+            **body,
+        )
+        return answer["prompt_token_ids"]
+
+    closed = prompt()  # the server's default: thinking off
+    opened = prompt(chat_template_kwargs={"enable_thinking": True})
+    assert closed != opened
+    assert prompt(reasoning_effort="none") == closed
+    assert prompt(reasoning_effort="low") == opened
+    own = {"enable_thinking": False}
+    assert prompt(reasoning_effort="high", chat_template_kwargs=own) == closed
+    shown = prompt(
+        reasoning_effort="minimal", chat_template="{{ reasoning_effort }} {{ enable_thinking }}"
+    )
+    said = post(qwen3, "/tokenize", prompt="minimal True", add_special_tokens=False)["tokens"]
+    assert shown == said
+    answer = post(
+        qwen3, "/v1/responses", input=MESSAGES, reasoning={"effort": "low"}, max_output_tokens=1
+    )
+    assert answer["reasoning"] == {"effort": "low", "summary": None}
+    assert answer["usage"]["input_tokens"] == len(opened)
 
 
 def test_a_budget_forces_the_configured_phrase(qwen3):

@@ -469,7 +469,7 @@ def test_unsupported_fields_are_400_naming_them(server, field, value):
             "--enable-auto-tool-choice",
         ),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "--enable-auto-tool-choice"),
-        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
         ({"best_of": 3}, "best_of"),
         ({"structural_tag": "{}"}, "structural_tag"),
         ({"continue_final_message": True}, "add_generation_prompt"),

@@ -69,6 +69,7 @@ NumLogprobs = Annotated[Int64, doc(minimum=-1)]
 RepetitionPenalty = Annotated[
     FiniteFloat, doc(minimum=REPETITION_PENALTY_RANGE[0], maximum=REPETITION_PENALTY_RANGE[1])
 ]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM's
 
 # the scoring routes (server/scoring.py), as vLLM serves them (Jina's and Cohere's clients too),
 # and the classifier's (server/classify.py)
@@ -398,6 +399,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     include_reasoning: bool = True  # false: the answer without its reasoning (--reasoning-parser)
+    # as vLLM: the chat template's `reasoning_effort`, and its `enable_thinking` (false for
+    # "none") unless chat_template_kwargs sets that
+    reasoning_effort: ReasoningEffort | None = None
     best_of: Count | None = None
 
     def sampling_params(self) -> SamplingParams:

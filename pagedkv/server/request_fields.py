@@ -30,7 +30,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "web_search_options": (None,),
     "functions": (None,),
     "function_call": (None,),
-    "reasoning_effort": (None,),
     "structural_tag": (None,),
 }
 GUIDED_BACKENDS = (None, "auto", "guidance", "llguidance")

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, PrivateAttr, TypeAdapter, model_validator
 
 from pagedkv.engine.request import ParamError
-from pagedkv.server.protocol import ChatCompletionRequest, Count
+from pagedkv.server.protocol import ChatCompletionRequest, Count, ReasoningEffort
 from pagedkv.server.request_fields import refusing
 from pagedkv.server.validation import (
     MAX_MESSAGES,
@@ -35,7 +35,6 @@ RESPONSES_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "conversation": (None,),
     "include": (None, []),
     "top_logprobs": (None, 0),
-    "reasoning": (None,),
     "prompt": (None,),
     "max_tool_calls": (None,),
     "truncation": (None, "disabled"),
@@ -214,6 +213,25 @@ class TextFormat(RequestModel):
         return self
 
 
+class ReasoningOptions(RequestModel):
+    """OpenAI's `reasoning`: its effort reaches the chat template as chat's reasoning_effort
+    does; a summary is not made (the reasoning comes back whole, as a reasoning item)."""
+
+    where = "reasoning."
+    understood = frozenset({"summary", "generate_summary"})
+    effort: ReasoningEffort | None = None
+    _no_summary = model_validator(mode="before")(
+        refusing(
+            {"summary": (None,), "generate_summary": (None,)},
+            {
+                name: f"reasoning.{name} is not supported: the reasoning comes back whole, as a "
+                "reasoning item (with --reasoning-parser)"
+                for name in ("summary", "generate_summary")
+            },
+        )
+    )
+
+
 class TextConfig(RequestModel):
     where = "text."
     format: TextFormat | None = None
@@ -245,6 +263,7 @@ class ResponsesRequest(RequestModel):
     store: bool | None = None  # (None: OpenAI's default, true)
     background: bool = False  # answered at once, queued; the client polls for the rest
     previous_response_id: Name | None = None
+    reasoning: ReasoningOptions | None = None
     _unsupported = model_validator(mode="before")(refusing(RESPONSES_UNSUPPORTED, WHY))
     # the chat extensions, kept as sent: the chat request they join types and checks them
     _extensions: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -351,6 +370,7 @@ class ResponsesRequest(RequestModel):
             "stream": self.stream,
             "user": self.user,
             "response_format": self.response_format(),
+            "reasoning_effort": self.reasoning.effort if self.reasoning else None,
             **self.chat_tools(),
             **self._extensions,
         }

@@ -239,6 +239,7 @@ class OpenAIServing:
             "user": req.user,
             "text": {"format": req.text_format()},
             "previous_response_id": req.previous_response_id,
+            "reasoning": req.reasoning and {"effort": req.reasoning.effort, "summary": None},
         }
         tok = self.engine.tokenizer
         keep = None

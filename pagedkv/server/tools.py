@@ -138,6 +138,18 @@ def _rebased(schema: Any, base: str) -> Any:
     return out
 
 
+def template_kwargs(req, defaults: dict) -> dict:
+    """The chat template's arguments: --default-chat-template-kwargs under the request's own, and
+    its reasoning_effort (chat completions), as vLLM passes it: as such, and as enable_thinking
+    (false for "none") unless the request's own arguments set that."""
+    own = req.chat_template_kwargs or {}
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is None:
+        return {**defaults, **own}
+    thinking = {} if "enable_thinking" in own else {"enable_thinking": effort != "none"}
+    return {**defaults, **own, **thinking, "reasoning_effort": effort}
+
+
 def chat_prompt(tokenizer, req, config: EngineConfig, parser: ToolParser | None = None) -> str:
     """A chat request (chat completions or /tokenize) as prompt text: template arguments, tools,
     history, continuation; `parser`: the format calls are read in (default: the server's). A
@@ -182,8 +194,7 @@ def chat_prompt(tokenizer, req, config: EngineConfig, parser: ToolParser | None 
             chat_template=req.chat_template,
             tools=tools,
             documents=req.documents,
-            # --default-chat-template-kwargs under the request's own
-            chat_template_kwargs={**defaults, **own},
+            chat_template_kwargs=template_kwargs(req, defaults),
             content_format=config.chat_template_content_format,
         )
     except ParamError:
