@@ -472,3 +472,90 @@ def test_an_encoder_gives_each_token_its_vector(bert):
         close(got, torch.nn.functional.normalize(rows, dim=-1))
     first = llm.embed(TEXTS[:1], use_tqdm=False)[0].outputs.embedding
     close(first, torch.as_tensor(outs[0].outputs.data)[0])
+
+
+def embeddinggemma_folder(folder: Path, **config) -> str:
+    """A random Gemma 3 text model attending both ways (EmbeddingGemma's config): four layers, the
+    third attending to all, the others to keys closer than 8 either way; 4 query heads over 2 K/V
+    heads; RoPE of two bases; every weight random (its norms' too)."""
+    encoder_folder(folder, "bert")  # (its tokenizer; the model is replaced)
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    shape = transformers.Gemma3TextConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        layer_types=[
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ],
+        max_position_embeddings=128,
+        use_bidirectional_attention=True,
+        pad_token_id=vocab["[PAD]"],
+        **config,
+    )
+    model = transformers.Gemma3TextModel(shape)
+    randomize(model, 5)
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def dense_module(folder: Path, index: int, weight: torch.Tensor) -> None:
+    """A Dense module without bias or activation (EmbeddingGemma's two), after the others."""
+    from safetensors.torch import save_file
+
+    modules = json.loads((folder / "modules.json").read_text())
+    path = f"{index}_Dense"
+    dense = {"idx": index, "name": str(index), "path": path}
+    modules.insert(index, {**dense, "type": "sentence_transformers.models.Dense"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / path).mkdir()
+    (folder / path / "config.json").write_text(
+        json.dumps(
+            {
+                "in_features": weight.shape[1],
+                "out_features": weight.shape[0],
+                "bias": False,
+                "activation_function": "torch.nn.modules.linear.Identity",
+            }
+        )
+    )
+    save_file({"linear.weight": weight.contiguous()}, str(folder / path / "model.safetensors"))
+
+
+def test_embeddinggemma_equals_transformers_and_sentence_transformers(tmp_path):
+    """Gemma 3's text model attending both ways (the longest text, 47 tokens, is wider than the
+    window of 8 either way): mean of transformers' hidden states by default; as
+    sentence-transformers ships EmbeddingGemma, that mean through two Dense modules (64 -> 96
+    -> 48), then unit length. It only makes embeddings."""
+    folder = Path(embeddinggemma_folder(tmp_path / "gemma"))
+    rows = hf_rows(str(folder), TEXTS)
+    llm = LLM(str(folder), dtype="float32")
+    assert llm.engine.pooler == Pooler("MEAN", True)
+    for out, h in zip(llm.embed(TEXTS, use_tqdm=False), rows):
+        close(out.outputs.embedding, torch.nn.functional.normalize(h.mean(0), dim=0))
+    with pytest.raises(ConfigError, match="makes embeddings only"):
+        llm.generate(TEXTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    st = Path(
+        sentence_transformers_folder(str(folder), tmp_path / "st", "pooling_mode_mean_tokens", True)
+    )
+    torch.manual_seed(6)
+    up, down = torch.randn(96, 64) * 0.2, torch.randn(48, 96) * 0.2
+    dense_module(st, 2, up)
+    dense_module(st, 3, down)
+    llm = LLM(str(st), dtype="float32")
+    for out, h in zip(llm.embed(TEXTS, use_tqdm=False), rows):
+        close(out.outputs.embedding, torch.nn.functional.normalize(down @ (up @ h.mean(0)), dim=0))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
+    with pytest.raises(ConfigError, match="use_bidirectional_attention=true"):
+        LLM(str(folder), dtype="float32")

@@ -177,7 +177,10 @@ class LlamaConfig:
     # type 1: every token after its prompt's first sep_token_id (as its tokenizer marks a pair:
     # filled in by the loader). ModernBERT's: RoPE (rope_theta; local_rope_theta on its window
     # layers, where a token sees those within sliding_window of it either way), LayerNorm
-    # before each block and at the end, a GeGLU MLP, no biases.
+    # before each block and at the end, a GeGLU MLP, no biases. "gemma3" (EmbeddingGemma): Gemma
+    # 3's text model with every layer attending both ways (its window layers to the keys closer
+    # than sliding_window either way: config.json's halved, plus one, as transformers reads it),
+    # mean-pooled unless its sentence-transformers modules say more.
     encoder: str = ""
     position_offset: int = 0
     sep_token_id: int | None = None
@@ -336,8 +339,18 @@ class LlamaConfig:
             for flag in ("final_logit_softcapping", "attn_logit_softcapping"):
                 if d.get(flag):
                     raise ConfigError(f"unsupported model option {flag}={d[flag]}")
+        # EmbeddingGemma: Gemma 3's text model attending both ways, an encoder (model/encoder.py)
+        bidirectional: dict[str, Any] = {}
+        window = _sliding_window(d)
         if d.get("use_bidirectional_attention"):
-            raise ConfigError("unsupported model option use_bidirectional_attention=true")
+            if model_type != "gemma3_text":
+                raise ConfigError(
+                    "unsupported model option use_bidirectional_attention=true (read for Gemma "
+                    "3's text model, EmbeddingGemma)"
+                )
+            bidirectional = {"encoder": "gemma3", "generates": False, "pooling": "MEAN"}
+            if window:  # as transformers reads it: half the window either way, and the token
+                window["sliding_window"] = window["sliding_window"] // 2 + 1
         # transformers 5 keeps RoPE in `rope_parameters` (Gemma 3's by layer type); older files
         # have rope_theta + rope_scaling, and a legacy rope_scaling wins where both appear (as in
         # transformers)
@@ -395,10 +408,11 @@ class LlamaConfig:
                 clip_qkv=d.get("clip_qkv") if model_type == "olmoe" else None,
                 **_granite(d),
                 **experts_of(d),
-                **_sliding_window(d),
+                **window,
                 **gemma_args,
                 **softcaps,
                 **flags,
+                **bidirectional,
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None

@@ -1,9 +1,9 @@
-"""Encoders (BERT, RoBERTa, XLM-RoBERTa; ModernBERT): the embedding models most
+"""Encoders (BERT, RoBERTa, XLM-RoBERTa; ModernBERT; EmbeddingGemma): the embedding models most
 sentence-transformers checkpoints are (all-MiniLM, bge, e5, gte; multilingual-e5, bge-m3;
-gte-modernbert, modernbert-embed), and their cross-encoders.
+gte-modernbert, modernbert-embed; embeddinggemma), and their cross-encoders.
 
 Every token attends to the tokens of its prompt before and after it (all of them, or on
-ModernBERT's window layers those within its window), so a prompt runs whole in
+ModernBERT's and EmbeddingGemma's window layers those within its window), so a prompt runs whole in
 one step (the scheduler never chunks one: `Scheduler(whole_prompts=True)`) and nothing of it is
 kept: no K/V is written to the paged cache or read from it, and no prefix is cached. Each prompt
 is one span of the step's rows; the spans attend apart, batched by length. The engine pools the
@@ -83,6 +83,22 @@ _MODERN_LAYER = {  # (after `layers.N.`)
     "mlp_norm.weight": "mlp_norm.weight",
     "mlp.Wi.weight": "up.weight",
     "mlp.Wo.weight": "down.weight",
+}
+# EmbeddingGemma's names (after `layers.N.`): ours
+_GEMMA_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "q.weight",
+    "self_attn.k_proj.weight": "k.weight",
+    "self_attn.v_proj.weight": "v.weight",
+    "self_attn.q_norm.weight": "q_norm.weight",
+    "self_attn.k_norm.weight": "k_norm.weight",
+    "self_attn.o_proj.weight": "out.weight",
+    "post_attention_layernorm.weight": "post_attn_norm.weight",
+    "pre_feedforward_layernorm.weight": "mlp_norm.weight",
+    "mlp.gate_proj.weight": "gate.weight",
+    "mlp.up_proj.weight": "up.weight",
+    "mlp.down_proj.weight": "down.weight",
+    "post_feedforward_layernorm.weight": "post_mlp_norm.weight",
 }
 _MODERN_HEAD = {
     "head.dense.weight": "head_dense.weight",
@@ -378,6 +394,118 @@ class ModernBertModel(Encoder):
         if not (name.startswith("layers.") and index.isdigit() and rest in _MODERN_LAYER):
             return None
         return f"layers.{index}.{_MODERN_LAYER[rest]}", None
+
+
+class GemmaNorm(nn.Module):
+    """Gemma's RMSNorm, as transformers computes it: in float32, times 1 + w."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        f = x.float()
+        f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (f * (1.0 + self.weight.float())).type_as(x)
+
+
+class GemmaEncoderLayer(nn.Module):
+    """Gemma 3's layer attending both ways: each block normalized before and after, then added
+    to its input; q and k normalized per head and turned by RoPE; the gated tanh-GELU MLP."""
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype, index: int) -> None:
+        super().__init__()
+        hidden, eps, inner = config.hidden_size, config.rms_norm_eps, config.intermediate_size
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = dim = config.head_dim
+        self.attn_norm = GemmaNorm(hidden, eps, dtype)
+        self.q = nn.Linear(hidden, self.heads * dim, bias=False, dtype=dtype)
+        self.k = nn.Linear(hidden, self.kv_heads * dim, bias=False, dtype=dtype)
+        self.v = nn.Linear(hidden, self.kv_heads * dim, bias=False, dtype=dtype)
+        self.q_norm = GemmaNorm(dim, eps, dtype)
+        self.k_norm = GemmaNorm(dim, eps, dtype)
+        self.out = nn.Linear(self.heads * dim, hidden, bias=False, dtype=dtype)
+        self.post_attn_norm = GemmaNorm(hidden, eps, dtype)
+        self.mlp_norm = GemmaNorm(hidden, eps, dtype)
+        self.gate = nn.Linear(hidden, inner, bias=False, dtype=dtype)
+        self.up = nn.Linear(hidden, inner, bias=False, dtype=dtype)
+        self.down = nn.Linear(inner, hidden, bias=False, dtype=dtype)
+        self.post_mlp_norm = GemmaNorm(hidden, eps, dtype)
+        self.window = config.layer_window(index)  # keys closer than it either way
+        assert config.query_pre_attn_scalar is not None  # (Gemma 3's config always has one)
+        self.scale = config.query_pre_attn_scalar**-0.5
+
+    def forward(self, x: Tensor, spans: list[Tensor], rope: tuple[Tensor, Tensor]) -> Tensor:
+        """rope: each row's cos and sin [T, 1, head_dim] (rotate_half's sign in sin)."""
+        rows_in = len(x)
+        y = self.attn_norm(x)
+        q = self.q_norm(self.q(y).view(rows_in, self.heads, self.head_dim))
+        k = self.k_norm(self.k(y).view(rows_in, self.kv_heads, self.head_dim))
+        v = self.v(y).view(rows_in, self.kv_heads, self.head_dim)
+        cos, sin = rope
+        half = self.head_dim // 2
+        q, k = (torch.addcmul(t * cos, t.roll(half, dims=-1), sin) for t in (q, k))
+        mixed = torch.empty_like(q)
+        for rows in spans:
+            length, mask = rows.shape[1], None
+            if self.window is not None and length > self.window:
+                at = torch.arange(length, device=x.device)
+                mask = (at[:, None] - at[None, :]).abs() < self.window
+            out = F.scaled_dot_product_attention(
+                q[rows].transpose(1, 2),
+                k[rows].transpose(1, 2),
+                v[rows].transpose(1, 2),
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=self.kv_heads != self.heads,
+            )
+            mixed[rows.flatten()] = out.transpose(1, 2).flatten(0, 1)
+        x = x + self.post_attn_norm(self.out(mixed.flatten(1)))
+        y = self.mlp_norm(x)
+        mlp = self.down(F.gelu(self.gate(y), approximate="tanh") * self.up(y))
+        return x + self.post_mlp_norm(mlp)
+
+
+class GemmaEncoderModel(Encoder):
+    """EmbeddingGemma: Gemma 3's text model (use_bidirectional_attention): embeddings scaled by
+    the square root of the width, the layers (RoPE of two bases, as the decoder's), a final
+    norm. No classifier."""
+
+    split_qkv = False
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype, context: int | None = None) -> None:
+        super().__init__(config, dtype, context)
+        if config.num_labels:
+            raise ConfigError("a Gemma 3 encoder makes embeddings only: no classifier head")
+        hidden = config.hidden_size
+        self.word = nn.Embedding(config.vocab_size, hidden, dtype=dtype)
+        self.embed_scale = torch.tensor(hidden**0.5, dtype=dtype)  # (rounded to dtype, as HF)
+        self.layers = nn.ModuleList(
+            GemmaEncoderLayer(config, dtype, i) for i in range(config.num_hidden_layers)
+        )
+        self.final_norm = GemmaNorm(hidden, config.rms_norm_eps, dtype)
+        self.rotary = Rotary(config, self.context)
+        self.local_rotary = Rotary(config, self.context, local=True)
+        self.requires_grad_(False)
+
+    def encode(self, input_ids: Tensor, positions: Tensor, spans: list[Tensor]) -> Tensor:
+        x = self.word(input_ids) * self.embed_scale
+        tables = {
+            near: tuple(t[positions][:, None].to(x.dtype) for t in (rot.cos, rot.sin))
+            for near, rot in ((False, self.rotary), (True, self.local_rotary))
+        }
+        for layer in self.layers:
+            x = layer(x, spans, tables[layer.window is not None])
+        return self.final_norm(x)
+
+    def _target(self, name: str) -> tuple[str, int | None] | None:
+        if name in ("embed_tokens.weight", "norm.weight"):
+            return ("word.weight" if name.startswith("embed") else "final_norm.weight"), None
+        index, _, rest = name.removeprefix("layers.").partition(".")
+        if not (name.startswith("layers.") and index.isdigit() and rest in _GEMMA_LAYER):
+            return None
+        return f"layers.{index}.{_GEMMA_LAYER[rest]}", None
 
 
 def second_texts(input_ids: Tensor, spans: list[Tensor], sep: int) -> Tensor:

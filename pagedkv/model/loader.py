@@ -17,7 +17,7 @@ import torch
 from pagedkv.config import QUANTIZATIONS, ConfigError, default_model_path
 from pagedkv.model.config import Checkpoint, LlamaConfig, use_long_rope
 from pagedkv.model.dense_weights import add_dense_copies
-from pagedkv.model.encoder import Encoder, EncoderModel, ModernBertModel
+from pagedkv.model.encoder import Encoder, EncoderModel, GemmaEncoderModel, ModernBertModel
 from pagedkv.model.gguf_loader import load_gguf
 from pagedkv.model.hf_loader import load_hf
 from pagedkv.model.llama import LlamaForCausalLM
@@ -135,8 +135,8 @@ def build_model(
         return LlamaForCausalLM(config, dtype, quantization, pack, context)
     if quantization != "none":
         raise ConfigError(f"--quantization {quantization}: pagedkv runs an encoder unquantized")
-    kind = ModernBertModel if config.encoder == "modernbert" else EncoderModel
-    return kind(config, dtype, context)
+    kinds = {"modernbert": ModernBertModel, "gemma3": GemmaEncoderModel}
+    return kinds.get(config.encoder, EncoderModel)(config, dtype, context)
 
 
 def load_model(
