@@ -1,6 +1,8 @@
-"""Encoder embedding throughput: a random-weight BERT or ModernBERT in the shape of a published
-sentence-transformers model (all-MiniLM-L6-v2, bge-base-en-v1.5, modernbert-embed-base: 22 layers,
-windows of 128 on two in three), its WordPiece tokenizer trained on Alice's
+"""Encoder embedding throughput: a random-weight BERT, ModernBERT or EmbeddingGemma in the shape of
+a published sentence-transformers model (all-MiniLM-L6-v2, bge-base-en-v1.5, modernbert-embed-base:
+22 layers, windows of 128 on two in three; embeddinggemma-300m: Gemma 3's 24 layers attending both
+ways, windows of 256 either way on five in six, its two Dense modules), its WordPiece tokenizer
+trained on Alice's
 first chapter, embedding 512 passages of that chapter (20 to 120 words) with pagedkv's LLM.embed,
 or vLLM CPU's (`--engine vllm`, run with the peer venv's python: its pooling runner).
 
@@ -33,6 +35,18 @@ SHAPES = {
     ),
     "modernbert-embed-base": dict(
         hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152
+    ),
+    "embeddinggemma-300m": dict(
+        hidden_size=768,
+        num_hidden_layers=24,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=256,
+        intermediate_size=1152,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        max_position_embeddings=2048,
+        use_bidirectional_attention=True,
     ),
 }
 
@@ -75,6 +89,9 @@ def make(folder: Path, shape: str) -> None:
             vocab_size=50368, eos_token_id=3, **ids, **SHAPES[shape]
         )
         model = transformers.ModernBertModel(config)
+    elif shape.startswith("embeddinggemma"):
+        config = transformers.Gemma3TextConfig(vocab_size=262144, pad_token_id=0, **SHAPES[shape])
+        model = transformers.Gemma3TextModel(config)
     else:
         config = transformers.BertConfig(vocab_size=30522, **SHAPES[shape])
         model = transformers.BertModel(config)
@@ -94,6 +111,20 @@ def make(folder: Path, shape: str) -> None:
             "type": "sentence_transformers.models.Normalize",
         },
     ]
+    if shape.startswith("embeddinggemma"):  # (its 768 -> 3072 -> 768 projections, no bias)
+        from safetensors.torch import save_file
+
+        for idx, (n_in, n_out) in enumerate(((768, 3072), (3072, 768)), start=2):
+            path = folder / f"{idx}_Dense"
+            path.mkdir(exist_ok=True)
+            dense = {"in_features": n_in, "out_features": n_out, "bias": False}
+            dense["activation_function"] = "torch.nn.modules.linear.Identity"
+            (path / "config.json").write_text(json.dumps(dense))
+            weight = torch.randn(n_out, n_in) / n_in**0.5
+            save_file({"linear.weight": weight}, str(path / "model.safetensors"))
+            kind = "sentence_transformers.models.Dense"
+            modules.insert(idx, {"idx": idx, "name": str(idx), "path": path.name, "type": kind})
+        modules[-1].update(idx=4, name="4", path="4_Normalize")
     (folder / "modules.json").write_text(json.dumps(modules))
     (folder / "1_Pooling").mkdir(exist_ok=True)
     (folder / "1_Pooling" / "config.json").write_text(

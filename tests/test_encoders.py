@@ -1,7 +1,8 @@
-"""Encoders (model/encoder.py): BERT and XLM-RoBERTa embedding models, whose every token sees its
-whole prompt. Their embeddings equal transformers' own hidden states pooled as the folder says
-(CLS by default, MEAN from sentence-transformers modules), batched and one prompt a step alike,
-with no block left; what an encoder cannot do is refused by name; served to the openai client."""
+"""Encoders (model/encoder.py): BERT, XLM-RoBERTa, DistilBERT, ModernBERT and EmbeddingGemma
+embedding models, whose every token sees its whole prompt. Their embeddings equal transformers'
+own hidden states pooled as the folder says (CLS by default, MEAN from sentence-transformers
+modules), batched and one prompt a step alike, with no block left; what an encoder cannot do is
+refused by name; served to the openai client."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ TEXTS = [
 ]
 SPECIAL = {
     "bert": ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+    "distilbert": ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
     "xlm-roberta": ["<s>", "<pad>", "</s>", "<unk>", "<mask>"],  # (pad 1: positions from 2)
 }
 
@@ -53,17 +55,16 @@ def encoder_folder(folder: Path, model_type: str = "bert", **config) -> str:
     """A random encoder of two layers and its WordPiece tokenizer ([CLS] text [SEP], or <s> text
     </s>); every weight random, the norms' too, so that none can be misplaced unseen."""
     special = SPECIAL[model_type]
+    bert = model_type != "xlm-roberta"  # (DistilBERT's tokenizer is BERT's)
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     vocab = special + WORDS + letters + ["##" + c for c in letters]
     tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token=special[1]))
     tok.normalizer = normalizers.BertNormalizer(lowercase=False)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    cls, sep = (special[2], special[3]) if model_type == "bert" else (special[0], special[2])
+    cls, sep = (special[2], special[3]) if bert else (special[0], special[2])
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}",  # (a pair: BERT's second text of type 1, RoBERTa's of type 0)
-        pair=f"{cls} $A {sep} $B:1 {sep}:1"
-        if model_type == "bert"
-        else f"{cls} $A {sep} {sep} $B {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1" if bert else f"{cls} $A {sep} {sep} $B {sep}",
         special_tokens=[(cls, vocab.index(cls)), (sep, vocab.index(sep))],
     )
     tok.decoder = decoders.WordPiece()
@@ -74,6 +75,11 @@ def encoder_folder(folder: Path, model_type: str = "bert", **config) -> str:
     shape.update(config)
     if model_type == "bert":
         model = transformers.BertModel(transformers.BertConfig(**shape))
+    elif model_type == "distilbert":
+        names = dict(hidden_size="dim", num_hidden_layers="n_layers", num_attention_heads="n_heads")
+        names["intermediate_size"] = "hidden_dim"
+        config = transformers.DistilBertConfig(**{names.get(k, k): v for k, v in shape.items()})
+        model = transformers.DistilBertModel(config)
     else:
         shape["max_position_embeddings"] += 2
         config = transformers.XLMRobertaConfig(pad_token_id=1, type_vocab_size=1, **shape)
@@ -107,7 +113,7 @@ def close(got: list[float] | torch.Tensor, want: list[float] | torch.Tensor) -> 
     torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("model_type", ["bert", "xlm-roberta", "distilbert"])
 def test_cls_embeddings_equal_transformers_batched_and_whole(tmp_path, model_type):
     """No modules.json: the CLS row, unit length (as vLLM pools BertModel). All five texts in one
     step, two of them of one length; then with a step budget of 48 tokens, which the longest
@@ -265,7 +271,7 @@ def cross_encoder_folder(src: str, dst: Path, num_labels: int = 1) -> str:
     model = transformers.AutoModelForSequenceClassification.from_pretrained(
         src, num_labels=num_labels, dtype=torch.float32
     )
-    randomize(model, 1, only=("classifier", "bert.pooler"))
+    randomize(model, 1, only=("classifier", "pre_classifier", "bert.pooler"))
     model.save_pretrained(dst)
     shutil.copy(f"{src}/tokenizer.json", dst)
     return str(dst)
@@ -279,8 +285,10 @@ def hf_logits(folder: str, pairs: list[tuple[str, str]]) -> torch.Tensor:
     with torch.no_grad():
         for query, doc in pairs:
             enc = tok.encode(query, doc)
-            ids, types = torch.tensor([enc.ids]), torch.tensor([enc.type_ids])
-            rows.append(model(input_ids=ids, token_type_ids=types).logits[0])
+            types = {"token_type_ids": torch.tensor([enc.type_ids])}
+            if model.config.model_type == "distilbert":  # (no token types)
+                types = {}
+            rows.append(model(input_ids=torch.tensor([enc.ids]), **types).logits[0])
     return torch.stack(rows)
 
 
@@ -288,12 +296,13 @@ QUERY = "the cat sat"
 DOCS = TEXTS[1:4]
 
 
-@pytest.mark.parametrize("model_type", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("model_type", ["bert", "xlm-roberta", "distilbert"])
 def test_a_cross_encoder_scores_pairs_as_transformers(tmp_path, model_type):
-    """BertForSequenceClassification and XLMRobertaForSequenceClassification (ms-marco-MiniLM,
-    bge-reranker): each query-document pair as the tokenizer joins them, the second text of
-    type 1 (BERT), through the dense + tanh head and the biased projection: the sigmoid equals
-    transformers' (1:N and N:N), and without use_activation the logit."""
+    """BertForSequenceClassification, XLMRobertaForSequenceClassification (ms-marco-MiniLM,
+    bge-reranker) and DistilBertForSequenceClassification: each query-document pair as the
+    tokenizer joins them, the second text of type 1 (BERT), through the dense + tanh head
+    (DistilBERT's: ReLU) and the biased projection: the sigmoid equals transformers' (1:N and
+    N:N), and without use_activation the logit."""
     base = encoder_folder(tmp_path / "base", model_type)
     folder = cross_encoder_folder(base, tmp_path / "cross")
     llm = LLM(folder, dtype="float32", block_size=4)

@@ -51,8 +51,17 @@ MODEL_TYPES: dict[str, dict[str, Any]] = {  # what each adds to LlamaConfig
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 # encoders (model/encoder.py): most sentence-transformers embedding models (all-MiniLM, bge, e5,
-# gte: BERT; multilingual-e5, bge-m3: XLM-RoBERTa; gte-modernbert, modernbert-embed: ModernBERT)
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "modernbert")
+# gte: BERT; multilingual-e5, bge-m3: XLM-RoBERTa; msmarco-distilbert, multi-qa-distilbert:
+# DistilBERT; gte-modernbert, modernbert-embed: ModernBERT)
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "modernbert")
+# DistilBERT's config.json names for BERT's
+_DISTILBERT_NAMES = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "hidden_dim": "intermediate_size",
+    "activation": "hidden_act",
+}
 # their activations, by config.json's hidden_act: the erf GELU or its tanh approximation
 ENCODER_ACTIVATIONS = {
     "gelu": "gelu",
@@ -169,7 +178,8 @@ class LlamaConfig:
     softmax_over_chosen: bool = False
     float_routing_weights: bool = False
     expert_names: str = "qwen"
-    # An encoder (model/encoder.py), "bert" (BERT, RoBERTa, XLM-RoBERTa) or "modernbert": every
+    # An encoder (model/encoder.py), "bert" (BERT, RoBERTa, XLM-RoBERTa; "distilbert": the same
+    # layers, a classifier's head of ReLU where BERT's is tanh) or "modernbert": every
     # token sees its whole prompt. It makes embeddings, or as a classifier (num_labels) scores.
     # BERT's positions are learned embeddings from position_offset on (RoBERTa's pad id + 1),
     # LayerNorm (of rms_norm_eps) after each block, a plain MLP (hidden_act "gelu" or
@@ -419,10 +429,16 @@ class LlamaConfig:
 
     @classmethod
     def _encoder(cls, d: dict[str, Any]) -> LlamaConfig:
-        """A BERT, RoBERTa or XLM-RoBERTa config.json (a base model, or a classifier: a
-        cross-encoder, *ForSequenceClassification): pooled CLS where no sentence-transformers
+        """A BERT, RoBERTa, XLM-RoBERTa or DistilBERT config.json (a base model, or a classifier:
+        a cross-encoder, *ForSequenceClassification): pooled CLS where no sentence-transformers
         module says otherwise (as vLLM pools them); the context is its position table's, less
         RoBERTa's offset."""
+        distil = d.get("model_type") == "distilbert"
+        if distil:  # (BERT's layers under other names, no token types, LayerNorms of 1e-12)
+            d = {
+                **d,
+                **{ours: d[theirs] for theirs, ours in _DISTILBERT_NAMES.items() if theirs in d},
+            }
         act = d.get("hidden_act", "gelu")
         if act not in ENCODER_ACTIVATIONS:
             raise ConfigError(
@@ -433,7 +449,11 @@ class LlamaConfig:
             raise ConfigError(
                 f"unsupported position_embedding_type {positions!r} (absolute position embeddings)"
             )
-        offset = 0 if d.get("model_type") == "bert" else int(d.get("pad_token_id", 1)) + 1
+        offset = (
+            0
+            if d.get("model_type") in ("bert", "distilbert")
+            else int(d.get("pad_token_id", 1)) + 1
+        )
         return cls(
             **_encoder_shape(d),
             rms_norm_eps=d.get("layer_norm_eps", 1e-12),
@@ -442,7 +462,7 @@ class LlamaConfig:
             pooling="CLS",
             qkv_bias=True,
             hidden_act=ENCODER_ACTIVATIONS[act],
-            encoder="bert",
+            encoder="distilbert" if distil else "bert",
             position_offset=offset,
         )
 

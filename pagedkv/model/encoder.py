@@ -1,6 +1,7 @@
-"""Encoders (BERT, RoBERTa, XLM-RoBERTa; ModernBERT; EmbeddingGemma): the embedding models most
-sentence-transformers checkpoints are (all-MiniLM, bge, e5, gte; multilingual-e5, bge-m3;
-gte-modernbert, modernbert-embed; embeddinggemma), and their cross-encoders.
+"""Encoders (BERT, RoBERTa, XLM-RoBERTa, DistilBERT; ModernBERT; EmbeddingGemma): the embedding
+models most sentence-transformers checkpoints are (all-MiniLM, bge, e5, gte; multilingual-e5,
+bge-m3; msmarco-distilbert; gte-modernbert, modernbert-embed; embeddinggemma), and their
+cross-encoders.
 
 Every token attends to the tokens of its prompt before and after it (all of them, or on
 ModernBERT's and EmbeddingGemma's window layers those within its window), so a prompt runs whole in
@@ -11,7 +12,8 @@ hidden states this returns (CLS by default, or as the folder's sentence-transfor
 
 A classifier (a cross-encoder: BertForSequenceClassification, XLMRobertaForSequenceClassification)
 has a head on the CLS row, the same in both: tanh of a dense layer (BERT's pooler, RoBERTa's
-classifier.dense), then a projection with a bias to the labels (engine/scoring.py applies it);
+classifier.dense; DistilBERT's pre_classifier, and ReLU), then a projection with a bias to the
+labels (engine/scoring.py applies it);
 ModernBertForSequenceClassification's, on its CLS row or the mean of its rows: GELU of a dense
 layer, a LayerNorm, then the projection.
 
@@ -46,7 +48,17 @@ _LAYER = {
     "intermediate.dense": ("up", None),
     "output.dense": ("down", None),
     "output.LayerNorm": ("mlp_norm", None),
+    # DistilBERT's (after `transformer.layer.N.`)
+    "attention.q_lin": ("qkv", 0),
+    "attention.k_lin": ("qkv", 1),
+    "attention.v_lin": ("qkv", 2),
+    "attention.out_lin": ("out", None),
+    "sa_layer_norm": ("attn_norm", None),
+    "ffn.lin1": ("up", None),
+    "ffn.lin2": ("down", None),
+    "output_layer_norm": ("mlp_norm", None),
 }
+_LAYERS = ("encoder.layer.", "transformer.layer.")  # BERT's, DistilBERT's
 _EMBEDDINGS = {
     "embeddings.word_embeddings.weight": "word.weight",
     "embeddings.position_embeddings.weight": "position.weight",
@@ -55,7 +67,7 @@ _EMBEDDINGS = {
 }
 _TOKEN_TYPES = "embeddings.token_type_embeddings.weight"
 # what a checkpoint's names start with: BertModel's none, the task models' their base's name
-_PREFIXES = ("bert.", "roberta.", "model.")
+_PREFIXES = ("bert.", "roberta.", "distilbert.", "model.")
 # a classifier's head: BERT's and RoBERTa's names for its dense layer and its projection
 _HEAD = {
     "pooler.dense.weight": "head_dense.weight",
@@ -66,6 +78,8 @@ _HEAD = {
     "classifier.dense.bias": "head_dense.bias",
     "classifier.out_proj.weight": "score",
     "classifier.out_proj.bias": "score_bias",
+    "pre_classifier.weight": "head_dense.weight",  # (DistilBERT's)
+    "pre_classifier.bias": "head_dense.bias",
 }
 # tensors read past: a base model's pooler (a dense + tanh that sentence-transformers skips),
 # a masked LM's head, old checkpoints' position-id buffers
@@ -241,7 +255,7 @@ class Encoder(nn.Module):
 
 
 class EncoderModel(Encoder):
-    """BERT, RoBERTa, XLM-RoBERTa."""
+    """BERT, RoBERTa, XLM-RoBERTa, DistilBERT."""
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype, context: int | None = None) -> None:
         super().__init__(config, dtype, context)
@@ -273,16 +287,18 @@ class EncoderModel(Encoder):
 
     def classifier_head(self, vector: Tensor) -> Tensor:
         assert self.head_dense is not None  # (a classifier's)
-        return torch.tanh(self.head_dense(vector))
+        act = torch.relu if self.config.encoder == "distilbert" else torch.tanh
+        return act(self.head_dense(vector))
 
     def _target(self, name: str) -> tuple[str, int | None] | None:
         if self.score is not None and name in _HEAD:
             return _HEAD[name], None
         if name in _EMBEDDINGS:
             return _EMBEDDINGS[name], None
-        if not name.startswith("encoder.layer."):
+        prefix = next((p for p in _LAYERS if name.startswith(p)), None)
+        if prefix is None:
             return None
-        index, _, rest = name[len("encoder.layer.") :].partition(".")
+        index, _, rest = name[len(prefix) :].partition(".")
         module, _, leaf = rest.rpartition(".")
         leaf = {"gamma": "weight", "beta": "bias"}.get(leaf, leaf)  # (old LayerNorms)
         if module not in _LAYER or not index.isdigit():
