@@ -274,6 +274,14 @@ def test_truncate_prompt_tokens_keeps_the_last_n(client, tok):
     assert r.choices[0].text == complete(client, prompt=ids[-5:]).choices[0].text
 
 
+def test_truncation_side_right_keeps_the_first_n(client, tok):
+    ids = tok.encode(PROMPT)
+    r = complete(client, truncate_prompt_tokens=5, truncation_side="right")
+    assert r.usage.prompt_tokens == 5
+    assert r.choices[0].text == complete(client, prompt=ids[:5]).choices[0].text
+    assert r.choices[0].text != complete(client, truncate_prompt_tokens=5).choices[0].text
+
+
 def test_truncation_makes_a_too_long_chat_prompt_fit(client):
     long = [{"role": "user", "content": "paged attention keeps blocks " * 200}]
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
@@ -450,6 +458,13 @@ def test_request_id_names_the_response(client):
         ("kv_transfer_params", {}),
         ("vllm_xargs", {"a": 1}),
         ("length_penalty", 0.5),
+        ("mm_payload", {}),
+        ("media_io_kwargs", {}),
+        ("ec_transfer_params", {}),
+        ("watermarking", True),
+        ("return_token_offsets", True),
+        ("return_mm_kwargs", False),
+        ("routed_experts_prompt_start", 2),
     ],
 )
 def test_unsupported_fields_are_400_naming_them(server, field, value):
@@ -479,6 +494,12 @@ def test_unsupported_fields_are_400_naming_them(server, field, value):
         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ({"allowed_token_ids": [10**6]}, "outside the vocabulary"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logprob_token_ids": [1, 2]}, "logprob_token_ids requires logprobs"),
+        ({"logprob_token_ids": [], "logprobs": True}, "logprob_token_ids"),
+        ({"logprob_token_ids": [10**6], "logprobs": True}, "outside the vocabulary"),
+        ({"repetition_detection": {"max_pattern_size": 2, "min_count": 1}}, "min_count"),
+        ({"repetition_detection": {"max_pattern_size": 1, "min_pattern_size": 2}}, "min_pattern"),
+        ({"truncation_side": "middle"}, "truncation_side"),
     ],
 )
 def test_bad_chat_fields_are_400(client, extra, words):
@@ -566,3 +587,70 @@ def test_stream_interval_batches_the_tokens_of_each_chunk(client, tiny_model_dir
             counts, text = _chunk_tokens(other, **extra)
             assert text == want and all(n >= 3 for n in counts[1:-1]), (extra, counts)
     assert "--stream-interval must be" in serve_error("--stream-interval", "0")[-1]
+
+
+# ---------------------------------------------------------------- vLLM 0.32's newer fields
+
+
+def test_logprob_token_ids_give_those_tokens_logprobs(client):
+    """Each output token's logprobs of the asked tokens (in their order), instead of the top
+    ones: the values a top_logprobs list gives the same tokens."""
+    ids = {"return_tokens_as_token_ids": True}
+    hi = [{"role": "user", "content": "hi"}]
+    full = chat(client, hi, logprobs=True, top_logprobs=20, extra_body=ids).choices[0]
+    tops = [{t.token: t.logprob for t in item.top_logprobs} for item in full.logprobs.content]
+    asked = [int(t.removeprefix("token_id:")) for t in list(tops[0])[:3]][::-1] + [5]
+    r = chat(client, hi, logprobs=True, extra_body={"logprob_token_ids": asked, **ids})
+    names = [f"token_id:{t}" for t in asked]
+    for item, ref, top in zip(r.choices[0].logprobs.content, full.logprobs.content, tops):
+        assert [t.token for t in item.top_logprobs] == names
+        assert item.token == ref.token and item.logprob == pytest.approx(ref.logprob, abs=1e-5)
+        for t in item.top_logprobs:
+            if t.token in top:
+                assert t.logprob == pytest.approx(top[t.token], abs=1e-5)
+    first = {t.token: t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs}
+    assert all(first[n] == pytest.approx(tops[0][n], abs=1e-5) for n in names[:3])
+    c = complete(client, logprob_token_ids=asked, **ids)
+    assert all(list(d) == names for d in c.choices[0].logprobs.top_logprobs)
+
+
+def test_repetition_detection_follows_vllm():
+    from pagedkv.engine.request import RepetitionDetection
+
+    spec = RepetitionDetection(max_pattern_size=3, min_pattern_size=2, min_count=3)
+    assert spec.repeats([9, 1, 2, 1, 2, 1, 2])  # (1, 2) three times
+    assert not spec.repeats([1, 2, 1, 2, 9, 1, 2])  # not in a row
+    assert not spec.repeats([5, 5, 5])  # a pattern of 1 is below min_pattern_size
+    assert spec.repeats([4, 5, 6, 4, 5, 6, 4, 5, 6])
+    assert not RepetitionDetection().repeats([7] * 10)  # off
+
+
+def test_repetition_detection_ends_a_looping_output(client):
+    """A token forced by logit_bias comes again and again: the output ends once it came
+    min_count times (finish_reason "repetition", stop_reason "repetition_detected", as vLLM's),
+    not before min_tokens; without the field it runs to max_tokens."""
+    forced = {"logit_bias": {"7": 100}, "ignore_eos": True, "max_tokens": 16}
+    assert complete(client, **forced).usage.completion_tokens == 16
+    spec = {"max_pattern_size": 2, "min_count": 4}
+    r = complete(client, **forced, repetition_detection=spec)
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "repetition"
+    assert r.choices[0].model_extra["stop_reason"] == "repetition_detected"
+    late = complete(client, **forced, repetition_detection=spec, min_tokens=9)
+    assert late.usage.completion_tokens == 9
+
+
+def test_return_prompt_text_gives_the_templated_prompt(server, client, tok):
+    messages = [{"role": "user", "content": "hi"}]
+    r = server.http.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": messages, "max_tokens": 2, "return_prompt_text": True},
+    ).json()
+    rendered = server.http.post("/tokenize", json={"model": "tiny", "messages": messages}).json()
+    assert tok.encode(r["prompt_text"], add_special_tokens=False) == rendered["tokens"]
+    assert r["prompt_text"].endswith("<|im_start|>assistant\n")  # (the generation prompt)
+    body = {"model": "tiny", "messages": messages, "max_tokens": 2, "stream": True}
+    with server.http.stream(
+        "POST", "/v1/chat/completions", json={**body, "return_prompt_text": True}
+    ) as s:
+        texts = [line for line in s.iter_lines() if '"prompt_text":"' in line]
+    assert len(texts) == 1  # (the first chunk's)

@@ -81,6 +81,13 @@ def validate_request(engine: LLMEngine, prompt_ids: list[int], params: SamplingP
             '(scheduling_policy="priority" offline)',
         )
     _resolve_logprobs(params, engine.config.max_logprobs, engine.vocab_size)
+    cap = engine.config.max_logprobs
+    if params.logprob_token_ids and cap != -1 and len(params.logprob_token_ids) > cap:
+        raise ParamError(
+            "logprob_token_ids",
+            f"logprob_token_ids asks for {len(params.logprob_token_ids)} logprobs a token; this "
+            f"server gives at most {cap} (--max-logprobs)",
+        )
     if params.use_beam_search:
         _check_beam_width(params.n, engine.vocab_size)
     if params.lora_name is not None and params.lora_name not in engine.loras:

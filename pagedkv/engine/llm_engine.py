@@ -662,6 +662,12 @@ class LLMEngine:
             or len(seq.token_ids) >= self.max_model_len
         ):
             seq.finish_reason = "length"
+        elif (
+            p.repetition_detection is not None
+            and seq.num_output_tokens >= p.min_tokens
+            and p.repetition_detection.repeats(seq.output_token_ids)
+        ):  # (vLLM's reasons)
+            seq.finish_reason, seq.stop_reason = "repetition", "repetition_detected"
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
 

@@ -5,6 +5,7 @@ Shaped like vLLM's class of the same name so code can move between the two.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -28,11 +29,13 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_TOKEN_LIST = 4096  # logit_bias / allowed_token_ids entries
 MAX_BAD_WORDS = 128
 MAX_LENGTH_PENALTY = 100.0
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's cap on logprob_token_ids
 # what shapes sampling, so cannot be combined with beam search (at their defaults they may be given)
 BEAM_EXCLUDED = (
     "top_p", "top_k", "min_p", "seed", "min_tokens", "stop", "stop_token_ids", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
     "bad_words", "prompt_logprobs", "structured_outputs", "thinking_token_budget",
+    "logprob_token_ids", "repetition_detection",
 )  # fmt: skip
 
 
@@ -117,6 +120,46 @@ def _as_list(param: str, value: Any, one: type) -> list:
         f"{param} must be a list, got {type(value).__name__}",
     )
     return list(value)
+
+
+@dataclass(frozen=True)
+class RepetitionDetection:
+    """vLLM's repetition_detection: an output ends (finish_reason "repetition") once its last
+    N tokens, for an N from min_pattern_size (0: 1) to max_pattern_size (0: off), came min_count
+    times in a row (checked once min_tokens are out, as vLLM)."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def check(self) -> None:
+        name = "repetition_detection"
+        for field_name in ("max_pattern_size", "min_pattern_size", "min_count"):
+            _check_int(f"{name}.{field_name}", getattr(self, field_name), 0)
+        _need(
+            self.min_pattern_size <= self.max_pattern_size,
+            name,
+            f"{name}: min_pattern_size must not exceed max_pattern_size (0 and 0: off)",
+        )
+        _need(
+            self.max_pattern_size == 0 or self.min_count >= 2,
+            name,
+            f"{name}: min_count must be at least 2 (a pattern that repeats)",
+        )
+
+    def repeats(self, tokens: list[int]) -> bool:
+        """Whether `tokens` end with a pattern repeated min_count times in a row."""
+        end = len(tokens)
+        for size in range(self.min_pattern_size or 1, self.max_pattern_size + 1):
+            if size * self.min_count > end:
+                return False
+            tail = tokens[end - size :]
+            if all(
+                tokens[end - size * (m + 1) : end - size * m] == tail
+                for m in range(1, self.min_count)
+            ):
+                return True
+        return False
 
 
 @dataclass
@@ -215,6 +258,9 @@ class SamplingParams:
     # vLLM's: a reasoning section that has run this many tokens is closed, its closing tokens
     # forced (engine/reasoning.py; needs a reasoning parser whose marks are tokens)
     thinking_token_budget: int | None = None
+    # vLLM's: each output token's logprobs of these tokens (instead of the top `logprobs`)
+    logprob_token_ids: list[int] | None = None
+    repetition_detection: RepetitionDetection | None = None  # (a dict is taken too)
     # beam search (engine/beam_search.py): n beams, scored by cumulative logprob / length **
     # length_penalty; the fields of sampling (BEAM_EXCLUDED) cannot be combined with it
     use_beam_search: bool = False
@@ -228,6 +274,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.repetition_detection, dict):
+            self.repetition_detection = _repetition_detection(self.repetition_detection)
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -406,6 +454,23 @@ class SamplingParams:
                 f"allowed_token_ids must hold 1 to {MAX_TOKEN_LIST} token ids",
             )
             self.allowed_token_ids = [token_id("allowed_token_ids", t) for t in ids]
+        if self.logprob_token_ids is not None:
+            ids = _as_list("logprob_token_ids", self.logprob_token_ids, int)
+            _need(
+                0 < len(ids) <= MAX_LOGPROB_TOKEN_IDS,
+                "logprob_token_ids",
+                f"logprob_token_ids must hold 1 to {MAX_LOGPROB_TOKEN_IDS} token ids",
+            )
+            self.logprob_token_ids = [token_id("logprob_token_ids", t) for t in ids]
+            if self.logprobs is None:  # (their logprobs are this token's alternatives)
+                self.logprobs = 0
+        if self.repetition_detection is not None:
+            _need(
+                isinstance(self.repetition_detection, RepetitionDetection),
+                "repetition_detection",
+                "repetition_detection must be an object",
+            )
+            self.repetition_detection.check()
         words = _as_list("bad_words", self.bad_words, str)
         _need(
             len(words) <= MAX_BAD_WORDS,
@@ -460,6 +525,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _repetition_detection(value: dict) -> RepetitionDetection:
+    unknown = sorted(set(value) - {f.name for f in dataclasses.fields(RepetitionDetection)})
+    _need(not unknown, "repetition_detection", f"repetition_detection: unknown field {unknown}")
+    return RepetitionDetection(**value)
 
 
 @functools.cache

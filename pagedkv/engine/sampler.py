@@ -192,6 +192,7 @@ class Sampler:
         want = [s.params.logprobs for s in seqs]
         if all(w is None for w in want):
             return [None] * len(seqs)
+        chosen_ids = [s.params.logprob_token_ids for s in seqs]  # instead of the top ones
         logp = logits.log_softmax(-1)
         k = max(w or 0 for w in want)
         top = logp.topk(k, -1) if k else None
@@ -201,7 +202,9 @@ class Sampler:
                 result.append(None)
                 continue
             alts: dict[int, float] = {}
-            if w and top is not None:
+            if ids := chosen_ids[i]:
+                alts = dict(zip(ids, logp[i, ids].tolist()))
+            elif w and top is not None:
                 alts = dict(zip(top.indices[i, :w].tolist(), top.values[i, :w].tolist()))
             chosen = logp[i, tokens[i]]
             result.append(

@@ -37,6 +37,7 @@ class ChatFormat(ResponseFormat):
     # whether the client gets the reasoning (include_reasoning)
     thinking: ReasoningSplit | None = None
     include_reasoning: bool = True
+    prompt_text: str | None = None  # the templated prompt, for return_prompt_text
     streams: dict[int, _Sent] = field(default_factory=dict)
 
     def logprobs(self, items: list[SampleLogprob] | None) -> api.ChatLogprobs | None:
@@ -66,6 +67,7 @@ class ChatFormat(ResponseFormat):
         choices: list[api.ChatChunkChoice],
         usage: api.Usage | None = None,
         prompt_token_ids: list[int] | None = None,
+        prompt_text: str | None = None,
     ) -> BaseModel:
         return api.ChatCompletionChunk(
             id=self.id,
@@ -74,13 +76,18 @@ class ChatFormat(ResponseFormat):
             choices=choices,
             usage=usage,
             prompt_token_ids=prompt_token_ids,
+            prompt_text=prompt_text,
         )
 
     def start(self, num_choices: int, first: RequestOutput) -> list[BaseModel]:
         delta = api.ChatDelta(role=self.role, content=self.echo)
         prompt = self.ids(first.prompt_token_ids)
         return [
-            self._chunk([api.ChatChunkChoice(index=i, delta=delta)], prompt_token_ids=prompt)
+            self._chunk(
+                [api.ChatChunkChoice(index=i, delta=delta)],
+                prompt_token_ids=prompt,
+                prompt_text=self.prompt_text,
+            )
             for i in range(num_choices)
         ]
 
@@ -173,6 +180,7 @@ class ChatFormat(ResponseFormat):
             choices=out,
             prompt_logprobs=prompt_logprobs_json(self.token, final.prompt_logprobs),
             prompt_token_ids=self.ids(final.prompt_token_ids),
+            prompt_text=self.prompt_text,
         )
 
     def usage_chunk(self, usage: api.Usage) -> BaseModel:

@@ -24,12 +24,14 @@ from pydantic import (
 from pagedkv.engine.chat import TEXT_PART_KEYS, content_text
 from pagedkv.engine.request import (
     INT64_MAX,
+    MAX_LOGPROB_TOKEN_IDS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
     REPETITION_PENALTY_RANGE,
     ParamError,
+    RepetitionDetection,
     SamplingParams,
 )
 from pagedkv.server.request_fields import (
@@ -152,6 +154,15 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool = False  # vLLM's; not implemented: a 400 when true
 
 
+class RepetitionDetectionField(RequestModel):
+    """vLLM's repetition_detection (engine/request.py: RepetitionDetection)."""
+
+    where = "repetition_detection."
+    max_pattern_size: Int64 = 0
+    min_pattern_size: Int64 = 0
+    min_count: Int64 = 0
+
+
 class _SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -201,6 +212,12 @@ class _SamplingRequest(RequestModel):
     stream_interval: Annotated[Int64, doc(minimum=1)] | None = None  # over --stream-interval
     # with --reasoning-parser: a section that has run this many tokens is closed
     thinking_token_budget: Annotated[Int64, doc(minimum=0)] | None = None
+    truncation_side: Literal["left", "right"] | None = None  # truncate_prompt_tokens' end
+    # each token's logprobs of these tokens instead of the top ones
+    logprob_token_ids: (
+        Annotated[list[TokenId], doc(minItems=1, maxItems=MAX_LOGPROB_TOKEN_IDS)] | None
+    ) = None
+    repetition_detection: RepetitionDetectionField | None = None
     _unsupported = model_validator(mode="before")(reject_unsupported)
     understood = frozenset(UNSUPPORTED)
 
@@ -239,6 +256,13 @@ class _SamplingRequest(RequestModel):
             length_penalty=self.length_penalty,
             stream_interval=self.stream_interval,
             thinking_token_budget=self.thinking_token_budget,
+            truncation_side=self.truncation_side,
+            logprob_token_ids=self.logprob_token_ids,
+            repetition_detection=(
+                RepetitionDetection(**self.repetition_detection.model_dump())
+                if self.repetition_detection
+                else None
+            ),
         )
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -402,11 +426,14 @@ class ChatCompletionRequest(_SamplingRequest):
     # as vLLM: the chat template's `reasoning_effort`, and its `enable_thinking` (false for
     # "none") unless chat_template_kwargs sets that
     reasoning_effort: ReasoningEffort | None = None
+    return_prompt_text: bool | None = None  # the templated prompt in the answer (vLLM's)
     best_of: Count | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.logprob_token_ids is not None and not self.logprobs:
+            raise ParamError("logprob_token_ids", "logprob_token_ids requires logprobs to be true")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of", "best_of other than n is not supported")
         limit = (

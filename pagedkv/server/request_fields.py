@@ -31,6 +31,15 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None,),
     "function_call": (None,),
     "structural_tag": (None,),
+    # vLLM 0.32's for what pagedkv has not: multimodal inputs, disaggregated encoder caches,
+    # watermarks, the render endpoints' offsets, a mixture's routing record
+    "mm_payload": (None,),
+    "media_io_kwargs": (None,),
+    "ec_transfer_params": (None,),
+    "watermarking": (None, False),
+    "return_token_offsets": (None, False),
+    "return_mm_kwargs": (None, True),
+    "routed_experts_prompt_start": (None, 0),
 }
 GUIDED_BACKENDS = (None, "auto", "guidance", "llguidance")
 

@@ -92,6 +92,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     prompt_logprobs: list[dict[int, dict] | None] | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids
+    prompt_text: str | None = None  # return_prompt_text
 
 
 class ChatDelta(BaseModel):
@@ -123,6 +124,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids: in the role chunks
+    prompt_text: str | None = None  # return_prompt_text: in the role chunks
 
 
 class ModelCard(BaseModel):

@@ -205,6 +205,7 @@ class OpenAIServing:
             echo=echo,
             thinking=tags.split_for(prompt) if tags else None,
             include_reasoning=req.include_reasoning,
+            prompt_text=text if req.return_prompt_text else None,
             **form_fields,
         )
         return await self._run(request, req, fmt, [prompt], params)
