@@ -42,7 +42,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort"
+    # None while running; "stop" | "length" | "abort" | "repetition" (repetition_detection)
+    finish_reason: str | None = None
     sample_logprobs: list[SampleLogprob] | None = (
         None  # the engine's records (the server reads these)
     )
