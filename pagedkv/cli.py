@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import math
 import sys
 from collections.abc import Mapping
 
@@ -66,6 +68,9 @@ class NoteAction(argparse.Action):
 
 
 _NOOP_BOOL = (
+    "language_model_only",
+    "numa_bind",
+    "log_error_stack",
     "trust_remote_code",
     "enable_chunked_prefill",
     "enable_prompt_tokens_details",
@@ -85,13 +90,6 @@ _NOOP_BOOL = (
     "aggregate_engine_logging",
     "disable_cascade_attn",
 )
-# vLLM's boolean flags whose --no- form is accepted too (ALWAYS_ON's is refused)
-_NOOP_PAIRED = (
-    "use_tqdm_on_load",
-    "disable_hybrid_kv_cache_manager",
-    "enable_log_deltas",
-    "disable_cascade_attn",
-)
 _NOOP_NARGS = {"hf_token": "?", "ignore_patterns": "+", "cudagraph_capture_sizes": "+"}
 _NOOP_SHORT = {"compilation_config": "-O", "api_server_count": "-asc"}  # vLLM's -O3: -O 3
 
@@ -101,7 +99,7 @@ def add_noop_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("accepted for vLLM compatibility, no effect here (a note says why)")
     for name in NOOP_OPTIONS:
         flag = "--" + name.replace("_", "-")
-        paired = name in ALWAYS_ON or name in _NOOP_PAIRED
+        paired = name in _NOOP_BOOL  # (as in vLLM, every boolean flag has its --no- form)
         flags = [flag, "--no-" + flag[2:]] if paired else [flag]
         flags += [_NOOP_SHORT[name]] if name in _NOOP_SHORT else []
         g.add_argument(
@@ -129,9 +127,32 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_noop_args(p)
 
 
+def text_only(value: str) -> None:
+    """vLLM's --limit-mm-per-prompt: every limit 0 (a text-only server) asks for what pagedkv
+    does anyway (a note); any other limit is an error."""
+    try:
+        limits = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--limit-mm-per-prompt is not JSON: {e}") from None
+    if not isinstance(limits, dict):
+        raise ConfigError("--limit-mm-per-prompt must be a JSON object, e.g. '{\"image\": 0}'")
+    for kind, limit in limits.items():
+        if limit != 0 and not (isinstance(limit, dict) and limit.get("count") == 0):
+            raise ConfigError(
+                f"--limit-mm-per-prompt: pagedkv takes text only, so {kind}'s limit must be 0"
+            )
+    note("--limit-mm-per-prompt has no effect: pagedkv takes text only")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """What is loaded and how it samples by default."""
     d = EngineConfig.__dataclass_fields__
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        default=None,
+        metavar="JSON",
+        help="vLLM's; pagedkv takes text only: every limit must be 0, e.g. '{\"image\": 0}'",
+    )
     p.add_argument(
         "model_tag",
         nargs="?",
@@ -172,7 +193,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="a Jinja chat template, or its file, replacing the model's",
     )
     p.add_argument(
-        "--enable-lora", action="store_true", help="serve LoRA adapters over the base model"
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve LoRA adapters over the base model",
     )
     p.add_argument(
         "--lora-modules",
@@ -221,6 +245,7 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--gpu-memory-utilization",
+        "--device-memory-utilization",
         "--memory-utilization",
         dest="memory_utilization",
         type=float,
@@ -285,6 +310,19 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
         help="host tier for evicted prefix blocks, e.g. 4GiB",
     )
     p.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="vLLM's CPU KV offloading, in GiB: the same as --kv-offload-host-memory",
+    )
+    p.add_argument(
+        "--kv-offloading-backend",
+        default="native",
+        choices=["native"],
+        help="vLLM's: native (pagedkv's host tier) is the only one",
+    )
+    p.add_argument(
         "--kv-offload-dir",
         default=None,
         help="disk tier folder: every full prefix block is written "
@@ -343,19 +381,31 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--enforce-eager",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="run every step through Python; by default a decode step of a batch size seen "
         "before replays its recorded kernel calls in one C++ call (same results)",
     )
     p.add_argument(
         "--disable-sliding-window",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="a model with a sliding window attends to the whole context instead, served up to "
         "its window (as vLLM's flag)",
     )
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
+    size = vars(args).pop("kv_offloading_size", None)  # (vLLM's name for the host tier)
+    if size is not None:
+        if args.kv_offload_host_memory is not None:
+            raise ConfigError("--kv-offloading-size and --kv-offload-host-memory size one tier")
+        if not (math.isfinite(size) and size > 0):
+            raise ConfigError(f"--kv-offloading-size must be a number of GiB > 0, got {size}")
+        args.kv_offload_host_memory = int(size * 2**30)
+    limits = vars(args).pop("limit_mm_per_prompt", None)
+    if limits is not None:
+        text_only(limits)
     opts = {k: v for k, v in vars(args).items() if k in EngineConfig.field_names()}
     opts.update(extra)
     return EngineConfig.from_options(**opts)

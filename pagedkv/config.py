@@ -110,6 +110,10 @@ NOOP_OPTIONS = {
     "aggregate_engine_logging": "pagedkv does not log periodic stats (see /metrics)",
     "disable_cascade_attn": "vLLM deprecated it, and it has no effect there either; pagedkv "
     "chooses cascade attention step by step (PAGEDKV_CASCADE=0 turns it off)",
+    "language_model_only": "pagedkv serves a model's text part only (image inputs are refused)",
+    "numa_bind": "the engine runs on the cores torch is given (taskset, OMP_NUM_THREADS)",
+    "prefix_caching_hash_algo": "pagedkv chains its own block hashes (kv/hashing.py)",
+    "log_error_stack": "a failed request's error is logged with its traceback",
 }
 ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")  # False cannot be honoured
 PARALLEL_SIZES = (

@@ -45,6 +45,10 @@ NOOP_FLAGS = [
     "--disable-cascade-attn",
     "--no-use-tqdm-on-load",
     "--disable-hybrid-kv-cache-manager",
+    "--language-model-only",  # (vLLM 0.32's, for a multimodal model's text part)
+    "--no-enable-log-requests",
+    "--numa-bind",
+    "--log-error-stack",
 ]
 NOOP_VALUES = {  # flags with a value, as deployments write them
     "--max-log-len": "100",
@@ -55,6 +59,7 @@ NOOP_VALUES = {  # flags with a value, as deployments write them
     "--tokenizer-revision": "main",
     "--api-server-count": "2",
     "--cudagraph-capture-sizes": "8",
+    "--prefix-caching-hash-algo": "xxhash",
 }
 
 
@@ -172,6 +177,13 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         (["--chat-template", "{{% bad"], "--chat-template: chat template does not compile"),
         (["--preemption-mode", "swap", "--swap-space", "1000000"], "of free memory"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+        (["--kv-offloading-backend", "lmcache"], "invalid choice: 'lmcache'"),
+        (["--kv-offloading-size", "0"], "--kv-offloading-size must be a number of GiB > 0"),
+        (["--kv-offloading-size", "1", "--kv-offload-host-memory", "1GiB"], "size one tier"),
+        (["--limit-mm-per-prompt", '{"image": 1}'], "takes text only, so image's limit must be 0"),
+        (["--limit-mm-per-prompt", "image=0"], "--limit-mm-per-prompt is not JSON"),
+        (["--ssl-ciphers", "ECDHE"], "need --ssl-certfile"),
+        (["--no-enable-prompt-tokens-details"], "always reported"),
     ],
 )
 def test_bad_values_exit_2(args, message):
@@ -181,6 +193,21 @@ def test_bad_values_exit_2(args, message):
     progress = ("pagedkv: note:", "pagedkv: loading", "INFO: ")
     errors = [line for line in r.stderr.splitlines() if not line.startswith(progress)]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in r.stderr
+
+
+def test_vllm_0_32_names_for_what_pagedkv_has():
+    """--kv-offloading-size (vLLM's CPU KV offloading, native) is the host tier;
+    --device-memory-utilization is --gpu-memory-utilization; every boolean flag has its --no-
+    form; --limit-mm-per-prompt with every limit 0 asks for what a text-only server does."""
+    from pagedkv.cli import build_parser, engine_config_from_args
+
+    argv = ["serve", "--kv-offloading-size", "0.25", "--device-memory-utilization", "0.5"]
+    argv += ["--enable-lora", "--no-enable-lora", "--no-enforce-eager", "--no-allow-credentials"]
+    argv += ["--limit-mm-per-prompt", '{"image": 0, "video": {"count": 0}}']
+    config = engine_config_from_args(build_parser().parse_args(argv))
+    assert config.kv_offload_host_memory == 2**28
+    assert config.memory_utilization == 0.5
+    assert config.enable_lora is False and config.enforce_eager is False
 
 
 def test_an_address_it_cannot_listen_on_exits_2_before_the_model_loads(tiny_model_dir):

@@ -36,7 +36,10 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     p.add_argument(
-        "--disable-uvicorn-access-log", action="store_true", help="no log line per request"
+        "--disable-uvicorn-access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="no log line per request",
     )
     g = p.add_argument_group("CORS (as vLLM: JSON lists)")
     g.add_argument(
@@ -44,29 +47,41 @@ def add_parser(subparsers) -> None:
     )
     g.add_argument("--allowed-methods", default='["*"]', help="JSON list of HTTP methods")
     g.add_argument("--allowed-headers", default='["*"]', help="JSON list of request headers")
-    g.add_argument("--allow-credentials", action="store_true", help="allow cookies and credentials")
+    g.add_argument(
+        "--allow-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="allow cookies and credentials",
+    )
     p.add_argument(
-        "--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"'
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help='allow tool_choice "auto"',
     )
     p.add_argument(
         "--trust-request-chat-template",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="run a chat template sent with a request (off: a 400, as in vLLM; a template can "
         "take the server's CPU and memory)",
     )
     p.add_argument(
         "--return-tokens-as-token-ids",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help='logprobs name tokens as "token_id:N" unless a request says otherwise',
     )
     p.add_argument(
         "--enable-force-include-usage",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="every stream ends with a usage chunk, asked for or not",
     )
     p.add_argument(
         "--enable-request-id-headers",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="replies carry X-Request-Id (the client's, else a new one the answer's id ends with)",
     )
     h = p.add_argument_group("HTTP (as vLLM; not with --data-parallel-size)")
@@ -75,6 +90,9 @@ def add_parser(subparsers) -> None:
     h.add_argument("--ssl-keyfile", default=None, help="HTTPS: the private key file")
     h.add_argument("--ssl-certfile", default=None, help="HTTPS: the certificate file")
     h.add_argument("--ssl-ca-certs", default=None, help="HTTPS: CA certificates for client certs")
+    h.add_argument(
+        "--ssl-ciphers", default=None, help="HTTPS: the ciphers offered (OpenSSL's list)"
+    )
     h.add_argument(
         "--h11-max-incomplete-event-size",
         type=int,
@@ -112,7 +130,8 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--exclude-tools-when-tool-choice-none",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help='tool_choice "none" leaves the tools out of the prompt (default: shown, as vLLM)',
     )
     p.add_argument(
@@ -194,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
+        ssl_ciphers=args.ssl_ciphers,
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
         h11_max_header_count=args.h11_max_header_count,
         log_config_file=args.log_config_file,

@@ -63,6 +63,7 @@ class HTTPOptions:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = ssl.CERT_NONE
+    ssl_ciphers: str | None = None  # OpenSSL's cipher list (None: uvicorn's, "TLSv1")
     h11_max_incomplete_event_size: int | None = None  # bytes of a request head (uvicorn: 16 KiB)
     h11_max_header_count: int | None = None  # header lines of a request (None: vLLM's 256)
     log_config_file: str | None = None  # a logging.config.dictConfig as JSON, replacing ours
@@ -82,16 +83,22 @@ class HTTPOptions:
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
         if self.ssl_certfile is None:
-            if self.ssl_ca_certs is not None or self.ssl_cert_reqs != ssl.CERT_NONE:
-                raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")
+            if self.ssl_ca_certs or self.ssl_ciphers or self.ssl_cert_reqs != ssl.CERT_NONE:
+                raise ConfigError(
+                    "--ssl-ca-certs, --ssl-cert-reqs and --ssl-ciphers need --ssl-certfile"
+                )
             return
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
+            if self.ssl_ciphers is not None:
+                context.set_ciphers(self.ssl_ciphers)
             context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
             if self.ssl_ca_certs is not None:
                 context.load_verify_locations(self.ssl_ca_certs)
         except (OSError, ssl.SSLError) as e:
-            raise ConfigError(f"--ssl-certfile/--ssl-keyfile/--ssl-ca-certs: {e}") from None
+            raise ConfigError(
+                f"--ssl-certfile/--ssl-keyfile/--ssl-ca-certs/--ssl-ciphers: {e}"
+            ) from None
 
     def log_config(self) -> dict | None:
         """The --log-config-file's configuration (None without one), applied to check it."""
