@@ -64,6 +64,8 @@ def test_https_with_the_ssl_flags(tiny_model_dir, tmp_path):
         str(key),
         "--ssl-certfile",
         str(cert),
+        "--ssl-ciphers",  # (TLS 1.2's; 1.3's suites are not set by a cipher list)
+        "ECDHE+CHACHA20",
         verify=ssl.create_default_context(cafile=str(cert)),
     ) as srv:
         assert srv.url.startswith("https://127.0.0.1:")
@@ -71,6 +73,15 @@ def test_https_with_the_ssl_flags(tiny_model_dir, tmp_path):
         assert f"OpenAI API at {srv.url}/v1" in srv.output()
         with pytest.raises(httpx.TransportError):  # plain HTTP is not answered
             httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=10)
+        for ciphers, answered in (("ECDHE+CHACHA20", True), ("ECDHE+AESGCM", False)):
+            tls12 = ssl.create_default_context(cafile=str(cert))
+            tls12.maximum_version = ssl.TLSVersion.TLSv1_2
+            tls12.set_ciphers(ciphers)
+            try:
+                ok = httpx.get(srv.url + "/health", verify=tls12, timeout=10).status_code == 200
+            except httpx.TransportError:
+                ok = False
+            assert ok == answered, ciphers
         assert srv.terminate() == 0
 
 
