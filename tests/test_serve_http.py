@@ -142,14 +142,22 @@ def server(tiny_model_dir, access_log):
         "--h11-max-header-count",
         "24",  # the openai client sends 17
         "--exclude-tools-when-tool-choice-none",
+        "--disable-access-log-for-endpoints",
+        "/health, /ping",  # (uvicorn logs them under --root-path: /api/health)
     ) as srv:
         yield srv
 
 
 def test_the_log_config_file_decides_where_logs_go(server, access_log):
+    assert server.http.get("/health").status_code == 200
+    assert server.http.get("/ping?probe=1").status_code == 200
+    assert server.http.get("/v1/models").status_code == 200
     assert complete(server).usage.completion_tokens == 2
     lines = access_log.read_text().splitlines()
     assert any(line.startswith("ACCESS ") and "/v1/completions" in line for line in lines), lines
+    assert any("/v1/models" in line for line in lines), lines
+    # --disable-access-log-for-endpoints: no line for those paths (a query string aside)
+    assert not any("/health" in line or "/ping" in line for line in lines), lines
     assert "/v1/completions" not in server.output()  # the file took them
 
 
@@ -239,7 +247,7 @@ def serve_fails(*args: str) -> str:
     [
         (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
         (["--ssl-keyfile", "nope.pem", "--ssl-certfile", "nope.pem"], "--ssl-certfile/"),
-        (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"),
+        (["--ssl-cert-reqs", "2"], "--ssl-ca-certs, --ssl-cert-reqs and --ssl-ciphers need --ssl-certfile"),
         (["--uds", "/nonexistent-folder/pagedkv.sock"], "cannot listen on --uds"),
         (["-dp", "2", "--root-path", "/api"], "not available with --data-parallel-size"),
         (["--h11-max-incomplete-event-size", "0"], "must be >= 1"),

@@ -466,5 +466,7 @@ def serve(
             # annotated int, but uvicorn only hands it to asyncio.wait_for, which takes a float
             timeout_graceful_shutdown=shutdown_timeout + 10,  # type: ignore[arg-type]
         )
+        if (quiet := http.quiet_paths()) is not None:  # (uvicorn.Config set the loggers up)
+            logging.getLogger("uvicorn.access").addFilter(quiet)
         GracefulServer(uv_config, engine, shutdown_timeout).run(sockets=[sock])
     return 1 if engine.error is not None else 0

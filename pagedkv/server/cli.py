@@ -41,6 +41,12 @@ def add_parser(subparsers) -> None:
         default=False,
         help="no log line per request",
     )
+    p.add_argument(
+        "--disable-access-log-for-endpoints",
+        default=None,
+        metavar="PATHS",
+        help='no access log line for requests to these paths, e.g. "/health,/metrics"',
+    )
     g = p.add_argument_group("CORS (as vLLM: JSON lists)")
     g.add_argument(
         "--allowed-origins", default='["*"]', help="JSON list, e.g. '[\"https://a.example\"]'"
@@ -217,13 +223,15 @@ def run(args: argparse.Namespace) -> int:
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
         h11_max_header_count=args.h11_max_header_count,
         log_config_file=args.log_config_file,
+        disable_access_log_for_endpoints=args.disable_access_log_for_endpoints,
     )  # checked by serve() before the model loads; -dp takes none of them
     if replicated:  # checked before anything loads
         from pagedkv.server.ray_launch import serve_logging
 
         if http != HTTPOptions():
             raise ConfigError(
-                "--root-path, --uds, --ssl-*, --h11-* and --log-config-file are not available with "
+                "--root-path, --uds, --ssl-*, --h11-*, --log-config-file and "
+                "--disable-access-log-for-endpoints are not available with "
                 "--data-parallel-size or --ray-address: Ray Serve's proxy answers HTTP there"
             )
         serve_logs = serve_logging(args.uvicorn_log_level, not args.disable_uvicorn_access_log)

@@ -67,6 +67,8 @@ class HTTPOptions:
     h11_max_incomplete_event_size: int | None = None  # bytes of a request head (uvicorn: 16 KiB)
     h11_max_header_count: int | None = None  # header lines of a request (None: vLLM's 256)
     log_config_file: str | None = None  # a logging.config.dictConfig as JSON, replacing ours
+    # vLLM's: paths whose requests leave no access log line, comma-separated ("/health,/metrics")
+    disable_access_log_for_endpoints: str | None = None
 
     def check(self) -> None:
         """ConfigError (exit 2, before the model loads) for options uvicorn would fail on later."""
@@ -100,6 +102,12 @@ class HTTPOptions:
                 f"--ssl-certfile/--ssl-keyfile/--ssl-ca-certs/--ssl-ciphers: {e}"
             ) from None
 
+    def quiet_paths(self) -> QuietPaths | None:
+        """The access log's filter of --disable-access-log-for-endpoints (None: none given)."""
+        paths = {p.strip() for p in (self.disable_access_log_for_endpoints or "").split(",")}
+        paths -= {""}
+        return QuietPaths(frozenset(paths), self.root_path) if paths else None
+
     def log_config(self) -> dict | None:
         """The --log-config-file's configuration (None without one), applied to check it."""
         if self.log_config_file is None:
@@ -122,7 +130,30 @@ class HTTPOptions:
     def uvicorn_options(self) -> dict:
         options = {k: v for k, v in asdict(self).items() if v is not None}
         options.pop("log_config_file", None)  # serve() hands uvicorn the configuration itself
+        options.pop("disable_access_log_for_endpoints", None)  # (serve(): quiet_paths)
         options.pop("h11_max_header_count", None)  # the app's own check (HeaderCountLimit)
         if self.h11_max_incomplete_event_size is not None:
             options["http"] = "h11"  # h11's limit (httptools, uvicorn's first choice, has none)
         return options
+
+
+class QuietPaths(logging.Filter):
+    """Drops uvicorn's access lines of requests to these paths (as vLLM's filter: the exact path,
+    its query string aside; and under --root-path, which uvicorn logs before it, the path after
+    it too), so that health checks do not flood the log."""
+
+    def __init__(self, paths: frozenset[str], root_path: str = "") -> None:
+        super().__init__()
+        self.paths, self.root_path = paths, root_path
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args  # uvicorn's: (client, method, path with query, HTTP version, status)
+        if not (isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str)):
+            return True
+        path = args[2].split("?", 1)[0]
+        below = (
+            path[len(self.root_path) :]
+            if self.root_path and path.startswith(self.root_path)
+            else path
+        )
+        return path not in self.paths and below not in self.paths
