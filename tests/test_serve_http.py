@@ -247,7 +247,10 @@ def serve_fails(*args: str) -> str:
     [
         (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
         (["--ssl-keyfile", "nope.pem", "--ssl-certfile", "nope.pem"], "--ssl-certfile/"),
-        (["--ssl-cert-reqs", "2"], "--ssl-ca-certs, --ssl-cert-reqs and --ssl-ciphers need --ssl-certfile"),
+        (
+            ["--ssl-cert-reqs", "2"],
+            "--ssl-ca-certs, --ssl-cert-reqs and --ssl-ciphers need --ssl-certfile",
+        ),
         (["--uds", "/nonexistent-folder/pagedkv.sock"], "cannot listen on --uds"),
         (["-dp", "2", "--root-path", "/api"], "not available with --data-parallel-size"),
         (["--h11-max-incomplete-event-size", "0"], "must be >= 1"),
