@@ -629,8 +629,8 @@ MULTIMODAL = "Gemma3nForConditionalGeneration"
 
 def test_what_gemma_3_adds_is_read_and_the_rest_refused(tmp_path):
     """Gemma 3 (text): RoPE by layer type, old-style keys too, Gemma 2's soft-capping where a file
-    sets it; an activation other than its GELU, EmbeddingGemma's bidirectional attention and
-    Gemma 3n are refused, and soft-capping on any other family."""
+    sets it; an activation other than its GELU and Gemma 3n are refused, and soft-capping or
+    bidirectional attention (EmbeddingGemma's, test_encoders.py) on any other family."""
     folder = Path(make_tiny_model(tmp_path / "g", arch="gemma3"))
     cfg = json.loads((folder / "config.json").read_text())
     config = load_model(folder, torch.float32).config
@@ -653,7 +653,7 @@ def test_what_gemma_3_adds_is_read_and_the_rest_refused(tmp_path):
         ({**llama, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
         ({"attn_logit_softcapping": -1.0}, "attn_softcap must be a positive number, got -1.0"),
         ({"hidden_activation": "silu"}, "unsupported activation 'silu' for model_type 'gemma3"),
-        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({**llama, "use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
         ({"model_type": "gemma3n", "architectures": [MULTIMODAL]}, f"'{MULTIMODAL}'"),
     ):
         (folder / "config.json").write_text(json.dumps({**cfg, **bad}))
