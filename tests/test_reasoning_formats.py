@@ -13,24 +13,13 @@ import json
 
 import pytest
 from server_process import TINY_SERVER, ServerProcess, serve_error
+from test_reasoning import MESSAGES, TEXTS, split_reasoning
 from tiny_model import make_tiny_model
 
 from pagedkv.config import REASONING_PARSERS
-from pagedkv.engine.reasoning import END, FORMATS, ReasoningSplit, Section
+from pagedkv.engine.reasoning import END, FORMATS, Section
 
-MESSAGES = [{"role": "user", "content": "Hello world!"}]
-# the texts of test_reasoning's rule, in each parser's marks (Granite's with both spellings)
-TEXTS = [
-    "",
-    "plain answer",
-    "<think>plan</think>answer",
-    "<think>plan",
-    "plan</think>answer",
-    "<think></think>",
-    "a</think>b</think>c",
-    "</thi",
-    "<thin",
-]
+# test_reasoning's texts in each parser's marks (Granite's with both spellings)
 MARKS = {
     "mistral": [("<think>", "[THINK]"), ("</think>", "[/THINK]"), ("<thin", "[THI")],
     "granite": [
@@ -46,10 +35,6 @@ def in_marks(text: str, parser: str) -> str:
     for old, new in MARKS[parser]:
         text = text.replace(old, new)
     return text
-
-
-def split_reasoning(text: str, first: Section, final: bool, parser: str):
-    return ReasoningSplit(FORMATS[parser].marks, first).split(text, final)
 
 
 def test_the_parsers_are_the_configs():
@@ -339,8 +324,8 @@ def test_speculation_never_changes_an_output_under_a_thinking_budget(think_model
             think_model, reasoning_parser="deepseek_r1", speculative_config=spec, block_size=4
         )
         outputs[spec] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        if spec == "auto":
-            assert llm.engine.spec_stats.num_accepted_tokens > 0  # drafts did run
+        if spec == "auto":  # (the repeated prompts give drafts on any CPU's rounding)
+            assert llm.engine.spec_stats.num_drafts > 0
         end_id = llm.engine.reasoning.end_id
     assert outputs["auto"] == outputs["off"]
     assert all(ids[5] == end_id for ids in outputs["off"])

@@ -446,22 +446,16 @@ class SamplingParams:
                 _check_float("logit_bias", v, -100.0, 100.0)
                 bias[token_id("logit_bias", t)] = float(v)
             self.logit_bias = bias or None
+
+        def token_list(param: str, most: int) -> list[int]:
+            ids = _as_list(param, getattr(self, param), int)
+            _need(0 < len(ids) <= most, param, f"{param} must hold 1 to {most} token ids")
+            return [token_id(param, t) for t in ids]
+
         if self.allowed_token_ids is not None:
-            ids = _as_list("allowed_token_ids", self.allowed_token_ids, int)
-            _need(
-                0 < len(ids) <= MAX_TOKEN_LIST,
-                "allowed_token_ids",
-                f"allowed_token_ids must hold 1 to {MAX_TOKEN_LIST} token ids",
-            )
-            self.allowed_token_ids = [token_id("allowed_token_ids", t) for t in ids]
+            self.allowed_token_ids = token_list("allowed_token_ids", MAX_TOKEN_LIST)
         if self.logprob_token_ids is not None:
-            ids = _as_list("logprob_token_ids", self.logprob_token_ids, int)
-            _need(
-                0 < len(ids) <= MAX_LOGPROB_TOKEN_IDS,
-                "logprob_token_ids",
-                f"logprob_token_ids must hold 1 to {MAX_LOGPROB_TOKEN_IDS} token ids",
-            )
-            self.logprob_token_ids = [token_id("logprob_token_ids", t) for t in ids]
+            self.logprob_token_ids = token_list("logprob_token_ids", MAX_LOGPROB_TOKEN_IDS)
             if self.logprobs is None:  # (their logprobs are this token's alternatives)
                 self.logprobs = 0
         if self.repetition_detection is not None:
