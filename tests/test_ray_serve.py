@@ -150,11 +150,76 @@ def test_openai_routes_errors_and_streaming(cluster):
         "param",
         "code",
     }
-    # each replica would keep its own responses, and the next turn may reach another: none kept
-    with pytest.raises(openai.BadRequestError, match="keeps no responses"):
-        client.responses.create(model=model, input="x", max_output_tokens=2, store=True)
-    unstored = client.responses.create(model=model, input="x", max_output_tokens=2)
-    assert unstored.store is False
+
+
+def test_a_stored_conversation_stays_on_the_replica_that_keeps_it(cluster):
+    """Each replica keeps its own responses; whatever names one reaches that replica: the next
+    turn (against what prefix routing would choose), a streamed turn's successor (found by
+    asking the replicas), retrieve, input_items, delete and a background response's polls."""
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    ask = TENANTS[1] + "What is a block?"
+    # prefix routing now sends this input to `elsewhere`: it was last served there
+    warm = client.responses.with_raw_response.create(
+        model=model, input=ask, max_output_tokens=2, temperature=0, store=False
+    )
+    elsewhere = warm.headers[REPLICA]
+    names = [snap["replica"] for snap in replicas(cluster)]
+    home = names[1 - names.index(elsewhere)]
+    first = httpx.post(
+        f"{cluster}/v1/responses",
+        headers={REPLICA: str(names.index(home))},
+        json={"model": model, "input": "Hello", "max_output_tokens": 3, "temperature": 0},
+        timeout=120,
+    )
+    assert first.status_code == 200 and first.headers[REPLICA] == home
+    turn = client.responses.with_raw_response.create(
+        model=model, input=ask, previous_response_id=first.json()["id"], max_output_tokens=3,
+        temperature=0,
+    )  # fmt: skip
+    assert turn.headers[REPLICA] == home
+    second = turn.parse()
+    with httpx.stream(
+        "POST",
+        f"{cluster}/v1/responses",
+        json={"model": model, "input": "Go on.", "previous_response_id": second.id,
+              "max_output_tokens": 3, "temperature": 0, "stream": True},
+        timeout=120,
+    ) as stream:  # fmt: skip
+        assert stream.status_code == 200 and stream.headers[REPLICA] == home
+        events = [json.loads(line[5:]) for line in stream.iter_lines() if line.startswith("data:")]
+    assert events[0]["type"] == "response.created"
+    streamed = events[0]["response"]["id"]
+    fourth = client.responses.with_raw_response.create(
+        model=model, input="And then?", previous_response_id=streamed, max_output_tokens=2,
+        temperature=0,
+    )  # fmt: skip
+    assert fourth.headers[REPLICA] == home
+    # the whole conversation is its prompt, and its earlier turns' blocks are there
+    assert fourth.parse().usage.input_tokens_details.cached_tokens >= 16 * 4
+    got = client.responses.with_raw_response.retrieve(streamed)
+    assert got.headers[REPLICA] == home and got.parse().status == events[-1]["response"]["status"]
+    items = client.responses.input_items.with_raw_response.list(second.id)
+    assert items.headers[REPLICA] == home
+    assert items.parse().data[0].content[0].text == ask
+    deleted = client.responses.with_raw_response.delete(streamed)
+    assert deleted.headers[REPLICA] == home
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(streamed)
+    # a background response's polls reach the replica running it, wherever it was created
+    for i in range(2):
+        queued = client.responses.with_raw_response.create(
+            model=model, input=f"Count {i}", max_output_tokens=4, background=True,
+            extra_headers={REPLICA: str(i)},
+        )  # fmt: skip
+        running, status = queued.parse(), "queued"
+        deadline = time.monotonic() + 120
+        while status in ("queued", "in_progress"):
+            assert time.monotonic() < deadline, "the background response did not end"
+            poll = client.responses.with_raw_response.retrieve(running.id)
+            assert poll.headers[REPLICA] == queued.headers[REPLICA] == names[i]
+            status = poll.parse().status
+        assert status in ("completed", "incomplete")
 
 
 def test_kv_and_metrics_cover_every_replica(cluster):
@@ -289,6 +354,13 @@ def test_dead_replica_errors_its_stream_and_its_successor_reads_the_shared_tier(
         complete(cluster, f"filler {i} " + "Memory is cut into fixed-size blocks. " * 30, replica=0)
     before = replicas(cluster)
     victim = before[1]
+    kept = httpx.post(
+        f"{cluster}/v1/responses",
+        headers={REPLICA: "1"},
+        json={"input": "Remember me.", "max_output_tokens": 2},
+        timeout=120,
+    )
+    assert kept.status_code == 200 and kept.headers[REPLICA] == victim["replica"]
     with httpx.stream(
         "POST",
         f"{cluster}/v1/completions",
@@ -305,6 +377,9 @@ def test_dead_replica_errors_its_stream_and_its_successor_reads_the_shared_tier(
     for i in range(3):  # the other replica keeps serving meanwhile
         assert complete(cluster, f"still served {i}").json()["choices"][0]["text"] is not None
     successor = successor_of(cluster, before)
+    # its responses died with it: the ingress sends the request elsewhere, which has none
+    gone = httpx.get(f"{cluster}/v1/responses/{kept.json()['id']}", timeout=120)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "not_found"
     again = complete(cluster, prompt, replica=successor).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 4
     assert again["choices"][0]["text"] == first.json()["choices"][0]["text"]
@@ -508,3 +583,34 @@ def test_runtime_lora_updates_reach_every_replica(cluster, tmp_path_factory):
     r = httpx.delete(f"{cluster}/adapters/sql", timeout=120)
     assert r.status_code == 200 and r.text == "Adapter sql unregistered", r.text
     assert [served(i) for i in range(2)] == [404, 404]
+
+
+def test_which_requests_need_a_stored_response_and_which_answers_create_one():
+    from pagedkv.server.response_owners import ResponseOwners, created_response, needed_response
+
+    body = json.dumps({"input": "x", "previous_response_id": "resp_a"}).encode()
+    assert needed_response("POST", "/v1/responses", body) == "resp_a"
+    assert needed_response("POST", "/v1/responses", b'{"input": "x"}') is None
+    assert needed_response("POST", "/v1/responses", b"{not json") is None
+    assert needed_response("POST", "/v1/chat/completions", body) is None
+    for path in ("/v1/responses/resp_b", "/v1/responses/resp_b/cancel",
+                 "/v1/responses/resp_b/input_items"):  # fmt: skip
+        assert needed_response("GET", path, b"") == "resp_b", path
+    assert needed_response("DELETE", "/v1/responses/resp_c/", b"") == "resp_c"
+    assert needed_response("GET", "/v1/responses/resp_b/other", b"") is None
+
+    answer = {"id": "resp_d", "object": "response", "store": True, "status": "completed"}
+    assert created_response("POST", "/v1/responses", 200, json.dumps(answer).encode()) == "resp_d"
+    unkept = json.dumps({**answer, "store": False}).encode()
+    assert created_response("POST", "/v1/responses", 200, unkept) is None
+    assert created_response("POST", "/v1/responses", 400, json.dumps(answer).encode()) is None
+    assert created_response("GET", "/v1/responses/resp_d", 200, json.dumps(answer).encode()) is None
+
+    owners = ResponseOwners(2)
+    owners.put("a", "r0")
+    owners.put("b", "r1")
+    assert owners.get("a") == "r0"  # now the most recent: "b" leaves first
+    owners.put("c", "r0")
+    assert (owners.get("a"), owners.get("b"), owners.get("c")) == ("r0", None, "r0")
+    owners.drop("a")
+    assert owners.get("a") is None

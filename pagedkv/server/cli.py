@@ -151,7 +151,7 @@ def add_parser(subparsers) -> None:
         type=int,
         default=EngineConfig.max_stored_responses,
         help="the latest N /v1/responses answers kept for previous_response_id and GET "
-        "/v1/responses/{id} (0: none; with --data-parallel-size none either)",
+        "/v1/responses/{id} (0: none; under --data-parallel-size, N on each replica)",
     )
     p.add_argument(
         "--reasoning-parser",
@@ -246,8 +246,6 @@ def run(args: argparse.Namespace) -> int:
 
         replica = copy.copy(config)  # each replica is one engine
         replica.data_parallel_size = 1
-        if config.data_parallel_size > 1:  # its own store; a conversation's next turn may go
-            replica.max_stored_responses = 0  # to another replica
         serve_replicas(
             replica,
             args.host,

@@ -2,14 +2,17 @@
 
     client -> Ray Serve proxy -> Ingress (tokenizer) --handle + PagedKVRouter--> EngineReplica x N
                                    | the prompt's block hashes         each: AsyncLLM + build_app
+                                   | or the replica keeping a stored response it needs
                                            | /metrics, /v1/kv: ask every replica, merge
 
 Each replica runs the same FastAPI app as the one-process server (`build_app`), so routes,
 errors and streaming are that app's; the ingress hands it the raw request and streams its
 ASGI messages back. The ingress computes the prompt's block hashes, which the request router
 (`ray_router.PagedKVRouter`, Ray's RequestRouter API) turns into a replica with
-`pagedkv.routing`. Ray starts, restarts and health-checks the replicas; a replica that dies
-is dropped from routing and its in-flight requests get a 503 (an error event if streaming).
+`pagedkv.routing`; a request that needs a stored response goes to the replica keeping it
+(server/response_owners.py). Ray starts, restarts and health-checks the replicas; a replica
+that dies is dropped from routing and its in-flight requests get a 503 (an error event if
+streaming).
 """
 
 import asyncio
@@ -34,6 +37,7 @@ from pagedkv.server.errors import error_body
 from pagedkv.server.metrics import exposition
 from pagedkv.server.middleware import MAX_BODY_BYTES, BodySizeLimit, HeaderCountLimit
 from pagedkv.server.ray_router import PagedKVRouter, RouteKey
+from pagedkv.server.response_owners import ResponseOwners, created_response, needed_response
 from pagedkv.server.routes_extra import ADAPTER_HEADER
 
 log = logging.getLogger("pagedkv.server")
@@ -249,6 +253,7 @@ class Ingress:
         num_replicas: int,
         cors: dict | None = None,
         adapters: frozenset[str] = frozenset(),
+        stored_responses: int = 0,
     ) -> None:
         from pagedkv.model.loader import read_checkpoint
 
@@ -260,6 +265,8 @@ class Ingress:
         self.registry = AdapterRegistry.options(  # type: ignore[attr-defined]
             name=ADAPTER_REGISTRY, get_if_exists=True
         ).remote()
+        # which replica keeps each stored response (each keeps up to stored_responses)
+        self.owners = ResponseOwners(stored_responses * num_replicas)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Serve's hook, called after the constructor: the app with the server's CORS options.
@@ -329,10 +336,18 @@ class Ingress:
         )
 
     async def _call(
-        self, request: Request, key: RouteKey, body: bytes, drop: tuple = (), path: str = ""
+        self,
+        request: Request,
+        key: RouteKey,
+        body: bytes,
+        drop: tuple = (),
+        path: str = "",
+        method: str = "",
+        query: bytes | None = None,
     ):
-        """Start the call (without the headers named in `drop`, lower case; to `path` if given);
-        returns (head, the rest of the stream). Raises ReplicaGone.
+        """Start the call (without the headers named in `drop`, lower case; to `path`, as
+        `method`, with `query`, where given); returns (head, the rest of the stream). Raises
+        ReplicaGone.
 
         A replica found dead before the answer started (routed there before Ray saw it die,
         or dead mid-way through a non-streamed answer) gets one more try elsewhere: nothing
@@ -344,9 +359,9 @@ class Ingress:
         for attempt in range(START_ATTEMPTS):
             stream = self.engine.forward.remote(
                 key,
-                request.method,
+                method or request.method,
                 path or request.url.path,
-                request.scope.get("query_string", b""),
+                request.scope.get("query_string", b"") if query is None else query,
                 headers,
                 body,
             )
@@ -380,6 +395,26 @@ class Ingress:
             except (ReplicaGone, ray.exceptions.RayError):
                 continue
         return [unique[name] for name in sorted(unique)]
+
+    async def _owner(self, request: Request, response_id: str) -> str | None:
+        """The replica keeping a stored response: known from its answer, else the first replica
+        that has it (None: none has, or the caller may not ask)."""
+        if (owner := self.owners.get(response_id)) is not None:
+            return owner
+        path = f"/v1/responses/{response_id}"  # (an ASGI path, as the request's own)
+        for i in range(self.num_replicas):
+            try:
+                head, stream = await self._call(
+                    request, RouteKey(replica=i), b"", path=path, method="GET", query=b"",
+                    drop=(b"content-length", b"content-type", b"accept", b"accept-encoding"),
+                )  # fmt: skip
+                [_ async for _ in stream]
+            except (ReplicaGone, ray.exceptions.RayError):
+                continue
+            if head["status"] == 200:
+                self.owners.put(response_id, head["replica"])
+                return head["replica"]
+        return None
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
@@ -468,8 +503,13 @@ class Ingress:
         body = await request.body()
         if (update := _adapter_update(request, path, body)) is not None:  # not one replica alone
             return await self._update_adapters(request, update, body)
+        key = self.route_key(request, body)
+        method, path = request.method, request.url.path
+        needed = needed_response(method, path, body) if self.owners.capacity else None
         try:
-            head, stream = await self._call(request, self.route_key(request, body), body)
+            if needed is not None and key.replica is None:
+                key = RouteKey(hashes=key.hashes, owner=await self._owner(request, needed))
+            head, stream = await self._call(request, key, body)
         except ReplicaGone as e:
             return _error(503, str(e))
         headers = {
@@ -483,6 +523,10 @@ class Ingress:
                 content = b"".join([chunk async for chunk in stream])
             except ray.exceptions.RayError as e:
                 return _error(503, f"the replica serving this request failed: {type(e).__name__}")
+            if (created := created_response(method, path, head["status"], content)) is not None:
+                self.owners.put(created, head["replica"])
+            elif needed is not None and method == "DELETE" and head["status"] == 200:
+                self.owners.drop(needed)
             return Response(content, status_code=head["status"], headers=headers)
         return StreamingResponse(_relay(stream), status_code=head["status"], headers=headers)
 
@@ -516,4 +560,5 @@ def build(
         num_replicas,
         cors,
         frozenset(lora_modules(config.lora_modules)) if config.enable_lora else frozenset(),
+        config.max_stored_responses,
     )

@@ -1,11 +1,12 @@
 """The Ray Serve request router in front of the engine replicas (--data-parallel-size; Ray).
 
 It runs inside the ingress's deployment handle. Each call to a replica carries a `RouteKey`
-as its first argument: the prompt's block hashes, or a replica index for calls meant for one
-replica (/v1/kv and /metrics ask each one). The choice itself is `pagedkv.routing`'s, the
-code the simulator runs; loads are this router's own counts of requests in flight (exact,
-since every request goes through it). Ray removes a dead replica from the candidates, and
-the policy forgets what that replica held.
+as its first argument: the prompt's block hashes, a replica index for calls meant for one
+replica (/v1/kv and /metrics ask each one), or the name of the replica that keeps a stored
+response the call needs (server/response_owners.py; the hashes' choice if it is gone). The
+choice itself is `pagedkv.routing`'s, the code the simulator runs; loads are this router's
+own counts of requests in flight (exact, since every request goes through it). Ray removes a
+dead replica from the candidates, and the policy forgets what that replica held.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from pagedkv.routing import make_policy
 
 @dataclass(frozen=True, slots=True)
 class RouteKey:
-    """What the router reads from a call: the prompt's block hashes, or one replica by index."""
+    """What the router reads from a call: the prompt's block hashes, or one replica by index or
+    by name."""
 
     hashes: tuple[BlockHash, ...] = ()
     replica: int | None = None  # index into the replicas sorted by id (for per-replica calls)
+    owner: str | None = None  # the actor name of the replica keeping a response the call needs
 
 
 class PagedKVRouter(RequestRouter):
@@ -56,6 +59,10 @@ class PagedKVRouter(RequestRouter):
         if key.replica is not None:
             ordered = sorted(by_id, key=lambda rid: rid.unique_id)
             return [[by_id[ordered[key.replica % len(ordered)]]]]
+        owner = getattr(key, "owner", None)
+        named = [rid for rid in by_id if owner is not None and rid.to_full_id_str() == owner]
+        if named:
+            return [[by_id[named[0]]]]
         chosen = self.policy.choose(key.hashes, {rid: self.in_flight[rid] for rid in by_id})
         rest = sorted(
             (r for r in candidate_replicas if r.replica_id != chosen),
@@ -69,7 +76,8 @@ class PagedKVRouter(RequestRouter):
         self.in_flight[replica_id] += 1
         self._sent[pending_request.metadata.internal_request_id] = replica_id
         key: Any = pending_request.args[0] if pending_request.args else None
-        if getattr(key, "hashes", None) and key.replica is None:  # where the prefix really went
+        if getattr(key, "hashes", None) and key.replica is None and not getattr(key, "owner", None):
+            # where the prefix really went (not a call sent where a response is kept)
             self.policy.record(key.hashes, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

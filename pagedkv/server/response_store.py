@@ -6,8 +6,8 @@ A response is kept with its own request's input items and the id of the response
 not the whole conversation again: a chain of N turns holds each item once. The latest
 `--max-stored-responses` are kept, the least recently used leaving first; continuing a
 conversation touches every response of it, so a chain in use is not evicted from under its next
-turn. In memory only: a restart forgets them, and under --data-parallel-size (one store a replica,
-requests spread over replicas) none are kept.
+turn. In memory only: a restart forgets them. Under --data-parallel-size each replica keeps
+its own, and the ingress sends a request that needs one to its replica (response_owners.py).
 """
 
 from __future__ import annotations

@@ -274,8 +274,7 @@ class OpenAIServing:
             )
             raise ParamError(
                 field,
-                "this server keeps no responses (--max-stored-responses 0, or replicas of "
-                f"--data-parallel-size, where the next turn may reach another): send {send}",
+                f"this server keeps no responses (--max-stored-responses 0): send {send}",
             )
         if req.background and req.store is False:
             raise ParamError(
