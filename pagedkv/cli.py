@@ -75,18 +75,15 @@ _NOOP_BOOL = (
     "enable_chunked_prefill",
     "enable_prompt_tokens_details",
     "disable_log_requests",
-    "enable_log_requests",
     "disable_log_stats",
     "disable_frontend_multiprocessing",
     "disable_custom_all_reduce",
     "async_scheduling",
     "disable_fastapi_docs",
-    "enable_log_outputs",
     "calculate_kv_scales",
     "enable_server_load_tracking",
     "use_tqdm_on_load",
     "disable_hybrid_kv_cache_manager",
-    "enable_log_deltas",
     "aggregate_engine_logging",
     "disable_cascade_attn",
 )
@@ -124,6 +121,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     _add_cache_args(p)
     _add_scheduler_args(p)
+    _add_log_args(p)
     add_noop_args(p)
 
 
@@ -142,6 +140,36 @@ def text_only(value: str) -> None:
                 f"--limit-mm-per-prompt: pagedkv takes text only, so {kind}'s limit must be 0"
             )
     note("--limit-mm-per-prompt has no effect: pagedkv takes text only")
+
+
+def _add_log_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's request log (pagedkv serve's; elsewhere a note says so)."""
+    p = p.add_argument_group("request log (pagedkv serve)")  # type: ignore[assignment]
+    p.add_argument(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log each request as it arrives: its id and parameters (the prompt too at "
+        "PAGEDKV_LOGGING_LEVEL=DEBUG)",
+    )
+    p.add_argument(
+        "--enable-log-outputs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --enable-log-requests: log each answer's text and finish reason",
+    )
+    p.add_argument(
+        "--enable-log-deltas",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --enable-log-outputs: a streamed answer's pieces too (default: on)",
+    )
+    p.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="characters of a prompt or answer, and token ids, those lines show (default: all)",
+    )
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

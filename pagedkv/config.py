@@ -62,8 +62,7 @@ NOOP_OPTIONS = {
     "trust_remote_code": "models run on pagedkv's own Llama code, never the checkpoint's",
     "enable_chunked_prefill": "chunked prefill is always on here",
     "enable_prompt_tokens_details": "usage.prompt_tokens_details.cached_tokens is always reported",
-    "disable_log_requests": "pagedkv does not log requests",
-    "enable_log_requests": "pagedkv does not log requests",
+    "disable_log_requests": "requests are logged only with --enable-log-requests",
     "disable_log_stats": "pagedkv does not log periodic stats (see /metrics)",
     "disable_frontend_multiprocessing": "the server and engine share one process here",
     "disable_custom_all_reduce": "-tp all-reduces through torch.distributed, no custom kernel",
@@ -80,8 +79,6 @@ NOOP_OPTIONS = {
     "(--enforce-eager turns them off)",
     "async_scheduling": "steps are scheduled one after another here",
     "disable_fastapi_docs": "pagedkv serves no documentation pages (only /openapi.json)",
-    "max_log_len": "pagedkv does not log requests",
-    "enable_log_outputs": "pagedkv does not log requests",
     "max_parallel_loading_workers": "the weights load in one process, once",
     "cpu_offload_gb": "the weights live in CPU memory already",
     "calculate_kv_scales": "int8 and fp8 caches take a scale per token and head, computed as "
@@ -106,7 +103,6 @@ NOOP_OPTIONS = {
     "layers too",
     "api_server_count": "one API server process serves here (under -dp, one ingress before the "
     "replicas)",
-    "enable_log_deltas": "pagedkv does not log requests",
     "aggregate_engine_logging": "pagedkv does not log periodic stats (see /metrics)",
     "disable_cascade_attn": "vLLM deprecated it, and it has no effect there either; pagedkv "
     "chooses cascade attention step by step (PAGEDKV_CASCADE=0 turns it off)",
@@ -277,6 +273,10 @@ SERVE_ONLY = frozenset(
         "chat_template_content_format",
         "max_stored_responses",
         "default_chat_template_kwargs",
+        "enable_log_requests",
+        "enable_log_outputs",
+        "enable_log_deltas",
+        "max_log_len",
     }
 )
 # integer options >= 1, and those of them that may be None (not set)
@@ -412,6 +412,13 @@ class EngineConfig:
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none" hides the tools too
     tool_call_parser: str | None = None
     max_stored_responses: int = 1000  # /v1/responses kept for previous_response_id (0: none)
+    # vLLM's request log (engine/request_log.py): each request as it arrives, with
+    # enable_log_outputs each answer (a stream's pieces too unless not enable_log_deltas);
+    # max_log_len: characters of a text and ids of a list in those lines (None: all)
+    enable_log_requests: bool = False
+    enable_log_outputs: bool = False
+    enable_log_deltas: bool = True
+    max_log_len: int | None = None
     # how the chat template gets a message's content: "string", "openai" (a list of text
     # parts), or "auto" (parts for a template that loops over them), as vLLM's
     chat_template_content_format: str = "auto"
@@ -497,6 +504,14 @@ class EngineConfig:
         need(
             type(self.max_logprobs) is int and self.max_logprobs >= -1,
             f"--max-logprobs must be an integer >= -1 (-1: no cap), got {self.max_logprobs!r}",
+        )
+        need(
+            not self.enable_log_outputs or self.enable_log_requests,
+            "--enable-log-outputs needs --enable-log-requests (as in vLLM)",
+        )
+        need(
+            self.max_log_len is None or (type(self.max_log_len) is int and self.max_log_len >= 0),
+            f"--max-log-len must be an integer >= 0, got {self.max_log_len!r}",
         )
         need(
             type(self.max_stored_responses) is int and self.max_stored_responses >= 0,

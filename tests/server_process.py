@@ -32,15 +32,16 @@ TINY_SERVER = (
 )
 
 
-def serve_error(*args: str) -> list[str]:
-    """The stderr lines of a `pagedkv serve` that must refuse to start: exit 2, no traceback."""
+def serve_error(*args: str, env: dict[str, str] | None = None) -> list[str]:
+    """The stderr lines of a `pagedkv serve` that must refuse to start: exit 2, no traceback.
+    `env`: variables set for it."""
     out = subprocess.run(
         [*SERVE, *args],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     return out.stderr.strip().splitlines()
@@ -55,9 +56,11 @@ class ServerProcess:
         start_timeout: float = 120.0,
         verify: ssl.SSLContext | bool = True,
         uds: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         """`verify`: the certificate an HTTPS server is checked against; `uds`: the server listens
-        on that Unix socket (--uds), where clients reach it as http://localhost."""
+        on that Unix socket (--uds), where clients reach it as http://localhost; `env`: variables
+        set for it."""
         self.api_key = api_key
         self.uds, self.verify = uds, verify
         self.log = tempfile.NamedTemporaryFile(
@@ -76,6 +79,7 @@ class ServerProcess:
             "PYTHONPATH": str(REPO),
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
+            **(env or {}),
         }
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env

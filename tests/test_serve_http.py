@@ -4,9 +4,11 @@ them refused with one line and exit code 2 before the model loads."""
 
 from __future__ import annotations
 
+import ast
 import datetime
 import ipaddress
 import json
+import re
 import socket
 import ssl
 from pathlib import Path
@@ -198,6 +200,7 @@ def test_replies_carry_the_request_id(server):
     given = r.headers["x-request-id"]
     assert len(given) == 32 and r.json()["id"] == f"cmpl-{given}"
     assert server.http.get("/health").headers["x-request-id"]
+    assert "Received request" not in server.output()  # (requests are logged only when asked)
 
 
 def test_every_stream_ends_with_usage(server):
@@ -257,6 +260,8 @@ def serve_fails(*args: str) -> str:
         (["--h11-max-header-count", "0"], "--h11-max-header-count must be >= 1"),
         (["--log-config-file", "/nonexistent.json"], "--log-config-file /nonexistent.json: "),
         (["--log-config-file", "/dev/null"], "not JSON"),
+        (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests"),
+        (["--max-log-len", "-1"], "--max-log-len must be an integer >= 0, got -1"),
     ],
 )
 def test_http_flag_mistakes_are_one_line(tiny_model_dir, args, says):
@@ -270,3 +275,56 @@ def test_a_client_certificate_requirement_out_of_range_is_refused(tiny_model_dir
         "--ssl-cert-reqs", "5",
     )  # fmt: skip
     assert "--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required)" in line
+
+
+def test_requests_and_answers_are_logged_as_vllm_logs_them(tiny_model_dir):
+    """--enable-log-requests, --enable-log-outputs and --max-log-len: vLLM's lines (INFO: the id
+    and parameters, each answer whole and a stream's pieces; DEBUG: the prompt and ids)."""
+    prompt = "Once upon a time, in a land of paged caches and blocks, "
+    args = ("--enable-log-requests", "--enable-log-outputs", "--max-log-len", "24")
+    with ServerProcess(
+        tiny_model_dir, *TINY_SERVER, *args, env={"PAGEDKV_LOGGING_LEVEL": "debug"}
+    ) as server:
+        client = server.openai()
+        whole = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                temperature=0, stream=True, extra_body={"ignore_eos": True},
+            )
+        )  # fmt: skip
+        tokenized = server.http.post("/tokenize", json={"model": "tiny", "prompt": prompt})
+        ids = tokenized.json()["tokens"]
+        log = server.output()
+    rid = f"{whole.id}-0"
+    received = re.search(
+        rf"Received request {rid}: params: (SamplingParams\(.*\)), lora_request: None\.", log
+    )
+    assert received and "temperature=0.0" in received[1] and "max_tokens=6" in received[1]
+    assert "top_p=" not in received[1]  # (only what the request set)
+    # (the details line is DEBUG, and --max-log-len cuts the text and the ids)
+    assert f"Request {rid} details: prompt: {prompt[:24]!r}, prompt_token_ids: {ids[:24]}." in log
+    text = whole.choices[0].text
+    assert f"Generated response {rid}: output: {text[:24]!r}, finish_reason: length" in log
+    # a stream: each piece as it came, then the whole answer
+    chat_id = f"{chunks[0].id}-0"
+    answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    pieces = re.findall(
+        rf"Generated response {chat_id} \(streaming delta\): output: ('.*?'|\".*?\"), finish", log
+    )
+    assert len(pieces) > 1 and "".join(ast.literal_eval(p) for p in pieces) == answer
+    assert (
+        f"Generated response {chat_id} (streaming complete): output: {answer[:24]!r}, "
+        "finish_reason: length" in log
+    )
+
+
+def test_an_unknown_logging_level_is_one_line(tiny_model_dir):
+    line = serve_error("--model", tiny_model_dir, env={"PAGEDKV_LOGGING_LEVEL": "loud"})[-1]
+    assert "PAGEDKV_LOGGING_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL" in line

@@ -40,18 +40,15 @@ NOOP_FLAGS = [
     "--enable-chunked-prefill",
     "--disable-log-requests",
     "--enable-prompt-tokens-details",
-    "--enable-log-outputs",
     "--calculate-kv-scales",
     "--disable-cascade-attn",
     "--no-use-tqdm-on-load",
     "--disable-hybrid-kv-cache-manager",
     "--language-model-only",  # (vLLM 0.32's, for a multimodal model's text part)
-    "--no-enable-log-requests",
     "--numa-bind",
     "--log-error-stack",
 ]
 NOOP_VALUES = {  # flags with a value, as deployments write them
-    "--max-log-len": "100",
     "--cpu-offload-gb": "4",
     "--model-impl": "auto",
     "--max-parallel-loading-workers": "2",
@@ -119,6 +116,7 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         "vllm",
         "--max-num-seqs",
         "8",
+        "--enable-log-requests",  # (a server's: generate logs no requests)
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -131,6 +129,7 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         "-O",
         "--guided-decoding-backend",
         "--served-model-name",  # a server's name for the model: generate serves none
+        "--enable-log-requests",
     ]
     assert all("no effect" in n for n in notes)
 

@@ -26,6 +26,7 @@ from pagedkv.engine.engine_stats import EngineStats
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import SamplingParams
+from pagedkv.engine.request_log import RequestLog
 
 log = logging.getLogger("pagedkv")
 
@@ -117,6 +118,11 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._error: BaseException | None = None
+        self.request_log = (  # --enable-log-requests; the server logs the answers through it
+            RequestLog(config.enable_log_outputs, config.enable_log_deltas, config.max_log_len)
+            if config.enable_log_requests
+            else None
+        )
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -179,6 +185,9 @@ class AsyncLLM:
             text = prompt if isinstance(prompt, str) else None
             self._inbox.append(AddRequest(request_id, ids, params, text))
             self._wake.notify()
+        if self.request_log is not None:
+            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+            self.request_log.received(request_id, text, ids, params, decode)
         finished = False
         interval = max(params.stream_interval or 1, self.config.stream_interval)
         sent: list[int] = []  # tokens each sequence had in the last output given

@@ -14,6 +14,7 @@ import asyncio
 import copy
 import logging
 import logging.config
+import os
 import re
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -27,7 +28,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
-from pagedkv.config import EngineConfig
+from pagedkv.config import ConfigError, EngineConfig
 from pagedkv.engine.request import INT64_MAX, INT64_MIN
 from pagedkv.server import invocations
 from pagedkv.server import protocol as api
@@ -420,15 +421,41 @@ class GracefulServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level() -> str:
+    """PAGEDKV_LOGGING_LEVEL: where pagedkv's lines start (INFO unless set; as vLLM's
+    VLLM_LOGGING_LEVEL, DEBUG adds the request log's prompts)."""
+    level = os.environ.get("PAGEDKV_LOGGING_LEVEL", "INFO").strip().upper()
+    if level not in LOG_LEVELS:
+        raise ConfigError(
+            f"PAGEDKV_LOGGING_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {level!r}"
+        )
+    return level
+
+
 def default_log_config() -> dict:
     """uvicorn's logging, with pagedkv's lines in the same form."""
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     log_config["loggers"]["pagedkv"] = {
         "handlers": ["default"],
-        "level": "INFO",
+        "level": log_level(),
         "propagate": False,
     }
     return log_config
+
+
+def log_to_stderr() -> None:
+    """pagedkv's lines on stderr, as one process shows them, where nothing set up their logging
+    (a Ray Serve replica: Ray relays its stderr to the driver)."""
+    logger = logging.getLogger("pagedkv")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)-9s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(log_level())
+        logger.propagate = False
 
 
 def serve(

@@ -98,8 +98,9 @@ class EngineReplica:
 
         torch.set_num_threads(1)  # replicas share the machine's cores
         from pagedkv.engine.async_engine import AsyncLLM
-        from pagedkv.server.app import build_app
+        from pagedkv.server.app import build_app, log_to_stderr
 
+        log_to_stderr()  # (the request log among them)
         self.name = ray.get_runtime_context().get_actor_name() or "replica"
         self.pid = os.getpid()
         self.app = build_app(AsyncLLM(config), cors=cors)  # for a preflight that reaches it

@@ -61,6 +61,9 @@ def serve_logging(log_level: str, access_log: bool) -> dict:
         raise ConfigError(
             "--uvicorn-log-level trace is uvicorn's own level; Ray Serve's logs go down to debug"
         )
+    from pagedkv.server.app import log_level as pagedkv_level  # late: it imports FastAPI
+
+    pagedkv_level()  # (the replicas' own lines: PAGEDKV_LOGGING_LEVEL checked before Ray starts)
     return {"log_level": log_level.upper(), "enable_access_log": access_log}
 
 

@@ -334,17 +334,21 @@ class OpenAIServing:
         return req.include_usage or forced
 
     async def _shown(
-        self, fmt: ResponseFormat, outputs: AsyncGenerator[RequestOutput, None]
+        self, fmt: ResponseFormat, outputs: AsyncGenerator[RequestOutput, None], streaming: bool
     ) -> AsyncGenerator[RequestOutput, None]:
         """What the client gets of one engine request, counted once in /metrics: at its final
         output, as an abort if its stream is closed or cancelled before (the client went away),
         as an error if it failed in the engine. One refused at the door (a full queue, a bad
-        field) is not counted."""
+        field) is not counted. With --enable-log-outputs it is logged as it goes."""
         finished = False
+        logs = self.engine.request_log
+        log_answer = logs.answers(streaming) if logs is not None else None
         try:
             async with aclosing(outputs) as each:
                 async for out in each:
                     out = fmt.shown(out)
+                    if log_answer is not None:
+                        log_answer(out)
                     if out.finished:
                         finished = True
                         self.metrics.observe(out)
@@ -381,7 +385,9 @@ class OpenAIServing:
         stream, include_usage = bool(req.stream), self.usage_chunk(req)
         events = merge(
             [
-                self._shown(fmt, self.engine.generate(ids, params, request_id=f"{fmt.id}-{i}"))
+                self._shown(
+                    fmt, self.engine.generate(ids, params, request_id=f"{fmt.id}-{i}"), stream
+                )
                 for i, ids in enumerate(prompts)
             ]
         )
