@@ -661,10 +661,59 @@ def test_a_cancelled_background_response_frees_its_blocks(client, server):
         client.responses.retrieve(running.id)
 
 
-@pytest.mark.parametrize(
-    ("fields", "param"), [({"stream": True}, "stream"), ({"store": False}, "background")]
-)
-def test_a_background_response_is_stored_and_not_streamed(server, fields, param):
-    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "background": True, **fields}
-    answer = server.http.post("/v1/responses", json=body)
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == param
+def test_a_background_response_is_stored(server):
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "background": True}
+    answer = server.http.post("/v1/responses", json={**body, "store": False})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "background"
+
+
+def test_a_streamed_background_response_is_read_again_from_any_point(client, server):
+    """background and stream: the events as they come, kept; GET ?stream=true reads them again,
+    all or those after a sequence number, and the stored Response is the stream's answer."""
+    kw = dict(model="tiny", input=QUESTION, max_output_tokens=8, temperature=0)
+    events = [e.model_dump() for e in client.responses.create(**kw, background=True, stream=True)]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created"
+    assert events[0]["response"]["status"] == "queued" and events[0]["response"]["background"]
+    assert events[-1]["type"] == "response.incomplete"  # (8 tokens)
+    response_id = events[0]["response"]["id"]
+    kept = client.responses.retrieve(response_id)
+    same = client.responses.create(**kw)
+    assert kept.status == "incomplete" and kept.output_text == same.output_text != ""
+    assert kept.output_text == events[-1]["response"]["output"][-1]["content"][0]["text"]
+    again = [e.model_dump() for e in client.responses.retrieve(response_id, stream=True)]
+    assert again == events
+    after = client.responses.retrieve(response_id, stream=True, starting_after=3)
+    assert [e.model_dump() for e in after] == events[4:]
+    with pytest.raises(openai.BadRequestError, match="was not streamed in the background"):
+        client.responses.retrieve(same.id, stream=True)
+    with pytest.raises(openai.BadRequestError, match="starting_after goes with stream"):
+        client.responses.retrieve(response_id, starting_after=3)
+    server.wait_idle()
+
+
+def test_a_streamed_background_response_runs_on_without_its_client_and_can_be_cancelled(
+    client, server
+):
+    body = {"model": "tiny", "input": QUESTION, "max_output_tokens": 24, "background": True,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    with server.http.stream("POST", "/v1/responses", json=body) as s:  # gone after one event
+        first = json.loads(next(line for line in s.iter_lines() if line.startswith("data:"))[5:])
+    done = poll(client, first["response"]["id"])
+    assert done.status == "incomplete" and done.usage.output_tokens == 24
+    replayed = list(client.responses.retrieve(done.id, stream=True))
+    assert (replayed[0].type, replayed[0].sequence_number) == (first["type"], 0)
+    assert replayed[0].response.id == done.id and replayed[-1].response.status == "incomplete"
+    # cancelled while its stream is read: the stream ends, the blocks are freed
+    with server.http.stream("POST", "/v1/responses", json={**body, "max_output_tokens": 900}) as s:
+        lines = s.iter_lines()
+        started = json.loads(next(line for line in lines if line.startswith("data:"))[5:])
+        response_id = started["response"]["id"]
+        next(line for line in lines if '"response.output_text.delta"' in line)  # it runs
+        assert client.responses.cancel(response_id).status == "cancelled"
+        rest = list(lines)  # (ends: were it left open, this would wait for ever)
+    assert not any(
+        '"response.completed"' in line or '"response.incomplete"' in line for line in rest
+    )
+    assert client.responses.retrieve(response_id).status == "cancelled"
+    assert server.wait_idle()["used"] == 0

@@ -67,6 +67,7 @@ from pagedkv.server.scoring import RerankRequest, ScoreRequest
 from pagedkv.server.scoring import rerank as serve_rerank
 from pagedkv.server.scoring import score as serve_score
 from pagedkv.server.serving import OpenAIServing
+from pagedkv.server.streaming import EventStream
 from pagedkv.server.validation import IGNORED, checked, load_json_object
 from pagedkv.signals import exit_on_sigterm
 
@@ -281,10 +282,29 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
         return await serving.responses(await read_json(request, ResponsesRequest), request)
 
     @app.get("/v1/responses/{response_id}")
-    async def stored_response(response_id: str, request: Request) -> Response:
-        """A kept response (OpenAI's retrieve), as it was answered."""
+    async def stored_response(
+        response_id: str,
+        request: Request,
+        stream: bool = Query(False),
+        starting_after: int | None = Query(None, ge=-1),
+    ) -> Response:
+        """A kept response (OpenAI's retrieve), as it was answered; with stream=true, a streamed
+        background response's events again, all of them or those after `starting_after` (a
+        sequence number), then as they come until it ends."""
         known_query(request)
-        return JSONResponse(serving.stored_response(response_id).body)
+        kept = serving.stored_response(response_id)
+        if not stream:
+            if starting_after is not None:
+                raise APIError(400, "starting_after goes with stream=true", param="starting_after")
+            return JSONResponse(kept.body)
+        if kept.events is None:
+            raise APIError(
+                400,
+                f"response {response_id!r} was not streamed in the background (background and "
+                "stream true): retrieve it without stream",
+                param="stream",
+            )
+        return EventStream(kept.events.read(0 if starting_after is None else starting_after + 1))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> Response:

@@ -1,6 +1,7 @@
 """Responses kept for `previous_response_id` and GET / DELETE /v1/responses/{id} (OpenAI's stored
 responses; `store` defaults to true there, and here). A background response is kept from the
-start, queued, and replaced as it runs and ends (server/serving.py).
+start, queued, and replaced as it runs and ends (server/serving.py); a streamed one keeps its
+stream's events too, for GET /v1/responses/{id}?stream=true to read again from any point.
 
 A response is kept with its own request's input items and the id of the response it continued,
 not the whole conversation again: a chain of N turns holds each item once. The latest
@@ -12,11 +13,46 @@ its own, and the ingress sends a request that needs one to its replica (response
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.server.errors import APIError
+
+
+@dataclass
+class EventLog:
+    """A background response's stream as it is made: its events in order, so that the request
+    that started it, and any GET ?stream=true after (the first, or one that lost its
+    connection), read it from the start or from after a sequence number. Event i has
+    sequence_number i."""
+
+    events: list[str] = field(default_factory=list)  # server-sent events, each ending "\n\n"
+    ended: bool = False
+    _grew: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def add(self, frame: str) -> None:
+        """A frame of one or more events."""
+        self.events += [event + "\n\n" for event in frame.split("\n\n") if event]
+        self._grew.set()
+
+    def end(self) -> None:
+        self.ended = True
+        self._grew.set()
+
+    async def read(self, start: int) -> AsyncGenerator[str, None]:
+        """The events from the start-th on, as they come, until the stream ends."""
+        at = start
+        while True:
+            self._grew.clear()
+            while at < len(self.events):
+                yield self.events[at]
+                at += 1
+            if self.ended:
+                return
+            await self._grew.wait()
 
 
 @dataclass
@@ -24,6 +60,7 @@ class StoredResponse:
     body: dict[str, Any]  # the Response as it was answered
     input_items: list[dict[str, Any]]  # its request's input, each item with an id
     previous: str | None  # the response it continued
+    events: EventLog | None = None  # a background stream's events (None: not streamed)
 
 
 class ResponseStore:

@@ -22,6 +22,7 @@ from pagedkv.engine.outputs import RequestOutput
 from pagedkv.server import responses as api
 from pagedkv.server.chat_format import ChatFormat
 from pagedkv.server.response_format import Delta, usage_of
+from pagedkv.server.response_store import EventLog
 from pagedkv.server.tool_parsers import ParsedCall, ToolCallStream
 
 
@@ -53,6 +54,7 @@ class ResponsesFormat(ChatFormat):
     keep: Callable[[dict], None] | None = None  # stores the finished Response (None: not kept)
     background: bool = False  # answered at once as queued; kept as it ends (serving.py)
     status: str = "queued"  # a background Response's, as last kept
+    events: EventLog | None = None  # a streamed background Response's stream, kept
     done_marker = None
     _seq: int = 0
     _items: list[dict] = field(default_factory=list)  # output items streamed so far, in order
@@ -123,7 +125,7 @@ class ResponsesFormat(ChatFormat):
     def _answer(self, finals: list[RequestOutput]) -> dict:
         o = finals[0].outputs[0]
         cut = o.finish_reason == "length"
-        status = "incomplete" if cut else "completed"
+        status = self.status = "incomplete" if cut else "completed"
         reasoning, text = self._split(o.text, final=True)
         content, calls = self._calls_in(text, cut)
         output = [self._item("reasoning", "completed", reasoning)] if reasoning else []
@@ -173,7 +175,8 @@ class ResponsesFormat(ChatFormat):
 
     def start(self, num_choices: int, first: RequestOutput) -> list[BaseModel]:
         shell = self._body("in_progress", [], None, None)
-        created = self._event("response.created", response=shell)
+        created = self._body("queued", [], None, None) if self.background else shell
+        created = self._event("response.created", response=created)
         return [Events(events=[created, self._event("response.in_progress", response=shell)])]
 
     def _where(self, item: dict) -> dict:

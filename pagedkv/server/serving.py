@@ -41,7 +41,7 @@ from pagedkv.server.errors import APIError, error_body, to_api_error
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import REQUEST_ID_HEADER
 from pagedkv.server.response_format import Delta, ResponseFormat, token_decoder
-from pagedkv.server.response_store import ResponseStore, StoredResponse, conversation
+from pagedkv.server.response_store import EventLog, ResponseStore, StoredResponse, conversation
 from pagedkv.server.responses_format import ResponsesFormat
 from pagedkv.server.responses_protocol import ResponsesRequest, input_items
 from pagedkv.server.streaming import ClientGone, EventStream, merge, sse, until_disconnect
@@ -244,10 +244,11 @@ class OpenAIServing:
         }
         tok = self.engine.tokenizer
         keep = None
+        log = EventLog() if req.background and req.stream else None  # (kept: background is)
         if store is not None:
             own = input_items(req, answer_id)
             previous = req.previous_response_id
-            keep = lambda body: store.put(StoredResponse(body, own, previous))  # noqa: E731
+            keep = lambda body: store.put(StoredResponse(body, own, previous, log))  # noqa: E731
         return await self.chat(
             chat,
             request,
@@ -257,6 +258,7 @@ class OpenAIServing:
             count_tokens=lambda text: len(tok.encode(text, add_special_tokens=False)),
             keep=keep,
             background=req.background,
+            events=log,
         )
 
     def response_store(self, req: ResponsesRequest) -> ResponseStore | None:
@@ -281,11 +283,6 @@ class OpenAIServing:
                 "background",
                 "a background response must be stored, its answer retrieved later: send "
                 "store: true, or none",
-            )
-        if req.background and req.stream:
-            raise ParamError(
-                "stream",
-                "a background response is not streamed here: poll GET /v1/responses/{id} for it",
             )
         return None if req.store is False else self.stored
 
@@ -392,7 +389,7 @@ class OpenAIServing:
             ]
         )
         if isinstance(fmt, ResponsesFormat) and fmt.background:
-            return self._in_background(fmt, events, len(prompts))
+            return self._in_background(fmt, events, len(prompts), params.n)
         try:
             if not stream:
                 finals = await until_disconnect(request, self.collect(events, len(prompts)))
@@ -413,10 +410,12 @@ class OpenAIServing:
         fmt: ResponsesFormat,
         events: AsyncGenerator[tuple[int, RequestOutput], None],
         num: int,
+        n: int,
     ) -> Response:
         """Answers with the queued Response and runs it on; it is kept in progress once the
         engine runs it, and as it ends (completed or incomplete, cancelled, failed), for the
-        client to retrieve."""
+        client to retrieve. Streamed (fmt.events), the answer is its stream instead, read from
+        the kept events, so that the response runs on if the client goes away."""
 
         async def started() -> AsyncGenerator[tuple[int, RequestOutput], None]:
             async with aclosing(events):
@@ -430,11 +429,15 @@ class OpenAIServing:
                 "request_id",
                 f"a background response {fmt.id!r} is running: send another request id",
             )
-        task = asyncio.create_task(self.collect(started(), num))
+        log = fmt.events
+        made = self._logged(fmt, log, started(), num, n) if log else self.collect(started(), num)
+        task = asyncio.create_task(made)
         self.background[fmt.id] = task
 
         def settle(done: asyncio.Task) -> None:
             self.background.pop(fmt.id, None)
+            if log is not None:
+                log.end()
             failed = {"code": "server_error", "message": "the server shut down"}
             if done.cancelled():
                 fmt.left("cancelled")
@@ -442,6 +445,10 @@ class OpenAIServing:
             try:
                 if (error := done.exception()) is not None:
                     failed["message"] = str(error) or type(error).__name__
+                elif log is not None:  # (its stream kept the answer, or says why not)
+                    if fmt.status in ("completed", "incomplete"):
+                        return
+                    failed["message"] = done.result() or failed["message"]
                 elif not any(c.finish_reason == "abort" for o in done.result() for c in o.outputs):
                     fmt.response(done.result())  # kept by the format
                     return
@@ -450,7 +457,24 @@ class OpenAIServing:
             fmt.left("failed", failed)
 
         task.add_done_callback(settle)
-        return JSONResponse(fmt.left("queued"))
+        queued = fmt.left("queued")
+        return JSONResponse(queued) if log is None else EventStream(log.read(0))
+
+    async def _logged(
+        self,
+        fmt: ResponsesFormat,
+        log: EventLog,
+        events: AsyncGenerator[tuple[int, RequestOutput], None],
+        num: int,
+        n: int,
+    ) -> str | None:
+        """A background response's stream, into its log; why it failed, if it did."""
+        failed: list[APIError] = []
+        async with aclosing(events):
+            first = await anext(events)
+            async for frame in self._stream(fmt, first, events, num, n, False, failed):
+                log.add(frame)
+        return failed[0].message if failed else None
 
     async def cancel_response(self, response_id: str) -> dict:
         """Cancels a background response still running (OpenAI's cancel): the kept Response."""
@@ -494,7 +518,10 @@ class OpenAIServing:
         num: int,
         n: int,
         include_usage: bool,
+        failed: list[APIError] | None = None,
     ) -> AsyncGenerator[str, None]:
+        """The answer's frames; an error after the first ends it as an error event (and is put in
+        `failed`, if given)."""
         finals: list[RequestOutput | None] = [None] * num
         sent: dict[int, _Sent] = {}
         try:
@@ -517,6 +544,8 @@ class OpenAIServing:
                 yield fmt.frame(last)
         except Exception as e:  # noqa: BLE001 - the status is already sent: report in the stream
             err = to_api_error(e)
+            if failed is not None:
+                failed.append(err)
             yield sse(error_body(err.status, err.message, err.param, err.code))
         if fmt.done_marker:
             yield fmt.done_marker
