@@ -671,7 +671,10 @@ def test_a_streamed_background_response_is_read_again_from_any_point(client, ser
     """background and stream: the events as they come, kept; GET ?stream=true reads them again,
     all or those after a sequence number, and the stored Response is the stream's answer."""
     kw = dict(model="tiny", input=QUESTION, max_output_tokens=8, temperature=0)
-    events = [e.model_dump() for e in client.responses.create(**kw, background=True, stream=True)]
+    events = [
+        e.model_dump()
+        for e in client.responses.create(**kw, background=True, stream=True, timeout=60)
+    ]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[0]["type"] == "response.created"
     assert events[0]["response"]["status"] == "queued" and events[0]["response"]["background"]
@@ -681,9 +684,11 @@ def test_a_streamed_background_response_is_read_again_from_any_point(client, ser
     same = client.responses.create(**kw)
     assert kept.status == "incomplete" and kept.output_text == same.output_text != ""
     assert kept.output_text == events[-1]["response"]["output"][-1]["content"][0]["text"]
-    again = [e.model_dump() for e in client.responses.retrieve(response_id, stream=True)]
+    again = [
+        e.model_dump() for e in client.responses.retrieve(response_id, stream=True, timeout=60)
+    ]
     assert again == events
-    after = client.responses.retrieve(response_id, stream=True, starting_after=3)
+    after = client.responses.retrieve(response_id, stream=True, starting_after=3, timeout=60)
     assert [e.model_dump() for e in after] == events[4:]
     with pytest.raises(openai.BadRequestError, match="was not streamed in the background"):
         client.responses.retrieve(same.id, stream=True)
@@ -701,7 +706,7 @@ def test_a_streamed_background_response_runs_on_without_its_client_and_can_be_ca
         first = json.loads(next(line for line in s.iter_lines() if line.startswith("data:"))[5:])
     done = poll(client, first["response"]["id"])
     assert done.status == "incomplete" and done.usage.output_tokens == 24
-    replayed = list(client.responses.retrieve(done.id, stream=True))
+    replayed = list(client.responses.retrieve(done.id, stream=True, timeout=60))
     assert (replayed[0].type, replayed[0].sequence_number) == (first["type"], 0)
     assert replayed[0].response.id == done.id and replayed[-1].response.status == "incomplete"
     # cancelled while its stream is read: the stream ends, the blocks are freed
