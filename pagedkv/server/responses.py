@@ -126,6 +126,15 @@ class ChatCompletionChunk(BaseModel):
     prompt_token_ids: list[int] | None = None  # return_token_ids: in the role chunks
     prompt_text: str | None = None  # return_prompt_text: in the role chunks
 
+    @model_serializer(mode="wrap")
+    def _omit_prompt(self, handler) -> dict:
+        """The prompt's fields only in the chunks that carry them (as vLLM sends them)."""
+        body = handler(self)
+        for name in ("prompt_token_ids", "prompt_text"):
+            if body.get(name, 0) is None:
+                del body[name]
+        return body
+
 
 class ModelCard(BaseModel):
     id: str
