@@ -407,6 +407,14 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 32}\'; '
         '"auto" (default: that config, off with a quantized KV cache) or "off"',
     )
+    p.add_argument("--spec-method", default=None, help="vLLM's: --speculative-config's method")
+    p.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=None,
+        help="vLLM's: --speculative-config's num_speculative_tokens",
+    )
+    p.add_argument("--spec-model", default=None, help="vLLM's draft model: not supported here")
     p.add_argument(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
@@ -423,7 +431,44 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def speculative_shorthand(args: argparse.Namespace) -> None:
+    """vLLM's --spec-method and --spec-tokens: fields of --speculative-config (a field in both is
+    an error, as in vLLM)."""
+    fields = {
+        "spec_method": "method",
+        "spec_model": "model",
+        "spec_tokens": "num_speculative_tokens",
+    }
+    given = {key: vars(args).pop(name, None) for name, key in fields.items()}
+    given = {key: value for key, value in given.items() if value is not None}
+    if not given:
+        return
+    from pagedkv.engine.spec_decode import OFF  # (late, as EngineConfig imports it)
+
+    if "model" in given:
+        raise ConfigError(
+            "--spec-model: pagedkv drafts by n-gram lookup (--spec-method ngram), not with a "
+            "draft model"
+        )
+    base = args.speculative_config.strip()
+    if base.lower() in OFF:
+        raise ConfigError(f"--spec-method and --spec-tokens need speculation on, not {base!r}")
+    try:
+        config = {} if base.lower() == "auto" else json.loads(base)
+    except ValueError as e:
+        raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError("--speculative-config must be a JSON object")
+    for key, value in given.items():
+        if key in config:
+            flag = next(f for f, k in fields.items() if k == key).replace("_", "-")
+            raise ConfigError(f"--{flag} and --speculative-config's {key!r} are mutually exclusive")
+        config[key] = value
+    args.speculative_config = json.dumps(config)
+
+
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
+    speculative_shorthand(args)
     size = vars(args).pop("kv_offloading_size", None)  # (vLLM's name for the host tier)
     if size is not None:
         if args.kv_offload_host_memory is not None:

@@ -282,9 +282,11 @@ def test_requests_and_answers_are_logged_as_vllm_logs_them(tiny_model_dir):
     and parameters, each answer whole and a stream's pieces; DEBUG: the prompt and ids)."""
     prompt = "Once upon a time, in a land of paged caches and blocks, "
     args = ("--enable-log-requests", "--enable-log-outputs", "--max-log-len", "24")
+    # (--log-level debug wins over the variable, as vLLM's over VLLM_LOGGING_LEVEL)
     with ServerProcess(
-        tiny_model_dir, *TINY_SERVER, *args, env={"PAGEDKV_LOGGING_LEVEL": "debug"}
-    ) as server:
+        tiny_model_dir, *TINY_SERVER, *args, "--log-level", "debug",
+        env={"PAGEDKV_LOGGING_LEVEL": "warning"},
+    ) as server:  # fmt: skip
         client = server.openai()
         whole = client.completions.create(
             model="tiny",
@@ -327,4 +329,4 @@ def test_requests_and_answers_are_logged_as_vllm_logs_them(tiny_model_dir):
 
 def test_an_unknown_logging_level_is_one_line(tiny_model_dir):
     line = serve_error("--model", tiny_model_dir, env={"PAGEDKV_LOGGING_LEVEL": "loud"})[-1]
-    assert "PAGEDKV_LOGGING_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL" in line
+    assert "PAGEDKV_LOGGING_LEVEL must be one of CRITICAL, ERROR, WARNING, INFO, DEBUG" in line

@@ -980,3 +980,32 @@ def test_config_file_mistakes_are_one_line(tmp_path, text, says):
     r = cli("serve", "--config", str(path), timeout=60)
     assert r.returncode == 2 and r.stderr.startswith(f"pagedkv serve: error: --config {path}: ")
     assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_vllms_spec_flags_are_fields_of_the_speculative_config():
+    """vLLM 0.32's --spec-method and --spec-tokens fill --speculative-config; a field given both
+    ways, a draft model, or speculation turned off beside them is one error line."""
+    from pagedkv.cli import build_parser, engine_config_from_args
+
+    def config(*flags: str):
+        return engine_config_from_args(build_parser().parse_args(["serve", *flags]))
+
+    spec = config("--spec-method", "ngram", "--spec-tokens", "3").speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.auto) == ("ngram", 3, False)
+    spec = config("--spec-tokens", "2", "--speculative-config", '{"prompt_lookup_max": 3}')
+    assert (
+        spec.speculative_config.num_speculative_tokens,
+        spec.speculative_config.prompt_lookup_max,
+    ) == (2, 3)
+    assert config().speculative_config.auto  # (none given: pagedkv's default)
+    for flags, says in [
+        (("--spec-model", "some/draft"), "--spec-model: pagedkv drafts by n-gram lookup"),
+        (("--spec-tokens", "2", "--speculative-config", "off"), "need speculation on, not 'off'"),
+        (
+            ("--spec-tokens", "2", "--speculative-config", '{"num_speculative_tokens": 4}'),
+            "--spec-tokens and --speculative-config's 'num_speculative_tokens' are mutually",
+        ),
+        (("--spec-method", "eagle", "--spec-tokens", "2"), "method 'eagle' is not supported"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            config(*flags)

@@ -37,7 +37,7 @@ from pagedkv.server.classify import classify as serve_classify
 from pagedkv.server.embeddings import EmbeddingRequest
 from pagedkv.server.embeddings import embeddings as serve_embeddings
 from pagedkv.server.errors import APIError, install_error_handlers
-from pagedkv.server.listen import HTTPOptions, bind, served_url
+from pagedkv.server.listen import LOG_LEVELS, HTTPOptions, bind, served_url
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import (
     IGNORED_HEADER,
@@ -441,12 +441,9 @@ class GracefulServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
 def log_level() -> str:
-    """PAGEDKV_LOGGING_LEVEL: where pagedkv's lines start (INFO unless set; as vLLM's
-    VLLM_LOGGING_LEVEL, DEBUG adds the request log's prompts)."""
+    """PAGEDKV_LOGGING_LEVEL (--log-level sets it): where pagedkv's lines start (INFO unless set;
+    as vLLM's VLLM_LOGGING_LEVEL, DEBUG adds the request log's prompts)."""
     level = os.environ.get("PAGEDKV_LOGGING_LEVEL", "INFO").strip().upper()
     if level not in LOG_LEVELS:
         raise ConfigError(

@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 
 from pagedkv.cli import add_engine_args, engine_config_from_args
 from pagedkv.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ConfigError, EngineConfig
-from pagedkv.server.listen import HTTPOptions
+from pagedkv.server.listen import LOG_LEVELS, HTTPOptions
 
 UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
 
@@ -35,6 +36,14 @@ def add_parser(subparsers) -> None:
         help="seconds running requests get to finish after SIGTERM before they are aborted",
     )
     p.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=None,
+        help="where pagedkv's own log lines start (vLLM's; default: PAGEDKV_LOGGING_LEVEL, "
+        "else INFO); DEBUG adds --enable-log-requests' prompts",
+    )
     p.add_argument(
         "--disable-uvicorn-access-log",
         action=argparse.BooleanOptionalAction,
@@ -198,6 +207,8 @@ def json_list(flag: str, value: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.log_level is not None:  # (read by the server, and by replicas Ray starts from here)
+        os.environ["PAGEDKV_LOGGING_LEVEL"] = args.log_level
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if not args.shutdown_timeout >= 0:  # nan too (uvicorn would fail on it at SIGTERM)

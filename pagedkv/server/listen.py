@@ -137,6 +137,9 @@ class HTTPOptions:
         return options
 
 
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")  # vLLM's --log-level
+
+
 class QuietPaths(logging.Filter):
     """Drops uvicorn's access lines of requests to these paths (as vLLM's filter: the exact path,
     its query string aside; and under --root-path, which uvicorn logs before it, the path after
