@@ -275,6 +275,7 @@ SERVE_ONLY = frozenset(
         "default_chat_template_kwargs",
         "enable_log_requests",
         "enable_log_outputs",
+        "sse_keep_alive_interval",
         "enable_log_deltas",
         "max_log_len",
     }
@@ -417,6 +418,8 @@ class EngineConfig:
     # max_log_len: characters of a text and ids of a list in those lines (None: all)
     enable_log_requests: bool = False
     enable_log_outputs: bool = False
+    # vLLM's: an idle stream sends an SSE comment every N seconds (0: never)
+    sse_keep_alive_interval: int = 0
     enable_log_deltas: bool = True
     max_log_len: int | None = None
     # how the chat template gets a message's content: "string", "openai" (a list of text
@@ -508,6 +511,11 @@ class EngineConfig:
         need(
             not self.enable_log_outputs or self.enable_log_requests,
             "--enable-log-outputs needs --enable-log-requests (as in vLLM)",
+        )
+        need(
+            type(self.sse_keep_alive_interval) is int and self.sse_keep_alive_interval >= 0,
+            "--sse-keep-alive-interval must be a whole number of seconds >= 0 (0: no comments), "
+            f"got {self.sse_keep_alive_interval!r}",
         )
         need(
             self.max_log_len is None or (type(self.max_log_len) is int and self.max_log_len >= 0),

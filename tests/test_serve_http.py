@@ -8,9 +8,12 @@ import ast
 import datetime
 import ipaddress
 import json
+import math
 import re
 import socket
 import ssl
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -330,3 +333,36 @@ def test_requests_and_answers_are_logged_as_vllm_logs_them(tiny_model_dir):
 def test_an_unknown_logging_level_is_one_line(tiny_model_dir):
     line = serve_error("--model", tiny_model_dir, env={"PAGEDKV_LOGGING_LEVEL": "loud"})[-1]
     assert "PAGEDKV_LOGGING_LEVEL must be one of CRITICAL, ERROR, WARNING, INFO, DEBUG" in line
+
+
+def test_an_idle_stream_sends_keep_alive_comments(tiny_model_dir):
+    """--sse-keep-alive-interval 1: a stream queued behind a long answer (one sequence at a time)
+    gets SSE comments while it waits, then its answer whole, which clients read as usual."""
+    args = ("--sse-keep-alive-interval", "1", "--max-num-seqs", "1")
+    with ServerProcess(tiny_model_dir, *TINY_SERVER, *args) as server:
+        long = {"model": "tiny", "prompt": "Hello", "max_tokens": 1500, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 5, "temperature": 0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        streamed = server.openai().completions.create(
+            model="tiny", prompt="Hi", max_tokens=5, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        alone = [c.choices[0].text for c in streamed]
+        start = time.monotonic()
+        assert server.http.post("/v1/completions", json=long, timeout=300).status_code == 200
+        ahead = math.ceil(3.0 / (time.monotonic() - start)) + 1  # the stream waits >= 3 s
+        with ThreadPoolExecutor(ahead) as pool:
+            busy = [
+                pool.submit(server.http.post, "/v1/completions", json=long, timeout=300)
+                for _ in range(ahead)
+            ]
+            time.sleep(0.5)  # (they run one after the other; the stream waits behind them)
+            with server.http.stream("POST", "/v1/completions", json=body, timeout=300) as s:
+                assert s.status_code == 200
+                lines = [line for line in s.iter_lines() if line]
+            assert [b.result().status_code for b in busy] == [200] * ahead
+    comments = [i for i, line in enumerate(lines) if line == ": keep-alive"]
+    data = [line for line in lines if line.startswith("data: ")]
+    assert comments and comments[0] == 0, lines[:5]  # (before its first output, while queued)
+    assert data[-1] == "data: [DONE]"
+    assert "".join(json.loads(d[6:])["choices"][0]["text"] for d in data[:-1]) == "".join(alone)

@@ -304,7 +304,8 @@ def _add_routes(app: FastAPI, engine, serving: OpenAIServing, metrics: ServerMet
                 "stream true): retrieve it without stream",
                 param="stream",
             )
-        return EventStream(kept.events.read(0 if starting_after is None else starting_after + 1))
+        start = 0 if starting_after is None else starting_after + 1
+        return EventStream(kept.events.read(start), engine.config.sse_keep_alive_interval)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> Response:

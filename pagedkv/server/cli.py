@@ -94,6 +94,14 @@ def add_parser(subparsers) -> None:
         help="every stream ends with a usage chunk, asked for or not",
     )
     p.add_argument(
+        "--sse-keep-alive-interval",
+        type=int,
+        default=0,
+        metavar="SECONDS",
+        help="an idle stream (queued, in prefill, between tokens) sends an SSE comment this often, "
+        "so that a proxy with a read timeout keeps it (vLLM's; default 0: never)",
+    )
+    p.add_argument(
         "--enable-request-id-headers",
         action=argparse.BooleanOptionalAction,
         default=False,

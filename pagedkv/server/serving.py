@@ -44,7 +44,14 @@ from pagedkv.server.response_format import Delta, ResponseFormat, token_decoder
 from pagedkv.server.response_store import EventLog, ResponseStore, StoredResponse, conversation
 from pagedkv.server.responses_format import ResponsesFormat
 from pagedkv.server.responses_protocol import ResponsesRequest, input_items
-from pagedkv.server.streaming import ClientGone, EventStream, merge, sse, until_disconnect
+from pagedkv.server.streaming import (
+    KEEP_ALIVE,
+    ClientGone,
+    EventStream,
+    merge,
+    sse,
+    until_disconnect,
+)
 from pagedkv.server.tools import chat_prompt, plan_tools
 
 
@@ -397,13 +404,25 @@ class OpenAIServing:
                 answer = fmt.response(finals)
                 body = answer.model_dump_json()
                 return Response(body, media_type="application/json")
-            first = await until_disconnect(request, anext(events))
+            # the first output decides the status (a request the engine refuses is a 4xx), unless
+            # it takes longer than --sse-keep-alive-interval: the stream then starts without it
+            every = self.engine.config.sse_keep_alive_interval
+            coming = asyncio.ensure_future(anext(events))
+            try:
+                await until_disconnect(request, asyncio.wait({coming}, timeout=every or None))
+            except BaseException:
+                coming.cancel()
+                await asyncio.gather(coming, return_exceptions=True)
+                raise
+            first = coming.result() if coming.done() else coming  # (a refusal is raised here)
         except BaseException as e:
             await events.aclose()
             if isinstance(e, ClientGone):
                 return Response(status_code=499)
             raise
-        return EventStream(self._stream(fmt, first, events, len(prompts), params.n, include_usage))
+        return EventStream(
+            self._stream(fmt, first, events, len(prompts), params.n, include_usage), every
+        )
 
     def _in_background(
         self,
@@ -458,7 +477,9 @@ class OpenAIServing:
 
         task.add_done_callback(settle)
         queued = fmt.left("queued")
-        return JSONResponse(queued) if log is None else EventStream(log.read(0))
+        if log is None:
+            return JSONResponse(queued)
+        return EventStream(log.read(0), self.engine.config.sse_keep_alive_interval)
 
     async def _logged(
         self,
@@ -513,19 +534,30 @@ class OpenAIServing:
     async def _stream(
         self,
         fmt: ResponseFormat,
-        first: tuple[int, RequestOutput],
+        first: tuple[int, RequestOutput] | asyncio.Future,
         events: AsyncGenerator[tuple[int, RequestOutput], None],
         num: int,
         n: int,
         include_usage: bool,
         failed: list[APIError] | None = None,
     ) -> AsyncGenerator[str, None]:
-        """The answer's frames; an error after the first ends it as an error event (and is put in
-        `failed`, if given)."""
+        """The answer's frames, from the first output (or the future of it, when the stream
+        started without it); an error after the stream started ends it as an error event (and is
+        put in `failed`, if given)."""
         finals: list[RequestOutput | None] = [None] * num
         sent: dict[int, _Sent] = {}
         try:
             async with aclosing(events):
+                if isinstance(first, asyncio.Future):
+                    yield KEEP_ALIVE  # (the stream starts now because it has waited that long)
+                    coming = first
+                    try:
+                        first = await coming
+                    finally:  # (closed while it waits: events cannot close while it runs)
+                        if not coming.done():
+                            coming.cancel()
+                            await asyncio.gather(coming, return_exceptions=True)
+                assert isinstance(first, tuple)
                 for start in fmt.start(num * n, first[1]):
                     yield fmt.frame(start)
                 item: tuple[int, RequestOutput] | None = first

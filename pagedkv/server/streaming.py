@@ -81,12 +81,40 @@ async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see bytes go by
+
+
+async def keep_alive(frames: AsyncGenerator[str, None], every: float) -> AsyncGenerator[str, None]:
+    """`frames`, with a keep-alive comment whenever they have had nothing to send for `every`
+    seconds (vLLM's --sse-keep-alive-interval: a proxy with a read timeout keeps the connection
+    through a long queue, prefill or pause)."""
+    step: asyncio.Future | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(frames))
+            while not (await asyncio.wait({step}, timeout=every))[0]:
+                yield KEEP_ALIVE
+            try:
+                frame = step.result()
+            except StopAsyncIteration:
+                return
+            yield frame
+    finally:
+        if step is not None and not step.done():
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+        await frames.aclose()
+
+
 class EventStream(StreamingResponse):
     """SSE response that always closes its iterator.
 
-    However the stream ends, disconnects included."""
+    However the stream ends, disconnects included. With `keep_alive` seconds, an idle stream
+    sends a comment that often."""
 
-    def __init__(self, content: AsyncGenerator[str, None]) -> None:
+    def __init__(self, content: AsyncGenerator[str, None], keep_alive_every: float = 0) -> None:
+        if keep_alive_every > 0:
+            content = keep_alive(content, keep_alive_every)
         super().__init__(
             content,
             media_type="text/event-stream",
