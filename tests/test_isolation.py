@@ -358,3 +358,19 @@ def test_a_failing_admission_ends_alone(tiny_model_dir, clean, monkeypatch):
     for rid, out in finals.items():
         assert comparable(out) == comparable(clean[rid]), rid
     assert_no_leak(engine)
+
+
+def test_a_streamed_background_response_that_fails_says_so(tiny_model_dir, monkeypatch):
+    """Failed at its first token: its stream (opened before the engine ran it, so that it names
+    the Response) ends with the error, and the Response is kept failed, its blocks freed."""
+    monkeypatch.setenv("PAGEDKV_INJECT_FAULT", "sample:BOOM")
+    with ServerProcess(tiny_model_dir, *SERVER_ARGS) as srv:
+        request = {"model": "tiny", "input": BAD, "max_output_tokens": 8, "background": True,
+                   "stream": True}  # fmt: skip
+        with srv.http.stream("POST", "/v1/responses", json=request) as s:
+            events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
+        assert [e.get("type") for e in events] == ["response.created", "response.in_progress", None]
+        assert_openai_error(events[-1], 500)
+        kept = srv.http.get(f"/v1/responses/{events[0]['response']['id']}").json()
+        assert kept["status"] == "failed" and "injected sample fault" in kept["error"]["message"]
+        assert srv.wait_idle()["used"] == 0

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput, SampleLogprob
 from pagedkv.server import responses as api
-from pagedkv.server.streaming import sse
+from pagedkv.server.streaming import KEEP_ALIVE, sse
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -97,6 +97,11 @@ class ResponseFormat(ABC):
         """Chunks sent before any token (chat announces the assistant role); `first` is the first
         output of the stream."""
         return []
+
+    def waiting(self) -> list[str]:
+        """What a stream sends when it starts before its first output (--sse-keep-alive-interval,
+        or a background Response's): a keep-alive comment."""
+        return [KEEP_ALIVE]
 
     def shown(self, out: RequestOutput) -> RequestOutput:
         """What the client gets of an engine output: all of it, but for a scored prompt."""

@@ -59,6 +59,7 @@ class ResponsesFormat(ChatFormat):
     _seq: int = 0
     _items: list[dict] = field(default_factory=list)  # output items streamed so far, in order
     _calls: ToolCallStream | None = None  # the stream's tool calls, with a tool parser
+    _opened: bool = False  # response.created and .in_progress sent (before the first output)
 
     # ---- items --------------------------------------------------------------------------
 
@@ -173,11 +174,18 @@ class ResponsesFormat(ChatFormat):
             for e in payload.events
         )
 
-    def start(self, num_choices: int, first: RequestOutput) -> list[BaseModel]:
+    def start(self, num_choices: int, first: RequestOutput | None) -> list[BaseModel]:
+        if self._opened:  # (sent already, by waiting)
+            return []
+        self._opened = True
         shell = self._body("in_progress", [], None, None)
         created = self._body("queued", [], None, None) if self.background else shell
         created = self._event("response.created", response=created)
         return [Events(events=[created, self._event("response.in_progress", response=shell)])]
+
+    def waiting(self) -> list[str]:
+        """The opening events, which need no output: the client learns the Response's id."""
+        return [self.frame(opening) for opening in self.start(0, None)]
 
     def _where(self, item: dict) -> dict:
         where = {"item_id": item["id"], "output_index": self._items.index(item)}

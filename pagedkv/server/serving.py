@@ -44,14 +44,7 @@ from pagedkv.server.response_format import Delta, ResponseFormat, token_decoder
 from pagedkv.server.response_store import EventLog, ResponseStore, StoredResponse, conversation
 from pagedkv.server.responses_format import ResponsesFormat
 from pagedkv.server.responses_protocol import ResponsesRequest, input_items
-from pagedkv.server.streaming import (
-    KEEP_ALIVE,
-    ClientGone,
-    EventStream,
-    merge,
-    sse,
-    until_disconnect,
-)
+from pagedkv.server.streaming import ClientGone, EventStream, merge, sse, until_disconnect
 from pagedkv.server.tools import chat_prompt, plan_tools
 
 
@@ -489,12 +482,12 @@ class OpenAIServing:
         num: int,
         n: int,
     ) -> str | None:
-        """A background response's stream, into its log; why it failed, if it did."""
+        """A background response's stream, into its log (opened at once, before the engine runs
+        it); why it failed, if it did."""
         failed: list[APIError] = []
-        async with aclosing(events):
-            first = await anext(events)
-            async for frame in self._stream(fmt, first, events, num, n, False, failed):
-                log.add(frame)
+        coming = asyncio.ensure_future(anext(events))
+        async for frame in self._stream(fmt, coming, events, num, n, False, failed):
+            log.add(frame)
         return failed[0].message if failed else None
 
     async def cancel_response(self, response_id: str) -> dict:
@@ -548,8 +541,9 @@ class OpenAIServing:
         sent: dict[int, _Sent] = {}
         try:
             async with aclosing(events):
-                if isinstance(first, asyncio.Future):
-                    yield KEEP_ALIVE  # (the stream starts now because it has waited that long)
+                if isinstance(first, asyncio.Future):  # (started before it: it waited that long)
+                    for waiting in fmt.waiting():
+                        yield waiting
                     coming = first
                     try:
                         first = await coming
