@@ -109,8 +109,8 @@ async def keep_alive(frames: AsyncGenerator[str, None], every: float) -> AsyncGe
 class EventStream(StreamingResponse):
     """SSE response that always closes its iterator.
 
-    However the stream ends, disconnects included. With `keep_alive` seconds, an idle stream
-    sends a comment that often."""
+    However the stream ends, disconnects included. With `keep_alive_every` seconds, an idle
+    stream sends a comment that often."""
 
     def __init__(self, content: AsyncGenerator[str, None], keep_alive_every: float = 0) -> None:
         if keep_alive_every > 0:
