@@ -22,6 +22,7 @@ from pagedkv.config import (
     KV_CACHE_DTYPES,
     NOOP_OPTIONS,
     QUANTIZATIONS,
+    UNSUPPORTED_OPTIONS,
     ConfigError,
     EngineConfig,
     note,
@@ -86,9 +87,17 @@ _NOOP_BOOL = (
     "disable_hybrid_kv_cache_manager",
     "aggregate_engine_logging",
     "disable_cascade_attn",
+    "enable_offline_docs",
 )
 _NOOP_NARGS = {"hf_token": "?", "ignore_patterns": "+", "cudagraph_capture_sizes": "+"}
 _NOOP_SHORT = {"compilation_config": "-O", "api_server_count": "-asc"}  # vLLM's -O3: -O 3
+
+
+class RefuseAction(argparse.Action):
+    """A vLLM flag for what pagedkv does not have: one error line saying why (exit 2)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} is not supported: {UNSUPPORTED_OPTIONS[self.dest]}")
 
 
 def add_noop_args(p: argparse.ArgumentParser) -> None:
@@ -106,6 +115,16 @@ def add_noop_args(p: argparse.ArgumentParser) -> None:
             nargs=0 if name in _NOOP_BOOL else _NOOP_NARGS.get(name),
             default=argparse.SUPPRESS,
             help=NOOP_OPTIONS[name],
+        )
+    g = p.add_argument_group("vLLM's, for what pagedkv does not have (an error says why)")
+    for name, why in UNSUPPORTED_OPTIONS.items():
+        g.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            action=RefuseAction,
+            nargs="*",
+            default=argparse.SUPPRESS,
+            help=why,
         )
 
 

@@ -110,6 +110,41 @@ NOOP_OPTIONS = {
     "numa_bind": "the engine runs on the cores torch is given (taskset, OMP_NUM_THREADS)",
     "prefix_caching_hash_algo": "pagedkv chains its own block hashes (kv/hashing.py)",
     "log_error_stack": "a failed request's error is logged with its traceback",
+    "show_hidden_metrics_for_version": "pagedkv hides no deprecated metrics",
+    "enable_offline_docs": "pagedkv serves no documentation pages (only /openapi.json)",
+}
+TEXT_ONLY = "pagedkv takes text only (no images, audio or video)"
+MULTI_NODE = "pagedkv grows across machines as replicas: --data-parallel-size with --ray-address"
+# vLLM options for what pagedkv does not have: refused (exit 2) saying why, where argparse would
+# only say "unrecognized arguments"
+UNSUPPORTED_OPTIONS = {
+    "tool_parser_plugin": "tool calls are read by pagedkv's own parsers, not Python files it "
+    "imports (--tool-call-parser names one)",
+    "reasoning_parser_plugin": "reasoning is read by pagedkv's own parsers, not Python files it "
+    "imports (--reasoning-parser names one)",
+    "logits_processors": "pagedkv runs its own logits processors only, not classes it imports",
+    "kv_transfer_config": "no KV transfer between instances (disaggregated prefill); replicas "
+    "share prefix blocks through --kv-offload-dir",
+    "kv_events_config": "pagedkv publishes no KV cache events (GET /v1/kv shows the pool)",
+    "enable_prompt_embeds": "prompts are text or token ids here",
+    "skip_tokenizer_init": "pagedkv always loads the model's tokenizer (it detokenizes and "
+    "renders chat templates)",
+    "enable_tokenizer_info_endpoint": "no /tokenizer_info here (/tokenize and /detokenize are "
+    "served)",
+    "enable_sleep_mode": "no sleep mode: the weights stay in memory",
+    "attention_backend": "one attention path: pagedkv's own kernel (PAGEDKV_KERNELS=0: torch)",
+    "otlp_traces_endpoint": "pagedkv exports no OpenTelemetry traces (/metrics has its figures)",
+    "enable_expert_parallel": "a mixture of experts runs whole on each process here",
+    "worker_cls": "pagedkv's parts are not replaced by class name",
+    "scheduler_cls": "pagedkv's parts are not replaced by class name",
+    "headless": MULTI_NODE,
+    "nnodes": MULTI_NODE,
+    "node_rank": MULTI_NODE,
+    "master_addr": MULTI_NODE,
+    "mm_processor_kwargs": TEXT_ONLY,
+    "media_io_kwargs": TEXT_ONLY,
+    "allowed_local_media_path": TEXT_ONLY,
+    "allowed_media_domains": TEXT_ONLY,
 }
 ALWAYS_ON = ("enable_chunked_prefill", "enable_prompt_tokens_details")  # False cannot be honoured
 PARALLEL_SIZES = (

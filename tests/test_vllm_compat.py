@@ -47,6 +47,7 @@ NOOP_FLAGS = [
     "--language-model-only",  # (vLLM 0.32's, for a multimodal model's text part)
     "--numa-bind",
     "--log-error-stack",
+    "--enable-offline-docs",
 ]
 NOOP_VALUES = {  # flags with a value, as deployments write them
     "--cpu-offload-gb": "4",
@@ -57,6 +58,7 @@ NOOP_VALUES = {  # flags with a value, as deployments write them
     "--api-server-count": "2",
     "--cudagraph-capture-sizes": "8",
     "--prefix-caching-hash-algo": "xxhash",
+    "--show-hidden-metrics-for-version": "0.9",
 }
 
 
@@ -1009,3 +1011,22 @@ def test_vllms_spec_flags_are_fields_of_the_speculative_config():
     ]:
         with pytest.raises(ConfigError, match=re.escape(says)):
             config(*flags)
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--tool-parser-plugin", "my_parser.py"], "pagedkv's own parsers"),
+        (["--logits-processors", "a.B", "c.D"], "its own logits processors only"),
+        (["--kv-transfer-config", '{"kv_connector": "X"}'], "no KV transfer between instances"),
+        (["--enable-sleep-mode"], "no sleep mode"),
+        (["--headless"], "--data-parallel-size with --ray-address"),
+        (["--mm-processor-kwargs", "{}"], "pagedkv takes text only"),
+    ],
+)
+def test_vllm_flags_for_what_pagedkv_lacks_say_why(flags, why):
+    """Before: argparse's "unrecognized arguments"; now one line naming the flag and the reason."""
+    r = cli("serve", "--max-model-len", "64", *flags)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith(f"pagedkv serve: error: {flags[0]} is not supported: ")
+    assert why in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
