@@ -3,7 +3,7 @@ server's log, in vLLM's words (its RequestLogger), so that log searches written 
 
 INFO carries the request id and its parameters, and with --enable-log-outputs each answer's
 text and finish reason (a streamed answer's pieces too, unless --no-enable-log-deltas); DEBUG
-(PAGEDKV_LOGGING_LEVEL=DEBUG) adds the prompt, its token ids and the answer's. --max-log-len
+(--log-level DEBUG, or PAGEDKV_LOGGING_LEVEL=DEBUG) adds the prompt, its token ids and the answer's. --max-log-len
 cuts each text to that many characters and each id list to that many ids. Logger:
 `pagedkv.requests`.
 """
