@@ -3,9 +3,9 @@ server's log, in vLLM's words (its RequestLogger), so that log searches written 
 
 INFO carries the request id and its parameters, and with --enable-log-outputs each answer's
 text and finish reason (a streamed answer's pieces too, unless --no-enable-log-deltas); DEBUG
-(--log-level DEBUG, or PAGEDKV_LOGGING_LEVEL=DEBUG) adds the prompt, its token ids and the answer's. --max-log-len
-cuts each text to that many characters and each id list to that many ids. Logger:
-`pagedkv.requests`.
+(--log-level DEBUG, or PAGEDKV_LOGGING_LEVEL=DEBUG) adds the prompt, its token ids and the
+answer's. --max-log-len cuts each text to that many characters and each id list to that many
+ids. Logger: `pagedkv.requests`.
 """
 
 from __future__ import annotations
