@@ -100,6 +100,11 @@ class RefuseAction(argparse.Action):
         parser.error(f"{option_string} is not supported: {UNSUPPORTED_OPTIONS[self.dest]}")
 
 
+def add_switch(p, flag: str, help: str, default: bool = False) -> None:
+    """A boolean flag with its --no- form, as all of vLLM's are."""
+    p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+
+
 def add_noop_args(p: argparse.ArgumentParser) -> None:
     """vLLM's flags that mean nothing on this engine (see config.NOOP_OPTIONS)."""
     g = p.add_argument_group("accepted for vLLM compatibility, no effect here (a note says why)")
@@ -164,24 +169,22 @@ def text_only(value: str) -> None:
 def _add_log_args(p: argparse.ArgumentParser) -> None:
     """vLLM's request log (pagedkv serve's; elsewhere a note says so)."""
     p = p.add_argument_group("request log (pagedkv serve)")  # type: ignore[assignment]
-    p.add_argument(
+    add_switch(
+        p,
         "--enable-log-requests",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="log each request as it arrives: its id and parameters (the prompt too at "
-        "PAGEDKV_LOGGING_LEVEL=DEBUG)",
+        "log each request as it arrives: its id and parameters (the prompt too at "
+        "--log-level DEBUG)",
     )
-    p.add_argument(
+    add_switch(
+        p,
         "--enable-log-outputs",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="with --enable-log-requests: log each answer's text and finish reason",
+        "with --enable-log-requests: log each answer's text and finish reason",
     )
-    p.add_argument(
+    add_switch(
+        p,
         "--enable-log-deltas",
-        action=argparse.BooleanOptionalAction,
+        "with --enable-log-outputs: a streamed answer's pieces too (default: on)",
         default=True,
-        help="with --enable-log-outputs: a streamed answer's pieces too (default: on)",
     )
     p.add_argument(
         "--max-log-len",
@@ -239,12 +242,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a Jinja chat template, or its file, replacing the model's",
     )
-    p.add_argument(
-        "--enable-lora",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="serve LoRA adapters over the base model",
-    )
+    add_switch(p, "--enable-lora", "serve LoRA adapters over the base model")
     p.add_argument(
         "--lora-modules",
         nargs="+",
@@ -434,18 +432,16 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
         help="vLLM's: --speculative-config's num_speculative_tokens",
     )
     p.add_argument("--spec-model", default=None, help="vLLM's draft model: not supported here")
-    p.add_argument(
+    add_switch(
+        p,
         "--enforce-eager",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run every step through Python; by default a decode step of a batch size seen "
+        "run every step through Python; by default a decode step of a batch size seen "
         "before replays its recorded kernel calls in one C++ call (same results)",
     )
-    p.add_argument(
+    add_switch(
+        p,
         "--disable-sliding-window",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="a model with a sliding window attends to the whole context instead, served up to "
+        "a model with a sliding window attends to the whole context instead, served up to "
         "its window (as vLLM's flag)",
     )
 

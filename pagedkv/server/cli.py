@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from pagedkv.cli import add_engine_args, engine_config_from_args
+from pagedkv.cli import add_engine_args, add_switch, engine_config_from_args
 from pagedkv.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ConfigError, EngineConfig
 from pagedkv.server.listen import LOG_LEVELS, HTTPOptions
 
@@ -44,12 +44,7 @@ def add_parser(subparsers) -> None:
         help="where pagedkv's own log lines start (vLLM's; default: PAGEDKV_LOGGING_LEVEL, "
         "else INFO); DEBUG adds --enable-log-requests' prompts",
     )
-    p.add_argument(
-        "--disable-uvicorn-access-log",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="no log line per request",
-    )
+    add_switch(p, "--disable-uvicorn-access-log", "no log line per request")
     p.add_argument(
         "--disable-access-log-for-endpoints",
         default=None,
@@ -62,36 +57,23 @@ def add_parser(subparsers) -> None:
     )
     g.add_argument("--allowed-methods", default='["*"]', help="JSON list of HTTP methods")
     g.add_argument("--allowed-headers", default='["*"]', help="JSON list of request headers")
-    g.add_argument(
-        "--allow-credentials",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="allow cookies and credentials",
-    )
-    p.add_argument(
-        "--enable-auto-tool-choice",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help='allow tool_choice "auto"',
-    )
-    p.add_argument(
+    add_switch(g, "--allow-credentials", "allow cookies and credentials")
+    add_switch(p, "--enable-auto-tool-choice", 'allow tool_choice "auto"')
+    add_switch(
+        p,
         "--trust-request-chat-template",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run a chat template sent with a request (off: a 400, as in vLLM; a template can "
+        "run a chat template sent with a request (off: a 400, as in vLLM; a template can "
         "take the server's CPU and memory)",
     )
-    p.add_argument(
+    add_switch(
+        p,
         "--return-tokens-as-token-ids",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help='logprobs name tokens as "token_id:N" unless a request says otherwise',
+        'logprobs name tokens as "token_id:N" unless a request says otherwise',
     )
-    p.add_argument(
+    add_switch(
+        p,
         "--enable-force-include-usage",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="every stream ends with a usage chunk, asked for or not",
+        "every stream ends with a usage chunk, asked for or not",
     )
     p.add_argument(
         "--sse-keep-alive-interval",
@@ -101,11 +83,10 @@ def add_parser(subparsers) -> None:
         help="an idle stream (queued, in prefill, between tokens) sends an SSE comment this often, "
         "so that a proxy with a read timeout keeps it (vLLM's; default 0: never)",
     )
-    p.add_argument(
+    add_switch(
+        p,
         "--enable-request-id-headers",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="replies carry X-Request-Id (the client's, else a new one the answer's id ends with)",
+        "replies carry X-Request-Id (the client's, else a new one the answer's id ends with)",
     )
     h = p.add_argument_group("HTTP (as vLLM; not with --data-parallel-size)")
     h.add_argument("--root-path", default="", help="the path a proxy serves the API under")
@@ -151,11 +132,10 @@ def add_parser(subparsers) -> None:
         default="assistant",
         help="the role of chat answers (with add_generation_prompt false: the last message's)",
     )
-    p.add_argument(
+    add_switch(
+        p,
         "--exclude-tools-when-tool-choice-none",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help='tool_choice "none" leaves the tools out of the prompt (default: shown, as vLLM)',
+        'tool_choice "none" leaves the tools out of the prompt (default: shown, as vLLM)',
     )
     p.add_argument(
         "--tool-call-parser",
