@@ -99,13 +99,17 @@ def test_a_prepacked_matmul_is_f_linear(kind, shape, prepacking):
             torch.set_num_threads(t)
             x = torch.randn(rows, shape[1], generator=gen).to(dtype)
             got = packed.mm(x)
-            if kind == "onednn":
+            # oneDNN's form gives F.linear's bits where oneDNN picks the same kernel for both
+            # (not always on AMX CPUs, which take tiles for one and not the other at some rows)
+            assert close_to_f_linear(got, x, w), (rows, t)
+            if kind == "onednn" and not native.library().amx:
                 assert torch.equal(got, F.linear(x, w)), rows
-            else:
-                assert close_to_f_linear(got, x, w), (rows, t)
             assert torch.equal(packed.mm(x.view(1, rows, -1)), got.view(1, rows, -1))
-            if kind == "pairs":  # many rows take whole panels two at a time: the same sums
-                assert torch.equal(packed.mm(x[:5]), got[:5]), rows
+            # many rows take whole panels two at a time: the same sums. With AMX, 16 rows and more
+            # take tiles (a sum's order of their own), which do not depend on the other rows either
+            first = 16 if native.library().amx and shape[1] % 32 == 0 else 5
+            if kind == "pairs" and rows >= first:
+                assert torch.equal(packed.mm(x[:first]), got[:first]), rows
             assert torch.equal(packed.mm(x.t().contiguous().t()), got)  # (rows of any stride)
     finally:
         torch.set_num_threads(threads)

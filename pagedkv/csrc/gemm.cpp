@@ -36,6 +36,14 @@
 
 #if defined(PAGEDKV_ISA_AVX512) && defined(__AVX512BF16__)
 #define PAGEDKV_BF16_GEMM 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PAGEDKV_AMX 1  // built for a CPU with AMX (-march=native there)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#endif
 #endif
 
 namespace {
@@ -209,7 +217,123 @@ __attribute__((always_inline)) inline void micro2(const uint16_t* x, int64_t x_s
 
 constexpr int kRowBlock2 = 6;  // rows of micro2: 24 sums + 4 W vectors
 
+#ifdef PAGEDKV_AMX
+// AMX (Sapphire Rapids and later): a tile multiply takes 16 rows x 32 k of x against 32 k x 16
+// columns of W, 16 times the work of a vdpbf16ps. A panel's pair rows are already AMX's B layout
+// (VNNI: 16 columns' k pairs side by side, 64 bytes a row), so each half of a panel is a B tile
+// whose rows are 128 bytes apart: the same packed weights serve both kernels. From kAmxRows rows
+// on (a prefill chunk, a decode step of a dozen sequences or more) tiles are used; at a
+// step of 64 rows the default model's matmuls take ~4x less time (BENCHMARKS.md "Session 40").
+// The sums run in another order, so a row's result may differ from micro's by a bf16 rounding.
+constexpr int64_t kAmxRows = 16;  // fewest rows given to tiles
+constexpr int64_t kAmxBlock = 32;  // rows of a block: two A tiles against the two halves of a panel
+
+// Linux lends a process AMX's tile registers only once asked (any thread, once a process);
+// $PAGEDKV_AMX=0 keeps the AVX-512 kernel (to time one against the other).
+bool amx_ready() {
+  static const bool ready = [] {
+    const char* env = std::getenv("PAGEDKV_AMX");
+    if (env && std::strcmp(env, "0") == 0) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+// Every tile 16 rows of 64 bytes: sums 16 x 16 float32 (tmm0-3), x 16 x 32 bf16 (tmm4-5), a
+// panel's half 16 pairs x 16 columns (tmm6-7). Loaded for each item: oneDNN, in the same threads,
+// loads its own.
+void amx_configure() {
+  struct alignas(64) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } config{};
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// y[m rows, 32 columns] = a[16 (Two: 32) rows, k] . a whole panel, k a multiple of 32; a's rows
+// from m on are read (padding) but not stored.
+template <bool Two>
+void amx_block(const uint16_t* a, int64_t a_stride, const uint16_t* panel, int64_t k, bf16* y, int64_t y_stride,
+               int64_t m) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (Two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kk = 0; kk < k; kk += 32) {
+    const uint16_t* b = panel + kk * kCols;  // pair row kk / 2, 2 kCols elements each
+    _tile_loadd(6, b, 4 * kCols);
+    _tile_loadd(7, b + kCols, 4 * kCols);
+    _tile_loadd(4, a + kk, 2 * a_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (Two) {
+      _tile_loadd(5, a + 16 * a_stride + kk, 2 * a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[4][16][16];
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  if (Two) {
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t t = i / 16 * 2, row = i % 16;
+    store(y + i * y_stride, _mm512_load_ps(c[t][row]), kFull);
+    store(y + i * y_stride + W, _mm512_load_ps(c[t + 1][row]), kFull);
+  }
+}
+
+// The whole panels by tiles, the narrower last one (n % 32 columns) by micro. Row blocks of 32
+// (chunks are whole blocks); the last block, when short, reads its rows from a zero-padded copy.
+void gemm_amx(const pagedkv_gemm_bf16_params& P) {
+  const auto* x = static_cast<const uint16_t*>(P.x);
+  const auto* w = static_cast<const uint16_t*>(P.w);
+  bf16* y = static_cast<bf16*>(P.out);
+  const int64_t whole = P.n / kCols, panels = (P.n + kCols - 1) / kCols, panel_elems = P.k * kCols;
+  const int64_t tail_row = P.rows / kAmxBlock * kAmxBlock, tail = P.rows - tail_row;
+  std::vector<uint16_t> pad(size_t(tail ? kAmxBlock * P.k : 0), 0);
+  for (int64_t r = 0; r < tail; ++r)
+    std::memcpy(pad.data() + r * P.k, x + (tail_row + r) * P.x_stride, size_t(2 * P.k));
+  over_items(P.rows, panels, 2 * P.k, kAmxBlock, P.threads, [&](int64_t r0, int64_t rows, int64_t p, bool) {
+    const uint16_t* panel = w + p * panel_elems;
+    if (p == whole) {
+      const int cols = int(P.n - p * kCols);
+      by_row_blocks<kRowBlock>(rows, [&](auto R, int64_t r) {
+        micro<R, false>(x + (r0 + r) * P.x_stride, P.x_stride, panel, P.k / 2,
+                        y + (r0 + r) * P.out_stride + p * kCols, P.out_stride, cols, nullptr);
+      });
+      return;
+    }
+    amx_configure();
+    for (int64_t r = r0; r < r0 + rows; r += kAmxBlock) {
+      const int64_t m = std::min(kAmxBlock, r0 + rows - r);
+      const bool padded = r == tail_row;
+      const uint16_t* a = padded ? pad.data() : x + r * P.x_stride;
+      const int64_t a_stride = padded ? P.k : P.x_stride;
+      bf16* yr = y + r * P.out_stride + p * kCols;
+      if (m > 16) amx_block<true>(a, a_stride, panel, P.k, yr, P.out_stride, m);
+      else amx_block<false>(a, a_stride, panel, P.k, yr, P.out_stride, m);
+    }
+  });
+}
+#endif
+
 void gemm(const pagedkv_gemm_bf16_params& P) {
+#ifdef PAGEDKV_AMX
+  if (P.rows >= kAmxRows && P.k % 32 == 0 && amx_ready()) return gemm_amx(P);
+#endif
   const auto* x = static_cast<const uint16_t*>(P.x);
   const auto* w = static_cast<const uint16_t*>(P.w);
   bf16* y = static_cast<bf16*>(P.out);
@@ -511,6 +635,14 @@ int pagedkv_gemm_f32(const pagedkv_gemm_f32_params* p, char* err, int errlen) {
 int pagedkv_bf16_gemm(void) {
 #ifdef PAGEDKV_BF16_GEMM
   return 1;
+#else
+  return 0;
+#endif
+}
+
+int pagedkv_amx(void) {
+#ifdef PAGEDKV_AMX
+  return amx_ready() ? 1 : 0;
 #else
   return 0;
 #endif

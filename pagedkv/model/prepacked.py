@@ -11,11 +11,14 @@ AMD CPUs it takes the AVX2 path even where AVX-512 runs). The forms, chosen once
   against oneDNN's 30.8 (prepacked) and 40.2 (plain), 8.3 against 11.9 and 19.6 at one row
   (BENCHMARKS.md "A bf16 GEMM of our own"). Its float32 sums run in another order than
   oneDNN's, so a result may differ from F.linear's by a bfloat16 rounding step; the probe at
-  start-up checks that bound.
+  start-up checks that bound. On CPUs with AMX the same panels are AMX's tile layout, and from
+  16 rows on the GEMM multiplies tiles: at 64 rows a step of the default model's matmuls takes
+  16 ms against oneDNN's 17 and the AVX-512 kernel's 77 on a 2-core Xeon with AMX (BENCHMARKS.md
+  "Session 40"); $PAGEDKV_AMX=0 keeps the AVX-512 kernel.
 - bfloat16, "onednn": oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the
-  op torch's inductor uses for frozen CPU weights), the same bits as `F.linear`
-  (benchmarks/bench_prepacked.py times the three). Needs AVX-512 (BW, VL, DQ) or
-  AVX-NE-CONVERT.
+  op torch's inductor uses for frozen CPU weights), the same bits as `F.linear` where oneDNN
+  picks the same kernel for both (on AMX CPUs it may not; benchmarks/bench_prepacked.py times
+  the three). Needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT.
 - float32, "panels" (AVX-512 and AVX2 builds of the kernels): panels of 2 vectors of output
   columns, multiplied by gemm.cpp's float32 GEMM at ~90% of the FMA rate: 1.55x MKL at 64
   rows with AVX2, 2.6x with AVX-512 (BENCHMARKS.md "A float32 GEMM of our own"). Its sums too
