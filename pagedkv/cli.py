@@ -20,6 +20,7 @@ from pagedkv.config import (
     DTYPES,
     KV_CACHE_DTYPE_ALIASES,
     KV_CACHE_DTYPES,
+    LOGPROBS_MODES,
     NOOP_OPTIONS,
     QUANTIZATIONS,
     UNSUPPORTED_OPTIONS,
@@ -262,6 +263,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d["max_logprobs"].default,
         help="the most logprobs and prompt_logprobs a request may ask for; -1: the vocabulary",
+    )
+    p.add_argument(
+        "--logprobs-mode",
+        default=d["logprobs_mode"].default,
+        choices=LOGPROBS_MODES,
+        help="what logprobs report: the model's own values (raw_*), or those the token was drawn "
+        "from after penalties, banned tokens, a grammar, temperature and top-k/top-p/min-p "
+        "(processed_*); as log-probabilities (*_logprobs) or logits (*_logits)",
     )
     p.add_argument(
         "--generation-config",

@@ -165,6 +165,9 @@ TOOL_CALL_PARSERS = (
 )
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "granite")  # engine/reasoning.py
 CONTENT_FORMATS = ("auto", "string", "openai")  # --chat-template-content-format
+# --logprobs-mode (vLLM's): the model's logits before any rule, or those the token was drawn from
+# (penalties, bans, grammar, temperature, top-k/top-p/min-p applied); as logits or log-softmax
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 QUANTIZATIONS = ("none", "int8", "gguf")  # weights; None = gguf for a GGUF file on CPU, else none
 
 
@@ -465,6 +468,7 @@ class EngineConfig:
     lora_modules: list | dict | None = None
     max_lora_rank: int = 16
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask; -1: no cap
+    logprobs_mode: str = "raw_logprobs"  # what logprobs report: one of LOGPROBS_MODES
     # thinking sections (engine/reasoning.py): the chat answer's `reasoning`, a grammar waits for
     # their end, a request's thinking_token_budget ends them
     reasoning_parser: str | None = None
@@ -542,6 +546,11 @@ class EngineConfig:
         need(
             type(self.max_logprobs) is int and self.max_logprobs >= -1,
             f"--max-logprobs must be an integer >= -1 (-1: no cap), got {self.max_logprobs!r}",
+        )
+        need(
+            self.logprobs_mode in LOGPROBS_MODES,
+            f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, "
+            f"got {self.logprobs_mode!r}",
         )
         need(
             not self.enable_log_outputs or self.enable_log_requests,

@@ -84,6 +84,31 @@ def test_beams_logprobs_are_the_models(llm, hf):
         assert total == pytest.approx(o.cumulative_logprob, abs=1e-4)
 
 
+def test_beams_show_logits_in_a_logits_mode(tiny_model_dir, hf):
+    """--logprobs-mode raw_logits: the same beams, ranked by their logprobs as ever, each step
+    shown with the model's logits (as transformers computes them) instead."""
+    params = SamplingParams(n=3, use_beam_search=True, max_tokens=4, ignore_eos=True, logprobs=2)
+    llm = LLM(
+        tiny_model_dir, dtype="float32", num_gpu_blocks_override=64, logprobs_mode="raw_logits"
+    )
+    (ref,) = LLM(tiny_model_dir, dtype="float32", num_gpu_blocks_override=64).generate(
+        [PROMPTS[1]], params, use_tqdm=False
+    )
+    (out,) = llm.generate([PROMPTS[1]], params, use_tqdm=False)
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in ref.outputs]
+    for o, r in zip(out.outputs, ref.outputs):
+        assert o.cumulative_logprob == pytest.approx(r.cumulative_logprob, abs=1e-5)
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPTS[1] + o.token_ids])).logits[
+                0, len(PROMPTS[1]) - 1 : -1
+            ]
+        for i, entry in enumerate(o.logprobs):
+            assert len(entry) >= 2 and set(entry) == set(r.logprobs[i])
+            for token, e in entry.items():
+                assert e.logprob == pytest.approx(float(logits[i, token]), abs=1e-3)
+                assert e.rank == r.logprobs[i][token].rank
+
+
 def test_beam_search_api_and_mixed_generate(llm):
     """LLM.beam_search (vLLM's shapes: tokens and text hold the prompt) answers as generate does,
     and generate runs beam-search and sampled prompts of one call each their own way."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -198,35 +199,89 @@ def test_stop_strings_and_tokens(tiny_model_dir, reference):
     assert_pool_clean(llm.engine)
 
 
-def test_min_tokens_and_logprobs(tiny_model_dir, reference):
-    llm = make_llm(tiny_model_dir)
-    eos = next(iter(llm.get_tokenizer().eos_token_ids))
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_min_tokens_and_logprobs(tiny_model_dir, reference, mode):
+    """Until min_tokens, the stop token (the greedy first token) and EOS cannot be drawn. Their
+    logprobs under the default raw_logprobs are the model's: they outrank the token drawn where
+    the model preferred them; processed_logprobs give them none, the token drawn ranks first."""
+    llm = make_llm(tiny_model_dir, logprobs_mode=mode)
+    eos = llm.get_tokenizer().eos_token_ids
+    banned = {reference[0][0], *eos}
     p = SamplingParams(
         temperature=0.0, max_tokens=10, min_tokens=10, stop_token_ids=[reference[0][0]], logprobs=3
     )
     out = llm.generate(PROMPTS[0], p, use_tqdm=False)[0].outputs[0]
-    assert (
-        len(out.token_ids) == 10
-        and reference[0][0] not in out.token_ids
-        and eos not in out.token_ids
-    )
+    assert len(out.token_ids) == 10 and not banned & set(out.token_ids)
     assert (
         len(out.logprobs) == 10
     )  # vLLM's shape: per position, token id -> Logprob(logprob, rank, decoded_token)
     for lp, t in zip(out.logprobs, out.token_ids):
         assert t in lp and lp[t].logprob <= 0 and len(lp) == 3
-        assert lp[t].rank == 1 and max(e.logprob for e in lp.values()) == pytest.approx(
-            lp[t].logprob, abs=1e-4
-        )
+        above = [x for x, e in lp.items() if e.logprob > lp[t].logprob]
+        if mode == "processed_logprobs":
+            assert not above and not banned & set(lp)
+        assert lp[t].rank == 1 + len(above) and set(above) <= banned
+    first = out.logprobs[0]
+    if mode == "raw_logprobs":
+        assert first[reference[0][0]].rank == 1 and first[out.token_ids[0]].rank == 2
     assert out.cumulative_logprob == pytest.approx(
         sum(lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids))
     )
 
 
+def test_logprobs_modes(tiny_model_dir):
+    """--logprobs-mode chooses what logprobs report, never which tokens are drawn (a seeded
+    request's tokens are the same in all four). raw_logprobs (the default, as vLLM's) are the
+    model's own: each drawn token's equals its prompt logprob when prompt and output are read
+    again as one prompt; raw_logits are the logits, the same values less each position's
+    log-sum-exp. processed_* are what the token was drawn from: with top_k 3 and temperature 0.8,
+    the three most likely tokens' logits / 0.8 and -inf for the rest, and their log-softmax."""
+    params = SamplingParams(
+        temperature=0.8, top_k=3, seed=5, max_tokens=8, ignore_eos=True, logprobs=5
+    )
+    got = {}
+    for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
+        llm = make_llm(tiny_model_dir, logprobs_mode=mode)
+        got[mode] = llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
+        if mode == "raw_logprobs":  # prompt + output read again as one prompt
+            full = got[mode].prompt_token_ids + got[mode].outputs[0].token_ids
+            again = SamplingParams(max_tokens=1, prompt_logprobs=0)
+            reread = llm.generate({"prompt_token_ids": full}, again, use_tqdm=False)[0]
+        assert_pool_clean(llm.engine)
+    tokens = got["raw_logprobs"].outputs[0].token_ids
+    assert all(got[m].outputs[0].token_ids == tokens for m in got)
+    n = len(got["raw_logprobs"].prompt_token_ids)
+    for i, t in enumerate(tokens):
+        raw, logits = (got[m].outputs[0].logprobs[i] for m in ("raw_logprobs", "raw_logits"))
+        scaled, probs = (
+            got[m].outputs[0].logprobs[i] for m in ("processed_logits", "processed_logprobs")
+        )
+        again = reread.prompt_logprobs[n + i]
+        assert again.token_id == t and raw[t].logprob == pytest.approx(again.logprob, abs=1e-4)
+        assert set(raw) == set(logits) and all(len(x) == 5 for x in (raw, scaled, probs))
+        norm = logits[t].logprob - raw[t].logprob
+        assert norm > 0.5  # logits are not log-probabilities
+        assert all(logits[x].logprob - raw[x].logprob == pytest.approx(norm, abs=1e-4) for x in raw)
+        top3 = sorted(raw, key=lambda x: -raw[x].logprob)[:3]
+        assert t in top3 and raw[t].rank == scaled[t].rank == probs[t].rank
+        for shown in (scaled, probs):  # the top 5 of which two have no chance: -inf
+            assert {x for x, e in shown.items() if e.logprob > float("-inf")} == set(top3)
+        for x in top3:
+            assert scaled[x].logprob == pytest.approx(logits[x].logprob / 0.8, abs=1e-4)
+        assert sum(math.exp(probs[x].logprob) for x in top3) == pytest.approx(1.0, abs=1e-5)
+        lse = math.log(sum(math.exp(scaled[x].logprob) for x in top3))
+        assert probs[t].logprob == pytest.approx(scaled[t].logprob - lse, abs=1e-4)
+    logits_run = got["raw_logits"]
+    assert logits_run.outputs[0].cumulative_logprob == pytest.approx(
+        sum(lp[t].logprob for lp, t in zip(logits_run.outputs[0].logprobs, tokens))
+    )
+
+
 def test_rules_that_leave_no_token_end_the_output(tiny_model_dir):
     """allowed_token_ids [w, EOS] with min_tokens, and bad word "ww": after one w nothing may be
-    drawn. The output ends there (EOS) instead of drawing a token outside the list (NaN logprob)."""
-    llm = make_llm(tiny_model_dir)
+    drawn. The output ends there (EOS) instead of drawing a token outside the list (NaN logprob):
+    each the one token the rules leave, so its processed logprob is 0."""
+    llm = make_llm(tiny_model_dir, logprobs_mode="processed_logprobs")
     tok = llm.get_tokenizer()
     eos = min(tok.eos_token_ids)
     word, t = next(

@@ -185,6 +185,7 @@ def test_vllm_flags_accepted_with_notes(tiny_model_dir, tmp_path):
         (["--limit-mm-per-prompt", "image=0"], "--limit-mm-per-prompt is not JSON"),
         (["--ssl-ciphers", "ECDHE"], "need --ssl-certfile"),
         (["--no-enable-prompt-tokens-details"], "always reported"),
+        (["--logprobs-mode", "raw"], "argument --logprobs-mode: invalid choice: 'raw'"),
     ],
 )
 def test_bad_values_exit_2(args, message):
@@ -205,7 +206,9 @@ def test_vllm_0_32_names_for_what_pagedkv_has():
     argv = ["serve", "--kv-offloading-size", "0.25", "--device-memory-utilization", "0.5"]
     argv += ["--enable-lora", "--no-enable-lora", "--no-enforce-eager", "--no-allow-credentials"]
     argv += ["--limit-mm-per-prompt", '{"image": 0, "video": {"count": 0}}']
+    argv += ["--logprobs-mode", "processed_logits"]
     config = engine_config_from_args(build_parser().parse_args(argv))
+    assert config.logprobs_mode == "processed_logits"
     assert config.kv_offload_host_memory == 2**28
     assert config.memory_utilization == 0.5
     assert config.enable_lora is False and config.enforce_eager is False
@@ -355,6 +358,7 @@ def test_units_and_aliases():
         ({"generation_config": 3}, "--generation-config must be a string or a path"),
         ({"chat_template": 3}, "--chat-template must be a string or a path"),
         ({"kv_offload_dir": b"/tmp/tier"}, "--kv-offload-dir must be a string or a path"),
+        ({"logprobs_mode": "processed"}, "--logprobs-mode must be one of raw_logprobs, raw_logits"),
     ],
 )
 def test_options_of_the_wrong_type_or_range_are_config_errors(options, words):

@@ -54,11 +54,13 @@ class Candidates:
     beam: Sequence
     top: dict[int, float]
     shown: dict[int, float] | None = None
+    shift: float = 0.0  # added to a logprob to show it (the row's log-sum-exp: a logit)
 
     def record(self, token: int) -> SampleLogprob | None:
         if self.shown is None:
             return None
-        return SampleLogprob(token, self.top[token], self.shown, list(self.top).index(token) + 1)
+        value = self.top[token] + self.shift
+        return SampleLogprob(token, value, self.shown, list(self.top).index(token) + 1)
 
 
 @dataclass

@@ -200,7 +200,9 @@ class LLMEngine:
             ThinkTracker(self.reasoning) if self.reasoning and self.reasoning.tokens else None
         )
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.thinking)
-        self.sampler = Sampler(self.tokenizer.eos_token_ids, self.structured, self.thinking)
+        self.sampler = Sampler(
+            self.tokenizer.eos_token_ids, self.structured, self.thinking, config.logprobs_mode
+        )
         self.detokenizer = Detokenizer(self.tokenizer)
         self.faults = FaultInjector.from_env(self.tokenizer)  # tests only: see faults.py
         self._forward = IsolatedForward(self.runner, self._check_faults)
@@ -369,7 +371,9 @@ class LLMEngine:
             failures.add(seq.group, error)
         sampling, logits = self._forward(out.scheduled, failures)  # the sampling rows, in order
         prompt_logprobs.record(
-            self.runner.model, [s for s in out.scheduled if s.seq.group not in failures]
+            self.runner.model,
+            [s for s in out.scheduled if s.seq.group not in failures],
+            self.sampler.as_logits,
         )
         self.runner.write_through(out.offload_writes, failures.stale_blocks)
         pooled: list[Sequence] = []  # pooling requests whose prompt this step completes
@@ -555,14 +559,17 @@ class LLMEngine:
         its beams this step); the outputs of those that ended."""
         assert logits is not None  # beams' rows are sampling rows
         wanted = [max(2 * seq.params.n, seq.params.logprobs or 0) for seq, _ in beams]
-        top = logits[[row for _, row in beams]].float().log_softmax(-1).topk(max(wanted), -1)
+        rows = logits[[row for _, row in beams]].float()
+        norms = rows.logsumexp(-1)  # logit = logprob + the row's log-sum-exp
+        top = (rows - norms[:, None]).topk(max(wanted), -1)
         by_group: dict[SequenceGroup, list[Candidates]] = {}
         for i, (seq, _) in enumerate(beams):
             tokens, logprobs = top.indices[i].tolist(), top.values[i].tolist()
             ranked = dict(zip(tokens[: 2 * seq.params.n], logprobs[: 2 * seq.params.n]))
             k = seq.params.logprobs
-            shown = None if k is None else dict(zip(tokens[:k], logprobs[:k]))
-            by_group.setdefault(seq.group, []).append(Candidates(seq, ranked, shown))
+            shift = float(norms[i]) if self.sampler.as_logits else 0.0  # --logprobs-mode *_logits
+            shown = None if k is None else {t: v + shift for t, v in zip(tokens[:k], logprobs[:k])}
+            by_group.setdefault(seq.group, []).append(Candidates(seq, ranked, shown, shift))
         outputs = []
         for group, candidates in by_group.items():
             try:

@@ -29,8 +29,10 @@ def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor, k: int) -> list[Log
     return out
 
 
-def record(model, scheduled) -> None:
-    """Append the logprobs of the prompt positions computed this step to their requests."""
+def record(model, scheduled, as_logits: bool = False) -> None:
+    """Append the logprobs of the prompt positions computed this step to their requests (their
+    logits with `as_logits`: --logprobs-mode raw_logits or processed_logits, which are the same
+    for a prompt, drawn from no rule)."""
     for s in scheduled:
         if s.prompt_hidden is None:
             continue
@@ -38,9 +40,9 @@ def record(model, scheduled) -> None:
         s.prompt_hidden = None
         group = s.seq.group
         for at in range(0, len(hidden), ROWS_PER_SLICE):
-            logp = (
-                model.compute_logits(hidden[at : at + ROWS_PER_SLICE]).float().cpu().log_softmax(-1)
-            )
+            logp = model.compute_logits(hidden[at : at + ROWS_PER_SLICE]).float().cpu()
+            if not as_logits:
+                logp = logp.log_softmax(-1)
             start = first + at + 1  # logits at position p give the probability of token p + 1
             targets = torch.tensor(
                 group.prompt_token_ids[start : start + len(logp)], dtype=torch.long

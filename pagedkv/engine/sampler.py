@@ -137,16 +137,29 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int], structured=None, thinking=None) -> None:
+    def __init__(
+        self,
+        eos_token_ids: set[int],
+        structured=None,
+        thinking=None,
+        logprobs_mode: str = "raw_logprobs",
+    ) -> None:
         self.eos_token_ids = eos_token_ids
         self.structured = structured  # engine.structured.StructuredOutputs: grammar masks
         self.thinking = thinking  # engine.reasoning.ThinkTracker: sections, thinking budgets
+        # --logprobs-mode (vLLM's): raw values come from the model's logits before any rule,
+        # processed ones from those the token was drawn from; logits or their log-softmax
+        self.raw_logprobs = logprobs_mode.startswith("raw")
+        self.as_logits = logprobs_mode.endswith("logits")
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], uniforms: list[float]
     ) -> SampleResult:
         """logits: [B, vocab] float32, row i for seqs[i]; uniforms[i] in [0, 1) draws its token
         if it samples. Changes in place only what a second call would change the same way."""
+        shown = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        shown_rows = torch.tensor(shown, dtype=torch.long)
+        raw = logits.index_select(0, shown_rows).float() if shown and self.raw_logprobs else None
         logits = _penalize(logits.float(), seqs)
         _block_stop_tokens(logits, seqs, self.eos_token_ids)
         apply_token_rules(logits, seqs)
@@ -158,12 +171,16 @@ class Sampler:
         params = [s.params for s in seqs]
         greedy = torch.tensor([p.temperature == 0.0 for p in params])
         tokens = greedy_tokens(logits)
+        processed = logits  # what each row's token is drawn from (a greedy row: its maximum)
         if not bool(greedy.all()):
             temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
             top_k = torch.tensor([p.top_k for p in params])
             top_p = torch.tensor([p.top_p for p in params])
             min_p = torch.tensor([p.min_p for p in params])
-            probs = _truncate(logits / temp[:, None], top_k, top_p, min_p).softmax(-1)
+            truncated = _truncate(logits / temp[:, None], top_k, top_p, min_p)
+            probs = truncated.softmax(-1)
+            if shown and raw is None:
+                processed = torch.where(greedy[:, None], logits, truncated)
             u = torch.tensor(uniforms, dtype=torch.float64)
             cdf = probs.double().cumsum(-1)
             drawn = (
@@ -183,31 +200,33 @@ class Sampler:
             if self.structured is not None
             else None
         )
-        return SampleResult(token_list, self._logprobs(logits, seqs, token_list), done)
+        logprobs: list[Logprob | None] = [None] * len(seqs)
+        if shown:
+            values = raw if raw is not None else processed.index_select(0, shown_rows)
+            records = self._logprobs(
+                values, [seqs[i] for i in shown], [token_list[i] for i in shown]
+            )
+            for i, record in zip(shown, records):
+                logprobs[i] = record
+        return SampleResult(token_list, logprobs, done)
 
-    @staticmethod
     def _logprobs(
-        logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]
-    ) -> list[Logprob | None]:
-        want = [s.params.logprobs for s in seqs]
-        if all(w is None for w in want):
-            return [None] * len(seqs)
-        chosen_ids = [s.params.logprob_token_ids for s in seqs]  # instead of the top ones
-        logp = logits.log_softmax(-1)
-        k = max(w or 0 for w in want)
+        self, values: torch.Tensor, seqs: list[Sequence], tokens: list[int]
+    ) -> list[Logprob]:
+        """values: one row a sequence that asks for logprobs, in --logprobs-mode's units before
+        the log-softmax; each its token's value and rank, and the top `logprobs` values (or
+        those of its logprob_token_ids)."""
+        logp = values if self.as_logits else values.log_softmax(-1)
+        k = max(s.params.logprobs or 0 for s in seqs)
         top = logp.topk(k, -1) if k else None
-        result: list[Logprob | None] = []
-        for i, w in enumerate(want):
-            if w is None:
-                result.append(None)
-                continue
+        result = []
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            w = seq.params.logprobs
             alts: dict[int, float] = {}
-            if ids := chosen_ids[i]:
+            if ids := seq.params.logprob_token_ids:  # instead of the top ones
                 alts = dict(zip(ids, logp[i, ids].tolist()))
             elif w and top is not None:
                 alts = dict(zip(top.indices[i, :w].tolist(), top.values[i, :w].tolist()))
-            chosen = logp[i, tokens[i]]
-            result.append(
-                Logprob(tokens[i], float(chosen), alts, int((logp[i] > chosen).sum()) + 1)
-            )
+            chosen = logp[i, token]
+            result.append(Logprob(token, float(chosen), alts, int((logp[i] > chosen).sum()) + 1))
         return result
