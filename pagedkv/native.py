@@ -98,7 +98,7 @@ class Library:
         self.isa: str = dll.pagedkv_isa().decode()
         self.vector_width: int = dll.pagedkv_vector_width()
         self.bf16_gemm: bool = bool(dll.pagedkv_bf16_gemm())
-        self.amx: bool = bool(dll.pagedkv_amx())  # gemm_bf16 uses AMX tiles from 16 rows on
+        self.amx: bool = bool(dll.pagedkv_amx())  # gemm_bf16 uses AMX tiles from 8 rows on
 
     def call(self, kernel: str, **fields: object) -> None:
         """Runs `kernel` with its parameter struct filled from `fields`, every one named; raises

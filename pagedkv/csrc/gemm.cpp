@@ -223,10 +223,12 @@ constexpr int kRowBlock2 = 6;  // rows of micro2: 24 sums + 4 W vectors
 // columns of W, 16 times the work of a vdpbf16ps. A panel's pair rows are already AMX's B layout
 // (VNNI: 16 columns' k pairs side by side, 64 bytes a row), so each half of a panel is a B tile
 // whose rows are 128 bytes apart: the same packed weights serve both kernels. From kAmxRows rows
-// on (a prefill chunk, a decode step of a dozen sequences or more) tiles are used; at a
+// on (a prefill chunk, a decode step of eight sequences or more) tiles are used; at a
 // step of 64 rows the default model's matmuls take ~4x less time (BENCHMARKS.md "Session 40").
 // The sums run in another order, so a row's result may differ from micro's by a bf16 rounding.
-constexpr int64_t kAmxRows = 16;  // fewest rows given to tiles
+// fewest rows given to tiles (the default model's matmuls, ms: at 4 rows 9.7 by dot products
+// against 10.6 by tiles, at 8 11.9 against 10.9, at 12 15.7 against 10.9)
+constexpr int64_t kAmxRows = 8;
 constexpr int64_t kAmxBlock = 32;  // rows of a block: two A tiles against the two halves of a panel
 // x rows of a chunk for tiles: tiles multiply so fast that rereading the weights for each chunk of
 // kChunkBytes costs more than a larger x kept in L2 does. 1 MiB took the default model's matmuls

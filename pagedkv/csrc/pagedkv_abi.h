@@ -247,7 +247,7 @@ const char* pagedkv_isa(void);
 int pagedkv_vector_width(void);
 // 1 when gemm_bf16 and gemm_int4 are built (AVX-512 with AVX512_BF16), else 0.
 int pagedkv_bf16_gemm(void);
-// 1 when gemm_bf16 multiplies 16 rows or more with AMX tiles (built for a CPU with AMX-BF16, which
+// 1 when gemm_bf16 multiplies 8 rows or more with AMX tiles (built for a CPU with AMX-BF16, which
 // Linux lent this process, and $PAGEDKV_AMX is not 0), else 0.
 int pagedkv_amx(void);
 // Entry i of the layout table generated from this file (sizeof / offsetof expressions with

@@ -12,7 +12,7 @@ AMD CPUs it takes the AVX2 path even where AVX-512 runs). The forms, chosen once
   (BENCHMARKS.md "A bf16 GEMM of our own"). Its float32 sums run in another order than
   oneDNN's, so a result may differ from F.linear's by a bfloat16 rounding step; the probe at
   start-up checks that bound. On CPUs with AMX the same panels are AMX's tile layout, and from
-  16 rows on the GEMM multiplies tiles: at 64 rows a step of the default model's matmuls takes
+  8 rows on the GEMM multiplies tiles: at 64 rows a step of the default model's matmuls takes
   16 ms against oneDNN's 17 and the AVX-512 kernel's 77 on a 2-core Xeon with AMX (BENCHMARKS.md
   "Session 40"); $PAGEDKV_AMX=0 keeps the AVX-512 kernel.
 - bfloat16, "onednn": oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the
