@@ -36,15 +36,8 @@
 
 #if defined(PAGEDKV_ISA_AVX512) && defined(__AVX512BF16__)
 #define PAGEDKV_BF16_GEMM 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define PAGEDKV_AMX 1  // built for a CPU with AMX (-march=native there)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <cstdlib>
-#include <cstring>
 #endif
-#endif
+#include "amx.h"
 
 namespace {
 
@@ -226,6 +219,7 @@ constexpr int kRowBlock2 = 6;  // rows of micro2: 24 sums + 4 W vectors
 // on (a prefill chunk, a decode step of eight sequences or more) tiles are used; at a
 // step of 64 rows the default model's matmuls take ~4x less time (BENCHMARKS.md "Session 40").
 // The sums run in another order, so a row's result may differ from micro's by a bf16 rounding.
+
 // fewest rows given to tiles (the default model's matmuls, ms: at 4 rows 9.7 by dot products
 // against 10.6 by tiles, at 8 11.9 against 10.9, at 12 15.7 against 10.9)
 constexpr int64_t kAmxRows = 8;
@@ -234,35 +228,6 @@ constexpr int64_t kAmxBlock = 32;  // rows of a block: two A tiles against the t
 // kChunkBytes costs more than a larger x kept in L2 does. 1 MiB took the default model's matmuls
 // at 256 rows from 55.9 to 44.3 ms (bench_prepacked.py), at 1024 rows from 206 to 178.
 constexpr int64_t kAmxChunkBytes = 1 << 20;
-
-// Linux lends a process AMX's tile registers only once asked (any thread, once a process);
-// $PAGEDKV_AMX=0 keeps the AVX-512 kernel (to time one against the other).
-bool amx_ready() {
-  static const bool ready = [] {
-    const char* env = std::getenv("PAGEDKV_AMX");
-    if (env && std::strcmp(env, "0") == 0) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ready;
-}
-
-// Every tile 16 rows of 64 bytes: sums 16 x 16 float32 (tmm0-3), x 16 x 32 bf16 (tmm4-5), a
-// panel's half 16 pairs x 16 columns (tmm6-7). Loaded for each item: oneDNN, in the same threads,
-// loads its own.
-void amx_configure() {
-  struct alignas(64) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } config{};
-  config.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
 
 // y[m rows, 32 columns] = a[16 (Two: 32) rows, k] . a whole panel, k a multiple of 32; a's rows
 // from m on are read (padding) but not stored.

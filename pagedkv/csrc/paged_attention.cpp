@@ -41,6 +41,7 @@
 
 #include <omp.h>
 
+#include "amx.h"
 #include "micro.h"
 #include "pagedkv_abi.h"
 #include "vec.h"
@@ -115,6 +116,7 @@ constexpr int kSharedRows = 128;
 // least half full. With fewer, padding costs more than the panels save (one half-full panel: 0.4-
 // 0.6x the dot products; 96 rows of a shared prefix: 1.1-1.2x).
 constexpr int kPanelMinRows = kColsF * 3 / 2;
+constexpr int kAmxMinRows = 16;  // fewest query rows for which an item takes AMX tiles
 
 struct Problem {
   const void* q; const void* k; const void* v; void* out;
@@ -186,15 +188,20 @@ struct Scratch {
   // Panels (sized only where a call's items may take them): query panels [rp / kColsF][D][kColsF],
   // the tile's keys and values in float [kTile][dp], the rows' accumulators transposed [D][rp].
   std::vector<float> qt, kt, vf, acct;
-  std::vector<uint16_t> vt;     // the tile's V rows as bf16 pairs (tile_values_pairs)
+  std::vector<uint16_t> vt;     // the tile's V rows as bf16 pairs (tile_values_pairs, amx_values)
+  // AMX tiles (Attend::amx_scores; sized only where a call's items may take them): the tile's K
+  // transposed into pairs of dims [D / 2][kTile][2], its probabilities in bf16 [rp][kTile]
+  std::vector<uint16_t> kpairs, pb;
   TileRows tiles[2];  // the tile in use (tiles[cur]) and the next one
   int cur = 0;
   Upcoming ahead;     // of tiles[cur ^ 1]
   bool primed = false;  // tiles[cur] holds the first tile of the thread's next item, prefetched
-  Scratch(int rows, int dp_, bool panels)
-      : dp(dp_), rp((rows + kColsF - 1) / kColsF * kColsF), qf(size_t(rows) * dp_), acc(size_t(rows) * dp_),
-        s(size_t(rp) * kTile), m(rp), l(rp), qt(panels ? size_t(rp) * dp_ : 0), kt(panels ? size_t(kTile) * dp_ : 0),
-        vf(kt.size()), acct(qt.size()), vt(size_t(kTile) * dp_) {}
+  // (with tiles, qf and acc hold whole tiles of 16 rows: rp rows)
+  Scratch(int rows, int dp_, bool panels, bool tiles = false)
+      : dp(dp_), rp((rows + kColsF - 1) / kColsF * kColsF), qf(size_t(tiles ? rp : rows) * dp_),
+        acc(qf.size()), s(size_t(rp) * kTile), m(rp), l(rp), qt(panels ? size_t(rp) * dp_ : 0),
+        kt(panels ? size_t(kTile) * dp_ : 0), vf(kt.size()), acct(qt.size()), vt(size_t(kTile) * dp_),
+        kpairs(tiles ? size_t(kTile) * dp_ : 0), pb(tiles ? size_t(rp) * kTile : 0) {}
 };
 
 // Scores for rows [0, NR) of a row block against the tile's keys: s[i][t] = q_i . k_t, for
@@ -403,6 +410,22 @@ struct Attend {
   // Whether an item of this many query rows takes the panel path (panel_tile).
   static bool takes_panels(int rows) { return kPanels && rows >= kPanelMinRows; }
 
+  // bf16 queries against a bf16 cache on a CPU with AMX: an item of many rows (a cascade's shared
+  // prefix, a prompt chunk) meets each tile as two tile GEMMs (amx_scores, amx_values).
+#ifdef PAGEDKV_AMX
+  static constexpr bool kTiles = std::is_same_v<T, bf16> && std::is_same_v<C, bf16> && NC > 0 && NC * W % 32 == 0;
+#else
+  static constexpr bool kTiles = false;
+#endif
+  static bool takes_tiles(int rows) {
+#ifdef PAGEDKV_AMX
+    return kTiles && rows >= kAmxMinRows && amx_ready();
+#else
+    (void)rows;
+    return false;
+#endif
+  }
+
   // Most query rows of a sequence's item (whole groups of G heads, at least one).
   static int item_rows(int G) { return std::max(G, (kPanels ? kPanelItemRows : kMaxRows) / G * G); }
 
@@ -537,14 +560,18 @@ struct Attend {
   void run(const Item& it, const Item* then, Scratch& ws, float* partial) const {
     const int rows = (it.q1 - it.q0) * G;
     const int64_t first_pos = this->first_pos(it);
-    const bool panels = takes_panels(rows);
+    const bool panels = takes_panels(rows), tiles = !panels && takes_tiles(rows);
     if (panels) {
       load_query_panels(it, ws, rows);
       std::fill(ws.acct.begin(), ws.acct.begin() + size_t(D) * ws.rp, 0.f);
     } else {
       load_queries(it, ws, rows);
     }
-    std::fill(ws.acc.begin(), ws.acc.begin() + size_t(rows) * ws.dp, 0.f);
+    const int acc_rows = tiles ? (rows + 31) / 32 * 32 : rows;  // (tiles store whole row blocks)
+    std::fill(ws.acc.begin(), ws.acc.begin() + size_t(acc_rows) * ws.dp, 0.f);
+#ifdef PAGEDKV_AMX
+    if (tiles) amx_configure();
+#endif
     const int stats = panels ? (rows + kColsF - 1) / kColsF * kColsF : rows;  // panel_softmax takes whole panels
     std::fill(ws.m.begin(), ws.m.begin() + stats, -std::numeric_limits<float>::infinity());
     std::fill(ws.l.begin(), ws.l.begin() + stats, 0.f);
@@ -569,7 +596,8 @@ struct Attend {
         panel_tile(ws, it, t0, cur, nt, r0, rows, first_pos - t0);
       } else {
         const int r1 = end_row(it, t0, nt);
-        scores(ws, nt, r0, r1);
+        if (tiles) amx_scores(ws, cur, nt, r0, r1, rows);
+        else scores(ws, nt, r0, r1);
         if (P.softcap > 0)
           for (int r = r0; r < r1; ++r) cap_scores(ws.s.data() + size_t(r) * kTile, nt);
         mask_window(ws, it, t0, nt, r0, r1, false);
@@ -580,7 +608,8 @@ struct Attend {
             for (int t = 0; t < nt; ++t) p[t] *= cur.vs[t];
           }
         }
-        values(ws, cur, nt, r0, r1);
+        if (tiles) amx_values(ws, cur, nt, r0, r1);
+        else values(ws, cur, nt, r0, r1);
       }
       ws.ahead.fetch_to(kTile);  // what a shorter tile left
       ws.cur ^= 1;
@@ -593,6 +622,120 @@ struct Attend {
       for (int r = 0; r < rows; ++r) hadamard(ws.acc.data() + size_t(r) * ws.dp, D);
     finish(it, ws, rows, partial);
   }
+
+#ifdef PAGEDKV_AMX
+  // Scores of rows [r0, r1) against the tile's keys by tiles: s[r][t] = q_r . k_t (times the
+  // scale), 16 rows x 16 keys a tile, from the raw bf16 queries (load_queries) and K transposed
+  // into pairs of dims (AMX's B layout). Whole row blocks are computed; rows outside [r0, r1) (and
+  // up to the item's `rows` rounded to 16: qf holds them, stale or zero) are never read after.
+  void amx_scores(Scratch& ws, const TileRows& cur, int nt, int r0, int r1, int rows) const {
+    (void)rows;
+    const int kb_n = (nt + 31) / 32 * 2, half = D / 2;  // key blocks of 16, an even number
+    auto* kt = reinterpret_cast<uint32_t*>(ws.kpairs.data());  // [D / 2][kTile] dim pairs
+    for (int t = 0; t < kb_n * 16; ++t) {
+      if (t < nt) {
+        const auto* k = static_cast<const uint32_t*>(cur.kp[t]);
+        for (int i = 0; i < half; ++i) kt[size_t(i) * kTile + t] = k[i];
+      } else {
+        for (int i = 0; i < half; ++i) kt[size_t(i) * kTile + t] = 0;
+      }
+    }
+    if (ws.ahead.tile) ws.ahead.fetch_to(kTile / 2);
+    const auto* q = reinterpret_cast<const char*>(ws.qf.data());
+    const int qstride = ws.dp * 4;  // bytes between query rows (raw bf16 at the start of each)
+    // blocks of 32 rows x 32 keys: four sums at once (a tile multiply's latency is ~3x its
+    // throughput), each operand tile used twice; a block past the rows or keys reads padding
+    for (int rb = r0 / 32 * 2; rb * 16 < r1; rb += 2)
+      for (int kb = 0; kb < kb_n; kb += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int d = 0; d < D; d += 32) {
+          _tile_loadd(4, q + size_t(rb) * 16 * qstride + d * 2, qstride);
+          _tile_loadd(5, q + size_t(rb + 1) * 16 * qstride + d * 2, qstride);
+          _tile_loadd(6, kt + size_t(d / 2) * kTile + kb * 16, kTile * 4);
+          _tile_loadd(7, kt + size_t(d / 2) * kTile + kb * 16 + 16, kTile * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        float* out = ws.s.data() + size_t(rb) * 16 * kTile + kb * 16;
+        _tile_stored(0, out, kTile * 4);
+        _tile_stored(1, out + 16, kTile * 4);
+        _tile_stored(2, out + 16 * kTile, kTile * 4);
+        _tile_stored(3, out + 16 * kTile + 16, kTile * 4);
+      }
+    const Vec scale = set1(P.scale);
+    for (int r = r0; r < r1; ++r) {
+      float* row = ws.s.data() + size_t(r) * kTile;
+      for (int c = 0; c < nt; c += W) store(row + c, mul(load(row + c, lanes(nt, c)), scale), lanes(nt, c));
+    }
+  }
+
+  // acc += p V for rows [r0, r1) by tiles: the rows' probabilities in bf16 (0 for rows outside
+  // and keys from nt on), V as pairs of keys (AMX's B layout), 16 rows x 16 dims a tile of sums.
+  void amx_values(Scratch& ws, const TileRows& cur, int nt, int r0, int r1) const {
+    const int nt2 = (nt + 31) / 32 * 32;  // keys in whole steps of 32
+    alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                     8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    alignas(64) static constexpr uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+    uint16_t* vp = ws.vt.data();  // [nt2 / 2][D][2]
+    for (int u = 0; 2 * u < nt2; ++u) {
+      const auto* a = static_cast<const uint16_t*>(cur.vp[std::min(2 * u, nt - 1)]);
+      const auto* b = static_cast<const uint16_t*>(cur.vp[std::min(2 * u + 1, nt - 1)]);
+      const bool a_live = 2 * u < nt, b_live = 2 * u + 1 < nt;  // (a key past nt: zeros)
+      for (int d = 0; d < D; d += 32) {
+        const __m512i x = a_live ? _mm512_loadu_si512(a + d) : _mm512_setzero_si512();
+        const __m512i y = b_live ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+        uint16_t* dst = vp + (size_t(u) * D + d) * 2;
+        _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(x, lo, y));
+        _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(x, hi, y));
+      }
+    }
+    const int rb0 = r0 / 32 * 2, rb1 = (r1 + 31) / 32 * 2;  // pairs of row blocks
+    for (int r = rb0 * 16; r < rb1 * 16; ++r) {
+      uint16_t* dst = ws.pb.data() + size_t(r) * kTile;
+      const float* p = ws.s.data() + size_t(r) * kTile;
+      const bool live = r >= r0 && r < r1;
+      for (int t = 0; t < nt2; t += 16) {
+        const __m512 v = live && t < nt ? _mm512_maskz_loadu_ps(lanes(nt, t), p + t) : _mm512_setzero_ps();
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+    if (ws.ahead.tile) ws.ahead.fetch_to(kTile);
+    const int astride = ws.dp * 4;
+    for (int rb = rb0; rb < rb1; rb += 2)  // 32 rows x 32 dims: four sums at once, as above
+      for (int d = 0; d < D; d += 32) {
+        float* c = ws.acc.data() + size_t(rb) * 16 * ws.dp + d;
+        const int64_t down = 16 * int64_t(ws.dp);
+        _tile_loadd(0, c, astride);
+        _tile_loadd(1, c + 16, astride);
+        _tile_loadd(2, c + down, astride);
+        _tile_loadd(3, c + down + 16, astride);
+        for (int t = 0; t < nt2; t += 32) {
+          _tile_loadd(4, ws.pb.data() + size_t(rb) * 16 * kTile + t, kTile * 2);
+          _tile_loadd(5, ws.pb.data() + size_t(rb + 1) * 16 * kTile + t, kTile * 2);
+          _tile_loadd(6, vp + (size_t(t / 2) * D + d) * 2, D * 4);
+          _tile_loadd(7, vp + (size_t(t / 2) * D + d + 16) * 2, D * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c, astride);
+        _tile_stored(1, c + 16, astride);
+        _tile_stored(2, c + down, astride);
+        _tile_stored(3, c + down + 16, astride);
+      }
+  }
+#else
+  void amx_scores(Scratch&, const TileRows&, int, int, int, int) const {}
+  void amx_values(Scratch&, const TileRows&, int, int, int) const {}
+#endif
 
   // acc += p V for rows [r0, rows) over the tile. Many rows of bf16 V (a cascade's shared items)
   // take the pair path: interleaving the tile once pays from two row blocks on (measured with
@@ -892,7 +1035,7 @@ void execute(const A& attend, const std::vector<Item>& items, float* partials, c
   const int nthreads = int(std::min<size_t>(size_t(threads), items.size()));
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
-    Scratch ws(rows_max, dp, A::takes_panels(rows_max));
+    Scratch ws(rows_max, dp, A::takes_panels(rows_max), A::takes_tiles(rows_max));
     // Each thread claims its next item before running the present one, whose last tile then
     // prefetches the next one's first.
     const auto claim = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
