@@ -9,7 +9,8 @@
 // threads (torch's own libgomp), claimed from an atomic counter. How K/V rows are read and
 // prefetched: see kTile. An item of few rows (decode: a KV head's G query heads) meets each key
 // as dot products (tile_scores, tile_values); one of many rows (a prompt chunk, a cascade's
-// shared prefix) as two small GEMMs over panels of query rows (Attend::panel_tile).
+// shared prefix) as two small GEMMs over panels of query rows (Attend::panel_tile), or of AMX
+// tiles for bf16 on CPUs that have them (Attend::amx_scores, amx_values).
 //
 // Deliberately free of torch headers: the library compiles in about 5 s (an extension that
 // includes torch's headers takes about 25 s here) and is called through ctypes, which
@@ -596,7 +597,7 @@ struct Attend {
         panel_tile(ws, it, t0, cur, nt, r0, rows, first_pos - t0);
       } else {
         const int r1 = end_row(it, t0, nt);
-        if (tiles) amx_scores(ws, cur, nt, r0, r1, rows);
+        if (tiles) amx_scores(ws, cur, nt, r0, r1);
         else scores(ws, nt, r0, r1);
         if (P.softcap > 0)
           for (int r = r0; r < r1; ++r) cap_scores(ws.s.data() + size_t(r) * kTile, nt);
@@ -626,10 +627,9 @@ struct Attend {
 #ifdef PAGEDKV_AMX
   // Scores of rows [r0, r1) against the tile's keys by tiles: s[r][t] = q_r . k_t (times the
   // scale), 16 rows x 16 keys a tile, from the raw bf16 queries (load_queries) and K transposed
-  // into pairs of dims (AMX's B layout). Whole row blocks are computed; rows outside [r0, r1) (and
-  // up to the item's `rows` rounded to 16: qf holds them, stale or zero) are never read after.
-  void amx_scores(Scratch& ws, const TileRows& cur, int nt, int r0, int r1, int rows) const {
-    (void)rows;
+  // into pairs of dims (AMX's B layout). Whole row blocks are computed; rows outside [r0, r1)
+  // (qf holds them up to rp, stale or zero) are never read after.
+  void amx_scores(Scratch& ws, const TileRows& cur, int nt, int r0, int r1) const {
     const int kb_n = (nt + 31) / 32 * 2, half = D / 2;  // key blocks of 16, an even number
     auto* kt = reinterpret_cast<uint32_t*>(ws.kpairs.data());  // [D / 2][kTile] dim pairs
     for (int t = 0; t < kb_n * 16; ++t) {
@@ -733,7 +733,7 @@ struct Attend {
       }
   }
 #else
-  void amx_scores(Scratch&, const TileRows&, int, int, int, int) const {}
+  void amx_scores(Scratch&, const TileRows&, int, int, int) const {}
   void amx_values(Scratch&, const TileRows&, int, int, int) const {}
 #endif
 
