@@ -233,7 +233,7 @@ constexpr int64_t kAmxChunkBytes = 1 << 20;
 // from m on are read (padding) but not stored.
 template <bool Two>
 void amx_block(const uint16_t* a, int64_t a_stride, const uint16_t* panel, int64_t k, bf16* y, int64_t y_stride,
-               int64_t m) {
+               int64_t m, const char* ahead) {
   _tile_zero(0);
   _tile_zero(1);
   if (Two) {
@@ -242,6 +242,8 @@ void amx_block(const uint16_t* a, int64_t a_stride, const uint16_t* panel, int64
   }
   for (int64_t kk = 0; kk < k; kk += 32) {
     const uint16_t* b = panel + kk * kCols;  // pair row kk / 2, 2 kCols elements each
+    if (ahead)  // the next panel's same 2 KiB, so that its tiles come from cache
+      for (int line = 0; line < 32; ++line) prefetch(ahead + kk * kCols * 2 + line * 64);
     _tile_loadd(6, b, 4 * kCols);
     _tile_loadd(7, b + kCols, 4 * kCols);
     _tile_loadd(4, a + kk, 2 * a_stride);
@@ -278,8 +280,9 @@ void gemm_amx(const pagedkv_gemm_bf16_params& P) {
   std::vector<uint16_t> pad(size_t(tail ? kAmxBlock * P.k : 0), 0);
   for (int64_t r = 0; r < tail; ++r)
     std::memcpy(pad.data() + r * P.k, x + (tail_row + r) * P.x_stride, size_t(2 * P.k));
-  over_items(P.rows, panels, 2 * P.k, kAmxBlock, P.threads, [&](int64_t r0, int64_t rows, int64_t p, bool) {
+  over_items(P.rows, panels, 2 * P.k, kAmxBlock, P.threads, [&](int64_t r0, int64_t rows, int64_t p, bool ahead) {
     const uint16_t* panel = w + p * panel_elems;
+    const char* next = ahead && p + 1 < whole ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
     if (p == whole) {
       const int cols = int(P.n - p * kCols);
       by_row_blocks<kRowBlock>(rows, [&](auto R, int64_t r) {
@@ -295,8 +298,9 @@ void gemm_amx(const pagedkv_gemm_bf16_params& P) {
       const uint16_t* a = padded ? pad.data() : x + r * P.x_stride;
       const int64_t a_stride = padded ? P.k : P.x_stride;
       bf16* yr = y + r * P.out_stride + p * kCols;
-      if (m > 16) amx_block<true>(a, a_stride, panel, P.k, yr, P.out_stride, m);
-      else amx_block<false>(a, a_stride, panel, P.k, yr, P.out_stride, m);
+      const char* pf = r == r0 ? next : nullptr;  // (the first block prefetches for all)
+      if (m > 16) amx_block<true>(a, a_stride, panel, P.k, yr, P.out_stride, m, pf);
+      else amx_block<false>(a, a_stride, panel, P.k, yr, P.out_stride, m, pf);
     }
   }, kAmxChunkBytes);
 }
