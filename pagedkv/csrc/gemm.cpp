@@ -217,7 +217,7 @@ constexpr int kRowBlock2 = 6;  // rows of micro2: 24 sums + 4 W vectors
 // (VNNI: 16 columns' k pairs side by side, 64 bytes a row), so each half of a panel is a B tile
 // whose rows are 128 bytes apart: the same packed weights serve both kernels. From kAmxRows rows
 // on (a prefill chunk, a decode step of eight sequences or more) tiles are used; at a
-// step of 64 rows the default model's matmuls take ~4x less time (BENCHMARKS.md "Session 40").
+// step of 64 rows the default model's matmuls take ~5x less time (BENCHMARKS.md "Session 40").
 // The sums run in another order, so a row's result may differ from micro's by a bf16 rounding.
 
 // fewest rows given to tiles (the default model's matmuls, ms: at 4 rows 9.7 by dot products
@@ -230,7 +230,8 @@ constexpr int64_t kAmxBlock = 32;  // rows of a block: two A tiles against the t
 constexpr int64_t kAmxChunkBytes = 1 << 20;
 
 // y[m rows, 32 columns] = a[16 (Two: 32) rows, k] . a whole panel, k a multiple of 32; a's rows
-// from m on are read (padding) but not stored.
+// from m on are read (padding) but not stored. `ahead` (or null): the next panel, prefetched a
+// k step at a time.
 template <bool Two>
 void amx_block(const uint16_t* a, int64_t a_stride, const uint16_t* panel, int64_t k, bf16* y, int64_t y_stride,
                int64_t m, const char* ahead) {

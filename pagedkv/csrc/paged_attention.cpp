@@ -197,7 +197,7 @@ struct Scratch {
   int cur = 0;
   Upcoming ahead;     // of tiles[cur ^ 1]
   bool primed = false;  // tiles[cur] holds the first tile of the thread's next item, prefetched
-  // (with tiles, qf and acc hold whole tiles of 16 rows: rp rows)
+  // (with tiles, qf and acc hold rp rows: tiles take whole blocks of 32)
   Scratch(int rows, int dp_, bool panels, bool tiles = false)
       : dp(dp_), rp((rows + kColsF - 1) / kColsF * kColsF), qf(size_t(tiles ? rp : rows) * dp_),
         acc(qf.size()), s(size_t(rp) * kTile), m(rp), l(rp), qt(panels ? size_t(rp) * dp_ : 0),
