@@ -560,14 +560,15 @@ class LLMEngine:
         assert logits is not None  # beams' rows are sampling rows
         wanted = [max(2 * seq.params.n, seq.params.logprobs or 0) for seq, _ in beams]
         rows = logits[[row for _, row in beams]].float()
-        norms = rows.logsumexp(-1)  # logit = logprob + the row's log-sum-exp
-        top = (rows - norms[:, None]).topk(max(wanted), -1)
+        top = rows.log_softmax(-1).topk(max(wanted), -1)
+        # --logprobs-mode *_logits shows logits: logprob + the row's log-sum-exp
+        norms = rows.logsumexp(-1).tolist() if self.sampler.as_logits else [0.0] * len(beams)
         by_group: dict[SequenceGroup, list[Candidates]] = {}
         for i, (seq, _) in enumerate(beams):
             tokens, logprobs = top.indices[i].tolist(), top.values[i].tolist()
             ranked = dict(zip(tokens[: 2 * seq.params.n], logprobs[: 2 * seq.params.n]))
             k = seq.params.logprobs
-            shift = float(norms[i]) if self.sampler.as_logits else 0.0  # --logprobs-mode *_logits
+            shift = norms[i]
             shown = None if k is None else {t: v + shift for t, v in zip(tokens[:k], logprobs[:k])}
             by_group.setdefault(seq.group, []).append(Candidates(seq, ranked, shown, shift))
         outputs = []

@@ -158,8 +158,8 @@ class Sampler:
         """logits: [B, vocab] float32, row i for seqs[i]; uniforms[i] in [0, 1) draws its token
         if it samples. Changes in place only what a second call would change the same way."""
         shown = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        shown_rows = torch.tensor(shown, dtype=torch.long)
-        raw = logits.index_select(0, shown_rows).float() if shown and self.raw_logprobs else None
+        shown_rows = torch.tensor(shown, dtype=torch.long) if shown else None
+        raw = logits[shown_rows].float() if shown_rows is not None and self.raw_logprobs else None
         logits = _penalize(logits.float(), seqs)
         _block_stop_tokens(logits, seqs, self.eos_token_ids)
         apply_token_rules(logits, seqs)
@@ -201,8 +201,8 @@ class Sampler:
             else None
         )
         logprobs: list[Logprob | None] = [None] * len(seqs)
-        if shown:
-            values = raw if raw is not None else processed.index_select(0, shown_rows)
+        if shown_rows is not None:
+            values = raw if raw is not None else processed[shown_rows]
             records = self._logprobs(
                 values, [seqs[i] for i in shown], [token_list[i] for i in shown]
             )
