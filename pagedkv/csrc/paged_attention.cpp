@@ -10,7 +10,7 @@
 // prefetched: see kTile. An item of few rows (decode: a KV head's G query heads) meets each key
 // as dot products (tile_scores, tile_values); one of many rows (a prompt chunk, a cascade's
 // shared prefix) as two small GEMMs over panels of query rows (Attend::panel_tile), or of AMX
-// tiles for bf16 on CPUs that have them (Attend::amx_scores, amx_values).
+// tiles for bf16 on CPUs that have them (Attend::amx_item).
 //
 // Deliberately free of torch headers: the library compiles in about 5 s (an extension that
 // includes torch's headers takes about 25 s here) and is called through ctypes, which
@@ -118,6 +118,7 @@ constexpr int kSharedRows = 128;
 // 0.6x the dot products; 96 rows of a shared prefix: 1.1-1.2x).
 constexpr int kPanelMinRows = kColsF * 3 / 2;
 constexpr int kAmxMinRows = 16;  // fewest query rows for which an item takes AMX tiles
+constexpr int kSpan = 512;       // keys per softmax step of such an item (Attend::amx_item)
 
 struct Problem {
   const void* q; const void* k; const void* v; void* out;
@@ -189,9 +190,10 @@ struct Scratch {
   // Panels (sized only where a call's items may take them): query panels [rp / kColsF][D][kColsF],
   // the tile's keys and values in float [kTile][dp], the rows' accumulators transposed [D][rp].
   std::vector<float> qt, kt, vf, acct;
-  std::vector<uint16_t> vt;     // the tile's V rows as bf16 pairs (tile_values_pairs, amx_values)
-  // AMX tiles (Attend::amx_scores; sized only where a call's items may take them): the tile's K
-  // transposed into pairs of dims [D / 2][kTile][2], its probabilities in bf16 [rp][kTile]
+  std::vector<uint16_t> vt;     // the tile's (span's) V rows as bf16 pairs (tile_values_pairs, amx_item)
+  // AMX tiles (Attend::amx_item; sized only where a call's items may take them, as are s and vt
+  // for a span): the span's K transposed into pairs of dims [D / 2][kSpan][2], its probabilities
+  // in bf16 [rp][kSpan]
   std::vector<uint16_t> kpairs, pb;
   TileRows tiles[2];  // the tile in use (tiles[cur]) and the next one
   int cur = 0;
@@ -200,9 +202,9 @@ struct Scratch {
   // (with tiles, qf and acc hold rp rows: tiles take whole blocks of 32)
   Scratch(int rows, int dp_, bool panels, bool tiles = false)
       : dp(dp_), rp((rows + kColsF - 1) / kColsF * kColsF), qf(size_t(tiles ? rp : rows) * dp_),
-        acc(qf.size()), s(size_t(rp) * kTile), m(rp), l(rp), qt(panels ? size_t(rp) * dp_ : 0),
-        kt(panels ? size_t(kTile) * dp_ : 0), vf(kt.size()), acct(qt.size()), vt(size_t(kTile) * dp_),
-        kpairs(tiles ? size_t(kTile) * dp_ : 0), pb(tiles ? size_t(rp) * kTile : 0) {}
+        acc(qf.size()), s(size_t(rp) * (tiles ? kSpan : kTile)), m(rp), l(rp), qt(panels ? size_t(rp) * dp_ : 0),
+        kt(panels ? size_t(kTile) * dp_ : 0), vf(kt.size()), acct(qt.size()), vt(size_t(tiles ? kSpan : kTile) * dp_),
+        kpairs(tiles ? size_t(kSpan) * dp_ : 0), pb(tiles ? size_t(rp) * kSpan : 0) {}
 };
 
 // Scores for rows [0, NR) of a row block against the tile's keys: s[i][t] = q_i . k_t, for
@@ -412,7 +414,7 @@ struct Attend {
   static bool takes_panels(int rows) { return kPanels && rows >= kPanelMinRows; }
 
   // bf16 queries against a bf16 cache on a CPU with AMX: an item of many rows (a cascade's shared
-  // prefix, a prompt chunk) meets each tile as two tile GEMMs (amx_scores, amx_values).
+  // prefix, a prompt chunk) meets its keys as tile GEMMs (amx_item).
 #ifdef PAGEDKV_AMX
   static constexpr bool kTiles = std::is_same_v<T, bf16> && std::is_same_v<C, bf16> && NC > 0 && NC * W % 32 == 0;
 #else
@@ -557,8 +559,8 @@ struct Attend {
   }
 
   // Row r = token index within the item * G + group head; rows are ordered by position. `then`:
-  // the item this thread runs next, if any.
-  void run(const Item& it, const Item* then, Scratch& ws, float* partial) const {
+  // the item this thread runs next, if any. `starts` (a cascade's suffix items): see resume.
+  void run(const Item& it, const Item* then, Scratch& ws, float* partial, const float* const* starts) const {
     const int rows = (it.q1 - it.q0) * G;
     const int64_t first_pos = this->first_pos(it);
     const bool panels = takes_panels(rows), tiles = !panels && takes_tiles(rows);
@@ -576,6 +578,13 @@ struct Attend {
     const int stats = panels ? (rows + kColsF - 1) / kColsF * kColsF : rows;  // panel_softmax takes whole panels
     std::fill(ws.m.begin(), ws.m.begin() + stats, -std::numeric_limits<float>::infinity());
     std::fill(ws.l.begin(), ws.l.begin() + stats, 0.f);
+    if (starts) resume(it, ws, rows, panels, starts);
+    if (tiles) {
+      ws.primed = false;  // (a tile the last item located for this one goes unused)
+      amx_item(it, ws, rows);
+      finish(it, ws, rows, partial);
+      return;
+    }
 
     // Each tile locates the next one (in this item, else the thread's next item's first), whose
     // rows it prefetches as it goes; only an item not so prepared prefetches its first tile here.
@@ -597,8 +606,7 @@ struct Attend {
         panel_tile(ws, it, t0, cur, nt, r0, rows, first_pos - t0);
       } else {
         const int r1 = end_row(it, t0, nt);
-        if (tiles) amx_scores(ws, cur, nt, r0, r1);
-        else scores(ws, nt, r0, r1);
+        scores(ws, nt, r0, r1);
         if (P.softcap > 0)
           for (int r = r0; r < r1; ++r) cap_scores(ws.s.data() + size_t(r) * kTile, nt);
         mask_window(ws, it, t0, nt, r0, r1, false);
@@ -609,8 +617,7 @@ struct Attend {
             for (int t = 0; t < nt; ++t) p[t] *= cur.vs[t];
           }
         }
-        if (tiles) amx_values(ws, cur, nt, r0, r1);
-        else values(ws, cur, nt, r0, r1);
+        values(ws, cur, nt, r0, r1);
       }
       ws.ahead.fetch_to(kTile);  // what a shorter tile left
       ws.cur ^= 1;
@@ -625,116 +632,200 @@ struct Attend {
   }
 
 #ifdef PAGEDKV_AMX
-  // Scores of rows [r0, r1) against the tile's keys by tiles: s[r][t] = q_r . k_t (times the
-  // scale), 16 rows x 16 keys a tile, from the raw bf16 queries (load_queries) and K transposed
-  // into pairs of dims (AMX's B layout). Whole row blocks are computed; rows outside [r0, r1)
-  // (qf holds them up to rp, stale or zero) are never read after.
-  void amx_scores(Scratch& ws, const TileRows& cur, int nt, int r0, int r1) const {
-    const int kb_n = (nt + 31) / 32 * 2, half = D / 2;  // key blocks of 16, an even number
-    auto* kt = reinterpret_cast<uint32_t*>(ws.kpairs.data());  // [D / 2][kTile] dim pairs
-    for (int t = 0; t < kb_n * 16; ++t) {
-      if (t < nt) {
-        const auto* k = static_cast<const uint32_t*>(cur.kp[t]);
-        for (int i = 0; i < half; ++i) kt[size_t(i) * kTile + t] = k[i];
-      } else {
-        for (int i = 0; i < half; ++i) kt[size_t(i) * kTile + t] = 0;
-      }
-    }
-    if (ws.ahead.tile) ws.ahead.fetch_to(kTile / 2);
+  // An item of many rows by AMX tiles, kSpan keys at a time: the span's scores for all rows as one
+  // tile GEMM (the raw bf16 queries against K transposed into pairs of dims, AMX's B layout), a
+  // softmax step per row over the whole span, then acc += p V as another (p rounded to bf16, V as
+  // pairs of keys), the rows' sums held in tiles across the span. Against 64-key tiles this
+  // rescales and rereads each row's acc once a span, not once a tile. Rows from `rows` up to whole
+  // blocks of 32 are computed on padding and never stored.
+  void amx_item(const Item& it, Scratch& ws, int rows) const {
+    const int64_t first = first_pos(it);
+    const int rp = (rows + 31) / 32 * 32;
     const auto* q = reinterpret_cast<const char*>(ws.qf.data());
     const int qstride = ws.dp * 4;  // bytes between query rows (raw bf16 at the start of each)
-    // blocks of 32 rows x 32 keys: four sums at once (a tile multiply's latency is ~3x its
-    // throughput), each operand tile used twice; a block past the rows or keys reads padding
-    for (int rb = r0 / 32 * 2; rb * 16 < r1; rb += 2)
-      for (int kb = 0; kb < kb_n; kb += 2) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int d = 0; d < D; d += 32) {
-          _tile_loadd(4, q + size_t(rb) * 16 * qstride + d * 2, qstride);
-          _tile_loadd(5, q + size_t(rb + 1) * 16 * qstride + d * 2, qstride);
-          _tile_loadd(6, kt + size_t(d / 2) * kTile + kb * 16, kTile * 4);
-          _tile_loadd(7, kt + size_t(d / 2) * kTile + kb * 16 + 16, kTile * 4);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+    const auto* kt = reinterpret_cast<const uint32_t*>(ws.kpairs.data());  // [D / 2][kSpan]
+    float* s = ws.s.data();                                                // [rp][kSpan]
+    uint16_t* pb = ws.pb.data();                                           // [rp][kSpan]
+    const uint16_t* vt = ws.vt.data();                                     // [kSpan / 2][D][2]
+    for (int64_t s0 = it.k0; s0 < it.k1; s0 += kSpan) {
+      const int n = int(std::min<int64_t>(kSpan, it.k1 - s0)), n32 = (n + 31) / 32 * 32;
+      const int r0 = first_row(it, s0);  // rows before it see none of the span (causal)
+      if (r0 >= rows) break;
+      span_rows(it, s0, n, n32, ws);
+      const int rb0 = r0 / 32 * 2;  // row tiles of 16, in pairs
+      // blocks of 32 rows x 32 keys: four sums at once (a tile multiply's latency is ~3x its
+      // throughput), each operand tile used twice
+      for (int rb = rb0; rb * 16 < rows; rb += 2)
+        for (int kb = 0; kb * 16 < n32; kb += 2) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int d = 0; d < D; d += 32) {
+            _tile_loadd(4, q + size_t(rb) * 16 * qstride + d * 2, qstride);
+            _tile_loadd(5, q + size_t(rb + 1) * 16 * qstride + d * 2, qstride);
+            _tile_loadd(6, kt + size_t(d / 2) * kSpan + kb * 16, kSpan * 4);
+            _tile_loadd(7, kt + size_t(d / 2) * kSpan + kb * 16 + 16, kSpan * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+          float* out = s + size_t(rb) * 16 * kSpan + kb * 16;
+          _tile_stored(0, out, kSpan * 4);
+          _tile_stored(1, out + 16, kSpan * 4);
+          _tile_stored(2, out + 16 * kSpan, kSpan * 4);
+          _tile_stored(3, out + 16 * kSpan + 16, kSpan * 4);
         }
-        float* out = ws.s.data() + size_t(rb) * 16 * kTile + kb * 16;
-        _tile_stored(0, out, kTile * 4);
-        _tile_stored(1, out + 16, kTile * 4);
-        _tile_stored(2, out + 16 * kTile, kTile * 4);
-        _tile_stored(3, out + 16 * kTile + 16, kTile * 4);
-      }
-    const Vec scale = set1(P.scale);
-    for (int r = r0; r < r1; ++r) {
-      float* row = ws.s.data() + size_t(r) * kTile;
-      for (int c = 0; c < nt; c += W) store(row + c, mul(load(row + c, lanes(nt, c)), scale), lanes(nt, c));
+      for (int r = rb0 * 16; r < rp; ++r) span_softmax(it, ws, r, r >= r0 && r < rows, s0, n, n32, first);
+      for (int rb = rb0; rb * 16 < rows; rb += 2)  // 32 rows x 32 dims: four sums, as above
+        for (int d = 0; d < D; d += 32) {
+          float* c = ws.acc.data() + size_t(rb) * 16 * ws.dp + d;
+          const int64_t down = 16 * int64_t(ws.dp);
+          const int astride = ws.dp * 4;
+          _tile_loadd(0, c, astride);
+          _tile_loadd(1, c + 16, astride);
+          _tile_loadd(2, c + down, astride);
+          _tile_loadd(3, c + down + 16, astride);
+          for (int t = 0; t < n32; t += 32) {
+            _tile_loadd(4, pb + size_t(rb) * 16 * kSpan + t, kSpan * 2);
+            _tile_loadd(5, pb + size_t(rb + 1) * 16 * kSpan + t, kSpan * 2);
+            _tile_loadd(6, vt + (size_t(t / 2) * D + d) * 2, D * 4);
+            _tile_loadd(7, vt + (size_t(t / 2) * D + d + 16) * 2, D * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+          _tile_stored(0, c, astride);
+          _tile_stored(1, c + 16, astride);
+          _tile_stored(2, c + down, astride);
+          _tile_stored(3, c + down + 16, astride);
+        }
     }
   }
 
-  // acc += p V for rows [r0, r1) by tiles: the rows' probabilities in bf16 (0 for rows outside
-  // and keys from nt on), V as pairs of keys (AMX's B layout), 16 rows x 16 dims a tile of sums.
-  void amx_values(Scratch& ws, const TileRows& cur, int nt, int r0, int r1) const {
-    const int nt2 = (nt + 31) / 32 * 32;  // keys in whole steps of 32
+  // The span's K transposed into pairs of dims (kpairs[i][t]: dims 2i, 2i + 1 of key t) and its V
+  // as pairs of keys (vt[u][d][2]: keys 2u, 2u + 1), keys from n to n32 zero. K goes 16 keys at a
+  // time through a 16 x 16 transpose of 32-bit pairs.
+  void span_rows(const Item& it, int64_t s0, int n, int n32, Scratch& ws) const {
+    const auto* k = static_cast<const uint16_t*>(P.k);
+    const auto* v = static_cast<const uint16_t*>(P.v);
+    const uint16_t* kr[32];
+    const uint16_t* vr[32];
+    auto* kt = reinterpret_cast<uint32_t*>(ws.kpairs.data());
     alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     alignas(64) static constexpr uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
     const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
-    uint16_t* vp = ws.vt.data();  // [nt2 / 2][D][2]
-    for (int u = 0; 2 * u < nt2; ++u) {
-      const auto* a = static_cast<const uint16_t*>(cur.vp[std::min(2 * u, nt - 1)]);
-      const auto* b = static_cast<const uint16_t*>(cur.vp[std::min(2 * u + 1, nt - 1)]);
-      const bool a_live = 2 * u < nt, b_live = 2 * u + 1 < nt;  // (a key past nt: zeros)
-      for (int d = 0; d < D; d += 32) {
-        const __m512i x = a_live ? _mm512_loadu_si512(a + d) : _mm512_setzero_si512();
-        const __m512i y = b_live ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
-        uint16_t* dst = vp + (size_t(u) * D + d) * 2;
-        _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(x, lo, y));
-        _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(x, hi, y));
-      }
-    }
-    const int rb0 = r0 / 32 * 2, rb1 = (r1 + 31) / 32 * 2;  // pairs of row blocks
-    for (int r = rb0 * 16; r < rb1 * 16; ++r) {
-      uint16_t* dst = ws.pb.data() + size_t(r) * kTile;
-      const float* p = ws.s.data() + size_t(r) * kTile;
-      const bool live = r >= r0 && r < r1;
-      for (int t = 0; t < nt2; t += 16) {
-        const __m512 v = live && t < nt ? _mm512_maskz_loadu_ps(lanes(nt, t), p + t) : _mm512_setzero_ps();
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t), (__m256i)_mm512_cvtneps_pbh(v));
-      }
-    }
-    if (ws.ahead.tile) ws.ahead.fetch_to(kTile);
-    const int astride = ws.dp * 4;
-    for (int rb = rb0; rb < rb1; rb += 2)  // 32 rows x 32 dims: four sums at once, as above
-      for (int d = 0; d < D; d += 32) {
-        float* c = ws.acc.data() + size_t(rb) * 16 * ws.dp + d;
-        const int64_t down = 16 * int64_t(ws.dp);
-        _tile_loadd(0, c, astride);
-        _tile_loadd(1, c + 16, astride);
-        _tile_loadd(2, c + down, astride);
-        _tile_loadd(3, c + down + 16, astride);
-        for (int t = 0; t < nt2; t += 32) {
-          _tile_loadd(4, ws.pb.data() + size_t(rb) * 16 * kTile + t, kTile * 2);
-          _tile_loadd(5, ws.pb.data() + size_t(rb + 1) * 16 * kTile + t, kTile * 2);
-          _tile_loadd(6, vp + (size_t(t / 2) * D + d) * 2, D * 4);
-          _tile_loadd(7, vp + (size_t(t / 2) * D + d + 16) * 2, D * 4);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+    for (int t0 = 0; t0 < n32; t0 += 32) {  // 32 keys: their rows' addresses (null past n)
+      for (int i = 0; i < 32; ++i) {
+        const int64_t pos = s0 + t0 + i;
+        if (t0 + i >= n) {
+          kr[i] = vr[i] = nullptr;
+          continue;
         }
-        _tile_stored(0, c, astride);
-        _tile_stored(1, c + 16, astride);
-        _tile_stored(2, c + down, astride);
-        _tile_stored(3, c + down + 16, astride);
+        const int64_t row = int64_t(P.block_tables[it.b * P.max_blocks + pos / P.bs]) * P.Hkv + it.h;
+        const int64_t at = (row * P.bs + pos % P.bs) * P.D;
+        kr[i] = k + at;
+        vr[i] = v + at;
       }
+      for (int half = 0; half < 2; ++half)
+        for (int d = 0; d < D; d += 32) {  // 16 keys x 16 dim pairs
+          __m512i x[16];
+          for (int i = 0; i < 16; ++i) {
+            const uint16_t* row = kr[half * 16 + i];
+            x[i] = row ? _mm512_loadu_si512(row + d) : _mm512_setzero_si512();
+          }
+          transpose16(x);
+          for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + size_t(d / 2 + i) * kSpan + t0 + half * 16, x[i]);
+        }
+      for (int u = 0; u < 16; ++u)
+        for (int d = 0; d < D; d += 32) {
+          const uint16_t* a = vr[2 * u];
+          const uint16_t* b = vr[2 * u + 1];
+          const __m512i x = a ? _mm512_loadu_si512(a + d) : _mm512_setzero_si512();
+          const __m512i y = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+          uint16_t* dst = ws.vt.data() + (size_t(t0 / 2 + u) * D + d) * 2;
+          _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(x, lo, y));
+          _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(x, hi, y));
+        }
+    }
+  }
+
+  // Transposes 16 rows of 16 32-bit words in place.
+  static void transpose16(__m512i* x) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_epi32(x[i], x[i + 1]);
+      t[i + 1] = _mm512_unpackhi_epi32(x[i], x[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+      x[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+      x[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+      x[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+      x[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    // x[i]: in each 128-bit lane L, column 4 L + i % 4 of rows 4 (i / 4) .. 4 (i / 4) + 3; then
+    // the lanes of the four groups of rows come together column by column
+    for (int i = 0; i < 16; i += 8)
+      for (int j = 0; j < 4; ++j) {
+        t[i + j] = _mm512_shuffle_i32x4(x[i + j], x[i + j + 4], 0x88);
+        t[i + j + 4] = _mm512_shuffle_i32x4(x[i + j], x[i + j + 4], 0xdd);
+      }
+    for (int j = 0; j < 8; ++j) {
+      x[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+      x[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+  }
+
+  // Row r's softmax step over the span's scores s[r][0 .. n): the keys it sees (causal, window)
+  // become p = exp(scale s - m) in bf16 (pb; 0 for the rest, up to n32), its max and sum move on
+  // and its acc is rescaled. A row not `live` (or seeing no key of the span) gets p = 0.
+  void span_softmax(const Item& it, Scratch& ws, int r, bool live, int64_t s0, int n, int n32, int64_t first) const {
+    float* s = ws.s.data() + size_t(r) * kSpan;
+    uint16_t* pb = ws.pb.data() + size_t(r) * kSpan;
+    const int64_t pos = first + r / G;
+    const int hi = live ? int(std::min<int64_t>(n, pos - s0 + 1)) : 0;
+    const int lo = live && P.window > 0 && !it.shared ? int(std::clamp<int64_t>(P.first_key(pos) - s0, 0, n)) : 0;
+    if (lo >= hi) {
+      for (int t = 0; t < n32; t += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t), _mm256_setzero_si256());
+      return;
+    }
+    const auto seen = [&](int t) {  // lanes of keys t .. t + 15 in [lo, hi)
+      const int a = std::clamp(lo - t, 0, 16), b = std::clamp(hi - t, 0, 16);
+      return static_cast<__mmask16>(((1u << b) - 1u) & ~((1u << a) - 1u));
+    };
+    float sc = P.scale;
+    if (P.softcap > 0) {  // softcap tanh(scale s / softcap), then no further scale
+      const Vec inv = set1(P.scale / P.softcap), cap = set1(P.softcap);
+      for (int t = lo / 16 * 16; t < hi; t += 16) _mm512_storeu_ps(s + t, mul(cap, vtanh(mul(_mm512_loadu_ps(s + t), inv))));
+      sc = 1.f;
+    }
+    const Vec ninf = set1(-std::numeric_limits<float>::infinity());
+    Vec mx = ninf;
+    for (int t = lo / 16 * 16; t < hi; t += 16) mx = _mm512_mask_max_ps(mx, seen(t), mx, _mm512_loadu_ps(s + t));
+    const float m_old = ws.m[r];
+    const float m_new = std::max(m_old, hmax(mx) * sc);
+    const Vec scale = set1(sc), shift = set1(-m_new);
+    Vec sum = zero();
+    for (int t = 0; t < n32; t += 16) {
+      const __mmask16 m = seen(t);
+      const Vec e = m ? _mm512_maskz_mov_ps(m, vexp(fma(_mm512_loadu_ps(s + t), scale, shift))) : zero();
+      sum = add(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    const float alpha = std::exp(m_old - m_new);  // 0 when the row had seen nothing (m_old = -inf)
+    ws.l[r] = ws.l[r] * alpha + hsum(sum);
+    ws.m[r] = m_new;
+    if (alpha != 1.f) {
+      float* acc = ws.acc.data() + size_t(r) * ws.dp;
+      for (int c = 0; c < ws.dp; c += W) store(acc + c, mul(load(acc + c, kFull), set1(alpha)), kFull);
+    }
   }
 #else
-  void amx_scores(Scratch&, const TileRows&, int, int, int) const {}
-  void amx_values(Scratch&, const TileRows&, int, int, int) const {}
+  void amx_item(const Item&, Scratch&, int) const {}
 #endif
 
   // acc += p V for rows [r0, rows) over the tile. Many rows of bf16 V (a cascade's shared items)
@@ -869,6 +960,30 @@ struct Attend {
     if (alpha != 1.f) {
       float* acc = ws.acc.data() + size_t(r) * ws.dp;
       for (int c = 0; c < ws.dp; c += W) store(acc + c, mul(load(acc + c, kFull), set1(alpha)), kFull);
+    }
+  }
+
+  // A grouped sequence's suffix item (run_cascade) starts where its shared prefix's item left each
+  // row: the unnormalised sum of p v, the running max and the sum of p, taken up by the online
+  // softmax as if the prefix's keys had been this item's first tiles. starts[token * Hkv + h]:
+  // the token's G rows (dp + 2 floats each; null for a sequence in no group).
+  void resume(const Item& it, Scratch& ws, int rows, bool panels, const float* const* starts) const {
+    std::vector<float> rotated(kQuantized ? ws.dp : 0);
+    for (int r = 0; r < rows; ++r) {
+      const float* src = starts[token(it, r) * P.Hkv + it.h];
+      if (!src) continue;
+      src += size_t(r % G) * (ws.dp + 2);
+      ws.m[r] = src[ws.dp];
+      ws.l[r] = src[ws.dp + 1];
+      if constexpr (kQuantized) {  // back into the rotated space this item accumulates in
+        std::copy(src, src + ws.dp, rotated.begin());
+        hadamard(rotated.data(), D);
+        src = rotated.data();
+      }
+      if (panels)
+        for (int d = 0; d < D; ++d) ws.acct[size_t(d) * ws.rp + r] = src[d];
+      else
+        std::copy(src, src + ws.dp, ws.acc.begin() + size_t(r) * ws.dp);
     }
   }
 
@@ -1023,27 +1138,39 @@ std::vector<size_t> partial_slots(const std::vector<Item>& items, int G, int dp,
   return slot;
 }
 
-// Runs the items, longest first, on up to `threads` OpenMP threads; done(j, acc) after item j
-// (acc: dp floats of the thread's scratch).
-template <typename A, typename Done>
-void execute(const A& attend, const std::vector<Item>& items, float* partials, const std::vector<size_t>& slot,
-             int threads, int rows_max, int dp, const Done& done) {
+// Runs the items on up to `threads` OpenMP threads: those before `split` first, then (after a
+// barrier) the rest, each phase longest first; the second phase's items may start from the
+// first's results (`starts`, see Attend::resume).
+template <typename A>
+void execute(const A& attend, const std::vector<Item>& items, size_t split, float* partials,
+             const std::vector<size_t>& slot, int threads, int rows_max, int dp,
+             const float* const* starts = nullptr) {
   std::vector<size_t> order(items.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return items[a].cost > items[b].cost; });
-  std::atomic<size_t> next{0};
+  const auto longest_first = [&](size_t a, size_t b) { return items[a].cost > items[b].cost; };
+  std::stable_sort(order.begin(), order.begin() + ptrdiff_t(split), longest_first);
+  std::stable_sort(order.begin() + ptrdiff_t(split), order.end(), longest_first);
+  struct alignas(64) Counter { std::atomic<size_t> next{0}; };  // a cache line each
+  Counter counters[2];
   const int nthreads = int(std::min<size_t>(size_t(threads), items.size()));
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
     Scratch ws(rows_max, dp, A::takes_panels(rows_max), A::takes_tiles(rows_max));
-    // Each thread claims its next item before running the present one, whose last tile then
-    // prefetches the next one's first.
-    const auto claim = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
-    for (size_t i = claim(); i < order.size();) {
-      const size_t j = order[i], then = claim();
-      attend.run(items[j], then < order.size() ? &items[order[then]] : nullptr, ws, partials + slot[j]);
-      done(j, ws.qf.data());
-      i = then;
+    for (int phase = 0; phase < 2; ++phase) {
+      const size_t begin = phase ? split : 0, end = phase ? order.size() : split;
+      if (begin == end) continue;
+      if (phase && split) {
+#pragma omp barrier
+      }
+      // Each thread claims its next item before running the present one, whose last tile then
+      // prefetches the next one's first.
+      const auto claim = [&] { return begin + counters[phase].next.fetch_add(1, std::memory_order_relaxed); };
+      for (size_t i = claim(); i < end;) {
+        const size_t j = order[i], then = claim();
+        attend.run(items[j], then < end ? &items[order[then]] : nullptr, ws, partials + slot[j],
+                   phase ? starts : nullptr);
+        i = then;
+      }
     }
   }
 }
@@ -1058,7 +1185,7 @@ void run_problem(const Problem& P, int threads) {
   if (items.empty()) return;
   std::vector<float> partials;
   const std::vector<size_t> slot = partial_slots(items, G, dp, partials);
-  execute(attend, items, partials.data(), slot, threads, rows_max, dp, [](size_t, float*) {});
+  execute(attend, items, items.size(), partials.data(), slot, threads, rows_max, dp);
   for (size_t i = 0; i < items.size(); ++i) {
     if (items[i].part != 0) continue;
     int n = 1;
@@ -1069,8 +1196,8 @@ void run_problem(const Problem& P, int threads) {
 
 // Cascade: per (sequence, KV head, run of its query tokens) one item for the keys after the
 // sequence's shared prefix, and per (group, KV head, run of the group's query tokens) one item
-// reading the group's prefix once for all of them. Items of grouped sequences leave partials,
-// merged per (query token, head).
+// reading the group's prefix once for all of them, which leaves its rows' unnormalised results
+// for the suffix items to start from (Attend::resume): no merge pass, no partials per sequence.
 template <int NC, typename T, typename C>
 void run_cascade(const Problem& given, int threads) {
   Problem P = given;
@@ -1100,9 +1227,12 @@ void run_cascade(const Problem& given, int threads) {
   for (int64_t b = 0; b < P.B; ++b) qmax = std::max(qmax, P.qlen(b));
   const int rows_max = int(std::max<int64_t>(per, std::min(qmax, qchunk))) * G;
   const int dp = attend.nc * W;
+  // First the groups' shared items and the items of sequences in no group; then, each starting from
+  // its prefix's result, the grouped sequences' suffixes (per run of query tokens, as plan() cuts
+  // them), which write the output.
   std::vector<Item> items;
-  for (int64_t b = 0; b < P.B; ++b) sequence_items(P, b, qchunk, P.pre[b] * P.bs, P.pre[b] ? 0 : -1, items);
-  const size_t first_shared = items.size();
+  for (int64_t b = 0; b < P.B; ++b)
+    if (!P.pre[b]) sequence_items(P, b, qchunk, 0, -1, items);
   for (int64_t g = 0; g < P.ngroups; ++g) {
     const int32_t leader = P.members[P.gstart[g]], keys = int32_t(P.pre[leader] * P.bs);
     const int32_t step = run_of(tstart[g + 1] - tstart[g]);
@@ -1112,39 +1242,21 @@ void run_cascade(const Problem& given, int threads) {
         items.push_back({leader, h, t0, t1, 0, keys, 0, int64_t(keys) * (t1 - t0) * G, true});
       }
   }
+  const size_t split = items.size();
+  for (int64_t b = 0; b < P.B; ++b)
+    if (P.pre[b]) sequence_items(P, b, qchunk, P.pre[b] * P.bs, -1, items);
   if (items.empty()) return;
   std::vector<float> partials;
   const std::vector<size_t> slot = partial_slots(items, G, dp, partials);
-  // Each grouped (query token, head): its rows in the suffix item and in the shared item that
-  // serve it. Whichever of the two items finishes last merges them, so the merge needs no second
-  // parallel region.
-  const size_t pairs = size_t(P.T * P.Hkv);
-  std::vector<const float*> suffix(pairs, nullptr), shared(pairs, nullptr);
-  const auto rows_of = [&](size_t i, int64_t r) { return partials.data() + slot[i] + size_t(r * G) * (dp + 2); };
-  for (size_t i = 0; i < items.size(); ++i) {
+  // Each grouped (query token, KV head): its G rows of the shared item that serves it.
+  std::vector<const float*> starts(size_t(P.T * P.Hkv), nullptr);
+  for (size_t i = 0; i < split; ++i) {
     const Item& it = items[i];
-    if (it.part < 0) continue;
-    for (int32_t q = it.q0; q < it.q1; ++q) {
-      if (it.shared) shared[size_t(stok[q] * P.Hkv + it.h)] = rows_of(i, q - it.q0);
-      else suffix[size_t((P.qstart(it.b) + q) * P.Hkv + it.h)] = rows_of(i, q - it.q0);
-    }
-  }
-  std::vector<std::atomic<int>> pending(pairs);
-  for (size_t i = 0; i < pairs; ++i) pending[i].store(shared[i] ? 2 : 0, std::memory_order_relaxed);
-  const auto merge_pair = [&](size_t i, float* acc) {
-    if (pending[i].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-    const int64_t tok = int64_t(i) / P.Hkv, h = int64_t(i) % P.Hkv;
-    for (int g = 0; g < G; ++g) {
-      const float* src[2] = {suffix[i] + size_t(g) * (dp + 2), shared[i] + size_t(g) * (dp + 2)};
-      attend.combine(src, 2, dp, acc, static_cast<T*>(P.out) + tok * P.out_stride + (h * G + g) * P.D);
-    }
-  };
-  execute(attend, items, partials.data(), slot, threads, rows_max, dp, [&](size_t j, float* acc) {
-    const Item& it = items[j];
-    if (it.part < 0) return;
+    if (!it.shared) continue;
     for (int32_t q = it.q0; q < it.q1; ++q)
-      merge_pair(size_t((it.shared ? stok[q] : P.qstart(it.b) + q) * P.Hkv + it.h), acc);
-  });
+      starts[size_t(stok[q] * P.Hkv + it.h)] = partials.data() + slot[i] + size_t((q - it.q0) * G) * (dp + 2);
+  }
+  execute(attend, items, split, partials.data(), slot, threads, rows_max, dp, starts.data());
 }
 
 template <typename T, typename C>
