@@ -70,7 +70,19 @@ def float32_panels_run() -> bool:
 
 @pytest.mark.parametrize("kind", ["pairs", "onednn", "panels"])
 @pytest.mark.parametrize(
-    "shape", [(64, 96), (960, 576), (100, 36), (72, 1536), (688, 96), (48, 64), (31, 2), (5, 3)]
+    "shape",
+    # (2048, 1536): a thread's panels span several of AMX's groups (gemm.cpp, kAmxGroupBytes)
+    [
+        (64, 96),
+        (960, 576),
+        (100, 36),
+        (72, 1536),
+        (688, 96),
+        (48, 64),
+        (31, 2),
+        (5, 3),
+        (2048, 1536),
+    ],
 )
 def test_a_prepacked_matmul_is_f_linear(kind, shape, prepacking):
     gen = torch.Generator().manual_seed(1)
@@ -169,7 +181,11 @@ def test_a_prepacked_model_gives_the_same_greedy_tokens(tied_model, prepacking, 
     cols = 2 * native.library().vector_width if kind == "panels" else 1  # (panels are padded)
     extra = -(-vocab // cols) * cols * hidden * dtype.itemsize if on else 0  # the head's copy
     padding = fast.model.weight_bytes() - plain.model.weight_bytes() - extra
-    assert padding == 0 if kind != "panels" else 0 <= padding < 4 * cols * 4 * hidden * len(fast.model.layers)
+    assert (
+        padding == 0
+        if kind != "panels"
+        else 0 <= padding < 4 * cols * 4 * hidden * len(fast.model.layers)
+    )
     ids = fast.tokenizer.encode(PROMPT)
     drivers = [PagedDriver(m, 16) for m in (fast, plain)]
     seqs = [Seq(list(ids)) for _ in drivers]
@@ -199,7 +215,9 @@ def test_plan_counts_the_tied_head_copy(tied_model, tmp_path, prepacking):
 @pytest.mark.parametrize(
     "n,k,group", [(64, 64, 32), (128, 576, 32), (192, 1536, 64), (64, 256, 128)]
 )
-def test_int4_panels_hold_aten_layouts_weights_and_multiply_them(n, k, group, prepacking, kernel_isa):
+def test_int4_panels_hold_aten_layouts_weights_and_multiply_them(
+    n, k, group, prepacking, kernel_isa
+):
     """4-bit weights in our GEMM's panels (where it runs: AVX512_BF16 builds, and AVX2 builds by
     dequantizing into float32): the same values as aten's layout, whole, by rows (embedding
     lookups) and in parts; products within rounding of the float64 one; per ISA variant."""

@@ -67,8 +67,8 @@ int check_strides(const Params& P, char* err, int errlen) {
 // every thread about four items (a narrow matrix on many cores), and never more than there are
 // row blocks.
 template <typename F>
-void over_items(int64_t rows, int64_t panels, int64_t row_bytes, int64_t block, int max_threads, F&& run,
-                int64_t chunk_bytes = kChunkBytes) {
+void over_runs(int64_t rows, int64_t panels, int64_t row_bytes, int64_t block, int max_threads, F&& run,
+               int64_t chunk_bytes = kChunkBytes) {
   const int64_t most = std::max<int64_t>(block, chunk_bytes / row_bytes);
   const int64_t blocks = (rows + block - 1) / block;
   const int64_t spread = (4 * int64_t(std::max(1, max_threads)) + panels - 1) / panels;
@@ -80,11 +80,22 @@ void over_items(int64_t rows, int64_t panels, int64_t row_bytes, int64_t block, 
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t lo = items * t / nt, hi = items * (t + 1) / nt;  // chunk-major
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t r0 = i / panels * chunk;
-      run(r0, std::min(chunk, rows - r0), i % panels, i + 1 < hi && (i + 1) % panels != 0);
+    for (int64_t i = lo; i < hi;) {  // the thread's panels of each chunk, as one run
+      const int64_t r0 = i / panels * chunk, end = std::min(hi, (i / panels + 1) * panels);
+      run(r0, std::min(chunk, rows - r0), i % panels, i % panels + (end - i));
+      i = end;
     }
   }
+}
+
+// over_runs one (chunk, panel) at a time: run(r0, rows, panel, ahead), `ahead` true when the same
+// thread takes the next panel of the chunk next (so its weights may be prefetched).
+template <typename F>
+void over_items(int64_t rows, int64_t panels, int64_t row_bytes, int64_t block, int max_threads, F&& run,
+                int64_t chunk_bytes = kChunkBytes) {
+  over_runs(rows, panels, row_bytes, block, max_threads, [&](int64_t r0, int64_t n, int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) run(r0, n, p, p + 1 < p1);
+  }, chunk_bytes);
 }
 
 // Each row's sum of x over each group of k (the zeros' term of the 4-bit kernels), [rows][groups],
@@ -228,6 +239,12 @@ constexpr int64_t kAmxBlock = 32;  // rows of a block: two A tiles against the t
 // kChunkBytes costs more than a larger x kept in L2 does. 1 MiB took the default model's matmuls
 // at 256 rows from 55.9 to 44.3 ms (bench_prepacked.py), at 1024 rows from 206 to 178.
 constexpr int64_t kAmxChunkBytes = 1 << 20;
+// Weights a row block meets before the next block does (gemm_amx): whole panels, within L2 (2 MiB a
+// core on Sapphire Rapids) beside the blocks' x. bench_prepacked.py, the default model's matmuls,
+// one panel at a time against groups of 1 MiB (alternating, ms): 64 rows 17.6-17.8 -> 16.5-16.8,
+// 256 rows 50-50.4 -> 42, 1024 rows 200-202 -> 166-167; a thread's whole run at once lost (256
+// rows: 47-51).
+constexpr int64_t kAmxGroupBytes = 1 << 20;
 
 // y[m rows, 32 columns] = a[16 (Two: 32) rows, k] . a whole panel, k a multiple of 32; a's rows
 // from m on are read (padding) but not stored. `ahead` (or null): the next panel, prefetched a
@@ -281,27 +298,37 @@ void gemm_amx(const pagedkv_gemm_bf16_params& P) {
   std::vector<uint16_t> pad(size_t(tail ? kAmxBlock * P.k : 0), 0);
   for (int64_t r = 0; r < tail; ++r)
     std::memcpy(pad.data() + r * P.k, x + (tail_row + r) * P.x_stride, size_t(2 * P.k));
-  over_items(P.rows, panels, 2 * P.k, kAmxBlock, P.threads, [&](int64_t r0, int64_t rows, int64_t p, bool ahead) {
-    const uint16_t* panel = w + p * panel_elems;
-    const char* next = ahead && p + 1 < whole ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
-    if (p == whole) {
-      const int cols = int(P.n - p * kCols);
+  // A run of panels goes in groups of kAmxGroupBytes: each row block meets the whole group before
+  // the next block does, so the group's weights come from memory once and from L2 after, and each
+  // block's x stays in cache across the group.
+  const int64_t group = std::max<int64_t>(1, kAmxGroupBytes / (2 * panel_elems));
+  over_runs(P.rows, panels, 2 * P.k, kAmxBlock, P.threads, [&](int64_t r0, int64_t rows, int64_t p0, int64_t p1) {
+    const int64_t last = std::min(p1, whole);
+    if (last > p0) amx_configure();
+    for (int64_t g0 = p0; g0 < last; g0 += group) {
+      const int64_t g1 = std::min(last, g0 + group);
+      for (int64_t r = r0; r < r0 + rows; r += kAmxBlock) {
+        const int64_t m = std::min(kAmxBlock, r0 + rows - r);
+        const bool padded = r == tail_row;
+        const uint16_t* a = padded ? pad.data() : x + r * P.x_stride;
+        const int64_t a_stride = padded ? P.k : P.x_stride;
+        for (int64_t p = g0; p < g1; ++p) {
+          const uint16_t* panel = w + p * panel_elems;
+          // the first block prefetches the next panel (the group's, or the next group's first)
+          const char* pf = r == r0 && p + 1 < last ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
+          bf16* yr = y + r * P.out_stride + p * kCols;
+          if (m > 16) amx_block<true>(a, a_stride, panel, P.k, yr, P.out_stride, m, pf);
+          else amx_block<false>(a, a_stride, panel, P.k, yr, P.out_stride, m, pf);
+        }
+      }
+    }
+    if (p1 > whole) {  // the narrower last panel
+      const int cols = int(P.n - whole * kCols);
+      const uint16_t* panel = w + whole * panel_elems;
       by_row_blocks<kRowBlock>(rows, [&](auto R, int64_t r) {
         micro<R, false>(x + (r0 + r) * P.x_stride, P.x_stride, panel, P.k / 2,
-                        y + (r0 + r) * P.out_stride + p * kCols, P.out_stride, cols, nullptr);
+                        y + (r0 + r) * P.out_stride + whole * kCols, P.out_stride, cols, nullptr);
       });
-      return;
-    }
-    amx_configure();
-    for (int64_t r = r0; r < r0 + rows; r += kAmxBlock) {
-      const int64_t m = std::min(kAmxBlock, r0 + rows - r);
-      const bool padded = r == tail_row;
-      const uint16_t* a = padded ? pad.data() : x + r * P.x_stride;
-      const int64_t a_stride = padded ? P.k : P.x_stride;
-      bf16* yr = y + r * P.out_stride + p * kCols;
-      const char* pf = r == r0 ? next : nullptr;  // (the first block prefetches for all)
-      if (m > 16) amx_block<true>(a, a_stride, panel, P.k, yr, P.out_stride, m, pf);
-      else amx_block<false>(a, a_stride, panel, P.k, yr, P.out_stride, m, pf);
     }
   }, kAmxChunkBytes);
 }
