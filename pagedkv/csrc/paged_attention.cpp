@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -119,6 +120,9 @@ constexpr int kSharedRows = 128;
 constexpr int kPanelMinRows = kColsF * 3 / 2;
 constexpr int kAmxMinRows = 16;  // fewest query rows for which an item takes AMX tiles
 constexpr int kSpan = 512;       // keys per softmax step of such an item (Attend::amx_item)
+// Query rows per item where a sequence's items take tiles (kMaxRows elsewhere): each item
+// transposes and interleaves its keys once, for more rows.
+constexpr int kAmxItemRows = 128;
 
 struct Problem {
   const void* q; const void* k; const void* v; void* out;
@@ -430,7 +434,10 @@ struct Attend {
   }
 
   // Most query rows of a sequence's item (whole groups of G heads, at least one).
-  static int item_rows(int G) { return std::max(G, (kPanels ? kPanelItemRows : kMaxRows) / G * G); }
+  static int item_rows(int G) {
+    const int most = kPanels ? kPanelItemRows : takes_tiles(kAmxItemRows) ? kAmxItemRows : kMaxRows;
+    return std::max(G, most / G * G);
+  }
 
   // Calls f(R, r) for the row blocks of [r0, rows): kRowBlock rows each, the last one fewer.
   template <typename F>
@@ -1148,8 +1155,8 @@ void execute(const A& attend, const std::vector<Item>& items, size_t split, floa
   std::vector<size_t> order(items.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   const auto longest_first = [&](size_t a, size_t b) { return items[a].cost > items[b].cost; };
-  std::stable_sort(order.begin(), order.begin() + ptrdiff_t(split), longest_first);
-  std::stable_sort(order.begin() + ptrdiff_t(split), order.end(), longest_first);
+  std::stable_sort(order.begin(), order.begin() + std::ptrdiff_t(split), longest_first);
+  std::stable_sort(order.begin() + std::ptrdiff_t(split), order.end(), longest_first);
   struct alignas(64) Counter { std::atomic<size_t> next{0}; };  // a cache line each
   Counter counters[2];
   const int nthreads = int(std::min<size_t>(size_t(threads), items.size()));
