@@ -4,9 +4,11 @@ Sequences forked from one prompt (or hitting the same cached prefix) hold the sa
 block ids at the start of their block tables. Plain attention rereads those blocks once per
 sequence; the cascade (csrc/paged_attention.cpp, the paged attention kernel given this plan)
 reads a group's shared blocks once for all of its members' queries (a decode's one, a speculative
-step's token and drafts, a short prompt chunk after a cached prefix) and attends each suffix apart,
-merging the two by log-sum-exp. The plan here is found per step from the block tables alone
-(the block manager already shares the ids), once per step and shared by all layers.
+step's token and drafts, a short prompt chunk after a cached prefix); each suffix is then attended
+apart, starting from its queries' running max, sum and weighted values over the prefix (a
+log-sum-exp merge done by the online softmax itself). The plan here is found per step from the
+block tables alone (the block manager already shares the ids), once per step and shared by all
+layers.
 
 PAGEDKV_CASCADE=0 never uses it, 1 uses it for every group found, auto (the default) only where
 the kernel measured faster (see `pays`; figures in BENCHMARKS.md).
