@@ -975,22 +975,17 @@ struct Attend {
   // softmax as if the prefix's keys had been this item's first tiles. starts[token * Hkv + h]:
   // the token's G rows (dp + 2 floats each; null for a sequence in no group).
   void resume(const Item& it, Scratch& ws, int rows, bool panels, const float* const* starts) const {
-    std::vector<float> rotated(kQuantized ? ws.dp : 0);
     for (int r = 0; r < rows; ++r) {
       const float* src = starts[token(it, r) * P.Hkv + it.h];
       if (!src) continue;
       src += size_t(r % G) * (ws.dp + 2);
       ws.m[r] = src[ws.dp];
       ws.l[r] = src[ws.dp + 1];
-      if constexpr (kQuantized) {  // back into the rotated space this item accumulates in
-        std::copy(src, src + ws.dp, rotated.begin());
-        hadamard(rotated.data(), D);
-        src = rotated.data();
-      }
+      float* acc = ws.acc.data() + size_t(r) * ws.dp;  // (panels: a staging row, acct is theirs)
+      std::copy(src, src + ws.dp, acc);
+      if constexpr (kQuantized) hadamard(acc, D);  // back into the rotated space this item accumulates in
       if (panels)
-        for (int d = 0; d < D; ++d) ws.acct[size_t(d) * ws.rp + r] = src[d];
-      else
-        std::copy(src, src + ws.dp, ws.acc.begin() + size_t(r) * ws.dp);
+        for (int d = 0; d < D; ++d) ws.acct[size_t(d) * ws.rp + r] = acc[d];
     }
   }
 
