@@ -120,6 +120,10 @@ constexpr int kSharedRows = 128;
 constexpr int kPanelMinRows = kColsF * 3 / 2;
 constexpr int kAmxMinRows = 16;  // fewest query rows for which an item takes AMX tiles
 constexpr int kSpan = 512;       // keys per softmax step of such an item (Attend::amx_item)
+// Elements between the rows of a span's scores and transposed keys (4 bytes each) and of its bf16
+// probabilities: a line past kSpan's, so that the 16 rows a tile loads or stores fall in 16
+// cache sets, not 2 or 4 (2 KiB apart, they missed L1).
+constexpr int kSpanPitch = kSpan + 16, kProbPitch = kSpan + 32;
 // Query rows per item where a sequence's items take tiles (kMaxRows elsewhere): each item
 // transposes and interleaves its keys once, for more rows.
 constexpr int kAmxItemRows = 128;
@@ -185,30 +189,52 @@ struct Upcoming {
   }
 };
 
-// Per-thread scratch, sized once per call. Scores and probabilities sit in s row by row
-// (s[r * kTile + t]), or key by key (s[t * rp + r]) for an item taken in panels (Attend::panel_tile).
+// Per-thread scratch, kept across calls (OpenMP's threads live on) and grown to what a call's
+// items need: allocating and zeroing it per call cost a W2 decode step ~2% (memset, ~0.7 MB a
+// thread with tiles). Nothing reads what it did not write this call but padding rows and keys
+// that a zero probability (or a row never stored) keeps out of every result. Scores and
+// probabilities sit in s row by row (s[r * kTile + t]), or key by key (s[t * rp + r]) for an
+// item taken in panels (Attend::panel_tile).
 struct Scratch {
-  int dp;                       // D rounded up to whole vectors
-  int rp;                       // rows rounded up to whole panels (kColsF)
+  int dp = 0;                   // D rounded up to whole vectors
+  int rp = 0;                   // rows rounded up to whole panels (kColsF)
   std::vector<float> qf, acc, s, m, l;
   // Panels (sized only where a call's items may take them): query panels [rp / kColsF][D][kColsF],
   // the tile's keys and values in float [kTile][dp], the rows' accumulators transposed [D][rp].
   std::vector<float> qt, kt, vf, acct;
   std::vector<uint16_t> vt;     // the tile's (span's) V rows as bf16 pairs (tile_values_pairs, amx_item)
   // AMX tiles (Attend::amx_item; sized only where a call's items may take them, as are s and vt
-  // for a span): the span's K transposed into pairs of dims [D / 2][kSpan][2], its probabilities
-  // in bf16 [rp][kSpan]
+  // for a span): the span's K transposed into pairs of dims [D / 2][kSpanPitch][2], its
+  // probabilities in bf16 [rp][kProbPitch]; s is then [rp][kSpanPitch]
   std::vector<uint16_t> kpairs, pb;
   TileRows tiles[2];  // the tile in use (tiles[cur]) and the next one
   int cur = 0;
   Upcoming ahead;     // of tiles[cur ^ 1]
   bool primed = false;  // tiles[cur] holds the first tile of the thread's next item, prefetched
-  // (with tiles, qf and acc hold rp rows: tiles take whole blocks of 32)
-  Scratch(int rows, int dp_, bool panels, bool tiles = false)
-      : dp(dp_), rp((rows + kColsF - 1) / kColsF * kColsF), qf(size_t(tiles ? rp : rows) * dp_),
-        acc(qf.size()), s(size_t(rp) * (tiles ? kSpan : kTile)), m(rp), l(rp), qt(panels ? size_t(rp) * dp_ : 0),
-        kt(panels ? size_t(kTile) * dp_ : 0), vf(kt.size()), acct(qt.size()), vt(size_t(tiles ? kSpan : kTile) * dp_),
-        kpairs(tiles ? size_t(kSpan) * dp_ : 0), pb(tiles ? size_t(rp) * kSpan : 0) {}
+
+  // This thread's scratch, fit for a call's items of up to `rows` rows (with tiles, qf and acc
+  // hold rp rows: tiles take whole blocks of 32).
+  static Scratch& of_thread(int rows, int dp, bool panels, bool tiles) {
+    thread_local Scratch ws;
+    ws.dp = dp;
+    ws.rp = (rows + kColsF - 1) / kColsF * kColsF;
+    const size_t q = size_t(tiles ? ws.rp : rows) * dp;
+    for (auto* v : {&ws.qf, &ws.acc}) grow(*v, q);
+    grow(ws.s, size_t(ws.rp) * (tiles ? kSpanPitch : kTile));
+    for (auto* v : {&ws.m, &ws.l}) grow(*v, size_t(ws.rp));
+    for (auto* v : {&ws.qt, &ws.acct}) grow(*v, panels ? size_t(ws.rp) * dp : 0);
+    for (auto* v : {&ws.kt, &ws.vf}) grow(*v, panels ? size_t(kTile) * dp : 0);
+    grow(ws.vt, size_t(tiles ? kSpan : kTile) * dp);
+    grow(ws.kpairs, tiles ? size_t(kSpanPitch) * dp : 0);
+    grow(ws.pb, tiles ? size_t(ws.rp) * kProbPitch : 0);
+    ws.cur = 0;
+    ws.primed = false;
+    return ws;
+  }
+  template <typename V>
+  static void grow(V& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+  }
 };
 
 // Scores for rows [0, NR) of a row block against the tile's keys: s[i][t] = q_i . k_t, for
@@ -650,9 +676,9 @@ struct Attend {
     const int rp = (rows + 31) / 32 * 32;
     const auto* q = reinterpret_cast<const char*>(ws.qf.data());
     const int qstride = ws.dp * 4;  // bytes between query rows (raw bf16 at the start of each)
-    const auto* kt = reinterpret_cast<const uint32_t*>(ws.kpairs.data());  // [D / 2][kSpan]
-    float* s = ws.s.data();                                                // [rp][kSpan]
-    uint16_t* pb = ws.pb.data();                                           // [rp][kSpan]
+    const auto* kt = reinterpret_cast<const uint32_t*>(ws.kpairs.data());  // [D / 2][kSpanPitch]
+    float* s = ws.s.data();                                                // [rp][kSpanPitch]
+    uint16_t* pb = ws.pb.data();                                           // [rp][kProbPitch]
     const uint16_t* vt = ws.vt.data();                                     // [kSpan / 2][D][2]
     for (int64_t s0 = it.k0; s0 < it.k1; s0 += kSpan) {
       const int n = int(std::min<int64_t>(kSpan, it.k1 - s0)), n32 = (n + 31) / 32 * 32;
@@ -671,18 +697,18 @@ struct Attend {
           for (int d = 0; d < D; d += 32) {
             _tile_loadd(4, q + size_t(rb) * 16 * qstride + d * 2, qstride);
             _tile_loadd(5, q + size_t(rb + 1) * 16 * qstride + d * 2, qstride);
-            _tile_loadd(6, kt + size_t(d / 2) * kSpan + kb * 16, kSpan * 4);
-            _tile_loadd(7, kt + size_t(d / 2) * kSpan + kb * 16 + 16, kSpan * 4);
+            _tile_loadd(6, kt + size_t(d / 2) * kSpanPitch + kb * 16, kSpanPitch * 4);
+            _tile_loadd(7, kt + size_t(d / 2) * kSpanPitch + kb * 16 + 16, kSpanPitch * 4);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
           }
-          float* out = s + size_t(rb) * 16 * kSpan + kb * 16;
-          _tile_stored(0, out, kSpan * 4);
-          _tile_stored(1, out + 16, kSpan * 4);
-          _tile_stored(2, out + 16 * kSpan, kSpan * 4);
-          _tile_stored(3, out + 16 * kSpan + 16, kSpan * 4);
+          float* out = s + size_t(rb) * 16 * kSpanPitch + kb * 16;
+          _tile_stored(0, out, kSpanPitch * 4);
+          _tile_stored(1, out + 16, kSpanPitch * 4);
+          _tile_stored(2, out + 16 * kSpanPitch, kSpanPitch * 4);
+          _tile_stored(3, out + 16 * kSpanPitch + 16, kSpanPitch * 4);
         }
       for (int r = rb0 * 16; r < rp; ++r) span_softmax(it, ws, r, r >= r0 && r < rows, s0, n, n32, first);
       for (int rb = rb0; rb * 16 < rows; rb += 2)  // 32 rows x 32 dims: four sums, as above
@@ -695,8 +721,8 @@ struct Attend {
           _tile_loadd(2, c + down, astride);
           _tile_loadd(3, c + down + 16, astride);
           for (int t = 0; t < n32; t += 32) {
-            _tile_loadd(4, pb + size_t(rb) * 16 * kSpan + t, kSpan * 2);
-            _tile_loadd(5, pb + size_t(rb + 1) * 16 * kSpan + t, kSpan * 2);
+            _tile_loadd(4, pb + size_t(rb) * 16 * kProbPitch + t, kProbPitch * 2);
+            _tile_loadd(5, pb + size_t(rb + 1) * 16 * kProbPitch + t, kProbPitch * 2);
             _tile_loadd(6, vt + (size_t(t / 2) * D + d) * 2, D * 4);
             _tile_loadd(7, vt + (size_t(t / 2) * D + d + 16) * 2, D * 4);
             _tile_dpbf16ps(0, 4, 6);
@@ -746,7 +772,7 @@ struct Attend {
             x[i] = row ? _mm512_loadu_si512(row + d) : _mm512_setzero_si512();
           }
           transpose16(x);
-          for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + size_t(d / 2 + i) * kSpan + t0 + half * 16, x[i]);
+          for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + size_t(d / 2 + i) * kSpanPitch + t0 + half * 16, x[i]);
         }
       for (int u = 0; u < 16; ++u)
         for (int d = 0; d < D; d += 32) {
@@ -791,8 +817,8 @@ struct Attend {
   // become p = exp(scale s - m) in bf16 (pb; 0 for the rest, up to n32), its max and sum move on
   // and its acc is rescaled. A row not `live` (or seeing no key of the span) gets p = 0.
   void span_softmax(const Item& it, Scratch& ws, int r, bool live, int64_t s0, int n, int n32, int64_t first) const {
-    float* s = ws.s.data() + size_t(r) * kSpan;
-    uint16_t* pb = ws.pb.data() + size_t(r) * kSpan;
+    float* s = ws.s.data() + size_t(r) * kSpanPitch;
+    uint16_t* pb = ws.pb.data() + size_t(r) * kProbPitch;
     const int64_t pos = first + r / G;
     const int hi = live ? int(std::min<int64_t>(n, pos - s0 + 1)) : 0;
     const int lo = live && P.window > 0 && !it.shared ? int(std::clamp<int64_t>(P.first_key(pos) - s0, 0, n)) : 0;
@@ -1157,7 +1183,7 @@ void execute(const A& attend, const std::vector<Item>& items, size_t split, floa
   const int nthreads = int(std::min<size_t>(size_t(threads), items.size()));
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
-    Scratch ws(rows_max, dp, A::takes_panels(rows_max), A::takes_tiles(rows_max));
+    Scratch& ws = Scratch::of_thread(rows_max, dp, A::takes_panels(rows_max), A::takes_tiles(rows_max));
     for (int phase = 0; phase < 2; ++phase) {
       const size_t begin = phase ? split : 0, end = phase ? order.size() : split;
       if (begin == end) continue;
