@@ -813,6 +813,16 @@ struct Attend {
     }
   }
 
+  // 2^t for t <= 0 to a bf16 probability's precision (relative error 1e-4, bf16 rounds to 2e-3):
+  // a degree-3 polynomial for 2^f, t = n + f, |f| <= 1/2; ~2^-127 (not 0) below -127. Half the
+  // operations of vexp, whose exps bound the span softmax (BENCHMARKS.md, session 42).
+  static Vec exp2_bf16(Vec t) {
+    const Vec tc = vmax(t, set1(-127.f));
+    const Vec n = round_even(tc), f = sub(tc, n);
+    const Vec p = fma(fma(fma(set1(5.503953016e-2f), f, set1(2.422110065e-1f)), f, set1(6.932765959e-1f)), f, set1(1.f));
+    return scale_pow2(p, n);
+  }
+
   // Row r's softmax step over the span's scores s[r][0 .. n): the keys it sees (causal, window)
   // become p = exp(scale s - m) in bf16 (pb; 0 for the rest, up to n32), its max and sum move on
   // and its acc is rescaled. A row not `live` (or seeing no key of the span) gets p = 0.
@@ -841,11 +851,12 @@ struct Attend {
     for (int t = lo / 16 * 16; t < hi; t += 16) mx = _mm512_mask_max_ps(mx, seen(t), mx, _mm512_loadu_ps(s + t));
     const float m_old = ws.m[r];
     const float m_new = std::max(m_old, hmax(mx) * sc);
-    const Vec scale = set1(sc), shift = set1(-m_new);
+    constexpr float kLog2e = 1.44269504088896341f;
+    const Vec scale = set1(sc * kLog2e), shift = set1(-m_new * kLog2e);
     Vec sum = zero();
     for (int t = 0; t < n32; t += 16) {
       const __mmask16 m = seen(t);
-      const Vec e = m ? _mm512_maskz_mov_ps(m, vexp(fma(_mm512_loadu_ps(s + t), scale, shift))) : zero();
+      const Vec e = m ? _mm512_maskz_mov_ps(m, exp2_bf16(fma(_mm512_loadu_ps(s + t), scale, shift))) : zero();
       sum = add(sum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t), (__m256i)_mm512_cvtneps_pbh(e));
     }
