@@ -53,6 +53,13 @@ class Batch:
     meta: paged.AttentionMetadata  # the same decode step as the engine describes it
 
 
+def add_batch_args(p: argparse.ArgumentParser) -> None:
+    """The decode batch make_batch draws: how many requests, and their contexts."""
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--min-ctx", type=int, default=100)
+    p.add_argument("--max-ctx", type=int, default=900)
+
+
 def make_batch(args: argparse.Namespace, dtype: torch.dtype, gen: torch.Generator) -> Batch:
     """Requests with their blocks drawn at random from a pool with 25% to spare."""
     seq_lens = torch.randint(
@@ -218,9 +225,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--min-ctx", type=int, default=100)
-    p.add_argument("--max-ctx", type=int, default=900)
+    add_batch_args(p)
     add_attention_args(p, rounds=5, dtypes="float32,bfloat16")
     p.add_argument(
         "--bandwidth", type=float, help="GB/s for the memory bound (default: measured here)"

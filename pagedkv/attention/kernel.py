@@ -110,9 +110,12 @@ def attend(
     cascade: CascadePlan | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    lib: native.Library | None = None,
 ) -> torch.Tensor:
-    """paged_attention_varlen, or with query_start_loc None paged_attention_decode."""
-    lib = native.library()
+    """paged_attention_varlen, or with query_start_loc None paged_attention_decode. `lib`: a build
+    of the kernels to run instead of this process's own (benchmarks/ab_attention.py times two
+    builds against each other)."""
+    lib = lib or native.library()
     if lib is None:
         raise RuntimeError("the C++ kernels are not built here (paged.paged_attention falls back)")
     _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
