@@ -74,7 +74,8 @@ def main() -> None:
     add_attention_args(p, rounds=1, dtypes="float32,bfloat16")
     args, clock = parse_timed(p)
     commit = f"{args.against}^{{commit}}"
-    if subprocess.run(["git", "-C", str(REPO), "rev-parse", "-q", "--verify", commit]).returncode:
+    known = ["git", "-C", str(REPO), "rev-parse", "-q", "--verify", commit]
+    if subprocess.run(known, capture_output=True).returncode:
         p.error(f"--against {args.against}: not a commit of {REPO}")
 
     ours = native.library()

@@ -813,16 +813,6 @@ struct Attend {
     }
   }
 
-  // 2^t for t <= 0 to a bf16 probability's precision (relative error 1e-4, bf16 rounds to 2e-3):
-  // a degree-3 polynomial for 2^f, t = n + f, |f| <= 1/2; ~2^-127 (not 0) below -127. Half the
-  // operations of vexp, whose exps bound the span softmax (BENCHMARKS.md, session 42).
-  static Vec exp2_bf16(Vec t) {
-    const Vec tc = vmax(t, set1(-127.f));
-    const Vec n = round_even(tc), f = sub(tc, n);
-    const Vec p = fma(fma(fma(set1(5.503953016e-2f), f, set1(2.422110065e-1f)), f, set1(6.932765959e-1f)), f, set1(1.f));
-    return scale_pow2(p, n);
-  }
-
   // Row r's softmax step over the span's scores s[r][0 .. n): the keys it sees (causal, window)
   // become p = exp(scale s - m) in bf16 (pb; 0 for the rest, up to n32), its max and sum move on
   // and its acc is rescaled. A row not `live` (or seeing no key of the span) gets p = 0.
@@ -856,7 +846,7 @@ struct Attend {
     Vec sum = zero();
     for (int t = 0; t < n32; t += 16) {
       const __mmask16 m = seen(t);
-      const Vec e = m ? _mm512_maskz_mov_ps(m, exp2_bf16(fma(_mm512_loadu_ps(s + t), scale, shift))) : zero();
+      const Vec e = m ? _mm512_maskz_mov_ps(m, vexp2_bf16(fma(_mm512_loadu_ps(s + t), scale, shift))) : zero();
       sum = add(sum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t), (__m256i)_mm512_cvtneps_pbh(e));
     }
@@ -979,6 +969,8 @@ struct Attend {
     if (n == kTile) softmax_tile<true>(ws, r, n);
     else softmax_tile<false>(ws, r, n);
   }
+  // A bf16 output takes vexp2_bf16 (its error far under the output's rounding: half vexp's
+  // operations, and the exps were a sixth of an AVX2 decode step's attention).
   template <bool kWhole>  // every score live: no masks
   static void softmax_tile(Scratch& ws, int r, int n) {
     float* s = ws.s.data() + size_t(r) * kTile;
@@ -990,10 +982,13 @@ struct Attend {
     }
     const float m_old = ws.m[r];
     const float m_new = std::max(m_old, hmax(mx));
-    const Vec mv = set1(m_new);
+    constexpr float kLog2e = 1.44269504088896341f;
+    const Vec mv = set1(std::is_same_v<T, bf16> ? -m_new * kLog2e : m_new);
     Vec sum = zero();
     for (int t = 0; t < kTile; t += W) {
-      const Vec e = vexp(sub(load(s + t, kFull), mv));
+      Vec e = load(s + t, kFull);
+      if constexpr (std::is_same_v<T, bf16>) e = vexp2_bf16(fma(e, set1(kLog2e), mv));
+      else e = vexp(sub(e, mv));
       const Vec p = kWhole ? e : masked(e, first_lanes(std::clamp(n - t, 0, W)), zero());
       store(s + t, p, kFull);
       sum = add(sum, p);

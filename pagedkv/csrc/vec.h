@@ -9,7 +9,8 @@
 // reduce4 finish round_even scale_pow2, and load / store converting float32 to and from
 // float, bf16, fp16 (and load from int8 / e4m3). A Mask selects the first n lanes (every mask
 // the kernels use is such a prefix). Conversions round like torch: to nearest even, once. On
-// top of them, for every backend: vexp, vtanh, prefetch, round_as, int8 / e4m3 codes.
+// top of them, for every backend: vexp (and vexp2_bf16 where bf16 precision is enough), vtanh,
+// prefetch, round_as, int8 / e4m3 codes.
 #pragma once
 
 #include <algorithm>
@@ -91,6 +92,16 @@ inline Vec vexp(Vec x) {
   p = fma(p, r, set1(5.0000001201e-1f));
   p = fma(p, mul(r, r), add(r, set1(1.0f)));
   return where_negative(add(x, set1(87.3f)), zero(), scale_pow2(p, n));
+}
+
+// 2^t for t <= 0 to a bf16 probability's precision (relative error 1e-4, where bf16 rounds to
+// 2e-3): a degree-3 polynomial for 2^f, t = n + f, |f| <= 1/2; ~2^-127 (not 0) below -127. Half
+// vexp's operations, for softmaxes whose result is bf16 (BENCHMARKS.md, sessions 42-43).
+inline Vec vexp2_bf16(Vec t) {
+  const Vec tc = vmax(t, set1(-127.f));
+  const Vec n = round_even(tc), f = sub(tc, n);
+  const Vec p = fma(fma(fma(set1(5.503953016e-2f), f, set1(2.422110065e-1f)), f, set1(6.932765959e-1f)), f, set1(1.f));
+  return scale_pow2(p, n);
 }
 
 // tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2 |x|), which never overflows; absolute
