@@ -993,7 +993,7 @@ struct Attend {
       store(s + t, p, kFull);
       sum = add(sum, p);
     }
-    const float alpha = std::exp(m_old - m_new);  // 0 on the first tile (m_old = -inf)
+    const float alpha = m_new == m_old ? 1.f : std::exp(m_old - m_new);  // 0 on the first tile (m_old = -inf)
     ws.l[r] = ws.l[r] * alpha + hsum(sum);
     ws.m[r] = m_new;
     if (alpha != 1.f) {
