@@ -969,8 +969,8 @@ struct Attend {
     if (n == kTile) softmax_tile<true>(ws, r, n);
     else softmax_tile<false>(ws, r, n);
   }
-  // A bf16 output takes vexp2_bf16 (its error far under the output's rounding: half vexp's
-  // operations, and the exps were a sixth of an AVX2 decode step's attention).
+  // A bf16 output takes vexp2_bf16 (its error far under the output's rounding): half vexp's
+  // operations, where the softmax was a seventh of AVX2 bf16 decode attention's arithmetic.
   template <bool kWhole>  // every score live: no masks
   static void softmax_tile(Scratch& ws, int r, int n) {
     float* s = ws.s.data() + size_t(r) * kTile;

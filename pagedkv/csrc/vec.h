@@ -95,8 +95,8 @@ inline Vec vexp(Vec x) {
 }
 
 // 2^t for t <= 0 to a bf16 probability's precision (relative error 1e-4, where bf16 rounds to
-// 2e-3): a degree-3 polynomial for 2^f, t = n + f, |f| <= 1/2; ~2^-127 (not 0) below -127. Half
-// vexp's operations, for softmaxes whose result is bf16 (BENCHMARKS.md, sessions 42-43).
+// 2e-3): a degree-3 polynomial for 2^f, t = n + f, |f| <= 1/2; 0 below -126.5 (-inf included).
+// Half vexp's operations, for softmaxes whose result is bf16 (BENCHMARKS.md, sessions 42-43).
 inline Vec vexp2_bf16(Vec t) {
   const Vec tc = vmax(t, set1(-127.f));
   const Vec n = round_even(tc), f = sub(tc, n);
