@@ -284,25 +284,36 @@ inline void tile_scores(const typename Dot::Q* q, int qstride, const void* const
 // acc[i][c0 .. c0+CB) += sum_t p[i][t] * v_t[c0 .. c0+CB) for rows [0, NR) of a row block.
 // NR * CB independent accumulators keep the FMA pipes busy. Inlined by force: out of line, GCC
 // 12 stored every accumulator to the stack after each key (bf16 hot loop 10.2 ns a key and head
-// against 7.7 inlined).
-template <int NR, int CB, typename T>
+// against 7.7 inlined). Halves (bf16 V in whole pairs of vectors, where the backend has
+// load_halves): V read two vectors at a time, the sums held in that order meanwhile.
+template <int NR, int CB, typename T, bool Halves = false>
 __attribute__((always_inline)) inline void tile_values_cols(const float* p, const void* const* vp, int nt, int c0,
                                                             Mask last, float* acc, int dp, Upcoming* ahead) {
+  static_assert(!Halves || (CB % 2 == 0 && std::is_same_v<T, bf16>), "whole pairs of bf16 vectors");
   Vec a[NR][CB];
-  for (int i = 0; i < NR; ++i)
+  for (int i = 0; i < NR; ++i) {
     for (int c = 0; c < CB; ++c) a[i][c] = load(acc + i * dp + (c0 + c) * W, kFull);
+    if constexpr (Halves)
+      for (int c = 0; c < CB; c += 2) to_halves(a[i][c], a[i][c + 1]);
+  }
   Upcoming up = ahead ? *ahead : Upcoming{};  // a local copy stays in registers
   for (int t = 0; t < nt; ++t) {
     if (up.tile) up.fetch_to((nt + t + 1) / 2);
     const T* v = static_cast<const T*>(vp[t]) + c0 * W;
-    for (int c = 0; c < CB; ++c) {
-      const Vec vv = load(v + c * W, c + 1 < CB ? kFull : last);
-      for (int i = 0; i < NR; ++i) a[i][c] = fma(set1(p[i * kTile + t]), vv, a[i][c]);
+    for (int c = 0; c < CB; c += Halves ? 2 : 1) {
+      Vec vv[2];
+      if constexpr (Halves) load_halves(v + c * W, vv[0], vv[1]);
+      else vv[0] = load(v + c * W, c + 1 < CB ? kFull : last);
+      for (int i = 0; i < NR; ++i)
+        for (int h = 0; h < (Halves ? 2 : 1); ++h) a[i][c + h] = fma(set1(p[i * kTile + t]), vv[h], a[i][c + h]);
     }
   }
   if (ahead) *ahead = up;
-  for (int i = 0; i < NR; ++i)
+  for (int i = 0; i < NR; ++i) {
+    if constexpr (Halves)
+      for (int c = 0; c < CB; c += 2) from_halves(a[i][c], a[i][c + 1]);
     for (int c = 0; c < CB; ++c) store(acc + i * dp + (c0 + c) * W, a[i][c], kFull);
+  }
 }
 
 // acc[i] += sum_t p[i][t] * v_t, four vectors of the head dimension at a time (the first four
@@ -312,12 +323,13 @@ inline void tile_values(const float* p, const void* const* vp, int nt, int nc, M
                         Upcoming* ahead) {
   const int ncv = NC ? NC : nc;
   if (NC) tail = kFull;  // a known shape has whole vectors: no masked load
+  constexpr bool kHalves = kBf16Halves && std::is_same_v<T, bf16> && NC > 0 && NC % 2 == 0;
   int c0 = 0;
   for (; c0 + 4 <= ncv; c0 += 4, ahead = nullptr)
-    tile_values_cols<NR, 4, T>(p, vp, nt, c0, c0 + 4 == ncv ? tail : kFull, acc, dp, ahead);
+    tile_values_cols<NR, 4, T, kHalves>(p, vp, nt, c0, c0 + 4 == ncv ? tail : kFull, acc, dp, ahead);
   switch (ncv - c0) {
     case 3: tile_values_cols<NR, 3, T>(p, vp, nt, c0, tail, acc, dp, ahead); break;
-    case 2: tile_values_cols<NR, 2, T>(p, vp, nt, c0, tail, acc, dp, ahead); break;
+    case 2: tile_values_cols<NR, 2, T, kHalves>(p, vp, nt, c0, tail, acc, dp, ahead); break;
     case 1: tile_values_cols<NR, 1, T>(p, vp, nt, c0, tail, acc, dp, ahead); break;
     default: break;
   }

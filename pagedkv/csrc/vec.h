@@ -10,7 +10,8 @@
 // float, bf16, fp16 (and load from int8 / e4m3). A Mask selects the first n lanes (every mask
 // the kernels use is such a prefix). Conversions round like torch: to nearest even, once. On
 // top of them, for every backend: vexp (and vexp2_bf16 where bf16 precision is enough), vtanh,
-// prefetch, round_as, int8 / e4m3 codes.
+// prefetch, round_as, int8 / e4m3 codes, and load_halves / to_halves / from_halves (2W bf16 as
+// two vectors, their own order where a backend converts them cheaper so: AVX-512).
 #pragma once
 
 #include <algorithm>
@@ -75,6 +76,19 @@ using U32 = Lanes<uint32_t>;
 #endif
 
 namespace pk {
+
+#if defined(PAGEDKV_BF16_HALVES)
+constexpr bool kBf16Halves = true;
+#else
+// Backends without a cheaper way (see vec_avx512.h) read 2W bf16 as two plain loads, in order.
+constexpr bool kBf16Halves = false;
+inline void load_halves(const void* p, Vec& lo, Vec& hi) {
+  lo = load(static_cast<const bf16*>(p), kFull);
+  hi = load(static_cast<const bf16*>(p) + W, kFull);
+}
+inline void to_halves(Vec&, Vec&) {}
+inline void from_halves(Vec&, Vec&) {}
+#endif
 
 // exp(x) for x <= 0 (scores minus their running max), relative error ~1e-7: 2^n * e^r with
 // |r| <= ln2/2 and a degree-6 polynomial for e^r. Below -87.3 (2^n no longer a normal float)

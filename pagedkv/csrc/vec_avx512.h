@@ -78,6 +78,29 @@ inline void store(fp16* p, Vec v, Mask m) {
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// bf16 two vectors at a time (2W elements, one load): the even ones (the low half of each 32-bit
+// lane) shifted up and the odd ones masked, one operation per vector where a widening load and a
+// shift take two. to_halves / from_halves move two float vectors of 2W consecutive dims into and
+// out of that order (even dims, then odd), so that sums meet such values lane for lane.
+#define PAGEDKV_BF16_HALVES 1
+inline void load_halves(const void* p, Vec& even, Vec& odd) {
+  const __m512i x = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+inline void to_halves(Vec& a, Vec& b) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const Vec e = _mm512_permutex2var_ps(a, even, b);
+  b = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+  a = e;
+}
+inline void from_halves(Vec& a, Vec& b) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const Vec x = _mm512_permutex2var_ps(a, lo, b);
+  b = _mm512_permutex2var_ps(a, _mm512_add_epi32(lo, _mm512_set1_epi32(8)), b);
+  a = x;
+}
+
 // p * 2^n for whole numbers n (vexp's last step).
 inline Vec scale_pow2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }
 
