@@ -851,9 +851,7 @@ struct Attend {
     const Vec ninf = set1(-std::numeric_limits<float>::infinity());
     Vec mx = ninf;
     for (int t = lo / 16 * 16; t < hi; t += 16) mx = _mm512_mask_max_ps(mx, seen(t), mx, _mm512_loadu_ps(s + t));
-    const float m_old = ws.m[r];
-    const float m_new = std::max(m_old, hmax(mx) * sc);
-    constexpr float kLog2e = 1.44269504088896341f;
+    const float m_new = std::max(ws.m[r], hmax(mx) * sc);
     const Vec scale = set1(sc * kLog2e), shift = set1(-m_new * kLog2e);
     Vec sum = zero();
     for (int t = 0; t < n32; t += 16) {
@@ -862,13 +860,7 @@ struct Attend {
       sum = add(sum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t), (__m256i)_mm512_cvtneps_pbh(e));
     }
-    const float alpha = std::exp(m_old - m_new);  // 0 when the row had seen nothing (m_old = -inf)
-    ws.l[r] = ws.l[r] * alpha + hsum(sum);
-    ws.m[r] = m_new;
-    if (alpha != 1.f) {
-      float* acc = ws.acc.data() + size_t(r) * ws.dp;
-      for (int c = 0; c < ws.dp; c += W) store(acc + c, mul(load(acc + c, kFull), set1(alpha)), kFull);
-    }
+    advance_row(ws, r, m_new, hsum(sum));
   }
 #else
   void amx_item(const Item&, Scratch&, int) const {}
@@ -992,9 +984,7 @@ struct Attend {
       const Vec v = load(s + t, kFull);
       mx = vmax(mx, kWhole ? v : masked(v, first_lanes(std::min(W, n - t)), ninf));
     }
-    const float m_old = ws.m[r];
-    const float m_new = std::max(m_old, hmax(mx));
-    constexpr float kLog2e = 1.44269504088896341f;
+    const float m_new = std::max(ws.m[r], hmax(mx));
     const Vec mv = set1(std::is_same_v<T, bf16> ? -m_new * kLog2e : m_new);
     Vec sum = zero();
     for (int t = 0; t < kTile; t += W) {
@@ -1005,8 +995,16 @@ struct Attend {
       store(s + t, p, kFull);
       sum = add(sum, p);
     }
-    const float alpha = m_new == m_old ? 1.f : std::exp(m_old - m_new);  // 0 on the first tile (m_old = -inf)
-    ws.l[r] = ws.l[r] * alpha + hsum(sum);
+    advance_row(ws, r, m_new, hsum(sum));
+  }
+
+  // Row r's online softmax moves to max m_new with `sum` more of p: its sum and acc are scaled
+  // by alpha = exp(m_old - m_new), 0 when the row had seen nothing (m_old = -inf), and left
+  // alone (no exp call) when the max did not move.
+  static void advance_row(Scratch& ws, int r, float m_new, float sum) {
+    const float m_old = ws.m[r];
+    const float alpha = m_new == m_old ? 1.f : std::exp(m_old - m_new);
+    ws.l[r] = ws.l[r] * alpha + sum;
     ws.m[r] = m_new;
     if (alpha != 1.f) {
       float* acc = ws.acc.data() + size_t(r) * ws.dp;

@@ -90,12 +90,14 @@ inline void to_halves(Vec&, Vec&) {}
 inline void from_halves(Vec&, Vec&) {}
 #endif
 
+constexpr float kLog2e = 1.44269504088896341f;
+
 // exp(x) for x <= 0 (scores minus their running max), relative error ~1e-7: 2^n * e^r with
 // |r| <= ln2/2 and a degree-6 polynomial for e^r. Below -87.3 (2^n no longer a normal float)
 // it gives 0.
 inline Vec vexp(Vec x) {
   const Vec xc = vmax(x, set1(-87.3f));
-  const Vec n = round_even(mul(xc, set1(1.44269504088896341f)));
+  const Vec n = round_even(mul(xc, set1(kLog2e)));
   Vec r = fma(n, set1(-0.693359375f), xc);
   r = fma(n, set1(2.12194440e-4f), r);
   Vec p = set1(1.9875691500e-4f);
